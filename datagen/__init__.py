@@ -1,0 +1,1 @@
+"""Label generation: run draft and target, write labelled datasets."""

@@ -1,0 +1,1 @@
+"""The decoding engine: model loading, KV caches, policies, the draft/verify loop."""

@@ -1,0 +1,260 @@
+"""Loading a draft/target pair, checking it, fingerprinting it, and reading its hidden states."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specheads.errors import UserError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HETEROGENEOUS_POLICIES = ("tli", "slem")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+
+
+@dataclass
+class ModelSpec:
+    """Where a model comes from and how to place it."""
+
+    path: str = ""
+    gguf_file: str | None = field(default=None, metadata={"help": "GGUF file name inside path (needs the gguf package)"})
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer location; defaults to path"})
+    dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16 | auto (bf16 on GPU, else fp32)"})
+    device: str = field(default="auto", metadata={"help": "cpu | cuda | cuda:N | auto"})
+    device_map: str | None = field(default=None, metadata={"help": "e.g. auto: shard a large model over the node's GPUs"})
+    attn_implementation: str | None = field(default=None, metadata={"help": "sdpa | eager | flash_attention_2"})
+    revision: str | None = None
+    trust_remote_code: bool = False
+
+
+@dataclass
+class LoadedModel:
+    """A model with its tokenizer, fingerprint and the device its inputs go to."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    spec: ModelSpec
+    fingerprint: str
+    name: str
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+
+@dataclass
+class Pair:
+    """A target and (optionally) a draft that share one vocabulary."""
+
+    target: LoadedModel
+    draft: LoadedModel | None
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return eos_ids(self.target.model, self.target.tokenizer)
+
+
+def _resolve_location(spec: ModelSpec, role: str) -> tuple[str, str | None, bool]:
+    """Returns (path or hub id, gguf file name, is_local); raises UserError for a missing local path."""
+    if not spec.path:
+        raise UserError(f"{role}.path is empty; set {role}.path=<local dir, hub id or .gguf file>")
+    path, gguf = os.path.expanduser(spec.path), spec.gguf_file
+    if path.endswith(".gguf") and gguf is None:
+        path, gguf = os.path.dirname(path) or ".", os.path.basename(path)
+    if os.path.exists(path):
+        if gguf is not None and not os.path.isfile(os.path.join(path, gguf)):
+            have = sorted(p.name for p in Path(path).glob("*.gguf"))
+            raise UserError(f"{role}.gguf_file={gguf!r} not found in {path} (GGUF files there: {have or 'none'})")
+        return path, gguf, True
+    looks_local = path.startswith(("/", ".", "~")) or path.count("/") > 1 or not _HUB_ID.match(path)
+    if looks_local:
+        raise UserError(f"{role}.path={spec.path!r} does not exist; point {role}.path at a model directory or a hub id")
+    return path, gguf, False
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """Maps a dtype name to torch; ``auto`` is bf16 on a bf16-capable GPU, else fp32."""
+    if name == "auto":
+        if device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    if name not in DTYPES:
+        raise UserError(f"dtype={name!r} is not one of {sorted(DTYPES) + ['auto']}")
+    return DTYPES[name]
+
+
+def resolve_device(name: str) -> str:
+    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; a CUDA device without a GPU is an error."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device={name!r} but no CUDA device is visible; use device=cpu or device=auto")
+    return name
+
+
+def fingerprint(path: str, gguf: str | None, is_local: bool, model) -> str:
+    """A content fingerprint of the weights, cheap enough for 405B checkpoints.
+
+    Local: sha256 over the config and, per weight file, its name, size and first and last
+    4 MiB. Hub: ``hub:<id>@<commit>``.
+    """
+    if not is_local:
+        return f"hub:{path}@{getattr(model.config, '_commit_hash', None) or 'unknown'}"
+    h = hashlib.sha256()
+    cfg = model.config.to_dict()
+    for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"):
+        cfg.pop(k, None)
+    h.update(repr(sorted((k, repr(v)) for k, v in cfg.items())).encode())
+    root = Path(path)
+    files = [root / gguf] if gguf else sorted(p for ext in ("*.safetensors", "*.bin", "*.pt") for p in root.glob(ext))
+    chunk = 4 << 20
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(chunk))
+            if size > chunk:
+                fh.seek(max(chunk, size - chunk))
+                h.update(fh.read(chunk))
+    return "sha256:" + h.hexdigest()[:24]
+
+
+def load_model(spec: ModelSpec, role: str = "model") -> LoadedModel:
+    """Loads one causal LM and its tokenizer from a local directory, a hub id or a GGUF file.
+
+    Args:
+        spec: location and placement.
+        role: ``"target"`` or ``"draft"``; used in error messages.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, gguf, is_local = _resolve_location(spec, role)
+    device = resolve_device(spec.device)
+    dtype = resolve_dtype(spec.dtype, device)
+    kwargs = {"dtype": dtype, "revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
+    if gguf:
+        try:
+            import gguf as _  # noqa: F401
+        except ImportError as err:
+            raise UserError(f"{role}.gguf_file is set but the gguf package is missing; pip install gguf") from err
+        kwargs["gguf_file"] = gguf
+    if spec.attn_implementation:
+        kwargs["attn_implementation"] = spec.attn_implementation
+    if spec.device_map:
+        kwargs["device_map"] = spec.device_map
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        tok_path = spec.tokenizer or path
+        tok_kwargs = {"gguf_file": gguf} if gguf and not spec.tokenizer else {}
+        tokenizer = AutoTokenizer.from_pretrained(tok_path, revision=spec.revision, **tok_kwargs)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        where = "local directory" if is_local else "hub id (needs network or a local cache)"
+        raise UserError(f"could not load {role} from {spec.path!r} as a {where}: {first}") from err
+    if not spec.device_map:
+        model = model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    name = f"{path}/{gguf}" if gguf else path
+    return LoadedModel(model, tokenizer, spec, fingerprint(path, gguf, is_local, model), name)
+
+
+def same_vocabulary(tok_a, tok_b) -> bool:
+    """True when both tokenizers map every token string to the same id."""
+    return tok_a.get_vocab() == tok_b.get_vocab()
+
+
+def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
+    """Raises UserError naming the heterogeneous-vocabulary policies when the vocabularies differ."""
+    if same_vocabulary(target.tokenizer, draft.tokenizer):
+        return
+    nt, nd = len(target.tokenizer), len(draft.tokenizer)
+    raise UserError(
+        f"draft and target tokenizers differ (target {target.name}: {nt} tokens, draft {draft.name}: {nd} tokens); "
+        f"same-vocabulary policies need one vocabulary: use a policy for heterogeneous vocabularies "
+        f"({', '.join(HETEROGENEOUS_POLICIES)}) or a draft with the target's tokenizer"
+    )
+
+
+def load_pair(target: ModelSpec, draft: ModelSpec | None, same_vocab: bool = True) -> Pair:
+    """Loads target and draft; with ``same_vocab`` checks they share a vocabulary."""
+    t = load_model(target, "target")
+    d = load_model(draft, "draft") if draft is not None and draft.path else None
+    if d is not None and same_vocab:
+        check_same_vocab(t, d)
+    return Pair(t, d)
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """EOS ids from the generation config and the tokenizer (deduplicated, sorted)."""
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for src in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif src:
+            ids.update(int(i) for i in src)
+    return sorted(ids)
+
+
+def context_length(model) -> int | None:
+    """The model's maximum sequence length, when its config states one."""
+    cfg = model.config
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        val = getattr(cfg, key, None)
+        if isinstance(val, int) and val > 0:
+            return val
+    return None
+
+
+def final_norm(model) -> torch.nn.Module:
+    """The final normalisation module of a decoder (Llama, Mistral, Qwen, Gemma, GPT-2, GPT-Neo(X), ...)."""
+    base = getattr(model, "base_model", model)
+    for name in ("norm", "ln_f", "final_layer_norm", "final_layernorm", "final_norm"):
+        mod = getattr(base, name, None)
+        if isinstance(mod, torch.nn.Module):
+            return mod
+    raise UserError(f"cannot find the final norm of {type(model).__name__}; hidden-state heads need one")
+
+
+class HiddenCapture:
+    """Captures the last layer's state before (``pre``) and after (``post``) the final norm.
+
+    A forward hook on the final norm reads both from the forward that runs anyway, so no
+    extra pass and no ``output_hidden_states`` (which would keep every layer) are needed.
+    Shapes after a forward over ``[B, S]`` tokens: ``pre``/``post`` are ``[B, S, d]``.
+    """
+
+    def __init__(self, model):
+        self.pre: torch.Tensor | None = None
+        self.post: torch.Tensor | None = None
+        self._handle = final_norm(model).register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        self.pre = args[0]
+        self.post = output
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()

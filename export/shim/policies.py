@@ -1,0 +1,163 @@
+"""Decoding policies: when to stop drafting, which candidates to accept.
+
+The engine (``engine.py``) owns the loop, the KV caches and the counting; a policy makes
+exactly two decisions per round:
+
+* ``stop_drafting(rnd)`` after every drafted candidate (the engine also stops at the
+  round's length limit), and
+* ``verify(rnd, logits, hidden)`` after the single target pass over
+  ``[last, y_1..y_n]``: how many candidates to keep and which token the target adds.
+
+SpecDec++, SPRINTER, Judge, FSD and the heterogeneous-vocabulary methods are policies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specheads.errors import UserError
+
+from .sampling import SamplingConfig, probs_from_logits, sample
+
+
+@dataclass
+class Round:
+    """One draft/verify round as the policy sees it.
+
+    ``tokens[j]`` is candidate ``y_{j+1}`` (0-dim long tensor). ``q[j]`` is the warped
+    distribution it was drawn from (sampling only). ``draft_hidden[j]`` is the draft state
+    returned by the forward that produced ``y_{j+1}``: the state of the token before it.
+    """
+
+    sampling: SamplingConfig
+    generator: torch.Generator | None
+    limit: int
+    position: int
+    tokens: list[torch.Tensor] = field(default_factory=list)
+    q: list[torch.Tensor] = field(default_factory=list)
+    draft_logits: list[torch.Tensor] = field(default_factory=list)
+    draft_hidden: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        """Candidates drafted so far."""
+        return len(self.tokens)
+
+    def candidates(self, device: torch.device | None = None) -> torch.Tensor:
+        """Candidates as one ``[n]`` long tensor."""
+        if not self.tokens:
+            return torch.empty(0, dtype=torch.long, device=device)
+        out = torch.stack(self.tokens)
+        return out if device is None else out.to(device)
+
+
+@dataclass
+class Verdict:
+    """``accepted`` leading candidates are kept, then ``token`` (correction or bonus) is emitted."""
+
+    accepted: int
+    token: int
+
+
+class Policy:
+    """Base policy: the defaults of standard speculative decoding with a fixed length ``k``.
+
+    Attributes:
+        draft_hidden / target_hidden: ``None``, ``"pre"`` or ``"post"``: which final-norm
+            state the engine captures for ``stop_drafting`` / ``verify``.
+    """
+
+    name = "base"
+    draft_hidden: str | None = None
+    target_hidden: str | None = None
+
+    def __init__(self, k: int):
+        if k < 1:
+            raise UserError(f"k={k} must be >= 1 (candidates per round)")
+        self.k = k
+
+    def max_candidates(self) -> int:
+        """Upper bound on candidates per round (the engine also caps by remaining length)."""
+        return self.k
+
+    def reset(self) -> None:
+        """Called before every prompt."""
+
+    def stop_drafting(self, rnd: Round) -> bool:
+        """True to stop drafting and verify the ``rnd.n`` candidates drafted so far."""
+        return rnd.n >= self.k
+
+    def verify(self, rnd: Round, logits: torch.Tensor, hidden: torch.Tensor | None) -> Verdict:
+        """Decides the round from the target logits ``[n+1, V]`` (positions ``last, y_1..y_n``)."""
+        return standard_verify(rnd, logits)
+
+
+class StandardSD(Policy):
+    """Standard speculative decoding (Leviathan et al. 2023): fixed ``k``, lossless.
+
+    Greedy: keep candidates while they equal the target's argmax, then emit the argmax.
+    Sampling: accept ``y_j`` when ``u * q_j(y_j) <= p_j(y_j)``; at the first rejection emit a
+    token from ``norm(max(0, p_j - q_j))``; after ``n`` acceptances a bonus from ``p_{n+1}``.
+    """
+
+    name = "sd"
+
+
+def standard_verify(rnd: Round, logits: torch.Tensor) -> Verdict:
+    """The SD acceptance rule (greedy or lossless rejection sampling) on one round."""
+    if not rnd.sampling.do_sample:
+        return greedy_accept(rnd.candidates(logits.device), logits)
+    p = probs_from_logits(logits, rnd.sampling)
+    q = torch.stack(rnd.q).to(p.device) if rnd.q else p[:0]
+    return speculative_accept(p, q, rnd.candidates(p.device), rnd.generator)
+
+
+def greedy_accept(cand: torch.Tensor, logits: torch.Tensor) -> Verdict:
+    """Longest prefix of ``cand`` ``[n]`` matching ``argmax(logits)`` ``[n+1, V]``, then the argmax."""
+    top = logits.argmax(-1)
+    n = cand.shape[0]
+    matched = (cand == top[:n]).long().cumprod(0).sum().view(1)
+    vals = torch.cat([matched, top]).tolist()  # one device sync
+    m = vals[0]
+    return Verdict(m, vals[1 + m])
+
+
+def speculative_accept(p: torch.Tensor, q: torch.Tensor, cand: torch.Tensor, generator) -> Verdict:
+    """Lossless rejection sampling (ALGORITHMS.md section 0), all in fp32.
+
+    Args:
+        p: ``[n+1, V]`` warped target probabilities (row ``n`` is the bonus distribution).
+        q: ``[n, V]`` warped draft probabilities the candidates were drawn from.
+        cand: ``[n]`` candidate ids.
+        generator: RNG for the uniforms and the correction draw.
+    """
+    n = cand.shape[0]
+    m = 0
+    if n:
+        idx = torch.arange(n, device=p.device)
+        py, qy = p[idx, cand], q[idx, cand]
+        u = torch.rand(n, device=p.device, generator=generator)
+        m = int((u * qy <= py).long().cumprod(0).sum())
+    if m == n:
+        return Verdict(n, int(sample(p[n], generator)))
+    return Verdict(m, int(sample(residual(p[m], q[m]), generator)))
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``norm(max(0, p - q))``; when that mass is ~0 (``p ≈ q``) it falls back to ``p``."""
+    r = (p - q).clamp_min(0)
+    mass = r.sum(-1, keepdim=True)
+    return torch.where(mass > 1e-12, r / mass.clamp_min(1e-30), p)
+
+
+POLICIES: dict[str, type[Policy]] = {"sd": StandardSD}
+BASELINES = ("ar", "draft")  # autoregressive target-only / draft-only, no policy object
+
+
+def build_policy(name: str, **kwargs) -> Policy:
+    """Instantiates a registered policy by name."""
+    if name not in POLICIES:
+        raise UserError(f"unknown policy {name!r}; choose one of {sorted(POLICIES) + list(BASELINES)}")
+    return POLICIES[name](**kwargs)

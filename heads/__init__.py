@@ -1,0 +1,1 @@
+"""Learned heads (plain nn.Modules) and their registry."""

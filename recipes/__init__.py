@@ -1,0 +1,1 @@
+"""Built-in YAML recipes (package data)."""

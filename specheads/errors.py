@@ -1,0 +1,8 @@
+"""The one exception type for user mistakes, shared by every layer (no dependencies)."""
+
+
+class UserError(Exception):
+    """A user mistake. ``str(err)`` is one line: what is wrong, the value, and the fix.
+
+    CLIs print it as ``prog: error: <message>`` and exit with code 2, without a traceback.
+    """

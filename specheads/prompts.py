@@ -1,0 +1,223 @@
+"""Prompt files: JSONL or JSON arrays in the common benchmark layouts, auto-detected per row.
+
+Recognised rows (extra fields are ignored):
+
+- ``{"prompt": str}`` or ``{"messages": [{"role", "content"}, ...]}``, optional ``id``,
+  ``reference``;
+- GSM8K ``{"question", "answer"}``: the reference is the final answer after ``####``;
+- Alpaca ``{"instruction", "input", "output"}`` (usually a JSON array file);
+- MT-Bench ``{"question_id", "turns"}``: the first turn;
+- ARC ``{"question", "choices": {"text", "label"}, "answerKey"}``: lettered choices.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from specheads.errors import UserError
+
+RECOGNISED = "prompt, messages, question (GSM8K/ARC), instruction (Alpaca), turns (MT-Bench)"
+_BOM = b"\xef\xbb\xbf"
+
+
+@dataclass
+class Prompt:
+    """One prompt; exactly one of ``text`` and ``messages`` is set.
+
+    Attributes:
+        id: Row id from the file, else ``"<file stem>-<row index>"``.
+        text: Plain prompt text (a chat template is applied later, by the model side).
+        messages: Chat messages ``[{"role": ..., "content": ...}]``.
+        reference: Expected answer when the data set has one (GSM8K number, ARC letter...).
+        source: Row layout it was read as: ``prompt``, ``messages``, ``gsm8k``, ``alpaca``,
+            ``mt_bench`` or ``arc``.
+    """
+
+    id: str
+    text: str | None = None
+    messages: list[dict] | None = None
+    reference: str | None = None
+    source: str = ""
+
+
+def _messages(value: Any, where: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise UserError(f"{where}: 'messages' must be a non-empty list of "
+                        f"{{role, content}} objects, got {_short(value)}")
+    for i, msg in enumerate(value):
+        ok = isinstance(msg, dict) and isinstance(msg.get("role"), str) \
+            and isinstance(msg.get("content"), str)
+        if not ok:
+            raise UserError(f"{where}: messages[{i}] must be an object with string 'role' and "
+                            f"'content', got {_short(msg)}")
+    return [dict(m) for m in value]
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _str_field(row: dict, key: str, where: str) -> str:
+    value = row[key]
+    if not isinstance(value, str):
+        raise UserError(f"{where}: {key!r} must be a string, got {_short(value)}")
+    return value
+
+
+def _gsm8k_reference(answer: Any) -> str | None:
+    if not isinstance(answer, str):
+        return None if answer is None else str(answer)
+    final = answer.rsplit("####", 1)[-1] if "####" in answer else answer
+    return final.strip().replace(",", "")
+
+
+def _arc_text(row: dict, where: str) -> str:
+    choices = row["choices"]
+    texts = choices.get("text") if isinstance(choices, dict) else None
+    labels = choices.get("label") if isinstance(choices, dict) else None
+    if not isinstance(texts, list) or not isinstance(labels, list) or len(texts) != len(labels):
+        raise UserError(f"{where}: 'choices' must be {{text: [...], label: [...]}} of equal "
+                        f"length, got {_short(choices)}")
+    lines = [_str_field(row, "question", where)]
+    lines += [f"{label}. {text}" for label, text in zip(labels, texts)]
+    return "\n".join(lines) + "\nAnswer with the letter of the correct choice."
+
+
+def _to_prompt(row: Any, index: int, stem: str, where: str) -> Prompt:
+    """Read one row in whichever recognised layout it has."""
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: expected a JSON object, got {_short(row)}")
+    rid = row.get("id", row.get("question_id"))
+    pid = f"{stem}-{index}" if rid is None else str(rid)
+    reference = row.get("reference")
+    reference = None if reference is None else str(reference)
+    if "messages" in row:
+        msgs = _messages(row["messages"], where)
+        return Prompt(pid, messages=msgs, reference=reference, source="messages")
+    if "prompt" in row:
+        return Prompt(pid, text=_str_field(row, "prompt", where), reference=reference,
+                      source="prompt")
+    if "turns" in row:
+        turns = row["turns"]
+        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
+            raise UserError(f"{where}: 'turns' must be a non-empty list of strings, "
+                            f"got {_short(turns)}")
+        return Prompt(pid, text=turns[0], reference=reference, source="mt_bench")
+    if "question" in row and "choices" in row:
+        ref = reference or (None if row.get("answerKey") is None else str(row["answerKey"]))
+        return Prompt(pid, text=_arc_text(row, where), reference=ref, source="arc")
+    if "question" in row:
+        ref = reference or _gsm8k_reference(row.get("answer"))
+        return Prompt(pid, text=_str_field(row, "question", where), reference=ref,
+                      source="gsm8k")
+    if "instruction" in row:
+        text = _str_field(row, "instruction", where)
+        extra = row.get("input") or ""
+        if not isinstance(extra, str):
+            raise UserError(f"{where}: 'input' must be a string, got {_short(extra)}")
+        ref = reference or (None if row.get("output") is None else str(row["output"]))
+        return Prompt(pid, text=text + ("\n\n" + extra if extra else ""), reference=ref,
+                      source="alpaca")
+    keys = ", ".join(map(str, row)) or "(none)"
+    raise UserError(f"{where}: row has none of the recognised fields ({RECOGNISED}); "
+                    f"its keys: {keys}")
+
+
+def _decode(raw: bytes, path: Path, line: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path} line {line} is not UTF-8 ({exc.reason} at byte {exc.start}); "
+                        "re-encode the file as UTF-8") from None
+
+
+def _jsonl_rows(path: Path, handle: Any) -> Iterator[tuple[int, int, bytes]]:
+    """``(row_index, line_number, raw_line)`` for each non-blank line."""
+    index = 0
+    for number, raw in enumerate(handle, start=1):
+        if number == 1 and raw.startswith(_BOM):
+            raw = raw[len(_BOM):]
+        if raw.strip():
+            yield index, number, raw
+            index += 1
+
+
+def _parse_line(raw: bytes, path: Path, number: int) -> Any:
+    text = _decode(raw, path, number)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path} line {number} is not valid JSON ({exc.msg} at column "
+                        f"{exc.colno}): {text.strip()[:60]!r}; fix or remove that line") from None
+
+
+def _array_rows(path: Path, data: bytes) -> list[Any]:
+    """Rows of a file that starts with ``[`` (so it parses to a list or not at all)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise UserError(f"{path} line {line} is not UTF-8 ({exc.reason}); "
+                        "re-encode the file as UTF-8") from None
+    try:
+        return json.loads(text.lstrip("\ufeff"))
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path} line {exc.lineno} is not valid JSON ({exc.msg} at column "
+                        f"{exc.colno}); fix the file") from None
+
+
+def load_prompts(path: str | Path, limit: int | None = None, offset: int = 0) -> list[Prompt]:
+    """Read prompts from a JSONL file (one object a line) or a JSON array file.
+
+    Args:
+        path: The prompt file.
+        limit: At most this many prompts (``None``: all).
+        offset: Skip this many rows first (row ids keep their position in the file).
+
+    Returns:
+        The prompts in file order.
+
+    Raises:
+        UserError: Missing, empty or non-UTF-8 file, invalid JSON or an unrecognised row
+            (naming the file and line).
+    """
+    path = Path(path)
+    if limit is not None and limit < 0 or offset < 0:
+        raise UserError(f"limit and offset must be >= 0, got limit={limit}, offset={offset}")
+    if not path.exists():
+        raise UserError(f"prompt file {str(path)!r} not found; check the path "
+                        f"(relative paths start at {Path.cwd()})")
+    if path.is_dir():
+        raise UserError(f"prompt file {str(path)!r} is a directory; give a .jsonl or .json file")
+    prompts: list[Prompt] = []
+    seen = 0
+    with path.open("rb") as handle:
+        head = handle.read(4096).lstrip(_BOM).lstrip()
+        handle.seek(0)
+        if head.startswith(b"["):  # one JSON array: it has to be parsed whole
+            rows = _array_rows(path, handle.read())
+            seen = len(rows)
+            for index in range(offset, len(rows)):
+                if limit is not None and len(prompts) >= limit:
+                    break
+                where = f"{path} element {index}"
+                prompts.append(_to_prompt(rows[index], index, path.stem, where))
+        else:
+            for index, number, raw in _jsonl_rows(path, handle):
+                seen = index + 1
+                if index < offset:
+                    continue
+                if limit is not None and len(prompts) >= limit:
+                    break
+                row = _parse_line(raw, path, number)
+                prompts.append(_to_prompt(row, index, path.stem, f"{path} line {number}"))
+    if seen == 0:
+        raise UserError(f"prompt file {str(path)!r} is empty; give a file with prompts")
+    if not prompts and limit != 0:
+        raise UserError(f"prompt file {str(path)!r} has {seen} rows, none after offset={offset}; "
+                        "lower offset")
+    return prompts
