@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,8 @@ from .shim.engine import Engine, Generation, GenerationStats
 from .shim.models import Pair, context_length
 from .shim.policies import BASELINES, Policy, build_policy
 from .shim.sampling import SamplingConfig
+
+log = logging.getLogger(__name__)
 
 
 def format_prompt(tokenizer, prompt, chat_template: bool = True) -> list[int]:
@@ -54,42 +57,68 @@ class Result:
     truncated_prompt_tokens: int = 0
 
 
-def generate(pair: Pair, prompts, policy: str | Policy = "sd", max_new_tokens: int = 128, k: int = 4,
-             sampling: SamplingConfig | None = None, seed: int = 0, chat_template: bool = True,
-             on_tokens=None) -> list[Result]:
-    """Generates a completion for each prompt with a policy (``"sd"``), ``"ar"`` or ``"draft"``.
+class Decoder:
+    """Decodes prompts one at a time with a fixed policy, sampling settings and RNG stream.
 
     Args:
         pair: from ``load_pair``.
-        prompts: a string, a message list, or a list of those (or of ``Prompt`` objects).
-        policy: a policy name or a ``Policy`` instance.
+        policy: a policy name (``"sd"``), ``"ar"`` (target alone), ``"draft"`` (draft alone)
+            or a ``Policy`` instance.
         max_new_tokens: cap on new tokens per prompt.
-        k: candidates per round for ``"sd"``.
+        k: candidates per round for a policy built by name.
         sampling: greedy when None.
-        seed: seeds the generator; one seed gives the same outputs.
-        on_tokens: optional ``callback(prompt_index, token_ids)`` for streaming.
+        seed: seeds the generator; the same seed and prompts give the same outputs.
+        chat_template: format prompts with the target's chat template when it has one.
+    """
+
+    def __init__(self, pair: Pair, policy: str | Policy = "sd", max_new_tokens: int = 128, k: int = 4,
+                 sampling: SamplingConfig | None = None, seed: int = 0, chat_template: bool = True):
+        if max_new_tokens < 1:
+            raise UserError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        self.sampling = sampling or SamplingConfig()
+        bad = self.sampling.problems()
+        if bad:
+            raise UserError("; ".join(bad))
+        if isinstance(policy, str) and policy not in BASELINES:
+            policy = build_policy(policy, k=k)
+        if (isinstance(policy, Policy) or policy == "draft") and pair.draft is None:
+            raise UserError(f"policy {getattr(policy, 'name', policy)!r} needs a draft model; set draft.path")
+        self.pair, self.policy, self.max_new_tokens, self.chat_template = pair, policy, max_new_tokens, chat_template
+        self.engine = Engine(pair.target.model, pair.draft.model if pair.draft else None, pair.eos_token_ids)
+        limits = [context_length(m.model) for m in (pair.target, pair.draft) if m is not None]
+        self.context = min((x for x in limits if x), default=None)
+        self.generator = torch.Generator(device=pair.target.device).manual_seed(seed)
+
+    @property
+    def policy_name(self) -> str:
+        return self.policy if isinstance(self.policy, str) else self.policy.name
+
+    def decode(self, prompt, on_tokens=None, name: str = "prompt") -> Result:
+        """One completion; ``on_tokens(ids)`` receives emitted ids as they are committed."""
+        ids = format_prompt(self.pair.tokenizer, prompt, self.chat_template)
+        if not ids:
+            raise UserError(f"{name} is empty after tokenisation")
+        ids, dropped = fit_context(ids, self.max_new_tokens, self.context)
+        if dropped:
+            log.warning("%s: %d prompt tokens + max_new_tokens=%d exceed the context of %d; kept the last %d tokens",
+                        name, len(ids) + dropped, self.max_new_tokens, self.context, len(ids))
+        if isinstance(self.policy, Policy):
+            g: Generation = self.engine.generate(ids, self.policy, self.max_new_tokens, self.sampling,
+                                                 self.generator, on_tokens=on_tokens)
+        else:
+            g = self.engine.generate_ar(ids, self.max_new_tokens, self.sampling, self.generator,
+                                        use_draft=self.policy == "draft", on_tokens=on_tokens)
+        text = self.pair.tokenizer.decode(g.tokens, skip_special_tokens=True)
+        return Result(text, g.tokens, g.stats, dropped)
+
+
+def generate(pair: Pair, prompts, policy: str | Policy = "sd", max_new_tokens: int = 128, k: int = 4,
+             sampling: SamplingConfig | None = None, seed: int = 0, chat_template: bool = True) -> list[Result]:
+    """Completions for a prompt or a list of prompts (strings, message lists or ``Prompt`` objects).
+
+    See ``Decoder`` for the arguments. Returns one ``Result`` per prompt.
     """
     single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict))
     items = [prompts] if single else list(prompts)
-    sampling = sampling or SamplingConfig()
-    engine = Engine(pair.target.model, pair.draft.model if pair.draft else None, pair.eos_token_ids)
-    if isinstance(policy, str) and policy not in BASELINES:
-        policy = build_policy(policy, k=k)
-    if (isinstance(policy, Policy) or policy == "draft") and pair.draft is None:
-        raise UserError("this policy needs a draft model; set draft.path")
-    limit = min(x for x in (context_length(pair.target.model),
-                            context_length(pair.draft.model) if pair.draft else None) if x) \
-        if context_length(pair.target.model) else None
-    device = pair.target.device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    results = []
-    for i, prompt in enumerate(items):
-        ids, dropped = fit_context(format_prompt(pair.tokenizer, prompt, chat_template), max_new_tokens, limit)
-        cb = (lambda toks, i=i: on_tokens(i, toks)) if on_tokens else None
-        if isinstance(policy, Policy):
-            g: Generation = engine.generate(ids, policy, max_new_tokens, sampling, gen, on_tokens=cb)
-        else:
-            g = engine.generate_ar(ids, max_new_tokens, sampling, gen, use_draft=policy == "draft", on_tokens=cb)
-        text = pair.tokenizer.decode(g.tokens, skip_special_tokens=True)
-        results.append(Result(text, g.tokens, g.stats, dropped))
-    return results
+    decoder = Decoder(pair, policy, max_new_tokens, k, sampling, seed, chat_template)
+    return [decoder.decode(p, name=f"prompt {i}") for i, p in enumerate(items)]

@@ -1,1 +1,6 @@
-"""Learned heads (plain nn.Modules) and their registry."""
+"""Learned heads (plain ``nn.Module``s) and their registry. Imports nothing of the project."""
+
+from .acceptance import AcceptanceHead
+from .registry import HEADS
+
+__all__ = ["AcceptanceHead", "HEADS"]

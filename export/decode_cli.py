@@ -1,0 +1,122 @@
+"""``heads-decode``: run a decoding policy over a prompt file.
+
+    heads-decode recipe=quickstart k=8 num_prompts=4 output_dir=runs/sd-k8
+
+Writes ``outputs.jsonl`` (one completion per prompt, with its stats), ``metrics.jsonl``
+(the same stats, one line per prompt), ``metrics.json`` (aggregate), ``config.yaml`` and
+``manifest.json`` into ``output_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+from transformers.utils import logging as hf_logging
+
+from specheads.config import cli_main, to_yaml
+from specheads.errors import UserError
+from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, write_manifest
+from specheads.prompts import load_prompts
+
+from .api import Decoder
+from .decode_config import DecodeConfig
+from .shim.engine import GenerationStats
+from .shim.models import load_pair
+from .shim.policies import BASELINES, POLICIES
+
+log = logging.getLogger(__name__)
+PROG = "heads-decode"
+
+
+def _check(cfg: DecodeConfig) -> None:
+    problems = list(cfg.sampling.problems())
+    if cfg.policy not in POLICIES and cfg.policy not in BASELINES:
+        problems.append(f"policy={cfg.policy!r} is not one of {sorted(POLICIES) + list(BASELINES)}")
+    if cfg.k < 1:
+        problems.append(f"k={cfg.k} must be >= 1")
+    if cfg.max_new_tokens < 1:
+        problems.append(f"max_new_tokens={cfg.max_new_tokens} must be >= 1")
+    if not cfg.prompts:
+        problems.append("prompts is not set; pass prompts=<file.jsonl>")
+    if cfg.num_prompts is not None and cfg.num_prompts < 1:
+        problems.append(f"num_prompts={cfg.num_prompts} must be >= 1 (or unset for all)")
+    if problems:
+        raise UserError("; ".join(problems))
+
+
+class _Streamer:
+    """Prints a completion's text as its tokens are committed (decoding the whole suffix keeps
+    multi-byte characters intact)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.printed = tokenizer, [], 0
+
+    def __call__(self, ids: list[int]) -> None:
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more tokens
+            return
+        sys.stdout.write(text[self.printed:])
+        sys.stdout.flush()
+        self.printed = len(text)
+
+
+def run(cfg: DecodeConfig) -> int:
+    """Loads the pair, decodes every prompt, writes outputs and metrics."""
+    _check(cfg)
+    hf_logging.disable_progress_bar()  # our own bar is the one to watch; errors stay one line
+    prompts = load_prompts(cfg.prompts, limit=cfg.num_prompts, offset=cfg.offset)
+    out_dir = prepare_output_dir(cfg.output_dir, to_yaml(cfg), overwrite=cfg.overwrite)
+    torch.manual_seed(cfg.seed)
+    needs_draft = cfg.policy != "ar"
+    pair = load_pair(cfg.target, cfg.draft if needs_draft else None, same_vocab=True)
+    decoder = Decoder(pair, cfg.policy, cfg.max_new_tokens, cfg.k, cfg.sampling, cfg.seed, cfg.chat_template)
+    log.info("decoding %d prompts with policy=%s%s", len(prompts), cfg.policy,
+             f" k={cfg.k}" if cfg.policy in POLICIES else "")
+    all_stats: list[GenerationStats] = []
+    truncated = 0
+    started = time.time()
+    with open(out_dir / "outputs.jsonl", "w", encoding="utf-8") as outputs, MetricsWriter(out_dir) as metrics, \
+            tqdm(prompts, desc=f"{PROG} {cfg.policy}", unit="prompt", disable=cfg.stream) as bar:
+        for prompt in bar:
+            streamer = _Streamer(pair.tokenizer) if cfg.stream else None
+            if streamer:
+                print(f"\n### {prompt.id}", flush=True)
+            res = decoder.decode(prompt, on_tokens=streamer, name=f"prompt {prompt.id}")
+            if streamer:
+                print(flush=True)
+            truncated += bool(res.truncated_prompt_tokens)
+            all_stats.append(res.stats)
+            row = {"id": prompt.id, "completion": res.text, "tokens": res.tokens, "reference": prompt.reference,
+                   "truncated_prompt_tokens": res.truncated_prompt_tokens, "stats": res.stats.to_dict()}
+            outputs.write(json.dumps(row, ensure_ascii=False) + "\n")
+            outputs.flush()
+            metrics.write({"id": prompt.id, **res.stats.to_dict()})
+            total = GenerationStats.total(all_stats)
+            bar.set_postfix(tok_s=f"{total.tokens_per_s:.1f}", per_call=f"{total.tokens_per_call:.2f}")
+    total = GenerationStats.total(all_stats)
+    summary = {"policy": cfg.policy, "k": cfg.k if cfg.policy in POLICIES else None,
+               "sampling": cfg.sampling.to_dict(), "truncated_prompts": truncated, **total.to_dict()}
+    atomic_write_json(out_dir / "metrics.json", summary)
+    write_manifest(out_dir, command=PROG, prompts_file=cfg.prompts, num_prompts=len(prompts),
+                   target={"name": pair.target.name, "fingerprint": pair.target.fingerprint},
+                   draft=({"name": pair.draft.name, "fingerprint": pair.draft.fingerprint} if pair.draft else None),
+                   sampling=cfg.sampling.to_dict(), seed=cfg.seed, wall_time_s=round(time.time() - started, 3))
+    log.info("%d tokens, %.2f tokens/s, %.3f tokens per target call, verification rate %.3f, discard rate %.3f -> %s",
+             total.new_tokens, total.tokens_per_s, total.tokens_per_call, total.verification_rate,
+             total.discard_rate, out_dir)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``heads-decode``."""
+    return cli_main(PROG, DecodeConfig, "decode", argv, run)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

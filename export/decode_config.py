@@ -1,0 +1,28 @@
+"""Schema of ``heads-decode`` (recipe section ``decode``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .shim.models import ModelSpec
+from .shim.sampling import SamplingConfig
+
+
+@dataclass
+class DecodeConfig:
+    """Run a decoding policy over a prompt file and record outputs and stats."""
+
+    target: ModelSpec = field(default_factory=ModelSpec)
+    draft: ModelSpec = field(default_factory=ModelSpec)
+    policy: str = field(default="sd", metadata={"help": "sd (speculative), ar (target alone), draft (draft alone)"})
+    k: int = field(default=4, metadata={"help": "candidates per round for policy=sd"})
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    prompts: str = field(default="", metadata={"help": "JSONL (prompt | messages), GSM8K, Alpaca, MT-Bench or ARC file"})
+    num_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts (after offset)"})
+    offset: int = field(default=0, metadata={"help": "skip this many prompts first"})
+    max_new_tokens: int = 128
+    chat_template: bool = field(default=True, metadata={"help": "format prompts with the target's chat template"})
+    seed: int = 0
+    output_dir: str = field(default="runs/decode", metadata={"help": "outputs.jsonl, metrics.json, config.yaml, manifest.json"})
+    overwrite: bool = field(default=False, metadata={"help": "allow writing into an output_dir that holds another run"})
+    stream: bool = field(default=False, metadata={"help": "print each completion to stdout as it is generated"})

@@ -1,0 +1,140 @@
+"""One ``.safetensors`` file per exported head, its metadata in the header, checked on load.
+
+Header metadata (``__metadata__["specheads"]``, JSON): ``format_version``, ``head_type``,
+``head_config`` (constructor arguments), ``hidden_size``, ``feature`` (which model's state
+the head reads: ``{"model": "draft"|"target", "state": "pre"|"post", "layer": -1}``),
+``draft``/``target`` (``name``, ``fingerprint``), ``sampling``, ``default_threshold``,
+``tensors_sha256`` (detects edits of the tensor bytes) and free-form ``extra``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from specheads.errors import UserError
+from specheads.heads import HEADS
+
+log = logging.getLogger(__name__)
+FORMAT_VERSION = 1
+META_KEY = "specheads"
+
+
+@dataclass
+class LoadedHead:
+    """A head module and the metadata it was exported with."""
+
+    module: torch.nn.Module
+    metadata: dict
+
+    @property
+    def threshold(self) -> float | None:
+        return self.metadata.get("default_threshold")
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def save_head(path: str | Path, head: torch.nn.Module, head_type: str, metadata: dict) -> Path:
+    """Writes ``head``'s weights and ``metadata`` (see module docstring) to one safetensors file."""
+    if head_type not in HEADS:
+        raise UserError(f"unknown head_type {head_type!r}; known: {sorted(HEADS)}")
+    tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    meta = {"format_version": FORMAT_VERSION, "head_type": head_type, **metadata, "tensors_sha256": _digest(tensors)}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt", META_KEY: json.dumps(meta, sort_keys=True)})
+    tmp.replace(path)
+    return path
+
+
+def read_metadata(path: str | Path) -> dict:
+    """The header metadata of an exported head, without loading tensors."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"head file {str(path)!r} does not exist; pass the .safetensors written by heads-export")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw = (f.metadata() or {}).get(META_KEY)
+    except (SafetensorError, OSError, ValueError) as err:
+        raise UserError(f"head file {str(path)!r} is truncated or not a safetensors file ({err}); re-export it") from err
+    if raw is None:
+        raise UserError(f"{str(path)!r} has no specheads metadata; export heads with heads-export")
+    meta = json.loads(raw)
+    if meta.get("format_version", 0) > FORMAT_VERSION:
+        raise UserError(f"{str(path)!r} has format_version={meta['format_version']}, newer than this specheads "
+                        f"({FORMAT_VERSION}); upgrade specheads")
+    return meta
+
+
+def load_head(path: str | Path, pair=None, sampling=None, strict: bool = False,
+              device: torch.device | str = "cpu") -> LoadedHead:
+    """Loads an exported head and checks it against the loaded pair and sampling settings.
+
+    Args:
+        path: the ``.safetensors`` file.
+        pair: when given, the head's hidden size and model fingerprint must match the model
+            whose state it reads.
+        sampling: when given and different from the settings the head was trained with:
+            a warning naming both, or a UserError with ``strict``.
+        strict: turn the sampling mismatch warning into an error.
+        device: where to put the head.
+    """
+    meta = read_metadata(path)
+    if meta["head_type"] not in HEADS:
+        raise UserError(f"{str(path)!r} holds head_type={meta['head_type']!r}, unknown here; known: {sorted(HEADS)}")
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if _digest(tensors) != meta.get("tensors_sha256"):
+        raise UserError(f"head file {str(path)!r} was modified after export (tensor checksum differs); re-export it")
+    module = HEADS[meta["head_type"]](**meta.get("head_config", {}))
+    try:
+        module.load_state_dict(tensors)
+    except RuntimeError as err:
+        raise UserError(f"head file {str(path)!r} does not fit head_type={meta['head_type']!r}: "
+                        f"{str(err).splitlines()[0]}") from err
+    if pair is not None:
+        check_head_against_pair(meta, pair)
+    if sampling is not None:
+        check_sampling(meta, sampling.to_dict(), strict)
+    return LoadedHead(module.to(device).eval().requires_grad_(False), meta)
+
+
+def check_head_against_pair(meta: dict, pair) -> None:
+    """Raises UserError when the head was exported for another model (hidden size or fingerprint)."""
+    role = meta.get("feature", {}).get("model", "draft")
+    model = pair.draft if role == "draft" else pair.target
+    if model is None:
+        raise UserError(f"the head reads the {role}'s states but no {role} is loaded; set {role}.path")
+    if meta.get("hidden_size") != model.hidden_size:
+        raise UserError(f"head hidden_size={meta.get('hidden_size')} but {role} hidden_size={model.hidden_size}; "
+                        f"export the head for this {role} or load the {role} it was trained with")
+    want = meta.get(role, {}).get("fingerprint")
+    if want and want != model.fingerprint:
+        raise UserError(f"head was trained on {role} {meta[role].get('name')!r} (fingerprint {want}) but the loaded "
+                        f"{role} {model.name!r} has fingerprint {model.fingerprint}; load that {role} or retrain the head")
+
+
+def check_sampling(meta: dict, sampling: dict, strict: bool) -> None:
+    """Warns (or, with ``strict``, raises) when decode-time sampling differs from training's."""
+    trained = meta.get("sampling")
+    if trained is None or trained == sampling:
+        return
+    msg = f"head was trained with sampling {trained} but decoding uses {sampling}"
+    if strict:
+        raise UserError(msg + "; decode with the head's settings or pass strict=false")
+    log.warning("%s; its acceptance estimates may be off", msg)

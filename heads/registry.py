@@ -1,0 +1,9 @@
+"""Head types by name, as written in exported metadata (``head_type``)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .acceptance import AcceptanceHead
+
+HEADS: dict[str, type[nn.Module]] = {"acceptance": AcceptanceHead}

@@ -1,0 +1,165 @@
+"""``heads-decode`` end to end on tiny local models, the Python API, and every bad input."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import yaml
+from conftest import WORDS, make_tokenizer, tiny_llama
+
+from specheads.export import ModelSpec, generate, load_pair
+from specheads.export.decode_cli import main
+
+
+@pytest.fixture()
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "the cat sat on a mat"}, {"messages": [{"role": "user", "content": "why is the sun red"}]},
+            {"id": "q3", "prompt": "one two three"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _args(pair_dirs, prompts, out, *extra):
+    t, d = pair_dirs
+    return [f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu", "draft.device=cpu", f"prompts={prompts}",
+            f"output_dir={out}", "max_new_tokens=12", "num_prompts=null", *extra]
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("heads-decode: error: "), err
+    return err[0]
+
+
+def test_decode_end_to_end_writes_outputs(tiny_pair_dirs, prompts_file, tmp_path):
+    sd_dir, ar_dir = tmp_path / "sd", tmp_path / "ar"
+    assert main(_args(tiny_pair_dirs, prompts_file, sd_dir, "k=3")) == 0
+    assert main(_args(tiny_pair_dirs, prompts_file, ar_dir, "policy=ar")) == 0
+    for d in (sd_dir, ar_dir):
+        assert {"outputs.jsonl", "metrics.jsonl", "metrics.json", "config.yaml", "manifest.json"} <= {
+            p.name for p in d.iterdir()}
+    sd = [json.loads(x) for x in (sd_dir / "outputs.jsonl").read_text().splitlines()]
+    ar = [json.loads(x) for x in (ar_dir / "outputs.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in sd] == ["prompts-0", "prompts-1", "q3"]
+    assert [r["tokens"] for r in sd] == [r["tokens"] for r in ar]  # greedy SD is exact
+    summary = json.loads((sd_dir / "metrics.json").read_text())
+    for key in ("new_tokens", "target_calls", "draft_forwards", "accepted_per_call", "tokens_per_call",
+                "discard_rate", "verification_rate", "wall_time", "tokens_per_s"):
+        assert key in summary
+    assert summary["prompts"] == 3 and summary["k"] == 3
+    assert len((sd_dir / "metrics.jsonl").read_text().splitlines()) == 3
+    cfg = yaml.safe_load((sd_dir / "config.yaml").read_text())
+    assert cfg["k"] == 3 and cfg["target"]["path"] == str(tiny_pair_dirs[0])
+    manifest = json.loads((sd_dir / "manifest.json").read_text())
+    assert manifest["target"]["fingerprint"].startswith("sha256:")
+
+
+def test_stream_prints_completions(tiny_pair_dirs, prompts_file, tmp_path, capsys):
+    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "s", "stream=true", "num_prompts=1")) == 0
+    out = capsys.readouterr().out
+    first = json.loads((tmp_path / "s" / "outputs.jsonl").read_text().splitlines()[0])
+    assert "### prompts-0" in out and first["completion"].strip() in out
+
+
+def test_sampled_decode_is_seeded(tiny_pair_dirs, prompts_file, tmp_path):
+    runs = []
+    for name in ("a", "b"):
+        assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / name, "sampling.do_sample=true",
+                          "sampling.top_p=0.9", "seed=5")) == 0
+        runs.append([json.loads(x)["tokens"] for x in (tmp_path / name / "outputs.jsonl").read_text().splitlines()])
+    assert runs[0] == runs[1]
+
+
+def test_python_api(tiny_pair_dirs):
+    t, d = tiny_pair_dirs
+    pair = load_pair(ModelSpec(path=str(t), device="cpu"), ModelSpec(path=str(d), device="cpu"))
+    [res] = generate(pair, "the dog ran up", policy="sd", k=4, max_new_tokens=10)
+    [ref] = generate(pair, "the dog ran up", policy="ar", max_new_tokens=10)
+    assert res.tokens == ref.tokens and len(res.tokens) == 10 and res.stats.target_calls >= 1
+    assert isinstance(res.text, str)
+
+
+def test_help_lists_recipes_and_fields(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("quickstart", "target.path", "sampling.top_p", "max_new_tokens", "policy"):
+        assert needle in out
+
+
+def test_missing_model_path(tiny_pair_dirs, prompts_file, tmp_path, capsys):
+    args = _args(tiny_pair_dirs, prompts_file, tmp_path / "o") + [f"target.path={tmp_path / 'nope'}"]
+    assert main(args) == 2
+    line = _one_error_line(capsys)
+    assert "target.path" in line and "does not exist" in line
+
+
+def test_unknown_recipe(capsys):
+    assert main(["recipe=quickstrat"]) == 2
+    assert "did you mean 'quickstart'" in _one_error_line(capsys)
+
+
+def test_unknown_key(tiny_pair_dirs, prompts_file, tmp_path, capsys):
+    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "o", "max_new_token=4")) == 2
+    assert "max_new_tokens" in _one_error_line(capsys)
+
+
+def test_bad_values_reported_together(capsys):
+    assert main(["k=abc", "sampling.top_p=x"]) == 2
+    line = _one_error_line(capsys)
+    assert "'k'" in line and "sampling.top_p" in line
+
+
+def test_invalid_settings(tiny_pair_dirs, prompts_file, tmp_path, capsys):
+    args = _args(tiny_pair_dirs, prompts_file, tmp_path / "o", "k=0", "sampling.do_sample=true",
+                 "sampling.temperature=0", "policy=nope")
+    assert main(args) == 2
+    line = _one_error_line(capsys)
+    assert "k=0" in line and "temperature" in line and "policy='nope'" in line
+
+
+def test_mismatched_tokenizers(tiny_pair_dirs, prompts_file, tmp_path, capsys):
+    other_tok = make_tokenizer(WORDS[::-1] + ["zebra"])
+    other = tmp_path / "other_draft"
+    tiny_llama(len(other_tok)).save_pretrained(other)
+    other_tok.save_pretrained(other)
+    args = _args(tiny_pair_dirs, prompts_file, tmp_path / "o") + [f"draft.path={other}"]
+    capsys.readouterr()
+    assert main(args) == 2
+    line = _one_error_line(capsys)
+    assert "tokenizers differ" in line and "tli" in line and "slem" in line
+
+
+def test_empty_prompt_file(tiny_pair_dirs, tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(_args(tiny_pair_dirs, empty, tmp_path / "o")) == 2
+    assert "empty" in _one_error_line(capsys)
+
+
+def test_prompt_longer_than_context_is_truncated_with_warning(tiny_pair_dirs, tmp_path, caplog):
+    t, _ = tiny_pair_dirs
+    tok = make_tokenizer()
+    short_target, short_draft = tmp_path / "st", tmp_path / "sd"
+    for path, seed in ((short_target, 0), (short_draft, 1)):
+        tiny_llama(len(tok), seed=seed, max_positions=48).save_pretrained(path)
+        tok.save_pretrained(path)
+    long_prompt = tmp_path / "long.jsonl"
+    long_prompt.write_text(json.dumps({"prompt": " ".join(WORDS * 3)}) + "\n")
+    out = tmp_path / "o"
+    with caplog.at_level(logging.WARNING):
+        assert main(_args((short_target, short_draft), long_prompt, out)) == 0
+    assert any("exceed the context" in r.getMessage() for r in caplog.records)
+    row = json.loads((out / "outputs.jsonl").read_text())
+    assert row["truncated_prompt_tokens"] > 0 and len(row["tokens"]) == 12
+
+
+def test_output_dir_with_another_run_is_refused(tiny_pair_dirs, prompts_file, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert main(_args(tiny_pair_dirs, prompts_file, out, "num_prompts=1")) == 0
+    capsys.readouterr()
+    assert main(_args(tiny_pair_dirs, prompts_file, out, "num_prompts=1", "k=2")) == 2
+    assert "overwrite=true" in _one_error_line(capsys)
+    assert main(_args(tiny_pair_dirs, prompts_file, out, "num_prompts=1", "k=2", "overwrite=true")) == 0

@@ -1,0 +1,237 @@
+"""The draft/verify engine: exactness, losslessness, KV caches, counting, hand-computed cases."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import bigram, tiny_llama
+from scipy.stats import chisquare
+from torch.testing import assert_close
+
+from specheads.export.shim import policies
+from specheads.export.shim.engine import Engine
+from specheads.export.shim.kv import ModelRunner
+from specheads.export.shim.policies import StandardSD, residual
+from specheads.export.shim.sampling import SamplingConfig, probs_from_logits
+
+PROMPTS = [[5], [7, 9, 11, 4, 6], [3, 8, 12, 15, 20, 4, 9, 10, 11, 13, 5, 6, 7, 8, 22, 30, 31]]
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_sd_equals_greedy_target(tiny_pair, k):
+    target, draft = tiny_pair
+    engine = Engine(target, draft, eos_token_ids=[])
+    accepted = 0
+    for prompt in PROMPTS:
+        ref = engine.generate_ar(prompt, 40)
+        got = engine.generate(prompt, StandardSD(k), 40)
+        assert got.tokens == ref.tokens
+        accepted += got.stats.accepted
+    assert accepted > 0  # the noisy-copy draft must exercise multi-token acceptance
+
+
+def test_greedy_ar_equals_hf_generate(tiny_pair):
+    target, _ = tiny_pair
+    engine = Engine(target, None, eos_token_ids=[])
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        hf = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=25, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        assert engine.generate_ar(prompt, 25).tokens == hf[0, len(prompt):].tolist()
+
+
+def test_greedy_sd_with_independent_draft(tiny_pair):
+    """A draft that rarely agrees: mostly rejections, output still exact."""
+    target, _ = tiny_pair
+    other = tiny_llama(target.config.vocab_size, seed=7)
+    engine = Engine(target, other, eos_token_ids=[])
+    for prompt in PROMPTS:
+        assert engine.generate(prompt, StandardSD(4), 30).tokens == engine.generate_ar(prompt, 30).tokens
+
+
+def test_counting_identity_and_rates(tiny_pair):
+    """N_draft = N - N_target + N_discard + delta (one draft forward per candidate)."""
+    target, draft = tiny_pair
+    engine = Engine(target, draft, eos_token_ids=[])
+    for prompt, k in itertools.product(PROMPTS, (1, 3, 8)):
+        s = engine.generate(prompt, StandardSD(k), 33).stats
+        assert s.new_tokens == 33 and s.target_calls == s.rounds
+        assert s.drafted == s.accepted + s.discarded
+        assert s.draft_forwards == s.new_tokens - s.target_calls + s.discarded  # delta = 0 without EOS
+        assert s.verification_rate == pytest.approx(s.target_calls / 33)
+        assert s.tokens_per_call == pytest.approx(s.accepted_per_call + 1, rel=1e-6, abs=1e-6)
+
+
+def _fresh_kv(model, ids):
+    r = ModelRunner(model)
+    r.forward(torch.tensor([ids]), n_logits=1)
+    return r
+
+
+@pytest.mark.parametrize("capacity", [4, 256])
+def test_kv_cache_after_rejection_equals_recomputed(tiny_pair, capacity):
+    target, _ = tiny_pair
+    prompt, cand, accepted, nxt = [3, 8, 12, 15, 20, 4, 9], [10, 11, 13, 5, 6], 2, [30, 31, 7]
+    r = ModelRunner(target, capacity=capacity)
+    r.forward(torch.tensor([prompt]), n_logits=1)
+    r.forward(torch.tensor([cand]), n_logits=len(cand))  # a verification pass
+    r.trim(len(prompt) + accepted)  # 3 of 5 candidates rejected
+    logits, _ = r.forward(torch.tensor([nxt]), n_logits=len(nxt))
+    fresh = ModelRunner(target)
+    ref_logits, _ = fresh.forward(torch.tensor([prompt + cand[:accepted] + nxt]), n_logits=len(nxt))
+    assert r.length == fresh.length == len(prompt) + accepted + len(nxt)
+    for a, b in zip(r.cache.layers, fresh.cache.layers):
+        assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+        assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+    assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_hidden_capture_pre_and_post_norm(tiny_pair):
+    target, _ = tiny_pair
+    ids = torch.tensor([PROMPTS[1]])
+    out = target(ids, output_hidden_states=True)
+    pre, post = ModelRunner(target, hidden="pre"), ModelRunner(target, hidden="post")
+    _, h_pre = pre.forward(ids, n_logits=1)
+    _, h_post = post.forward(ids, n_logits=1)
+    assert_close(h_post, out.hidden_states[-1][0])
+    assert_close(target.model.norm(h_pre), h_post)
+    assert not torch.allclose(h_pre, h_post)
+
+
+# ---- stub models with fixed logits: hand-computed cases -------------------------------------
+
+def _cycle(v: int, shift: int = 1, override: dict | None = None):
+    """Greedy bigram table: next = (last + shift) % v, with per-row overrides."""
+    rows = []
+    for last in range(v):
+        nxt = (override or {}).get(last, (last + shift) % v)
+        rows.append([0.9 if j == nxt else 0.1 / (v - 1) for j in range(v)])
+    return rows
+
+
+def test_stub_greedy_hand_computed():
+    # Target: 0->1->2->3->4->5->0 ... Draft agrees except after 2, where it proposes 5.
+    target, draft = bigram(_cycle(6)), bigram(_cycle(6, override={2: 5}))
+    g = Engine(target, draft, eos_token_ids=[]).generate([0], StandardSD(3), 7)
+    assert g.tokens == [1, 2, 3, 4, 5, 0, 1]
+    # Round 1: drafts 1,2,5 ; 1,2 accepted, 5 rejected, target emits 3 -> [1,2,3]
+    # Round 2: drafts 4,5,0 ; all accepted + bonus 1 -> [4,5,0,1] (7 tokens, limit reached)
+    s = g.stats
+    assert (s.rounds, s.target_calls, s.drafted, s.accepted, s.discarded) == (2, 2, 6, 5, 1)
+    assert s.draft_forwards == 6
+    assert target.calls == [4, 4]  # [last, y1, y2, y3] per round (round 1 is also the prefill)
+    assert draft.calls == [1, 1, 1, 1, 1, 1]
+
+
+def test_stub_eos_and_length_limit():
+    # EOS = 3 is drafted and accepted in round 1: output stops there, later drafts discarded.
+    target, draft = bigram(_cycle(6)), bigram(_cycle(6))
+    g = Engine(target, draft, eos_token_ids=[3]).generate([0], StandardSD(5), 50)
+    assert g.tokens == [1, 2, 3] and g.stats.eos == 1
+    assert (g.stats.accepted, g.stats.discarded) == (3, 2)
+    # delta = 1: the round's target token was not emitted
+    s = g.stats
+    assert s.draft_forwards == s.new_tokens - s.target_calls + s.discarded + 1
+    # Length: with 4 tokens left the round drafts at most 3 so that the bonus still fits.
+    g = Engine(target, draft, eos_token_ids=[]).generate([0], StandardSD(8), 4)
+    assert g.tokens == [1, 2, 3, 4] and g.stats.drafted == 3 and g.stats.rounds == 1
+
+
+def test_stub_sampling_always_reject_uses_residual():
+    # Draft always proposes 0; the target never produces 0 -> every candidate is rejected and the
+    # correction comes from norm(max(0, p - q)) = p.
+    v = 4
+    draft = bigram([[1.0, 0.0, 0.0, 0.0]] * v)
+    target = bigram([[0.0, 0.2, 0.3, 0.5]] * v)
+    gen = torch.Generator().manual_seed(0)
+    g = Engine(target, draft, eos_token_ids=[]).generate([1], StandardSD(3), 200, SamplingConfig(do_sample=True),
+                                                         gen)
+    s = g.stats
+    assert s.accepted == 0 and s.rounds == 200 and s.discarded == s.drafted
+    assert 0 not in g.tokens
+    freq = torch.bincount(torch.tensor(g.tokens), minlength=v).float() / 200
+    assert_close(freq, torch.tensor([0.0, 0.2, 0.3, 0.5]), atol=0.1, rtol=0)
+
+
+def test_stub_sampling_identical_models_accept_everything():
+    rows = [[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1], [0.25] * 4, [0.7, 0.1, 0.1, 0.1]]
+    gen = torch.Generator().manual_seed(0)
+    g = Engine(bigram(rows), bigram(rows), eos_token_ids=[]).generate([0], StandardSD(4), 50,
+                                                                     SamplingConfig(do_sample=True), gen)
+    assert g.stats.accepted == g.stats.drafted and g.stats.discarded == 0
+    assert g.stats.rounds == 10  # 4 accepted + 1 bonus per round
+
+
+def test_residual_guard_and_hand_values():
+    p = torch.tensor([0.5, 0.3, 0.2])
+    assert_close(residual(p, p.clone()), p)  # all-zero residual -> p itself
+    q = torch.tensor([0.1, 0.6, 0.3])
+    assert_close(residual(p, q), torch.tensor([1.0, 0.0, 0.0]))
+    assert_close(residual(torch.tensor([0.5, 0.5, 0.0]), torch.tensor([0.25, 0.25, 0.5])), torch.tensor([0.5, 0.5, 0.0]))
+
+
+def test_sampling_warp_top_k_top_p():
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1]))
+    assert_close(probs_from_logits(logits, SamplingConfig(True, 1.0, 2, 1.0)), torch.tensor([2 / 3, 1 / 3, 0, 0]))
+    assert_close(probs_from_logits(logits, SamplingConfig(True, 1.0, 0, 0.7)), torch.tensor([2 / 3, 1 / 3, 0, 0]))
+    assert_close(probs_from_logits(logits, SamplingConfig(True, 1.0, 0, 0.75)), torch.tensor([2 / 3, 1 / 3, 0, 0]))
+    assert_close(probs_from_logits(logits, SamplingConfig(True, 1.0, 0, 0.76)).gt(0).sum(), torch.tensor(3))
+    hot = probs_from_logits(logits, SamplingConfig(True, 0.5, 0, 1.0))
+    assert_close(hot, torch.tensor([0.25, 0.0625, 0.0225, 0.01]) / 0.345)
+
+
+# ---- losslessness: chi-square on a tiny vocabulary ------------------------------------------
+
+P_ROWS = [[0.50, 0.20, 0.20, 0.10], [0.10, 0.60, 0.20, 0.10], [0.25, 0.25, 0.25, 0.25], [0.05, 0.15, 0.30, 0.50]]
+Q_ROWS = [[0.10, 0.10, 0.40, 0.40], [0.50, 0.20, 0.20, 0.10], [0.70, 0.10, 0.10, 0.10], [0.25, 0.25, 0.25, 0.25]]
+
+
+def _exact_sequences(sampling: SamplingConfig, horizon: int) -> dict[tuple, float]:
+    p = probs_from_logits(torch.log(torch.tensor(P_ROWS)), sampling)
+    out = {}
+    for seq in itertools.product(range(4), repeat=horizon):
+        prob, last = 1.0, 0
+        for t in seq:
+            prob, last = prob * float(p[last, t]), t
+        out[seq] = prob
+    return out
+
+
+def _sd_pvalue(sampling: SamplingConfig, n: int = 3000, horizon: int = 3, k: int = 2) -> float:
+    engine = Engine(bigram(P_ROWS), bigram(Q_ROWS), eos_token_ids=[])
+    gen = torch.Generator().manual_seed(1234)
+    exact = _exact_sequences(sampling, horizon)
+    counts = dict.fromkeys(exact, 0)
+    policy = StandardSD(k)
+    for _ in range(n):
+        counts[tuple(engine.generate([0], policy, horizon, sampling, gen).tokens)] += 1
+    assert sum(counts[s] for s in exact if exact[s] == 0) == 0  # never emits an impossible sequence
+    total = sum(exact.values())
+    obs, exp, pool_obs, pool_exp = [], [], 0, 0.0
+    for s, prob in exact.items():  # pool cells expected < 5 times so the chi-square approximation holds
+        e = prob / total * n
+        if e >= 5:
+            obs.append(counts[s])
+            exp.append(e)
+        elif prob > 0:
+            pool_obs, pool_exp = pool_obs + counts[s], pool_exp + e
+    if pool_exp > 0:
+        obs.append(pool_obs)
+        exp.append(pool_exp)
+    exp = [e * n / sum(exp) for e in exp]
+    return chisquare(obs, exp).pvalue
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(do_sample=True),
+                                      SamplingConfig(do_sample=True, temperature=0.7, top_k=3, top_p=0.9)],
+                         ids=["plain", "warped"])
+def test_sampled_sd_is_distributed_as_target(sampling):
+    assert _sd_pvalue(sampling) > 1e-3
+
+
+def test_chi_square_catches_a_broken_rule(monkeypatch):
+    """Planted one-line bug: the correction drawn from p instead of the residual -> must fail."""
+    monkeypatch.setattr(policies, "residual", lambda p, q: p)
+    assert _sd_pvalue(SamplingConfig(do_sample=True)) < 1e-6

@@ -1,0 +1,89 @@
+"""Exported heads: safetensors round trip, metadata in the header, refusals."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from specheads.errors import UserError
+from specheads.export import ModelSpec, SamplingConfig, load_head, load_pair, read_metadata, save_head
+from specheads.heads import AcceptanceHead
+
+
+@pytest.fixture()
+def pair(tiny_pair_dirs):
+    t, d = tiny_pair_dirs
+    return load_pair(ModelSpec(path=str(t), device="cpu"), ModelSpec(path=str(d), device="cpu"))
+
+
+def _export(tmp_path, pair, **over):
+    torch.manual_seed(0)
+    head = AcceptanceHead(pair.draft.hidden_size, depth=2)
+    meta = {"head_config": head.config(), "hidden_size": pair.draft.hidden_size,
+            "feature": {"model": "draft", "state": "post", "layer": -1},
+            "draft": {"name": pair.draft.name, "fingerprint": pair.draft.fingerprint},
+            "target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
+            "sampling": SamplingConfig().to_dict(), "default_threshold": 0.7, **over}
+    return head, save_head(tmp_path / "head.safetensors", head, "acceptance", meta)
+
+
+def test_acceptance_head_blocks_have_separate_weights():
+    head = AcceptanceHead(8, depth=3)
+    assert len({id(b.linear.weight) for b in head.blocks}) == 3
+    assert AcceptanceHead(8, depth=0)(torch.zeros(5, 8)).shape == (5,)
+
+
+def test_round_trip_and_metadata(tmp_path, pair):
+    head, path = _export(tmp_path, pair)
+    meta = read_metadata(path)
+    assert meta["head_type"] == "acceptance" and meta["hidden_size"] == 32 and meta["default_threshold"] == 0.7
+    loaded = load_head(path, pair=pair, sampling=SamplingConfig())
+    x = torch.randn(4, 32)
+    assert_close(loaded.module(x), head(x))
+    assert loaded.threshold == 0.7
+
+
+def test_refuses_other_hidden_size(tmp_path, pair):
+    _, path = _export(tmp_path, pair, hidden_size=64)
+    with pytest.raises(UserError, match="hidden_size=64 but draft hidden_size=32"):
+        load_head(path, pair=pair)
+
+
+def test_refuses_other_fingerprint(tmp_path, pair):
+    _, path = _export(tmp_path, pair, draft={"name": "other", "fingerprint": "sha256:0000"})
+    with pytest.raises(UserError, match="fingerprint"):
+        load_head(path, pair=pair)
+
+
+def test_sampling_mismatch_warns_or_refuses(tmp_path, pair, caplog):
+    _, path = _export(tmp_path, pair)
+    hot = SamplingConfig(do_sample=True, temperature=0.7)
+    with caplog.at_level(logging.WARNING):
+        load_head(path, pair=pair, sampling=hot)
+    assert any("trained with sampling" in r.getMessage() for r in caplog.records)
+    with pytest.raises(UserError, match="strict=false"):
+        load_head(path, pair=pair, sampling=hot, strict=True)
+
+
+def test_truncated_and_tampered_files(tmp_path, pair):
+    _, path = _export(tmp_path, pair)
+    data = path.read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(UserError, match="truncated"):
+        load_head(cut)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(data[:-4] + bytes(4))  # flip the last weights
+    with pytest.raises(UserError, match="modified after export"):
+        load_head(bad)
+    with pytest.raises(UserError, match="does not exist"):
+        load_head(tmp_path / "missing.safetensors")
+
+
+def test_refuses_newer_format(tmp_path, pair):
+    _, path = _export(tmp_path, pair, format_version=99)
+    with pytest.raises(UserError, match="upgrade specheads"):
+        load_head(path)
