@@ -88,6 +88,10 @@ class Decoder:
         limits = [context_length(m.model) for m in (pair.target, pair.draft) if m is not None]
         self.context = min((x for x in limits if x), default=None)
         self.generator = torch.Generator(device=pair.target.device).manual_seed(seed)
+        # A draft on another device (a sharded target) draws from its own seeded stream.
+        self.draft_generator = None
+        if pair.draft is not None and pair.draft.device != pair.target.device:
+            self.draft_generator = torch.Generator(device=pair.draft.device).manual_seed(seed + 1)
 
     @property
     def policy_name(self) -> str:
@@ -104,10 +108,12 @@ class Decoder:
                         name, len(ids) + dropped, self.max_new_tokens, self.context, len(ids))
         if isinstance(self.policy, Policy):
             g: Generation = self.engine.generate(ids, self.policy, self.max_new_tokens, self.sampling,
-                                                 self.generator, on_tokens=on_tokens)
+                                                 self.generator, on_tokens, self.draft_generator)
         else:
-            g = self.engine.generate_ar(ids, self.max_new_tokens, self.sampling, self.generator,
-                                        use_draft=self.policy == "draft", on_tokens=on_tokens)
+            use_draft = self.policy == "draft"
+            gen = self.draft_generator if use_draft and self.draft_generator is not None else self.generator
+            g = self.engine.generate_ar(ids, self.max_new_tokens, self.sampling, gen, use_draft=use_draft,
+                                        on_tokens=on_tokens)
         text = self.pair.tokenizer.decode(g.tokens, skip_special_tokens=True)
         return Result(text, g.tokens, g.stats, dropped)
 

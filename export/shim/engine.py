@@ -114,7 +114,7 @@ class Engine:
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], policy: Policy, max_new_tokens: int,
                  sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
-                 on_tokens=None) -> Generation:
+                 on_tokens=None, draft_generator: torch.Generator | None = None) -> Generation:
         """Speculative decoding of one prompt under ``policy``.
 
         Args:
@@ -124,6 +124,8 @@ class Engine:
             sampling: greedy when None or ``do_sample=False``.
             generator: RNG for all draws (seed it for reproducible runs).
             on_tokens: optional callback receiving each round's emitted ids (streaming).
+            draft_generator: RNG for the draft's draws when the draft sits on another device
+                (defaults to ``generator``).
         """
         if self.draft is None:
             raise ValueError("speculative decoding needs a draft model")
@@ -145,7 +147,7 @@ class Engine:
                     pending = torch.tensor([seq[draft.length:]], device=d_dev)
                     while True:
                         logits, hid = draft.forward(pending, n_logits=1)
-                        tok, q = _pick(logits[0], sampling, generator)
+                        tok, q = _pick(logits[0], sampling, draft_generator or generator)
                         rnd.tokens.append(tok)
                         rnd.draft_logits.append(logits[0])
                         if q is not None:
