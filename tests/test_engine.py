@@ -235,3 +235,21 @@ def test_chi_square_catches_a_broken_rule(monkeypatch):
     """Planted one-line bug: the correction drawn from p instead of the residual -> must fail."""
     monkeypatch.setattr(policies, "residual", lambda p, q: p)
     assert _sd_pvalue(SamplingConfig(do_sample=True)) < 1e-6
+
+
+def test_policy_sees_aligned_hidden_states(tiny_pair):
+    """A policy asking for target states gets [n+1, d] at last, y_1..y_n, even in the prefill round."""
+    target, draft = tiny_pair
+    seen = []
+
+    class Probe(StandardSD):
+        target_hidden = "pre"
+        draft_hidden = "post"
+
+        def verify(self, rnd, logits, hidden):
+            seen.append((rnd.n, logits.shape[0], hidden.shape[0], len(rnd.draft_hidden)))
+            return super().verify(rnd, logits, hidden)
+
+    engine = Engine(target, draft, eos_token_ids=[])
+    assert engine.generate(PROMPTS[2], Probe(3), 12).tokens == engine.generate_ar(PROMPTS[2], 12).tokens
+    assert all(n + 1 == nl == nh and nd == n for n, nl, nh, nd in seen)

@@ -162,6 +162,8 @@ class Engine:
                 # The first round's target pass is also the prompt's prefill.
                 t_in = torch.cat([torch.tensor(seq[target.length:], device=t_dev), cand]).view(1, -1)
                 logits, hid = target.forward(t_in, n_logits=n + 1)
+                if hid is not None:
+                    hid = hid[-(n + 1):]  # aligned with logits: states at last, y_1..y_n
                 verdict = policy.verify(rnd, logits, hid)
                 m = verdict.accepted
                 new = (cand[:m].tolist() if m else []) + [verdict.token]

@@ -90,7 +90,10 @@ class Policy:
         return rnd.n >= self.k
 
     def verify(self, rnd: Round, logits: torch.Tensor, hidden: torch.Tensor | None) -> Verdict:
-        """Decides the round from the target logits ``[n+1, V]`` (positions ``last, y_1..y_n``)."""
+        """Decides the round from the target logits ``[n+1, V]`` (positions ``last, y_1..y_n``).
+
+        ``hidden`` is ``[n+1, d]`` at the same positions when ``target_hidden`` is set, else None.
+        """
         return standard_verify(rnd, logits)
 
 
