@@ -11,7 +11,8 @@ from specheads.errors import UserError
 
 from .shim.engine import Engine, Generation, GenerationStats
 from .shim.models import Pair, context_length
-from .shim.policies import BASELINES, Policy, build_policy
+from .package import load_head
+from .shim.policies import BASELINES, Policy, SpecDecPP, build_policy
 from .shim.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -57,13 +58,35 @@ class Result:
     truncated_prompt_tokens: int = 0
 
 
+def make_policy(name: str, pair: Pair, k: int = 4, head: str | None = None, threshold: float | None = None,
+                k_min: int = 2, k_max: int = 20, sampling: SamplingConfig | None = None,
+                strict: bool = False) -> Policy | str:
+    """A policy by name, loading and checking its head when it needs one; baselines stay names."""
+    if name in BASELINES:
+        return name
+    if name == "specdecpp":
+        if not head:
+            raise UserError("policy=specdecpp needs head=<exported acceptance head .safetensors>")
+        if pair.draft is None:
+            raise UserError("policy=specdecpp needs a draft model; set draft.path")
+        loaded = load_head(head, pair=pair, sampling=sampling or SamplingConfig(), strict=strict,
+                           device=pair.draft.device)
+        feature = loaded.metadata.get("feature", {})
+        if loaded.metadata.get("head_type") != "acceptance" or feature.get("model", "draft") != "draft":
+            raise UserError(f"{head!r} is a {loaded.metadata.get('head_type')} head on the {feature.get('model')}'s "
+                            "states; policy=specdecpp needs an acceptance head on the draft's states")
+        h = threshold if threshold is not None else (loaded.threshold or 0.7)
+        return SpecDecPP(loaded.module.to(pair.draft.model.dtype), h, k_min, k_max)
+    return build_policy(name, k=k)
+
+
 class Decoder:
     """Decodes prompts one at a time with a fixed policy, sampling settings and RNG stream.
 
     Args:
         pair: from ``load_pair``.
         policy: a policy name (``"sd"``), ``"ar"`` (target alone), ``"draft"`` (draft alone)
-            or a ``Policy`` instance.
+            or a ``Policy`` instance (``make_policy`` builds those that need a head).
         max_new_tokens: cap on new tokens per prompt.
         k: candidates per round for a policy built by name.
         sampling: greedy when None.
@@ -79,8 +102,8 @@ class Decoder:
         bad = self.sampling.problems()
         if bad:
             raise UserError("; ".join(bad))
-        if isinstance(policy, str) and policy not in BASELINES:
-            policy = build_policy(policy, k=k)
+        if isinstance(policy, str):
+            policy = make_policy(policy, pair, k=k, sampling=self.sampling)
         if (isinstance(policy, Policy) or policy == "draft") and pair.draft is None:
             raise UserError(f"policy {getattr(policy, 'name', policy)!r} needs a draft model; set draft.path")
         self.pair, self.policy, self.max_new_tokens, self.chat_template = pair, policy, max_new_tokens, chat_template

@@ -23,7 +23,7 @@ from specheads.errors import UserError
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, write_manifest
 from specheads.prompts import load_prompts
 
-from .api import Decoder
+from .api import Decoder, make_policy
 from .decode_config import DecodeConfig
 from .shim.engine import GenerationStats
 from .shim.models import load_pair
@@ -39,6 +39,10 @@ def _check(cfg: DecodeConfig) -> None:
         problems.append(f"policy={cfg.policy!r} is not one of {sorted(POLICIES) + list(BASELINES)}")
     if cfg.k < 1:
         problems.append(f"k={cfg.k} must be >= 1")
+    if not 1 <= cfg.k_min <= cfg.k_max:
+        problems.append(f"need 1 <= k_min <= k_max, got k_min={cfg.k_min}, k_max={cfg.k_max}")
+    if cfg.threshold is not None and not 0 < cfg.threshold < 1:
+        problems.append(f"threshold={cfg.threshold} must be in (0, 1)")
     if cfg.max_new_tokens < 1:
         problems.append(f"max_new_tokens={cfg.max_new_tokens} must be >= 1")
     if not cfg.prompts:
@@ -66,6 +70,15 @@ class _Streamer:
         self.printed = len(text)
 
 
+def _policy_settings(cfg: DecodeConfig, policy) -> dict:
+    """The settings that define the run's policy, for the log and metrics.json."""
+    if cfg.policy == "sd":
+        return {"k": cfg.k}
+    if cfg.policy == "specdecpp":
+        return {"head": cfg.head, "threshold": policy.threshold, "k_min": cfg.k_min, "k_max": cfg.k_max}
+    return {}
+
+
 def run(cfg: DecodeConfig) -> int:
     """Loads the pair, decodes every prompt, writes outputs and metrics."""
     _check(cfg)
@@ -75,9 +88,11 @@ def run(cfg: DecodeConfig) -> int:
     torch.manual_seed(cfg.seed)
     needs_draft = cfg.policy != "ar"
     pair = load_pair(cfg.target, cfg.draft if needs_draft else None, same_vocab=True)
-    decoder = Decoder(pair, cfg.policy, cfg.max_new_tokens, cfg.k, cfg.sampling, cfg.seed, cfg.chat_template)
-    log.info("decoding %d prompts with policy=%s%s", len(prompts), cfg.policy,
-             f" k={cfg.k}" if cfg.policy in POLICIES else "")
+    policy = make_policy(cfg.policy, pair, cfg.k, cfg.head, cfg.threshold, cfg.k_min, cfg.k_max, cfg.sampling,
+                         cfg.strict)
+    decoder = Decoder(pair, policy, cfg.max_new_tokens, cfg.k, cfg.sampling, cfg.seed, cfg.chat_template)
+    settings = _policy_settings(cfg, policy)
+    log.info("decoding %d prompts with policy=%s %s", len(prompts), cfg.policy, settings)
     all_stats: list[GenerationStats] = []
     truncated = 0
     started = time.time()
@@ -100,7 +115,7 @@ def run(cfg: DecodeConfig) -> int:
             total = GenerationStats.total(all_stats)
             bar.set_postfix(tok_s=f"{total.tokens_per_s:.1f}", per_call=f"{total.tokens_per_call:.2f}")
     total = GenerationStats.total(all_stats)
-    summary = {"policy": cfg.policy, "k": cfg.k if cfg.policy in POLICIES else None,
+    summary = {"policy": cfg.policy, **settings,
                "sampling": cfg.sampling.to_dict(), "truncated_prompts": truncated, **total.to_dict()}
     atomic_write_json(out_dir / "metrics.json", summary)
     write_manifest(out_dir, command=PROG, prompts_file=cfg.prompts, num_prompts=len(prompts),

@@ -76,17 +76,20 @@ class BigramLM(torch.nn.Module):
 
     It speaks the Hugging Face interface the engine uses (``input_ids``, ``past_key_values``,
     ``use_cache``, ``logits_to_keep``) and fills the KV cache with dummies so that lengths
-    and trimming behave as with a real model. ``calls`` records each forward's input length.
+    and trimming behave as with a real model. Its final-norm state for token ``t`` is the
+    one-hot vector ``e_t``. ``calls`` records each forward's input length.
     """
 
     def __init__(self, table: torch.Tensor):
         super().__init__()
         vocab = table.shape[0]
-        self.config = LlamaConfig(vocab_size=vocab, hidden_size=4, num_hidden_layers=1, num_attention_heads=1,
+        self.config = LlamaConfig(vocab_size=vocab, hidden_size=vocab, num_hidden_layers=1, num_attention_heads=1,
                                   num_key_value_heads=1, max_position_embeddings=1024)
         self.table = table.float()
-        self.embed = torch.nn.Embedding(vocab, 4)
-        self.head = torch.nn.Linear(4, vocab, bias=False)
+        self.embed = torch.nn.Embedding(vocab, vocab)  # one-hot: the "hidden state" of token t is e_t
+        with torch.no_grad():
+            self.embed.weight.copy_(torch.eye(vocab))
+        self.head = torch.nn.Linear(vocab, vocab, bias=False)
         self.norm = torch.nn.Identity()
         self.calls: list[int] = []
 

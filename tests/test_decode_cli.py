@@ -163,3 +163,30 @@ def test_output_dir_with_another_run_is_refused(tiny_pair_dirs, prompts_file, tm
     assert main(_args(tiny_pair_dirs, prompts_file, out, "num_prompts=1", "k=2")) == 2
     assert "overwrite=true" in _one_error_line(capsys)
     assert main(_args(tiny_pair_dirs, prompts_file, out, "num_prompts=1", "k=2", "overwrite=true")) == 0
+
+
+def test_specdecpp_policy_with_exported_head(tiny_pair_dirs, prompts_file, tmp_path, capsys):
+    import torch
+
+    from specheads.export import SamplingConfig, save_head
+    from specheads.heads import AcceptanceHead
+
+    t, d = tiny_pair_dirs
+    pair = load_pair(ModelSpec(path=str(t), device="cpu"), ModelSpec(path=str(d), device="cpu"))
+    torch.manual_seed(0)
+    head = AcceptanceHead(32, depth=1)
+    path = save_head(tmp_path / "h.safetensors", head, "acceptance", {
+        "head_config": head.config(), "hidden_size": 32, "feature": {"model": "draft", "state": "post", "layer": -1},
+        "draft": {"name": pair.draft.name, "fingerprint": pair.draft.fingerprint},
+        "target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
+        "sampling": SamplingConfig().to_dict(), "default_threshold": 0.6})
+    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "pp", "policy=specdecpp", f"head={path}")) == 0
+    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "ar", "policy=ar")) == 0
+    rows = [[json.loads(x)["tokens"] for x in (tmp_path / n / "outputs.jsonl").read_text().splitlines()]
+            for n in ("pp", "ar")]
+    assert rows[0] == rows[1]
+    summary = json.loads((tmp_path / "pp" / "metrics.json").read_text())
+    assert summary["threshold"] == 0.6 and summary["k_max"] == 20
+    capsys.readouterr()
+    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "nohead", "policy=specdecpp")) == 2
+    assert "needs head=" in _one_error_line(capsys)

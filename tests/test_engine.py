@@ -253,3 +253,63 @@ def test_policy_sees_aligned_hidden_states(tiny_pair):
     engine = Engine(target, draft, eos_token_ids=[])
     assert engine.generate(PROMPTS[2], Probe(3), 12).tokens == engine.generate_ar(PROMPTS[2], 12).tokens
     assert all(n + 1 == nl == nh and nd == n for n, nl, nh, nd in seen)
+
+
+# ---- SpecDec++ stopping ------------------------------------------------------------------------
+
+def _beta_head(betas: list[float]) -> torch.nn.Module:
+    """A linear head over one-hot stub states: token t gets acceptance probability betas[t]."""
+    head = torch.nn.Linear(len(betas), 1)
+    with torch.no_grad():
+        head.weight.copy_(torch.logit(torch.tensor([betas], dtype=torch.float32)))
+        head.bias.zero_()
+    return head
+
+
+@pytest.mark.parametrize("h, expected_n", [(0.05, 2), (0.3, 4), (0.5, 5), (0.7, 6), (0.95, 8)])
+def test_specdecpp_stops_where_the_product_crosses_h(h, expected_n):
+    """Draft cycles 0 -> 1 -> 2 ...; the head gives token t the score betas[t].
+
+    After drafting y_n the scored candidates are y_1..y_{n-1} (the reference's order): with
+    prompt [0] the draft proposes 1, 2, 3, ...; betas = 0.9, 0.8, 0.7, 0.6, 0.5, 0.5, 0.5 for
+    tokens 1..7, so 1 - prod = 0.1, 0.28, 0.496, 0.698, 0.849, 0.924, 0.962 after drafting
+    y_2..y_8: the round stops after the first y_n where 1 - prod > h.
+    """
+    from specheads.export.shim.policies import SpecDecPP
+
+    v = 12
+    betas = [0.5, 0.9, 0.8, 0.7, 0.6, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]
+    keep = 1.0
+    want = None
+    for n in range(2, 9):
+        keep *= betas[n - 1]
+        if 1 - keep > h:
+            want = n
+            break
+    assert want == expected_n
+    draft, target = bigram(_cycle(v)), bigram(_cycle(v))
+    rounds = []
+
+    class Probe(SpecDecPP):
+        def verify(self, rnd, logits, hidden):
+            rounds.append((rnd.n, self.scored))
+            return super().verify(rnd, logits, hidden)
+
+    g = Engine(target, draft, eos_token_ids=[]).generate([0], Probe(_beta_head(betas), h, 2, 20), 11)
+    assert rounds[0] == (expected_n, expected_n - 1)  # the newest candidate is never scored
+    assert g.tokens[: expected_n + 1] == list(range(1, expected_n + 2))
+
+
+def test_specdecpp_bounds():
+    from specheads.export.shim.policies import SpecDecPP
+
+    v = 8
+    draft, target = bigram(_cycle(v)), bigram(_cycle(v))
+    low = SpecDecPP(_beta_head([0.01] * v), threshold=0.5, k_min=3, k_max=20)  # wants to stop at once
+    g = Engine(target, draft, eos_token_ids=[]).generate([0], low, 4)
+    assert g.stats.drafted == 3  # k_min
+    high = SpecDecPP(_beta_head([0.999] * v), threshold=0.9, k_min=1, k_max=5)  # never wants to stop
+    g = Engine(target, draft, eos_token_ids=[]).generate([0], high, 30)
+    assert g.stats.drafted == 25 and g.stats.rounds == 5  # k_max per round, 5 + 1 tokens per round
+    with pytest.raises(Exception, match="threshold"):
+        SpecDecPP(_beta_head([0.5] * v), threshold=1.5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import re
@@ -149,10 +150,8 @@ def load_model(spec: ModelSpec, role: str = "model") -> LoadedModel:
     dtype = resolve_dtype(spec.dtype, device)
     kwargs = {"dtype": dtype, "revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
     if gguf:
-        try:
-            import gguf as _  # noqa: F401
-        except ImportError as err:
-            raise UserError(f"{role}.gguf_file is set but the gguf package is missing; pip install gguf") from err
+        if importlib.util.find_spec("gguf") is None:
+            raise UserError(f"{role}.gguf_file is set but the gguf package is missing; pip install gguf")
         kwargs["gguf_file"] = gguf
     if spec.attn_implementation:
         kwargs["attn_implementation"] = spec.attn_implementation

@@ -13,6 +13,7 @@ SpecDec++, SPRINTER, Judge, FSD and the heterogeneous-vocabulary methods are pol
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -155,7 +156,50 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 1e-12, r / mass.clamp_min(1e-30), p)
 
 
-POLICIES: dict[str, type[Policy]] = {"sd": StandardSD}
+class SpecDecPP(Policy):
+    """SpecDec++ adaptive candidate length (ALGORITHMS.md section 1): stop drafting when
+    ``1 - prod_j beta_hat_j > h``, with ``beta_hat_j = sigmoid(head(h^D_j))`` from the draft
+    state at candidate ``y_j``'s own position; never before ``k_min``, always at ``k_max``.
+
+    Scoring order (the reference's): the draft forward that produces ``y_n`` consumes
+    ``y_{n-1}``, so its state scores ``y_{n-1}``; the round's first forward consumes verified
+    tokens (score 1). When the round stops after ``y_n``, ``y_1..y_{n-1}`` are scored and the
+    newest candidate ``y_n`` is not: no extra draft forward per round. Acceptance follows the
+    standard rule, so the output is as lossless as SD's.
+
+    Args:
+        head: module mapping a draft state ``[d]`` to an acceptance logit.
+        threshold: ``h`` in (0, 1); larger drafts longer.
+        k_min, k_max: bounds on candidates per round.
+    """
+
+    name = "specdecpp"
+    draft_hidden = "post"
+
+    def __init__(self, head: torch.nn.Module, threshold: float = 0.7, k_min: int = 2, k_max: int = 20):
+        if not 0 < threshold < 1:
+            raise UserError(f"threshold h={threshold} must be in (0, 1)")
+        if not 1 <= k_min <= k_max:
+            raise UserError(f"need 1 <= k_min <= k_max, got k_min={k_min}, k_max={k_max}")
+        super().__init__(k_max)
+        self.head, self.threshold, self.k_min = head, threshold, k_min
+        self._log_keep = 0.0  # log prod of scored betas in the current round
+        self.scored = 0  # head evaluations, for the stats
+
+    def stop_drafting(self, rnd: Round) -> bool:
+        n = rnd.n
+        if n == 1:
+            self._log_keep = 0.0
+        else:  # the state returned with y_n belongs to y_{n-1}
+            logit = self.head(rnd.draft_hidden[n - 1].to(next(self.head.parameters()).dtype))
+            self._log_keep += float(torch.nn.functional.logsigmoid(logit.float()))
+            self.scored += 1
+        if n >= self.k:
+            return True
+        return n >= self.k_min and 1.0 - math.exp(self._log_keep) > self.threshold
+
+
+POLICIES: dict[str, type[Policy]] = {"sd": StandardSD, "specdecpp": SpecDecPP}
 BASELINES = ("ar", "draft")  # autoregressive target-only / draft-only, no policy object
 
 
