@@ -1,0 +1,58 @@
+"""SpecDec++ labels and loss against hand computations."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.testing import assert_close
+
+from specheads.datagen.acceptance import acceptance_labels
+from specheads.export.shim.sampling import SamplingConfig
+from specheads.train.loss import binary_kl, weighted_soft_bce
+
+
+def test_labels_match_hand_computation():
+    p = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]])
+    q = torch.tensor([[0.2, 0.6, 0.2], [0.1, 0.1, 0.8]])
+    out = acceptance_labels(p.log(), q.log(), SamplingConfig(do_sample=True), torch.Generator().manual_seed(0))
+    y = out["draft_token"].tolist()
+    want = [min(1.0, float(p[i, t] / q[i, t])) for i, t in enumerate(y)]
+    assert_close(out["label"], torch.tensor(want))
+    # 1 - TV: row 0: min(.5,.2)+min(.3,.6)+min(.2,.2) = 0.7 ; row 1: identical -> 1
+    assert_close(out["expected_label"], torch.tensor([0.7, 1.0]))
+
+
+def test_label_of_token_the_target_excludes_is_zero():
+    p = torch.tensor([[0.0, 0.5, 0.5]])
+    q = torch.tensor([[1.0, 0.0, 0.0]])
+    out = acceptance_labels(p.log(), q.log(), SamplingConfig(do_sample=True), torch.Generator().manual_seed(0))
+    assert out["draft_token"].item() == 0 and out["label"].item() == 0.0 and out["expected_label"].item() == 0.0
+
+
+def test_greedy_labels_are_agreement():
+    p = torch.tensor([[0.1, 2.0, 0.3], [1.0, 0.0, 0.0]])
+    q = torch.tensor([[0.0, 3.0, 0.1], [0.0, 1.0, 0.0]])
+    out = acceptance_labels(p, q, SamplingConfig(), None)
+    assert out["draft_token"].tolist() == [1, 1] and out["label"].tolist() == [1.0, 0.0]
+
+
+def test_weighted_soft_bce_hand_computed():
+    logits = torch.tensor([0.0, 2.0, -1.0])
+    b = torch.tensor([1.0, 0.25, 0.0])
+    s = [0.5, 1 / (1 + math.exp(-2.0)), 1 / (1 + math.exp(1.0))]
+    w_acc, w_rej = 1.0, 6.0
+    num = sum(w_acc * bi * math.log(si) + w_rej * (1 - bi) * math.log(1 - si) for bi, si in zip(b.tolist(), s))
+    den = sum(w_acc * bi + w_rej * (1 - bi) for bi in b.tolist())
+    assert_close(weighted_soft_bce(logits, b, w_acc, w_rej), torch.tensor(-num / den))
+    mask = torch.tensor([True, False, True])
+    num_m = num - (w_acc * 0.25 * math.log(s[1]) + w_rej * 0.75 * math.log(1 - s[1]))
+    den_m = den - (w_acc * 0.25 + w_rej * 0.75)
+    assert_close(weighted_soft_bce(logits, b, w_acc, w_rej, mask), torch.tensor(-num_m / den_m))
+
+
+def test_binary_kl_hand_computed():
+    b, x = torch.tensor([0.3]), torch.tensor([0.0])
+    want = 0.3 * math.log(0.3 / 0.5) + 0.7 * math.log(0.7 / 0.5)
+    assert_close(binary_kl(b, x), torch.tensor(want))
+    assert binary_kl(torch.tensor([1.0, 0.0]), torch.tensor([20.0, -20.0])) < 1e-6
