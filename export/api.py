@@ -9,9 +9,9 @@ import torch
 
 from specheads.errors import UserError
 
+from .package import load_head
 from .shim.engine import Engine, Generation, GenerationStats
 from .shim.models import Pair, context_length
-from .package import load_head
 from .shim.policies import BASELINES, Policy, SpecDecPP, build_policy
 from .shim.sampling import SamplingConfig
 
@@ -90,7 +90,7 @@ class Decoder:
         max_new_tokens: cap on new tokens per prompt.
         k: candidates per round for a policy built by name.
         sampling: greedy when None.
-        seed: seeds the generator; the same seed and prompts give the same outputs.
+        seed: with the prompt's index, seeds its draws: the same seed gives the same outputs.
         chat_template: format prompts with the target's chat template when it has one.
     """
 
@@ -110,18 +110,27 @@ class Decoder:
         self.engine = Engine(pair.target.model, pair.draft.model if pair.draft else None, pair.eos_token_ids)
         limits = [context_length(m.model) for m in (pair.target, pair.draft) if m is not None]
         self.context = min((x for x in limits if x), default=None)
-        self.generator = torch.Generator(device=pair.target.device).manual_seed(seed)
-        # A draft on another device (a sharded target) draws from its own seeded stream.
+        self.seed = seed
+        self.generator = torch.Generator(device=pair.target.device)
+        # A draft on another device (a sharded target) draws from its own stream.
         self.draft_generator = None
         if pair.draft is not None and pair.draft.device != pair.target.device:
-            self.draft_generator = torch.Generator(device=pair.draft.device).manual_seed(seed + 1)
+            self.draft_generator = torch.Generator(device=pair.draft.device)
 
     @property
     def policy_name(self) -> str:
         return self.policy if isinstance(self.policy, str) else self.policy.name
 
-    def decode(self, prompt, on_tokens=None, name: str = "prompt") -> Result:
-        """One completion; ``on_tokens(ids)`` receives emitted ids as they are committed."""
+    def decode(self, prompt, index: int = 0, on_tokens=None, name: str = "prompt") -> Result:
+        """One completion; ``on_tokens(ids)`` receives emitted ids as they are committed.
+
+        The RNG is seeded from ``(seed, index)``, so a prompt's output does not depend on which
+        prompts ran before it (a resumed run equals an uninterrupted one).
+        """
+        stream = ((self.seed & 0xFFFFFFFF) << 32) | (index & 0x7FFFFFFF)
+        self.generator.manual_seed(stream)
+        if self.draft_generator is not None:
+            self.draft_generator.manual_seed(stream | (1 << 31))
         ids = format_prompt(self.pair.tokenizer, prompt, self.chat_template)
         if not ids:
             raise UserError(f"{name} is empty after tokenisation")
@@ -150,4 +159,4 @@ def generate(pair: Pair, prompts, policy: str | Policy = "sd", max_new_tokens: i
     single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict))
     items = [prompts] if single else list(prompts)
     decoder = Decoder(pair, policy, max_new_tokens, k, sampling, seed, chat_template)
-    return [decoder.decode(p, name=f"prompt {i}") for i, p in enumerate(items)]
+    return [decoder.decode(p, i, name=f"prompt {i}") for i, p in enumerate(items)]

@@ -4,7 +4,9 @@
 
 Writes ``outputs.jsonl`` (one completion per prompt, with its stats), ``metrics.jsonl``
 (the same stats, one line per prompt), ``metrics.json`` (aggregate), ``config.yaml`` and
-``manifest.json`` into ``output_dir``.
+``manifest.json`` into ``output_dir``. Re-running the same command after an interruption
+resumes: finished prompts are kept, the rest are decoded (each prompt's draws are seeded
+from ``(seed, prompt index)``, so the result equals an uninterrupted run).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -70,6 +73,13 @@ class _Streamer:
         self.printed = len(text)
 
 
+def _total(rows: list[dict]) -> GenerationStats:
+    """Aggregate stats of output rows (counts summed; rates are ratios of sums)."""
+    fields = GenerationStats.__dataclass_fields__
+    return GenerationStats.total([GenerationStats(**{k: v for k, v in r["stats"].items() if k in fields})
+                                  for r in rows])
+
+
 def _policy_settings(cfg: DecodeConfig, policy) -> dict:
     """The settings that define the run's policy, for the log and metrics.json."""
     if cfg.policy == "sd":
@@ -79,12 +89,37 @@ def _policy_settings(cfg: DecodeConfig, policy) -> dict:
     return {}
 
 
+def _finished_rows(path: Path) -> list[dict]:
+    """Rows of an earlier, interrupted run of the same config; a torn last line is cut off."""
+    if not path.exists():
+        return []
+    rows, good = [], 0
+    with open(path, "rb") as fh:
+        for line in fh:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                break
+            good += len(line)
+    with open(path, "r+b") as fh:
+        fh.truncate(good)
+    return rows
+
+
 def run(cfg: DecodeConfig) -> int:
     """Loads the pair, decodes every prompt, writes outputs and metrics."""
     _check(cfg)
     hf_logging.disable_progress_bar()  # our own bar is the one to watch; errors stay one line
     prompts = load_prompts(cfg.prompts, limit=cfg.num_prompts, offset=cfg.offset)
-    out_dir = prepare_output_dir(cfg.output_dir, to_yaml(cfg), overwrite=cfg.overwrite)
+    config_yaml = to_yaml(cfg)
+    previous = Path(cfg.output_dir) / "config.yaml"
+    same_run = previous.is_file() and previous.read_text(encoding="utf-8") == config_yaml
+    out_dir = prepare_output_dir(cfg.output_dir, config_yaml, overwrite=cfg.overwrite)
+    if not same_run:
+        (out_dir / "outputs.jsonl").unlink(missing_ok=True)
+    done = {row["id"]: row for row in _finished_rows(out_dir / "outputs.jsonl")}
+    if done:
+        log.info("resuming: %d of %d prompts already done in %s", len(done), len(prompts), out_dir)
     torch.manual_seed(cfg.seed)
     needs_draft = cfg.policy != "ar"
     pair = load_pair(cfg.target, cfg.draft if needs_draft else None, same_vocab=True)
@@ -93,28 +128,32 @@ def run(cfg: DecodeConfig) -> int:
     decoder = Decoder(pair, policy, cfg.max_new_tokens, cfg.k, cfg.sampling, cfg.seed, cfg.chat_template)
     settings = _policy_settings(cfg, policy)
     log.info("decoding %d prompts with policy=%s %s", len(prompts), cfg.policy, settings)
-    all_stats: list[GenerationStats] = []
-    truncated = 0
+    # metrics.jsonl mirrors outputs.jsonl: rebuilt from the finished rows, then appended to.
+    (out_dir / "metrics.jsonl").unlink(missing_ok=True)
     started = time.time()
-    with open(out_dir / "outputs.jsonl", "w", encoding="utf-8") as outputs, MetricsWriter(out_dir) as metrics, \
-            tqdm(prompts, desc=f"{PROG} {cfg.policy}", unit="prompt", disable=cfg.stream) as bar:
-        for prompt in bar:
-            streamer = _Streamer(pair.tokenizer) if cfg.stream else None
-            if streamer:
-                print(f"\n### {prompt.id}", flush=True)
-            res = decoder.decode(prompt, on_tokens=streamer, name=f"prompt {prompt.id}")
-            if streamer:
-                print(flush=True)
-            truncated += bool(res.truncated_prompt_tokens)
-            all_stats.append(res.stats)
-            row = {"id": prompt.id, "completion": res.text, "tokens": res.tokens, "reference": prompt.reference,
-                   "truncated_prompt_tokens": res.truncated_prompt_tokens, "stats": res.stats.to_dict()}
-            outputs.write(json.dumps(row, ensure_ascii=False) + "\n")
-            outputs.flush()
-            metrics.write({"id": prompt.id, **res.stats.to_dict()})
-            total = GenerationStats.total(all_stats)
+    with open(out_dir / "outputs.jsonl", "a", encoding="utf-8") as outputs, MetricsWriter(out_dir) as metrics, \
+            tqdm(total=len(prompts), desc=f"{PROG} {cfg.policy}", unit="prompt", disable=cfg.stream) as bar:
+        rows = []
+        for index, prompt in enumerate(prompts):
+            row = done.get(prompt.id)
+            if row is None:
+                streamer = _Streamer(pair.tokenizer) if cfg.stream else None
+                if streamer:
+                    print(f"\n### {prompt.id}", flush=True)
+                res = decoder.decode(prompt, cfg.offset + index, on_tokens=streamer, name=f"prompt {prompt.id}")
+                if streamer:
+                    print(flush=True)
+                row = {"id": prompt.id, "completion": res.text, "tokens": res.tokens, "reference": prompt.reference,
+                       "truncated_prompt_tokens": res.truncated_prompt_tokens, "stats": res.stats.to_dict()}
+                outputs.write(json.dumps(row, ensure_ascii=False) + "\n")
+                outputs.flush()
+            rows.append(row)
+            metrics.write({"id": prompt.id, **row["stats"]})
+            total = _total(rows)
+            bar.update()
             bar.set_postfix(tok_s=f"{total.tokens_per_s:.1f}", per_call=f"{total.tokens_per_call:.2f}")
-    total = GenerationStats.total(all_stats)
+    total = _total(rows)
+    truncated = sum(bool(r["truncated_prompt_tokens"]) for r in rows)
     summary = {"policy": cfg.policy, **settings,
                "sampling": cfg.sampling.to_dict(), "truncated_prompts": truncated, **total.to_dict()}
     atomic_write_json(out_dir / "metrics.json", summary)

@@ -190,3 +190,20 @@ def test_specdecpp_policy_with_exported_head(tiny_pair_dirs, prompts_file, tmp_p
     capsys.readouterr()
     assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "nohead", "policy=specdecpp")) == 2
     assert "needs head=" in _one_error_line(capsys)
+
+
+def test_interrupted_run_resumes_to_the_same_outputs(tiny_pair_dirs, prompts_file, tmp_path, caplog):
+    sampled = ("sampling.do_sample=true", "seed=3")
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert main(_args(tiny_pair_dirs, prompts_file, full, *sampled)) == 0
+    assert main(_args(tiny_pair_dirs, prompts_file, cut, *sampled)) == 0
+    lines = (cut / "outputs.jsonl").read_text().splitlines(keepends=True)
+    (cut / "outputs.jsonl").write_text(lines[0] + lines[1][:15])  # killed while writing row 2
+    with caplog.at_level(logging.INFO):
+        assert main(_args(tiny_pair_dirs, prompts_file, cut, *sampled)) == 0
+    assert any("resuming: 1 of 3" in r.getMessage() for r in caplog.records)
+    rows = {n: [json.loads(x) for x in (d / "outputs.jsonl").read_text().splitlines()] for n, d in
+            (("full", full), ("cut", cut))}
+    assert [(r["id"], r["tokens"]) for r in rows["cut"]] == [(r["id"], r["tokens"]) for r in rows["full"]]
+    assert len((cut / "metrics.jsonl").read_text().splitlines()) == 3
+    assert json.loads((cut / "metrics.json").read_text())["new_tokens"] == sum(len(r["tokens"]) for r in rows["full"])
