@@ -1,25 +1,181 @@
-"""`heads-datagen`: label generation.
+"""``heads-datagen``: run both models over prompts and write labelled examples.
 
-Not implemented yet: it arrives with SpecDec++ acceptance labels.
+    heads-datagen recipe=quickstart num_prompts=64 output_dir=runs/labels
+    accelerate launch --cpu --num_processes 2 -m specheads.datagen.cli recipe=quickstart
+
+Output: ``data/chunk-*.parquet`` (one row per prompt: ``prompt_id``, ``prompt_index``,
+``input_ids`` = prompt + response, ``response_start``, ``draft_token``, ``label``,
+``expected_label``), ``manifest.json`` (counts, label statistics, models, fingerprints,
+sampling settings, seed, schema version), ``metrics.jsonl`` (one line per chunk) and
+``config.yaml``. Killed at any point and started again with the same command, it finishes
+with every prompt labelled exactly once (see ``shards.py``).
 """
 
 from __future__ import annotations
 
-from specheads.config import not_implemented_main
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
 
+import torch
+from tqdm import tqdm
+from transformers.utils import logging as hf_logging
+
+from specheads.config import cli_main, to_yaml
+from specheads.errors import UserError
+from specheads.export import fit_context, format_prompt, load_pair
+from specheads.export.shim.models import context_length
+from specheads.outputs import MetricsWriter, prepare_output_dir, write_manifest
+from specheads.prompts import load_prompts
+
+from . import shards
+from .acceptance import generate_responses, label_batch
+from .config import DatagenConfig
+
+log = logging.getLogger(__name__)
 PROG = "heads-datagen"
+LABELS = ("acceptance",)
+
+
+def _check(cfg: DatagenConfig) -> None:
+    problems = list(cfg.sampling.problems())
+    if cfg.labels not in LABELS:
+        problems.append(f"labels={cfg.labels!r} is not one of {list(LABELS)}")
+    if not cfg.prompts:
+        problems.append("prompts is not set; pass prompts=<file>")
+    for key in ("max_new_tokens", "batch_size", "chunk_size"):
+        if getattr(cfg, key) < 1:
+            problems.append(f"{key}={getattr(cfg, key)} must be >= 1")
+    if problems:
+        raise UserError("; ".join(problems))
+
+
+def _prepare(cfg: DatagenConfig, is_main: bool) -> Path:
+    config_yaml = to_yaml(cfg)
+    out = Path(cfg.output_dir)
+    if is_main:
+        previous = out / "config.yaml"
+        same = previous.is_file() and previous.read_text(encoding="utf-8") == config_yaml
+        prepare_output_dir(out, config_yaml, overwrite=cfg.overwrite)
+        if not same:
+            shutil.rmtree(out / "data", ignore_errors=True)
+    return out
+
+
+def _label_chunk(cfg, pair, prompts, chunk: int, pad: int, eos: list[int], limit) -> tuple[dict, int]:
+    """Labels one chunk; returns its columns and its number of labelled tokens."""
+    lo = chunk * cfg.chunk_size
+    items = prompts[lo: lo + cfg.chunk_size]
+    seed = shards.chunk_seed(cfg.seed, chunk)
+    gen = torch.Generator(device=pair.target.device).manual_seed(seed)
+    cols: dict[str, list] = {k: [] for k in ("prompt_id", "prompt_index", "input_ids", "response_start",
+                                              "draft_token", "label", "expected_label")}
+    labelled = 0
+    for b in range(0, len(items), cfg.batch_size):
+        batch = items[b: b + cfg.batch_size]
+        ids = [fit_context(format_prompt(pair.tokenizer, p, cfg.chat_template), cfg.max_new_tokens, limit)[0]
+               for p in batch]
+        responses = generate_responses(pair.target.model, ids, cfg.max_new_tokens, cfg.sampling, seed + b, pad, eos)
+        labels = label_batch(pair.target.model, pair.draft.model, ids, responses, cfg.sampling, gen, pad)
+        for i, (p, x, r, lab) in enumerate(zip(batch, ids, responses, labels)):
+            cols["prompt_id"].append(p.id)
+            cols["prompt_index"].append(cfg.offset + lo + b + i)
+            cols["input_ids"].append(x + r)
+            cols["response_start"].append(len(x))
+            cols["draft_token"].append(lab["draft_token"].tolist())
+            cols["label"].append(lab["label"].tolist())
+            cols["expected_label"].append(lab["expected_label"].tolist() if cfg.expected_label else None)
+            labelled += len(r)
+    return cols, labelled
+
+
+def _summarise(out: Path) -> dict:
+    """Counts and label statistics, streamed chunk by chunk from the files."""
+    import pyarrow.parquet as pq
+
+    prompts = tokens = 0
+    label_sum = expected_sum = 0.0
+    hist = [0] * 10
+    for path in shards.chunk_files(out):
+        table = pq.read_table(path, columns=["label", "expected_label"])
+        for labels, expected in zip(table.column("label").to_pylist(), table.column("expected_label").to_pylist()):
+            prompts += 1
+            tokens += len(labels)
+            label_sum += sum(labels)
+            expected_sum += sum(expected or [])
+            for v in labels:
+                hist[min(int(v * 10), 9)] += 1
+    return {"prompts": prompts, "labelled_tokens": tokens,
+            "label_mean": label_sum / tokens if tokens else None,
+            "expected_label_mean": expected_sum / tokens if tokens else None,
+            "label_histogram_deciles": hist}
+
+
+def run(cfg: DatagenConfig) -> int:
+    """Labels every pending chunk of this process, then (main process) writes the manifest."""
+    from accelerate import PartialState
+
+    _check(cfg)
+    hf_logging.disable_progress_bar()
+    state = PartialState(cpu=not torch.cuda.is_available())
+    prompts = load_prompts(cfg.prompts, limit=cfg.num_prompts, offset=cfg.offset)
+    out = _prepare(cfg, state.is_main_process)
+    state.wait_for_everyone()
+    pair = load_pair(cfg.target, cfg.draft, same_vocab=True)
+    if pair.draft is None:
+        raise UserError("heads-datagen needs a draft model; set draft.path")
+    eos = pair.eos_token_ids
+    pad = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else eos[0]
+    limit = min(x for x in (context_length(pair.target.model), context_length(pair.draft.model), 1 << 30) if x)
+    pending = shards.pending_chunks(out, len(prompts), cfg.chunk_size)
+    mine = shards.my_chunks(pending, state.process_index, state.num_processes)
+    total = shards.num_chunks(len(prompts), cfg.chunk_size)
+    if state.is_main_process and len(pending) < total:
+        log.info("resuming: %d of %d chunks already labelled in %s", total - len(pending), total, out)
+    started, labelled = time.perf_counter(), 0
+    with tqdm(total=len(mine), unit="chunk", desc=f"{PROG} rank {state.process_index}",
+              disable=not state.is_main_process) as bar, MetricsWriter(out, f"metrics.rank{state.process_index}.jsonl") as metrics:
+        for chunk in mine:
+            t0 = time.perf_counter()
+            cols, n = _label_chunk(cfg, pair, prompts, chunk, pad, eos, limit)
+            shards.write_chunk(out, chunk, cols)
+            labelled += n
+            metrics.write(chunk=chunk, prompts=len(cols["prompt_id"]), labelled_tokens=n,
+                          seconds=round(time.perf_counter() - t0, 3))
+            bar.update()
+            bar.set_postfix(labelled_tok_s=f"{labelled / (time.perf_counter() - started):.1f}")
+    state.wait_for_everyone()
+    if state.is_main_process:
+        _finish(cfg, out, pair, total)
+    return 0
+
+
+def _finish(cfg: DatagenConfig, out: Path, pair, total: int) -> None:
+    missing = shards.pending_chunks(out, total * cfg.chunk_size, cfg.chunk_size)
+    if missing:
+        raise UserError(f"chunks {missing[:5]} are missing in {out}; run the same command again to finish them")
+    with MetricsWriter(out) as metrics:  # merge the per-rank logs in chunk order
+        rows = []
+        for path in sorted(out.glob("metrics.rank*.jsonl")):
+            rows += [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            path.unlink()
+        for row in sorted((json.loads(r) for r in rows), key=lambda r: r["chunk"]):
+            metrics.write(row)
+    stats = _summarise(out)
+    write_manifest(out, command=PROG, labels=cfg.labels, schema_version=shards.SCHEMA_VERSION,
+                   prompts_file=cfg.prompts, offset=cfg.offset, chunk_size=cfg.chunk_size, chunks=total,
+                   target={"name": pair.target.name, "fingerprint": pair.target.fingerprint},
+                   draft={"name": pair.draft.name, "fingerprint": pair.draft.fingerprint},
+                   sampling=cfg.sampling.to_dict(), seed=cfg.seed, max_new_tokens=cfg.max_new_tokens, **stats)
+    log.info("%d prompts, %d labelled tokens, mean label %.3f -> %s", stats["prompts"], stats["labelled_tokens"],
+             stats["label_mean"] or 0.0, out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `heads-datagen`.
-
-    Args:
-        argv: Arguments without the program name; ``None`` takes ``sys.argv[1:]``.
-
-    Returns:
-        2 (not implemented yet), or 0 for ``--help``.
-    """
-    return not_implemented_main(PROG, "arrives with SpecDec++ acceptance labels", argv)
+    """Entry point of ``heads-datagen``."""
+    return cli_main(PROG, DatagenConfig, "datagen", argv, run)
 
 
 if __name__ == "__main__":

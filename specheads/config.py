@@ -29,7 +29,10 @@ __all__ = ["UserError", "SECTIONS", "PROGS", "cli_main", "help_text", "list_reci
 T = TypeVar("T")
 
 #: Section name -> "module:ClassName" of the schema of the CLI that reads it.
-SECTIONS: dict[str, str] = {"decode": "specheads.export.decode_config:DecodeConfig"}
+SECTIONS: dict[str, str] = {
+    "decode": "specheads.export.decode_config:DecodeConfig",
+    "datagen": "specheads.datagen.config:DatagenConfig",
+}
 #: Every section a recipe may hold, with the CLI that reads it.
 PROGS: dict[str, str] = {
     "decode": "heads-decode",
