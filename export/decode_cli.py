@@ -73,11 +73,10 @@ class _Streamer:
         self.printed = len(text)
 
 
-def _total(rows: list[dict]) -> GenerationStats:
-    """Aggregate stats of output rows (counts summed; rates are ratios of sums)."""
+def _stats(row: dict) -> GenerationStats:
+    """The stats of one output row (its derived rates dropped)."""
     fields = GenerationStats.__dataclass_fields__
-    return GenerationStats.total([GenerationStats(**{k: v for k, v in r["stats"].items() if k in fields})
-                                  for r in rows])
+    return GenerationStats(**{k: v for k, v in row["stats"].items() if k in fields})
 
 
 def _policy_settings(cfg: DecodeConfig, policy) -> dict:
@@ -117,7 +116,7 @@ def run(cfg: DecodeConfig) -> int:
     out_dir = prepare_output_dir(cfg.output_dir, config_yaml, overwrite=cfg.overwrite)
     if not same_run:
         (out_dir / "outputs.jsonl").unlink(missing_ok=True)
-    done = {row["id"]: row for row in _finished_rows(out_dir / "outputs.jsonl")}
+    done = {row["index"]: row for row in _finished_rows(out_dir / "outputs.jsonl")}
     if done:
         log.info("resuming: %d of %d prompts already done in %s", len(done), len(prompts), out_dir)
     torch.manual_seed(cfg.seed)
@@ -133,27 +132,25 @@ def run(cfg: DecodeConfig) -> int:
     started = time.time()
     with open(out_dir / "outputs.jsonl", "a", encoding="utf-8") as outputs, MetricsWriter(out_dir) as metrics, \
             tqdm(total=len(prompts), desc=f"{PROG} {cfg.policy}", unit="prompt", disable=cfg.stream) as bar:
-        rows = []
-        for index, prompt in enumerate(prompts):
-            row = done.get(prompt.id)
+        total, truncated = GenerationStats(prompts=0), 0
+        for index, prompt in enumerate(prompts, start=cfg.offset):
+            row = done.get(index)
             if row is None:
                 streamer = _Streamer(pair.tokenizer) if cfg.stream else None
                 if streamer:
                     print(f"\n### {prompt.id}", flush=True)
-                res = decoder.decode(prompt, cfg.offset + index, on_tokens=streamer, name=f"prompt {prompt.id}")
+                res = decoder.decode(prompt, index, on_tokens=streamer, name=f"prompt {prompt.id}")
                 if streamer:
                     print(flush=True)
-                row = {"id": prompt.id, "completion": res.text, "tokens": res.tokens, "reference": prompt.reference,
+                row = {"index": index, "id": prompt.id, "completion": res.text, "tokens": res.tokens, "reference": prompt.reference,
                        "truncated_prompt_tokens": res.truncated_prompt_tokens, "stats": res.stats.to_dict()}
                 outputs.write(json.dumps(row, ensure_ascii=False) + "\n")
                 outputs.flush()
-            rows.append(row)
-            metrics.write({"id": prompt.id, **row["stats"]})
-            total = _total(rows)
+            metrics.write({"index": index, "id": prompt.id, **row["stats"]})
+            total = GenerationStats.total([total, _stats(row)])
+            truncated += bool(row["truncated_prompt_tokens"])
             bar.update()
             bar.set_postfix(tok_s=f"{total.tokens_per_s:.1f}", per_call=f"{total.tokens_per_call:.2f}")
-    total = _total(rows)
-    truncated = sum(bool(r["truncated_prompt_tokens"]) for r in rows)
     summary = {"policy": cfg.policy, **settings,
                "sampling": cfg.sampling.to_dict(), "truncated_prompts": truncated, **total.to_dict()}
     atomic_write_json(out_dir / "metrics.json", summary)
