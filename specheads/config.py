@@ -32,6 +32,7 @@ T = TypeVar("T")
 SECTIONS: dict[str, str] = {
     "decode": "specheads.export.decode_config:DecodeConfig",
     "datagen": "specheads.datagen.config:DatagenConfig",
+    "train": "specheads.train.config:TrainConfig",
 }
 #: Every section a recipe may hold, with the CLI that reads it.
 PROGS: dict[str, str] = {

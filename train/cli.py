@@ -1,25 +1,70 @@
-"""`heads-train`: head training.
+"""``heads-train``: fit a head on ``heads-datagen`` output.
 
-Not implemented yet: it arrives with acceptance-head training.
+    heads-train recipe=quickstart
+    accelerate launch --multi_gpu --num_processes 2 -m specheads.train.cli recipe=quickstart
+
+Writes ``head.safetensors`` (the best epoch's head with its metadata, ready for
+``heads-decode policy=specdecpp head=...``), ``best_metrics.json``, ``metrics.jsonl``,
+``checkpoint-<step>/`` + ``latest`` (resume by running the same command again),
+``config.yaml`` and ``manifest.json``.
 """
 
 from __future__ import annotations
 
-from specheads.config import not_implemented_main
+import logging
+from pathlib import Path
 
+from transformers.utils import logging as hf_logging
+
+from specheads.config import cli_main, to_yaml
+from specheads.errors import UserError
+from specheads.outputs import prepare_output_dir, write_manifest
+
+from .config import TrainConfig
+from .recipe import train
+
+log = logging.getLogger(__name__)
 PROG = "heads-train"
 
 
+def _check(cfg: TrainConfig) -> None:
+    problems = []
+    if cfg.head != "acceptance":
+        problems.append(f"head={cfg.head!r}: only 'acceptance' is trainable so far")
+    if not cfg.data_dir:
+        problems.append("data_dir is not set; pass data_dir=<heads-datagen output_dir>")
+    if cfg.depth < 0:
+        problems.append(f"depth={cfg.depth} must be >= 0")
+    if not 0 <= cfg.mix_ratio < 1:
+        problems.append(f"mix_ratio={cfg.mix_ratio} must be in [0, 1)")
+    if not 0 <= cfg.eval_fraction < 1:
+        problems.append(f"eval_fraction={cfg.eval_fraction} must be in [0, 1)")
+    for key in ("epochs", "batch_size", "grad_accum", "patience"):
+        if getattr(cfg, key) < 1:
+            problems.append(f"{key}={getattr(cfg, key)} must be >= 1")
+    if cfg.lr <= 0 or cfg.w_acc <= 0 or cfg.w_rej <= 0:
+        problems.append("lr, w_acc and w_rej must be > 0")
+    if not 0 < cfg.threshold < 1:
+        problems.append(f"threshold={cfg.threshold} must be in (0, 1)")
+    if problems:
+        raise UserError("; ".join(problems))
+
+
+def run(cfg: TrainConfig) -> int:
+    """Validates, prepares the output directory (resuming the same run), trains."""
+    _check(cfg)
+    hf_logging.disable_progress_bar()
+    out = prepare_output_dir(cfg.output_dir, to_yaml(cfg), overwrite=cfg.overwrite)
+    metrics = train(cfg, Path(out))
+    write_manifest(out, command=PROG, data_dir=cfg.data_dir, head="head.safetensors", **metrics)
+    log.info("eval binary KL %.4f, AUROC %s -> %s", metrics.get("eval_binary_kl", float("nan")),
+             metrics.get("eval_auroc"), Path(out) / "head.safetensors")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `heads-train`.
-
-    Args:
-        argv: Arguments without the program name; ``None`` takes ``sys.argv[1:]``.
-
-    Returns:
-        2 (not implemented yet), or 0 for ``--help``.
-    """
-    return not_implemented_main(PROG, "arrives with acceptance-head training", argv)
+    """Entry point of ``heads-train``."""
+    return cli_main(PROG, TrainConfig, "train", argv, run)
 
 
 if __name__ == "__main__":

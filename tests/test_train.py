@@ -1,0 +1,85 @@
+"""``heads-train`` on tiny datagen output: mixing, a full run, export, resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_datagen import _args as datagen_args
+
+from specheads.datagen.cli import main as datagen_main
+from specheads.export import load_head, read_metadata
+from specheads.train.cli import main
+from specheads.train.data import Example, mix
+
+
+def test_mixing_follows_the_ratio_and_masks_by_draw():
+    ex = Example(0, [1, 2] + [10] * 4000, 2, [20] * 4000, [0.5] * 4000)
+    z, mask = mix(ex, 0.15, seed=3)
+    drawn = [zi == 10 for zi in z[2:]]
+    assert abs(sum(drawn) / 4000 - 0.15) < 0.02
+    assert mask == [not d for d in drawn]
+    same = Example(0, [1, 2, 7, 7], 2, [7, 7], [1.0, 1.0])  # x == y: the mask still follows the draw
+    for seed in range(20):
+        z, mask = mix(same, 0.5, seed)
+        assert z == [1, 2, 7, 7] and len(mask) == 2
+    assert mix(ex, 0.15, 3) == mix(ex, 0.15, 3)
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory, tiny_pair_dirs):
+    root = tmp_path_factory.mktemp("labelled")
+    prompts = root / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in
+                               ["the cat sat", "a dog ran up", "one two three", "why is the sun red", "big moon",
+                                "yes no up down", "left right", "the red sun", "two three four", "who was it"]))
+    out = root / "dg"
+    assert datagen_main(datagen_args(tiny_pair_dirs, prompts, out, "max_new_tokens=10")) == 0
+    return out
+
+
+def _targs(tiny_pair_dirs, data, out, *extra):
+    return [f"data_dir={data}", f"draft.path={tiny_pair_dirs[1]}", "draft.gguf_file=null", "draft.device=cpu",
+            f"output_dir={out}", "batch_size=2", "grad_accum=2", "epochs=3", "lr=1e-2", "eval_fraction=0.2",
+            "depth=1", "patience=3", *extra]
+
+
+def test_train_exports_a_loadable_head(tiny_pair_dirs, labelled, tmp_path):
+    out = tmp_path / "tr"
+    assert main(_targs(tiny_pair_dirs, labelled, out)) == 0
+    meta = read_metadata(out / "head.safetensors")
+    assert meta["head_type"] == "acceptance" and meta["hidden_size"] == 32 and meta["default_threshold"] == 0.7
+    assert meta["sampling"]["do_sample"] is True
+    head = load_head(out / "head.safetensors")
+    assert head.module(torch.zeros(3, 32)).shape == (3,)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("loss" in r for r in lines) and sum("eval_binary_kl" in r for r in lines) == 3
+    assert (out / "latest").read_text().strip().startswith("checkpoint-")
+
+
+def test_resumed_training_gives_the_same_head(tiny_pair_dirs, labelled, tmp_path, monkeypatch):
+    from specheads.train import checkpoint
+
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert main(_targs(tiny_pair_dirs, labelled, full)) == 0
+    save = checkpoint.save
+
+    def killed_after_first_checkpoint(*args, **kwargs):
+        save(*args, **kwargs)
+        raise KeyboardInterrupt  # the process dies right after its first checkpoint
+
+    monkeypatch.setattr(checkpoint, "save", killed_after_first_checkpoint)
+    assert main(_targs(tiny_pair_dirs, labelled, cut)) == 130
+    monkeypatch.setattr(checkpoint, "save", save)
+    assert main(_targs(tiny_pair_dirs, labelled, cut)) == 0  # the same command resumes
+    a = load_head(full / "head.safetensors").module.state_dict()
+    b = load_head(cut / "head.safetensors").module.state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+def test_train_refuses_data_from_another_draft(tiny_pair_dirs, labelled, tmp_path, capsys):
+    args = _targs(tiny_pair_dirs, labelled, tmp_path / "x") + [f"draft.path={tiny_pair_dirs[0]}"]
+    assert main(args) == 2
+    assert "not the draft the data was labelled with" in capsys.readouterr().err

@@ -1,0 +1,34 @@
+"""Schema of ``heads-train`` (recipe section ``train``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specheads.export.shim.models import ModelSpec
+
+
+@dataclass
+class TrainConfig:
+    """Fit an acceptance head on ``heads-datagen`` output with weighted soft BCE."""
+
+    data_dir: str = field(default="", metadata={"help": "output_dir of heads-datagen"})
+    draft: ModelSpec = field(default_factory=ModelSpec)
+    head: str = field(default="acceptance", metadata={"help": "head type (acceptance)"})
+    depth: int = field(default=3, metadata={"help": "residual blocks D (0 = linear)"})
+    mix_ratio: float = field(default=0.15, metadata={"help": "token mixing ratio r"})
+    w_acc: float = 1.0
+    w_rej: float = 6.0
+    lr: float = 5e-5
+    weight_decay: float = 0.0
+    epochs: int = 3
+    batch_size: int = field(default=4, metadata={"help": "sequences per micro-batch (per process)"})
+    grad_accum: int = 8
+    warmup_ratio: float = 0.03
+    eval_fraction: float = 0.1
+    patience: int = field(default=1, metadata={"help": "epochs without eval improvement before stopping"})
+    max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
+    bf16: bool = field(default=True, metadata={"help": "bf16 autocast where the device supports it"})
+    threshold: float = field(default=0.7, metadata={"help": "default stop threshold h stored in the export"})
+    seed: int = 0
+    output_dir: str = "runs/train"
+    overwrite: bool = False

@@ -1,0 +1,101 @@
+"""Acceptance-head training data: labelled chunks, a seeded split, token mixing, online features."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specheads.errors import UserError
+
+COLUMNS = ("prompt_index", "input_ids", "response_start", "draft_token", "label")
+
+
+@dataclass
+class Example:
+    """One prompt's response with a draft token and a soft label per response position."""
+
+    index: int
+    input_ids: list[int]
+    start: int
+    draft_token: list[int]
+    label: list[float]
+
+
+def load_examples(data_dir: str | Path, label_column: str = "label") -> list[Example]:
+    """Reads every chunk written by ``heads-datagen`` (only the columns training needs)."""
+    import pyarrow.parquet as pq
+
+    files = sorted((Path(data_dir) / "data").glob("chunk-*.parquet"))
+    if not files:
+        raise UserError(f"no chunk-*.parquet under {Path(data_dir) / 'data'}; run heads-datagen first "
+                        "or point data_dir at its output_dir")
+    out = []
+    for path in files:
+        names = pq.read_schema(path).names
+        missing = [c for c in (*COLUMNS, label_column) if c not in names]
+        if missing:
+            raise UserError(f"{path} lacks columns {missing}; regenerate it with heads-datagen")
+        table = pq.read_table(path, columns=list(dict.fromkeys((*COLUMNS[:-1], label_column))))
+        for row in table.to_pylist():
+            out.append(Example(row["prompt_index"], row["input_ids"], row["response_start"], row["draft_token"],
+                               row[label_column]))
+    out.sort(key=lambda e: e.index)
+    return out
+
+
+def split(examples: list[Example], eval_fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
+    """A seeded split by prompt (every prompt's tokens on one side)."""
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    n_eval = max(1, round(len(examples) * eval_fraction)) if eval_fraction > 0 else 0
+    if n_eval >= len(examples):
+        raise UserError(f"eval_fraction={eval_fraction} leaves no training prompts out of {len(examples)}")
+    held = set(order[:n_eval])
+    return [e for i, e in enumerate(examples) if i not in held], [e for i, e in enumerate(examples) if i in held]
+
+
+def mix(example: Example, ratio: float, seed: int) -> tuple[list[int], list[bool]]:
+    """Token mixing (ALGORITHMS.md section 1): ``z_i = x_i`` where ``m_i ~ Bernoulli(ratio)``, else ``y_i``.
+
+    Returns the mixed sequence (prompt + z) and the loss mask over response positions
+    (``m_i = 0``: decided by the draw, not by token equality). The draw depends only on
+    ``seed`` (derive it from the run seed, the epoch and the example), so any batching or
+    process count sees the same mixing.
+    """
+    g = torch.Generator().manual_seed(seed)
+    n = len(example.label)
+    m = (torch.rand(n, generator=g) < ratio).tolist()
+    x = example.input_ids[example.start:]
+    z = [xi if mi else yi for xi, yi, mi in zip(x, example.draft_token, m)]
+    return example.input_ids[: example.start] + z, [not mi for mi in m]
+
+
+def mix_seed(seed: int, epoch: int, index: int) -> int:
+    return ((seed & 0xFFFF) << 40) + (epoch << 28) + index
+
+
+@torch.no_grad()
+def draft_features(draft, capture, seqs: list[list[int]], starts: list[int], masks: list[list[bool]],
+                   labels: list[list[float]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen draft's post-norm states at the labelled response positions of a batch.
+
+    The state at a response token's own position (after consuming it) is the SpecDec++
+    feature ``h^D_i``. Returns features ``[M, d]`` and labels ``[M]``.
+    """
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+    draft(input_ids=ids.to(device), attention_mask=attn.to(device), logits_to_keep=1)
+    states = capture.post
+    feats, ys = [], []
+    for b, (start, mask, lab) in enumerate(zip(starts, masks, labels)):
+        pos = torch.tensor([start + i for i, keep in enumerate(mask) if keep], dtype=torch.long, device=states.device)
+        feats.append(states[b].index_select(0, pos))
+        ys.append(torch.tensor([v for v, keep in zip(lab, mask) if keep], dtype=torch.float32))
+    return torch.cat(feats).float(), torch.cat(ys).to(states.device)

@@ -1,0 +1,172 @@
+"""The acceptance-head training run: setup, epochs with token mixing, evaluation, checkpoints, export.
+
+Data parallel under ``accelerate launch`` (DDP): every process draws the same seeded epoch
+permutation and takes every ``world``-th micro-batch of it, so the examples a step sees do
+not depend on timing, and a resumed run continues at the saved position with the saved RNG.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specheads.errors import UserError
+from specheads.export import save_head
+from specheads.export.shim.models import HiddenCapture, load_model
+from specheads.heads import AcceptanceHead
+from specheads.outputs import MetricsWriter, atomic_write_json
+
+from . import checkpoint
+from .config import TrainConfig
+from .data import draft_features, load_examples, mix, mix_seed, split
+from .loss import binary_kl, weighted_soft_bce
+
+log = logging.getLogger(__name__)
+EVAL_EPOCH = 0xFFF  # the fixed mixing draw of the held-out set
+
+
+def _epoch_batches(n: int, batch: int, world: int, seed: int, epoch: int) -> list[list[int]]:
+    """The epoch's micro-batches of example indices, padded so every process gets as many."""
+    order = list(range(n))
+    random.Random(seed * 1000 + epoch).shuffle(order)
+    per_round = batch * world
+    if len(order) % per_round:
+        order += order[: per_round - len(order) % per_round]
+    return [order[i: i + batch] for i in range(0, len(order), batch)]
+
+
+def _features(ctx, examples, epoch: int):
+    seqs, starts, masks, labels = [], [], [], []
+    for ex in examples:
+        z, m = mix(ex, ctx["cfg"].mix_ratio, mix_seed(ctx["cfg"].seed, epoch, ex.index))
+        seqs.append(z)
+        starts.append(ex.start)
+        masks.append(m)
+        labels.append(ex.label)
+    return draft_features(ctx["draft"], ctx["capture"], seqs, starts, masks, labels, ctx["pad"], ctx["device"])
+
+
+@torch.no_grad()
+def evaluate(ctx, head, examples) -> dict:
+    """Unweighted binary KL, weighted loss and AUROC (against the binarised label) on held-out prompts."""
+    from sklearn.metrics import roc_auc_score
+
+    logits, labels = [], []
+    for i in range(0, len(examples), ctx["cfg"].batch_size):
+        x, y = _features(ctx, examples[i: i + ctx["cfg"].batch_size], EVAL_EPOCH)
+        logits.append(head(x).float())
+        labels.append(y)
+    x, y = torch.cat(logits), torch.cat(labels)
+    hard = (y >= 0.5).cpu().numpy()
+    auroc = float(roc_auc_score(hard, x.cpu().numpy())) if 0 < hard.sum() < len(hard) else None
+    cfg = ctx["cfg"]
+    return {"eval_binary_kl": float(binary_kl(y, x)), "eval_weighted_loss": float(weighted_soft_bce(x, y, cfg.w_acc,
+            cfg.w_rej)), "eval_auroc": auroc, "eval_tokens": int(y.numel()), "eval_label_mean": float(y.mean())}
+
+
+def _head_metadata(cfg: TrainConfig, manifest: dict, hidden: int, metrics: dict) -> dict:
+    return {"head_config": {"hidden_size": hidden, "depth": cfg.depth}, "hidden_size": hidden,
+            "feature": {"model": "draft", "state": "post", "layer": -1, "position": "own"},
+            "draft": manifest["draft"], "target": manifest["target"], "sampling": manifest["sampling"],
+            "default_threshold": cfg.threshold, "extra": {"train": metrics, "datagen_seed": manifest.get("seed")}}
+
+
+def train(cfg: TrainConfig, out: Path) -> dict:
+    """Runs the whole training; returns the final metrics. Resumes from ``out/latest`` if present."""
+    from accelerate import Accelerator
+    from transformers import get_cosine_schedule_with_warmup
+
+    cuda = torch.cuda.is_available()
+    acc = Accelerator(cpu=not cuda, mixed_precision="bf16" if cfg.bf16 and cuda and torch.cuda.is_bf16_supported()
+                      else "no")
+    manifest_path = Path(cfg.data_dir) / "manifest.json"
+    if not manifest_path.is_file():
+        raise UserError(f"{manifest_path} not found; data_dir must be a finished heads-datagen output_dir")
+    manifest = json.loads(manifest_path.read_text())
+    examples = load_examples(cfg.data_dir)
+    train_ex, eval_ex = split(examples, cfg.eval_fraction, cfg.seed)
+    cfg.draft.device = str(acc.device) if cfg.draft.device == "auto" else cfg.draft.device
+    draft = load_model(cfg.draft, "draft")
+    if draft.fingerprint != manifest["draft"]["fingerprint"]:
+        raise UserError(f"draft {draft.name!r} (fingerprint {draft.fingerprint}) is not the draft the data was "
+                        f"labelled with ({manifest['draft']['name']!r}, {manifest['draft']['fingerprint']}); "
+                        "set draft.path to that model")
+    tok = draft.tokenizer
+    ctx = {"cfg": cfg, "draft": draft.model, "capture": HiddenCapture(draft.model), "device": draft.device,
+           "pad": tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)}
+    torch.manual_seed(cfg.seed)
+    head = AcceptanceHead(draft.hidden_size, cfg.depth)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    world = acc.num_processes
+    micro = len(_epoch_batches(len(train_ex), cfg.batch_size, world, cfg.seed, 0)) // world
+    steps_per_epoch = math.ceil(micro / cfg.grad_accum)
+    total = min(steps_per_epoch * cfg.epochs, cfg.max_steps or 1 << 62)
+    sched = get_cosine_schedule_with_warmup(opt, math.ceil(cfg.warmup_ratio * total), total)
+    progress = {"epoch": 0, "step": 0, "best": None, "bad_epochs": 0, "done": False}
+    ckpt = checkpoint.latest(out)
+    if ckpt is not None:
+        progress = checkpoint.load(ckpt, head, opt, sched)["progress"]
+        log.info("resumed from %s (epoch %d, step %d)", ckpt, progress["epoch"], progress["step"])
+    head, opt = acc.prepare(head, opt)
+    raw = acc.unwrap_model(head)
+    final = {}
+    with MetricsWriter(out) if acc.is_main_process else _Null() as metrics, \
+            tqdm(total=total, initial=progress["step"], unit="step", desc="heads-train",
+                 disable=not acc.is_main_process) as bar:
+        while not progress["done"] and progress["epoch"] < cfg.epochs:
+            epoch = progress["epoch"]
+            batches = _epoch_batches(len(train_ex), cfg.batch_size, world, cfg.seed, epoch)[acc.process_index::world]
+            head.train()
+            for i, idx in enumerate(batches):
+                x, y = _features(ctx, [train_ex[j] for j in idx], epoch)
+                with acc.autocast():
+                    loss = weighted_soft_bce(head(x), y, cfg.w_acc, cfg.w_rej) / cfg.grad_accum
+                last = (i + 1) % cfg.grad_accum == 0 or i + 1 == len(batches)
+                if last:
+                    acc.backward(loss)
+                    opt.step()
+                    sched.step()
+                    opt.zero_grad()
+                    progress["step"] += 1
+                    bar.update()
+                    metrics.write(step=progress["step"], epoch=epoch, loss=float(loss.detach()) * cfg.grad_accum,
+                                  lr=sched.get_last_lr()[0])
+                    if progress["step"] >= total:
+                        break
+                else:
+                    with acc.no_sync(head):
+                        acc.backward(loss)
+            head.eval()
+            final = {"epoch": epoch, "step": progress["step"], **evaluate(ctx, raw, eval_ex)}
+            metrics.write(final)
+            if progress["best"] is None or final["eval_binary_kl"] < progress["best"]:
+                progress["best"], progress["bad_epochs"] = final["eval_binary_kl"], 0
+                if acc.is_main_process:
+                    save_head(out / "head.safetensors", raw, "acceptance",
+                              _head_metadata(cfg, manifest, draft.hidden_size, final))
+                    atomic_write_json(out / "best_metrics.json", final)
+            else:
+                progress["bad_epochs"] += 1
+            progress["epoch"] += 1
+            progress["done"] = progress["bad_epochs"] >= cfg.patience or progress["step"] >= total
+            if acc.is_main_process:
+                checkpoint.save(out, progress["step"], raw, opt, sched, progress)
+            acc.wait_for_everyone()
+    return json.loads((out / "best_metrics.json").read_text()) if (out / "best_metrics.json").exists() else final
+
+
+class _Null:
+    def write(self, *a, **k):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
