@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specheads.export.shim.models import pad_batch
 from specheads.export.shim.sampling import SamplingConfig, probs_from_logits, sample
 
 
@@ -38,16 +39,6 @@ def acceptance_labels(p_logits: torch.Tensor, q_logits: torch.Tensor, sampling: 
     return {"draft_token": y, "label": label, "expected_label": torch.minimum(p, q).sum(-1)}
 
 
-def _right_pad(seqs: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(s)] = 1
-    return ids.to(device), mask.to(device)
-
-
 @torch.inference_mode()
 def teacher_forced_logits(model, seqs: list[list[int]], first: int, pad: int) -> torch.Tensor:
     """One batched forward over right-padded ``seqs``, keeping the logits from position ``first - 1`` on.
@@ -57,7 +48,7 @@ def teacher_forced_logits(model, seqs: list[list[int]], first: int, pad: int) ->
     distribution of its first response token in row ``L - first``.
     """
     device = model.get_input_embeddings().weight.device
-    ids, mask = _right_pad(seqs, pad, device)
+    ids, mask = pad_batch(seqs, pad, device)
     keep = ids.shape[1] - first + 1
     return model(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits[:, -keep:]
 
@@ -70,19 +61,14 @@ def generate_responses(model, prompts: list[list[int]], max_new_tokens: int, sam
     Sampling uses the deployment settings and draws from torch's RNG seeded with ``seed``, so a
     batch's responses depend only on its prompts and seed. EOS ends a response (and is kept).
     """
-    device = model.get_input_embeddings().weight.device
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+    ids, mask = pad_batch(prompts, pad, model.get_input_embeddings().weight.device, left=True)
+    width = ids.shape[1]
     kwargs = {"do_sample": False}
     if sampling.do_sample:
         kwargs = {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k or None,
                   "top_p": sampling.top_p}
     torch.manual_seed(seed)
-    out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                          pad_token_id=pad, eos_token_id=eos or None, **kwargs)
     responses = []
     for row in out[:, width:].tolist():

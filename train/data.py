@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from specheads.errors import UserError
+from specheads.export.shim.models import pad_batch
 
 COLUMNS = ("prompt_index", "input_ids", "response_start", "draft_token", "label")
 
@@ -85,13 +86,8 @@ def draft_features(draft, capture, seqs: list[list[int]], starts: list[int], mas
     The state at a response token's own position (after consuming it) is the SpecDec++
     feature ``h^D_i``. Returns features ``[M, d]`` and labels ``[M]``.
     """
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-        attn[i, : len(s)] = 1
-    draft(input_ids=ids.to(device), attention_mask=attn.to(device), logits_to_keep=1)
+    ids, attn = pad_batch(seqs, pad, device)
+    draft(input_ids=ids, attention_mask=attn, logits_to_keep=1)
     states = capture.post
     feats, ys = [], []
     for b, (start, mask, lab) in enumerate(zip(starts, masks, labels)):

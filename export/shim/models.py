@@ -222,6 +222,18 @@ def context_length(model) -> int | None:
     return None
 
 
+def pad_batch(seqs: list[list[int]], pad: int, device=None, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists as one ``[B, T]`` batch and its attention mask, padded on the right (or left)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        cols = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[i, cols] = torch.tensor(s, dtype=torch.long)
+        mask[i, cols] = 1
+    return ids.to(device), mask.to(device)
+
+
 def final_norm(model) -> torch.nn.Module:
     """The final normalisation module of a decoder (Llama, Mistral, Qwen, Gemma, GPT-2, GPT-Neo(X), ...)."""
     base = getattr(model, "base_model", model)
