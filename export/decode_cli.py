@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
@@ -119,7 +118,6 @@ def run(cfg: DecodeConfig) -> int:
     done = {row["index"]: row for row in _finished_rows(out_dir / "outputs.jsonl")}
     if done:
         log.info("resuming: %d of %d prompts already done in %s", len(done), len(prompts), out_dir)
-    torch.manual_seed(cfg.seed)
     needs_draft = cfg.policy != "ar"
     pair = load_pair(cfg.target, cfg.draft if needs_draft else None, same_vocab=True)
     policy = make_policy(cfg.policy, pair, cfg.k, cfg.head, cfg.threshold, cfg.k_min, cfg.k_max, cfg.sampling,

@@ -138,6 +138,7 @@ class Engine:
         policy.reset()
         seq = list(prompt_ids)
         t_dev, d_dev = target.device, draft.device
+        d_gen = draft_generator or generator
         out: list[int] = []
         try:
             while len(out) < max_new_tokens:
@@ -147,7 +148,7 @@ class Engine:
                     pending = torch.tensor([seq[draft.length:]], device=d_dev)
                     while True:
                         logits, hid = draft.forward(pending, n_logits=1)
-                        tok, q = _pick(logits[0], sampling, draft_generator or generator)
+                        tok, q = _pick(logits[0], sampling, d_gen)
                         rnd.tokens.append(tok)
                         rnd.draft_logits.append(logits[0])
                         if q is not None:

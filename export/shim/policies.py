@@ -188,14 +188,14 @@ class SpecDecPP(Policy):
 
     def stop_drafting(self, rnd: Round) -> bool:
         n = rnd.n
+        if n >= self.k:  # k_max: stop without scoring
+            return True
         if n == 1:
             self._log_keep = 0.0
-        else:  # the state returned with y_n belongs to y_{n-1}
-            logit = self.head(rnd.draft_hidden[n - 1].to(next(self.head.parameters()).dtype))
+        else:  # the state returned with y_n belongs to y_{n-1}; the head has the draft's dtype
+            logit = self.head(rnd.draft_hidden[n - 1])
             self._log_keep += float(torch.nn.functional.logsigmoid(logit.float()))
             self.scored += 1
-        if n >= self.k:
-            return True
         return n >= self.k_min and 1.0 - math.exp(self._log_keep) > self.threshold
 
 
