@@ -92,10 +92,13 @@ class Decoder:
         sampling: greedy when None.
         seed: with the prompt's index, seeds its draws: the same seed gives the same outputs.
         chat_template: format prompts with the target's chat template when it has one.
+        fused_forward: run Llama-family models on the fused forward (same outputs, faster);
+            False keeps each model's own forward.
     """
 
     def __init__(self, pair: Pair, policy: str | Policy = "sd", max_new_tokens: int = 128, k: int = 4,
-                 sampling: SamplingConfig | None = None, seed: int = 0, chat_template: bool = True):
+                 sampling: SamplingConfig | None = None, seed: int = 0, chat_template: bool = True,
+                 fused_forward: bool = True):
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens={max_new_tokens} must be >= 1")
         self.sampling = sampling or SamplingConfig()
@@ -107,7 +110,8 @@ class Decoder:
         if (isinstance(policy, Policy) or policy == "draft") and pair.draft is None:
             raise UserError(f"policy {getattr(policy, 'name', policy)!r} needs a draft model; set draft.path")
         self.pair, self.policy, self.max_new_tokens, self.chat_template = pair, policy, max_new_tokens, chat_template
-        self.engine = Engine(pair.target.model, pair.draft.model if pair.draft else None, pair.eos_token_ids)
+        self.engine = Engine(pair.target.model, pair.draft.model if pair.draft else None, pair.eos_token_ids,
+                             fused=fused_forward)
         limits = [context_length(m.model) for m in (pair.target, pair.draft) if m is not None]
         self.context = min((x for x in limits if x), default=None)
         self.seed = seed

@@ -122,7 +122,8 @@ def run(cfg: DecodeConfig) -> int:
     pair = load_pair(cfg.target, cfg.draft if needs_draft else None, same_vocab=True)
     policy = make_policy(cfg.policy, pair, cfg.k, cfg.head, cfg.threshold, cfg.k_min, cfg.k_max, cfg.sampling,
                          cfg.strict)
-    decoder = Decoder(pair, policy, cfg.max_new_tokens, cfg.k, cfg.sampling, cfg.seed, cfg.chat_template)
+    decoder = Decoder(pair, policy, cfg.max_new_tokens, cfg.k, cfg.sampling, cfg.seed, cfg.chat_template,
+                      cfg.fused_forward)
     settings = _policy_settings(cfg, policy)
     log.info("decoding %d prompts with policy=%s %s", len(prompts), cfg.policy, settings)
     # metrics.jsonl mirrors outputs.jsonl: rebuilt from the finished rows, then appended to.

@@ -28,6 +28,7 @@ class DecodeConfig:
     max_new_tokens: int = 128
     chat_template: bool = field(default=True, metadata={"help": "format prompts with the target's chat template"})
     seed: int = 0
+    fused_forward: bool = field(default=True, metadata={"help": "Llama-family models run a fused forward (same outputs, faster); false: the model's own"})
     output_dir: str = field(default="runs/decode", metadata={"help": "outputs.jsonl, metrics.json, config.yaml, manifest.json"})
     overwrite: bool = field(default=False, metadata={"help": "allow writing into an output_dir that holds another run"})
     stream: bool = field(default=False, metadata={"help": "print each completion to stdout as it is generated"})

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .kv import ModelRunner
+from .kv import make_runner
 from .policies import Policy, Round
 from .sampling import SamplingConfig, probs_from_logits, sample
 
@@ -101,10 +101,13 @@ class Engine:
         target, draft: Hugging Face causal LMs in eval mode.
         eos_token_ids: generation stops after any of these.
         vocab_size: common vocabulary size when one model pads its logits.
+        fused: run Llama-family models on the fused forward (:mod:`specheads.export.shim.fused`);
+            False uses each model's own forward. Outputs are the same either way.
     """
 
-    def __init__(self, target, draft=None, eos_token_ids=(), vocab_size: int | None = None):
+    def __init__(self, target, draft=None, eos_token_ids=(), vocab_size: int | None = None, fused: bool = True):
         self.target, self.draft = target, draft
+        self.fused = fused
         self.eos = set(int(i) for i in eos_token_ids)
         if vocab_size is None and draft is not None:
             vt, vd = target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0]
@@ -133,8 +136,8 @@ class Engine:
         start = time.perf_counter()
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         cap = len(prompt_ids) + max_new_tokens + policy.max_candidates() + 2
-        target = ModelRunner(self.target, policy.target_hidden, self.vocab_size, cap)
-        draft = ModelRunner(self.draft, policy.draft_hidden, self.vocab_size, cap)
+        target = make_runner(self.target, policy.target_hidden, self.vocab_size, cap, self.fused)
+        draft = make_runner(self.draft, policy.draft_hidden, self.vocab_size, cap, self.fused)
         policy.reset()
         seq = list(prompt_ids)
         t_dev, d_dev = target.device, draft.device
@@ -208,7 +211,7 @@ class Engine:
         model = self.draft if use_draft else self.target
         start = time.perf_counter()
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
-        runner = ModelRunner(model, None, self.vocab_size, len(prompt_ids) + max_new_tokens + 1)
+        runner = make_runner(model, None, self.vocab_size, len(prompt_ids) + max_new_tokens + 1, self.fused)
         ids = torch.tensor([prompt_ids], device=runner.device)
         out: list[int] = []
         while len(out) < max_new_tokens:

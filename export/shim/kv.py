@@ -130,3 +130,14 @@ def _new_cache(model, capacity: int = 256) -> DynamicCache:
     # Plain full-attention layers get the in-place layer; sliding-window and other layer types keep theirs.
     cache.layers = [GrowableLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def make_runner(model, hidden: str | None = None, vocab_size: int | None = None, capacity: int = 256,
+                fused: bool = True):
+    """The fastest runner that computes ``model`` exactly: the fused forward where it applies
+    (:func:`specheads.export.shim.fused.supports`), else the model's own forward."""
+    from .fused import FusedRunner, supports
+
+    if fused and supports(model) is None:
+        return FusedRunner(model, hidden, vocab_size, capacity)
+    return ModelRunner(model, hidden, vocab_size, capacity)

@@ -1,0 +1,241 @@
+"""A lean forward for Llama-family models: fused projections, in-place KV cache, no per-call overhead.
+
+At batch 1 a decoding step is a chain of small matrix-vector products, and a Hugging Face
+forward spends a good part of its time around them (module calls, mask and cache bookkeeping).
+This runner computes the same function with
+
+* one ``[q; k; v]`` projection and one ``[gate; up]`` projection per layer (4 GEMVs instead of 7),
+* a preallocated per-layer KV buffer that a rejected suffix simply leaves behind (``trim`` moves
+  a length counter),
+* a rotary table built once from the model's own rotary module (so every rope scaling the model
+  supports is honoured), and no hooks: the pre- and post-norm hidden states are at hand.
+
+The fused weights are the model's weights: each original ``q_proj``/``k_proj``/... parameter is
+rebound to a view of the fused buffer, so no memory is duplicated and the model still works (and
+trains, saves, loads) as before. ``supports`` says which models qualify; everything else runs on
+the model's own forward (:class:`~specheads.export.shim.kv.ModelRunner`).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+# Architectures whose decoder layer is exactly: RMSNorm -> attention(q,k,v[,bias],rope,o) -> residual
+# -> RMSNorm -> SiLU-gated MLP -> residual, with full attention in every layer.
+_FAMILIES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+_FUSED: "weakref.WeakKeyDictionary[torch.nn.Module, _Fused]" = weakref.WeakKeyDictionary()
+
+
+def supports(model) -> str | None:
+    """None when the fused forward computes this model exactly; otherwise the reason it does not."""
+    name = type(model).__name__
+    if name not in _FAMILIES:
+        return f"architecture {name} (fused forward covers {', '.join(sorted(_FAMILIES))})"
+    cfg = model.config
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
+        return "sliding-window layers"
+    if name == "MistralForCausalLM" and getattr(cfg, "sliding_window", None):
+        return "sliding-window attention"
+    if getattr(cfg, "mlp_bias", False):
+        return "MLP biases"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act}"
+    if len({p.device for p in model.parameters()}) != 1:
+        return "model sharded over several devices"
+    if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", None):
+        return f"attn_implementation={cfg._attn_implementation} (fused forward uses SDPA)"
+    if getattr(model, "_hf_hook", None) is not None or getattr(model.model, "_hf_hook", None) is not None:
+        return "accelerate hooks (offloaded weights)"
+    return None
+
+
+class _Fused:
+    """Per-model fused weights; original parameters rebound to views of them."""
+
+    def __init__(self, model):
+        self.model = weakref.ref(model)
+        self.layers = []
+        # Normal (not inference-mode) tensors: the rebound parameters must stay usable by autograd.
+        with torch.inference_mode(False), torch.no_grad():
+            for layer in model.model.layers:
+                a, mlp = layer.self_attn, layer.mlp
+                qkv = _fuse([a.q_proj, a.k_proj, a.v_proj], "weight")
+                qkv_b = _fuse([a.q_proj, a.k_proj, a.v_proj], "bias") if a.q_proj.bias is not None else None
+                gu = _fuse([mlp.gate_proj, mlp.up_proj], "weight")
+                o_b = a.o_proj.bias
+                self.layers.append((layer.input_layernorm, qkv, qkv_b, a.o_proj.weight, o_b,
+                                    layer.post_attention_layernorm, gu, mlp.down_proj.weight))
+        self.views = self._pointers(model)
+
+    @staticmethod
+    def _pointers(model) -> list[int]:
+        out = []
+        for layer in model.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            out += [m.weight.data_ptr() for m in (a.q_proj, a.k_proj, a.v_proj, mlp.gate_proj, mlp.up_proj)]
+        return out
+
+    def stale(self, model) -> bool:
+        """True when a parameter was replaced (not updated in place) since fusing."""
+        return self._pointers(model) != self.views
+
+
+def _fuse(linears, attr: str) -> torch.Tensor:
+    """Concatenates ``attr`` of ``linears`` row-wise and rebinds each to its slice (shared storage)."""
+    parts = [getattr(lin, attr) for lin in linears]
+    fused = torch.cat([p.detach() for p in parts]).contiguous()
+    start = 0
+    for lin, p in zip(linears, parts):
+        n = p.shape[0]
+        setattr(lin, attr, torch.nn.Parameter(fused[start:start + n], requires_grad=p.requires_grad))
+        start += n
+    return fused
+
+
+def fused_weights(model) -> _Fused:
+    """The model's fused weights, built on first use and rebuilt if a parameter was replaced."""
+    f = _FUSED.get(model)
+    if f is None or f.stale(model):
+        f = _FUSED[model] = _Fused(model)
+    return f
+
+
+def unfuse(model) -> None:
+    """Gives every projection its own storage again (e.g. before ``save_pretrained``, which refuses
+    parameters that share memory) and drops the fused buffers."""
+    if _FUSED.pop(model, None) is None:
+        return
+    with torch.inference_mode(False), torch.no_grad():
+        for layer in model.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            for lin in (a.q_proj, a.k_proj, a.v_proj, mlp.gate_proj, mlp.up_proj):
+                for attr in ("weight", "bias"):
+                    p = getattr(lin, attr)
+                    if p is not None:
+                        setattr(lin, attr, torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+
+
+def _rms(norm, x: torch.Tensor) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class FusedRunner:
+    """Same interface as :class:`~specheads.export.shim.kv.ModelRunner`, on the fused forward.
+
+    Args:
+        model: a model for which :func:`supports` returns None (eval mode).
+        hidden: ``None``, ``"pre"`` or ``"post"``: the final-norm state returned with the logits.
+        vocab_size: logits are cut to this many columns when the model pads its vocabulary.
+        capacity: initial cache length; doubles when exceeded.
+    """
+
+    def __init__(self, model, hidden: str | None = None, vocab_size: int | None = None, capacity: int = 256):
+        self.model = model
+        self.weights = fused_weights(model)
+        cfg = model.config
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.sizes = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
+        emb = model.get_input_embeddings().weight
+        self.device, self.dtype = emb.device, emb.dtype
+        self.hidden = hidden
+        self.vocab_size = vocab_size
+        self.forwards = 0
+        self._length = 0
+        self._alloc(max(int(capacity), 1))
+
+    def _alloc(self, capacity: int) -> None:
+        shape = (1, self.kv_heads, capacity, self.head_dim)
+        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.weights.layers]
+        values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.weights.layers]
+        if self._length:  # growing mid-sequence: carry the filled part over
+            n = self._length
+            for new, old in zip(keys + values, self.keys + self.values):
+                new[:, :, :n] = old[:, :, :n]
+        self.keys, self.values = keys, values
+        positions = torch.arange(capacity, device=self.device).unsqueeze(0)
+        probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
+        cos, sin = self.model.model.rotary_emb(probe, positions)
+        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [capacity, head_dim]
+        self.capacity = capacity
+
+    @property
+    def length(self) -> int:
+        """Tokens held in the cache."""
+        return self._length
+
+    def reset(self) -> None:
+        """Empties the cache (a new prompt)."""
+        self._length = 0
+
+    def trim(self, length: int) -> None:
+        """Keeps the first ``length`` cached positions; later writes overwrite the rest."""
+        self._length = min(self._length, max(int(length), 0))
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached keys and values of ``layer``, ``[1, kv_heads, length, head_dim]`` (views)."""
+        return self.keys[layer][:, :, : self._length], self.values[layer][:, :, : self._length]
+
+    def forward(self, ids: torch.Tensor, n_logits: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Consumes ``ids`` ``[1, S]`` after the cached prefix.
+
+        Returns:
+            logits ``[n_logits, V]`` for the last ``n_logits`` positions (0 = none) and the
+            requested hidden state ``[S, d]`` (or None).
+        """
+        s = ids.shape[1]
+        start, end = self._length, self._length + s
+        if end > self.capacity:
+            cap = self.capacity
+            while cap < end:
+                cap *= 2
+            self._alloc(cap)
+        cos, sin = self.cos[start:end], self.sin[start:end]
+        mask = None
+        if s > 1 and start > 0:  # queries see the whole prefix and the causal part of the new block
+            mask = torch.ones(s, end, dtype=torch.bool, device=self.device).tril(start)
+        causal = s > 1 and start == 0
+        h, kv_h, hd = self.heads, self.kv_heads, self.head_dim
+        x = self.model.get_input_embeddings()(ids)
+        for i, (n1, qkv, qkv_b, wo, bo, n2, gu, wd) in enumerate(self.weights.layers):
+            q, k, v = F.linear(_rms(n1, x), qkv, qkv_b).split(self.sizes, dim=-1)
+            q = _rotate(q.view(1, s, h, hd).transpose(1, 2), cos, sin)
+            k = _rotate(k.view(1, s, kv_h, hd).transpose(1, 2), cos, sin)
+            self.keys[i][:, :, start:end] = k
+            self.values[i][:, :, start:end] = v.view(1, s, kv_h, hd).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, self.keys[i][:, :, :end], self.values[i][:, :, :end],
+                                               attn_mask=mask, is_causal=causal, enable_gqa=kv_h != h)
+            x = x + F.linear(o.transpose(1, 2).reshape(1, s, h * hd), wo, bo)
+            gate, up = F.linear(_rms(n2, x), gu).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, wd)
+        self._length = end
+        self.forwards += 1
+        norm = self.model.model.norm
+        hid = None
+        if self.hidden == "pre":
+            hid = x[0]
+        if self.hidden == "post":
+            hid = _rms(norm, x)[0]
+            last = hid[s - n_logits:] if n_logits else hid[:0]
+        else:
+            last = _rms(norm, x[0, s - n_logits:]) if n_logits else x[0, :0]
+        lm = self.model.get_output_embeddings()
+        logits = lm(last) if n_logits else last.new_zeros(0, lm.weight.shape[0])
+        if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
+            logits = logits[..., : self.vocab_size]
+        return logits, hid
+
+    def close(self) -> None:
+        """Nothing to release (no hooks); kept for interface parity."""

@@ -1,0 +1,122 @@
+"""The fused forward computes exactly what the model's own forward computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from conftest import BigramLM, tiny_llama
+from specheads.export.shim.engine import Engine
+from specheads.export.shim.fused import FusedRunner, fused_weights, supports, unfuse
+from specheads.export.shim.kv import ModelRunner, make_runner
+from specheads.export.shim.policies import StandardSD
+from specheads.export.shim.sampling import SamplingConfig
+
+COMMON = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3)
+
+
+def _model(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    if kind == "llama":
+        cfg = LlamaConfig(**COMMON, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    elif kind == "qwen2":  # q/k/v biases
+        cfg = Qwen2Config(**COMMON)
+    else:
+        cfg = MistralConfig(**COMMON, sliding_window=None)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # non-zero biases so a dropped bias would show
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.add_(0.1)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("hidden", [None, "pre", "post"])
+def test_fused_runner_matches_model_forward(kind, hidden):
+    model = _model(kind)
+    assert supports(model) is None
+    ref, fused = ModelRunner(model, hidden=hidden), FusedRunner(model, hidden=hidden, capacity=4)  # grows twice
+    g = torch.Generator().manual_seed(0)
+    steps = [(9, 1), (1, 1), (5, 5), (3, 0)]  # prefill, one token, a verification block, a no-logit pass
+    for n, keep in steps:
+        ids = torch.randint(0, 50, (1, n), generator=g)
+        (la, ha), (lb, hb) = ref.forward(ids, keep), fused.forward(ids, keep)
+        assert la.shape == lb.shape
+        assert_close(lb, la, atol=1e-5, rtol=1e-5)
+        if hidden:
+            assert_close(hb, ha, atol=1e-5, rtol=1e-5)
+        assert ref.length == fused.length
+    for runner in (ref, fused):  # reject the last 6 positions, then continue
+        runner.trim(runner.length - 6)
+    ids = torch.randint(0, 50, (1, 4), generator=g)
+    assert_close(fused.forward(ids, 4)[0], ref.forward(ids, 4)[0], atol=1e-5, rtol=1e-5)
+    for i, layer in enumerate(ref.cache.layers):
+        k, v = fused.kv(i)
+        assert_close(k, layer.keys, atol=1e-5, rtol=1e-5)
+        assert_close(v, layer.values, atol=1e-5, rtol=1e-5)
+
+
+def test_fusing_shares_storage_and_keeps_the_model_working():
+    model = tiny_llama(40, seed=3)
+    ids = torch.tensor([[3, 5, 7, 9]])
+    before = model(ids).logits
+    w = fused_weights(model)
+    _, qkv, _, _, _, _, gu, _ = w.layers[0]
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.q_proj.weight.data_ptr() == qkv.data_ptr()
+    assert attn.k_proj.weight.data_ptr() == qkv[attn.q_proj.weight.shape[0]:].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == gu[mlp.gate_proj.weight.shape[0]:].data_ptr()
+    assert_close(model(ids).logits, before)
+    with torch.no_grad():  # an in-place update reaches the fused buffer
+        attn.v_proj.weight.mul_(2.0)
+    assert fused_weights(model) is w
+    r, f = ModelRunner(model), FusedRunner(model)
+    assert_close(f.forward(ids, 4)[0], r.forward(ids, 4)[0], atol=1e-5, rtol=1e-5)
+    attn.o_proj.weight = torch.nn.Parameter(attn.o_proj.weight.detach().clone())  # o_proj is not fused
+    attn.q_proj.weight = torch.nn.Parameter(attn.q_proj.weight.detach() * 0.5)  # replaced: fused again
+    assert fused_weights(model) is not w
+    r, f = ModelRunner(model), FusedRunner(model)
+    assert_close(f.forward(ids, 4)[0], r.forward(ids, 4)[0], atol=1e-5, rtol=1e-5)
+    mid = model(ids).logits
+    unfuse(model)
+    assert attn.k_proj.weight.data_ptr() != attn.q_proj.weight.data_ptr() + attn.q_proj.weight.nbytes
+    assert_close(model(ids).logits, mid)
+
+
+def test_unsupported_models_fall_back_to_their_own_forward():
+    assert supports(BigramLM(torch.full((4, 4), 0.25))) is not None
+    assert isinstance(make_runner(BigramLM(torch.full((4, 4), 0.25))), ModelRunner)
+    llama = tiny_llama(40)
+    assert isinstance(make_runner(llama), FusedRunner)
+    assert isinstance(make_runner(llama, fused=False), ModelRunner)
+    mistral = AutoModelForCausalLM.from_config(MistralConfig(**COMMON, sliding_window=8)).eval()
+    assert "sliding" in supports(mistral)
+    eager = AutoModelForCausalLM.from_config(LlamaConfig(**COMMON), attn_implementation="eager").eval()
+    assert "eager" in supports(eager)
+
+
+@pytest.mark.parametrize("sampling", [None, SamplingConfig(do_sample=True, temperature=0.8, top_k=10)])
+def test_engine_output_is_the_same_fused_or_not(tiny_pair, sampling):
+    target, draft = tiny_pair
+    outs = []
+    for fused in (True, False):
+        engine = Engine(target, draft, eos_token_ids=[], fused=fused)
+        g = torch.Generator().manual_seed(11)
+        sd = engine.generate([1, 5, 9, 4], StandardSD(3), 30, sampling, g).tokens
+        ar = engine.generate_ar([1, 5, 9, 4], 30, sampling, torch.Generator().manual_seed(11)).tokens
+        outs.append((sd, ar))
+    assert outs[0] == outs[1]
+
+
+def test_fusing_inside_inference_mode_leaves_trainable_parameters():
+    model = tiny_llama(40, seed=4)
+    with torch.inference_mode():
+        FusedRunner(model).forward(torch.tensor([[3, 4]]), 1)
+    model.train()
+    model(torch.tensor([[3, 4, 5]])).logits.sum().backward()
+    assert model.model.layers[0].self_attn.k_proj.weight.grad is not None
