@@ -1,13 +1,113 @@
-"""``heads-export``: package a trained head as one safetensors file (arrives with the first head)."""
+"""``heads-export``: package a trained head as one ``.safetensors`` file with its metadata.
+
+    heads-export recipe=quickstart
+    heads-export train_dir=runs/train checkpoint=latest threshold=0.5 output_dir=runs/export
+
+Reads a ``heads-train`` output directory (its best head, its latest checkpoint, or a named
+``checkpoint-<step>``), writes ``head.safetensors`` whose header carries the metadata the shim
+checks on load (head type and config, hidden size, feature, model names and fingerprints,
+sampling settings, default threshold), then reloads the file and checks that it reproduces the
+head's outputs bit for bit. Also ``config.yaml``, ``manifest.json`` and ``metrics.jsonl``.
+"""
 
 from __future__ import annotations
 
-from specheads.config import not_implemented_main
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from specheads.config import cli_main, to_yaml
+from specheads.errors import UserError
+from specheads.outputs import MetricsWriter, prepare_output_dir, write_manifest
+
+from .export_config import ExportConfig
+from .package import load_head, save_head
+from .shim.models import DTYPES
+
+log = logging.getLogger(__name__)
+PROG = "heads-export"
+
+
+def _source(cfg: ExportConfig) -> tuple[Path, Path | None]:
+    """(the training run's head file, which carries the metadata; the checkpoint to take weights from)."""
+    if not cfg.train_dir:
+        raise UserError("train_dir is not set; pass train_dir=<heads-train output_dir>")
+    train_dir = Path(cfg.train_dir)
+    best = train_dir / "head.safetensors"
+    if not best.is_file():
+        raise UserError(f"{best} not found; train_dir must be a heads-train output_dir with at least one "
+                        "finished epoch")
+    if cfg.checkpoint == "best":
+        return best, None
+    if cfg.checkpoint == "latest":
+        pointer = train_dir / "latest"
+        if not pointer.is_file():
+            raise UserError(f"{train_dir} has no 'latest' checkpoint pointer")
+        ckpt = train_dir / pointer.read_text().strip()
+    else:
+        ckpt = Path(cfg.checkpoint)
+        if not ckpt.is_absolute() and not ckpt.exists():
+            ckpt = train_dir / cfg.checkpoint
+    if not (ckpt / "state.safetensors").is_file():
+        known = sorted(p.name for p in train_dir.glob("checkpoint-*"))
+        raise UserError(f"checkpoint {cfg.checkpoint!r} not found (looked for {ckpt / 'state.safetensors'}); "
+                        f"use best, latest or one of {known}")
+    return best, ckpt
+
+
+def export_head(cfg: ExportConfig, out: Path) -> dict:
+    """Writes ``out/head.safetensors``; returns the manifest fields (including the round-trip check)."""
+    if cfg.dtype not in DTYPES:
+        raise UserError(f"dtype={cfg.dtype!r}; choose one of {sorted(DTYPES)}")
+    if cfg.threshold is not None and not 0 < cfg.threshold < 1:
+        raise UserError(f"threshold={cfg.threshold} must be in (0, 1)")
+    best, ckpt = _source(cfg)
+    loaded = load_head(best)
+    meta = {k: v for k, v in loaded.metadata.items() if k not in ("format_version", "head_type", "tensors_sha256")}
+    head = loaded.module
+    if ckpt is not None:
+        tensors = load_file(str(ckpt / "state.safetensors"))
+        state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+        try:
+            head.load_state_dict(state)
+        except RuntimeError as err:
+            raise UserError(f"{ckpt} does not hold a {loaded.metadata['head_type']} head of this config: "
+                            f"{str(err).splitlines()[0]}") from err
+        meta.setdefault("extra", {})["checkpoint"] = ckpt.name
+    if cfg.threshold is not None:
+        meta["default_threshold"] = cfg.threshold
+    head = head.to(DTYPES[cfg.dtype])
+    meta.setdefault("extra", {})["dtype"] = cfg.dtype
+    path = save_head(out / "head.safetensors", head, loaded.metadata["head_type"], meta)
+    # Round trip: the file alone must rebuild a head with bit-identical outputs.
+    back = load_head(path).module
+    g = torch.Generator().manual_seed(cfg.seed)
+    x = torch.randn(64, meta["hidden_size"], generator=g).to(DTYPES[cfg.dtype])
+    with torch.no_grad():
+        identical = bool(torch.equal(head(x), back(x)))
+    if not identical:
+        raise RuntimeError(f"{path} does not reproduce the head's outputs after reloading")
+    return {"head": str(path), "head_type": loaded.metadata["head_type"], "source": str(ckpt or best),
+            "default_threshold": meta.get("default_threshold"), "dtype": cfg.dtype,
+            "round_trip_identical": identical, "parameters": sum(p.numel() for p in head.parameters())}
+
+
+def run(cfg: ExportConfig) -> int:
+    out = prepare_output_dir(cfg.output_dir, to_yaml(cfg), overwrite=cfg.overwrite)
+    info = export_head(cfg, Path(out))
+    with MetricsWriter(out) as metrics:
+        metrics.write(round_trip_identical=info["round_trip_identical"], parameters=info["parameters"])
+    write_manifest(out, command=PROG, **info)
+    log.info("exported %s head (%s, h=%s) -> %s", info["head_type"], info["source"], info["default_threshold"],
+             info["head"])
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``heads-export``."""
-    return not_implemented_main("heads-export", "arrives with the SpecDec++ acceptance head", argv)
+    return cli_main(PROG, ExportConfig, "export", argv, run)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,9 @@ def load_head(path: str | Path, pair=None, sampling=None, strict: bool = False,
     if _digest(tensors) != meta.get("tensors_sha256"):
         raise UserError(f"head file {str(path)!r} was modified after export (tensor checksum differs); re-export it")
     module = HEADS[meta["head_type"]](**meta.get("head_config", {}))
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(dtypes) == 1:  # keep the precision it was exported in
+        module = module.to(dtypes.pop())
     try:
         module.load_state_dict(tensors)
     except RuntimeError as err:

@@ -33,6 +33,7 @@ SECTIONS: dict[str, str] = {
     "decode": "specheads.export.decode_config:DecodeConfig",
     "datagen": "specheads.datagen.config:DatagenConfig",
     "train": "specheads.train.config:TrainConfig",
+    "export": "specheads.export.export_config:ExportConfig",
 }
 #: Every section a recipe may hold, with the CLI that reads it.
 PROGS: dict[str, str] = {

@@ -83,3 +83,31 @@ def test_train_refuses_data_from_another_draft(tiny_pair_dirs, labelled, tmp_pat
     args = _targs(tiny_pair_dirs, labelled, tmp_path / "x") + [f"draft.path={tiny_pair_dirs[0]}"]
     assert main(args) == 2
     assert "not the draft the data was labelled with" in capsys.readouterr().err
+
+
+def test_export_best_latest_and_bad_sources(tiny_pair_dirs, labelled, tmp_path, capsys):
+    from specheads.export.cli import main as export
+
+    tr = tmp_path / "tr"
+    assert main(_targs(tiny_pair_dirs, labelled, tr, "patience=1")) == 0
+    x = torch.randn(5, 32)
+    trained = load_head(tr / "head.safetensors").module
+    assert export([f"train_dir={tr}", f"output_dir={tmp_path / 'best'}", "threshold=0.4"]) == 0
+    best = load_head(tmp_path / "best" / "head.safetensors")
+    assert best.threshold == 0.4 and read_metadata(tr / "head.safetensors")["default_threshold"] == 0.7
+    assert torch.equal(best.module(x), trained(x))
+    meta = best.metadata
+    assert meta["draft"] == read_metadata(tr / "head.safetensors")["draft"] and meta["hidden_size"] == 32
+    manifest = json.loads((tmp_path / "best" / "manifest.json").read_text())
+    assert manifest["round_trip_identical"] is True and (tmp_path / "best" / "config.yaml").is_file()
+    assert export([f"train_dir={tr}", "checkpoint=latest", "dtype=bfloat16", f"output_dir={tmp_path / 'last'}"]) == 0
+    last = load_head(tmp_path / "last" / "head.safetensors")
+    assert last.metadata["extra"]["checkpoint"].startswith("checkpoint-")
+    assert next(last.module.parameters()).dtype == torch.bfloat16
+    capsys.readouterr()
+    assert export([f"train_dir={tmp_path / 'nope'}", f"output_dir={tmp_path / 'e1'}"]) == 2
+    assert "head.safetensors not found" in capsys.readouterr().err
+    assert export([f"train_dir={tr}", "checkpoint=checkpoint-999", f"output_dir={tmp_path / 'e2'}"]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint 'checkpoint-999' not found" in err and "checkpoint-" in err.split("one of")[1]
+    assert export([f"train_dir={tr}", "threshold=1.5", f"output_dir={tmp_path / 'e3'}"]) == 2

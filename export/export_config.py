@@ -1,0 +1,18 @@
+"""Schema of ``heads-export`` (recipe section ``export``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ExportConfig:
+    """Package a trained head as one self-describing ``.safetensors`` file."""
+
+    train_dir: str = field(default="", metadata={"help": "output_dir of heads-train"})
+    checkpoint: str = field(default="best", metadata={"help": "best (the best eval epoch) | latest | a checkpoint-<step> dir"})
+    threshold: float | None = field(default=None, metadata={"help": "default stop threshold h stored in the file; default: training's"})
+    dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16: precision of the exported weights"})
+    seed: int = field(default=0, metadata={"help": "seed of the round-trip check's random inputs"})
+    output_dir: str = field(default="runs/export", metadata={"help": "head.safetensors, config.yaml, manifest.json, metrics.jsonl"})
+    overwrite: bool = False
