@@ -76,7 +76,8 @@ def make_policy(name: str, pair: Pair, k: int = 4, head: str | None = None, thre
             raise UserError(f"{head!r} is a {loaded.metadata.get('head_type')} head on the {feature.get('model')}'s "
                             "states; policy=specdecpp needs an acceptance head on the draft's states")
         h = threshold if threshold is not None else (loaded.threshold or 0.7)
-        return SpecDecPP(loaded.module.to(pair.draft.model.dtype), h, k_min, k_max)
+        return SpecDecPP(loaded.module.to(pair.draft.model.dtype), h, k_min, k_max,
+                         position=feature.get("position", "own"))
     return build_policy(name, k=k)
 
 

@@ -313,3 +313,29 @@ def test_specdecpp_bounds():
     assert g.stats.drafted == 25 and g.stats.rounds == 5  # k_max per round, 5 + 1 tokens per round
     with pytest.raises(Exception, match="threshold"):
         SpecDecPP(_beta_head([0.5] * v), threshold=1.5)
+
+
+@pytest.mark.parametrize("h", [0.3, 0.7, 0.9])
+def test_specdecpp_previous_position_scores_every_candidate(h):
+    """An expected-label head reads the state that produced q_n (returned with y_n): here the
+    one-hot of the consumed token, so y_n gets betas[y_{n-1}] with y_0 = the prompt token 0."""
+    from specheads.export.shim.policies import SpecDecPP
+
+    v = 12
+    betas = [0.5, 0.9, 0.8, 0.7, 0.6, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]
+    keep, want = 1.0, None
+    for n in range(1, 12):
+        keep *= betas[n - 1]
+        if n >= 2 and 1 - keep > h:
+            want = n
+            break
+    rounds = []
+
+    class Probe(SpecDecPP):
+        def verify(self, rnd, logits, hidden):
+            rounds.append((rnd.n, self.scored))
+            return super().verify(rnd, logits, hidden)
+
+    draft, target = bigram(_cycle(v)), bigram(_cycle(v))
+    Engine(target, draft, eos_token_ids=[]).generate([0], Probe(_beta_head(betas), h, 2, 20, position="previous"), 11)
+    assert rounds[0] == (want, want)  # every candidate, the newest included, was scored

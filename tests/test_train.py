@@ -111,3 +111,29 @@ def test_export_best_latest_and_bad_sources(tiny_pair_dirs, labelled, tmp_path, 
     err = capsys.readouterr().err
     assert "checkpoint 'checkpoint-999' not found" in err and "checkpoint-" in err.split("one of")[1]
     assert export([f"train_dir={tr}", "threshold=1.5", f"output_dir={tmp_path / 'e3'}"]) == 2
+
+
+def test_expected_label_head_reads_the_previous_state(tiny_pair_dirs, labelled, tmp_path, capsys):
+    from specheads.train.data import draft_features, load_examples
+
+    out = tmp_path / "exp"
+    assert main(_targs(tiny_pair_dirs, labelled, out, "label=expected", "epochs=1")) == 0
+    meta = read_metadata(out / "head.safetensors")
+    assert meta["feature"]["position"] == "previous" and meta["label"] == "expected"
+    soft, exp = load_examples(labelled), load_examples(labelled, "expected_label")
+    assert soft[0].label != exp[0].label and all(0 <= v <= 1 for v in exp[0].label)
+
+    class Capture:  # the "draft" returns position indices as its states
+        post = None
+
+    def draft(input_ids, attention_mask, logits_to_keep):
+        Capture.post = torch.arange(input_ids.shape[1], dtype=torch.float32).view(1, -1, 1).expand(
+            input_ids.shape[0], -1, 2)
+
+    ex = soft[0]
+    mask = [True] * len(ex.label)
+    x0, _ = draft_features(draft, Capture, [ex.input_ids], [ex.start], [mask], [ex.label], 0, "cpu")
+    x1, _ = draft_features(draft, Capture, [ex.input_ids], [ex.start], [mask], [ex.label], 0, "cpu", shift=1)
+    assert x0[0, 0] == ex.start and x1[0, 0] == ex.start - 1
+    assert main(_targs(tiny_pair_dirs, labelled, tmp_path / "bad", "label=tv")) == 2
+    assert "label='tv'" in capsys.readouterr().err

@@ -33,6 +33,8 @@ def _check(cfg: TrainConfig) -> None:
         problems.append(f"head={cfg.head!r}: only 'acceptance' is trainable so far")
     if not cfg.data_dir:
         problems.append("data_dir is not set; pass data_dir=<heads-datagen output_dir>")
+    if cfg.label not in ("soft", "expected"):
+        problems.append(f"label={cfg.label!r}: choose soft or expected")
     if cfg.depth < 0:
         problems.append(f"depth={cfg.depth} must be >= 0")
     if not 0 <= cfg.mix_ratio < 1:

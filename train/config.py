@@ -15,6 +15,7 @@ class TrainConfig:
     draft: ModelSpec = field(default_factory=ModelSpec)
     head: str = field(default="acceptance", metadata={"help": "head type (acceptance)"})
     depth: int = field(default=3, metadata={"help": "residual blocks D (0 = linear)"})
+    label: str = field(default="soft", metadata={"help": "soft: min(1, p/q) on the state at y_i (SpecDec++); expected: 1 - TV(p, q) on the state before y_i"})
     mix_ratio: float = field(default=0.15, metadata={"help": "token mixing ratio r"})
     w_acc: float = 1.0
     w_rej: float = 6.0

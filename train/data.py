@@ -80,18 +80,20 @@ def mix_seed(seed: int, epoch: int, index: int) -> int:
 
 @torch.no_grad()
 def draft_features(draft, capture, seqs: list[list[int]], starts: list[int], masks: list[list[bool]],
-                   labels: list[list[float]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+                   labels: list[list[float]], pad: int, device, shift: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The frozen draft's post-norm states at the labelled response positions of a batch.
 
-    The state at a response token's own position (after consuming it) is the SpecDec++
-    feature ``h^D_i``. Returns features ``[M, d]`` and labels ``[M]``.
+    ``shift=0``: the state at a response token's own position (after consuming it), the
+    SpecDec++ feature ``h^D_i`` for the soft label. ``shift=1``: the state one position earlier,
+    the one that produced ``q_i`` before ``y_i`` was drawn, the only valid feature for the
+    expected label ``1 - TV(p_i, q_i)``. Returns features ``[M, d]`` and labels ``[M]``.
     """
     ids, attn = pad_batch(seqs, pad, device)
     draft(input_ids=ids, attention_mask=attn, logits_to_keep=1)
     states = capture.post
     feats, ys = [], []
     for b, (start, mask, lab) in enumerate(zip(starts, masks, labels)):
-        pos = torch.tensor([start + i for i, keep in enumerate(mask) if keep], dtype=torch.long, device=states.device)
+        pos = torch.tensor([start + i - shift for i, keep in enumerate(mask) if keep], dtype=torch.long, device=states.device)
         feats.append(states[b].index_select(0, pos))
         ys.append(torch.tensor([v for v, keep in zip(lab, mask) if keep], dtype=torch.float32))
     return torch.cat(feats).float(), torch.cat(ys).to(states.device)

@@ -49,7 +49,8 @@ def _features(ctx, examples, epoch: int):
         starts.append(ex.start)
         masks.append(m)
         labels.append(ex.label)
-    return draft_features(ctx["draft"], ctx["capture"], seqs, starts, masks, labels, ctx["pad"], ctx["device"])
+    return draft_features(ctx["draft"], ctx["capture"], seqs, starts, masks, labels, ctx["pad"], ctx["device"],
+                          shift=1 if ctx["cfg"].label == "expected" else 0)
 
 
 @torch.no_grad()
@@ -72,7 +73,8 @@ def evaluate(ctx, head, examples) -> dict:
 
 def _head_metadata(cfg: TrainConfig, manifest: dict, hidden: int, metrics: dict) -> dict:
     return {"head_config": {"hidden_size": hidden, "depth": cfg.depth}, "hidden_size": hidden,
-            "feature": {"model": "draft", "state": "post", "layer": -1, "position": "own"},
+            "feature": {"model": "draft", "state": "post", "layer": -1, "position": "previous" if cfg.label == "expected" else "own"},
+            "label": cfg.label,
             "draft": manifest["draft"], "target": manifest["target"], "sampling": manifest["sampling"],
             "default_threshold": cfg.threshold, "extra": {"train": metrics, "datagen_seed": manifest.get("seed")}}
 
@@ -89,7 +91,7 @@ def train(cfg: TrainConfig, out: Path) -> dict:
     if not manifest_path.is_file():
         raise UserError(f"{manifest_path} not found; data_dir must be a finished heads-datagen output_dir")
     manifest = json.loads(manifest_path.read_text())
-    examples = load_examples(cfg.data_dir)
+    examples = load_examples(cfg.data_dir, "expected_label" if cfg.label == "expected" else "label")
     train_ex, eval_ex = split(examples, cfg.eval_fraction, cfg.seed)
     cfg.draft.device = str(acc.device) if cfg.draft.device == "auto" else cfg.draft.device
     draft = load_model(cfg.draft, "draft")

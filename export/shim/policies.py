@@ -167,22 +167,31 @@ class SpecDecPP(Policy):
     newest candidate ``y_n`` is not: no extra draft forward per round. Acceptance follows the
     standard rule, so the output is as lossless as SD's.
 
+    A head trained on the expected label (``position="previous"``) reads the state that produced
+    ``q_n``, i.e. the state returned with ``y_n`` itself: every candidate, the newest included,
+    is scored as soon as it is drawn.
+
     Args:
         head: module mapping a draft state ``[d]`` to an acceptance logit.
         threshold: ``h`` in (0, 1); larger drafts longer.
         k_min, k_max: bounds on candidates per round.
+        position: ``own`` (the soft-label head, reference order above) or ``previous``.
     """
 
     name = "specdecpp"
     draft_hidden = "post"
 
-    def __init__(self, head: torch.nn.Module, threshold: float = 0.7, k_min: int = 2, k_max: int = 20):
+    def __init__(self, head: torch.nn.Module, threshold: float = 0.7, k_min: int = 2, k_max: int = 20,
+                 position: str = "own"):
         if not 0 < threshold < 1:
             raise UserError(f"threshold h={threshold} must be in (0, 1)")
         if not 1 <= k_min <= k_max:
             raise UserError(f"need 1 <= k_min <= k_max, got k_min={k_min}, k_max={k_max}")
+        if position not in ("own", "previous"):
+            raise UserError(f"head feature position {position!r}: expected own or previous")
         super().__init__(k_max)
         self.head, self.threshold, self.k_min = head, threshold, k_min
+        self.lag = 1 if position == "own" else 0  # how many candidates behind the newest the scored one is
         self._log_keep = 0.0  # log prod of scored betas in the current round
         self.scored = 0  # head evaluations, for the stats
 
@@ -192,7 +201,7 @@ class SpecDecPP(Policy):
             return True
         if n == 1:
             self._log_keep = 0.0
-        else:  # the state returned with y_n belongs to y_{n-1}; the head has the draft's dtype
+        if n > self.lag:  # own: the state returned with y_n belongs to y_{n-1}; the head has the draft's dtype
             logit = self.head(rnd.draft_hidden[n - 1])
             self._log_keep += float(torch.nn.functional.logsigmoid(logit.float()))
             self.scored += 1
