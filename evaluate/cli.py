@@ -1,25 +1,193 @@
-"""`heads-eval`: head evaluation.
+"""``heads-eval``: sweep SpecDec++ thresholds and fixed K on held-out prompts, with the oracle.
 
-Not implemented yet: it arrives with head evaluation and policy benchmarks.
+    heads-eval recipe=quickstart
+    heads-eval recipe=quickstart head=runs/quickstart-export/head.safetensors thresholds=[0.3,0.5,0.7]
+
+One run decodes every prompt with: the target alone (``ar``), the draft alone (``draft``),
+standard SD at each fixed ``K`` and SpecDec++ at each threshold ``h``, interleaved prompt by
+prompt. It reports for each configuration tokens/s, tokens and accepted drafts per target call,
+verification rate, discard rate and draft forwards per token; the per-forward times ``t_t``
+and ``t_d`` measured by the two baselines; the cost model ``T/N`` of ALGORITHMS.md section 0 at
+those times; and, for greedy decoding, the oracle stopping rule (SpecDec++ Theorem 4.1) computed
+from the target's own output. Writes ``sweep.json`` (table, oracle, ratios, Pareto check),
+``pareto.png``, ``rows.jsonl`` (every prompt x configuration; a killed sweep resumes),
+``metrics.jsonl`` (one line per configuration), ``metrics.json``, ``config.yaml`` and
+``manifest.json``.
 """
 
 from __future__ import annotations
 
-from specheads.config import not_implemented_main
+import logging
+import time
+from pathlib import Path
 
+from transformers.utils import logging as hf_logging
+
+from specheads.config import cli_main, to_yaml
+from specheads.errors import UserError
+from specheads.export.api import fit_context, format_prompt
+from specheads.export.package import read_metadata
+from specheads.export.shim.models import load_pair
+from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, write_manifest
+from specheads.prompts import load_prompts
+
+from .config import EvalConfig
+from .oracle import OracleCounts, below_curve, cost_per_token, draft_agreement, oracle_schedule
+from .plot import pareto_plot
+from .sweep import build_decoders, run_sweep, total
+
+log = logging.getLogger(__name__)
 PROG = "heads-eval"
+COLUMNS = ("config", "tokens", "wall_s", "tokens_per_s", "tokens_per_call", "accepted_per_call",
+           "verification_rate", "discard_rate", "draft_forwards_per_token", "model_cost_ms_per_token")
+
+
+def _check(cfg: EvalConfig) -> None:
+    problems = []
+    if not cfg.prompts:
+        problems.append("prompts is not set; pass prompts=<held-out prompt file>")
+    if not cfg.ks and not cfg.head:
+        problems.append("nothing to sweep: set ks=[...] and/or head=<exported head>")
+    if any(k < 1 for k in cfg.ks):
+        problems.append(f"ks={list(cfg.ks)}: every K must be >= 1")
+    if cfg.head and not cfg.thresholds:
+        problems.append("head is set but thresholds is empty")
+    if any(not 0 < h < 1 for h in cfg.thresholds):
+        problems.append(f"thresholds={list(cfg.thresholds)}: every h must be in (0, 1)")
+    if not 1 <= cfg.k_min <= cfg.k_max:
+        problems.append(f"need 1 <= k_min <= k_max, got k_min={cfg.k_min}, k_max={cfg.k_max}")
+    if cfg.max_new_tokens < 1:
+        problems.append(f"max_new_tokens={cfg.max_new_tokens} must be >= 1")
+    if problems:
+        raise UserError("; ".join(problems))
+
+
+def _prompts(cfg: EvalConfig):
+    out = []
+    for path in [p.strip() for p in cfg.prompts.split(",") if p.strip()]:
+        out.extend(load_prompts(path, limit=cfg.num_prompts, offset=cfg.offset))
+    return out
+
+
+def _row(name: str, rows: list[dict], t_d: float, t_t: float) -> dict:
+    tot = total(rows)
+    sd = name not in ("ar", "draft")
+    return {
+        "config": name, "tokens": tot.new_tokens, "wall_s": round(tot.wall_time, 3),
+        "tokens_per_s": round(tot.tokens_per_s, 3),
+        "tokens_per_call": round(tot.tokens_per_call, 4) if name != "draft" else None,
+        "accepted_per_call": round(tot.accepted_per_call, 4) if sd else None,
+        "verification_rate": round(tot.verification_rate, 4),
+        "discard_rate": round(tot.discard_rate, 4),
+        "draft_forwards_per_token": round(tot.draft_forwards / tot.new_tokens, 4) if tot.new_tokens else None,
+        "model_cost_ms_per_token": round(1000 * cost_per_token(tot.draft_forwards, tot.target_calls,
+                                                              tot.new_tokens, t_d, t_t), 4),
+    }
+
+
+def summarize(cfg: EvalConfig, grouped: dict[str, list[dict]], oracle: OracleCounts | None, head_meta: dict | None) -> dict:
+    """The sweep table, measured forward times, oracle, ratios and Pareto check."""
+    ar, dr = total(grouped["ar"]), total(grouped["draft"])
+    t_t = ar.wall_time / ar.target_calls if ar.target_calls else float("nan")
+    t_d = dr.wall_time / dr.draft_forwards if dr.draft_forwards else float("nan")
+    table = [_row(n, rows, t_d, t_t) for n, rows in grouped.items()]
+    by = {r["config"]: r for r in table}
+    fixed = [r for r in table if r["config"].startswith("k")]
+    adaptive = [r for r in table if r["config"].startswith("h")]
+    out = {"t_target_ms": round(1000 * t_t, 3), "t_draft_ms": round(1000 * t_d, 3),
+           "t_draft_over_t_target": round(t_d / t_t, 4), "table": table}
+    if oracle is not None:
+        out["oracle"] = {"tokens": oracle.new_tokens, "target_calls": oracle.target_calls,
+                         "draft_forwards": oracle.draft_forwards,
+                         "verification_rate": round(oracle.verification_rate, 4), "discard_rate": 0.0,
+                         "model_cost_ms_per_token": round(1000 * cost_per_token(
+                             oracle.draft_forwards, oracle.target_calls, oracle.new_tokens, t_d, t_t), 4)}
+    ratios: dict = {}
+    if fixed:
+        best_k = max(fixed, key=lambda r: r["tokens_per_s"])
+        out["best_fixed_k"] = best_k["config"]
+        ratios["best_fixed_k_vs_ar"] = round(best_k["tokens_per_s"] / by["ar"]["tokens_per_s"], 4)
+    if adaptive:
+        best_h = max(adaptive, key=lambda r: r["tokens_per_s"])
+        out["best_threshold"] = best_h["config"]
+        ratios["specdecpp_vs_ar"] = round(best_h["tokens_per_s"] / by["ar"]["tokens_per_s"], 4)
+    if fixed and adaptive:
+        ratios["specdecpp_vs_best_fixed_k"] = round(best_h["tokens_per_s"] / best_k["tokens_per_s"], 4)
+        curve = [(r["verification_rate"], r["discard_rate"]) for r in fixed]
+        flags = {r["config"]: below_curve(curve, r["verification_rate"], r["discard_rate"]) for r in adaptive}
+        out["below_fixed_k_curve"] = flags
+        out["pareto_dominates"] = all(f is not False for f in flags.values()) and any(flags.values())
+        if oracle is not None:
+            c_k, c_h = best_k["model_cost_ms_per_token"], best_h["model_cost_ms_per_token"]
+            c_o = out["oracle"]["model_cost_ms_per_token"]
+            ratios["oracle_gain_fraction"] = round((c_k - c_h) / (c_k - c_o), 4) if c_k != c_o else None
+    out["ratios"] = ratios
+    if head_meta is not None:
+        train = head_meta.get("extra", {}).get("train", {})
+        out["head"] = {"path": cfg.head, "eval_binary_kl": train.get("eval_binary_kl"),
+                       "eval_auroc": train.get("eval_auroc"), "label": head_meta.get("label", "soft"),
+                       "default_threshold": head_meta.get("default_threshold")}
+    return out
+
+
+def _print(summary: dict) -> None:
+    print(" | ".join(COLUMNS))
+    for r in summary["table"]:
+        print(" | ".join("-" if r[c] is None else str(r[c]) for c in COLUMNS))
+    if "oracle" in summary:
+        o = summary["oracle"]
+        print(f"oracle | {o['tokens']} | - | - | - | - | {o['verification_rate']} | 0.0 | - | {o['model_cost_ms_per_token']}")
+    print(f"t_target {summary['t_target_ms']} ms, t_draft {summary['t_draft_ms']} ms; ratios {summary['ratios']}"
+          + (f"; pareto_dominates {summary['pareto_dominates']}" if "pareto_dominates" in summary else ""))
+
+
+def run(cfg: EvalConfig) -> int:
+    _check(cfg)
+    hf_logging.disable_progress_bar()
+    head_meta = read_metadata(cfg.head) if cfg.head else None
+    prompts = _prompts(cfg)
+    out = prepare_output_dir(cfg.output_dir, to_yaml(cfg), overwrite=cfg.overwrite)
+    started = time.time()
+    pair = load_pair(cfg.target, cfg.draft, same_vocab=True)
+    decoders = build_decoders(cfg, pair)
+    grouped = run_sweep(decoders, prompts, out / "rows.jsonl")
+    oracle = None
+    if cfg.oracle and not cfg.sampling.do_sample:
+        oracle = OracleCounts()
+        ar = decoders["ar"]
+        for prompt, row in zip(prompts, grouped["ar"]):
+            ids, _ = fit_context(format_prompt(pair.tokenizer, prompt, cfg.chat_template), cfg.max_new_tokens,
+                                 ar.context)
+            agree = draft_agreement(pair.draft.model, ids, row["tokens"], cfg.fused_forward, ar.engine.vocab_size)
+            oracle = oracle + oracle_schedule(agree, cfg.k_max)
+    elif cfg.oracle:
+        log.warning("the oracle is defined for greedy decoding only (sampling.do_sample=false); skipped")
+    summary = summarize(cfg, grouped, oracle, head_meta)
+    summary["pareto_png"] = str(pareto_plot(
+        out / "pareto.png",
+        [{"label": r["config"], **r} for r in summary["table"] if r["config"].startswith("k")],
+        [{"label": r["config"], **r} for r in summary["table"] if r["config"].startswith("h")],
+        summary.get("oracle"), f"{pair.draft.name} -> {pair.target.name}, {len(prompts)} prompts"))
+    summary.update(prompts=cfg.prompts, num_prompts=len(prompts), sampling=cfg.sampling.to_dict(),
+                   max_new_tokens=cfg.max_new_tokens)
+    atomic_write_json(out / "sweep.json", summary)
+    atomic_write_json(out / "metrics.json", {"ratios": summary["ratios"], **{k: summary[k] for k in (
+        "t_target_ms", "t_draft_ms", "best_fixed_k", "best_threshold", "pareto_dominates") if k in summary}})
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    with MetricsWriter(out) as metrics:
+        for r in summary["table"]:
+            metrics.write(r)
+    write_manifest(out, command=PROG, prompts_file=cfg.prompts, num_prompts=len(prompts),
+                   target={"name": pair.target.name, "fingerprint": pair.target.fingerprint},
+                   draft={"name": pair.draft.name, "fingerprint": pair.draft.fingerprint}, head=cfg.head,
+                   sampling=cfg.sampling.to_dict(), seed=cfg.seed, wall_time_s=round(time.time() - started, 3))
+    _print(summary)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `heads-eval`.
-
-    Args:
-        argv: Arguments without the program name; ``None`` takes ``sys.argv[1:]``.
-
-    Returns:
-        2 (not implemented yet), or 0 for ``--help``.
-    """
-    return not_implemented_main(PROG, "arrives with head evaluation and policy benchmarks", argv)
+    """Entry point of ``heads-eval``."""
+    return cli_main(PROG, EvalConfig, "eval", argv, run)
 
 
 if __name__ == "__main__":

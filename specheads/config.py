@@ -34,6 +34,7 @@ SECTIONS: dict[str, str] = {
     "datagen": "specheads.datagen.config:DatagenConfig",
     "train": "specheads.train.config:TrainConfig",
     "export": "specheads.export.export_config:ExportConfig",
+    "eval": "specheads.evaluate.config:EvalConfig",
 }
 #: Every section a recipe may hold, with the CLI that reads it.
 PROGS: dict[str, str] = {

@@ -104,8 +104,8 @@ def fused_weights(model) -> _Fused:
 
 
 def unfuse(model) -> None:
-    """Gives every projection its own storage again (e.g. before ``save_pretrained``, which refuses
-    parameters that share memory) and drops the fused buffers."""
+    """Gives every projection its own storage again and drops the fused buffers (for code that
+    refuses parameters sharing memory, such as ``safetensors.torch.save_file`` on the state dict)."""
     if _FUSED.pop(model, None) is None:
         return
     with torch.inference_mode(False), torch.no_grad():

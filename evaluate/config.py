@@ -1,0 +1,33 @@
+"""Schema of ``heads-eval`` (recipe section ``eval``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specheads.export.shim.models import ModelSpec
+from specheads.export.shim.sampling import SamplingConfig
+
+
+@dataclass
+class EvalConfig:
+    """Sweep SpecDec++ thresholds and fixed candidate lengths on one prompt set, in one run."""
+
+    target: ModelSpec = field(default_factory=ModelSpec)
+    draft: ModelSpec = field(default_factory=ModelSpec)
+    head: str | None = field(default=None, metadata={"help": "exported acceptance head; none: fixed K only"})
+    thresholds: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9],
+                                    metadata={"help": "SpecDec++ stop thresholds h to sweep"})
+    ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8], metadata={"help": "fixed candidate lengths K"})
+    k_min: int = field(default=2, metadata={"help": "specdecpp: fewest candidates per round"})
+    k_max: int = field(default=20, metadata={"help": "specdecpp (and the oracle): most candidates per round"})
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    prompts: str = field(default="", metadata={"help": "held-out prompt file(s), comma-separated (JSONL, GSM8K, MT-Bench ...)"})
+    num_prompts: int | None = field(default=None, metadata={"help": "first N prompts of each file (after offset)"})
+    offset: int = 0
+    max_new_tokens: int = 128
+    chat_template: bool = True
+    oracle: bool = field(default=True, metadata={"help": "greedy oracle (ALGORITHMS.md section 0); greedy decoding only"})
+    fused_forward: bool = True
+    seed: int = 0
+    output_dir: str = field(default="runs/eval", metadata={"help": "sweep.json, pareto.png, rows.jsonl, metrics.jsonl ..."})
+    overwrite: bool = False

@@ -1,0 +1,83 @@
+"""The greedy oracle (SpecDec++ Theorem 4.1) and the cost model of ALGORITHMS.md section 0."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specheads.export.shim.kv import make_runner
+
+
+@dataclass
+class OracleCounts:
+    """Counts of the oracle schedule for one or more prompts (no discards by construction)."""
+
+    new_tokens: int = 0
+    target_calls: int = 0
+    draft_forwards: int = 0
+
+    @property
+    def verification_rate(self) -> float:
+        return self.target_calls / self.new_tokens if self.new_tokens else 0.0
+
+    @property
+    def discard_rate(self) -> float:
+        return 0.0
+
+    def __add__(self, other: "OracleCounts") -> "OracleCounts":
+        return OracleCounts(self.new_tokens + other.new_tokens, self.target_calls + other.target_calls,
+                            self.draft_forwards + other.draft_forwards)
+
+
+def oracle_schedule(agree: list[bool], k_max: int) -> OracleCounts:
+    """Rounds of a stopping rule that knows where the draft's greedy token will be wrong.
+
+    ``agree[i]``: the draft's greedy token equals the target's output token ``i`` given the
+    target's prefix. Each round drafts the run of agreements ahead (at most ``k_max``, and, as
+    in the engine, never the final token, which a target call emits) and stops right before a
+    disagreement: nothing is discarded, and each disagreement (plus each ``k_max`` cut and the
+    last round) costs one target call.
+    """
+    n = len(agree)
+    pos = calls = drafts = 0
+    while pos < n:
+        run = 0
+        while pos + run < n - 1 and run < k_max and agree[pos + run]:
+            run += 1
+        calls += 1
+        drafts += run
+        pos += run + 1
+    return OracleCounts(n, calls, drafts)
+
+
+@torch.inference_mode()
+def draft_agreement(draft, prompt_ids: list[int], output: list[int], fused: bool = True,
+                    vocab_size: int | None = None) -> list[bool]:
+    """For each output token: does the draft's greedy choice, given prompt + the output before
+    it (one teacher-forced pass), equal it?"""
+    if not output:
+        return []
+    runner = make_runner(draft, None, vocab_size, len(prompt_ids) + len(output) + 1, fused)
+    device = draft.get_input_embeddings().weight.device
+    ids = torch.tensor([prompt_ids + output[:-1]], device=device)
+    logits, _ = runner.forward(ids, n_logits=len(output))
+    return (logits.argmax(-1).cpu() == torch.tensor(output)).tolist()
+
+
+def cost_per_token(draft_forwards: int, target_calls: int, new_tokens: int, t_d: float, t_t: float) -> float:
+    """``T / N = (t_d * N_draft + t_t * N_target) / N`` (SpecDec++ Lemma 3.1), counts measured."""
+    return (t_d * draft_forwards + t_t * target_calls) / new_tokens if new_tokens else float("nan")
+
+
+def below_curve(points: list[tuple[float, float]], v: float, d: float, tol: float = 1e-9) -> bool | None:
+    """Whether (verification rate ``v``, discard rate ``d``) lies on or below the piecewise-linear
+    curve through ``points``; None when ``v`` is outside the curve's verification-rate range."""
+    pts = sorted(points)
+    if not pts or v < pts[0][0] - tol or v > pts[-1][0] + tol:
+        return None
+    for (v0, d0), (v1, d1) in zip(pts, pts[1:]):
+        if v0 - tol <= v <= v1 + tol:
+            at = d0 if v1 == v0 else d0 + (d1 - d0) * (v - v0) / (v1 - v0)
+            return d <= at + tol
+    return d <= pts[0][1] + tol  # a single point

@@ -1,0 +1,95 @@
+"""One-run sweep of decoding configurations over a prompt set, interleaved prompt by prompt.
+
+Every configuration decodes every prompt; the order of configurations rotates from one prompt
+to the next so that machine noise (thermal, other load) hits all of them alike, and the ratio of
+two configurations' tokens/s is a side-by-side measurement. Each finished (prompt, config) row
+is appended to ``rows.jsonl`` at once: a killed sweep resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from tqdm import tqdm
+
+from specheads.export.api import Decoder, make_policy
+from specheads.export.shim.engine import GenerationStats
+
+log = logging.getLogger(__name__)
+
+
+def config_names(ks: list[int], thresholds: list[float], with_head: bool) -> list[str]:
+    """Names of the sweep's configurations: baselines, fixed K, then SpecDec++ thresholds."""
+    return ["ar", "draft"] + [f"k{k}" for k in ks] + ([f"h{h:g}" for h in thresholds] if with_head else [])
+
+
+def build_decoders(cfg, pair) -> dict[str, Decoder]:
+    """A decoder per configuration, all on the one loaded pair, seed and sampling settings."""
+    def dec(policy):
+        return Decoder(pair, policy, cfg.max_new_tokens, 1, cfg.sampling, cfg.seed, cfg.chat_template,
+                       cfg.fused_forward)
+
+    out = {"ar": dec("ar"), "draft": dec("draft")}
+    for k in cfg.ks:
+        out[f"k{k}"] = dec(make_policy("sd", pair, k=k))
+    if cfg.head:
+        for h in cfg.thresholds:
+            out[f"h{h:g}"] = dec(make_policy("specdecpp", pair, head=cfg.head, threshold=h, k_min=cfg.k_min,
+                                             k_max=cfg.k_max, sampling=cfg.sampling))
+    return out
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Finished rows; a torn last line (a crash mid-write) is dropped and cut off the file."""
+    if not path.is_file():
+        return []
+    rows, good = [], 0
+    with open(path, "rb") as fh:
+        for line in fh:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                break
+            good += len(line)
+    with open(path, "r+b") as fh:
+        fh.truncate(good)
+    return rows
+
+
+def run_sweep(decoders: dict[str, Decoder], prompts, rows_path: Path, warmup: bool = True) -> dict[str, list[dict]]:
+    """Decodes every prompt with every configuration; returns rows grouped by configuration."""
+    names = list(decoders)
+    done = {(r["index"], r["config"]): r for r in read_rows(rows_path)}
+    todo = sum((i, n) not in done for i, _ in enumerate(prompts) for n in names)
+    if done:
+        log.info("resuming: %d of %d runs already done", len(done), len(done) + todo)
+    if warmup and todo and prompts:  # first-call costs (allocations, kernel selection) stay out of the timings
+        for name in names:
+            keep = decoders[name].max_new_tokens
+            decoders[name].max_new_tokens = min(keep, 4)
+            try:
+                decoders[name].decode(prompts[0], 0)
+            finally:
+                decoders[name].max_new_tokens = keep
+    with open(rows_path, "a", encoding="utf-8") as fh, tqdm(total=todo, desc="heads-eval", unit="run") as bar:
+        for i, prompt in enumerate(prompts):
+            order = names[i % len(names):] + names[: i % len(names)]
+            for name in order:
+                if (i, name) in done:
+                    continue
+                res = decoders[name].decode(prompt, i, name=f"prompt {prompt.id}")
+                row = {"index": i, "id": prompt.id, "config": name, "tokens": res.tokens, **res.stats.to_dict()}
+                fh.write(json.dumps(row) + "\n")
+                fh.flush()
+                done[(i, name)] = row
+                bar.update()
+    return {n: [done[(i, n)] for i in range(len(prompts))] for n in names}
+
+
+def total(rows: list[dict]) -> GenerationStats:
+    """Summed stats of a configuration's rows."""
+    keys = ("prompts", "prompt_tokens", "new_tokens", "target_calls", "draft_forwards", "drafted", "accepted",
+            "discarded", "rounds", "wall_time", "eos")
+    return GenerationStats.total([GenerationStats(**{k: r[k] for k in keys}) for r in rows])

@@ -1,0 +1,136 @@
+"""``heads-eval``: oracle counts, the Pareto check, and a full sweep on tiny models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import perturbed_copy
+
+from specheads.evaluate.cli import main
+from specheads.evaluate.oracle import below_curve, draft_agreement, oracle_schedule
+from specheads.export import Engine, ModelSpec, SamplingConfig, load_pair, save_head
+from specheads.heads import AcceptanceHead
+
+
+@pytest.mark.parametrize("agree, k_max, calls, drafts", [
+    ([True] * 10, 20, 1, 9),  # all agree: one round, the last token from the target
+    ([True] * 10, 3, 3, 7),  # runs of 3 drafts + 1 target token: 4 + 4 + (1 draft + 1)
+    ([False] * 4, 20, 4, 0),  # every token a disagreement
+    ([True, False, True, True, False], 20, 2, 3),  # |S| = 2, the last token is a disagreement: |S| calls
+    ([True, False, True, True], 20, 2, 2),  # |S| = 1, then the final round: |S| + 1
+])
+def test_oracle_schedule_hand_cases(agree, k_max, calls, drafts):
+    o = oracle_schedule(agree, k_max)
+    assert (o.new_tokens, o.target_calls, o.draft_forwards) == (len(agree), calls, drafts)
+
+
+def test_below_curve():
+    curve = [(0.6, 0.2), (0.4, 0.8), (0.3, 2.0)]  # K grows: fewer calls, more discards
+    assert below_curve(curve, 0.5, 0.4) is True  # curve at 0.5 is 0.5
+    assert below_curve(curve, 0.5, 0.6) is False
+    assert below_curve(curve, 0.35, 1.4) is True  # exactly on the segment
+    assert below_curve(curve, 0.2, 0.0) is None  # outside the fixed-K range
+    assert below_curve(curve, 0.6, 0.2) is True
+
+
+def test_draft_agreement_is_greedy_agreement(tiny_pair):
+    target = tiny_pair[0]
+    draft = perturbed_copy(target, scale=0.1)
+    prompt = [1, 5, 9, 4]
+    out = Engine(target, None).generate_ar(prompt, 20).tokens
+    agree = draft_agreement(draft, prompt, out)
+    ref = []
+    for i, tok in enumerate(out):
+        logits = draft(torch.tensor([prompt + out[:i]])).logits[0, -1]
+        ref.append(int(logits.argmax()) == tok)
+    assert agree == ref and 0 < sum(agree) < len(agree)
+    assert all(draft_agreement(target, prompt, out))  # the target agrees with its own greedy output
+
+
+@pytest.fixture()
+def head_file(tiny_pair_dirs, tmp_path):
+    t, d = tiny_pair_dirs
+    pair = load_pair(ModelSpec(path=str(t), device="cpu"), ModelSpec(path=str(d), device="cpu"))
+    torch.manual_seed(0)
+    head = AcceptanceHead(32, depth=1)
+    return save_head(tmp_path / "h.safetensors", head, "acceptance", {
+        "head_config": head.config(), "hidden_size": 32, "feature": {"model": "draft", "state": "post", "layer": -1},
+        "draft": {"name": pair.draft.name, "fingerprint": pair.draft.fingerprint},
+        "target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
+        "sampling": SamplingConfig().to_dict(), "default_threshold": 0.6,
+        "extra": {"train": {"eval_binary_kl": 0.123}}})
+
+
+def _args(pair_dirs, prompts, out, *extra):
+    t, d = pair_dirs
+    return [f"target.path={t}", "target.gguf_file=null", "offset=0", "num_prompts=null", "k_min=2",
+            f"draft.path={d}", "target.device=cpu", "draft.device=cpu", f"prompts={prompts}",
+            f"output_dir={out}", "max_new_tokens=16", "ks=[1,2,4]", "thresholds=[0.3,0.7]", *extra]
+
+
+@pytest.fixture()
+def prompts_file(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["the cat sat", "why is the sun red",
+                                                                      "one two three", "a dog ran up"]))
+    return path
+
+
+def test_eval_sweep_end_to_end(tiny_pair_dirs, head_file, prompts_file, tmp_path):
+    out = tmp_path / "ev"
+    assert main(_args(tiny_pair_dirs, prompts_file, out, f"head={head_file}")) == 0
+    s = json.loads((out / "sweep.json").read_text())
+    names = [r["config"] for r in s["table"]]
+    assert names == ["ar", "draft", "k1", "k2", "k4", "h0.3", "h0.7"]
+    by = {r["config"]: r for r in s["table"]}
+    assert by["ar"]["verification_rate"] == 1.0 and by["ar"]["discard_rate"] == 0.0
+    assert by["k1"]["draft_forwards_per_token"] <= by["k4"]["draft_forwards_per_token"]
+    # lossless greedy: every configuration emits the target's own tokens
+    rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 * 7
+    ar = {r["index"]: r["tokens"] for r in rows if r["config"] == "ar"}
+    assert all(r["tokens"] == ar[r["index"]] for r in rows if r["config"] != "draft")
+    # the oracle never calls the target more often than any policy does, and discards nothing
+    assert s["oracle"]["tokens"] == by["ar"]["tokens"]
+    assert all(s["oracle"]["verification_rate"] <= r["verification_rate"] + 1e-9 for r in s["table"]
+               if r["config"] != "draft")
+    assert set(s["ratios"]) >= {"specdecpp_vs_best_fixed_k", "oracle_gain_fraction", "best_fixed_k_vs_ar"}
+    assert isinstance(s["pareto_dominates"], bool) and set(s["below_fixed_k_curve"]) == {"h0.3", "h0.7"}
+    assert s["head"]["eval_binary_kl"] == 0.123
+    assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 7
+    assert {"config.yaml", "manifest.json", "metrics.json"} <= {p.name for p in out.iterdir()}
+
+
+def test_eval_resumes_after_a_kill(tiny_pair_dirs, prompts_file, tmp_path, monkeypatch):
+    from specheads.export.api import Decoder
+
+    out = tmp_path / "ev"
+    args = _args(tiny_pair_dirs, prompts_file, out, "ks=[2]", "head=null")
+    real, calls = Decoder.decode, {"n": 0}
+
+    def dying(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] > 3 + 5:  # 3 warm-up calls, then 5 timed runs
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Decoder, "decode", dying)
+    assert main(args) == 130
+    assert len((out / "rows.jsonl").read_text().splitlines()) == 5
+    monkeypatch.setattr(Decoder, "decode", real)
+    assert main(args) == 0
+    rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+    assert sorted((r["index"], r["config"]) for r in rows) == sorted(
+        (i, c) for i in range(4) for c in ("ar", "draft", "k2"))
+
+
+def test_eval_bad_input(tiny_pair_dirs, prompts_file, tmp_path, capsys):
+    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "a", "ks=[0,2]", "head=null")) == 2
+    assert "every K must be >= 1" in capsys.readouterr().err
+    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "b", "head=/nope.safetensors")) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "c", "thresholds=[1.2]", "ks=[]", "head=x")) == 2
+    assert "every h must be in (0, 1)" in capsys.readouterr().err
