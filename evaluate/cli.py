@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 from transformers.utils import logging as hf_logging
 

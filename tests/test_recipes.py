@@ -69,3 +69,19 @@ def test_recipe_keys_are_known(name: str) -> None:
                     f"{', '.join(absent)} are not importable yet")
     assert not stray, (f"recipe {name!r}: common keys {stray} are fields of no CLI schema "
                        f"({', '.join(SECTIONS.values())})")
+
+
+@pytest.mark.parametrize("name", ["ddp", "deepspeed_zero2"])
+def test_accelerate_configs_parse(name: str) -> None:
+    """The launcher configs shipped in recipes/accelerate/ are valid ``accelerate`` config files."""
+    from importlib.resources import files
+
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    path = files("specheads.recipes") / "accelerate" / f"{name}.yaml"
+    cfg = load_config_from_file(str(path))
+    assert cfg.mixed_precision == "bf16" and cfg.num_processes >= 2
+    if name.startswith("deepspeed"):
+        assert cfg.distributed_type.value == "DEEPSPEED" and cfg.deepspeed_config["zero_stage"] == 2
+    else:
+        assert cfg.distributed_type.value == "MULTI_GPU"
