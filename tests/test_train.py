@@ -137,3 +137,35 @@ def test_expected_label_head_reads_the_previous_state(tiny_pair_dirs, labelled, 
     assert x0[0, 0] == ex.start and x1[0, 0] == ex.start - 1
     assert main(_targs(tiny_pair_dirs, labelled, tmp_path / "bad", "label=tv")) == 2
     assert "label='tv'" in capsys.readouterr().err
+
+
+def test_cached_features_match_online_and_are_reused(tiny_pair_dirs, labelled, tmp_path):
+    from safetensors.torch import load_file
+
+    from specheads.train.data import load_examples
+
+    cache = tmp_path / "cache"
+    out = tmp_path / "cached"
+    assert main(_targs(tiny_pair_dirs, labelled, out, "features=cached", f"cache_dir={cache}")) == 0
+    (key,) = [p for p in cache.iterdir()]
+    files = sorted(p.name for p in key.iterdir())
+    assert files == ["epoch-0.safetensors", "epoch-1.safetensors", "epoch-2.safetensors", "epoch-4095.safetensors"]
+    t = load_file(str(key / "epoch-0.safetensors"))
+    assert t["features"].dtype == torch.float16 and t["features"].shape[1] == 32
+    assert t["offsets"][-1] == t["features"].shape[0] == t["labels"].shape[0]
+    # the cached rows are the online features of the same mixing draw, rounded to fp16
+    from specheads.export.shim.models import HiddenCapture, ModelSpec, load_model
+    from specheads.train.data import draft_features, mix, mix_seed
+
+    draft = load_model(ModelSpec(path=str(tiny_pair_dirs[1]), device="cpu"), "draft").model
+    ex = {e.index: e for e in load_examples(labelled)}[int(t["index"][0])]
+    z, m = mix(ex, 0.15, mix_seed(0, 0, ex.index))
+    x, y = draft_features(draft, HiddenCapture(draft), [z], [ex.start], [m], [ex.label], 2, "cpu")
+    a, b = int(t["offsets"][0]), int(t["offsets"][1])
+    torch.testing.assert_close(t["features"][a:b].float(), x, atol=1e-2, rtol=1e-3)
+    torch.testing.assert_close(t["labels"][a:b], y)
+    stamp = {p.name: p.stat().st_mtime_ns for p in key.iterdir()}
+    assert main(_targs(tiny_pair_dirs, labelled, tmp_path / "again", "features=cached", f"cache_dir={cache}",
+                       "depth=0")) == 0  # other head settings: the same files, not rebuilt
+    assert {p.name: p.stat().st_mtime_ns for p in key.iterdir()} == stamp
+    assert read_metadata(tmp_path / "again" / "head.safetensors")["head_config"]["depth"] == 0

@@ -35,6 +35,8 @@ def _check(cfg: TrainConfig) -> None:
         problems.append("data_dir is not set; pass data_dir=<heads-datagen output_dir>")
     if cfg.label not in ("soft", "expected"):
         problems.append(f"label={cfg.label!r}: choose soft or expected")
+    if cfg.features not in ("online", "cached"):
+        problems.append(f"features={cfg.features!r}: choose online or cached")
     if cfg.depth < 0:
         problems.append(f"depth={cfg.depth} must be >= 0")
     if not 0 <= cfg.mix_ratio < 1:

@@ -25,6 +25,7 @@ from specheads.outputs import MetricsWriter, atomic_write_json
 from . import checkpoint
 from .config import TrainConfig
 from .data import draft_features, load_examples, mix, mix_seed, split
+from .features import FeatureCache, cache_key
 from .loss import binary_kl, weighted_soft_bce
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,14 @@ def _epoch_batches(n: int, batch: int, world: int, seed: int, epoch: int) -> lis
 
 
 def _features(ctx, examples, epoch: int):
+    """(features, labels) of a batch: from the cache when there is one, else from the draft."""
+    if ctx.get("cache") is not None:
+        return ctx["cache"].batch(epoch, examples, ctx["device"])
+    x, y, _ = _draft_features(ctx, examples, epoch)
+    return x, y
+
+
+def _draft_features(ctx, examples, epoch: int):
     seqs, starts, masks, labels = [], [], [], []
     for ex in examples:
         z, m = mix(ex, ctx["cfg"].mix_ratio, mix_seed(ctx["cfg"].seed, epoch, ex.index))
@@ -49,8 +58,9 @@ def _features(ctx, examples, epoch: int):
         starts.append(ex.start)
         masks.append(m)
         labels.append(ex.label)
-    return draft_features(ctx["draft"], ctx["capture"], seqs, starts, masks, labels, ctx["pad"], ctx["device"],
+    x, y = draft_features(ctx["draft"], ctx["capture"], seqs, starts, masks, labels, ctx["pad"], ctx["device"],
                           shift=1 if ctx["cfg"].label == "expected" else 0)
+    return x, y, [sum(m) for m in masks]
 
 
 @torch.no_grad()
@@ -102,6 +112,17 @@ def train(cfg: TrainConfig, out: Path) -> dict:
     tok = draft.tokenizer
     ctx = {"cfg": cfg, "draft": draft.model, "capture": HiddenCapture(draft.model), "device": draft.device,
            "pad": tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)}
+    if cfg.features == "cached":
+        key = cache_key(draft.fingerprint, cfg.mix_ratio, cfg.seed, cfg.label, cfg.eval_fraction)
+        root = Path(cfg.cache_dir or Path(cfg.data_dir) / "features") / key
+        cache = FeatureCache(root, lambda exs, epoch: _draft_features(ctx, exs, epoch), cfg.batch_size)
+        if acc.is_main_process:  # built once, before training; other processes wait for the files
+            for epoch in range(cfg.epochs):
+                cache.build(epoch, train_ex)
+            cache.build(EVAL_EPOCH, eval_ex)
+        acc.wait_for_everyone()
+        ctx["cache"] = cache
+        log.info("cached features: %s (%.1f MB)", root, cache.nbytes() / 1e6)
     torch.manual_seed(cfg.seed)
     head = AcceptanceHead(draft.hidden_size, cfg.depth)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
