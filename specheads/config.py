@@ -35,6 +35,7 @@ SECTIONS: dict[str, str] = {
     "train": "specheads.train.config:TrainConfig",
     "export": "specheads.export.export_config:ExportConfig",
     "eval": "specheads.evaluate.config:EvalConfig",
+    "pipeline": "specheads.pipeline:PipelineConfig",
 }
 #: Every section a recipe may hold, with the CLI that reads it.
 PROGS: dict[str, str] = {
@@ -43,6 +44,7 @@ PROGS: dict[str, str] = {
     "train": "heads-train",
     "eval": "heads-eval",
     "export": "heads-export",
+    "pipeline": "heads-pipeline",
 }
 DEFAULT_RECIPE = "quickstart"
 
