@@ -28,7 +28,7 @@ from specheads.errors import UserError
 from specheads.export import fit_context, format_prompt, load_pair
 from specheads.export.shim.models import context_length
 from specheads.outputs import MetricsWriter, prepare_output_dir, write_manifest
-from specheads.prompts import load_prompts
+from specheads.prompts import load_prompt_files
 
 from . import shards
 from .acceptance import generate_responses, label_batch
@@ -120,7 +120,7 @@ def run(cfg: DatagenConfig) -> int:
     _check(cfg)
     hf_logging.disable_progress_bar()
     state = PartialState(cpu=not torch.cuda.is_available())
-    prompts = load_prompts(cfg.prompts, limit=cfg.num_prompts, offset=cfg.offset)
+    prompts = load_prompt_files(cfg.prompts, limit=cfg.num_prompts, offset=cfg.offset)
     out = _prepare(cfg, state.is_main_process)
     state.wait_for_everyone()
     pair = load_pair(cfg.target, cfg.draft, same_vocab=True)

@@ -16,7 +16,7 @@ class DatagenConfig:
     draft: ModelSpec = field(default_factory=ModelSpec)
     labels: str = field(default="acceptance", metadata={"help": "acceptance (SpecDec++ soft labels)"})
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    prompts: str = field(default="", metadata={"help": "prompt file (JSONL, GSM8K, Alpaca, MT-Bench, ARC)"})
+    prompts: str = field(default="", metadata={"help": "prompt file (JSONL, GSM8K, Alpaca, MT-Bench, ARC); several: comma-separated"})
     num_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts (after offset)"})
     offset: int = 0
     max_new_tokens: int = field(default=128, metadata={"help": "length of the target's responses"})

@@ -28,7 +28,7 @@ from specheads.export.api import fit_context, format_prompt
 from specheads.export.package import read_metadata
 from specheads.export.shim.models import load_pair
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, write_manifest
-from specheads.prompts import load_prompts
+from specheads.prompts import load_prompt_files
 
 from .config import EvalConfig
 from .oracle import OracleCounts, below_curve, cost_per_token, draft_agreement, oracle_schedule
@@ -59,13 +59,6 @@ def _check(cfg: EvalConfig) -> None:
         problems.append(f"max_new_tokens={cfg.max_new_tokens} must be >= 1")
     if problems:
         raise UserError("; ".join(problems))
-
-
-def _prompts(cfg: EvalConfig):
-    out = []
-    for path in [p.strip() for p in cfg.prompts.split(",") if p.strip()]:
-        out.extend(load_prompts(path, limit=cfg.num_prompts, offset=cfg.offset))
-    return out
 
 
 def _row(name: str, rows: list[dict], t_d: float, t_t: float) -> dict:
@@ -144,7 +137,7 @@ def run(cfg: EvalConfig) -> int:
     _check(cfg)
     hf_logging.disable_progress_bar()
     head_meta = read_metadata(cfg.head) if cfg.head else None
-    prompts = _prompts(cfg)
+    prompts = load_prompt_files(cfg.prompts, limit=cfg.num_prompts, offset=cfg.offset)
     out = prepare_output_dir(cfg.output_dir, to_yaml(cfg), overwrite=cfg.overwrite)
     started = time.time()
     pair = load_pair(cfg.target, cfg.draft, same_vocab=True)

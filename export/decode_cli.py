@@ -23,7 +23,7 @@ from transformers.utils import logging as hf_logging
 from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, write_manifest
-from specheads.prompts import load_prompts
+from specheads.prompts import load_prompt_files
 
 from .api import Decoder, make_policy
 from .decode_config import DecodeConfig
@@ -108,7 +108,7 @@ def run(cfg: DecodeConfig) -> int:
     """Loads the pair, decodes every prompt, writes outputs and metrics."""
     _check(cfg)
     hf_logging.disable_progress_bar()  # our own bar is the one to watch; errors stay one line
-    prompts = load_prompts(cfg.prompts, limit=cfg.num_prompts, offset=cfg.offset)
+    prompts = load_prompt_files(cfg.prompts, limit=cfg.num_prompts, offset=cfg.offset)
     config_yaml = to_yaml(cfg)
     previous = Path(cfg.output_dir) / "config.yaml"
     same_run = previous.is_file() and previous.read_text(encoding="utf-8") == config_yaml

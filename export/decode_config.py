@@ -22,7 +22,7 @@ class DecodeConfig:
     k_max: int = field(default=20, metadata={"help": "specdecpp: most candidates per round"})
     strict: bool = field(default=False, metadata={"help": "refuse (not warn) when sampling differs from the head's"})
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    prompts: str = field(default="", metadata={"help": "JSONL (prompt | messages), GSM8K, Alpaca, MT-Bench or ARC file"})
+    prompts: str = field(default="", metadata={"help": "JSONL (prompt | messages), GSM8K, Alpaca, MT-Bench or ARC file; several: comma-separated"})
     num_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts (after offset)"})
     offset: int = field(default=0, metadata={"help": "skip this many prompts first"})
     max_new_tokens: int = 128

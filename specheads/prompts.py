@@ -221,3 +221,17 @@ def load_prompts(path: str | Path, limit: int | None = None, offset: int = 0) ->
         raise UserError(f"prompt file {str(path)!r} has {seen} rows, none after offset={offset}; "
                         "lower offset")
     return prompts
+
+
+def load_prompt_files(spec: str, limit: int | None = None, offset: int = 0) -> list[Prompt]:
+    """Prompts from one file or several, comma-separated (``a.jsonl,b.json``), concatenated in order.
+
+    ``limit`` and ``offset`` apply to each file; ids stay unique (``<file stem>-<row>``).
+    """
+    paths = [p.strip() for p in str(spec).split(",") if p.strip()]
+    if not paths:
+        raise UserError("no prompt file given; set prompts=<file> (or several, comma-separated)")
+    out: list[Prompt] = []
+    for path in paths:
+        out.extend(load_prompts(path, limit=limit, offset=offset))
+    return out

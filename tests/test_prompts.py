@@ -176,3 +176,16 @@ def test_wrong_field_types(tmp_path: Path) -> None:
     assert "'choices' must be" in _error(_jsonl(tmp_path, [bad_arc]))
     one_object = _write(tmp_path, "o.json", '{"prompt": "a"}')  # read as a one-line JSONL
     assert load_prompts(one_object)[0].text == "a"
+
+
+def test_several_prompt_files(tmp_path):
+    from specheads.prompts import load_prompt_files
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"prompt": f"a{i}"}) + "\n" for i in range(3)))
+    b.write_text("".join(json.dumps({"prompt": f"b{i}"}) + "\n" for i in range(3)))
+    got = load_prompt_files(f"{a}, {b}", limit=2, offset=1)
+    assert [p.text for p in got] == ["a1", "a2", "b1", "b2"]
+    assert len({p.id for p in got}) == 4
+    with pytest.raises(UserError, match="no prompt file"):
+        load_prompt_files(" , ")
