@@ -169,3 +169,83 @@ def test_cached_features_match_online_and_are_reused(tiny_pair_dirs, labelled, t
                        "depth=0")) == 0  # other head settings: the same files, not rebuilt
     assert {p.name: p.stat().st_mtime_ns for p in key.iterdir()} == stamp
     assert read_metadata(tmp_path / "again" / "head.safetensors")["head_config"]["depth"] == 0
+
+
+def test_two_process_ddp_training(tiny_pair_dirs, labelled, tmp_path):
+    """``accelerate launch`` with 2 processes (DDP over gloo on CPU): the ranks stay in sync and the
+    run is reproducible."""
+    import os
+    import subprocess
+    import sys
+
+    heads = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "-m", "specheads.train.cli", *_targs(tiny_pair_dirs, labelled, out, "epochs=2")]
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        heads.append(load_head(out / "head.safetensors").module.state_dict())
+        steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        assert sum("eval_binary_kl" in r for r in steps) == 2  # one writer: the main process
+    for k in heads[0]:
+        torch.testing.assert_close(heads[0][k], heads[1][k], rtol=0, atol=0)
+
+
+def _deepspeed_ok() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _deepspeed_ok(), reason="needs the deepspeed extra (pip install -e '.[deepspeed]')")
+def test_deepspeed_zero2_training_resumes_to_the_same_head(tiny_pair_dirs, labelled, tmp_path):
+    """The shipped ZeRO-2 launcher config on one CPU process (accelerate runs DeepSpeed multi-process
+    only on accelerators): the DeepSpeed path (engine-owned accumulation and loss scaling, per-rank
+    optimizer partitions in the checkpoint) trains the same head as the plain loop, and a run
+    killed after its first checkpoint resumes to the head of an uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from importlib.resources import files
+
+    config = files("specheads.recipes") / "accelerate" / "deepspeed_zero2.yaml"
+
+    def launch(out, wait=True):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+               "--num_processes", "1", "--mixed_precision", "no", "-m", "specheads.train.cli",
+               *_targs(tiny_pair_dirs, labelled, out, "epochs=3")]
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+        if wait:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+
+    full = launch(tmp_path / "full")
+    assert full.returncode == 0, full.stderr[-3000:]
+    ckpt = sorted((tmp_path / "full").glob("checkpoint-*"))[-1]
+    step = ckpt.name.split("-")[1]
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith(".zero")) == [f".zero-{step}-rank0.safetensors"]
+    assert main(_targs(tiny_pair_dirs, labelled, tmp_path / "plain", "epochs=3")) == 0
+    plain = load_head(tmp_path / "plain" / "head.safetensors").module.state_dict()
+    ds = load_head(tmp_path / "full" / "head.safetensors").module.state_dict()
+    for k in plain:
+        torch.testing.assert_close(ds[k], plain[k], rtol=0, atol=1e-3)  # same math, other summation order
+    proc = launch(tmp_path / "cut", wait=False)  # killed (SIGKILL, whole process group) after its first checkpoint
+    deadline = time.time() + 300
+    while not (tmp_path / "cut" / "latest").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    again = launch(tmp_path / "cut")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stderr
+    a = load_head(tmp_path / "full" / "head.safetensors").module.state_dict()
+    b = load_head(tmp_path / "cut" / "head.safetensors").module.state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)

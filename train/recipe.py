@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 from pathlib import Path
 
 import torch
+from accelerate.utils import DistributedType
 from tqdm import tqdm
 
 from specheads.errors import UserError
@@ -95,8 +97,10 @@ def train(cfg: TrainConfig, out: Path) -> dict:
     from transformers import get_cosine_schedule_with_warmup
 
     cuda = torch.cuda.is_available()
-    acc = Accelerator(cpu=not cuda, mixed_precision="bf16" if cfg.bf16 and cuda and torch.cuda.is_bf16_supported()
-                      else "no")
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"  # set by accelerate launch
+    # Under DeepSpeed the engine owns accumulation (and scales the loss); elsewhere this loop does.
+    acc = Accelerator(cpu=not cuda and not deepspeed, gradient_accumulation_steps=cfg.grad_accum if deepspeed else 1,
+                      mixed_precision="bf16" if cfg.bf16 and cuda and torch.cuda.is_bf16_supported() else "no")
     manifest_path = Path(cfg.data_dir) / "manifest.json"
     if not manifest_path.is_file():
         raise UserError(f"{manifest_path} not found; data_dir must be a finished heads-datagen output_dir")
@@ -132,12 +136,20 @@ def train(cfg: TrainConfig, out: Path) -> dict:
     total = min(steps_per_epoch * cfg.epochs, cfg.max_steps or 1 << 62)
     sched = get_cosine_schedule_with_warmup(opt, math.ceil(cfg.warmup_ratio * total), total)
     progress = {"epoch": 0, "step": 0, "best": None, "bad_epochs": 0, "done": False}
+    ds = acc.distributed_type == DistributedType.DEEPSPEED
+    if ds:  # the recipe's batch geometry, not the launcher's, drives DeepSpeed's accumulation
+        ds_cfg = acc.state.deepspeed_plugin.deepspeed_config
+        ds_cfg["train_micro_batch_size_per_gpu"] = cfg.batch_size
+        ds_cfg["gradient_accumulation_steps"] = cfg.grad_accum
+        ds_cfg.pop("train_batch_size", None)  # derived by accelerate from the two above
     ckpt = checkpoint.latest(out)
-    if ckpt is not None:
-        progress = checkpoint.load(ckpt, head, opt, sched)["progress"]
+    if ckpt is not None:  # under DeepSpeed the optimizer state is per-rank partitions, loaded after prepare
+        progress = checkpoint.load(ckpt, head, None if ds else opt, sched)["progress"]
         log.info("resumed from %s (epoch %d, step %d)", ckpt, progress["epoch"], progress["step"])
     head, opt = acc.prepare(head, opt)
     raw = acc.unwrap_model(head)
+    if ds and ckpt is not None:
+        checkpoint.load_zero_partition(ckpt, opt, acc.process_index, world)
     final = {}
     with MetricsWriter(out) if acc.is_main_process else _Null() as metrics, \
             tqdm(total=total, initial=progress["step"], unit="step", desc="heads-train",
@@ -149,8 +161,12 @@ def train(cfg: TrainConfig, out: Path) -> dict:
             for i, idx in enumerate(batches):
                 x, y = _features(ctx, [train_ex[j] for j in idx], epoch)
                 with acc.autocast():
-                    loss = weighted_soft_bce(head(x), y, cfg.w_acc, cfg.w_rej) / cfg.grad_accum
+                    loss = weighted_soft_bce(head(x), y, cfg.w_acc, cfg.w_rej)
+                if not ds:  # DeepSpeed divides by its gradient_accumulation_steps itself
+                    loss = loss / cfg.grad_accum
                 last = (i + 1) % cfg.grad_accum == 0 or i + 1 == len(batches)
+                if ds:  # where DeepSpeed's accumulation boundary is
+                    acc.gradient_state._set_sync_gradients(last)
                 if last:
                     acc.backward(loss)
                     opt.step()
@@ -158,7 +174,7 @@ def train(cfg: TrainConfig, out: Path) -> dict:
                     opt.zero_grad()
                     progress["step"] += 1
                     bar.update()
-                    metrics.write(step=progress["step"], epoch=epoch, loss=float(loss.detach()) * cfg.grad_accum,
+                    metrics.write(step=progress["step"], epoch=epoch, loss=float(loss.detach()) * (1 if ds else cfg.grad_accum),
                                   lr=sched.get_last_lr()[0])
                     if progress["step"] >= total:
                         break
@@ -178,8 +194,13 @@ def train(cfg: TrainConfig, out: Path) -> dict:
                 progress["bad_epochs"] += 1
             progress["epoch"] += 1
             progress["done"] = progress["bad_epochs"] >= cfg.patience or progress["step"] >= total
+            parts = []
+            if ds:  # every rank writes its optimizer partition; the main process files them in
+                checkpoint.save_zero_partition(out, progress["step"], opt, acc.process_index, world)
+                parts = [checkpoint.zero_partition_path(out, progress["step"], r) for r in range(world)]
+                acc.wait_for_everyone()
             if acc.is_main_process:
-                checkpoint.save(out, progress["step"], raw, opt, sched, progress)
+                checkpoint.save(out, progress["step"], raw, None if ds else opt, sched, progress, extra_files=parts)
             acc.wait_for_everyone()
     return json.loads((out / "best_metrics.json").read_text()) if (out / "best_metrics.json").exists() else final
 
