@@ -24,7 +24,7 @@ from specheads import _schema
 from specheads.errors import UserError  # re-exported: one class for every layer
 
 __all__ = ["UserError", "SECTIONS", "PROGS", "cli_main", "help_text", "list_recipes",
-           "load_config", "not_implemented_main", "recipe_description", "schema_for", "to_yaml"]
+           "load_config", "recipe_description", "schema_for", "to_yaml"]
 
 T = TypeVar("T")
 
@@ -292,19 +292,3 @@ def cli_main(prog: str, schema: type[T], section: str, argv: list[str] | None,
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
 
-
-def not_implemented_main(prog: str, issue_hint: str, argv: list[str] | None = None) -> int:
-    """Entry point of a CLI whose capability comes later: says so on stderr, exit code 2.
-
-    Args:
-        prog: CLI name, e.g. ``heads-datagen``.
-        issue_hint: When it arrives, e.g. ``"arrives with SpecDec++ acceptance labels"``.
-        argv: Arguments; ``None`` takes ``sys.argv[1:]``. ``--help`` prints usage, exit 0.
-    """
-    args = sys.argv[1:] if argv is None else list(argv)
-    if _wants_help(args):
-        print(f"usage: {prog} [recipe=NAME] [key=value ...]\n\n"
-              f"{prog} is not implemented yet ({issue_hint}).")
-        return 0
-    print(f"{prog}: not implemented yet ({issue_hint})", file=sys.stderr)
-    return 2

@@ -241,18 +241,6 @@ def test_to_yaml_round_trips(recipe: str, tmp_path: Path) -> None:
     assert load_config(TrainCfg, "train", [f"recipe={path}"]) == cfg
 
 
-def test_not_implemented_main(capsys: pytest.CaptureFixture[str]) -> None:
-    """The CLIs whose capability comes in a later issue answer so, with exit code 2."""
-    from specheads.evaluate.cli import main as evaluate
-
-    for main, prog in ((evaluate, "heads-eval"),):
-        assert main([]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith(f"{prog}: not implemented yet (") and err.count("\n") == 1
-        assert main(["--help"]) == 0
-        assert capsys.readouterr().out.startswith(f"usage: {prog} ")
-
-
 @dataclass
 class WithOptionalGroup:
     draft: Optional[Model] = None
