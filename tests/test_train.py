@@ -249,3 +249,26 @@ def test_deepspeed_zero2_training_resumes_to_the_same_head(tiny_pair_dirs, label
     b = load_head(tmp_path / "cut" / "head.safetensors").module.state_dict()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+def test_expected_label_features_come_from_the_targets_own_prefix():
+    """1 - TV(p_i, q_i) belongs to the state that produced q_i in datagen: the draft on c, x_<i
+    (no token mixing, a loss at every position); the soft label's inputs are mixed."""
+    from types import SimpleNamespace
+
+    from specheads.train.recipe import _draft_features
+
+    class Capture:
+        post = None
+
+    def draft(input_ids, attention_mask, logits_to_keep):  # states = the consumed token ids
+        Capture.post = input_ids.float().unsqueeze(-1)
+
+    ex = Example(0, [1, 2, 10, 11, 12, 13], 2, [20, 21, 22, 23], [0.0, 1.0, 0.0, 1.0])
+    ctx = {"draft": draft, "capture": Capture, "pad": 0, "device": "cpu",
+           "cfg": SimpleNamespace(label="expected", mix_ratio=0.15, seed=0)}
+    x, y, rows = _draft_features(ctx, [ex], epoch=0)
+    assert x[:, 0].tolist() == [2, 10, 11, 12] and y.tolist() == ex.label and rows == [4]
+    ctx["cfg"] = SimpleNamespace(label="soft", mix_ratio=0.0, seed=0)
+    x, y, rows = _draft_features(ctx, [ex], epoch=0)
+    assert x[:, 0].tolist() == [20, 21, 22, 23]  # r = 0: every position holds the draft's token

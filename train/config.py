@@ -15,7 +15,7 @@ class TrainConfig:
     draft: ModelSpec = field(default_factory=ModelSpec)
     head: str = field(default="acceptance", metadata={"help": "head type (acceptance)"})
     depth: int = field(default=3, metadata={"help": "residual blocks D (0 = linear)"})
-    label: str = field(default="soft", metadata={"help": "soft: min(1, p/q) on the state at y_i (SpecDec++); expected: 1 - TV(p, q) on the state before y_i"})
+    label: str = field(default="soft", metadata={"help": "soft: min(1, p/q) on the state at y_i, token mixing (SpecDec++); expected: 1 - TV(p, q) on the state that produced q_i (the target's own prefix, no mixing)"})
     features: str = field(default="online", metadata={"help": "online: the draft runs inside training; cached: its states are stored once (fp16) and reused"})
     cache_dir: str | None = field(default=None, metadata={"help": "features=cached: where the files go; default <data_dir>/features"})
     mix_ratio: float = field(default=0.15, metadata={"help": "token mixing ratio r"})

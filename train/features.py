@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 def cache_key(draft_fingerprint: str, mix_ratio: float, seed: int, label: str, eval_fraction: float) -> str:
     blob = json.dumps({"draft": draft_fingerprint, "mix_ratio": mix_ratio, "seed": seed, "label": label,
-                       "eval_fraction": eval_fraction, "format": 1}, sort_keys=True)
+                       "eval_fraction": eval_fraction, "format": 2}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

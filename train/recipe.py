@@ -54,8 +54,12 @@ def _features(ctx, examples, epoch: int):
 
 def _draft_features(ctx, examples, epoch: int):
     seqs, starts, masks, labels = [], [], [], []
+    expected = ctx["cfg"].label == "expected"
     for ex in examples:
-        z, m = mix(ex, ctx["cfg"].mix_ratio, mix_seed(ctx["cfg"].seed, epoch, ex.index))
+        if expected:  # the state that produced q_i: the draft on the target's own prefix, every position
+            z, m = ex.input_ids, [True] * len(ex.label)
+        else:
+            z, m = mix(ex, ctx["cfg"].mix_ratio, mix_seed(ctx["cfg"].seed, epoch, ex.index))
         seqs.append(z)
         starts.append(ex.start)
         masks.append(m)
