@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from specheads.export.api import Decoder, make_policy
 from specheads.export.shim.engine import GenerationStats
+from specheads.outputs import read_finished_rows
 
 log = logging.getLogger(__name__)
 
@@ -41,27 +42,10 @@ def build_decoders(cfg, pair) -> dict[str, Decoder]:
     return out
 
 
-def read_rows(path: Path) -> list[dict]:
-    """Finished rows; a torn last line (a crash mid-write) is dropped and cut off the file."""
-    if not path.is_file():
-        return []
-    rows, good = [], 0
-    with open(path, "rb") as fh:
-        for line in fh:
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                break
-            good += len(line)
-    with open(path, "r+b") as fh:
-        fh.truncate(good)
-    return rows
-
-
 def run_sweep(decoders: dict[str, Decoder], prompts, rows_path: Path, warmup: bool = True) -> dict[str, list[dict]]:
     """Decodes every prompt with every configuration; returns rows grouped by configuration."""
     names = list(decoders)
-    done = {(r["index"], r["config"]): r for r in read_rows(rows_path)}
+    done = {(r["index"], r["config"]): r for r in read_finished_rows(rows_path)}
     todo = sum((i, n) not in done for i, _ in enumerate(prompts) for n in names)
     if done:
         log.info("resuming: %d of %d runs already done", len(done), len(done) + todo)

@@ -22,7 +22,7 @@ from transformers.utils import logging as hf_logging
 
 from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError
-from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, write_manifest
+from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, read_finished_rows, write_manifest
 from specheads.prompts import load_prompt_files
 
 from .api import Decoder, make_policy
@@ -87,23 +87,6 @@ def _policy_settings(cfg: DecodeConfig, policy) -> dict:
     return {}
 
 
-def _finished_rows(path: Path) -> list[dict]:
-    """Rows of an earlier, interrupted run of the same config; a torn last line is cut off."""
-    if not path.exists():
-        return []
-    rows, good = [], 0
-    with open(path, "rb") as fh:
-        for line in fh:
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                break
-            good += len(line)
-    with open(path, "r+b") as fh:
-        fh.truncate(good)
-    return rows
-
-
 def run(cfg: DecodeConfig) -> int:
     """Loads the pair, decodes every prompt, writes outputs and metrics."""
     _check(cfg)
@@ -115,7 +98,7 @@ def run(cfg: DecodeConfig) -> int:
     out_dir = prepare_output_dir(cfg.output_dir, config_yaml, overwrite=cfg.overwrite)
     if not same_run:
         (out_dir / "outputs.jsonl").unlink(missing_ok=True)
-    done = {row["index"]: row for row in _finished_rows(out_dir / "outputs.jsonl")}
+    done = {row["index"]: row for row in read_finished_rows(out_dir / "outputs.jsonl")}
     if done:
         log.info("resuming: %d of %d prompts already done in %s", len(done), len(prompts), out_dir)
     needs_draft = cfg.policy != "ar"

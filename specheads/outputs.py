@@ -160,3 +160,25 @@ class MetricsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def read_finished_rows(path: str | Path) -> list[dict]:
+    """The complete JSON lines of an append-only results file from an interrupted run.
+
+    A torn last line (a crash mid-write) is dropped and cut off the file, so appending resumes
+    on a clean line boundary.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return []
+    rows, good = [], 0
+    with open(path, "rb") as fh:
+        for line in fh:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                break
+            good += len(line)
+    with open(path, "r+b") as fh:
+        fh.truncate(good)
+    return rows
