@@ -5,9 +5,10 @@
 
 1. Datagen throughput, side by side on the same prompts: ``heads-datagen`` (batched, one
    teacher-forced pass per model per batch, Parquet chunks) against a reimplementation of the
-   reference's five-pass pipeline (each pass a separate loop over prompts at batch 1, reading
-   the previous pass's JSON file and writing its own: target generation, draft distributions and
-   draws, target probabilities, labels, examples). Same models, prompts, settings; labelled
+   reference's five-pass pipeline (each pass a separate loop over prompts at batch 1 with the
+   models' own Hugging Face forward and ``generate``, reading the previous pass's JSON file and
+   writing its own: target generation, draft distributions and draws, target probabilities,
+   labels, examples). Same models, prompts, settings; labelled
    tokens per second each.
 2. The recipe's pipeline (datagen -> train -> export -> eval on held-out GSM8K-test and MT-Bench
    prompts): fixed K and SpecDec++ thresholds in one interleaved sweep, the greedy oracle and the
@@ -31,11 +32,12 @@ from pathlib import Path
 import torch
 
 from specheads.config import load_config
-from specheads.datagen.acceptance import generate_responses, teacher_forced_logits
+from specheads.datagen.acceptance import teacher_forced_logits
 from specheads.datagen.cli import run as datagen_run
 from specheads.datagen.config import DatagenConfig
 from specheads.export import format_prompt, load_pair
 from specheads.export.api import fit_context
+from specheads.export.shim.batched import hf_generate
 from specheads.export.shim.models import context_length
 from specheads.export.shim.sampling import probs_from_logits, sample
 from specheads.pipeline import load_configs, main as pipeline_main
@@ -55,7 +57,8 @@ def reference_five_pass(cfg: DatagenConfig, pair, prompts, work: Path) -> dict:
     rows = []
     for i, p in enumerate(prompts):  # pass 1: the target's responses
         ids = fit_context(format_prompt(tok, p, cfg.chat_template), cfg.max_new_tokens, limit)[0]
-        resp = generate_responses(target, [ids], cfg.max_new_tokens, cfg.sampling, cfg.seed + i, pad, eos)[0]
+        seeded = torch.Generator().manual_seed(cfg.seed + i)
+        resp = hf_generate(target, [ids], cfg.max_new_tokens, cfg.sampling, seeded, eos, pad)[0]
         rows.append({"prompt_ids": ids, "response": resp})
     (work / "pass1.json").write_text(json.dumps(rows))
     rows = json.loads((work / "pass1.json").read_text())

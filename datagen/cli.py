@@ -77,8 +77,9 @@ def _label_chunk(cfg, pair, prompts, chunk: int, pad: int, eos: list[int], limit
         batch = items[b: b + cfg.batch_size]
         ids = [fit_context(format_prompt(pair.tokenizer, p, cfg.chat_template), cfg.max_new_tokens, limit)[0]
                for p in batch]
-        responses = generate_responses(pair.target.model, ids, cfg.max_new_tokens, cfg.sampling, seed + b, pad, eos)
-        labels = label_batch(pair.target.model, pair.draft.model, ids, responses, cfg.sampling, gen, pad)
+        responses, p_logits = generate_responses(pair.target.model, ids, cfg.max_new_tokens, cfg.sampling,
+                                                 seed + b, pad, eos)
+        labels = label_batch(pair.target.model, pair.draft.model, ids, responses, cfg.sampling, gen, pad, p_logits)
         for i, (p, x, r, lab) in enumerate(zip(batch, ids, responses, labels)):
             cols["prompt_id"].append(p.id)
             cols["prompt_index"].append(cfg.offset + lo + b + i)

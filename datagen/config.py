@@ -21,7 +21,7 @@ class DatagenConfig:
     offset: int = 0
     max_new_tokens: int = field(default=128, metadata={"help": "length of the target's responses"})
     chat_template: bool = True
-    batch_size: int = field(default=8, metadata={"help": "prompts per forward"})
+    batch_size: int = field(default=16, metadata={"help": "prompts per forward (one batch generates and is labelled together)"})
     chunk_size: int = field(default=32, metadata={"help": "prompts per output file (the unit of resumption)"})
     expected_label: bool = field(default=True, metadata={"help": "also store 1 - TV(p, q)"})
     seed: int = 0

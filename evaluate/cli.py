@@ -9,7 +9,10 @@ prompt. It reports for each configuration tokens/s, tokens and accepted drafts p
 verification rate, discard rate and draft forwards per token; the per-forward times ``t_t``
 and ``t_d`` measured by the two baselines; the cost model ``T/N`` of ALGORITHMS.md section 0 at
 those times; and, for greedy decoding, the oracle stopping rule (SpecDec++ Theorem 4.1) computed
-from the target's own output. Writes ``sweep.json`` (table, oracle, ratios, Pareto check),
+from the target's own output, and the same stopping rule as a perfect SpecDec++ head would apply it
+(it can only judge a candidate after drafting it, never before ``k_min``): the most any head can
+gain on these prompts with these models. Writes ``sweep.json`` (table, oracle, perfect head,
+ratios, Pareto check),
 ``pareto.png``, ``rows.jsonl`` (every prompt x configuration; a killed sweep resumes),
 ``metrics.jsonl`` (one line per configuration), ``metrics.json``, ``config.yaml`` and
 ``manifest.json``.
@@ -27,11 +30,12 @@ from specheads.errors import UserError
 from specheads.export.api import fit_context, format_prompt
 from specheads.export.package import read_metadata
 from specheads.export.shim.models import load_pair
+from specheads.export.shim.policies import SpecDecPP
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, write_manifest
 from specheads.prompts import load_prompt_files
 
 from .config import EvalConfig
-from .oracle import OracleCounts, below_curve, cost_per_token, draft_agreement, oracle_schedule
+from .oracle import OracleCounts, below_curve, cost_per_token, draft_agreement, oracle_schedule, perfect_head_schedule
 from .plot import pareto_plot
 from .sweep import build_decoders, run_sweep, total
 
@@ -77,8 +81,16 @@ def _row(name: str, rows: list[dict], t_d: float, t_t: float) -> dict:
     }
 
 
-def summarize(cfg: EvalConfig, grouped: dict[str, list[dict]], oracle: OracleCounts | None, head_meta: dict | None) -> dict:
-    """The sweep table, measured forward times, oracle, ratios and Pareto check."""
+def _ideal(counts: OracleCounts, t_d: float, t_t: float) -> dict:
+    return {"tokens": counts.new_tokens, "target_calls": counts.target_calls, "draft_forwards": counts.draft_forwards,
+            "verification_rate": round(counts.verification_rate, 4), "discard_rate": round(counts.discard_rate, 4),
+            "model_cost_ms_per_token": round(1000 * cost_per_token(
+                counts.draft_forwards, counts.target_calls, counts.new_tokens, t_d, t_t), 4)}
+
+
+def summarize(cfg: EvalConfig, grouped: dict[str, list[dict]], oracle: OracleCounts | None, head_meta: dict | None,
+              perfect: OracleCounts | None = None) -> dict:
+    """The sweep table, measured forward times, oracle, perfect-head bound, ratios and Pareto check."""
     ar, dr = total(grouped["ar"]), total(grouped["draft"])
     t_t = ar.wall_time / ar.target_calls if ar.target_calls else float("nan")
     t_d = dr.wall_time / dr.draft_forwards if dr.draft_forwards else float("nan")
@@ -89,11 +101,9 @@ def summarize(cfg: EvalConfig, grouped: dict[str, list[dict]], oracle: OracleCou
     out = {"t_target_ms": round(1000 * t_t, 3), "t_draft_ms": round(1000 * t_d, 3),
            "t_draft_over_t_target": round(t_d / t_t, 4), "table": table}
     if oracle is not None:
-        out["oracle"] = {"tokens": oracle.new_tokens, "target_calls": oracle.target_calls,
-                         "draft_forwards": oracle.draft_forwards,
-                         "verification_rate": round(oracle.verification_rate, 4), "discard_rate": 0.0,
-                         "model_cost_ms_per_token": round(1000 * cost_per_token(
-                             oracle.draft_forwards, oracle.target_calls, oracle.new_tokens, t_d, t_t), 4)}
+        out["oracle"] = _ideal(oracle, t_d, t_t)
+    if perfect is not None:
+        out["perfect_head"] = _ideal(perfect, t_d, t_t)
     ratios: dict = {}
     if fixed:
         best_k = max(fixed, key=lambda r: r["tokens_per_s"])
@@ -113,6 +123,11 @@ def summarize(cfg: EvalConfig, grouped: dict[str, list[dict]], oracle: OracleCou
             c_k, c_h = best_k["model_cost_ms_per_token"], best_h["model_cost_ms_per_token"]
             c_o = out["oracle"]["model_cost_ms_per_token"]
             ratios["oracle_gain_fraction"] = round((c_k - c_h) / (c_k - c_o), 4) if c_k != c_o else None
+        if perfect is not None:  # the most any head could gain over the best fixed K, in the cost model
+            ratios["perfect_head_cost_gain_vs_best_fixed_k"] = round(
+                best_k["model_cost_ms_per_token"] / out["perfect_head"]["model_cost_ms_per_token"], 4)
+            ratios["specdecpp_cost_gain_vs_best_fixed_k"] = round(
+                best_k["model_cost_ms_per_token"] / best_h["model_cost_ms_per_token"], 4)
     out["ratios"] = ratios
     if head_meta is not None:
         train = head_meta.get("extra", {}).get("train", {})
@@ -129,6 +144,10 @@ def _print(summary: dict) -> None:
     if "oracle" in summary:
         o = summary["oracle"]
         print(f"oracle | {o['tokens']} | - | - | - | - | {o['verification_rate']} | 0.0 | - | {o['model_cost_ms_per_token']}")
+    if "perfect_head" in summary:
+        o = summary["perfect_head"]
+        print(f"perfect head | {o['tokens']} | - | - | - | - | {o['verification_rate']} | {o['discard_rate']} | - | "
+              f"{o['model_cost_ms_per_token']}")
     print(f"t_target {summary['t_target_ms']} ms, t_draft {summary['t_draft_ms']} ms; ratios {summary['ratios']}"
           + (f"; pareto_dominates {summary['pareto_dominates']}" if "pareto_dominates" in summary else ""))
 
@@ -143,18 +162,22 @@ def run(cfg: EvalConfig) -> int:
     pair = load_pair(cfg.target, cfg.draft, same_vocab=True)
     decoders = build_decoders(cfg, pair)
     grouped = run_sweep(decoders, prompts, out / "rows.jsonl")
-    oracle = None
+    oracle = perfect = None
+    lag = next((d.policy.lag for d in decoders.values() if isinstance(d.policy, SpecDecPP)), None)
     if cfg.oracle and not cfg.sampling.do_sample:
         oracle = OracleCounts()
+        perfect = OracleCounts() if lag is not None else None
         ar = decoders["ar"]
         for prompt, row in zip(prompts, grouped["ar"]):
             ids, _ = fit_context(format_prompt(pair.tokenizer, prompt, cfg.chat_template), cfg.max_new_tokens,
                                  ar.context)
             agree = draft_agreement(pair.draft.model, ids, row["tokens"], cfg.fused_forward, ar.engine.vocab_size)
             oracle = oracle + oracle_schedule(agree, cfg.k_max)
+            if perfect is not None:
+                perfect = perfect + perfect_head_schedule(agree, cfg.k_min, cfg.k_max, lag)
     elif cfg.oracle:
         log.warning("the oracle is defined for greedy decoding only (sampling.do_sample=false); skipped")
-    summary = summarize(cfg, grouped, oracle, head_meta)
+    summary = summarize(cfg, grouped, oracle, head_meta, perfect)
     summary["pareto_png"] = str(pareto_plot(
         out / "pareto.png",
         [{"label": r["config"], **r} for r in summary["table"] if r["config"].startswith("k")],

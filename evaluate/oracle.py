@@ -11,11 +11,12 @@ from specheads.export.shim.kv import make_runner
 
 @dataclass
 class OracleCounts:
-    """Counts of the oracle schedule for one or more prompts (no discards by construction)."""
+    """Counts of an idealised schedule for one or more prompts (the oracle discards nothing)."""
 
     new_tokens: int = 0
     target_calls: int = 0
     draft_forwards: int = 0
+    discarded: int = 0
 
     @property
     def verification_rate(self) -> float:
@@ -23,11 +24,11 @@ class OracleCounts:
 
     @property
     def discard_rate(self) -> float:
-        return 0.0
+        return self.discarded / self.new_tokens if self.new_tokens else 0.0
 
     def __add__(self, other: "OracleCounts") -> "OracleCounts":
         return OracleCounts(self.new_tokens + other.new_tokens, self.target_calls + other.target_calls,
-                            self.draft_forwards + other.draft_forwards)
+                            self.draft_forwards + other.draft_forwards, self.discarded + other.discarded)
 
 
 def oracle_schedule(agree: list[bool], k_max: int) -> OracleCounts:
@@ -49,6 +50,33 @@ def oracle_schedule(agree: list[bool], k_max: int) -> OracleCounts:
         drafts += run
         pos += run + 1
     return OracleCounts(n, calls, drafts)
+
+
+def perfect_head_schedule(agree: list[bool], k_min: int, k_max: int, lag: int) -> OracleCounts:
+    """Rounds of the SpecDec++ stopping rule with a perfect head, under the engine's constraints.
+
+    Unlike :func:`oracle_schedule`, the rule can only judge a candidate after drafting it: the
+    head reads a draft state, so a round always drafts at least ``k_min`` candidates and a
+    disagreement is only seen once drawn (``lag = 0``, the ``previous``-position head) or one
+    forward later (``lag = 1``, the reference order). The head scores agreements 1 and the first
+    disagreement 0, so the round stops as soon as the disagreement is scored. The cost of this
+    schedule bounds what any SpecDec++ head can reach with these models on these prompts.
+
+    ``draft_forwards`` counts candidates drafted; discards are ``draft_forwards - accepted``.
+    """
+    n = len(agree)
+    pos = calls = drafts = accepted = 0
+    while pos < n:
+        room = min(k_max, n - 1 - pos)  # the final token is always the target's, as in the engine
+        run = 0
+        while run < room and agree[pos + run]:
+            run += 1
+        drawn = min(room, max(k_min, run + 1 + lag)) if run < room else room
+        calls += 1
+        drafts += drawn
+        accepted += run
+        pos += run + 1
+    return OracleCounts(n, calls, drafts, drafts - accepted)
 
 
 @torch.inference_mode()

@@ -9,7 +9,7 @@ import torch
 from conftest import perturbed_copy
 
 from specheads.evaluate.cli import main
-from specheads.evaluate.oracle import below_curve, draft_agreement, oracle_schedule
+from specheads.evaluate.oracle import below_curve, draft_agreement, oracle_schedule, perfect_head_schedule
 from specheads.export import Engine, ModelSpec, SamplingConfig, load_pair, save_head
 from specheads.heads import AcceptanceHead
 
@@ -24,6 +24,19 @@ from specheads.heads import AcceptanceHead
 def test_oracle_schedule_hand_cases(agree, k_max, calls, drafts):
     o = oracle_schedule(agree, k_max)
     assert (o.new_tokens, o.target_calls, o.draft_forwards) == (len(agree), calls, drafts)
+
+
+@pytest.mark.parametrize("agree, k_min, k_max, lag, calls, drafts, discarded", [
+    ([True, False, True, True, False], 1, 20, 0, 2, 4, 1),  # the disagreement is drawn, scored 0, dropped
+    ([True, False, True, True, False], 1, 20, 1, 2, 5, 2),  # reference order: seen one forward later
+    ([False] * 4, 1, 20, 0, 4, 3, 3),  # k_min = 1: every round drafts one doomed candidate (as K = 1)
+    ([False] * 4, 2, 20, 0, 4, 5, 5),  # k_min = 2, capped by the room left before the final token
+    ([True] * 10, 1, 3, 0, 3, 7, 0),  # k_max cuts: as the oracle
+])
+def test_perfect_head_schedule_hand_cases(agree, k_min, k_max, lag, calls, drafts, discarded):
+    o = perfect_head_schedule(agree, k_min, k_max, lag)
+    assert (o.new_tokens, o.target_calls, o.draft_forwards, o.discarded) == (len(agree), calls, drafts, discarded)
+    assert o.target_calls >= oracle_schedule(agree, k_max).target_calls
 
 
 def test_below_curve():

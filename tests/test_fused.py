@@ -8,6 +8,7 @@ from torch.testing import assert_close
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from conftest import BigramLM, tiny_llama
+from specheads.export.shim import batched
 from specheads.export.shim.engine import Engine
 from specheads.export.shim.fused import FusedRunner, fused_weights, supports, unfuse
 from specheads.export.shim.kv import ModelRunner, make_runner
@@ -120,3 +121,49 @@ def test_fusing_inside_inference_mode_leaves_trainable_parameters():
     model.train()
     model(torch.tensor([[3, 4, 5]])).logits.sum().backward()
     assert model.model.layers[0].self_attn.k_proj.weight.grad is not None
+
+
+def _hf_greedy(model, prompt, n, eos):
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0)[0, len(prompt):].tolist()
+    cut = next((i + 1 for i, t in enumerate(out) if t in eos), len(out))
+    return out[:cut]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_batched_generation_equals_one_prompt_at_a_time(kind):
+    model = _model(kind)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 50, (n,), generator=g).tolist() for n in (3, 9, 1, 6, 12, 4, 7)]
+    # An EOS the responses actually reach, so rows finish at different steps and the batch shrinks.
+    eos = [_hf_greedy(model, prompts[0], 3, [])[-1]]
+    ref = [_hf_greedy(model, p, 10, eos) for p in prompts]
+    assert len({len(r) for r in ref}) > 1, "the test needs responses of different lengths"
+    out, logits = batched.generate(model, prompts, 10, SamplingConfig(), None, eos, pad=0, record_logits=True)
+    assert out == ref
+    for p, r, lg in zip(prompts, out, logits):  # the recorded logits are the teacher-forced ones
+        full = model(torch.tensor([p + r])).logits[0, len(p) - 1: len(p) - 1 + len(r)]
+        assert lg.shape == full.shape
+        assert_close(lg, full, atol=1e-4, rtol=1e-4)
+
+
+def test_batched_sampling_follows_the_generator_and_the_warping():
+    model = _model("llama")
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    s = SamplingConfig(do_sample=True, temperature=0.7, top_k=1)  # top-k 1: sampling must equal greedy
+    greedy = batched.generate(model, prompts, 8, SamplingConfig(), None, [], pad=0)
+    assert batched.generate(model, prompts, 8, s, torch.Generator().manual_seed(3), [], pad=0) == greedy
+    s = SamplingConfig(do_sample=True, temperature=1.5)
+    a = batched.generate(model, prompts, 8, s, torch.Generator().manual_seed(3), [], pad=0)
+    b = batched.generate(model, prompts, 8, s, torch.Generator().manual_seed(3), [], pad=0)
+    c = batched.generate(model, prompts, 8, s, torch.Generator().manual_seed(4), [], pad=0)
+    assert a == b and a != c and all(len(r) == 8 for r in a)
+
+
+def test_batched_generation_falls_back_to_generate():
+    target = _model("llama")
+    target.config._attn_implementation = "eager"
+    assert supports(target) is not None
+    prompts = [[1, 2, 3], [4, 5]]
+    out = batched.generate(target, prompts, 5, SamplingConfig(), None, [], pad=0)
+    assert out == [_hf_greedy(target, p, 5, []) for p in prompts]

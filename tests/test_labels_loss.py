@@ -56,3 +56,24 @@ def test_binary_kl_hand_computed():
     want = 0.3 * math.log(0.3 / 0.5) + 0.7 * math.log(0.7 / 0.5)
     assert_close(binary_kl(b, x), torch.tensor(want))
     assert binary_kl(torch.tensor([1.0, 0.0]), torch.tensor([20.0, -20.0])) < 1e-6
+
+
+def test_one_pass_labels_equal_teacher_forced_labels(tiny_pair):
+    """Labels from the generation's own logits (no second target pass) and from the output layer
+    at response positions only equal those of full teacher-forced passes."""
+    from specheads.datagen.acceptance import generate_responses, label_batch, response_logits, teacher_forced_logits
+
+    target, draft = tiny_pair
+    prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
+    for sampling in (SamplingConfig(), SamplingConfig(do_sample=True, temperature=0.9)):
+        responses, recorded = generate_responses(target, prompts, 6, sampling, seed=0, pad=0, eos=[])
+        for model in (target, draft):
+            for p, r, lg in zip(prompts, responses, response_logits(model, prompts, responses, pad=0)):
+                ref = teacher_forced_logits(model, [p + r], len(p), pad=0)[0, : len(r)]
+                torch.testing.assert_close(lg, ref, atol=1e-4, rtol=1e-4)
+        one = label_batch(target, draft, prompts, responses, sampling, torch.Generator().manual_seed(0), 0, recorded)
+        two = label_batch(target, draft, prompts, responses, sampling, torch.Generator().manual_seed(0), 0)
+        for a, b in zip(one, two):
+            assert torch.equal(a["draft_token"], b["draft_token"])
+            torch.testing.assert_close(a["label"], b["label"], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(a["expected_label"], b["expected_label"], atol=1e-4, rtol=1e-4)

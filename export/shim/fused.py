@@ -130,6 +130,37 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def decoder_layers(shape, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
+                   values: list[torch.Tensor], start: int, end: int, mask: torch.Tensor | None,
+                   causal: bool) -> torch.Tensor:
+    """All decoder layers on the fused weights, for a batch ``x`` ``[B, S, d]`` at cache slots ``start:end``.
+
+    Args:
+        shape: an object with ``weights`` (:class:`_Fused`), ``heads``, ``kv_heads``, ``head_dim``, ``sizes``.
+        cos, sin: rotary rows for the new positions, ``[S, hd]`` or ``[B, 1, S, hd]`` (per-row positions).
+        keys, values: per-layer ``[B, kv_heads, capacity, hd]`` buffers; slots ``start:end`` are written.
+        mask: boolean attention mask broadcastable to ``[B, heads, S, end]`` (True = attend), or None.
+        causal: plain causal attention over ``0:end`` (only with ``start == 0`` and no mask).
+
+    Returns:
+        the last layer's output ``[B, S, d]`` (before the final norm).
+    """
+    b, s = x.shape[:2]
+    h, kv_h, hd = shape.heads, shape.kv_heads, shape.head_dim
+    for i, (n1, qkv, qkv_b, wo, bo, n2, gu, wd) in enumerate(shape.weights.layers):
+        q, k, v = F.linear(_rms(n1, x), qkv, qkv_b).split(shape.sizes, dim=-1)
+        q = _rotate(q.view(b, s, h, hd).transpose(1, 2), cos, sin)
+        k = _rotate(k.view(b, s, kv_h, hd).transpose(1, 2), cos, sin)
+        keys[i][:, :, start:end] = k
+        values[i][:, :, start:end] = v.view(b, s, kv_h, hd).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, keys[i][:, :, :end], values[i][:, :, :end],
+                                           attn_mask=mask, is_causal=causal, enable_gqa=kv_h != h)
+        x = x + F.linear(o.transpose(1, 2).reshape(b, s, h * hd), wo, bo)
+        gate, up = F.linear(_rms(n2, x), gu).chunk(2, dim=-1)
+        x = x + F.linear(F.silu(gate) * up, wd)
+    return x
+
+
 class FusedRunner:
     """Same interface as :class:`~specheads.export.shim.kv.ModelRunner`, on the fused forward.
 
@@ -207,19 +238,8 @@ class FusedRunner:
         if s > 1 and start > 0:  # queries see the whole prefix and the causal part of the new block
             mask = torch.ones(s, end, dtype=torch.bool, device=self.device).tril(start)
         causal = s > 1 and start == 0
-        h, kv_h, hd = self.heads, self.kv_heads, self.head_dim
         x = self.model.get_input_embeddings()(ids)
-        for i, (n1, qkv, qkv_b, wo, bo, n2, gu, wd) in enumerate(self.weights.layers):
-            q, k, v = F.linear(_rms(n1, x), qkv, qkv_b).split(self.sizes, dim=-1)
-            q = _rotate(q.view(1, s, h, hd).transpose(1, 2), cos, sin)
-            k = _rotate(k.view(1, s, kv_h, hd).transpose(1, 2), cos, sin)
-            self.keys[i][:, :, start:end] = k
-            self.values[i][:, :, start:end] = v.view(1, s, kv_h, hd).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, self.keys[i][:, :, :end], self.values[i][:, :, :end],
-                                               attn_mask=mask, is_causal=causal, enable_gqa=kv_h != h)
-            x = x + F.linear(o.transpose(1, 2).reshape(1, s, h * hd), wo, bo)
-            gate, up = F.linear(_rms(n2, x), gu).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, wd)
+        x = decoder_layers(self, x, cos, sin, self.keys, self.values, start, end, mask, causal)
         self._length = end
         self.forwards += 1
         norm = self.model.model.norm
