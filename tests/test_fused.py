@@ -83,10 +83,27 @@ def test_fusing_shares_storage_and_keeps_the_model_working():
     assert fused_weights(model) is not w
     r, f = ModelRunner(model), FusedRunner(model)
     assert_close(f.forward(ids, 4)[0], r.forward(ids, 4)[0], atol=1e-5, rtol=1e-5)
+    # On CPU every weight is stored transposed (the fast F.linear path); the tie survives.
+    assert attn.o_proj.weight.stride() == (1, attn.o_proj.weight.shape[0])
+    assert model.get_input_embeddings().weight.stride()[0] == 1
+    assert model.get_output_embeddings().weight.stride()[0] == 1
     mid = model(ids).logits
     unfuse(model)
     assert attn.k_proj.weight.data_ptr() != attn.q_proj.weight.data_ptr() + attn.q_proj.weight.nbytes
+    assert all(p.is_contiguous() for p in model.parameters())
     assert_close(model(ids).logits, mid)
+
+
+def test_fusing_keeps_tied_embeddings_tied():
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**COMMON, tie_word_embeddings=True)).eval()
+    ids = torch.tensor([[3, 5, 7, 9]])
+    before = model(ids).logits
+    fused_weights(model)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert_close(FusedRunner(model).forward(ids, 4)[0], before[0], atol=1e-5, rtol=1e-5)
+    unfuse(model)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert_close(model(ids).logits, before)
 
 
 def test_unsupported_models_fall_back_to_their_own_forward():

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .fused import _rms, decoder_layers, fused_weights, supports
+from .fused import _rms, decoder_layers, fused_weights, output_logits, supports
 from .models import pad_batch
 from .sampling import SamplingConfig, probs_from_logits, sample
 
@@ -95,7 +95,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
                        mask[:, None], False)
     end = width
     for step in range(max_new_tokens):
-        logits = model.get_output_embeddings()(_rms(model.model.norm, x[:, -1]))
+        logits = output_logits(shape.weights, _rms(model.model.norm, x[:, -1]))
         if vocab_size is not None:
             logits = logits[:, :vocab_size]
         if record_logits:

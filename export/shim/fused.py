@@ -58,41 +58,98 @@ class _Fused:
     def __init__(self, model):
         self.model = weakref.ref(model)
         self.layers = []
+        # Column-major on CPU: see _column_major.
+        cm = model.get_input_embeddings().weight.device.type == "cpu"
         # Normal (not inference-mode) tensors: the rebound parameters must stay usable by autograd.
         with torch.inference_mode(False), torch.no_grad():
             for layer in model.model.layers:
                 a, mlp = layer.self_attn, layer.mlp
-                qkv = _fuse([a.q_proj, a.k_proj, a.v_proj], "weight")
-                qkv_b = _fuse([a.q_proj, a.k_proj, a.v_proj], "bias") if a.q_proj.bias is not None else None
-                gu = _fuse([mlp.gate_proj, mlp.up_proj], "weight")
+                qkv = _fuse([a.q_proj, a.k_proj, a.v_proj], "weight", cm)
+                qkv_b = _fuse([a.q_proj, a.k_proj, a.v_proj], "bias", False) if a.q_proj.bias is not None else None
+                gu = _fuse([mlp.gate_proj, mlp.up_proj], "weight", cm)
+                if cm:
+                    _column_major(a.o_proj)
+                    _column_major(mlp.down_proj)
                 o_b = a.o_proj.bias
                 self.layers.append((layer.input_layernorm, qkv, qkv_b, a.o_proj.weight, o_b,
                                     layer.post_attention_layernorm, gu, mlp.down_proj.weight))
+            if cm:
+                emb, out = model.get_input_embeddings(), model.get_output_embeddings()
+                tied = out is not None and out.weight is emb.weight
+                _column_major(emb)
+                if tied:
+                    out.weight = emb.weight
+                elif out is not None:
+                    _column_major(out)
+        self.column_major = cm
+        out = model.get_output_embeddings()
+        self.lm_weight, self.lm_bias = out.weight, getattr(out, "bias", None)
         self.views = self._pointers(model)
+        self._rows: tuple[list, torch.Tensor, list[int]] | None = None  # row-major copies, see layers_for
 
     @staticmethod
     def _pointers(model) -> list[int]:
         out = []
         for layer in model.model.layers:
             a, mlp = layer.self_attn, layer.mlp
-            out += [m.weight.data_ptr() for m in (a.q_proj, a.k_proj, a.v_proj, mlp.gate_proj, mlp.up_proj)]
-        return out
+            out += [m.weight.data_ptr() for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj,
+                                                  mlp.up_proj, mlp.down_proj)]
+        return out + [model.get_output_embeddings().weight.data_ptr()]
+
+    def _versions(self) -> list[int]:
+        return [t._version for layer in self.layers for t in (layer[1], layer[3], layer[6], layer[7])] + [
+            self.lm_weight._version]
+
+    def layers_for(self, rows: int) -> tuple[list, torch.Tensor]:
+        """The per-layer weights and the output-layer weight to use for a product with ``rows`` rows.
+
+        On CPU the stored (column-major) layout is the fast one for 1 row and for 4 or more; for
+        2-3 rows (a K = 1 or 2 verification pass) row-major products are about 15% faster, so
+        row-major copies are made on first need (doubling weight memory on CPU) and refreshed
+        when an in-place update changes the stored weights."""
+        if not self.column_major or rows not in (2, 3):
+            return self.layers, self.lm_weight
+        versions = self._versions()
+        if self._rows is None or self._rows[2] != versions:
+            with torch.inference_mode(False), torch.no_grad():
+                def row(t):
+                    return t.detach().contiguous()
+                layers = [(n1, row(qkv), qkv_b, row(wo), bo, n2, row(gu), row(wd))
+                          for n1, qkv, qkv_b, wo, bo, n2, gu, wd in self.layers]
+                self._rows = (layers, row(self.lm_weight), versions)
+        return self._rows[0], self._rows[1]
 
     def stale(self, model) -> bool:
         """True when a parameter was replaced (not updated in place) since fusing."""
         return self._pointers(model) != self.views
 
 
-def _fuse(linears, attr: str) -> torch.Tensor:
-    """Concatenates ``attr`` of ``linears`` row-wise and rebinds each to its slice (shared storage)."""
+def _fuse(linears, attr: str, column_major: bool) -> torch.Tensor:
+    """Concatenates ``attr`` of ``linears`` row-wise and rebinds each to its slice (shared storage).
+
+    With ``column_major`` the buffer is stored transposed (see :func:`_column_major`); the
+    returned ``[out, in]`` tensor and the rebound slices are views of it."""
     parts = [getattr(lin, attr) for lin in linears]
-    fused = torch.cat([p.detach() for p in parts]).contiguous()
+    fused = torch.cat([p.detach() for p in parts])
+    fused = fused.t().contiguous().t() if column_major else fused.contiguous()
     start = 0
     for lin, p in zip(linears, parts):
         n = p.shape[0]
         setattr(lin, attr, torch.nn.Parameter(fused[start:start + n], requires_grad=p.requires_grad))
         start += n
     return fused
+
+
+def _column_major(module) -> None:
+    """Stores ``module.weight`` (``[out, in]``) transposed in memory, as a view with the same shape.
+
+    On CPU, PyTorch's ``F.linear`` with a row-major weight takes a slow path (the weight is
+    repacked on every call) as soon as 4 or more rows arrive: a 4-token verification pass cost
+    twice a 3-token one. The same product on the transposed storage stays on the fast path at
+    every row count (measured on this project's 2-core machine: 576x1728 projection, 4 rows,
+    0.73 ms -> 0.09 ms). Values, shapes and autograd are unchanged."""
+    w = module.weight
+    module.weight = torch.nn.Parameter(w.detach().t().contiguous().t(), requires_grad=w.requires_grad)
 
 
 def fused_weights(model) -> _Fused:
@@ -109,13 +166,21 @@ def unfuse(model) -> None:
     if _FUSED.pop(model, None) is None:
         return
     with torch.inference_mode(False), torch.no_grad():
+        mods = []
         for layer in model.model.layers:
             a, mlp = layer.self_attn, layer.mlp
-            for lin in (a.q_proj, a.k_proj, a.v_proj, mlp.gate_proj, mlp.up_proj):
-                for attr in ("weight", "bias"):
-                    p = getattr(lin, attr)
-                    if p is not None:
-                        setattr(lin, attr, torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+            mods += [a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        emb, out = model.get_input_embeddings(), model.get_output_embeddings()
+        tied = out is not None and out.weight is emb.weight
+        mods += [emb] + ([out] if out is not None and not tied else [])
+        for mod in mods:
+            for attr in ("weight", "bias"):
+                p = getattr(mod, attr, None)
+                if p is not None:
+                    own = p.detach().clone(memory_format=torch.contiguous_format)
+                    setattr(mod, attr, torch.nn.Parameter(own, requires_grad=p.requires_grad))
+        if tied:
+            out.weight = emb.weight
 
 
 def _rms(norm, x: torch.Tensor) -> torch.Tensor:
@@ -147,7 +212,7 @@ def decoder_layers(shape, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """
     b, s = x.shape[:2]
     h, kv_h, hd = shape.heads, shape.kv_heads, shape.head_dim
-    for i, (n1, qkv, qkv_b, wo, bo, n2, gu, wd) in enumerate(shape.weights.layers):
+    for i, (n1, qkv, qkv_b, wo, bo, n2, gu, wd) in enumerate(shape.weights.layers_for(b * s)[0]):
         q, k, v = F.linear(_rms(n1, x), qkv, qkv_b).split(shape.sizes, dim=-1)
         q = _rotate(q.view(b, s, h, hd).transpose(1, 2), cos, sin)
         k = _rotate(k.view(b, s, kv_h, hd).transpose(1, 2), cos, sin)
@@ -159,6 +224,11 @@ def decoder_layers(shape, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         gate, up = F.linear(_rms(n2, x), gu).chunk(2, dim=-1)
         x = x + F.linear(F.silu(gate) * up, wd)
     return x
+
+
+def output_logits(weights: _Fused, x: torch.Tensor) -> torch.Tensor:
+    """The output layer on final-norm states ``x`` ``[M, d]``, in the faster layout for ``M`` rows."""
+    return F.linear(x, weights.layers_for(x.shape[0])[1], weights.lm_bias)
 
 
 class FusedRunner:
@@ -251,8 +321,10 @@ class FusedRunner:
             last = hid[s - n_logits:] if n_logits else hid[:0]
         else:
             last = _rms(norm, x[0, s - n_logits:]) if n_logits else x[0, :0]
-        lm = self.model.get_output_embeddings()
-        logits = lm(last) if n_logits else last.new_zeros(0, lm.weight.shape[0])
+        if n_logits:
+            logits = output_logits(self.weights, last)
+        else:
+            logits = last.new_zeros(0, self.weights.lm_weight.shape[0])
         if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
             logits = logits[..., : self.vocab_size]
         return logits, hid
