@@ -9,6 +9,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from specheads.export.shim.fused import unfuse
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 WORDS = ("the cat dog sat on a mat and ran to big red blue sun moon one two three four five six seven eight "
@@ -65,6 +66,7 @@ def tiny_pair_dirs(tmp_path_factory, tokenizer, tiny_pair):
     root = tmp_path_factory.mktemp("pair")
     out = []
     for name, model in zip(("target", "draft"), tiny_pair):
+        unfuse(model)  # an earlier test may have run it on the fused forward (column-major views)
         model.save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
         out.append(root / name)

@@ -188,8 +188,8 @@ P_ROWS = [[0.50, 0.20, 0.20, 0.10], [0.10, 0.60, 0.20, 0.10], [0.25, 0.25, 0.25,
 Q_ROWS = [[0.10, 0.10, 0.40, 0.40], [0.50, 0.20, 0.20, 0.10], [0.70, 0.10, 0.10, 0.10], [0.25, 0.25, 0.25, 0.25]]
 
 
-def _exact_sequences(sampling: SamplingConfig, horizon: int) -> dict[tuple, float]:
-    p = probs_from_logits(torch.log(torch.tensor(P_ROWS)), sampling)
+def _exact_sequences(sampling: SamplingConfig, horizon: int, rows=P_ROWS) -> dict[tuple, float]:
+    p = probs_from_logits(torch.log(torch.tensor(rows)), sampling)
     out = {}
     for seq in itertools.product(range(4), repeat=horizon):
         prob, last = 1.0, 0
@@ -199,12 +199,15 @@ def _exact_sequences(sampling: SamplingConfig, horizon: int) -> dict[tuple, floa
     return out
 
 
-def _sd_pvalue(sampling: SamplingConfig, n: int = 3000, horizon: int = 3, k: int = 2) -> float:
+def _sd_pvalue(sampling: SamplingConfig, n: int = 3000, horizon: int = 3, k: int = 2, policy=None,
+               rows=P_ROWS) -> float:
+    """Chi-square p-value of ``n`` sampled outputs of ``policy`` (default SD with ``k``) on the
+    bigram pair against the exact sequence distribution of the bigram ``rows`` (default: the target)."""
     engine = Engine(bigram(P_ROWS), bigram(Q_ROWS), eos_token_ids=[])
     gen = torch.Generator().manual_seed(1234)
-    exact = _exact_sequences(sampling, horizon)
+    exact = _exact_sequences(sampling, horizon, rows)
     counts = dict.fromkeys(exact, 0)
-    policy = StandardSD(k)
+    policy = policy or StandardSD(k)
     for _ in range(n):
         counts[tuple(engine.generate([0], policy, horizon, sampling, gen).tokens)] += 1
     assert sum(counts[s] for s in exact if exact[s] == 0) == 0  # never emits an impossible sequence

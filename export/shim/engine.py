@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .kv import make_runner
-from .policies import Policy, Round
+from .policies import Policy, Round, Verdict
 from .sampling import SamplingConfig, probs_from_logits, sample
 
 
@@ -146,7 +146,10 @@ class Engine:
         try:
             while len(out) < max_new_tokens:
                 remaining = max_new_tokens - len(out)
-                rnd = Round(sampling, generator, limit=min(policy.max_candidates(), remaining - 1), position=len(seq))
+                # Leave room for the target's token, unless the policy may end a round without one.
+                room = remaining if policy.may_skip_target else remaining - 1
+                rnd = Round(sampling, generator, limit=min(policy.max_candidates(), room), position=len(seq),
+                            eos=frozenset(self.eos))
                 if rnd.limit > 0:
                     pending = torch.tensor([seq[draft.length:]], device=d_dev)
                     while True:
@@ -158,19 +161,27 @@ class Engine:
                             rnd.q.append(q)
                         if hid is not None:
                             rnd.draft_hidden.append(hid[-1])
-                        if rnd.n >= rnd.limit or policy.stop_drafting(rnd):
+                        if rnd.n >= rnd.limit:
+                            if policy.may_skip_target:  # it may still keep the last candidate without a target call
+                                policy.stop_drafting(rnd)
+                            break
+                        if policy.stop_drafting(rnd):
                             break
                         pending = tok.view(1, 1)
                 n = rnd.n
                 cand = rnd.candidates(t_dev)
-                # The first round's target pass is also the prompt's prefill.
-                t_in = torch.cat([torch.tensor(seq[target.length:], device=t_dev), cand]).view(1, -1)
-                logits, hid = target.forward(t_in, n_logits=n + 1)
-                if hid is not None:
-                    hid = hid[-(n + 1):]  # aligned with logits: states at last, y_1..y_n
-                verdict = policy.verify(rnd, logits, hid)
+                if n and not policy.needs_target(rnd):
+                    verdict = Verdict(n, None)
+                else:
+                    # The first round's target pass is also the prompt's prefill.
+                    t_in = torch.cat([torch.tensor(seq[target.length:], device=t_dev), cand]).view(1, -1)
+                    logits, hid = target.forward(t_in, n_logits=n + 1)
+                    stats.target_calls += 1
+                    if hid is not None:
+                        hid = hid[-(n + 1):]  # aligned with logits: states at last, y_1..y_n
+                    verdict = policy.verify(rnd, logits, hid)
                 m = verdict.accepted
-                new = (cand[:m].tolist() if m else []) + [verdict.token]
+                new = (cand[:m].tolist() if m else []) + ([verdict.token] if verdict.token is not None else [])
                 for i, t in enumerate(new):  # stop after the first EOS
                     if t in self.eos:
                         new = new[: i + 1]
@@ -194,7 +205,6 @@ class Engine:
             target.close()
             draft.close()
         stats.new_tokens = len(out)
-        stats.target_calls = stats.rounds
         stats.draft_forwards = draft.forwards
         stats.wall_time = time.perf_counter() - start
         return Generation(out, stats)

@@ -11,8 +11,10 @@ This runner computes the same function with
   supports is honoured), and no hooks: the pre- and post-norm hidden states are at hand.
 
 The fused weights are the model's weights: each original ``q_proj``/``k_proj``/... parameter is
-rebound to a view of the fused buffer, so no memory is duplicated and the model still works (and
-trains, saves, loads) as before. ``supports`` says which models qualify; everything else runs on
+rebound to a view of the fused buffer and the model still works (and trains, saves after
+:func:`unfuse`, loads) as before. On CPU every weight is stored column-major (see
+:func:`_column_major`), with row-major copies made only for 2-3 row products
+(:meth:`_Fused.layers_for`). ``supports`` says which models qualify; everything else runs on
 the model's own forward (:class:`~specheads.export.shim.kv.ModelRunner`).
 """
 

@@ -36,6 +36,7 @@ class Round:
     generator: torch.Generator | None
     limit: int
     position: int
+    eos: frozenset[int] = frozenset()
     tokens: list[torch.Tensor] = field(default_factory=list)
     q: list[torch.Tensor] = field(default_factory=list)
     draft_logits: list[torch.Tensor] = field(default_factory=list)
@@ -56,10 +57,11 @@ class Round:
 
 @dataclass
 class Verdict:
-    """``accepted`` leading candidates are kept, then ``token`` (correction or bonus) is emitted."""
+    """``accepted`` leading candidates are kept, then ``token`` (correction or bonus) is emitted;
+    ``token`` is None only for a round that made no target call (:meth:`Policy.needs_target`)."""
 
     accepted: int
-    token: int
+    token: int | None
 
 
 class Policy:
@@ -73,6 +75,7 @@ class Policy:
     name = "base"
     draft_hidden: str | None = None
     target_hidden: str | None = None
+    may_skip_target = False  # True: a round may end without a target call (see needs_target)
 
     def __init__(self, k: int):
         if k < 1:
@@ -89,6 +92,10 @@ class Policy:
     def stop_drafting(self, rnd: Round) -> bool:
         """True to stop drafting and verify the ``rnd.n`` candidates drafted so far."""
         return rnd.n >= self.k
+
+    def needs_target(self, rnd: Round) -> bool:
+        """False to keep all ``rnd.n`` candidates without a target pass (only when ``may_skip_target``)."""
+        return True
 
     def verify(self, rnd: Round, logits: torch.Tensor, hidden: torch.Tensor | None) -> Verdict:
         """Decides the round from the target logits ``[n+1, V]`` (positions ``last, y_1..y_n``).
@@ -208,7 +215,102 @@ class SpecDecPP(Policy):
         return n >= self.k_min and 1.0 - math.exp(self._log_keep) > self.threshold
 
 
-POLICIES: dict[str, type[Policy]] = {"sd": StandardSD, "specdecpp": SpecDecPP}
+class Sprinter(Policy):
+    """SPRINTER approximate verification (ALGORITHMS.md section 2), not lossless.
+
+    One candidate at a time: the verifier scores the newest candidate ``y_n`` from the draft state
+    that produced ``q_n`` (``feature="previous"``), that state concatenated with ``y_n``'s input
+    embedding (``"previous+embedding"``), or the state after consuming ``y_n``
+    (``"current"``, available one draft forward later, so the candidate drafted meanwhile is
+    discarded if ``y_n`` is not approved). A score ``>= eta`` keeps ``y_n`` for good and drafting
+    goes on; otherwise the round ends and one target pass judges ``y_n`` with the SD rule
+    (accept with probability ``min(1, p/q)``, else a token from ``norm(max(0, p - q))``; greedy:
+    accept iff ``y_n == argmax p``), emitting the target's next token after an acceptance (free
+    in the same pass, exact). After ``max_run`` approved candidates the next one goes to the target
+    unscored. A round whose candidates were all approved (an approved EOS, or the length limit)
+    ends without a target call.
+
+    With a verifier that approves exactly the tokens with ``q(y) <= p(y)`` the output follows the
+    target distribution; with one that approves everything (and no cap) it is draft-only sampling.
+
+    Args:
+        head: module mapping a feature ``[d]`` (``[2d]`` with the embedding) to a logit.
+        eta: approval threshold on ``sigmoid(logit)``.
+        max_run: cap on consecutive approved candidates (None: no cap).
+        feature: ``previous``, ``previous+embedding`` or ``current``.
+        embedding: the draft's input embedding module (``previous+embedding`` only).
+    """
+
+    name = "sprinter"
+    draft_hidden = "post"
+    may_skip_target = True
+    FEATURES = ("previous", "previous+embedding", "current")
+
+    def __init__(self, head: torch.nn.Module, eta: float = 0.5, max_run: int | None = 20,
+                 feature: str = "previous", embedding: torch.nn.Module | None = None):
+        if not 0 <= eta <= 1:
+            raise UserError(f"eta={eta} must be in [0, 1]")
+        if max_run is not None and max_run < 0:
+            raise UserError(f"max_run={max_run} must be >= 0 (or None for no cap)")
+        if feature not in self.FEATURES:
+            raise UserError(f"verifier feature {feature!r}: expected one of {list(self.FEATURES)}")
+        if feature == "previous+embedding" and embedding is None:
+            raise UserError("feature previous+embedding needs the draft's input embedding")
+        super().__init__(1 << 30 if max_run is None else max_run + 1 + (feature == "current"))
+        self.head, self.eta, self.max_run, self.feature, self.embedding = head, eta, max_run, feature, embedding
+        self.lag = 1 if feature == "current" else 0
+        self.verifier_calls = 0
+        self._approved = 0  # leading candidates of the round approved by the verifier
+        self._round: Round | None = None
+
+    def reset(self) -> None:
+        self._approved, self._round = 0, None
+
+    def _sync(self, rnd: Round) -> None:
+        if rnd is not self._round:  # a new round (the engine may end one before stop_drafting runs)
+            self._approved, self._round = 0, rnd
+
+    def _score(self, rnd: Round, j: int) -> float:
+        """Verifier probability for candidate ``j`` (0-based) of the round."""
+        if self.feature == "current":
+            x = rnd.draft_hidden[j + 1]  # returned with y_{j+2}: the state after consuming y_{j+1}
+        else:
+            x = rnd.draft_hidden[j]  # returned with y_{j+1}: the state that produced q_{j+1}
+            if self.embedding is not None:
+                x = torch.cat([x, self.embedding(rnd.tokens[j].view(1))[0].to(x.dtype)])
+        self.verifier_calls += 1
+        return float(torch.sigmoid(self.head(x).float()).reshape(()))
+
+    def stop_drafting(self, rnd: Round) -> bool:
+        self._sync(rnd)
+        n = rnd.n
+        j = n - 1 - self.lag  # the candidate the newest state can score
+        if self.max_run is not None and self._approved >= self.max_run:
+            return True  # cap: the next unapproved candidate goes to the target
+        if j < 0:
+            return False
+        if self._score(rnd, j) < self.eta:
+            return True
+        self._approved = j + 1
+        return int(rnd.tokens[j]) in rnd.eos
+
+    def needs_target(self, rnd: Round) -> bool:
+        self._sync(rnd)
+        return self._approved < rnd.n and not (self._approved and int(rnd.tokens[self._approved - 1]) in rnd.eos)
+
+    def verify(self, rnd: Round, logits: torch.Tensor, hidden: torch.Tensor | None) -> Verdict:
+        self._sync(rnd)
+        j = self._approved  # the first candidate the verifier did not approve: the target judges it
+        n = rnd.n
+        if j >= n:
+            raise RuntimeError("verify called on a round whose candidates were all approved")
+        sub = Round(rnd.sampling, rnd.generator, rnd.limit, rnd.position, rnd.eos, rnd.tokens[j:j + 1],
+                    rnd.q[j:j + 1], rnd.draft_logits[j:j + 1], rnd.draft_hidden[j:j + 1])
+        v = standard_verify(sub, logits[j:j + 2])
+        return Verdict(j + v.accepted, v.token)
+
+
+POLICIES: dict[str, type[Policy]] = {"sd": StandardSD, "specdecpp": SpecDecPP, "sprinter": Sprinter}
 BASELINES = ("ar", "draft")  # autoregressive target-only / draft-only, no policy object
 
 
