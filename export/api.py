@@ -78,6 +78,9 @@ def make_policy(name: str, pair: Pair, k: int = 4, head: str | None = None, thre
         h = threshold if threshold is not None else (loaded.threshold or 0.7)
         return SpecDecPP(loaded.module.to(pair.draft.model.dtype), h, k_min, k_max,
                          position=feature.get("position", "own"))
+    if name == "sprinter":
+        raise UserError("policy=sprinter needs a trained SPRINTER verifier head; verifier training and export are "
+                        "not available yet (use specheads.export.shim.policies.Sprinter with your own head module)")
     return build_policy(name, k=k)
 
 

@@ -114,3 +114,10 @@ def test_bad_settings_are_refused():
         Sprinter(Constant(0.0), feature="next")
     with pytest.raises(UserError, match="embedding"):
         Sprinter(Constant(0.0), feature="previous+embedding")
+
+
+def test_decode_by_name_explains_what_sprinter_needs():
+    from specheads.export.api import make_policy
+
+    with pytest.raises(UserError, match="verifier"):
+        make_policy("sprinter", pair=None)
