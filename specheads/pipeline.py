@@ -76,12 +76,14 @@ def load_configs(argv: list[str]) -> tuple[PipelineConfig, dict]:
         mine = [c for c in common if c.partition("=")[0].partition(".")[0] in _top_level(schema_for(stage))]
         return base + chained + mine + per_stage[stage]
 
+    # A common key the pipeline itself has (overwrite) applies to it too.
+    own = [c for c in common if c.partition("=")[0] in _top_level(PipelineConfig)]
     try:
-        pipe = load_config(PipelineConfig, "pipeline", base + per_stage["pipeline"])
+        pipe = load_config(PipelineConfig, "pipeline", base + own + per_stage["pipeline"])
     except UserError as err:
         if "has no 'pipeline' section" not in str(err):
             raise
-        pipe = PipelineConfig()
+        pipe = load_config(PipelineConfig, "pipeline", own + per_stage["pipeline"])
     unknown = [s for s in pipe.stages if s not in STAGES]
     if unknown:
         raise UserError(f"stages={pipe.stages}: unknown {unknown}; choose from {list(STAGES)}")

@@ -62,3 +62,13 @@ def test_pipeline_checks_every_stage_before_running(tiny_pair_dirs, tmp_path, ca
     assert "[train]" in err and "depth" in err and not (runs / "dg").exists()
     assert main(["--help"]) == 0
     assert "datagen -> train -> export -> eval" in capsys.readouterr().out
+
+
+def test_a_common_overwrite_reaches_the_pipeline_and_every_stage(tiny_pair_dirs, tmp_path):
+    from specheads.pipeline import load_configs
+
+    recipe, _ = _recipe(tmp_path, tiny_pair_dirs)
+    pipe, cfgs = load_configs([f"recipe={recipe}", "overwrite=true"])
+    assert pipe.overwrite and all(c.overwrite for c in cfgs.values() if hasattr(c, "overwrite"))
+    pipe, _ = load_configs([f"recipe={recipe}"])
+    assert not pipe.overwrite
