@@ -79,13 +79,11 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
     probe = torch.zeros(1, 1, shape.head_dim, dtype=dtype, device=device)
     cos_t, sin_t = model.model.rotary_emb(probe, torch.arange(cap, device=device).unsqueeze(0))
     cos_t, sin_t = cos_t[0].to(dtype), sin_t[0].to(dtype)  # [cap, hd]
-    eos_t = torch.tensor(sorted(set(eos)) or [-1], device=device)
 
-    rows = list(range(b))  # original index of each live batch row
-    live = torch.arange(b, device=device)
+    rows = list(range(b))  # original index of each batch row
     out: list[list[int]] = [[] for _ in prompts]
     record = None
-    done = torch.zeros(b, dtype=torch.bool, device=device)
+    done: set[int] = set()  # finished rows (original indices) still in the batch
     # Prompt block: each row attends to its own real tokens, causally; pad queries see themselves
     # (their outputs are never used) so no attention row is empty.
     pos = (torch.arange(width, device=device)[None, :] - offset[:, None]).clamp_min(0)
@@ -101,27 +99,25 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
         if record_logits:
             if record is None:
                 record = logits.new_empty(b, max_new_tokens, logits.shape[-1])
-            record[live, step] = logits
+            record[torch.tensor(rows, device=device), step] = logits
         if sampling.do_sample:
             tok = sample(probs_from_logits(logits, sampling), generator)
         else:
             tok = logits.argmax(-1)
-        done = done | torch.isin(tok, eos_t)
-        for r, t in zip(rows, tok.tolist()):
-            if not out[r] or out[r][-1] not in eos:
+        for r, t in zip(rows, tok.tolist()):  # the step's one device sync
+            if r not in done:
                 out[r].append(t)
-        if step + 1 == max_new_tokens:
+                if t in eos:
+                    done.add(r)
+        if step + 1 == max_new_tokens or len(done) == len(rows):
             break
-        finished = int(done.sum())
-        if finished == len(rows):
-            break
-        if finished and finished * 4 >= len(rows):  # drop finished rows once they are a quarter of the batch
-            keep = (~done).nonzero().squeeze(1)
-            rows = [rows[i] for i in keep.tolist()]
-            live = live[keep]
+        if done and len(done) * 4 >= len(rows):  # drop finished rows once they are a quarter of the batch
+            kept = [i for i, r in enumerate(rows) if r not in done]
+            keep = torch.tensor(kept, device=device)
+            rows, done = [rows[i] for i in kept], set()
             keys = [k.index_select(0, keep) for k in keys]
             values = [v.index_select(0, keep) for v in values]
-            valid, offset, tok, done = valid[keep], offset[keep], tok[keep], done[keep]
+            valid, offset, tok = valid[keep], offset[keep], tok[keep]
         valid[:, end] = True
         pos = (end - offset)[:, None]
         x = decoder_layers(shape, emb(tok[:, None]), cos_t[pos][:, None], sin_t[pos][:, None], keys, values,
