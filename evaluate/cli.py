@@ -29,13 +29,14 @@ from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError
 from specheads.export.api import fit_context, format_prompt
 from specheads.export.package import read_metadata
+from specheads.export.shim.engine import GenerationStats
 from specheads.export.shim.models import load_pair
 from specheads.export.shim.policies import SpecDecPP
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, write_manifest
 from specheads.prompts import load_prompt_files
 
 from .config import EvalConfig
-from .oracle import OracleCounts, below_curve, cost_per_token, draft_agreement, oracle_schedule, perfect_head_schedule
+from .oracle import below_curve, cost_per_token, draft_agreement, oracle_schedule, perfect_head_schedule
 from .plot import pareto_plot
 from .sweep import build_decoders, run_sweep, total
 
@@ -81,15 +82,15 @@ def _row(name: str, rows: list[dict], t_d: float, t_t: float) -> dict:
     }
 
 
-def _ideal(counts: OracleCounts, t_d: float, t_t: float) -> dict:
+def _ideal(counts: GenerationStats, t_d: float, t_t: float) -> dict:
     return {"tokens": counts.new_tokens, "target_calls": counts.target_calls, "draft_forwards": counts.draft_forwards,
             "verification_rate": round(counts.verification_rate, 4), "discard_rate": round(counts.discard_rate, 4),
             "model_cost_ms_per_token": round(1000 * cost_per_token(
                 counts.draft_forwards, counts.target_calls, counts.new_tokens, t_d, t_t), 4)}
 
 
-def summarize(cfg: EvalConfig, grouped: dict[str, list[dict]], oracle: OracleCounts | None, head_meta: dict | None,
-              perfect: OracleCounts | None = None) -> dict:
+def summarize(cfg: EvalConfig, grouped: dict[str, list[dict]], oracle: GenerationStats | None, head_meta: dict | None,
+              perfect: GenerationStats | None = None) -> dict:
     """The sweep table, measured forward times, oracle, perfect-head bound, ratios and Pareto check."""
     ar, dr = total(grouped["ar"]), total(grouped["draft"])
     t_t = ar.wall_time / ar.target_calls if ar.target_calls else float("nan")
@@ -165,16 +166,16 @@ def run(cfg: EvalConfig) -> int:
     oracle = perfect = None
     lag = next((d.policy.lag for d in decoders.values() if isinstance(d.policy, SpecDecPP)), None)
     if cfg.oracle and not cfg.sampling.do_sample:
-        oracle = OracleCounts()
-        perfect = OracleCounts() if lag is not None else None
+        oracle = GenerationStats(prompts=0)
+        perfect = GenerationStats(prompts=0) if lag is not None else None
         ar = decoders["ar"]
         for prompt, row in zip(prompts, grouped["ar"]):
             ids, _ = fit_context(format_prompt(pair.tokenizer, prompt, cfg.chat_template), cfg.max_new_tokens,
                                  ar.context)
             agree = draft_agreement(pair.draft.model, ids, row["tokens"], cfg.fused_forward, ar.engine.vocab_size)
-            oracle = oracle + oracle_schedule(agree, cfg.k_max)
+            oracle = GenerationStats.total([oracle, oracle_schedule(agree, cfg.k_max)])
             if perfect is not None:
-                perfect = perfect + perfect_head_schedule(agree, cfg.k_min, cfg.k_max, lag)
+                perfect = GenerationStats.total([perfect, perfect_head_schedule(agree, cfg.k_min, cfg.k_max, lag)])
     elif cfg.oracle:
         log.warning("the oracle is defined for greedy decoding only (sampling.do_sample=false); skipped")
     summary = summarize(cfg, grouped, oracle, head_meta, perfect)

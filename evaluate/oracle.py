@@ -2,36 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from specheads.export.shim.engine import GenerationStats
 from specheads.export.shim.kv import make_runner
 
 
-@dataclass
-class OracleCounts:
-    """Counts of an idealised schedule for one or more prompts (the oracle discards nothing)."""
-
-    new_tokens: int = 0
-    target_calls: int = 0
-    draft_forwards: int = 0
-    discarded: int = 0
-
-    @property
-    def verification_rate(self) -> float:
-        return self.target_calls / self.new_tokens if self.new_tokens else 0.0
-
-    @property
-    def discard_rate(self) -> float:
-        return self.discarded / self.new_tokens if self.new_tokens else 0.0
-
-    def __add__(self, other: "OracleCounts") -> "OracleCounts":
-        return OracleCounts(self.new_tokens + other.new_tokens, self.target_calls + other.target_calls,
-                            self.draft_forwards + other.draft_forwards, self.discarded + other.discarded)
-
-
-def oracle_schedule(agree: list[bool], k_max: int) -> OracleCounts:
+def oracle_schedule(agree: list[bool], k_max: int) -> GenerationStats:
     """Rounds of a stopping rule that knows where the draft's greedy token will be wrong.
 
     ``agree[i]``: the draft's greedy token equals the target's output token ``i`` given the
@@ -49,10 +26,10 @@ def oracle_schedule(agree: list[bool], k_max: int) -> OracleCounts:
         calls += 1
         drafts += run
         pos += run + 1
-    return OracleCounts(n, calls, drafts)
+    return GenerationStats(new_tokens=n, target_calls=calls, draft_forwards=drafts)
 
 
-def perfect_head_schedule(agree: list[bool], k_min: int, k_max: int, lag: int) -> OracleCounts:
+def perfect_head_schedule(agree: list[bool], k_min: int, k_max: int, lag: int) -> GenerationStats:
     """Rounds of the SpecDec++ stopping rule with a perfect head, under the engine's constraints.
 
     Unlike :func:`oracle_schedule`, the rule can only judge a candidate after drafting it: the
@@ -76,7 +53,7 @@ def perfect_head_schedule(agree: list[bool], k_min: int, k_max: int, lag: int) -
         drafts += drawn
         accepted += run
         pos += run + 1
-    return OracleCounts(n, calls, drafts, drafts - accepted)
+    return GenerationStats(new_tokens=n, target_calls=calls, draft_forwards=drafts, discarded=drafts - accepted)
 
 
 @torch.inference_mode()
