@@ -3,9 +3,11 @@
     heads-datagen recipe=quickstart num_prompts=64 output_dir=runs/labels
     accelerate launch --cpu --num_processes 2 -m specheads.datagen.cli recipe=quickstart
 
-Output: ``data/chunk-*.parquet`` (one row per prompt: ``prompt_id``, ``prompt_index``,
-``input_ids`` = prompt + response, ``response_start``, ``draft_token``, ``label``,
-``expected_label``), ``manifest.json`` (counts, label statistics, models, fingerprints,
+Output: ``data/chunk-*.parquet``, one row per prompt. ``labels=acceptance``: ``prompt_id``,
+``prompt_index``, ``input_ids`` = prompt + response, ``response_start``, ``draft_token``,
+``label``, ``expected_label``. ``labels=sprinter`` (see ``sprinter.py``): ``prompt_id``,
+``prompt_index``, ``category``, ``input_ids`` (the context), ``positions`` (labelled prefix
+lengths), ``draft_token``, ``q_token``, ``p_token``, ``ratio``, ``tv``. Also ``manifest.json`` (counts, label statistics, models, fingerprints,
 sampling settings, seed, schema version), ``metrics.jsonl`` (one line per chunk) and
 ``config.yaml``. Killed at any point and started again with the same command, it finishes
 with every prompt labelled exactly once (see ``shards.py``).
@@ -31,12 +33,15 @@ from specheads.outputs import MetricsWriter, prepare_output_dir, write_manifest
 from specheads.prompts import load_prompt_files
 
 from . import shards
+from . import sprinter
 from .acceptance import generate_responses, label_batch
 from .config import DatagenConfig
 
 log = logging.getLogger(__name__)
 PROG = "heads-datagen"
-LABELS = ("acceptance",)
+LABELS = ("acceptance", "sprinter")
+SPRINTER_COLUMNS = ("prompt_id", "prompt_index", "category", "input_ids", "positions", "draft_token", "q_token",
+                    "p_token", "ratio", "tv")
 
 
 def _check(cfg: DatagenConfig) -> None:
@@ -48,6 +53,14 @@ def _check(cfg: DatagenConfig) -> None:
     for key in ("max_new_tokens", "batch_size", "chunk_size"):
         if getattr(cfg, key) < 1:
             problems.append(f"{key}={getattr(cfg, key)} must be >= 1")
+    if cfg.labels == "sprinter":
+        if cfg.chunk_size % len(sprinter.CATEGORIES):
+            problems.append(f"chunk_size={cfg.chunk_size}: labels=sprinter needs a multiple of "
+                            f"{len(sprinter.CATEGORIES)} (every chunk holds the four prefix categories equally)")
+        if any(lam <= 0 for lam in cfg.lambdas):
+            problems.append(f"lambdas={list(cfg.lambdas)}: every lambda must be > 0")
+        if not 0 <= cfg.mix_prob <= 1:
+            problems.append(f"mix_prob={cfg.mix_prob} must be in [0, 1]")
     if problems:
         raise UserError("; ".join(problems))
 
@@ -70,6 +83,8 @@ def _label_chunk(cfg, pair, prompts, chunk: int, pad: int, eos: list[int], limit
     items = prompts[lo: lo + cfg.chunk_size]
     seed = shards.chunk_seed(cfg.seed, chunk)
     gen = torch.Generator(device=pair.target.device).manual_seed(seed)
+    if cfg.labels == "sprinter":
+        return _label_sprinter_chunk(cfg, pair, items, lo, seed, gen, pad, eos, limit)
     cols: dict[str, list] = {k: [] for k in ("prompt_id", "prompt_index", "input_ids", "response_start",
                                               "draft_token", "label", "expected_label")}
     labelled = 0
@@ -90,6 +105,52 @@ def _label_chunk(cfg, pair, prompts, chunk: int, pad: int, eos: list[int], limit
             cols["expected_label"].append(lab["expected_label"].tolist() if cfg.expected_label else None)
             labelled += len(r)
     return cols, labelled
+
+
+def _label_sprinter_chunk(cfg, pair, items, lo: int, seed: int, gen, pad: int, eos: list[int], limit):
+    cols: dict[str, list] = {k: [] for k in SPRINTER_COLUMNS}
+    labelled = 0
+    # Batches hold whole groups of four consecutive prompts (one per category) so that each
+    # batch, and with it the chunk, is balanced over the categories.
+    step = max(len(sprinter.CATEGORIES), cfg.batch_size - cfg.batch_size % len(sprinter.CATEGORIES))
+    for b in range(0, len(items), step):
+        batch = items[b: b + step]
+        ids = [fit_context(format_prompt(pair.tokenizer, p, cfg.chat_template), cfg.max_new_tokens, limit)[0]
+               for p in batch]
+        indices = [cfg.offset + lo + b + i for i in range(len(batch))]
+        rows = sprinter.label_chunk(pair.target.model, pair.draft.model, ids, indices, cfg.max_new_tokens,
+                                    cfg.sampling, seed + b, pad, eos, cfg.mix_prob, gen)
+        for p, index, row in zip(batch, indices, rows):
+            cols["prompt_id"].append(p.id)
+            cols["prompt_index"].append(index)
+            for key in SPRINTER_COLUMNS[2:]:
+                cols[key].append(row[key])
+            labelled += len(row["positions"])
+    return cols, labelled
+
+
+def _summarise_sprinter(out: Path, lambdas: list[float]) -> dict:
+    """Prefix counts and shares per category, and the label mean at each lambda."""
+    import pyarrow.parquet as pq
+
+    prompts = tokens = 0
+    per_cat = {c: 0 for c in sprinter.CATEGORIES}
+    prompts_per_cat = {c: 0 for c in sprinter.CATEGORIES}
+    accept = {lam: 0 for lam in lambdas}
+    for path in shards.chunk_files(out):
+        table = pq.read_table(path, columns=["category", "q_token", "p_token"])
+        for cat, qs, ps in zip(*(table.column(c).to_pylist() for c in ("category", "q_token", "p_token"))):
+            prompts += 1
+            prompts_per_cat[cat] += 1
+            per_cat[cat] += len(qs)
+            tokens += len(qs)
+            for lam in lambdas:
+                accept[lam] += sum(q <= lam * p for q, p in zip(qs, ps))
+    return {"prompts": prompts, "labelled_tokens": tokens, "prefixes_per_category": per_cat,
+            "category_shares": {c: (n / tokens if tokens else None) for c, n in per_cat.items()},
+            "prompts_per_category": prompts_per_cat,
+            "label_mean_by_lambda": {f"{lam:g}": (accept[lam] / tokens if tokens else None) for lam in lambdas},
+            "label_mean": accept[lambdas[0]] / tokens if tokens and lambdas else None}
 
 
 def _summarise(out: Path) -> dict:
@@ -164,8 +225,9 @@ def _finish(cfg: DatagenConfig, out: Path, pair, total: int) -> None:
             path.unlink()
         for row in sorted((json.loads(r) for r in rows), key=lambda r: r["chunk"]):
             metrics.write(row)
-    stats = _summarise(out)
-    write_manifest(out, command=PROG, labels=cfg.labels, schema_version=shards.SCHEMA_VERSION,
+    stats = _summarise_sprinter(out, list(cfg.lambdas)) if cfg.labels == "sprinter" else _summarise(out)
+    extra = {"lambdas": list(cfg.lambdas), "mix_prob": cfg.mix_prob} if cfg.labels == "sprinter" else {}
+    write_manifest(out, command=PROG, labels=cfg.labels, schema_version=shards.SCHEMA_VERSION, **extra,
                    prompts_file=cfg.prompts, offset=cfg.offset, chunk_size=cfg.chunk_size, chunks=total,
                    target={"name": pair.target.name, "fingerprint": pair.target.fingerprint},
                    draft={"name": pair.draft.name, "fingerprint": pair.draft.fingerprint},

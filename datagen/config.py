@@ -14,7 +14,7 @@ class DatagenConfig:
 
     target: ModelSpec = field(default_factory=ModelSpec)
     draft: ModelSpec = field(default_factory=ModelSpec)
-    labels: str = field(default="acceptance", metadata={"help": "acceptance (SpecDec++ soft labels)"})
+    labels: str = field(default="acceptance", metadata={"help": "acceptance (SpecDec++ soft labels) | sprinter (ratio-threshold labels, four prefix categories)"})
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prompts: str = field(default="", metadata={"help": "prompt file (JSONL, GSM8K, Alpaca, MT-Bench, ARC); several: comma-separated"})
     num_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts (after offset)"})
@@ -23,7 +23,10 @@ class DatagenConfig:
     chat_template: bool = True
     batch_size: int = field(default=16, metadata={"help": "prompts per forward (one batch generates and is labelled together)"})
     chunk_size: int = field(default=32, metadata={"help": "prompts per output file (the unit of resumption)"})
-    expected_label: bool = field(default=True, metadata={"help": "also store 1 - TV(p, q)"})
+    expected_label: bool = field(default=True, metadata={"help": "acceptance: also store 1 - TV(p, q)"})
+    lambdas: list[float] = field(default_factory=lambda: [1.0, 1.2, 1.5],
+                                 metadata={"help": "sprinter: thresholds whose label shares the manifest reports (the raw ratio is stored, any lambda can be trained)"})
+    mix_prob: float = field(default=0.5, metadata={"help": "sprinter: share of the mixed category's tokens taken from the draft"})
     seed: int = 0
     output_dir: str = "runs/datagen"
     overwrite: bool = False

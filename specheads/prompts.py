@@ -34,6 +34,8 @@ class Prompt:
         reference: Expected answer when the data set has one (GSM8K number, ARC letter...).
         source: Row layout it was read as: ``prompt``, ``messages``, ``gsm8k``, ``alpaca``,
             ``mt_bench`` or ``arc``.
+        reference_text: The data set's whole reference response when it has one (GSM8K
+            solution, Alpaca output, a ``reference`` field): what text-overlap metrics compare with.
     """
 
     id: str
@@ -41,6 +43,7 @@ class Prompt:
     messages: list[dict] | None = None
     reference: str | None = None
     source: str = ""
+    reference_text: str | None = None
 
 
 def _messages(value: Any, where: str) -> list[dict]:
@@ -97,10 +100,10 @@ def _to_prompt(row: Any, index: int, stem: str, where: str) -> Prompt:
     reference = None if reference is None else str(reference)
     if "messages" in row:
         msgs = _messages(row["messages"], where)
-        return Prompt(pid, messages=msgs, reference=reference, source="messages")
+        return Prompt(pid, messages=msgs, reference=reference, source="messages", reference_text=reference)
     if "prompt" in row:
         return Prompt(pid, text=_str_field(row, "prompt", where), reference=reference,
-                      source="prompt")
+                      source="prompt", reference_text=reference)
     if "turns" in row:
         turns = row["turns"]
         if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
@@ -112,8 +115,9 @@ def _to_prompt(row: Any, index: int, stem: str, where: str) -> Prompt:
         return Prompt(pid, text=_arc_text(row, where), reference=ref, source="arc")
     if "question" in row:
         ref = reference or _gsm8k_reference(row.get("answer"))
+        full = row.get("answer") if isinstance(row.get("answer"), str) else reference
         return Prompt(pid, text=_str_field(row, "question", where), reference=ref,
-                      source="gsm8k")
+                      source="gsm8k", reference_text=full)
     if "instruction" in row:
         text = _str_field(row, "instruction", where)
         extra = row.get("input") or ""
@@ -121,7 +125,7 @@ def _to_prompt(row: Any, index: int, stem: str, where: str) -> Prompt:
             raise UserError(f"{where}: 'input' must be a string, got {_short(extra)}")
         ref = reference or (None if row.get("output") is None else str(row["output"]))
         return Prompt(pid, text=text + ("\n\n" + extra if extra else ""), reference=ref,
-                      source="alpaca")
+                      source="alpaca", reference_text=ref)
     keys = ", ".join(map(str, row)) or "(none)"
     raise UserError(f"{where}: row has none of the recognised fields ({RECOGNISED}); "
                     f"its keys: {keys}")
