@@ -15,7 +15,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specheads.export.api import Decoder, make_policy
-from specheads.export.shim.engine import GenerationStats
+from specheads.export.shim.engine import COUNTS, GenerationStats
 from specheads.outputs import read_finished_rows
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,4 @@ def run_sweep(decoders: dict[str, Decoder], prompts, rows_path: Path, warmup: bo
 
 def total(rows: list[dict]) -> GenerationStats:
     """Summed stats of a configuration's rows."""
-    keys = ("prompts", "prompt_tokens", "new_tokens", "target_calls", "draft_forwards", "drafted", "accepted",
-            "discarded", "rounds", "wall_time", "eos")
-    return GenerationStats.total([GenerationStats(**{k: r[k] for k in keys}) for r in rows])
+    return GenerationStats.total([GenerationStats(**{k: r.get(k, 0) for k in COUNTS}) for r in rows])

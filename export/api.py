@@ -12,7 +12,7 @@ from specheads.errors import UserError
 from .package import load_head
 from .shim.engine import Engine, Generation, GenerationStats
 from .shim.models import Pair, context_length
-from .shim.policies import BASELINES, Policy, SpecDecPP, build_policy
+from .shim.policies import BASELINES, Policy, SpecDecPP, Sprinter, build_policy
 from .shim.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -60,8 +60,12 @@ class Result:
 
 def make_policy(name: str, pair: Pair, k: int = 4, head: str | None = None, threshold: float | None = None,
                 k_min: int = 2, k_max: int = 20, sampling: SamplingConfig | None = None,
-                strict: bool = False) -> Policy | str:
-    """A policy by name, loading and checking its head when it needs one; baselines stay names."""
+                strict: bool = False, max_run: int | None = 20) -> Policy | str:
+    """A policy by name, loading and checking its head when it needs one; baselines stay names.
+
+    ``threshold`` is SpecDec++'s stop threshold ``h`` or SPRINTER's approval threshold ``eta``
+    (default: the head's ``default_threshold``); ``max_run`` caps SPRINTER's approved runs.
+    """
     if name in BASELINES:
         return name
     if name == "specdecpp":
@@ -79,8 +83,20 @@ def make_policy(name: str, pair: Pair, k: int = 4, head: str | None = None, thre
         return SpecDecPP(loaded.module.to(pair.draft.model.dtype), h, k_min, k_max,
                          position=feature.get("position", "own"))
     if name == "sprinter":
-        raise UserError("policy=sprinter needs a trained SPRINTER verifier head; verifier training and export are "
-                        "not available yet (use specheads.export.shim.policies.Sprinter with your own head module)")
+        if not head:
+            raise UserError("policy=sprinter needs head=<exported verifier head .safetensors> "
+                            "(heads-train head=verifier, then heads-export)")
+        if pair.draft is None:
+            raise UserError("policy=sprinter needs a draft model; set draft.path")
+        loaded = load_head(head, pair=pair, sampling=sampling or SamplingConfig(), strict=strict,
+                           device=pair.draft.device)
+        if loaded.metadata.get("head_type") != "verifier":
+            raise UserError(f"{head!r} is a {loaded.metadata.get('head_type')} head; policy=sprinter needs a "
+                            "verifier head (heads-train head=verifier)")
+        eta = threshold if threshold is not None else (loaded.threshold if loaded.threshold is not None else 0.5)
+        feature = loaded.metadata.get("feature", {}).get("position", "previous")
+        embedding = pair.draft.model.get_input_embeddings() if feature == "previous+embedding" else None
+        return Sprinter(loaded.module.to(pair.draft.model.dtype), eta, max_run, feature, embedding)
     return build_policy(name, k=k)
 
 

@@ -84,7 +84,8 @@ def export_head(cfg: ExportConfig, out: Path) -> dict:
     # Round trip: the file alone must rebuild a head with bit-identical outputs.
     back = load_head(path).module
     g = torch.Generator().manual_seed(cfg.seed)
-    x = torch.randn(64, meta["hidden_size"], generator=g).to(DTYPES[cfg.dtype])
+    width = meta.get("head_config", {}).get("in_features", meta["hidden_size"])
+    x = torch.randn(64, width, generator=g).to(DTYPES[cfg.dtype])
     with torch.no_grad():
         identical = bool(torch.equal(head(x), back(x)))
     if not identical:

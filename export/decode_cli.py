@@ -84,6 +84,8 @@ def _policy_settings(cfg: DecodeConfig, policy) -> dict:
         return {"k": cfg.k}
     if cfg.policy == "specdecpp":
         return {"head": cfg.head, "threshold": policy.threshold, "k_min": cfg.k_min, "k_max": cfg.k_max}
+    if cfg.policy == "sprinter":
+        return {"head": cfg.head, "eta": policy.eta, "max_run": policy.max_run, "feature": policy.feature}
     return {}
 
 
@@ -104,7 +106,7 @@ def run(cfg: DecodeConfig) -> int:
     needs_draft = cfg.policy != "ar"
     pair = load_pair(cfg.target, cfg.draft if needs_draft else None, same_vocab=True)
     policy = make_policy(cfg.policy, pair, cfg.k, cfg.head, cfg.threshold, cfg.k_min, cfg.k_max, cfg.sampling,
-                         cfg.strict)
+                         cfg.strict, cfg.max_run)
     decoder = Decoder(pair, policy, cfg.max_new_tokens, cfg.k, cfg.sampling, cfg.seed, cfg.chat_template,
                       cfg.fused_forward)
     settings = _policy_settings(cfg, policy)

@@ -2,5 +2,6 @@
 
 from .acceptance import AcceptanceHead
 from .registry import HEADS
+from .verifier import VerifierHead
 
-__all__ = ["AcceptanceHead", "HEADS"]
+__all__ = ["AcceptanceHead", "HEADS", "VerifierHead"]

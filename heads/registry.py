@@ -5,5 +5,6 @@ from __future__ import annotations
 from torch import nn
 
 from .acceptance import AcceptanceHead
+from .verifier import VerifierHead
 
-HEADS: dict[str, type[nn.Module]] = {"acceptance": AcceptanceHead}
+HEADS: dict[str, type[nn.Module]] = {"acceptance": AcceptanceHead, "verifier": VerifierHead}

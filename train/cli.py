@@ -4,7 +4,9 @@
     accelerate launch --multi_gpu --num_processes 2 -m specheads.train.cli recipe=quickstart
 
 Writes ``head.safetensors`` (the best epoch's head with its metadata, ready for
-``heads-decode policy=specdecpp head=...``), ``best_metrics.json``, ``metrics.jsonl``,
+``heads-decode policy=specdecpp head=...`` or ``policy=sprinter``), ``best_metrics.json``,
+``metrics.jsonl``, for the verifier also ``metrics.json`` (ROC, AUROC, TPR/FPR at eta, alpha) and
+``roc.png`` (one curve per ``roc_lambdas`` value, each from its own head in ``lambda-<x>/``),
 ``checkpoint-<step>/`` + ``latest`` (resume by running the same command again),
 ``config.yaml`` and ``manifest.json``.
 """
@@ -29,8 +31,15 @@ PROG = "heads-train"
 
 def _check(cfg: TrainConfig) -> None:
     problems = []
-    if cfg.head != "acceptance":
-        problems.append(f"head={cfg.head!r}: only 'acceptance' is trainable so far")
+    if cfg.head not in ("acceptance", "verifier"):
+        problems.append(f"head={cfg.head!r}: choose acceptance (SpecDec++) or verifier (SPRINTER)")
+    if cfg.head == "verifier":
+        if cfg.feature not in ("previous", "current", "previous+embedding"):
+            problems.append(f"feature={cfg.feature!r}: choose previous, current or previous+embedding")
+        if cfg.class_weights not in ("balanced", "fixed"):
+            problems.append(f"class_weights={cfg.class_weights!r}: choose balanced or fixed")
+        if cfg.lam <= 0 or any(lam <= 0 for lam in cfg.roc_lambdas):
+            problems.append("lam and every roc_lambdas value must be > 0")
     if not cfg.data_dir:
         problems.append("data_dir is not set; pass data_dir=<heads-datagen output_dir>")
     if cfg.label not in ("soft", "expected"):
@@ -61,8 +70,12 @@ def run(cfg: TrainConfig) -> int:
     out = prepare_output_dir(cfg.output_dir, to_yaml(cfg), overwrite=cfg.overwrite)
     metrics = train(cfg, Path(out))
     write_manifest(out, command=PROG, data_dir=cfg.data_dir, head="head.safetensors", **metrics)
-    log.info("eval binary KL %.4f, AUROC %s -> %s", metrics.get("eval_binary_kl", float("nan")),
-             metrics.get("eval_auroc"), Path(out) / "head.safetensors")
+    if cfg.head == "verifier":
+        log.info("verifier AUROC %s, TPR %s / FPR %s at eta=%g -> %s", metrics.get("auroc"), metrics.get("tpr_at_eta"),
+                 metrics.get("fpr_at_eta"), cfg.threshold, Path(out) / "head.safetensors")
+    else:
+        log.info("eval binary KL %.4f, AUROC %s -> %s", metrics.get("eval_binary_kl", float("nan")),
+                 metrics.get("eval_auroc"), Path(out) / "head.safetensors")
     return 0
 
 

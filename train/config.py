@@ -9,12 +9,17 @@ from specheads.export.shim.models import ModelSpec
 
 @dataclass
 class TrainConfig:
-    """Fit an acceptance head on ``heads-datagen`` output with weighted soft BCE."""
+    """Fit a head on ``heads-datagen`` output: the SpecDec++ acceptance head (weighted soft BCE on
+    ``labels=acceptance`` data) or the SPRINTER verifier (class-weighted BCE on ``labels=sprinter`` data)."""
 
     data_dir: str = field(default="", metadata={"help": "output_dir of heads-datagen"})
     draft: ModelSpec = field(default_factory=ModelSpec)
-    head: str = field(default="acceptance", metadata={"help": "head type (acceptance)"})
-    depth: int = field(default=3, metadata={"help": "residual blocks D (0 = linear)"})
+    head: str = field(default="acceptance", metadata={"help": "acceptance (SpecDec++) | verifier (SPRINTER)"})
+    depth: int = field(default=3, metadata={"help": "residual blocks D (0 = linear; the SPRINTER verifier is linear)"})
+    lam: float = field(default=1.0, metadata={"help": "verifier: label 1 when q(x) <= lam * p(x)"})
+    feature: str = field(default="previous", metadata={"help": "verifier: previous | current | previous+embedding (draft state before x, after x, or before x + x's input embedding)"})
+    class_weights: str = field(default="balanced", metadata={"help": "verifier: balanced (weights 1/(2 * class share) from the training labels) | fixed (w_acc, w_rej)"})
+    roc_lambdas: list[float] = field(default_factory=list, metadata={"help": "verifier: also train one head per lambda on the same data for the ROC plot (roc.png)"})
     label: str = field(default="soft", metadata={"help": "soft: min(1, p/q) on the state at y_i, token mixing (SpecDec++); expected: 1 - TV(p, q) on the state that produced q_i (the target's own prefix, no mixing)"})
     features: str = field(default="online", metadata={"help": "online: the draft runs inside training; cached: its states are stored once (fp16) and reused"})
     cache_dir: str | None = field(default=None, metadata={"help": "features=cached: where the files go; default <data_dir>/features"})
@@ -31,7 +36,7 @@ class TrainConfig:
     patience: int = field(default=1, metadata={"help": "epochs without eval improvement before stopping"})
     max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
     bf16: bool = field(default=True, metadata={"help": "bf16 autocast where the device supports it"})
-    threshold: float = field(default=0.7, metadata={"help": "default stop threshold h stored in the export"})
+    threshold: float = field(default=0.7, metadata={"help": "default threshold stored in the export: acceptance stop threshold h, verifier approval threshold eta"})
     seed: int = 0
     output_dir: str = "runs/train"
     overwrite: bool = False

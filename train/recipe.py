@@ -1,4 +1,9 @@
-"""The acceptance-head training run: setup, epochs with token mixing, evaluation, checkpoints, export.
+"""The head training run: setup, epochs, evaluation, early stopping, checkpoints, export.
+
+One loop serves both heads: the SpecDec++ acceptance head (soft labels, token mixing, weighted
+soft BCE; selected on held-out binary KL) and the SPRINTER verifier (``verifier.py``: hard
+ratio-threshold labels, class-weighted BCE; selected on held-out AUROC, with ``metrics.json`` and
+``roc.png``).
 
 Data parallel under ``accelerate launch`` (DDP): every process draws the same seeded epoch
 permutation and takes every ``world``-th micro-batch of it, so the examples a step sees do
@@ -21,10 +26,12 @@ from tqdm import tqdm
 from specheads.errors import UserError
 from specheads.export import save_head
 from specheads.export.shim.models import HiddenCapture, load_model
-from specheads.heads import AcceptanceHead
-from specheads.outputs import MetricsWriter, atomic_write_json
+from specheads.config import to_yaml
+from specheads.heads import AcceptanceHead, VerifierHead
+from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir
 
 from . import checkpoint
+from . import verifier as V
 from .config import TrainConfig
 from .data import draft_features, load_examples, mix, mix_seed, split
 from .features import FeatureCache, cache_key
@@ -46,13 +53,21 @@ def _epoch_batches(n: int, batch: int, world: int, seed: int, epoch: int) -> lis
 
 def _features(ctx, examples, epoch: int):
     """(features, labels) of a batch: from the cache when there is one, else from the draft."""
+    verifier = ctx["cfg"].head == "verifier"
+    if verifier and epoch != EVAL_EPOCH:
+        epoch = 0  # verifier features do not change between epochs (no mixing)
     if ctx.get("cache") is not None:
-        return ctx["cache"].batch(epoch, examples, ctx["device"])
-    x, y, _ = _draft_features(ctx, examples, epoch)
+        x, y = ctx["cache"].batch(epoch, examples, ctx["device"])
+    else:
+        x, y, _ = _draft_features(ctx, examples, epoch)
+    if verifier:  # y holds q(x)/p(x); the label is taken here so every lam shares the features
+        y = (y <= ctx["cfg"].lam).float()
     return x, y
 
 
 def _draft_features(ctx, examples, epoch: int):
+    if ctx["cfg"].head == "verifier":
+        return V.draft_features(ctx["draft"], ctx["capture"], examples, ctx["cfg"].feature, ctx["pad"], ctx["device"])
     seqs, starts, masks, labels = [], [], [], []
     expected = ctx["cfg"].label == "expected"
     for ex in examples:
@@ -70,16 +85,48 @@ def _draft_features(ctx, examples, epoch: int):
 
 
 @torch.no_grad()
-def evaluate(ctx, head, examples) -> dict:
-    """Unweighted binary KL, weighted loss and AUROC (against the binarised label) on held-out prompts."""
-    from sklearn.metrics import roc_auc_score
-
+def _predict(ctx, head, examples) -> tuple[torch.Tensor, torch.Tensor]:
     logits, labels = [], []
     for i in range(0, len(examples), ctx["cfg"].batch_size):
-        x, y = _features(ctx, examples[i: i + ctx["cfg"].batch_size], EVAL_EPOCH)
+        batch = examples[i: i + ctx["cfg"].batch_size]
+        if ctx["cfg"].head == "verifier":  # the raw ratios, for metrics at several lambda
+            x, y = (ctx["cache"].batch(EVAL_EPOCH, batch, ctx["device"]) if ctx.get("cache") is not None
+                    else _draft_features(ctx, batch, EVAL_EPOCH)[:2])
+        else:
+            x, y = _features(ctx, batch, EVAL_EPOCH)
         logits.append(head(x).float())
         labels.append(y)
-    x, y = torch.cat(logits), torch.cat(labels)
+    return torch.cat(logits), torch.cat(labels)
+
+
+def _verifier_eval(ctx, head, examples) -> dict:
+    cfg = ctx["cfg"]
+    logits, ratio = _predict(ctx, head, examples)
+    roc = V.roc_metrics(torch.sigmoid(logits), ratio, cfg.lam, cfg.threshold)
+    y = (ratio <= cfg.lam).float()
+    w_pos, w_neg = ctx["weights"]
+    return {"eval_auroc": roc["auroc"], "eval_weighted_loss": float(weighted_soft_bce(logits, y, w_pos, w_neg)),
+            "eval_tpr_at_eta": roc["tpr_at_eta"], "eval_fpr_at_eta": roc["fpr_at_eta"],
+            "eval_accuracy_at_eta": roc["accuracy_at_eta"], "eval_alpha": roc["alpha"],
+            "eval_tokens": roc["tokens"], "eval_label_mean": roc["label_mean"]}
+
+
+def _selection_score(metrics: dict, head: str) -> float:
+    """Lower is better: held-out binary KL (acceptance) or minus AUROC (verifier)."""
+    if head == "verifier":
+        return -(metrics["eval_auroc"] if metrics["eval_auroc"] is not None else 0.5)
+    return metrics["eval_binary_kl"]
+
+
+@torch.no_grad()
+def evaluate(ctx, head, examples) -> dict:
+    """Acceptance: unweighted binary KL, weighted loss and AUROC (against the binarised label) on
+    held-out prompts. Verifier: AUROC, weighted loss, TPR/FPR/accuracy at eta, alpha."""
+    from sklearn.metrics import roc_auc_score
+
+    if ctx["cfg"].head == "verifier":
+        return _verifier_eval(ctx, head, examples)
+    x, y = _predict(ctx, head, examples)
     hard = (y >= 0.5).cpu().numpy()
     auroc = float(roc_auc_score(hard, x.cpu().numpy())) if 0 < hard.sum() < len(hard) else None
     cfg = ctx["cfg"]
@@ -88,6 +135,13 @@ def evaluate(ctx, head, examples) -> dict:
 
 
 def _head_metadata(cfg: TrainConfig, manifest: dict, hidden: int, metrics: dict) -> dict:
+    if cfg.head == "verifier":
+        return {"head_config": {"in_features": V.feature_width(cfg.feature, hidden), "depth": cfg.depth},
+                "hidden_size": hidden,
+                "feature": {"model": "draft", "state": "post", "layer": -1, "position": cfg.feature},
+                "label": "ratio", "lam": cfg.lam, "draft": manifest["draft"], "target": manifest["target"],
+                "sampling": manifest["sampling"], "default_threshold": cfg.threshold,
+                "extra": {"train": metrics, "datagen_seed": manifest.get("seed")}}
     return {"head_config": {"hidden_size": hidden, "depth": cfg.depth}, "hidden_size": hidden,
             "feature": {"model": "draft", "state": "post", "layer": -1, "position": "previous" if cfg.label == "expected" else "own"},
             "label": cfg.label,
@@ -109,7 +163,15 @@ def train(cfg: TrainConfig, out: Path) -> dict:
     if not manifest_path.is_file():
         raise UserError(f"{manifest_path} not found; data_dir must be a finished heads-datagen output_dir")
     manifest = json.loads(manifest_path.read_text())
-    examples = load_examples(cfg.data_dir, "expected_label" if cfg.label == "expected" else "label")
+    verifier = cfg.head == "verifier"
+    want = "sprinter" if verifier else "acceptance"
+    if manifest.get("labels", "acceptance") != want:
+        raise UserError(f"{cfg.data_dir} holds labels={manifest.get('labels')!r} data; head={cfg.head} needs "
+                        f"heads-datagen labels={want}")
+    if verifier:
+        examples = V.load_examples(cfg.data_dir)
+    else:
+        examples = load_examples(cfg.data_dir, "expected_label" if cfg.label == "expected" else "label")
     train_ex, eval_ex = split(examples, cfg.eval_fraction, cfg.seed)
     cfg.draft.device = str(acc.device) if cfg.draft.device == "auto" else cfg.draft.device
     draft = load_model(cfg.draft, "draft")
@@ -120,19 +182,28 @@ def train(cfg: TrainConfig, out: Path) -> dict:
     tok = draft.tokenizer
     ctx = {"cfg": cfg, "draft": draft.model, "capture": HiddenCapture(draft.model), "device": draft.device,
            "pad": tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)}
+    ctx["weights"] = V.class_weights(train_ex, cfg.lam) if verifier and cfg.class_weights == "balanced" \
+        else (cfg.w_acc, cfg.w_rej)
     if cfg.features == "cached":
-        key = cache_key(draft.fingerprint, cfg.mix_ratio, cfg.seed, cfg.label, cfg.eval_fraction)
+        if verifier:
+            key = cache_key(draft.fingerprint, 0.0, cfg.seed, f"verifier:{cfg.feature}", cfg.eval_fraction)
+        else:
+            key = cache_key(draft.fingerprint, cfg.mix_ratio, cfg.seed, cfg.label, cfg.eval_fraction)
         root = Path(cfg.cache_dir or Path(cfg.data_dir) / "features") / key
         cache = FeatureCache(root, lambda exs, epoch: _draft_features(ctx, exs, epoch), cfg.batch_size)
         if acc.is_main_process:  # built once, before training; other processes wait for the files
-            for epoch in range(cfg.epochs):
+            for epoch in range(1 if verifier else cfg.epochs):
                 cache.build(epoch, train_ex)
             cache.build(EVAL_EPOCH, eval_ex)
         acc.wait_for_everyone()
         ctx["cache"] = cache
         log.info("cached features: %s (%.1f MB)", root, cache.nbytes() / 1e6)
     torch.manual_seed(cfg.seed)
-    head = AcceptanceHead(draft.hidden_size, cfg.depth)
+    if verifier:
+        head = VerifierHead(V.feature_width(cfg.feature, draft.hidden_size), cfg.depth)
+    else:
+        head = AcceptanceHead(draft.hidden_size, cfg.depth)
+    w_pos, w_neg = ctx["weights"]
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     world = acc.num_processes
     micro = len(_epoch_batches(len(train_ex), cfg.batch_size, world, cfg.seed, 0)) // world
@@ -165,7 +236,7 @@ def train(cfg: TrainConfig, out: Path) -> dict:
             for i, idx in enumerate(batches):
                 x, y = _features(ctx, [train_ex[j] for j in idx], epoch)
                 with acc.autocast():
-                    loss = weighted_soft_bce(head(x), y, cfg.w_acc, cfg.w_rej)
+                    loss = weighted_soft_bce(head(x), y, w_pos, w_neg)
                 if not ds:  # DeepSpeed divides by its gradient_accumulation_steps itself
                     loss = loss / cfg.grad_accum
                 last = (i + 1) % cfg.grad_accum == 0 or i + 1 == len(batches)
@@ -188,10 +259,11 @@ def train(cfg: TrainConfig, out: Path) -> dict:
             head.eval()
             final = {"epoch": epoch, "step": progress["step"], **evaluate(ctx, raw, eval_ex)}
             metrics.write(final)
-            if progress["best"] is None or final["eval_binary_kl"] < progress["best"]:
-                progress["best"], progress["bad_epochs"] = final["eval_binary_kl"], 0
+            score = _selection_score(final, cfg.head)
+            if progress["best"] is None or score < progress["best"]:
+                progress["best"], progress["bad_epochs"] = score, 0
                 if acc.is_main_process:
-                    save_head(out / "head.safetensors", raw, "acceptance",
+                    save_head(out / "head.safetensors", raw, cfg.head,
                               _head_metadata(cfg, manifest, draft.hidden_size, final))
                     atomic_write_json(out / "best_metrics.json", final)
             else:
@@ -206,7 +278,49 @@ def train(cfg: TrainConfig, out: Path) -> dict:
             if acc.is_main_process:
                 checkpoint.save(out, progress["step"], raw, None if ds else opt, sched, progress, extra_files=parts)
             acc.wait_for_everyone()
-    return json.loads((out / "best_metrics.json").read_text()) if (out / "best_metrics.json").exists() else final
+    best = json.loads((out / "best_metrics.json").read_text()) if (out / "best_metrics.json").exists() else final
+    if verifier:
+        best.update(_verifier_report(cfg, out, ctx, eval_ex, acc, draft.name))
+    return best
+
+
+def _verifier_report(cfg: TrainConfig, out: Path, ctx, eval_ex, acc, draft_name: str) -> dict:
+    """``metrics.json`` (ROC, AUROC, TPR/FPR at eta, alpha) of the best head; with ``roc_lambdas``,
+    one more head per lambda trained on the same data, and ``roc.png`` with every curve."""
+    from dataclasses import replace
+
+    from specheads.export.package import load_head
+
+    curves = []
+    if acc.is_main_process:
+        best = load_head(out / "head.safetensors").module.to(ctx["device"]).float()
+        logits, ratio = _predict(ctx, best, eval_ex)
+        curves.append(V.roc_metrics(torch.sigmoid(logits), ratio, cfg.lam, cfg.threshold))
+    for lam in cfg.roc_lambdas:
+        if lam == cfg.lam:
+            continue
+        sub = replace(cfg, lam=lam, roc_lambdas=[], output_dir=str(out / f"lambda-{lam:g}"))
+        if acc.is_main_process:
+            prepare_output_dir(sub.output_dir, to_yaml(sub), overwrite=cfg.overwrite)
+        acc.wait_for_everyone()
+        log.info("roc_lambdas: training the lambda=%g verifier in %s", lam, sub.output_dir)
+        train(sub, Path(sub.output_dir))
+        if acc.is_main_process:
+            head = load_head(Path(sub.output_dir) / "head.safetensors").module.to(ctx["device"]).float()
+            logits, ratio = _predict(ctx, head, eval_ex)
+            curves.append(V.roc_metrics(torch.sigmoid(logits), ratio, lam, cfg.threshold))
+    if not acc.is_main_process:
+        return {}
+    curves.sort(key=lambda c: c["lam"])
+    png = V.roc_plot(out / "roc.png", curves, f"SPRINTER verifier on {draft_name} ({cfg.feature}), "
+                                               f"{curves[0]['tokens']} held-out tokens")
+    main = next(c for c in curves if c["lam"] == cfg.lam)
+    report = {"auroc": main["auroc"], "lam": cfg.lam, "eta": cfg.threshold, "feature": cfg.feature,
+              "tpr_at_eta": main["tpr_at_eta"], "fpr_at_eta": main["fpr_at_eta"],
+              "accuracy_at_eta": main["accuracy_at_eta"], "alpha": main["alpha"], "roc_png": str(png),
+              "by_lambda": {f"{c['lam']:g}": c for c in curves}}
+    atomic_write_json(out / "metrics.json", report)
+    return {k: report[k] for k in ("auroc", "tpr_at_eta", "fpr_at_eta", "alpha", "roc_png")}
 
 
 class _Null:

@@ -36,6 +36,11 @@ class GenerationStats:
     rounds: int = 0
     wall_time: float = 0.0
     eos: int = 0
+    verifier_calls: int = 0  # learned-verifier evaluations (SPRINTER)
+    target_tokens: int = 0  # tokens the target processed (prefill included)
+    target_context: int = 0  # sum over those tokens of the context each attends to (itself included)
+    draft_tokens: int = 0
+    draft_context: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -72,10 +77,20 @@ class GenerationStats:
         """Sums counts and times over prompts; the rates of the result are ratios of sums."""
         out = GenerationStats(prompts=0)
         for s in stats:
-            for k in ("prompts", "prompt_tokens", "new_tokens", "target_calls", "draft_forwards", "drafted",
-                      "accepted", "discarded", "rounds", "wall_time", "eos"):
+            for k in COUNTS:
                 setattr(out, k, getattr(out, k) + getattr(s, k))
         return out
+
+
+COUNTS = ("prompts", "prompt_tokens", "new_tokens", "target_calls", "draft_forwards", "drafted", "accepted",
+          "discarded", "rounds", "wall_time", "eos", "verifier_calls", "target_tokens", "target_context",
+          "draft_tokens", "draft_context")
+
+
+def _count(stats: GenerationStats, who: str, start: int, n: int) -> None:
+    """Adds ``n`` tokens fed at positions ``start .. start + n - 1`` to ``who``'s token and context counts."""
+    setattr(stats, f"{who}_tokens", getattr(stats, f"{who}_tokens") + n)
+    setattr(stats, f"{who}_context", getattr(stats, f"{who}_context") + n * start + n * (n + 1) // 2)
 
 
 @dataclass
@@ -139,6 +154,7 @@ class Engine:
         target = make_runner(self.target, policy.target_hidden, self.vocab_size, cap, self.fused)
         draft = make_runner(self.draft, policy.draft_hidden, self.vocab_size, cap, self.fused)
         policy.reset()
+        verifier_calls = getattr(policy, "verifier_calls", 0)
         seq = list(prompt_ids)
         t_dev, d_dev = target.device, draft.device
         d_gen = draft_generator or generator
@@ -153,6 +169,7 @@ class Engine:
                 if rnd.limit > 0:
                     pending = torch.tensor([seq[draft.length:]], device=d_dev)
                     while True:
+                        _count(stats, "draft", draft.length, pending.shape[1])
                         logits, hid = draft.forward(pending, n_logits=1)
                         tok, q = _pick(logits[0], sampling, d_gen)
                         rnd.tokens.append(tok)
@@ -175,6 +192,7 @@ class Engine:
                 else:
                     # The first round's target pass is also the prompt's prefill.
                     t_in = torch.cat([torch.tensor(seq[target.length:], device=t_dev), cand]).view(1, -1)
+                    _count(stats, "target", target.length, t_in.shape[1])
                     logits, hid = target.forward(t_in, n_logits=n + 1)
                     stats.target_calls += 1
                     if hid is not None:
@@ -206,6 +224,7 @@ class Engine:
             draft.close()
         stats.new_tokens = len(out)
         stats.draft_forwards = draft.forwards
+        stats.verifier_calls = getattr(policy, "verifier_calls", 0) - verifier_calls
         stats.wall_time = time.perf_counter() - start
         return Generation(out, stats)
 
@@ -224,7 +243,9 @@ class Engine:
         runner = make_runner(model, None, self.vocab_size, len(prompt_ids) + max_new_tokens + 1, self.fused)
         ids = torch.tensor([prompt_ids], device=runner.device)
         out: list[int] = []
+        who = "draft" if use_draft else "target"
         while len(out) < max_new_tokens:
+            _count(stats, who, runner.length, ids.shape[1])
             logits, _ = runner.forward(ids, n_logits=1)
             tok, _ = _pick(logits[0], sampling, generator)
             t = int(tok)
