@@ -1,7 +1,8 @@
-"""``heads-eval``: sweep SpecDec++ thresholds and fixed K on held-out prompts, with the oracle.
+"""``heads-eval``: sweep SpecDec++ thresholds, SPRINTER thresholds and fixed K on held-out prompts.
 
     heads-eval recipe=quickstart
     heads-eval recipe=quickstart head=runs/quickstart-export/head.safetensors thresholds=[0.3,0.5,0.7]
+    heads-eval recipe=sprinter_quickstart
 
 One run decodes every prompt with: the target alone (``ar``), the draft alone (``draft``),
 standard SD at each fixed ``K`` and SpecDec++ at each threshold ``h``, interleaved prompt by
@@ -11,8 +12,11 @@ and ``t_d`` measured by the two baselines; the cost model ``T/N`` of ALGORITHMS.
 those times; and, for greedy decoding, the oracle stopping rule (SpecDec++ Theorem 4.1) computed
 from the target's own output, and the same stopping rule as a perfect SpecDec++ head would apply it
 (it can only judge a candidate after drafting it, never before ``k_min``): the most any head can
-gain on these prompts with these models. Writes ``sweep.json`` (table, oracle, perfect head,
-ratios, Pareto check),
+gain on these prompts with these models. With ``verifier=`` it also decodes with SPRINTER at each
+``eta`` and reports, for every configuration, FLOPs per token, verifier calls per token and ROUGE
+against the target-only outputs and the references, and for SPRINTER the measured ``alpha`` and the
+TV bound (``quality.py``) and its ratios to the best SD configuration. Writes ``sweep.json`` (table,
+oracle, perfect head, ratios, Pareto check, ``sprinter``),
 ``pareto.png``, ``rows.jsonl`` (every prompt x configuration; a killed sweep resumes),
 ``metrics.jsonl`` (one line per configuration), ``metrics.json``, ``config.yaml`` and
 ``manifest.json``.
@@ -35,6 +39,7 @@ from specheads.export.shim.policies import SpecDecPP
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, write_manifest
 from specheads.prompts import load_prompt_files
 
+from . import quality
 from .config import EvalConfig
 from .oracle import below_curve, cost_per_token, draft_agreement, oracle_schedule, perfect_head_schedule
 from .plot import pareto_plot
@@ -50,8 +55,14 @@ def _check(cfg: EvalConfig) -> None:
     problems = []
     if not cfg.prompts:
         problems.append("prompts is not set; pass prompts=<held-out prompt file>")
-    if not cfg.ks and not cfg.head:
-        problems.append("nothing to sweep: set ks=[...] and/or head=<exported head>")
+    if not cfg.ks and not cfg.head and not cfg.verifier:
+        problems.append("nothing to sweep: set ks=[...], head=<exported head> and/or verifier=<exported verifier>")
+    if cfg.verifier and not cfg.etas:
+        problems.append("verifier is set but etas is empty")
+    if any(not 0 <= e <= 1 for e in cfg.etas):
+        problems.append(f"etas={list(cfg.etas)}: every eta must be in [0, 1]")
+    if cfg.max_run is not None and cfg.max_run < 0:
+        problems.append(f"max_run={cfg.max_run} must be >= 0 (or null for no cap)")
     if any(k < 1 for k in cfg.ks):
         problems.append(f"ks={list(cfg.ks)}: every K must be >= 1")
     if cfg.head and not cfg.thresholds:
@@ -138,6 +149,58 @@ def summarize(cfg: EvalConfig, grouped: dict[str, list[dict]], oracle: Generatio
     return out
 
 
+def _quality(cfg: EvalConfig, pair, prompts, grouped: dict[str, list[dict]], decoders, summary: dict) -> None:
+    """Adds FLOPs, verifier calls and ROUGE to the table rows; SPRINTER's alpha, TV bound and ratios."""
+    tok = pair.tokenizer
+    texts = {n: [tok.decode(r["tokens"], skip_special_tokens=True) for r in rows] for n, rows in grouped.items()}
+    refs = [p.reference_text for p in prompts]
+    v_params = {n: sum(p.numel() for p in d.policy.head.parameters())
+                for n, d in decoders.items() if n.startswith("s") and hasattr(d.policy, "head")}
+    for row in summary["table"]:
+        n = row["config"]
+        tot = total(grouped[n])
+        f = quality.flops_per_token(tot, pair.target.model, pair.draft.model, v_params.get(n, 0))
+        row["gflops_per_token"] = round(f / 1e9, 5) if f is not None else None
+        row["verifier_calls_per_token"] = round(tot.verifier_calls / tot.new_tokens, 4) if tot.new_tokens else None
+        row["rouge_vs_target"] = quality.rouge(texts[n], texts["ar"]) if n != "ar" else None
+        row["rouge_vs_reference"] = quality.rouge(texts[n], refs)
+    sprinter = [r for r in summary["table"] if r["config"].startswith("s")]
+    if not sprinter:
+        return
+    pad = tok.pad_token_id if tok.pad_token_id is not None else pair.eos_token_ids[0]
+    ar = decoders["ar"]
+    ids = [fit_context(format_prompt(tok, p, cfg.chat_template), cfg.max_new_tokens, ar.context)[0] for p in prompts]
+    section: dict = {"verifier": cfg.verifier, "max_run": cfg.max_run, "by_eta": {}}
+    for row in sprinter:
+        rows = grouped[row["config"]]
+        errs = quality.verifier_errors(pair.target.model, pair.draft.model, ids, [r["tokens"] for r in rows],
+                                       [[tuple(d) for d in r.get("decisions", [])] for r in rows], cfg.sampling, pad)
+        section["by_eta"][row["config"]] = {**errs, "tokens_per_s": row["tokens_per_s"],
+                                            "target_calls_per_token": row["verification_rate"],
+                                            "tokens_between_target_calls": row["tokens_per_call"],
+                                            "gflops_per_token": row["gflops_per_token"],
+                                            "rouge_vs_target": row["rouge_vs_target"],
+                                            "rouge_vs_reference": row["rouge_vs_reference"]}
+    sds = [r for r in summary["table"] if r["config"][0] in "kh"]
+    main = sprinter[0]
+    section["main"] = main["config"]
+    section["alpha"] = section["by_eta"][main["config"]]["alpha"]
+    if sds:
+        sd = max(sds, key=lambda r: r["tokens_per_s"])
+        section["best_sd"] = sd["config"]
+        section["ratios"] = {
+            "target_calls_sd_over_sprinter": round(sd["verification_rate"] / main["verification_rate"], 4)
+            if main["verification_rate"] else None,
+            "sprinter_vs_sd_tokens_per_s": round(main["tokens_per_s"] / sd["tokens_per_s"], 4),
+            "flops_sd_over_sprinter": round(sd["gflops_per_token"] / main["gflops_per_token"], 4)
+            if main["gflops_per_token"] else None}
+    head = read_metadata(cfg.verifier)
+    section["head"] = {"feature": head.get("feature", {}).get("position"), "lam": head.get("lam"),
+                       "auroc": head.get("extra", {}).get("train", {}).get("eval_auroc"),
+                       "default_eta": head.get("default_threshold")}
+    summary["sprinter"] = section
+
+
 def _print(summary: dict) -> None:
     print(" | ".join(COLUMNS))
     for r in summary["table"]:
@@ -151,6 +214,15 @@ def _print(summary: dict) -> None:
               f"{o['model_cost_ms_per_token']}")
     print(f"t_target {summary['t_target_ms']} ms, t_draft {summary['t_draft_ms']} ms; ratios {summary['ratios']}"
           + (f"; pareto_dominates {summary['pareto_dominates']}" if "pareto_dominates" in summary else ""))
+    if "gflops_per_token" in summary["table"][0]:
+        print("config | gflops_per_token | verifier_calls_per_token | rougeL_vs_target | rougeL_vs_reference")
+        for r in summary["table"]:
+            rt, rr = r.get("rouge_vs_target"), r.get("rouge_vs_reference")
+            print(f"{r['config']} | {r['gflops_per_token']} | {r['verifier_calls_per_token']} | "
+                  f"{rt['rougeL'] if rt else '-'} | {rr['rougeL'] if rr else '-'}")
+    if "sprinter" in summary:
+        sp = summary["sprinter"]
+        print(f"sprinter {sp['main']}: alpha {sp['alpha']}, vs {sp.get('best_sd')}: {sp.get('ratios')}")
 
 
 def run(cfg: EvalConfig) -> int:
@@ -179,6 +251,8 @@ def run(cfg: EvalConfig) -> int:
     elif cfg.oracle:
         log.warning("the oracle is defined for greedy decoding only (sampling.do_sample=false); skipped")
     summary = summarize(cfg, grouped, oracle, head_meta, perfect)
+    if cfg.quality:
+        _quality(cfg, pair, prompts, grouped, decoders, summary)
     summary["pareto_png"] = str(pareto_plot(
         out / "pareto.png",
         [{"label": r["config"], **r} for r in summary["table"] if r["config"].startswith("k")],
@@ -188,7 +262,9 @@ def run(cfg: EvalConfig) -> int:
                    max_new_tokens=cfg.max_new_tokens)
     atomic_write_json(out / "sweep.json", summary)
     atomic_write_json(out / "metrics.json", {"ratios": summary["ratios"], **{k: summary[k] for k in (
-        "t_target_ms", "t_draft_ms", "best_fixed_k", "best_threshold", "pareto_dominates") if k in summary}})
+        "t_target_ms", "t_draft_ms", "best_fixed_k", "best_threshold", "pareto_dominates") if k in summary},
+        **({"sprinter": {k: summary["sprinter"].get(k) for k in ("main", "alpha", "best_sd", "ratios")}}
+           if "sprinter" in summary else {})})
     (out / "metrics.jsonl").unlink(missing_ok=True)
     with MetricsWriter(out) as metrics:
         for r in summary["table"]:

@@ -10,7 +10,8 @@ from specheads.export.shim.sampling import SamplingConfig
 
 @dataclass
 class EvalConfig:
-    """Sweep SpecDec++ thresholds and fixed candidate lengths on one prompt set, in one run."""
+    """Compare decoding configurations on one prompt set, in one run: target alone, draft alone, fixed-K
+    SD, SpecDec++ thresholds (head=) and SPRINTER approval thresholds (verifier=)."""
 
     target: ModelSpec = field(default_factory=ModelSpec)
     draft: ModelSpec = field(default_factory=ModelSpec)
@@ -18,6 +19,10 @@ class EvalConfig:
     thresholds: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9],
                                     metadata={"help": "SpecDec++ stop thresholds h to sweep"})
     ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8], metadata={"help": "fixed candidate lengths K"})
+    verifier: str | None = field(default=None, metadata={"help": "exported SPRINTER verifier head; none: no SPRINTER rows"})
+    etas: list[float] = field(default_factory=lambda: [0.5], metadata={"help": "SPRINTER approval thresholds eta to sweep"})
+    max_run: int | None = field(default=20, metadata={"help": "SPRINTER: most approved tokens in a row (null: no cap)"})
+    quality: bool = field(default=True, metadata={"help": "ROUGE vs target-only outputs and references, FLOPs per token, SPRINTER alpha"})
     k_min: int = field(default=2, metadata={"help": "specdecpp: fewest candidates per round"})
     k_max: int = field(default=20, metadata={"help": "specdecpp (and the oracle): most candidates per round"})
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

@@ -21,9 +21,11 @@ from specheads.outputs import read_finished_rows
 log = logging.getLogger(__name__)
 
 
-def config_names(ks: list[int], thresholds: list[float], with_head: bool) -> list[str]:
-    """Names of the sweep's configurations: baselines, fixed K, then SpecDec++ thresholds."""
-    return ["ar", "draft"] + [f"k{k}" for k in ks] + ([f"h{h:g}" for h in thresholds] if with_head else [])
+def config_names(ks: list[int], thresholds: list[float], with_head: bool, etas: list[float] = (),
+                 with_verifier: bool = False) -> list[str]:
+    """Names of the sweep's configurations: baselines, fixed K, SpecDec++ thresholds, SPRINTER etas."""
+    return (["ar", "draft"] + [f"k{k}" for k in ks] + ([f"h{h:g}" for h in thresholds] if with_head else [])
+            + ([f"s{e:g}" for e in etas] if with_verifier else []))
 
 
 def build_decoders(cfg, pair) -> dict[str, Decoder]:
@@ -39,6 +41,10 @@ def build_decoders(cfg, pair) -> dict[str, Decoder]:
         for h in cfg.thresholds:
             out[f"h{h:g}"] = dec(make_policy("specdecpp", pair, head=cfg.head, threshold=h, k_min=cfg.k_min,
                                              k_max=cfg.k_max, sampling=cfg.sampling))
+    if getattr(cfg, "verifier", None):
+        for eta in cfg.etas:
+            out[f"s{eta:g}"] = dec(make_policy("sprinter", pair, head=cfg.verifier, threshold=eta,
+                                               sampling=cfg.sampling, max_run=cfg.max_run))
     return out
 
 
@@ -65,6 +71,9 @@ def run_sweep(decoders: dict[str, Decoder], prompts, rows_path: Path, warmup: bo
                     continue
                 res = decoders[name].decode(prompt, i, name=f"prompt {prompt.id}")
                 row = {"index": i, "id": prompt.id, "config": name, "tokens": res.tokens, **res.stats.to_dict()}
+                decisions = getattr(decoders[name].policy, "decisions", None)
+                if decisions is not None:  # SPRINTER: (position, token, approved) of every verifier call
+                    row["decisions"] = [list(d) for d in decisions]
                 fh.write(json.dumps(row) + "\n")
                 fh.flush()
                 done[(i, name)] = row

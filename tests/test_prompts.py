@@ -101,13 +101,14 @@ def test_prompt_and_messages_rows(tmp_path: Path) -> None:
         {"id": 7, "messages": messages},
     ])
     prompts = load_prompts(path)
-    assert prompts[0] == Prompt(id="p-0", text="Say hi.", reference="hi", source="prompt")
+    assert prompts[0] == Prompt(id="p-0", text="Say hi.", reference="hi", source="prompt", reference_text="hi")
     assert prompts[1] == Prompt(id="7", messages=messages, source="messages")
 
 
 def test_gsm8k_reference_drops_commas(tmp_path: Path) -> None:
     path = _jsonl(tmp_path, [{"question": "How many?", "answer": "a\nb <<1+1=2>>\n#### 1,250 "}])
     assert load_prompts(path)[0].reference == "1250"
+    assert load_prompts(path)[0].reference_text == "a\nb <<1+1=2>>\n#### 1,250 "  # ROUGE compares the whole solution
 
 
 def test_blank_lines_and_bom(tmp_path: Path) -> None:

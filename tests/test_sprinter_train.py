@@ -99,3 +99,70 @@ def test_decode_sprinter_needs_a_verifier_head(tiny_pair_dirs, labelled, tmp_pat
                         "draft.device=cpu", f"prompts={prompts}", f"output_dir={tmp_path / 'dec'}",
                         "policy=sprinter"])
     assert code == 2 and "verifier head" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def verifier_file(tiny_pair_dirs, labelled, tmp_path_factory):
+    data, _ = labelled
+    root = tmp_path_factory.mktemp("verifier")
+    assert train_main(_targs(tiny_pair_dirs, data, root / "tr", "features=cached")) == 0
+    assert export_main([f"train_dir={root / 'tr'}", f"output_dir={root / 'exp'}"]) == 0
+    return root / "exp" / "head.safetensors"
+
+
+def test_flops_by_hand(tiny_pair):
+    from specheads.evaluate.quality import flops, matmul_parameters
+
+    target, _ = tiny_pair
+    n = sum(p.numel() for p in target.parameters()) - target.get_input_embeddings().weight.numel()  # untied
+    assert matmul_parameters(target) == n
+    assert flops(target, tokens=3, context=6) == 2.0 * n * 3 + 2.0 * 2 * 32 * 6  # 2 layers, d_attn 32
+
+
+def test_verifier_errors_by_hand(tiny_pair):
+    from specheads.evaluate.quality import verifier_errors
+    from specheads.export.shim.sampling import SamplingConfig
+
+    target, draft = tiny_pair
+    prompt, output = [1, 5, 6], [7, 8, 9, 10]
+    decisions = [(3, 11, True), (4, 12, False), (5, 13, True), (6, 14, True)]
+    seq = prompt + output
+    bad, approved_bad, tvs = 0, 0, []
+    with torch.no_grad():
+        for pos, tok, ok in decisions:
+            ids = torch.tensor([seq[:pos]])
+            q = draft(input_ids=ids).logits[0, -1].softmax(-1)
+            p = target(input_ids=ids).logits[0, -1].softmax(-1)
+            tvs.append(0.5 * float((p - q).abs().sum()))
+            if q[tok] > p[tok]:
+                bad += 1
+                approved_bad += ok
+    got = verifier_errors(target, draft, [prompt], [output], [decisions], SamplingConfig(do_sample=False), pad=2)
+    assert got["decisions"] == 4 and got["approved"] == 3 and got["unacceptable"] == bad
+    assert got["alpha"] == (pytest.approx(approved_bad / bad, abs=1e-4) if bad else None)
+    assert got["mean_tv"] == pytest.approx(sum(tvs) / 4, abs=1e-4)
+
+
+def test_eval_compares_sprinter_with_sd(tiny_pair_dirs, labelled, verifier_file, tmp_path):
+    from specheads.evaluate.cli import main as eval_main
+
+    _, prompts = labelled
+    t, d = tiny_pair_dirs
+    out = tmp_path / "ev"
+    assert eval_main([f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu",
+                      "draft.device=cpu", f"prompts={prompts}", f"output_dir={out}", "max_new_tokens=12",
+                      "num_prompts=4", "ks=[1,2]", "head=null", f"verifier={verifier_file}", "etas=[0.0,0.5,1.0]"]) == 0
+    summary = json.loads((out / "sweep.json").read_text())
+    by = {r["config"]: r for r in summary["table"]}
+    assert set(by) == {"ar", "draft", "k1", "k2", "s0", "s0.5", "s1"}
+    assert by["k1"]["rouge_vs_target"]["rougeL"] == 1.0  # greedy SD is lossless
+    assert by["ar"]["verifier_calls_per_token"] == 0 and by["s0.5"]["verifier_calls_per_token"] > 0
+    assert all(r["gflops_per_token"] > 0 for r in summary["table"])
+    sp = summary["sprinter"]
+    assert sp["main"] == "s0" and set(sp["ratios"]) == {"target_calls_sd_over_sprinter", "sprinter_vs_sd_tokens_per_s",
+                                                         "flops_sd_over_sprinter"}
+    # eta = 0 approves every scored token: alpha 1 (when any is unacceptable); eta = 1 approves none: alpha 0
+    assert sp["by_eta"]["s0"]["alpha"] in (1.0, None) and sp["by_eta"]["s1"]["alpha"] in (0.0, None)
+    assert sp["by_eta"]["s1"]["approved"] == 0
+    # eta = 0 runs max_run approved tokens per target call
+    assert by["s0"]["verification_rate"] < by["k1"]["verification_rate"]

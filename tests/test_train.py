@@ -266,9 +266,9 @@ def test_expected_label_features_come_from_the_targets_own_prefix():
 
     ex = Example(0, [1, 2, 10, 11, 12, 13], 2, [20, 21, 22, 23], [0.0, 1.0, 0.0, 1.0])
     ctx = {"draft": draft, "capture": Capture, "pad": 0, "device": "cpu",
-           "cfg": SimpleNamespace(label="expected", mix_ratio=0.15, seed=0)}
+           "cfg": SimpleNamespace(head="acceptance", label="expected", mix_ratio=0.15, seed=0)}
     x, y, rows = _draft_features(ctx, [ex], epoch=0)
     assert x[:, 0].tolist() == [2, 10, 11, 12] and y.tolist() == ex.label and rows == [4]
-    ctx["cfg"] = SimpleNamespace(label="soft", mix_ratio=0.0, seed=0)
+    ctx["cfg"] = SimpleNamespace(head="acceptance", label="soft", mix_ratio=0.0, seed=0)
     x, y, rows = _draft_features(ctx, [ex], epoch=0)
     assert x[:, 0].tolist() == [20, 21, 22, 23]  # r = 0: every position holds the draft's token

@@ -260,11 +260,13 @@ class Sprinter(Policy):
         self.head, self.eta, self.max_run, self.feature, self.embedding = head, eta, max_run, feature, embedding
         self.lag = 1 if feature == "current" else 0
         self.verifier_calls = 0
+        self.decisions: list[tuple[int, int, bool]] = []  # this prompt's (position, token, approved)
         self._approved = 0  # leading candidates of the round approved by the verifier
         self._round: Round | None = None
 
     def reset(self) -> None:
         self._approved, self._round = 0, None
+        self.decisions = []
 
     def _sync(self, rnd: Round) -> None:
         if rnd is not self._round:  # a new round (the engine may end one before stop_drafting runs)
@@ -289,7 +291,11 @@ class Sprinter(Policy):
             return True  # cap: the next unapproved candidate goes to the target
         if j < 0:
             return False
-        if self._score(rnd, j) < self.eta:
+        approved = self._score(rnd, j) >= self.eta
+        # Every scored candidate sits right after the committed sequence: its prefix is the
+        # output's prefix, so a teacher-forced pass over the output can judge the decision later.
+        self.decisions.append((rnd.position + j, int(rnd.tokens[j]), approved))
+        if not approved:
             return True
         self._approved = j + 1
         return int(rnd.tokens[j]) in rnd.eos
