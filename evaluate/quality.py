@@ -5,7 +5,7 @@
 * FLOPs per generated token in the convention of Kaplan et al. that the SPRINTER paper's appendix
   uses: a forward costs ``2 N`` per processed token (``N``: the parameters used as matmuls, i.e. all
   but an untied input embedding) plus ``2 n_layer c d_attn`` for attending to ``c`` positions; a
-  verifier call costs ``2 N_verifier``.
+  verifier call costs ``2 N_verifier``. The prompt's prefill, the same for every method, is left out.
 * ``alpha``: the share of the verifier's decisions on truly unacceptable tokens (``q(x) > p(x)``,
   the ``lambda = 1`` ground truth) that approved the token, measured on the decoded outputs, and the
   per-step total-variation bound ``alpha * TV(p, q)`` it implies (ALGORITHMS.md section 2).

@@ -5,7 +5,8 @@
 
 Each stage reads its own section of the one recipe, chained so that every stage consumes what
 the previous one wrote (``train.data_dir`` = ``datagen.output_dir``, ``export.train_dir`` =
-``train.output_dir``, ``eval.head`` = the exported file). Overrides are ``section.key=value``
+``train.output_dir``, ``eval.head`` = the exported file, or ``eval.verifier`` for a SPRINTER
+verifier: ``heads-pipeline recipe=sprinter_quickstart``). Overrides are ``section.key=value``
 for one stage, or ``key=value`` for every stage that has that key (``seed=1``). All four configs
 are checked before anything runs. Every stage resumes, so running the same command again after
 a crash continues where it stopped. At the end a summary table is printed and written, with the
@@ -98,8 +99,9 @@ def load_configs(argv: list[str]) -> tuple[PipelineConfig, dict]:
             chained["train"] = [f"data_dir={cfgs[stage].output_dir}"]
         elif stage == "train":
             chained["export"] = [f"train_dir={cfgs[stage].output_dir}"]
-        elif stage == "export":
-            chained["eval"] = [f"head={Path(cfgs[stage].output_dir) / 'head.safetensors'}"]
+        elif stage == "export":  # the exported verifier feeds SPRINTER's rows, an acceptance head SpecDec++'s
+            key = "verifier" if getattr(cfgs.get("train"), "head", "acceptance") == "verifier" else "head"
+            chained["eval"] = [f"{key}={Path(cfgs[stage].output_dir) / 'head.safetensors'}"]
     if problems:
         raise UserError("; ".join(problems))
     return pipe, cfgs
@@ -123,16 +125,19 @@ def summarize(cfgs: dict, times: dict) -> dict:
     dg = Path(cfgs["datagen"].output_dir) / "manifest.json"
     if dg.is_file():
         m = json.loads(dg.read_text())
-        out["datagen"] = {k: m.get(k) for k in ("prompts", "labelled_tokens", "label_mean", "expected_label_mean")}
+        out["datagen"] = {k: m.get(k) for k in ("prompts", "labelled_tokens", "label_mean", "expected_label_mean",
+                                                "category_shares", "label_mean_by_lambda")}
     best = Path(cfgs["train"].output_dir) / "best_metrics.json"
     if best.is_file():
         b = json.loads(best.read_text())
-        out["train"] = {k: b.get(k) for k in ("eval_binary_kl", "eval_auroc", "eval_weighted_loss", "epoch")}
+        out["train"] = {k: b.get(k) for k in ("eval_binary_kl", "eval_auroc", "eval_weighted_loss", "epoch",
+                                              "eval_tpr_at_eta", "eval_fpr_at_eta")}
     sweep = Path(cfgs["eval"].output_dir) / "sweep.json"
     if sweep.is_file():
         s = json.loads(sweep.read_text())
         out["eval"] = {k: s.get(k) for k in ("table", "oracle", "ratios", "best_fixed_k", "best_threshold",
-                                             "pareto_dominates", "pareto_png", "t_target_ms", "t_draft_ms")}
+                                             "pareto_dominates", "pareto_png", "t_target_ms", "t_draft_ms",
+                                             "sprinter")}
     return out
 
 
@@ -146,7 +151,11 @@ def print_summary(summary: dict, file=None) -> None:
         p(f"datagen: {d['prompts']} prompts, {d['labelled_tokens']} labelled tokens, mean label {d['label_mean']}")
     if "train" in summary:
         t = summary["train"]
-        p(f"head: eval binary KL {t['eval_binary_kl']}, AUROC {t['eval_auroc']} (epoch {t['epoch']})")
+        if t.get("eval_binary_kl") is not None:
+            p(f"head: eval binary KL {t['eval_binary_kl']}, AUROC {t['eval_auroc']} (epoch {t['epoch']})")
+        else:
+            p(f"verifier: eval AUROC {t['eval_auroc']}, TPR {t['eval_tpr_at_eta']} / FPR {t['eval_fpr_at_eta']} "
+              f"at eta (epoch {t['epoch']})")
     ev = summary.get("eval")
     if ev:
         cols = ("config", "tokens_per_s", "tokens_per_call", "verification_rate", "discard_rate",
@@ -160,6 +169,9 @@ def print_summary(summary: dict, file=None) -> None:
         p(f"best fixed K: {ev.get('best_fixed_k')}, best SpecDec++ threshold: {ev.get('best_threshold')}, "
           f"ratios: {ev.get('ratios')}, pareto_dominates: {ev.get('pareto_dominates')}")
         p(f"Pareto plot: {ev.get('pareto_png')}")
+        sp = ev.get("sprinter")
+        if sp:
+            p(f"SPRINTER {sp['main']}: alpha {sp['alpha']}; vs best SD {sp.get('best_sd')}: {sp.get('ratios')}")
 
 
 def run(argv: list[str]) -> int:

@@ -37,7 +37,7 @@ class GenerationStats:
     wall_time: float = 0.0
     eos: int = 0
     verifier_calls: int = 0  # learned-verifier evaluations (SPRINTER)
-    target_tokens: int = 0  # tokens the target processed (prefill included)
+    target_tokens: int = 0  # tokens after the prompt the target processed (the prompt's prefill is not counted)
     target_context: int = 0  # sum over those tokens of the context each attends to (itself included)
     draft_tokens: int = 0
     draft_context: int = 0
@@ -88,7 +88,10 @@ COUNTS = ("prompts", "prompt_tokens", "new_tokens", "target_calls", "draft_forwa
 
 
 def _count(stats: GenerationStats, who: str, start: int, n: int) -> None:
-    """Adds ``n`` tokens fed at positions ``start .. start + n - 1`` to ``who``'s token and context counts."""
+    """Adds the tokens fed at positions ``start .. start + n - 1`` that lie after the prompt to ``who``'s
+    token and context counts (the prompt's prefill costs every method the same and is left out)."""
+    skip = max(0, min(n, stats.prompt_tokens - start))
+    start, n = start + skip, n - skip
     setattr(stats, f"{who}_tokens", getattr(stats, f"{who}_tokens") + n)
     setattr(stats, f"{who}_context", getattr(stats, f"{who}_context") + n * start + n * (n + 1) // 2)
 

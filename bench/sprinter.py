@@ -1,0 +1,98 @@
+"""SPRINTER benchmark on the shared pair: labels, verifier, ROC, and decoding against SD in one run.
+
+    python bench/sprinter.py                      # recipe sprinter_quickstart, writes bench/results/sprinter.json
+    python bench/sprinter.py --specdecpp-head runs/specdecpp_smollm2-export/head.safetensors   # + SpecDec++ rows
+    python bench/sprinter.py eval.num_prompts=2   # a quicker look (any pipeline override)
+
+Runs the recipe's pipeline: ``heads-datagen labels=sprinter`` (four equal prefix categories),
+``heads-train head=verifier`` (the verifier at the recipe's lambda, plus one per ``roc_lambdas``
+value for the ROC plot), ``heads-export``, and ``heads-eval`` on held-out GSM8K-test and MT-Bench
+prompts, where target-only, draft-only, fixed-K SD (and SpecDec++ with ``--specdecpp-head``) and
+SPRINTER at each ``eta`` decode every prompt, interleaved. Prints a table and writes
+``bench/results/sprinter.json`` and ``bench/results/sprinter_roc.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from specheads.pipeline import load_configs, main as pipeline_main
+
+ROOT = Path(__file__).resolve().parents[1]
+COLUMNS = ("config", "tokens", "tokens_per_s", "verification_rate", "tokens_per_call", "gflops_per_token",
+           "verifier_calls_per_token")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default="sprinter_quickstart")
+    ap.add_argument("--specdecpp-head", default=None, help="an exported SpecDec++ head of the same pair: adds its rows")
+    ap.add_argument("--thresholds", default="[0.5,0.8]", help="SpecDec++ thresholds with --specdecpp-head")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/sprinter.json"))
+    args, overrides = ap.parse_known_args(argv)
+    extra = [f"eval.head={args.specdecpp_head}", f"eval.thresholds={args.thresholds}", "eval.k_min=1"] \
+        if args.specdecpp_head else []
+    pipe_args = [f"recipe={args.recipe}", *extra, *overrides]
+    _, cfgs = load_configs(pipe_args)  # fail fast on a bad override
+    code = pipeline_main(pipe_args)
+    if code:
+        return code
+    sweep = json.loads((Path(cfgs["eval"].output_dir) / "sweep.json").read_text())
+    train = json.loads((Path(cfgs["train"].output_dir) / "metrics.json").read_text())
+    manifest = json.loads((Path(cfgs["datagen"].output_dir) / "manifest.json").read_text())
+    sp = sweep["sprinter"]
+    main_row = next(r for r in sweep["table"] if r["config"] == sp["main"])
+    png = Path(args.out).with_name(Path(args.out).stem + "_roc.png")
+    png.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(train["roc_png"], png)
+    table = [{c: r.get(c) for c in COLUMNS} | {
+        "rouge_l_vs_target": (r.get("rouge_vs_target") or {}).get("rougeL"),
+        "rouge_l_vs_reference": (r.get("rouge_vs_reference") or {}).get("rougeL")} for r in sweep["table"]]
+    result = {
+        "command": "python bench/sprinter.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "
+                   f"{torch.get_num_threads()} threads, fp32, batch 1 decoding",
+        "prompts": sweep["prompts"], "num_prompts": sweep["num_prompts"], "max_new_tokens": sweep["max_new_tokens"],
+        "sampling": sweep["sampling"],
+        "datagen": {k: manifest.get(k) for k in ("prompts", "labelled_tokens", "category_shares",
+                                                 "prefixes_per_category", "label_mean_by_lambda")},
+        "verifier": {k: train.get(k) for k in ("lam", "eta", "feature", "tpr_at_eta", "fpr_at_eta",
+                                               "accuracy_at_eta", "alpha")}
+        | {"auroc_by_lambda": {k: v["auroc"] for k, v in train["by_lambda"].items()},
+           "held_out_tokens": train["by_lambda"][f"{train['lam']:g}"]["tokens"]},
+        "auroc": train["auroc"],
+        "alpha": sp["alpha"],
+        "alpha_detail": sp["by_eta"][sp["main"]],
+        "sprinter_by_eta": sp["by_eta"],
+        "sprinter_config": sp["main"], "best_sd": sp.get("best_sd"),
+        "table": table,
+        "ratios": sp.get("ratios"),
+        "rouge_l_vs_target": (main_row.get("rouge_vs_target") or {}).get("rougeL"),
+        "rouge_vs_target": main_row.get("rouge_vs_target"),
+        "roc_png": str(png.relative_to(ROOT)) if png.is_relative_to(ROOT) else str(png),
+        "t_target_ms": sweep["t_target_ms"], "t_draft_ms": sweep["t_draft_ms"],
+        "note": "verification_rate = target calls per generated token; tokens_per_call = mean tokens per target "
+                "call; gflops_per_token = 2 x matmul parameters per processed token + 2 n_layer d_attn per attended "
+                "position, + 2 x verifier parameters per verifier call; alpha = share of verifier decisions on "
+                "tokens with q(x) > p(x) (lambda = 1 ground truth, teacher-forced on the decoded outputs) that "
+                "approved them; auroc on the held-out 30% of the labelled prompts; best_sd = fastest SD row",
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(" | ".join(COLUMNS + ("rouge_l_vs_target",)))
+    for r in table:
+        print(" | ".join("-" if r.get(c) is None else str(r.get(c)) for c in COLUMNS + ("rouge_l_vs_target",)))
+    print(json.dumps({"auroc": result["auroc"], "alpha": result["alpha"], "ratios": result["ratios"],
+                      "rouge_l_vs_target": result["rouge_l_vs_target"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
