@@ -72,3 +72,13 @@ def test_a_common_overwrite_reaches_the_pipeline_and_every_stage(tiny_pair_dirs,
     assert pipe.overwrite and all(c.overwrite for c in cfgs.values() if hasattr(c, "overwrite"))
     pipe, _ = load_configs([f"recipe={recipe}"])
     assert not pipe.overwrite
+
+
+def test_a_verifier_recipe_chains_the_export_into_eval_verifier():
+    from specheads.pipeline import load_configs
+
+    _, cfgs = load_configs(["recipe=sprinter_quickstart", "export.output_dir=/tmp/x-export", "eval.head=null"])
+    assert cfgs["train"].head == "verifier"
+    assert cfgs["eval"].verifier == "/tmp/x-export/head.safetensors" and cfgs["eval"].head is None
+    _, cfgs = load_configs(["recipe=quickstart", "export.output_dir=/tmp/y-export"])
+    assert cfgs["eval"].head == "/tmp/y-export/head.safetensors" and cfgs["eval"].verifier is None

@@ -312,8 +312,8 @@ def _verifier_report(cfg: TrainConfig, out: Path, ctx, eval_ex, acc, draft_name:
     if not acc.is_main_process:
         return {}
     curves.sort(key=lambda c: c["lam"])
-    png = V.roc_plot(out / "roc.png", curves, f"SPRINTER verifier on {draft_name} ({cfg.feature}), "
-                                               f"{curves[0]['tokens']} held-out tokens")
+    png = V.roc_plot(out / "roc.png", curves, f"SPRINTER verifier ({cfg.feature}) on {Path(draft_name).name}\n"
+                                               f"{curves[0]['tokens']} held-out tokens, eta={cfg.threshold:g}")
     main = next(c for c in curves if c["lam"] == cfg.lam)
     report = {"auroc": main["auroc"], "lam": cfg.lam, "eta": cfg.threshold, "feature": cfg.feature,
               "tpr_at_eta": main["tpr_at_eta"], "fpr_at_eta": main["fpr_at_eta"],
