@@ -165,8 +165,7 @@ class Engine:
         try:
             while len(out) < max_new_tokens:
                 remaining = max_new_tokens - len(out)
-                # Leave room for the target's token, unless the policy may end a round without one.
-                room = remaining if policy.may_skip_target else remaining - 1
+                room = policy.round_room(remaining)
                 rnd = Round(sampling, generator, limit=min(policy.max_candidates(), room), position=len(seq),
                             eos=frozenset(self.eos))
                 if rnd.limit > 0:

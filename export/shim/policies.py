@@ -86,6 +86,11 @@ class Policy:
         """Upper bound on candidates per round (the engine also caps by remaining length)."""
         return self.k
 
+    def round_room(self, remaining: int) -> int:
+        """Most candidates a round may draft when ``remaining`` tokens are left: one slot stays free for
+        the target's token, unless the policy may end a round without one."""
+        return remaining if self.may_skip_target else remaining - 1
+
     def reset(self) -> None:
         """Called before every prompt."""
 
@@ -316,7 +321,68 @@ class Sprinter(Policy):
         return Verdict(j + v.accepted, v.token)
 
 
-POLICIES: dict[str, type[Policy]] = {"sd": StandardSD, "specdecpp": SpecDecPP, "sprinter": Sprinter}
+class Judge(Policy):
+    """Judge decoding (ALGORITHMS.md section 3), not lossless: verify ``k`` candidates in one
+    target pass and accept the longest prefix on which the judge mask ``sigmoid(head(h_j)) > delta``
+    OR the SD rule holds; at the first candidate both reject, emit the target's token there
+    (greedy: its argmax; sampling: a token from ``norm(max(0, p - q))``, as SD does).
+
+    The head reads the target's last hidden state before the final norm at each candidate's own
+    position, from the verification pass itself (no extra forward). When every candidate is
+    accepted, the target's bonus token follows as in SD, unless the judge accepted the last
+    candidate: then the round ends there and the draft continues from it. So ``delta = 1``
+    (the judge never accepts) is SD, draw for draw, and a judge that accepts everything is
+    draft-only decoding.
+
+    Args:
+        head: module mapping a target state ``[n, d]`` to logits ``[n]``.
+        delta: judge threshold in [0, 1]; larger accepts less.
+        k: candidates per round.
+    """
+
+    name = "judge"
+    target_hidden = "pre"
+
+    def __init__(self, head: torch.nn.Module, delta: float = 0.5, k: int = 10):
+        if not 0 <= delta <= 1:
+            raise UserError(f"delta={delta} must be in [0, 1]")
+        super().__init__(k)
+        self.head, self.delta = head, delta
+        self.judge_only = 0  # candidates accepted by the judge that the SD rule rejected
+
+    def round_room(self, remaining: int) -> int:
+        # A judge that can accept may fill the last slot with a candidate; delta = 1 keeps SD's room.
+        return remaining if self.delta < 1 else remaining - 1
+
+    def verify(self, rnd: Round, logits: torch.Tensor, hidden: torch.Tensor | None) -> Verdict:
+        n = rnd.n
+        if n == 0:
+            return standard_verify(rnd, logits)
+        cand = rnd.candidates(logits.device)
+        scores = torch.sigmoid(self.head(hidden[1:n + 1].to(next(self.head.parameters()).dtype)).float())
+        judge = scores.reshape(n).to(logits.device) > self.delta
+        if rnd.sampling.do_sample:
+            p = probs_from_logits(logits, rnd.sampling)
+            q = torch.stack(rnd.q).to(p.device)
+            idx = torch.arange(n, device=p.device)
+            u = torch.rand(n, device=p.device, generator=rnd.generator)  # the draws SD makes, in its order
+            sd = u * q[idx, cand] <= p[idx, cand]
+        else:
+            sd = cand == logits[:n].argmax(-1)
+        ok = judge | sd
+        m = int(ok.long().cumprod(0).sum())
+        self.judge_only += int((judge & ~sd)[:m].sum())
+        if m == n:
+            if bool(judge[n - 1]):
+                return Verdict(n, None)
+            token = sample(p[n], rnd.generator) if rnd.sampling.do_sample else logits[n].argmax(-1)
+            return Verdict(n, int(token))
+        if rnd.sampling.do_sample:
+            return Verdict(m, int(sample(residual(p[m], q[m]), rnd.generator)))
+        return Verdict(m, int(logits[m].argmax(-1)))
+
+
+POLICIES: dict[str, type[Policy]] = {"sd": StandardSD, "specdecpp": SpecDecPP, "sprinter": Sprinter, "judge": Judge}
 BASELINES = ("ar", "draft")  # autoregressive target-only / draft-only, no policy object
 
 
