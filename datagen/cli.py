@@ -7,7 +7,10 @@ Output: ``data/chunk-*.parquet``, one row per prompt. ``labels=acceptance``: ``p
 ``prompt_index``, ``input_ids`` = prompt + response, ``response_start``, ``draft_token``,
 ``label``, ``expected_label``. ``labels=sprinter`` (see ``sprinter.py``): ``prompt_id``,
 ``prompt_index``, ``category``, ``input_ids`` (the context), ``positions`` (labelled prefix
-lengths), ``draft_token``, ``q_token``, ``p_token``, ``ratio``, ``tv``. Also ``manifest.json`` (counts, label statistics, models, fingerprints,
+lengths), ``draft_token``, ``q_token``, ``p_token``, ``ratio``, ``tv``. ``labels=judge`` (see
+``judge.py``): one row per tuple side (``tuple_id``, ``prompt_index``, ``side``, ``input_ids`` =
+question + answer, ``answer_start``, ``labels`` 1/0/-1), the target's features at the labelled
+tokens in ``features/chunk-*.safetensors`` (fp16), ``tuples.jsonl`` and ``review.jsonl``. Also ``manifest.json`` (counts, label statistics, models, fingerprints,
 sampling settings, seed, schema version), ``metrics.jsonl`` (one line per chunk) and
 ``config.yaml``. Killed at any point and started again with the same command, it finishes
 with every prompt labelled exactly once (see ``shards.py``).
@@ -33,13 +36,15 @@ from specheads.outputs import MetricsWriter, prepare_output_dir, write_manifest
 from specheads.prompts import load_prompt_files
 
 from . import shards
-from . import sprinter
+from . import judge, sprinter
 from .acceptance import generate_responses, label_batch
 from .config import DatagenConfig
 
 log = logging.getLogger(__name__)
 PROG = "heads-datagen"
-LABELS = ("acceptance", "sprinter")
+LABELS = ("acceptance", "sprinter", "judge")
+JUDGE_COLUMNS = ("tuple_id", "prompt_index", "side", "input_ids", "answer_start", "labels")
+JUDGE_COUNTS = ("items", "answers", "correct", "wrong", "ungraded", "localised", "review", "tuples", "too_long")
 SPRINTER_COLUMNS = ("prompt_id", "prompt_index", "category", "input_ids", "positions", "draft_token", "q_token",
                     "p_token", "ratio", "tv")
 
@@ -48,8 +53,14 @@ def _check(cfg: DatagenConfig) -> None:
     problems = list(cfg.sampling.problems())
     if cfg.labels not in LABELS:
         problems.append(f"labels={cfg.labels!r} is not one of {list(LABELS)}")
-    if not cfg.prompts:
-        problems.append("prompts is not set; pass prompts=<file>")
+    if not cfg.prompts and not (cfg.labels == "judge" and cfg.tuples):
+        problems.append("prompts is not set; pass prompts=<file>" + (" or tuples=<file>" if cfg.labels == "judge" else ""))
+    if cfg.labels == "judge":
+        bad = [m for m in cfg.answer_models if m not in ("target", "draft")]
+        if bad or not cfg.answer_models:
+            problems.append(f"answer_models={list(cfg.answer_models)}: choose from target, draft")
+        if cfg.answer_samples < 0 or cfg.answer_temperature <= 0:
+            problems.append("answer_samples must be >= 0 and answer_temperature > 0")
     for key in ("max_new_tokens", "batch_size", "chunk_size"):
         if getattr(cfg, key) < 1:
             problems.append(f"{key}={getattr(cfg, key)} must be >= 1")
@@ -72,8 +83,9 @@ def _prepare(cfg: DatagenConfig, is_main: bool) -> Path:
         previous = out / "config.yaml"
         same = previous.is_file() and previous.read_text(encoding="utf-8") == config_yaml
         prepare_output_dir(out, config_yaml, overwrite=cfg.overwrite)
-        if not same:
-            shutil.rmtree(out / "data", ignore_errors=True)
+        if not same:  # another run's files (and feature caches built on them) must not mix with this one's
+            for sub in ("data", "features", "tuples", "review"):
+                shutil.rmtree(out / sub, ignore_errors=True)
     return out
 
 
@@ -85,6 +97,8 @@ def _label_chunk(cfg, pair, prompts, chunk: int, pad: int, eos: list[int], limit
     gen = torch.Generator(device=pair.target.device).manual_seed(seed)
     if cfg.labels == "sprinter":
         return _label_sprinter_chunk(cfg, pair, items, lo, seed, gen, pad, eos, limit)
+    if cfg.labels == "judge":
+        return _label_judge_chunk(cfg, pair, items, lo, chunk, seed, pad, eos, limit)
     cols: dict[str, list] = {k: [] for k in ("prompt_id", "prompt_index", "input_ids", "response_start",
                                               "draft_token", "label", "expected_label")}
     labelled = 0
@@ -127,6 +141,92 @@ def _label_sprinter_chunk(cfg, pair, items, lo: int, seed: int, gen, pad: int, e
                 cols[key].append(row[key])
             labelled += len(row["positions"])
     return cols, labelled
+
+
+def _answers(cfg, pair, batch, ids, seed: int, pad: int, eos: list[int]) -> list[list[judge.Answer]]:
+    """Every model's greedy answer and ``answer_samples`` sampled ones, per prompt of a batch."""
+    from specheads.export.shim import batched
+    from specheads.export.shim.sampling import SamplingConfig
+
+    out = [[] for _ in batch]
+    for mi, name in enumerate(cfg.answer_models):
+        model = (pair.target if name == "target" else pair.draft).model
+        device = model.get_input_embeddings().weight.device
+        for si in range(1 + cfg.answer_samples):
+            sampling = SamplingConfig() if si == 0 else SamplingConfig(do_sample=True, temperature=cfg.answer_temperature)
+            g = torch.Generator(device=device).manual_seed(seed * 64 + mi * 16 + si) if si else None
+            for i, o in enumerate(batched.generate(model, ids, cfg.max_new_tokens, sampling, g, eos, pad)):
+                text = pair.tokenizer.decode(o, skip_special_tokens=True)
+                out[i].append(judge.Answer(text, name, "greedy" if si == 0 else f"sample-{si}"))
+    return out
+
+
+def _label_judge_chunk(cfg, pair, items, lo: int, chunk: int, seed: int, pad: int, eos: list[int], limit):
+    counts = {k: 0 for k in JUDGE_COUNTS}
+    counts["items"] = len(items)
+    tuples, review, index_of = [], [], {}
+    if cfg.tuples:  # imported tuples: the items are the tuples themselves
+        tuples = list(items)
+        index_of = {t.id: cfg.offset + lo + i for i, t in enumerate(items)}
+        counts["tuples"] = len(tuples)
+    else:
+        for b in range(0, len(items), cfg.batch_size):
+            batch = items[b: b + cfg.batch_size]
+            ids = [fit_context(format_prompt(pair.tokenizer, p, cfg.chat_template), cfg.max_new_tokens, limit)[0]
+                   for p in batch]
+            for i, (p, answers) in enumerate(zip(batch, _answers(cfg, pair, batch, ids, seed + b, pad, eos))):
+                t, r = judge.build_tuples(p, answers, counts)
+                tuples += t
+                review += r
+                index_of.update({x.id: cfg.offset + lo + b + i for x in t})
+
+    def question_ids(question: str) -> list[int]:
+        return format_prompt(pair.tokenizer, question, cfg.chat_template)
+
+    rows = []
+    for r in judge.tuple_rows(pair.tokenizer, tuples, question_ids):
+        if limit and len(r["input_ids"]) > limit:
+            counts["too_long"] += 1
+            continue
+        rows.append(r)
+    feats, labels, per_row = judge.target_features(pair.target.model, rows, pad, cfg.batch_size)
+    out = Path(cfg.output_dir)
+    offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(per_row, dtype=torch.int64).cumsum(0) if rows else offsets[1:]
+    judge_files = shards.JudgeChunkFiles(out, chunk)
+    judge_files.write(feats, labels, offsets, [t.to_json() for t in tuples], [json.dumps(x, ensure_ascii=False)
+                                                                                for x in review], counts)
+    cols = {k: [] for k in JUDGE_COLUMNS}
+    for r in rows:
+        cols["tuple_id"].append(r["tuple_id"])
+        cols["prompt_index"].append(index_of.get(r["tuple_id"], -1))
+        for key in ("side", "input_ids", "answer_start", "labels"):
+            cols[key].append(r[key])
+    return cols, int(labels.numel())
+
+
+def _summarise_judge(out: Path) -> dict:
+    """Tuple counts (summed over chunks), token label counts, and the merged tuple and review files."""
+    counts = {k: 0 for k in JUDGE_COUNTS}
+    pos = neg = 0
+    tuples_lines, review_lines = [], []
+    for path in shards.chunk_files(out):
+        files = shards.JudgeChunkFiles(out, int(path.stem.split("-")[1]))
+        for k, v in files.counts().items():
+            counts[k] = counts.get(k, 0) + v
+        labels = files.labels()
+        pos += int((labels == 1).sum())
+        neg += int((labels == 0).sum())
+        tuples_lines += files.tuples()
+        review_lines += files.review()
+    from specheads.outputs import atomic_write_text
+
+    atomic_write_text(out / "tuples.jsonl", "".join(x + "\n" for x in tuples_lines))
+    atomic_write_text(out / "review.jsonl", "".join(x + "\n" for x in review_lines))
+    tokens = pos + neg
+    return {"prompts": counts["items"], "tuple_counts": counts, "labelled_tokens": tokens,
+            "positive_tokens": pos, "negative_tokens": neg, "label_mean": pos / tokens if tokens else None,
+            "tuples_file": "tuples.jsonl", "review_file": "review.jsonl"}
 
 
 def _summarise_sprinter(out: Path, lambdas: list[float]) -> dict:
@@ -182,15 +282,23 @@ def run(cfg: DatagenConfig) -> int:
     _check(cfg)
     hf_logging.disable_progress_bar()
     state = PartialState(cpu=not torch.cuda.is_available())
-    prompts = load_prompt_files(cfg.prompts, limit=cfg.num_prompts, offset=cfg.offset)
+    if cfg.labels == "judge" and cfg.tuples:
+        from .tuples import load_tuples
+
+        everything = load_tuples(cfg.tuples)[cfg.offset:]
+        prompts = everything[: cfg.num_prompts] if cfg.num_prompts is not None else everything
+    else:
+        prompts = load_prompt_files(cfg.prompts, limit=cfg.num_prompts, offset=cfg.offset)
     out = _prepare(cfg, state.is_main_process)
     state.wait_for_everyone()
-    pair = load_pair(cfg.target, cfg.draft, same_vocab=True)
-    if pair.draft is None:
+    needs_draft = not (cfg.labels == "judge" and (cfg.tuples or "draft" not in cfg.answer_models))
+    pair = load_pair(cfg.target, cfg.draft if needs_draft or cfg.draft.path else None, same_vocab=True)
+    if pair.draft is None and needs_draft:
         raise UserError("heads-datagen needs a draft model; set draft.path")
     eos = pair.eos_token_ids
     pad = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else eos[0]
-    limit = min(x for x in (context_length(pair.target.model), context_length(pair.draft.model), 1 << 30) if x)
+    limit = min(x for x in (context_length(pair.target.model),
+                            context_length(pair.draft.model) if pair.draft is not None else None, 1 << 30) if x)
     pending = shards.pending_chunks(out, len(prompts), cfg.chunk_size)
     mine = shards.my_chunks(pending, state.process_index, state.num_processes)
     total = shards.num_chunks(len(prompts), cfg.chunk_size)
@@ -204,7 +312,8 @@ def run(cfg: DatagenConfig) -> int:
             cols, n = _label_chunk(cfg, pair, prompts, chunk, pad, eos, limit)
             shards.write_chunk(out, chunk, cols)
             labelled += n
-            metrics.write(chunk=chunk, prompts=len(cols["prompt_id"]), labelled_tokens=n,
+            items = min(cfg.chunk_size, len(prompts) - chunk * cfg.chunk_size)
+            metrics.write(chunk=chunk, prompts=items, rows=len(next(iter(cols.values()))), labelled_tokens=n,
                           seconds=round(time.perf_counter() - t0, 3))
             bar.update()
             bar.set_postfix(labelled_tok_s=f"{labelled / (time.perf_counter() - started):.1f}")
@@ -225,12 +334,21 @@ def _finish(cfg: DatagenConfig, out: Path, pair, total: int) -> None:
             path.unlink()
         for row in sorted((json.loads(r) for r in rows), key=lambda r: r["chunk"]):
             metrics.write(row)
-    stats = _summarise_sprinter(out, list(cfg.lambdas)) if cfg.labels == "sprinter" else _summarise(out)
-    extra = {"lambdas": list(cfg.lambdas), "mix_prob": cfg.mix_prob} if cfg.labels == "sprinter" else {}
+    if cfg.labels == "sprinter":
+        stats = _summarise_sprinter(out, list(cfg.lambdas))
+        extra = {"lambdas": list(cfg.lambdas), "mix_prob": cfg.mix_prob}
+    elif cfg.labels == "judge":
+        stats = _summarise_judge(out)
+        extra = {"answer_models": list(cfg.answer_models), "answer_samples": cfg.answer_samples,
+                 "answer_temperature": cfg.answer_temperature, "tuples_imported_from": cfg.tuples,
+                 "hidden_size": pair.target.hidden_size, "feature": {"model": "target", "state": "pre", "layer": -1}}
+    else:
+        stats = _summarise(out)
+        extra = {}
     write_manifest(out, command=PROG, labels=cfg.labels, schema_version=shards.SCHEMA_VERSION, **extra,
                    prompts_file=cfg.prompts, offset=cfg.offset, chunk_size=cfg.chunk_size, chunks=total,
                    target={"name": pair.target.name, "fingerprint": pair.target.fingerprint},
-                   draft={"name": pair.draft.name, "fingerprint": pair.draft.fingerprint},
+                   draft={"name": pair.draft.name, "fingerprint": pair.draft.fingerprint} if pair.draft else None,
                    sampling=cfg.sampling.to_dict(), seed=cfg.seed, max_new_tokens=cfg.max_new_tokens, **stats)
     log.info("%d prompts, %d labelled tokens, mean label %.3f -> %s", stats["prompts"], stats["labelled_tokens"],
              stats["label_mean"] or 0.0, out)

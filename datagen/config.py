@@ -14,7 +14,7 @@ class DatagenConfig:
 
     target: ModelSpec = field(default_factory=ModelSpec)
     draft: ModelSpec = field(default_factory=ModelSpec)
-    labels: str = field(default="acceptance", metadata={"help": "acceptance (SpecDec++ soft labels) | sprinter (ratio-threshold labels, four prefix categories)"})
+    labels: str = field(default="acceptance", metadata={"help": "acceptance (SpecDec++ soft labels) | sprinter (ratio-threshold labels, four prefix categories) | judge (correct/wrong tuples, token labels, target features)"})
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prompts: str = field(default="", metadata={"help": "prompt file (JSONL, GSM8K, Alpaca, MT-Bench, ARC); several: comma-separated"})
     num_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts (after offset)"})
@@ -27,6 +27,10 @@ class DatagenConfig:
     lambdas: list[float] = field(default_factory=lambda: [1.0, 1.2, 1.5],
                                  metadata={"help": "sprinter: thresholds whose label shares the manifest reports (the raw ratio is stored, any lambda can be trained)"})
     mix_prob: float = field(default=0.5, metadata={"help": "sprinter: share of the mixed category's tokens taken from the draft"})
+    tuples: str | None = field(default=None, metadata={"help": "judge: import this tuple JSONL (schema in datagen/tuples.py) instead of generating answers to prompts"})
+    answer_models: list[str] = field(default_factory=lambda: ["target", "draft"], metadata={"help": "judge: the models that answer each prompt"})
+    answer_samples: int = field(default=1, metadata={"help": "judge: sampled answers per model and prompt, besides the greedy one"})
+    answer_temperature: float = field(default=0.8, metadata={"help": "judge: temperature of the sampled answers"})
     seed: int = 0
     output_dir: str = "runs/datagen"
     overwrite: bool = False

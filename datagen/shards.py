@@ -58,3 +58,57 @@ def write_chunk(out_dir: Path, chunk: int, columns: dict[str, list]) -> Path:
 def chunk_files(out_dir: Path) -> list[Path]:
     """Finished chunk files, in chunk order."""
     return sorted((Path(out_dir) / "data").glob("chunk-*.parquet"))
+
+
+class JudgeChunkFiles:
+    """The side files of one ``labels=judge`` chunk, written before its Parquet file (which marks it done).
+
+    ``features/chunk-N.safetensors``: ``features`` ``[M, d]`` fp16 (the target's states at the
+    labelled answer tokens), ``labels`` ``[M]`` and ``offsets`` ``[rows + 1]`` (row ``i``'s tokens are
+    ``offsets[i]:offsets[i+1]``, rows in Parquet order). ``tuples/chunk-N.jsonl``,
+    ``review/chunk-N.jsonl`` and ``tuples/chunk-N.counts.json``: the chunk's tuples, review items
+    and counts, merged into ``tuples.jsonl``, ``review.jsonl`` and the manifest at the end.
+    """
+
+    def __init__(self, out_dir: Path, chunk: int):
+        root = Path(out_dir)
+        self.features_path = root / "features" / f"chunk-{chunk:06d}.safetensors"
+        self.tuples_path = root / "tuples" / f"chunk-{chunk:06d}.jsonl"
+        self.review_path = root / "review" / f"chunk-{chunk:06d}.jsonl"
+        self.counts_path = root / "tuples" / f"chunk-{chunk:06d}.counts.json"
+
+    def write(self, features, labels, offsets, tuples: list[str], review: list[str], counts: dict) -> None:
+        import json
+
+        from safetensors.torch import save_file
+
+        from specheads.outputs import atomic_write_text
+
+        self.features_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.features_path.with_name(f".{self.features_path.name}.{os.getpid()}.tmp")
+        save_file({"features": features.contiguous(), "labels": labels.contiguous(), "offsets": offsets.contiguous()},
+                  str(tmp))
+        os.replace(tmp, self.features_path)
+        for path, lines in ((self.tuples_path, tuples), (self.review_path, review)):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, "".join(x + "\n" for x in lines))
+        atomic_write_text(self.counts_path, json.dumps(counts))
+
+    def load(self) -> dict:
+        from safetensors.torch import load_file
+
+        return load_file(str(self.features_path))
+
+    def labels(self):
+        return self.load()["labels"]
+
+    def counts(self) -> dict:
+        import json
+
+        return json.loads(self.counts_path.read_text(encoding="utf-8"))
+
+    def tuples(self) -> list[str]:
+        return [x for x in self.tuples_path.read_text(encoding="utf-8").splitlines() if x.strip()]
+
+    def review(self) -> list[str]:
+        return [x for x in self.review_path.read_text(encoding="utf-8").splitlines() if x.strip()]

@@ -1,0 +1,115 @@
+"""``heads-datagen labels=judge``: imported and generated tuples, token labels, target features, counts."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specheads.datagen import cli, judge
+from specheads.datagen.tuples import IGNORE, span_labels
+from specheads.export.shim.models import HiddenCapture
+
+TUPLES = [
+    {"question": "what is one two", "correct": "three four", "wrong": "two three five six", "error": [4, 9]},
+    {"question": "why is the sun red", "correct": "the sun is red", "wrong": "", "error": None},
+    {"question": "who ran up", "correct": "the dog ran up", "wrong": "a cat sat down", "error": [0, 1]},
+]
+
+
+def _args(pair_dirs, out, *extra):
+    t, d = pair_dirs
+    return [f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu", "draft.device=cpu",
+            f"output_dir={out}", "num_prompts=null", "max_new_tokens=8", "batch_size=2", "chunk_size=2",
+            "labels=judge", "chat_template=false", *extra]
+
+
+def _rows(out):
+    rows = []
+    for path in sorted((out / "data").glob("chunk-*.parquet")):
+        rows += pq.read_table(path).to_pylist()
+    return rows
+
+
+def test_imported_tuples_give_labels_and_target_features(tiny_pair, tiny_pair_dirs, tokenizer, tmp_path):
+    src = tmp_path / "t.jsonl"
+    src.write_text("".join(json.dumps(t) + "\n" for t in TUPLES))
+    out = tmp_path / "dg"
+    assert cli.main(_args(tiny_pair_dirs, out, f"tuples={src}", "prompts=''")) == 0
+    rows = _rows(out)
+    assert [(r["tuple_id"], r["side"]) for r in rows] == [("t-1", "correct"), ("t-1", "wrong"), ("t-2", "correct"),
+                                                          ("t-3", "correct"), ("t-3", "wrong")]
+    wrong = rows[1]
+    enc = tokenizer("two three five six", add_special_tokens=False, return_offsets_mapping=True)
+    assert wrong["labels"] == span_labels([tuple(o) for o in enc["offset_mapping"]], (4, 9)) == [1, 0, IGNORE, IGNORE]
+    # features: the target's pre-norm states at the labelled answer tokens, in row order
+    target, _ = tiny_pair
+    feats = [load_file(str(p)) for p in sorted((out / "features").glob("chunk-*.safetensors"))]
+    first = feats[0]
+    assert first["features"].dtype == torch.float16 and first["offsets"].tolist()[-1] == first["features"].shape[0]
+    with HiddenCapture(target) as cap, torch.no_grad():
+        target(input_ids=torch.tensor([wrong["input_ids"]]))
+        keep = [wrong["answer_start"] + j for j, v in enumerate(wrong["labels"]) if v != IGNORE]
+        want = cap.pre[0, keep]
+    a, b = first["offsets"][1].item(), first["offsets"][2].item()
+    torch.testing.assert_close(first["features"][a:b].float(), want, atol=2e-2, rtol=1e-2)
+    assert first["labels"][a:b].tolist() == [1.0, 0.0]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["labels"] == "judge" and manifest["tuple_counts"]["tuples"] == 3
+    assert manifest["positive_tokens"] + manifest["negative_tokens"] == manifest["labelled_tokens"]
+    assert manifest["negative_tokens"] == 2 and manifest["feature"]["state"] == "pre"
+    assert len((out / "tuples.jsonl").read_text().splitlines()) == 3
+
+
+GSM = [{"question": "one two?", "answer": "1 + 2 = <<1+2=3>>3\n#### 3"},
+       {"question": "two two?", "answer": "2 + 2 = <<2+2=4>>4\n#### 4"}]
+
+
+def test_generated_answers_are_graded_localised_and_reviewed(tiny_pair_dirs, tmp_path, monkeypatch):
+    prompts = tmp_path / "gsm.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in GSM))
+
+    def fake_answers(cfg, pair, batch, ids, seed, pad, eos):
+        out = []
+        for p in batch:
+            ref = int(p.reference)
+            out.append([judge.Answer(f"the sum is {ref}\n#### {ref}", "target", "greedy"),
+                        judge.Answer(f"1 + 1 = 3 so {ref + 1}\n#### {ref + 1}", "draft", "greedy"),  # a false step
+                        judge.Answer(f"it is {ref + 2}\n#### {ref + 2}", "draft", "sample-1")])  # wrong, no step
+        return out
+
+    monkeypatch.setattr(cli, "_answers", fake_answers)
+    out = tmp_path / "dg"
+    assert cli.main(_args(tiny_pair_dirs, out, f"prompts={prompts}")) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["tuple_counts"] == {"items": 2, "answers": 6, "correct": 2, "wrong": 4, "ungraded": 0, "localised": 2,
+                                 "review": 2, "tuples": 2, "too_long": 0}
+    tuples = [json.loads(x) for x in (out / "tuples.jsonl").read_text().splitlines()]
+    t = tuples[0]
+    assert t["wrong"][t["error"][0]:t["error"][1]] == "3" and t["provenance"]["correct_model"] == "target"
+    review = [json.loads(x) for x in (out / "review.jsonl").read_text().splitlines()]
+    assert len(review) == 2 and all("cannot localise" in r["reason"] for r in review)
+
+
+def test_generated_answers_end_to_end_on_the_tiny_pair(tiny_pair_dirs, tmp_path):
+    prompts = tmp_path / "gsm.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in GSM))
+    out = tmp_path / "dg"
+    assert cli.main(_args(tiny_pair_dirs, out, f"prompts={prompts}", "answer_samples=1")) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    c = m["tuple_counts"]
+    assert c["answers"] == 2 * 2 * 2 and c["correct"] + c["wrong"] + c["ungraded"] == c["answers"]
+    assert c["review"] + c["localised"] == c["wrong"]
+
+
+def test_judge_datagen_needs_prompts_or_tuples(tiny_pair_dirs, tmp_path, capsys):
+    assert cli.main(_args(tiny_pair_dirs, tmp_path / "x", "prompts=''")) == 2
+    assert "tuples=<file>" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["answer_models=[teacher]", "answer_temperature=0"])
+def test_judge_datagen_bad_settings(tiny_pair_dirs, tmp_path, capsys, bad):
+    assert cli.main(_args(tiny_pair_dirs, tmp_path / "x", "prompts=p.jsonl", bad)) == 2
