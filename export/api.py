@@ -12,7 +12,7 @@ from specheads.errors import UserError
 from .package import load_head
 from .shim.engine import Engine, Generation, GenerationStats
 from .shim.models import Pair, context_length
-from .shim.policies import BASELINES, Policy, SpecDecPP, Sprinter, build_policy
+from .shim.policies import BASELINES, Judge, Policy, SpecDecPP, Sprinter, build_policy
 from .shim.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,9 @@ def make_policy(name: str, pair: Pair, k: int = 4, head: str | None = None, thre
                 strict: bool = False, max_run: int | None = 20) -> Policy | str:
     """A policy by name, loading and checking its head when it needs one; baselines stay names.
 
-    ``threshold`` is SpecDec++'s stop threshold ``h`` or SPRINTER's approval threshold ``eta``
-    (default: the head's ``default_threshold``); ``max_run`` caps SPRINTER's approved runs.
+    ``threshold`` is SpecDec++'s stop threshold ``h``, SPRINTER's approval threshold ``eta`` or the
+    judge's ``delta`` (default: the head's ``default_threshold``); ``max_run`` caps SPRINTER's
+    approved runs; ``k`` is the candidates per round of ``sd`` and ``judge``.
     """
     if name in BASELINES:
         return name
@@ -97,6 +98,16 @@ def make_policy(name: str, pair: Pair, k: int = 4, head: str | None = None, thre
         feature = loaded.metadata.get("feature", {}).get("position", "previous")
         embedding = pair.draft.model.get_input_embeddings() if feature == "previous+embedding" else None
         return Sprinter(loaded.module.to(pair.draft.model.dtype), eta, max_run, feature, embedding)
+    if name == "judge":
+        if not head:
+            raise UserError("policy=judge needs head=<exported judge head .safetensors> (heads-train head=judge)")
+        loaded = load_head(head, pair=pair, sampling=sampling or SamplingConfig(), strict=strict,
+                           device=pair.target.device)
+        if loaded.metadata.get("head_type") != "judge":
+            raise UserError(f"{head!r} is a {loaded.metadata.get('head_type')} head; policy=judge needs a judge head "
+                            "(heads-train head=judge)")
+        delta = threshold if threshold is not None else (loaded.threshold if loaded.threshold is not None else 0.5)
+        return Judge(loaded.module.to(pair.target.model.dtype), delta, k)
     return build_policy(name, k=k)
 
 

@@ -84,6 +84,8 @@ def _policy_settings(cfg: DecodeConfig, policy) -> dict:
         return {"k": cfg.k}
     if cfg.policy == "specdecpp":
         return {"head": cfg.head, "threshold": policy.threshold, "k_min": cfg.k_min, "k_max": cfg.k_max}
+    if cfg.policy == "judge":
+        return {"head": cfg.head, "delta": policy.delta, "k": cfg.k}
     if cfg.policy == "sprinter":
         return {"head": cfg.head, "eta": policy.eta, "max_run": policy.max_run, "feature": policy.feature}
     return {}

@@ -14,10 +14,10 @@ class DecodeConfig:
 
     target: ModelSpec = field(default_factory=ModelSpec)
     draft: ModelSpec = field(default_factory=ModelSpec)
-    policy: str = field(default="sd", metadata={"help": "sd (fixed k), specdecpp (needs head=), sprinter (needs a verifier head=), ar (target alone), draft (draft alone)"})
-    k: int = field(default=4, metadata={"help": "candidates per round for policy=sd"})
+    policy: str = field(default="sd", metadata={"help": "sd (fixed k), specdecpp (needs head=), sprinter (needs a verifier head=), judge (needs a judge head=; k candidates), ar (target alone), draft (draft alone)"})
+    k: int = field(default=4, metadata={"help": "candidates per round for policy=sd and judge"})
     head: str | None = field(default=None, metadata={"help": "exported head (.safetensors) for policy=specdecpp or sprinter"})
-    threshold: float | None = field(default=None, metadata={"help": "specdecpp stop threshold h / sprinter approval threshold eta; default: the head's"})
+    threshold: float | None = field(default=None, metadata={"help": "specdecpp stop threshold h / sprinter approval threshold eta / judge delta; default: the head's"})
     max_run: int | None = field(default=20, metadata={"help": "sprinter: most verifier-approved tokens in a row before the target is called (null: no cap)"})
     k_min: int = field(default=2, metadata={"help": "specdecpp: fewest candidates per round"})
     k_max: int = field(default=20, metadata={"help": "specdecpp: most candidates per round"})

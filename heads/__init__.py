@@ -2,6 +2,6 @@
 
 from .acceptance import AcceptanceHead
 from .registry import HEADS
-from .verifier import VerifierHead
+from .verifier import JudgeHead, VerifierHead
 
-__all__ = ["AcceptanceHead", "HEADS", "VerifierHead"]
+__all__ = ["AcceptanceHead", "HEADS", "JudgeHead", "VerifierHead"]

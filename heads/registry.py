@@ -5,6 +5,6 @@ from __future__ import annotations
 from torch import nn
 
 from .acceptance import AcceptanceHead
-from .verifier import VerifierHead
+from .verifier import JudgeHead, VerifierHead
 
-HEADS: dict[str, type[nn.Module]] = {"acceptance": AcceptanceHead, "verifier": VerifierHead}
+HEADS: dict[str, type[nn.Module]] = {"acceptance": AcceptanceHead, "verifier": VerifierHead, "judge": JudgeHead}

@@ -23,3 +23,8 @@ class VerifierHead(AcceptanceHead):
 
     def config(self) -> dict:
         return {"in_features": self.in_features, "depth": self.depth}
+
+
+class JudgeHead(VerifierHead):
+    """Judge decoding's head: ``Linear(d, 1)`` on the target's last hidden state before the final norm
+    at a token's own position; ``sigmoid > delta`` accepts the token (``depth > 0``: a residual MLP)."""

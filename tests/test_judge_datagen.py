@@ -113,3 +113,55 @@ def test_judge_datagen_needs_prompts_or_tuples(tiny_pair_dirs, tmp_path, capsys)
 @pytest.mark.parametrize("bad", ["answer_models=[teacher]", "answer_temperature=0"])
 def test_judge_datagen_bad_settings(tiny_pair_dirs, tmp_path, capsys, bad):
     assert cli.main(_args(tiny_pair_dirs, tmp_path / "x", "prompts=p.jsonl", bad)) == 2
+
+
+def test_judge_head_trains_exports_and_decodes(tiny_pair_dirs, tmp_path):
+    import random
+
+    from specheads.export import read_metadata
+    from specheads.export.cli import main as export_main
+    from specheads.export.decode_cli import main as decode_main
+    from specheads.train.cli import main as train_main
+
+    words = "the cat dog sat on a mat and ran to big red blue sun moon one two three four five".split()
+    rng = random.Random(0)
+    rows = []
+    for i in range(16):
+        correct = " ".join(rng.choice(words) for _ in range(6))
+        wrong = " ".join(rng.choice(words) for _ in range(6))
+        start = wrong.index(" ", 3) + 1
+        rows.append({"question": " ".join(rng.choice(words) for _ in range(4)), "correct": correct, "wrong": wrong,
+                     "error": [start, start + 2]})
+    src = tmp_path / "t.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data, tr, exp = tmp_path / "dg", tmp_path / "tr", tmp_path / "exp"
+    assert cli.main(_args(tiny_pair_dirs, data, f"tuples={src}", "prompts=''", "chunk_size=4")) == 0
+    t, d = tiny_pair_dirs
+    assert train_main([f"data_dir={data}", f"output_dir={tr}", "head=judge", "depth=0", "epochs=3", "lr=1e-2",
+                       "batch_size=2", "grad_accum=1", "eval_fraction=0.25", "w_rej=3.0", "weight_decay=0.01",
+                       "threshold=0.5", "patience=3", "draft.path=unused"]) == 0
+    meta = read_metadata(tr / "head.safetensors")
+    assert meta["head_type"] == "judge" and meta["feature"] == {"model": "target", "state": "pre", "layer": -1,
+                                                                 "position": "own"}
+    metrics = json.loads((tr / "metrics.json").read_text())
+    assert {"auroc", "negative_precision", "negative_recall", "wrong_accepted_share"} <= set(metrics)
+    assert export_main([f"train_dir={tr}", f"output_dir={exp}"]) == 0
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the cat sat"}) + "\n")
+    dec = tmp_path / "dec"
+    assert decode_main([f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu",
+                        "draft.device=cpu", f"prompts={prompts}", f"output_dir={dec}", "max_new_tokens=10",
+                        "policy=judge", "k=4", f"head={exp / 'head.safetensors'}"]) == 0
+    row = json.loads((dec / "outputs.jsonl").read_text().splitlines()[0])
+    assert 1 <= len(row["tokens"]) <= 10 and row["stats"]["target_calls"] >= 1
+
+
+def test_judge_metrics_by_hand():
+    from specheads.train.judge import judge_metrics
+
+    scores = torch.tensor([0.9, 0.8, 0.2, 0.7, 0.1])
+    labels = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0])
+    m = judge_metrics(scores, labels, delta=0.5)
+    # accepted: 0.9 0.8 0.7; predicted negative: 0.2 (a correct token) and 0.1 (a wrong one)
+    assert m["negative_precision"] == 0.5 and m["negative_recall"] == 0.5 and m["wrong_accepted_share"] == 0.5
+    assert m["auroc"] == pytest.approx(5 / 6)

@@ -31,8 +31,8 @@ PROG = "heads-train"
 
 def _check(cfg: TrainConfig) -> None:
     problems = []
-    if cfg.head not in ("acceptance", "verifier"):
-        problems.append(f"head={cfg.head!r}: choose acceptance (SpecDec++) or verifier (SPRINTER)")
+    if cfg.head not in ("acceptance", "verifier", "judge"):
+        problems.append(f"head={cfg.head!r}: choose acceptance (SpecDec++), verifier (SPRINTER) or judge")
     if cfg.head == "verifier":
         if cfg.feature not in ("previous", "current", "previous+embedding"):
             problems.append(f"feature={cfg.feature!r}: choose previous, current or previous+embedding")
@@ -70,7 +70,10 @@ def run(cfg: TrainConfig) -> int:
     out = prepare_output_dir(cfg.output_dir, to_yaml(cfg), overwrite=cfg.overwrite)
     metrics = train(cfg, Path(out))
     write_manifest(out, command=PROG, data_dir=cfg.data_dir, head="head.safetensors", **metrics)
-    if cfg.head == "verifier":
+    if cfg.head == "judge":
+        log.info("judge AUROC %s, wrong tokens accepted at delta=%g: %s -> %s", metrics.get("eval_auroc"), cfg.threshold,
+                 metrics.get("eval_wrong_accepted_share"), Path(out) / "head.safetensors")
+    elif cfg.head == "verifier":
         log.info("verifier AUROC %s, TPR %s / FPR %s at eta=%g -> %s", metrics.get("auroc"), metrics.get("tpr_at_eta"),
                  metrics.get("fpr_at_eta"), cfg.threshold, Path(out) / "head.safetensors")
     else:

@@ -14,7 +14,7 @@ class TrainConfig:
 
     data_dir: str = field(default="", metadata={"help": "output_dir of heads-datagen"})
     draft: ModelSpec = field(default_factory=ModelSpec)
-    head: str = field(default="acceptance", metadata={"help": "acceptance (SpecDec++) | verifier (SPRINTER)"})
+    head: str = field(default="acceptance", metadata={"help": "acceptance (SpecDec++) | verifier (SPRINTER) | judge (Judge decoding, on labels=judge data; needs no model)"})
     depth: int = field(default=3, metadata={"help": "residual blocks D (0 = linear; the SPRINTER verifier is linear)"})
     lam: float = field(default=1.0, metadata={"help": "verifier: label 1 when q(x) <= lam * p(x)"})
     feature: str = field(default="previous", metadata={"help": "verifier: previous | current | previous+embedding (draft state before x, after x, or before x + x's input embedding)"})
@@ -36,7 +36,7 @@ class TrainConfig:
     patience: int = field(default=1, metadata={"help": "epochs without eval improvement before stopping"})
     max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
     bf16: bool = field(default=True, metadata={"help": "bf16 autocast where the device supports it"})
-    threshold: float = field(default=0.7, metadata={"help": "default threshold stored in the export: acceptance stop threshold h, verifier approval threshold eta"})
+    threshold: float = field(default=0.7, metadata={"help": "default threshold stored in the export: acceptance stop threshold h, verifier approval threshold eta, judge delta"})
     seed: int = 0
     output_dir: str = "runs/train"
     overwrite: bool = False

@@ -27,10 +27,11 @@ from specheads.errors import UserError
 from specheads.export import save_head
 from specheads.export.shim.models import HiddenCapture, load_model
 from specheads.config import to_yaml
-from specheads.heads import AcceptanceHead, VerifierHead
+from specheads.heads import AcceptanceHead, JudgeHead, VerifierHead
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir
 
 from . import checkpoint
+from . import judge as J
 from . import verifier as V
 from .config import TrainConfig
 from .data import draft_features, load_examples, mix, mix_seed, split
@@ -54,6 +55,8 @@ def _epoch_batches(n: int, batch: int, world: int, seed: int, epoch: int) -> lis
 def _features(ctx, examples, epoch: int):
     """(features, labels) of a batch: from the cache when there is one, else from the draft."""
     verifier = ctx["cfg"].head == "verifier"
+    if ctx["cfg"].head == "judge":  # the datagen run's stored target features
+        return ctx["cache"].batch(epoch, examples, ctx["device"])
     if verifier and epoch != EVAL_EPOCH:
         epoch = 0  # verifier features do not change between epochs (no mixing)
     if ctx.get("cache") is not None:
@@ -111,9 +114,20 @@ def _verifier_eval(ctx, head, examples) -> dict:
             "eval_tokens": roc["tokens"], "eval_label_mean": roc["label_mean"]}
 
 
+def _judge_eval(ctx, head, examples) -> dict:
+    cfg = ctx["cfg"]
+    logits, labels = _predict(ctx, head, examples)
+    m = J.judge_metrics(torch.sigmoid(logits), labels, cfg.threshold)
+    return {"eval_auroc": m["auroc"], "eval_weighted_loss": float(weighted_soft_bce(logits, labels, cfg.w_acc, cfg.w_rej)),
+            "eval_negative_precision": m["negative_precision"], "eval_negative_recall": m["negative_recall"],
+            "eval_wrong_accepted_share": m["wrong_accepted_share"],
+            "eval_correct_accepted_share": m["correct_accepted_share"], "eval_tokens": m["tokens"],
+            "eval_negative_tokens": m["negative_tokens"]}
+
+
 def _selection_score(metrics: dict, head: str) -> float:
-    """Lower is better: held-out binary KL (acceptance) or minus AUROC (verifier)."""
-    if head == "verifier":
+    """Lower is better: held-out binary KL (acceptance) or minus AUROC (verifier, judge)."""
+    if head in ("verifier", "judge"):
         return -(metrics["eval_auroc"] if metrics["eval_auroc"] is not None else 0.5)
     return metrics["eval_binary_kl"]
 
@@ -126,6 +140,8 @@ def evaluate(ctx, head, examples) -> dict:
 
     if ctx["cfg"].head == "verifier":
         return _verifier_eval(ctx, head, examples)
+    if ctx["cfg"].head == "judge":
+        return _judge_eval(ctx, head, examples)
     x, y = _predict(ctx, head, examples)
     hard = (y >= 0.5).cpu().numpy()
     auroc = float(roc_auc_score(hard, x.cpu().numpy())) if 0 < hard.sum() < len(hard) else None
@@ -135,6 +151,12 @@ def evaluate(ctx, head, examples) -> dict:
 
 
 def _head_metadata(cfg: TrainConfig, manifest: dict, hidden: int, metrics: dict) -> dict:
+    if cfg.head == "judge":
+        return {"head_config": {"in_features": hidden, "depth": cfg.depth}, "hidden_size": hidden,
+                "feature": {"model": "target", "state": "pre", "layer": -1, "position": "own"},
+                "label": "judge", "draft": manifest.get("draft"), "target": manifest["target"],
+                "sampling": manifest["sampling"], "default_threshold": cfg.threshold,
+                "extra": {"train": metrics, "datagen_seed": manifest.get("seed")}}
     if cfg.head == "verifier":
         return {"head_config": {"in_features": V.feature_width(cfg.feature, hidden), "depth": cfg.depth},
                 "hidden_size": hidden,
@@ -152,7 +174,6 @@ def _head_metadata(cfg: TrainConfig, manifest: dict, hidden: int, metrics: dict)
 def train(cfg: TrainConfig, out: Path) -> dict:
     """Runs the whole training; returns the final metrics. Resumes from ``out/latest`` if present."""
     from accelerate import Accelerator
-    from transformers import get_cosine_schedule_with_warmup
 
     cuda = torch.cuda.is_available()
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"  # set by accelerate launch
@@ -164,10 +185,12 @@ def train(cfg: TrainConfig, out: Path) -> dict:
         raise UserError(f"{manifest_path} not found; data_dir must be a finished heads-datagen output_dir")
     manifest = json.loads(manifest_path.read_text())
     verifier = cfg.head == "verifier"
-    want = "sprinter" if verifier else "acceptance"
+    want = {"verifier": "sprinter", "judge": "judge"}.get(cfg.head, "acceptance")
     if manifest.get("labels", "acceptance") != want:
         raise UserError(f"{cfg.data_dir} holds labels={manifest.get('labels')!r} data; head={cfg.head} needs "
                         f"heads-datagen labels={want}")
+    if cfg.head == "judge":  # the datagen run stored the target's features: no model is loaded
+        return _train_loop(cfg, out, acc, manifest, *_judge_setup(cfg, acc, manifest))
     if verifier:
         examples = V.load_examples(cfg.data_dir)
     else:
@@ -203,6 +226,25 @@ def train(cfg: TrainConfig, out: Path) -> dict:
         head = VerifierHead(V.feature_width(cfg.feature, draft.hidden_size), cfg.depth)
     else:
         head = AcceptanceHead(draft.hidden_size, cfg.depth)
+    ctx["hidden"], ctx["model_name"] = draft.hidden_size, draft.name
+    return _train_loop(cfg, out, acc, manifest, ctx, head, train_ex, eval_ex)
+
+
+def _judge_setup(cfg: TrainConfig, acc, manifest: dict):
+    store = J.JudgeStore(cfg.data_dir)
+    train_ex, eval_ex = split(store.examples, cfg.eval_fraction, cfg.seed)
+    hidden = int(manifest["hidden_size"])
+    ctx = {"cfg": cfg, "device": acc.device, "cache": store, "weights": (cfg.w_acc, cfg.w_rej), "hidden": hidden,
+           "model_name": manifest["target"]["name"]}
+    torch.manual_seed(cfg.seed)
+    return ctx, JudgeHead(hidden, cfg.depth), train_ex, eval_ex
+
+
+def _train_loop(cfg: TrainConfig, out: Path, acc, manifest: dict, ctx: dict, head, train_ex, eval_ex) -> dict:
+    """Epochs, evaluation, early stopping, checkpoints and the best head's export, for every head type."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    verifier = cfg.head == "verifier"
     w_pos, w_neg = ctx["weights"]
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     world = acc.num_processes
@@ -264,7 +306,7 @@ def train(cfg: TrainConfig, out: Path) -> dict:
                 progress["best"], progress["bad_epochs"] = score, 0
                 if acc.is_main_process:
                     save_head(out / "head.safetensors", raw, cfg.head,
-                              _head_metadata(cfg, manifest, draft.hidden_size, final))
+                              _head_metadata(cfg, manifest, ctx["hidden"], final))
                     atomic_write_json(out / "best_metrics.json", final)
             else:
                 progress["bad_epochs"] += 1
@@ -280,7 +322,10 @@ def train(cfg: TrainConfig, out: Path) -> dict:
             acc.wait_for_everyone()
     best = json.loads((out / "best_metrics.json").read_text()) if (out / "best_metrics.json").exists() else final
     if verifier:
-        best.update(_verifier_report(cfg, out, ctx, eval_ex, acc, draft.name))
+        best.update(_verifier_report(cfg, out, ctx, eval_ex, acc, ctx["model_name"]))
+    if cfg.head == "judge" and acc.is_main_process:
+        atomic_write_json(out / "metrics.json", {k[len("eval_"):]: v for k, v in best.items() if k.startswith("eval_")}
+                          | {"delta": cfg.threshold, "epoch": best.get("epoch")})
     return best
 
 
