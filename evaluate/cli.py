@@ -55,8 +55,14 @@ def _check(cfg: EvalConfig) -> None:
     problems = []
     if not cfg.prompts:
         problems.append("prompts is not set; pass prompts=<held-out prompt file>")
-    if not cfg.ks and not cfg.head and not cfg.verifier:
-        problems.append("nothing to sweep: set ks=[...], head=<exported head> and/or verifier=<exported verifier>")
+    if not cfg.ks and not cfg.head and not cfg.verifier and not cfg.judge and not cfg.topk:
+        problems.append("nothing to sweep: set ks=[...], head=, verifier=, judge= and/or topk=[...]")
+    if cfg.judge and not cfg.deltas:
+        problems.append("judge is set but deltas is empty")
+    if any(not 0 <= d <= 1 for d in cfg.deltas):
+        problems.append(f"deltas={list(cfg.deltas)}: every delta must be in [0, 1]")
+    if cfg.judge_k < 1 or cfg.topk_k < 1 or any(t < 1 for t in cfg.topk):
+        problems.append("judge_k, topk_k and every topk value must be >= 1")
     if cfg.verifier and not cfg.etas:
         problems.append("verifier is set but etas is empty")
     if any(not 0 <= e <= 1 for e in cfg.etas):
@@ -201,6 +207,41 @@ def _quality(cfg: EvalConfig, pair, prompts, grouped: dict[str, list[dict]], dec
     summary["sprinter"] = section
 
 
+def _accuracy(cfg: EvalConfig, pair, prompts, grouped: dict[str, list[dict]], summary: dict) -> None:
+    """Per configuration and prompt source with a grader (GSM8K final number, ARC letter): accuracy;
+    for judge rows, the ratios to SD at the same K (else the fastest SD row)."""
+    from specheads.datagen.judge import grade
+
+    tok = pair.tokenizer
+    acc: dict = {}
+    for name, rows in grouped.items():
+        per: dict = {}
+        for prompt, row in zip(prompts, rows):
+            ok, _ = grade(prompt, tok.decode(row["tokens"], skip_special_tokens=True))
+            if ok is None:
+                continue
+            d = per.setdefault(prompt.source, [0, 0])
+            d[0] += int(ok)
+            d[1] += 1
+        acc[name] = {src: {"accuracy": round(c / n, 4), "correct": c, "prompts": n} for src, (c, n) in per.items()}
+    summary["accuracy"] = acc
+    judges = [r for r in summary["table"] if r["config"].startswith("j")]
+    if not judges:
+        return
+    by = {r["config"]: r for r in summary["table"]}
+    sd = by.get(f"k{cfg.judge_k}") or max((r for r in summary["table"] if r["config"].startswith("k")),
+                                          key=lambda r: r["tokens_per_s"], default=None)
+    section = {"head": cfg.judge, "k": cfg.judge_k, "sd_reference": sd["config"] if sd else None, "by_delta": {}}
+    for r in judges:
+        section["by_delta"][r["config"]] = {
+            "accepted_per_call": r["accepted_per_call"], "tokens_per_s": r["tokens_per_s"],
+            "accuracy": acc.get(r["config"], {}),
+            "vs_sd_accepted_per_call": round(r["accepted_per_call"] / sd["accepted_per_call"], 4)
+            if sd and sd["accepted_per_call"] else None,
+            "vs_sd_tokens_per_s": round(r["tokens_per_s"] / sd["tokens_per_s"], 4) if sd else None}
+    summary["judge"] = section
+
+
 def _print(summary: dict) -> None:
     print(" | ".join(COLUMNS))
     for r in summary["table"]:
@@ -220,6 +261,11 @@ def _print(summary: dict) -> None:
             rt, rr = r.get("rouge_vs_target"), r.get("rouge_vs_reference")
             print(f"{r['config']} | {r['gflops_per_token']} | {r['verifier_calls_per_token']} | "
                   f"{rt['rougeL'] if rt else '-'} | {rr['rougeL'] if rr else '-'}")
+    if summary.get("accuracy"):
+        for name, per in summary["accuracy"].items():
+            if per:
+                print(f"accuracy {name}: " + ", ".join(f"{src} {v['accuracy']} ({v['correct']}/{v['prompts']})"
+                                                      for src, v in per.items()))
     if "sprinter" in summary:
         sp = summary["sprinter"]
         print(f"sprinter {sp['main']}: alpha {sp['alpha']}, vs {sp.get('best_sd')}: {sp.get('ratios')}")
@@ -253,6 +299,8 @@ def run(cfg: EvalConfig) -> int:
     summary = summarize(cfg, grouped, oracle, head_meta, perfect)
     if cfg.quality:
         _quality(cfg, pair, prompts, grouped, decoders, summary)
+    if cfg.accuracy:
+        _accuracy(cfg, pair, prompts, grouped, summary)
     summary["pareto_png"] = str(pareto_plot(
         out / "pareto.png",
         [{"label": r["config"], **r} for r in summary["table"] if r["config"].startswith("k")],

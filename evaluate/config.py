@@ -11,7 +11,8 @@ from specheads.export.shim.sampling import SamplingConfig
 @dataclass
 class EvalConfig:
     """Compare decoding configurations on one prompt set, in one run: target alone, draft alone, fixed-K
-    SD, SpecDec++ thresholds (head=) and SPRINTER approval thresholds (verifier=)."""
+    SD, SpecDec++ thresholds (head=), SPRINTER approval thresholds (verifier=), judge thresholds
+    (judge=) and top-K verification (topk=)."""
 
     target: ModelSpec = field(default_factory=ModelSpec)
     draft: ModelSpec = field(default_factory=ModelSpec)
@@ -22,6 +23,12 @@ class EvalConfig:
     verifier: str | None = field(default=None, metadata={"help": "exported SPRINTER verifier head; none: no SPRINTER rows"})
     etas: list[float] = field(default_factory=lambda: [0.5], metadata={"help": "SPRINTER approval thresholds eta to sweep"})
     max_run: int | None = field(default=20, metadata={"help": "SPRINTER: most approved tokens in a row (null: no cap)"})
+    judge: str | None = field(default=None, metadata={"help": "exported judge head; none: no judge rows"})
+    deltas: list[float] = field(default_factory=lambda: [0.5], metadata={"help": "judge thresholds delta to sweep"})
+    judge_k: int = field(default=10, metadata={"help": "judge: candidates per round"})
+    topk: list[int] = field(default_factory=list, metadata={"help": "top-K verification baselines: the K values (target top-K tokens accepted)"})
+    topk_k: int = field(default=4, metadata={"help": "top-K verification: candidates per round"})
+    accuracy: bool = field(default=True, metadata={"help": "grade outputs where a grader exists: GSM8K final number, ARC letter"})
     quality: bool = field(default=True, metadata={"help": "ROUGE vs target-only outputs and references, FLOPs per token, SPRINTER alpha"})
     k_min: int = field(default=2, metadata={"help": "specdecpp: fewest candidates per round"})
     k_max: int = field(default=20, metadata={"help": "specdecpp (and the oracle): most candidates per round"})

@@ -41,6 +41,12 @@ def build_decoders(cfg, pair) -> dict[str, Decoder]:
         for h in cfg.thresholds:
             out[f"h{h:g}"] = dec(make_policy("specdecpp", pair, head=cfg.head, threshold=h, k_min=cfg.k_min,
                                              k_max=cfg.k_max, sampling=cfg.sampling))
+    for top_k in getattr(cfg, "topk", []):
+        out[f"t{top_k}"] = dec(make_policy("topk_verify", pair, k=cfg.topk_k, top_k=top_k))
+    if getattr(cfg, "judge", None):
+        for delta in cfg.deltas:
+            out[f"j{delta:g}"] = dec(make_policy("judge", pair, k=cfg.judge_k, head=cfg.judge, threshold=delta,
+                                                 sampling=cfg.sampling))
     if getattr(cfg, "verifier", None):
         for eta in cfg.etas:
             out[f"s{eta:g}"] = dec(make_policy("sprinter", pair, head=cfg.verifier, threshold=eta,

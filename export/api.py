@@ -60,7 +60,7 @@ class Result:
 
 def make_policy(name: str, pair: Pair, k: int = 4, head: str | None = None, threshold: float | None = None,
                 k_min: int = 2, k_max: int = 20, sampling: SamplingConfig | None = None,
-                strict: bool = False, max_run: int | None = 20) -> Policy | str:
+                strict: bool = False, max_run: int | None = 20, top_k: int = 2) -> Policy | str:
     """A policy by name, loading and checking its head when it needs one; baselines stay names.
 
     ``threshold`` is SpecDec++'s stop threshold ``h``, SPRINTER's approval threshold ``eta`` or the
@@ -108,6 +108,8 @@ def make_policy(name: str, pair: Pair, k: int = 4, head: str | None = None, thre
                             "(heads-train head=judge)")
         delta = threshold if threshold is not None else (loaded.threshold if loaded.threshold is not None else 0.5)
         return Judge(loaded.module.to(pair.target.model.dtype), delta, k)
+    if name == "topk_verify":
+        return build_policy(name, k=k, top_k=top_k)
     return build_policy(name, k=k)
 
 

@@ -99,8 +99,8 @@ def load_configs(argv: list[str]) -> tuple[PipelineConfig, dict]:
             chained["train"] = [f"data_dir={cfgs[stage].output_dir}"]
         elif stage == "train":
             chained["export"] = [f"train_dir={cfgs[stage].output_dir}"]
-        elif stage == "export":  # the exported verifier feeds SPRINTER's rows, an acceptance head SpecDec++'s
-            key = "verifier" if getattr(cfgs.get("train"), "head", "acceptance") == "verifier" else "head"
+        elif stage == "export":  # a verifier feeds SPRINTER's rows, a judge the judge's, an acceptance head SpecDec++'s
+            key = {"verifier": "verifier", "judge": "judge"}.get(getattr(cfgs.get("train"), "head", "acceptance"), "head")
             chained["eval"] = [f"{key}={Path(cfgs[stage].output_dir) / 'head.safetensors'}"]
     if problems:
         raise UserError("; ".join(problems))
@@ -131,13 +131,13 @@ def summarize(cfgs: dict, times: dict) -> dict:
     if best.is_file():
         b = json.loads(best.read_text())
         out["train"] = {k: b.get(k) for k in ("eval_binary_kl", "eval_auroc", "eval_weighted_loss", "epoch",
-                                              "eval_tpr_at_eta", "eval_fpr_at_eta")}
+                                              "eval_tpr_at_eta", "eval_fpr_at_eta", "eval_wrong_accepted_share")}
     sweep = Path(cfgs["eval"].output_dir) / "sweep.json"
     if sweep.is_file():
         s = json.loads(sweep.read_text())
         out["eval"] = {k: s.get(k) for k in ("table", "oracle", "ratios", "best_fixed_k", "best_threshold",
                                              "pareto_dominates", "pareto_png", "t_target_ms", "t_draft_ms",
-                                             "sprinter")}
+                                             "sprinter", "judge", "accuracy")}
     return out
 
 
@@ -151,7 +151,10 @@ def print_summary(summary: dict, file=None) -> None:
         p(f"datagen: {d['prompts']} prompts, {d['labelled_tokens']} labelled tokens, mean label {d['label_mean']}")
     if "train" in summary:
         t = summary["train"]
-        if t.get("eval_binary_kl") is not None:
+        if t.get("eval_wrong_accepted_share") is not None:
+            p(f"judge: eval AUROC {t['eval_auroc']}, wrong tokens accepted at delta {t['eval_wrong_accepted_share']} "
+              f"(epoch {t['epoch']})")
+        elif t.get("eval_binary_kl") is not None:
             p(f"head: eval binary KL {t['eval_binary_kl']}, AUROC {t['eval_auroc']} (epoch {t['epoch']})")
         else:
             p(f"verifier: eval AUROC {t['eval_auroc']}, TPR {t['eval_tpr_at_eta']} / FPR {t['eval_fpr_at_eta']} "
@@ -169,6 +172,10 @@ def print_summary(summary: dict, file=None) -> None:
         p(f"best fixed K: {ev.get('best_fixed_k')}, best SpecDec++ threshold: {ev.get('best_threshold')}, "
           f"ratios: {ev.get('ratios')}, pareto_dominates: {ev.get('pareto_dominates')}")
         p(f"Pareto plot: {ev.get('pareto_png')}")
+        if ev.get("judge"):
+            p(f"judge vs {ev['judge']['sd_reference']}: " + ", ".join(
+                f"{n}: accepted/call x{v['vs_sd_accepted_per_call']}, tokens/s x{v['vs_sd_tokens_per_s']}"
+                for n, v in ev["judge"]["by_delta"].items()))
         sp = ev.get("sprinter")
         if sp:
             p(f"SPRINTER {sp['main']}: alpha {sp['alpha']}; vs best SD {sp.get('best_sd')}: {sp.get('ratios')}")

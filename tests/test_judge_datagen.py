@@ -155,6 +155,26 @@ def test_judge_head_trains_exports_and_decodes(tiny_pair_dirs, tmp_path):
     row = json.loads((dec / "outputs.jsonl").read_text().splitlines()[0])
     assert 1 <= len(row["tokens"]) <= 10 and row["stats"]["target_calls"] >= 1
 
+    # heads-eval: judge rows over a delta sweep, top-K verification, SD, accuracy where a grader exists
+    from specheads.evaluate.cli import main as eval_main
+
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text("".join(json.dumps(r) + "\n" for r in GSM))
+    ev = tmp_path / "ev"
+    assert eval_main([f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu",
+                      "draft.device=cpu", f"prompts={gsm},{prompts}", f"output_dir={ev}", "max_new_tokens=12",
+                      "offset=0", "num_prompts=null", "ks=[4]", "head=null", f"judge={exp / 'head.safetensors'}", "deltas=[0.5,1.0]", "judge_k=4",
+                      "topk=[2]", "topk_k=4"]) == 0
+    summary = json.loads((ev / "sweep.json").read_text())
+    by = {r["config"]: r for r in summary["table"]}
+    assert set(by) == {"ar", "draft", "k4", "t2", "j0.5", "j1"}
+    rows = [json.loads(x) for x in (ev / "rows.jsonl").read_text().splitlines()]
+    toks = {(r["index"], r["config"]): r["tokens"] for r in rows}
+    assert all(toks[(i, "j1")] == toks[(i, "k4")] for i in range(3))  # delta = 1 is SD at the same K
+    assert by["j1"]["accepted_per_call"] == by["k4"]["accepted_per_call"]
+    assert summary["accuracy"]["ar"]["gsm8k"]["prompts"] == 2 and "prompt" not in summary["accuracy"]["ar"]
+    assert summary["judge"]["sd_reference"] == "k4" and summary["judge"]["by_delta"]["j1"]["vs_sd_accepted_per_call"] == 1.0
+
 
 def test_judge_metrics_by_hand():
     from specheads.train.judge import judge_metrics

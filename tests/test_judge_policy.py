@@ -91,3 +91,17 @@ def test_judge_reads_the_candidates_own_states(tiny_pair):
 def test_bad_delta():
     with pytest.raises(UserError, match="delta"):
         Judge(ConstantJudge(0.0), delta=1.5)
+
+
+def test_topk_verify_with_top1_is_greedy_sd_and_larger_k_accepts_more(tiny_pair):
+    from specheads.export.shim.policies import TopKVerify
+
+    target, draft = tiny_pair
+    engine = Engine(target, draft, [2])
+    for prompt in PROMPTS:
+        one = engine.generate(prompt, TopKVerify(k=3, top_k=1), 24, SamplingConfig(), None)
+        sd = engine.generate(prompt, StandardSD(3), 24, SamplingConfig(), None)
+        assert one.tokens == sd.tokens and one.stats.accepted == sd.stats.accepted
+        wide = engine.generate(prompt, TopKVerify(k=3, top_k=40), 24, SamplingConfig(), None)
+        # every candidate is within the top 40 of a 41-token vocabulary unless it is the least likely one
+        assert wide.stats.accepted >= one.stats.accepted

@@ -82,3 +82,10 @@ def test_a_verifier_recipe_chains_the_export_into_eval_verifier():
     assert cfgs["eval"].verifier == "/tmp/x-export/head.safetensors" and cfgs["eval"].head is None
     _, cfgs = load_configs(["recipe=quickstart", "export.output_dir=/tmp/y-export"])
     assert cfgs["eval"].head == "/tmp/y-export/head.safetensors" and cfgs["eval"].verifier is None
+
+
+def test_a_judge_recipe_chains_the_export_into_eval_judge():
+    from specheads.pipeline import load_configs
+
+    _, cfgs = load_configs(["recipe=judge_quickstart", "export.output_dir=/tmp/z-export"])
+    assert cfgs["eval"].judge == "/tmp/z-export/head.safetensors" and cfgs["eval"].head is None

@@ -34,6 +34,7 @@ class ModelSpec:
     attn_implementation: str | None = field(default=None, metadata={"help": "sdpa | eager | flash_attention_2"})
     revision: str | None = None
     trust_remote_code: bool = False
+    load_in_8bit: bool = field(default=False, metadata={"help": "8-bit weights (bitsandbytes, CUDA only): e.g. a 405B target on one node"})
 
 
 @dataclass
@@ -157,6 +158,14 @@ def load_model(spec: ModelSpec, role: str = "model") -> LoadedModel:
         kwargs["attn_implementation"] = spec.attn_implementation
     if spec.device_map:
         kwargs["device_map"] = spec.device_map
+    if spec.load_in_8bit:
+        if not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None:
+            raise UserError(f"{role}.load_in_8bit needs CUDA GPUs and the bitsandbytes package "
+                            "(pip install bitsandbytes); unset it on this machine")
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+        kwargs.setdefault("device_map", "auto")
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         tok_path = spec.tokenizer or path
@@ -166,7 +175,7 @@ def load_model(spec: ModelSpec, role: str = "model") -> LoadedModel:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         where = "local directory" if is_local else "hub id (needs network or a local cache)"
         raise UserError(f"could not load {role} from {spec.path!r} as a {where}: {first}") from err
-    if not spec.device_map:
+    if not spec.device_map and not spec.load_in_8bit:
         model = model.to(device)
     model.eval()
     model.requires_grad_(False)

@@ -382,7 +382,38 @@ class Judge(Policy):
         return Verdict(m, int(logits[m].argmax(-1)))
 
 
-POLICIES: dict[str, type[Policy]] = {"sd": StandardSD, "specdecpp": SpecDecPP, "sprinter": Sprinter, "judge": Judge}
+class TopKVerify(Policy):
+    """Top-K verification (ALGORITHMS.md section 4), a training-free baseline, not lossless: accept
+    candidate ``y_i`` while it is among the target's ``top_k`` most likely tokens at its position; at
+    the first candidate that is not, emit the target's token there (greedy: argmax; sampling: a draw
+    from ``p_i``); after ``k`` accepted candidates the bonus from ``p_{k+1}``. ``top_k = 1`` is greedy SD.
+
+    Args:
+        k: candidates per round.
+        top_k: how many of the target's most likely tokens count as acceptable.
+    """
+
+    name = "topk_verify"
+
+    def __init__(self, k: int = 4, top_k: int = 2):
+        if top_k < 1:
+            raise UserError(f"top_k={top_k} must be >= 1")
+        super().__init__(k)
+        self.top_k = top_k
+
+    def verify(self, rnd: Round, logits: torch.Tensor, hidden: torch.Tensor | None) -> Verdict:
+        n = rnd.n
+        cand = rnd.candidates(logits.device)
+        top = logits[:n].topk(min(self.top_k, logits.shape[-1]), dim=-1).indices
+        ok = (top == cand[:, None]).any(-1)
+        m = int(ok.long().cumprod(0).sum()) if n else 0
+        if rnd.sampling.do_sample:
+            return Verdict(m, int(sample(probs_from_logits(logits[m], rnd.sampling), rnd.generator)))
+        return Verdict(m, int(logits[m].argmax(-1)))
+
+
+POLICIES: dict[str, type[Policy]] = {"sd": StandardSD, "specdecpp": SpecDecPP, "sprinter": Sprinter, "judge": Judge,
+                                     "topk_verify": TopKVerify}
 BASELINES = ("ar", "draft")  # autoregressive target-only / draft-only, no policy object
 
 
