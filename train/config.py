@@ -18,7 +18,7 @@ class TrainConfig:
     depth: int = field(default=3, metadata={"help": "residual blocks D (0 = linear; the SPRINTER verifier is linear)"})
     lam: float = field(default=1.0, metadata={"help": "verifier: label 1 when q(x) <= lam * p(x)"})
     feature: str = field(default="previous", metadata={"help": "verifier: previous | current | previous+embedding (draft state before x, after x, or before x + x's input embedding)"})
-    class_weights: str = field(default="balanced", metadata={"help": "verifier: balanced (weights 1/(2 * class share) from the training labels) | fixed (w_acc, w_rej)"})
+    class_weights: str = field(default="balanced", metadata={"help": "verifier, judge: balanced (weights 1/(2 * class share) from the training labels) | fixed (w_acc, w_rej)"})
     roc_lambdas: list[float] = field(default_factory=list, metadata={"help": "verifier: also train one head per lambda on the same data for the ROC plot (roc.png)"})
     label: str = field(default="soft", metadata={"help": "soft: min(1, p/q) on the state at y_i, token mixing (SpecDec++); expected: 1 - TV(p, q) on the state that produced q_i (the target's own prefix, no mixing)"})
     features: str = field(default="online", metadata={"help": "online: the draft runs inside training; cached: its states are stored once (fp16) and reused"})

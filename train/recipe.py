@@ -118,7 +118,8 @@ def _judge_eval(ctx, head, examples) -> dict:
     cfg = ctx["cfg"]
     logits, labels = _predict(ctx, head, examples)
     m = J.judge_metrics(torch.sigmoid(logits), labels, cfg.threshold)
-    return {"eval_auroc": m["auroc"], "eval_weighted_loss": float(weighted_soft_bce(logits, labels, cfg.w_acc, cfg.w_rej)),
+    w_pos, w_neg = ctx["weights"]
+    return {"eval_auroc": m["auroc"], "eval_weighted_loss": float(weighted_soft_bce(logits, labels, w_pos, w_neg)),
             "eval_negative_precision": m["negative_precision"], "eval_negative_recall": m["negative_recall"],
             "eval_wrong_accepted_share": m["wrong_accepted_share"],
             "eval_correct_accepted_share": m["correct_accepted_share"], "eval_tokens": m["tokens"],
@@ -234,7 +235,15 @@ def _judge_setup(cfg: TrainConfig, acc, manifest: dict):
     store = J.JudgeStore(cfg.data_dir)
     train_ex, eval_ex = split(store.examples, cfg.eval_fraction, cfg.seed)
     hidden = int(manifest["hidden_size"])
-    ctx = {"cfg": cfg, "device": acc.device, "cache": store, "weights": (cfg.w_acc, cfg.w_rej), "hidden": hidden,
+    weights = (cfg.w_acc, cfg.w_rej)
+    if cfg.class_weights == "balanced":  # negatives are rare (the first mistake of each wrong answer)
+        labels = torch.cat([store.labels[e.start:e.end] for e in train_ex])
+        share = float((labels >= 0.5).float().mean())
+        if share in (0.0, 1.0):
+            raise UserError(f"every training token of {cfg.data_dir} has label {int(share)}: nothing to learn; "
+                            "generate or import more tuples")
+        weights = (0.5 / share, 0.5 / (1 - share))
+    ctx = {"cfg": cfg, "device": acc.device, "cache": store, "weights": weights, "hidden": hidden,
            "model_name": manifest["target"]["name"]}
     torch.manual_seed(cfg.seed)
     return ctx, JudgeHead(hidden, cfg.depth), train_ex, eval_ex
