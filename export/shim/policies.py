@@ -299,11 +299,12 @@ class Sprinter(Policy):
         approved = self._score(rnd, j) >= self.eta
         # Every scored candidate sits right after the committed sequence: its prefix is the
         # output's prefix, so a teacher-forced pass over the output can judge the decision later.
-        self.decisions.append((rnd.position + j, int(rnd.tokens[j]), approved))
+        token = int(rnd.tokens[j])
+        self.decisions.append((rnd.position + j, token, approved))
         if not approved:
             return True
         self._approved = j + 1
-        return int(rnd.tokens[j]) in rnd.eos
+        return token in rnd.eos
 
     def needs_target(self, rnd: Round) -> bool:
         self._sync(rnd)
@@ -348,6 +349,7 @@ class Judge(Policy):
             raise UserError(f"delta={delta} must be in [0, 1]")
         super().__init__(k)
         self.head, self.delta = head, delta
+        self._dtype = next(head.parameters()).dtype
         self.judge_only = 0  # candidates accepted by the judge that the SD rule rejected
 
     def round_room(self, remaining: int) -> int:
@@ -359,8 +361,7 @@ class Judge(Policy):
         if n == 0:
             return standard_verify(rnd, logits)
         cand = rnd.candidates(logits.device)
-        scores = torch.sigmoid(self.head(hidden[1:n + 1].to(next(self.head.parameters()).dtype)).float())
-        judge = scores.reshape(n).to(logits.device) > self.delta
+        judge = self.head(hidden[1:n + 1].to(self._dtype)).float().reshape(n).sigmoid().to(logits.device) > self.delta
         if rnd.sampling.do_sample:
             p = probs_from_logits(logits, rnd.sampling)
             q = torch.stack(rnd.q).to(p.device)
@@ -368,18 +369,21 @@ class Judge(Policy):
             u = torch.rand(n, device=p.device, generator=rnd.generator)  # the draws SD makes, in its order
             sd = u * q[idx, cand] <= p[idx, cand]
         else:
-            sd = cand == logits[:n].argmax(-1)
-        ok = judge | sd
-        m = int(ok.long().cumprod(0).sum())
-        self.judge_only += int((judge & ~sd)[:m].sum())
-        if m == n:
-            if bool(judge[n - 1]):
-                return Verdict(n, None)
-            token = sample(p[n], rnd.generator) if rnd.sampling.do_sample else logits[n].argmax(-1)
-            return Verdict(n, int(token))
+            top = logits.argmax(-1)
+            sd = cand == top[:n]
+        kept = (judge | sd).long().cumprod(0)
+        counts = torch.stack([kept.sum(), ((judge & ~sd).long() * kept).sum(), judge[n - 1].long()])
         if rnd.sampling.do_sample:
-            return Verdict(m, int(sample(residual(p[m], q[m]), rnd.generator)))
-        return Verdict(m, int(logits[m].argmax(-1)))
+            m, judge_only, judged_last = counts.tolist()  # the one sync of the round
+        else:
+            m, judge_only, judged_last, *tokens = torch.cat([counts, top]).tolist()
+        self.judge_only += judge_only
+        if m == n and judged_last:
+            return Verdict(n, None)
+        if not rnd.sampling.do_sample:
+            return Verdict(m, tokens[m])
+        dist = p[n] if m == n else residual(p[m], q[m])
+        return Verdict(m, int(sample(dist, rnd.generator)))
 
 
 class TopKVerify(Policy):
@@ -405,11 +409,12 @@ class TopKVerify(Policy):
         n = rnd.n
         cand = rnd.candidates(logits.device)
         top = logits[:n].topk(min(self.top_k, logits.shape[-1]), dim=-1).indices
-        ok = (top == cand[:, None]).any(-1)
-        m = int(ok.long().cumprod(0).sum()) if n else 0
+        matched = (top == cand[:, None]).any(-1).long().cumprod(0).sum()
         if rnd.sampling.do_sample:
+            m = int(matched)
             return Verdict(m, int(sample(probs_from_logits(logits[m], rnd.sampling), rnd.generator)))
-        return Verdict(m, int(logits[m].argmax(-1)))
+        m, *tokens = torch.cat([matched.view(1), logits.argmax(-1)]).tolist()  # one sync
+        return Verdict(m, tokens[m])
 
 
 POLICIES: dict[str, type[Policy]] = {"sd": StandardSD, "specdecpp": SpecDecPP, "sprinter": Sprinter, "judge": Judge,
