@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from _common import run_info
 from specheads.export import format_prompt, load_pair
 from specheads.export.shim.engine import Engine, GenerationStats
 from specheads.export.shim.models import ModelSpec
@@ -116,9 +116,7 @@ def main(argv=None) -> int:
         print(" | ".join("-" if r[c] is None else str(r[c]) for c in cols))
     print(json.dumps(ratios), "greedy_identical_to_hf:", identical)
     result = {
-        "command": "python bench/engine.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "
-                   f"{torch.get_num_threads()} threads, fp32, batch 1, greedy",
+        **run_info(__file__, argv, "fp32, batch 1, greedy"),
         "prompts": f"{args.prompts} [{args.offset}:{args.offset + len(prompts)}]",
         "max_new_tokens": mx,
         "table": table,

@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import sys
 from pathlib import Path
 
-import torch
 
+from _common import run_info
 from specheads.pipeline import load_configs, main as pipeline_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,8 +57,7 @@ def main(argv=None) -> int:
               "tokens_per_call": r["tokens_per_call"], "gsm8k_accuracy": _acc(acc, r["config"], "gsm8k"),
               "arc_accuracy": _acc(acc, r["config"], "arc")} for r in sweep["table"]]
     result = {
-        "command": "python bench/judge.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, fp32, batch 1 decoding",
+        **run_info(__file__, argv, "fp32, batch 1 decoding"),
         "prompts": sweep["prompts"], "num_prompts": sweep["num_prompts"], "max_new_tokens": sweep["max_new_tokens"],
         "tuple_counts": manifest["tuple_counts"], "positive_tokens": manifest["positive_tokens"],
         "negative_tokens": manifest["negative_tokens"], "auroc": train["auroc"], "judge_metrics": train,

@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from _common import run_info
 from specheads.config import load_config
 from specheads.datagen.acceptance import teacher_forced_logits
 from specheads.datagen.cli import run as datagen_run
@@ -118,9 +116,7 @@ def main(argv=None) -> int:
     args, overrides = ap.parse_known_args(argv)
     pipe_args = [f"recipe={args.recipe}", *overrides]
     _, cfgs = load_configs(pipe_args)  # fail fast on a bad override
-    result = {"command": "python bench/specdecpp.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "
-                         f"{torch.get_num_threads()} threads, fp32, batch 1 decoding"}
+    result = run_info(__file__, argv, "fp32, batch 1 decoding")
     if not args.skip_datagen_compare:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)

@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
-import sys
 from pathlib import Path
 
-import torch
 
+from _common import run_info
 from specheads.pipeline import load_configs, main as pipeline_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,9 +54,7 @@ def main(argv=None) -> int:
         "rouge_l_vs_target": (r.get("rouge_vs_target") or {}).get("rougeL"),
         "rouge_l_vs_reference": (r.get("rouge_vs_reference") or {}).get("rougeL")} for r in sweep["table"]]
     result = {
-        "command": "python bench/sprinter.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "
-                   f"{torch.get_num_threads()} threads, fp32, batch 1 decoding",
+        **run_info(__file__, argv, "fp32, batch 1 decoding"),
         "prompts": sweep["prompts"], "num_prompts": sweep["num_prompts"], "max_new_tokens": sweep["max_new_tokens"],
         "sampling": sweep["sampling"],
         "datagen": {k: manifest.get(k) for k in ("prompts", "labelled_tokens", "category_shares",

@@ -192,7 +192,8 @@ def _label_judge_chunk(cfg, pair, items, lo: int, chunk: int, seed: int, pad: in
     feats, labels, per_row = judge.target_features(pair.target.model, rows, pad, cfg.batch_size)
     out = Path(cfg.output_dir)
     offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
-    offsets[1:] = torch.tensor(per_row, dtype=torch.int64).cumsum(0) if rows else offsets[1:]
+    if rows:
+        offsets[1:] = torch.tensor(per_row, dtype=torch.int64).cumsum(0)
     judge_files = shards.JudgeChunkFiles(out, chunk)
     judge_files.write(feats, labels, offsets, [t.to_json() for t in tuples], [json.dumps(x, ensure_ascii=False)
                                                                                 for x in review], counts)

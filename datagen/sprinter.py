@@ -41,13 +41,14 @@ def ratio_label(q_token: torch.Tensor, p_token: torch.Tensor, lam: float) -> tor
 
 
 def label_distributions(p_logits: torch.Tensor, q_logits: torch.Tensor, sampling: SamplingConfig,
-                        generator: torch.Generator | None) -> dict[str, torch.Tensor]:
-    """Draws ``x`` from the draft and measures it against the target, at every row.
+                        generator: torch.Generator | None, x: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Draws ``x`` from the draft (or takes the given ``x``) and measures it against the target, at every row.
 
     Args:
         p_logits, q_logits: ``[N, V]`` target and draft logits at the same prefixes.
         sampling: the deployment settings (see the module docstring for greedy).
         generator: RNG for the draws.
+        x: ``[N]`` tokens to measure instead of drawing them (e.g. the ones a decoder drew).
 
     Returns:
         ``draft_token`` ``[N]``, ``q_token``/``p_token`` ``[N]`` (the probability of ``x`` under
@@ -55,10 +56,10 @@ def label_distributions(p_logits: torch.Tensor, q_logits: torch.Tensor, sampling
     """
     if sampling.do_sample:
         p, q = probs_from_logits(p_logits, sampling), probs_from_logits(q_logits, sampling)
-        x = sample(q, generator)
+        x = sample(q, generator) if x is None else x
     else:
         p, q = p_logits.float().softmax(-1), q_logits.float().softmax(-1)
-        x = q_logits.argmax(-1)
+        x = q_logits.argmax(-1) if x is None else x
     qx = q.gather(-1, x[:, None]).squeeze(-1)
     px = p.gather(-1, x[:, None]).squeeze(-1)
     ratio = torch.where(px > 0, qx / px.clamp_min(1e-38), torch.full_like(qx, float("inf")))

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from specheads.datagen.sprinter import logits_at
-from specheads.export.shim.sampling import probs_from_logits
+from specheads.datagen.sprinter import label_distributions, logits_at
 
 
 def rouge(candidates: list[str], references: list[str | None]) -> dict | None:
@@ -91,14 +90,8 @@ def verifier_errors(target, draft, prompt_ids: list[list[int]], outputs: list[li
     vocab = min(p_logits.shape[-1], q_logits.shape[-1])
     x = torch.tensor([t for _, d in rows for _, t, _ in d], device=p_logits.device)
     approved = torch.tensor([a for _, d in rows for _, _, a in d], device=p_logits.device)
-    if sampling.do_sample:
-        p = probs_from_logits(p_logits[:, :vocab], sampling)
-        q = probs_from_logits(q_logits[:, :vocab], sampling)
-    else:
-        p, q = p_logits[:, :vocab].float().softmax(-1), q_logits[:, :vocab].float().softmax(-1)
-    qx, px = q.gather(-1, x[:, None]).squeeze(-1), p.gather(-1, x[:, None]).squeeze(-1)
-    tv = 0.5 * (p - q).abs().sum(-1)
-    bad = qx > px
+    dist = label_distributions(p_logits[:, :vocab], q_logits[:, :vocab], sampling, None, x=x)
+    tv, bad = dist["tv"], dist["q_token"] > dist["p_token"]
     n_bad, n_good = int(bad.sum()), int((~bad).sum())
     alpha = float((approved & bad).sum()) / n_bad if n_bad else None
     mean_tv = float(tv.mean())

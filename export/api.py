@@ -58,6 +58,30 @@ class Result:
     truncated_prompt_tokens: int = 0
 
 
+# policy -> (head type, the model whose states it reads, default threshold when the head has none)
+_POLICY_HEADS = {"specdecpp": ("acceptance", "draft", 0.7), "sprinter": ("verifier", "draft", 0.5),
+                 "judge": ("judge", "target", 0.5)}
+
+
+def _policy_head(name: str, head: str | None, pair: Pair, sampling, strict: bool, threshold: float | None):
+    """Loads and checks the head a policy needs: ``(module in the model's dtype, feature metadata, threshold)``."""
+    head_type, role, default = _POLICY_HEADS[name]
+    if not head:
+        raise UserError(f"policy={name} needs head=<exported {head_type} head .safetensors> "
+                        f"(heads-train head={head_type}, then heads-export)")
+    model = pair.draft if role == "draft" else pair.target
+    if model is None:
+        raise UserError(f"policy={name} needs a {role} model; set {role}.path")
+    loaded = load_head(head, pair=pair, sampling=sampling or SamplingConfig(), strict=strict, device=model.device)
+    feature = loaded.metadata.get("feature", {})
+    if loaded.metadata.get("head_type") != head_type or feature.get("model", "draft") != role:
+        raise UserError(f"{head!r} is a {loaded.metadata.get('head_type')} head on the {feature.get('model', 'draft')}'s "
+                        f"states; policy={name} needs a {head_type} head on the {role}'s states")
+    if threshold is None:
+        threshold = loaded.threshold if loaded.threshold is not None else default
+    return loaded.module.to(model.model.dtype), feature, threshold
+
+
 def make_policy(name: str, pair: Pair, k: int = 4, head: str | None = None, threshold: float | None = None,
                 k_min: int = 2, k_max: int = 20, sampling: SamplingConfig | None = None,
                 strict: bool = False, max_run: int | None = 20, top_k: int = 2) -> Policy | str:
@@ -70,44 +94,16 @@ def make_policy(name: str, pair: Pair, k: int = 4, head: str | None = None, thre
     if name in BASELINES:
         return name
     if name == "specdecpp":
-        if not head:
-            raise UserError("policy=specdecpp needs head=<exported acceptance head .safetensors>")
-        if pair.draft is None:
-            raise UserError("policy=specdecpp needs a draft model; set draft.path")
-        loaded = load_head(head, pair=pair, sampling=sampling or SamplingConfig(), strict=strict,
-                           device=pair.draft.device)
-        feature = loaded.metadata.get("feature", {})
-        if loaded.metadata.get("head_type") != "acceptance" or feature.get("model", "draft") != "draft":
-            raise UserError(f"{head!r} is a {loaded.metadata.get('head_type')} head on the {feature.get('model')}'s "
-                            "states; policy=specdecpp needs an acceptance head on the draft's states")
-        h = threshold if threshold is not None else (loaded.threshold or 0.7)
-        return SpecDecPP(loaded.module.to(pair.draft.model.dtype), h, k_min, k_max,
-                         position=feature.get("position", "own"))
+        module, feature, h = _policy_head(name, head, pair, sampling, strict, threshold)
+        return SpecDecPP(module, h, k_min, k_max, position=feature.get("position", "own"))
     if name == "sprinter":
-        if not head:
-            raise UserError("policy=sprinter needs head=<exported verifier head .safetensors> "
-                            "(heads-train head=verifier, then heads-export)")
-        if pair.draft is None:
-            raise UserError("policy=sprinter needs a draft model; set draft.path")
-        loaded = load_head(head, pair=pair, sampling=sampling or SamplingConfig(), strict=strict,
-                           device=pair.draft.device)
-        if loaded.metadata.get("head_type") != "verifier":
-            raise UserError(f"{head!r} is a {loaded.metadata.get('head_type')} head; policy=sprinter needs a "
-                            "verifier head (heads-train head=verifier)")
-        eta = threshold if threshold is not None else (loaded.threshold if loaded.threshold is not None else 0.5)
-        feature = loaded.metadata.get("feature", {}).get("position", "previous")
-        embedding = pair.draft.model.get_input_embeddings() if feature == "previous+embedding" else None
-        return Sprinter(loaded.module.to(pair.draft.model.dtype), eta, max_run, feature, embedding)
+        module, feature, eta = _policy_head(name, head, pair, sampling, strict, threshold)
+        position = feature.get("position", "previous")
+        embedding = pair.draft.model.get_input_embeddings() if position == "previous+embedding" else None
+        return Sprinter(module, eta, max_run, position, embedding)
     if name == "judge":
-        if not head:
-            raise UserError("policy=judge needs head=<exported judge head .safetensors> (heads-train head=judge)")
-        loaded = load_head(head, pair=pair, sampling=sampling or SamplingConfig(), strict=strict,
-                           device=pair.target.device)
-        if loaded.metadata.get("head_type") != "judge":
-            raise UserError(f"{head!r} is a {loaded.metadata.get('head_type')} head; policy=judge needs a judge head "
-                            "(heads-train head=judge)")
-        delta = threshold if threshold is not None else (loaded.threshold if loaded.threshold is not None else 0.5)
-        return Judge(loaded.module.to(pair.target.model.dtype), delta, k)
+        module, _, delta = _policy_head(name, head, pair, sampling, strict, threshold)
+        return Judge(module, delta, k)
     if name == "topk_verify":
         return build_policy(name, k=k, top_k=top_k)
     return build_policy(name, k=k)

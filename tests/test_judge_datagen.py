@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-import pyarrow.parquet as pq
 import pytest
 import torch
+from test_datagen import _rows
 from safetensors.torch import load_file
 
 from specheads.datagen import cli, judge
@@ -25,13 +25,6 @@ def _args(pair_dirs, out, *extra):
     return [f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu", "draft.device=cpu",
             f"output_dir={out}", "num_prompts=null", "max_new_tokens=8", "batch_size=2", "chunk_size=2",
             "labels=judge", "chat_template=false", *extra]
-
-
-def _rows(out):
-    rows = []
-    for path in sorted((out / "data").glob("chunk-*.parquet")):
-        rows += pq.read_table(path).to_pylist()
-    return rows
 
 
 def test_imported_tuples_give_labels_and_target_features(tiny_pair, tiny_pair_dirs, tokenizer, tmp_path):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-import pyarrow.parquet as pq
 import pytest
 import torch
+from test_datagen import _rows
 
 from specheads.datagen import sprinter
 from specheads.datagen.cli import main
@@ -63,13 +63,6 @@ def _args(pair_dirs, prompts, out, *extra):
     return [f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu", "draft.device=cpu",
             f"prompts={prompts}", f"output_dir={out}", "num_prompts=null", "max_new_tokens=6", "batch_size=4",
             "chunk_size=4", "labels=sprinter", *extra]
-
-
-def _rows(out):
-    rows = []
-    for path in sorted((out / "data").glob("chunk-*.parquet")):
-        rows += pq.read_table(path).to_pylist()
-    return rows
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
