@@ -91,6 +91,32 @@ def response_logits(model, prompts: list[list[int]], responses: list[list[int]],
     return [logits[b, len(p) - first: len(p) - first + len(r)] for b, (p, r) in enumerate(zip(prompts, responses))]
 
 
+def teacher_forced_pair(target, draft, prompts: list[list[int]], responses: list[list[int]], pad: int,
+                        target_logits: list[torch.Tensor] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Target and draft logits at every response position of a batch, one teacher-forced pass per model.
+
+    Row ``i`` of a response (token ``x_i``) holds the logits of ``p(.|c, x_<i)`` and
+    ``q(.|c, x_<i)``. ``target_logits`` (from :func:`generate_responses`) replaces the target pass.
+
+    Returns:
+        ``p_logits`` ``[N, V]``, ``q_logits`` ``[N, V]`` (on the target's device, cut to the
+        shared vocabulary) and the number of rows of each response.
+    """
+    if target_logits is None:
+        target_logits = response_logits(target, prompts, responses, pad)
+    q_logits = response_logits(draft, prompts, responses, pad)
+    p = torch.cat(target_logits)
+    q = torch.cat(q_logits).to(p.device)
+    vocab = min(p.shape[-1], q.shape[-1])
+    return p[:, :vocab], q[:, :vocab], [len(r) for r in responses]
+
+
+def split_rows(columns: dict[str, torch.Tensor], rows: list[int]) -> list[dict[str, torch.Tensor]]:
+    """Per response, its slice (on the CPU) of every ``[N]`` column."""
+    return [{k: v.cpu() for k, v in zip(columns, parts)} for parts in zip(*(t.split(rows) for t in columns.values()))]
+
+
 def label_batch(target, draft, prompts: list[list[int]], responses: list[list[int]], sampling: SamplingConfig,
                 generator: torch.Generator | None, pad: int,
                 target_logits: list[torch.Tensor] | None = None) -> list[dict[str, torch.Tensor]]:
@@ -101,12 +127,5 @@ def label_batch(target, draft, prompts: list[list[int]], responses: list[list[in
     :func:`generate_responses`) replaces the target pass. All positions of the batch are
     labelled in one call, so the draws depend only on the batch and the generator.
     """
-    if target_logits is None:
-        target_logits = response_logits(target, prompts, responses, pad)
-    q_logits = response_logits(draft, prompts, responses, pad)
-    rows = [len(r) for r in responses]
-    p = torch.cat(target_logits)
-    q = torch.cat(q_logits).to(p.device)
-    vocab = min(p.shape[-1], q.shape[-1])
-    out = acceptance_labels(p[:, :vocab], q[:, :vocab], sampling, generator)
-    return [{k: v.cpu() for k, v in zip(out, parts)} for parts in zip(*(t.split(rows) for t in out.values()))]
+    p, q, rows = teacher_forced_pair(target, draft, prompts, responses, pad, target_logits)
+    return split_rows(acceptance_labels(p, q, sampling, generator), rows)

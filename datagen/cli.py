@@ -5,8 +5,10 @@
 
 Output: ``data/chunk-*.parquet``, one row per prompt. ``labels=acceptance``: ``prompt_id``,
 ``prompt_index``, ``input_ids`` = prompt + response, ``response_start``, ``draft_token``,
-``label``, ``expected_label``. ``labels=sprinter`` (see ``sprinter.py``): ``prompt_id``,
-``prompt_index``, ``category``, ``input_ids`` (the context), ``positions`` (labelled prefix
+``label``, ``expected_label``. ``labels=fsd`` (see ``fsd.py``): the same columns plus, per token,
+``div_<name>`` (``Div(p_i, q_i)`` for each of ``fsd_divergences``) and ``fsd_<name>@<T>`` (the FSD
+decision ``Div < T`` for each of ``fsd_thresholds``). ``labels=sprinter`` (see ``sprinter.py``):
+``prompt_id``, ``prompt_index``, ``category``, ``input_ids`` (the context), ``positions`` (labelled prefix
 lengths), ``draft_token``, ``q_token``, ``p_token``, ``ratio``, ``tv``. ``labels=judge`` (see
 ``judge.py``): one row per tuple side (``tuple_id``, ``prompt_index``, ``side``, ``input_ids`` =
 question + answer, ``answer_start``, ``labels`` 1/0/-1), the target's features at the labelled
@@ -36,13 +38,13 @@ from specheads.outputs import MetricsWriter, prepare_output_dir, write_manifest
 from specheads.prompts import load_prompt_files
 
 from . import shards
-from . import judge, sprinter
-from .acceptance import generate_responses, label_batch
+from . import fsd, judge, sprinter
+from .acceptance import acceptance_labels, generate_responses, split_rows, teacher_forced_pair
 from .config import DatagenConfig
 
 log = logging.getLogger(__name__)
 PROG = "heads-datagen"
-LABELS = ("acceptance", "sprinter", "judge")
+LABELS = ("acceptance", "fsd", "sprinter", "judge")
 JUDGE_COLUMNS = ("tuple_id", "prompt_index", "side", "input_ids", "answer_start", "labels")
 JUDGE_COUNTS = ("items", "answers", "correct", "wrong", "ungraded", "localised", "review", "tuples", "too_long")
 SPRINTER_COLUMNS = ("prompt_id", "prompt_index", "category", "input_ids", "positions", "draft_token", "q_token",
@@ -61,6 +63,9 @@ def _check(cfg: DatagenConfig) -> None:
             problems.append(f"answer_models={list(cfg.answer_models)}: choose from target, draft")
         if cfg.answer_samples < 0 or cfg.answer_temperature <= 0:
             problems.append("answer_samples must be >= 0 and answer_temperature > 0")
+    if cfg.labels == "fsd":
+        problems += fsd.problems(list(cfg.fsd_divergences), list(cfg.fsd_thresholds), cfg.fsd_top_k, cfg.fsd_dist,
+                                 cfg.sampling)
     for key in ("max_new_tokens", "batch_size", "chunk_size"):
         if getattr(cfg, key) < 1:
             problems.append(f"{key}={getattr(cfg, key)} must be >= 1")
@@ -99,8 +104,11 @@ def _label_chunk(cfg, pair, prompts, chunk: int, pad: int, eos: list[int], limit
         return _label_sprinter_chunk(cfg, pair, items, lo, seed, gen, pad, eos, limit)
     if cfg.labels == "judge":
         return _label_judge_chunk(cfg, pair, items, lo, chunk, seed, pad, eos, limit)
-    cols: dict[str, list] = {k: [] for k in ("prompt_id", "prompt_index", "input_ids", "response_start",
-                                              "draft_token", "label", "expected_label")}
+    names = ["draft_token", "label", "expected_label"]
+    if cfg.labels == "fsd":
+        names += [fsd.divergence_column(d) for d in cfg.fsd_divergences]
+        names += [fsd.label_column(d, t) for d in cfg.fsd_divergences for t in cfg.fsd_thresholds]
+    cols: dict[str, list] = {k: [] for k in ("prompt_id", "prompt_index", "input_ids", "response_start", *names)}
     labelled = 0
     for b in range(0, len(items), cfg.batch_size):
         batch = items[b: b + cfg.batch_size]
@@ -108,15 +116,19 @@ def _label_chunk(cfg, pair, prompts, chunk: int, pad: int, eos: list[int], limit
                for p in batch]
         responses, p_logits = generate_responses(pair.target.model, ids, cfg.max_new_tokens, cfg.sampling,
                                                  seed + b, pad, eos)
-        labels = label_batch(pair.target.model, pair.draft.model, ids, responses, cfg.sampling, gen, pad, p_logits)
-        for i, (p, x, r, lab) in enumerate(zip(batch, ids, responses, labels)):
+        p_all, q_all, rows = teacher_forced_pair(pair.target.model, pair.draft.model, ids, responses, pad, p_logits)
+        out = acceptance_labels(p_all, q_all, cfg.sampling, gen)  # the draws: the same as labels=acceptance
+        if cfg.labels == "fsd":
+            out |= fsd.fsd_labels(p_all, q_all, cfg.sampling, list(cfg.fsd_divergences), list(cfg.fsd_thresholds),
+                                  cfg.fsd_top_k, cfg.fsd_dist)
+        del p_all, q_all
+        for i, (p, x, r, lab) in enumerate(zip(batch, ids, responses, split_rows(out, rows))):
             cols["prompt_id"].append(p.id)
             cols["prompt_index"].append(cfg.offset + lo + b + i)
             cols["input_ids"].append(x + r)
             cols["response_start"].append(len(x))
-            cols["draft_token"].append(lab["draft_token"].tolist())
-            cols["label"].append(lab["label"].tolist())
-            cols["expected_label"].append(lab["expected_label"].tolist() if cfg.expected_label else None)
+            for key in names:
+                cols[key].append(lab[key].tolist() if key != "expected_label" or cfg.expected_label else None)
             labelled += len(r)
     return cols, labelled
 
@@ -346,6 +358,9 @@ def _finish(cfg: DatagenConfig, out: Path, pair, total: int) -> None:
     else:
         stats = _summarise(out)
         extra = {}
+        if cfg.labels == "fsd":
+            extra["fsd"] = fsd.manifest_block(out, list(cfg.fsd_divergences), list(cfg.fsd_thresholds), cfg.fsd_top_k,
+                                              cfg.fsd_dist)
     write_manifest(out, command=PROG, labels=cfg.labels, schema_version=shards.SCHEMA_VERSION, **extra,
                    prompts_file=cfg.prompts, offset=cfg.offset, chunk_size=cfg.chunk_size, chunks=total,
                    target={"name": pair.target.name, "fingerprint": pair.target.fingerprint},

@@ -14,7 +14,7 @@ class DatagenConfig:
 
     target: ModelSpec = field(default_factory=ModelSpec)
     draft: ModelSpec = field(default_factory=ModelSpec)
-    labels: str = field(default="acceptance", metadata={"help": "acceptance (SpecDec++ soft labels) | sprinter (ratio-threshold labels, four prefix categories) | judge (correct/wrong tuples, token labels, target features)"})
+    labels: str = field(default="acceptance", metadata={"help": "acceptance (SpecDec++ soft labels) | fsd (acceptance data plus FSD divergences and Div < T decisions) | sprinter (ratio-threshold labels, four prefix categories) | judge (correct/wrong tuples, token labels, target features)"})
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prompts: str = field(default="", metadata={"help": "prompt file (JSONL, GSM8K, Alpaca, MT-Bench, ARC); several: comma-separated"})
     num_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts (after offset)"})
@@ -27,6 +27,12 @@ class DatagenConfig:
     lambdas: list[float] = field(default_factory=lambda: [1.0, 1.2, 1.5],
                                  metadata={"help": "sprinter: thresholds whose label shares the manifest reports (the raw ratio is stored, any lambda can be trained)"})
     mix_prob: float = field(default=0.5, metadata={"help": "sprinter: share of the mixed category's tokens taken from the draft"})
+    fsd_divergences: list[str] = field(default_factory=lambda: ["js", "tv"],
+                                       metadata={"help": "fsd: divergences stored per token (kl, kl_rev, js, tv)"})
+    fsd_thresholds: list[float] = field(default_factory=lambda: [0.05, 0.1, 0.2, 0.3, 0.5],
+                                        metadata={"help": "fsd: thresholds T whose decisions Div < T are stored (and trainable with heads-train label=fsd)"})
+    fsd_top_k: int = field(default=0, metadata={"help": "fsd: divergences on the target's top-k tokens plus a rest bucket (0: whole vocabulary)"})
+    fsd_dist: str = field(default="raw", metadata={"help": "fsd: raw (softmax of the logits, the paper's) | warped (temperature/top-k/top-p of sampling; needs sampling.do_sample=true)"})
     tuples: str | None = field(default=None, metadata={"help": "judge: import this tuple JSONL (schema in datagen/tuples.py) instead of generating answers to prompts"})
     answer_models: list[str] = field(default_factory=lambda: ["target", "draft"], metadata={"help": "judge: the models that answer each prompt"})
     answer_samples: int = field(default=1, metadata={"help": "judge: sampled answers per model and prompt, besides the greedy one"})

@@ -1,8 +1,9 @@
-"""``heads-eval``: sweep SpecDec++ thresholds, SPRINTER thresholds and fixed K on held-out prompts.
+"""``heads-eval``: any set of decoding policies side by side on held-out prompts.
 
     heads-eval recipe=quickstart
     heads-eval recipe=quickstart head=runs/quickstart-export/head.safetensors thresholds=[0.3,0.5,0.7]
     heads-eval recipe=sprinter_quickstart
+    heads-eval recipe=fsd_quickstart fsd_js=[0.05,0.1] confidence=[0.5]
 
 One run decodes every prompt with: the target alone (``ar``), the draft alone (``draft``),
 standard SD at each fixed ``K`` and SpecDec++ at each threshold ``h``, interleaved prompt by
@@ -15,9 +16,13 @@ from the target's own output, and the same stopping rule as a perfect SpecDec++ 
 gain on these prompts with these models. With ``verifier=`` it also decodes with SPRINTER at each
 ``eta`` and reports, for every configuration, FLOPs per token, verifier calls per token and ROUGE
 against the target-only outputs and the references, and for SPRINTER the measured ``alpha`` and the
-TV bound (``quality.py``) and its ratios to the best SD configuration. Writes ``sweep.json`` (table,
-oracle, perfect head, ratios, Pareto check, ``sprinter``),
-``pareto.png``, ``rows.jsonl`` (every prompt x configuration; a killed sweep resumes),
+TV bound (``quality.py``) and its ratios to the best SD configuration. Training-free rows: top-K
+verification (``topk=``, rows ``t<K>``), FSD per divergence (``fsd_js=`` ..., rows ``fsd-<div>-<T>``)
+and draft-confidence stopping (``confidence=``, rows ``c<tau>``), summarised against SD in the
+``training_free`` section (``training_free.py``). Writes ``sweep.json`` (table, oracle, perfect head,
+ratios, Pareto check, ``accuracy``, ``sprinter``, ``judge``, ``training_free``), ``pareto.png``,
+``quality.png`` (quality against tokens/s and accepted drafts per call, every row),
+``rows.jsonl`` (every prompt x configuration; a killed sweep resumes),
 ``metrics.jsonl`` (one line per configuration), ``metrics.json``, ``config.yaml`` and
 ``manifest.json``.
 """
@@ -35,14 +40,15 @@ from specheads.export.api import fit_context, format_prompt
 from specheads.export.package import read_metadata
 from specheads.export.shim.engine import GenerationStats
 from specheads.export.shim.models import load_pair
-from specheads.export.shim.policies import SpecDecPP
+from specheads.export.shim.divergence import DIVERGENCES
+from specheads.export.shim.policies import SpecDecPP, fsd_problems
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, write_manifest
 from specheads.prompts import load_prompt_files
 
-from . import quality
+from . import quality, training_free
 from .config import EvalConfig
 from .oracle import below_curve, cost_per_token, draft_agreement, oracle_schedule, perfect_head_schedule
-from .plot import pareto_plot
+from .plot import pareto_plot, quality_speed_plot
 from .sweep import build_decoders, run_sweep, total
 
 log = logging.getLogger(__name__)
@@ -55,14 +61,23 @@ def _check(cfg: EvalConfig) -> None:
     problems = []
     if not cfg.prompts:
         problems.append("prompts is not set; pass prompts=<held-out prompt file>")
-    if not cfg.ks and not cfg.head and not cfg.verifier and not cfg.judge and not cfg.topk:
-        problems.append("nothing to sweep: set ks=[...], head=, verifier=, judge= and/or topk=[...]")
+    fsd = {d: list(getattr(cfg, f"fsd_{d}")) for d in DIVERGENCES if getattr(cfg, f"fsd_{d}")}
+    if not (cfg.ks or cfg.head or cfg.verifier or cfg.judge or cfg.topk or fsd or cfg.confidence):
+        problems.append("nothing to sweep: set ks=[...], head=, verifier=, judge=, topk=[...], fsd_js=[...] "
+                        "(or fsd_tv, fsd_kl, fsd_kl_rev) and/or confidence=[...]")
+    for d, ts in fsd.items():
+        if not all(t >= 0 for t in ts):
+            problems.append(f"fsd_{d}={ts}: every FSD threshold T must be >= 0")
+    if fsd:  # the settings every FSD row shares (threshold 0 and js are valid placeholders)
+        problems += fsd_problems(0.0, "js", cfg.fsd_top_k, cfg.fsd_rule, cfg.fsd_dist)
+    if any(not 0 <= c <= 1 for c in cfg.confidence):
+        problems.append(f"confidence={list(cfg.confidence)}: every tau must be in [0, 1]")
     if cfg.judge and not cfg.deltas:
         problems.append("judge is set but deltas is empty")
     if any(not 0 <= d <= 1 for d in cfg.deltas):
         problems.append(f"deltas={list(cfg.deltas)}: every delta must be in [0, 1]")
-    if cfg.judge_k < 1 or cfg.topk_k < 1 or any(t < 1 for t in cfg.topk):
-        problems.append("judge_k, topk_k and every topk value must be >= 1")
+    if min(cfg.judge_k, cfg.topk_k, cfg.fsd_k, cfg.confidence_k_max, *cfg.topk) < 1:
+        problems.append("judge_k, topk_k, fsd_k, confidence_k_max and every topk value must be >= 1")
     if cfg.verifier and not cfg.etas:
         problems.append("verifier is set but etas is empty")
     if any(not 0 <= e <= 1 for e in cfg.etas):
@@ -269,6 +284,14 @@ def _print(summary: dict) -> None:
     if "sprinter" in summary:
         sp = summary["sprinter"]
         print(f"sprinter {sp['main']}: alpha {sp['alpha']}, vs {sp.get('best_sd')}: {sp.get('ratios')}")
+    if "training_free" in summary:
+        tf = summary["training_free"]
+        print(f"training-free vs {tf['sd_reference']} (quality: {tf['quality_metric']}, SD {tf['sd_quality']}, "
+              f"target {tf['target_quality']})")
+        print("config | quality | tokens_per_s | accepted_per_call | vs_sd_tokens_per_s")
+        for name, r in tf["rows"].items():
+            print(" | ".join(str(x) for x in (name, r["quality"], r["tokens_per_s"], r["accepted_per_call"],
+                                              r.get("vs_sd_tokens_per_s"))))
 
 
 def run(cfg: EvalConfig) -> int:
@@ -301,6 +324,13 @@ def run(cfg: EvalConfig) -> int:
         _quality(cfg, pair, prompts, grouped, decoders, summary)
     if cfg.accuracy:
         _accuracy(cfg, pair, prompts, grouped, summary)
+    tf = training_free.section(cfg, summary, grouped)
+    if tf is not None:
+        summary["training_free"] = tf
+    label, points = training_free.plot_points(summary)
+    if label is not None:
+        summary["quality_png"] = str(quality_speed_plot(
+            out / "quality.png", points, label, f"{pair.draft.name} -> {pair.target.name}, {len(prompts)} prompts"))
     summary["pareto_png"] = str(pareto_plot(
         out / "pareto.png",
         [{"label": r["config"], **r} for r in summary["table"] if r["config"].startswith("k")],
@@ -312,7 +342,9 @@ def run(cfg: EvalConfig) -> int:
     atomic_write_json(out / "metrics.json", {"ratios": summary["ratios"], **{k: summary[k] for k in (
         "t_target_ms", "t_draft_ms", "best_fixed_k", "best_threshold", "pareto_dominates") if k in summary},
         **({"sprinter": {k: summary["sprinter"].get(k) for k in ("main", "alpha", "best_sd", "ratios")}}
-           if "sprinter" in summary else {})})
+           if "sprinter" in summary else {}),
+        **({"training_free": {k: summary["training_free"][k] for k in ("settings", "sd_reference", "quality_metric")}}
+           if "training_free" in summary else {})})
     (out / "metrics.jsonl").unlink(missing_ok=True)
     with MetricsWriter(out) as metrics:
         for r in summary["table"]:

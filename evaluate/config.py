@@ -12,7 +12,8 @@ from specheads.export.shim.sampling import SamplingConfig
 class EvalConfig:
     """Compare decoding configurations on one prompt set, in one run: target alone, draft alone, fixed-K
     SD, SpecDec++ thresholds (head=), SPRINTER approval thresholds (verifier=), judge thresholds
-    (judge=) and top-K verification (topk=)."""
+    (judge=), top-K verification (topk=), FSD thresholds per divergence (fsd_js=, fsd_tv=, fsd_kl=,
+    fsd_kl_rev=) and draft-confidence stopping (confidence=)."""
 
     target: ModelSpec = field(default_factory=ModelSpec)
     draft: ModelSpec = field(default_factory=ModelSpec)
@@ -28,6 +29,16 @@ class EvalConfig:
     judge_k: int = field(default=10, metadata={"help": "judge: candidates per round"})
     topk: list[int] = field(default_factory=list, metadata={"help": "top-K verification baselines: the K values (target top-K tokens accepted)"})
     topk_k: int = field(default=4, metadata={"help": "top-K verification: candidates per round"})
+    fsd_js: list[float] = field(default_factory=list, metadata={"help": "FSD thresholds T for the Jensen-Shannon divergence (rows fsd-js-<T>; at most ln 2)"})
+    fsd_tv: list[float] = field(default_factory=list, metadata={"help": "FSD thresholds T for the total variation distance (rows fsd-tv-<T>; in [0, 1])"})
+    fsd_kl: list[float] = field(default_factory=list, metadata={"help": "FSD thresholds T for KL(target || draft) (rows fsd-kl-<T>)"})
+    fsd_kl_rev: list[float] = field(default_factory=list, metadata={"help": "FSD thresholds T for KL(draft || target) (rows fsd-kl_rev-<T>)"})
+    fsd_k: int = field(default=4, metadata={"help": "FSD: candidates per round"})
+    fsd_rule: str = field(default="paper", metadata={"help": "FSD: paper (accept while Div < T, else a token from p) | or (SD accepts or Div < T, else the residual; T=0 is SD)"})
+    fsd_top_k: int = field(default=0, metadata={"help": "FSD: 0 = divergences over the whole vocabulary, else the target's top-k tokens plus one bucket"})
+    fsd_dist: str = field(default="raw", metadata={"help": "FSD: raw (softmax of unwarped logits) | warped (after temperature/top-k/top-p; same as raw when greedy)"})
+    confidence: list[float] = field(default_factory=list, metadata={"help": "draft-confidence stopping baselines: taus in [0, 1] (rows c<tau>; stop drafting when q(y) < tau)"})
+    confidence_k_max: int = field(default=10, metadata={"help": "draft-confidence stopping: most candidates per round"})
     accuracy: bool = field(default=True, metadata={"help": "grade outputs where a grader exists: GSM8K final number, ARC letter"})
     quality: bool = field(default=True, metadata={"help": "ROUGE vs target-only outputs and references, FLOPs per token, SPRINTER alpha"})
     k_min: int = field(default=2, metadata={"help": "specdecpp: fewest candidates per round"})

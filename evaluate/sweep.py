@@ -15,10 +15,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specheads.export.api import Decoder, make_policy
+from specheads.export.shim.divergence import DIVERGENCES
 from specheads.export.shim.engine import COUNTS, GenerationStats
 from specheads.outputs import read_finished_rows
 
 log = logging.getLogger(__name__)
+# Policy counters of accepted candidates that the strict SD rule would have rejected (FSD, judge).
+LENIENT_COUNTERS = ("fuzzy_only", "judge_only")
 
 
 def config_names(ks: list[int], thresholds: list[float], with_head: bool, etas: list[float] = (),
@@ -43,6 +46,13 @@ def build_decoders(cfg, pair) -> dict[str, Decoder]:
                                              k_max=cfg.k_max, sampling=cfg.sampling))
     for top_k in getattr(cfg, "topk", []):
         out[f"t{top_k}"] = dec(make_policy("topk_verify", pair, k=cfg.topk_k, top_k=top_k))
+    for div in DIVERGENCES:
+        for t in getattr(cfg, f"fsd_{div}", []):
+            out[f"fsd-{div}-{t:g}"] = dec(make_policy("fsd", pair, k=cfg.fsd_k, threshold=t, divergence=div,
+                                                      fsd_top_k=cfg.fsd_top_k, fsd_rule=cfg.fsd_rule,
+                                                      fsd_dist=cfg.fsd_dist))
+    for tau in getattr(cfg, "confidence", []):
+        out[f"c{tau:g}"] = dec(make_policy("confidence_stop", pair, threshold=tau, k_max=cfg.confidence_k_max))
     if getattr(cfg, "judge", None):
         for delta in cfg.deltas:
             out[f"j{delta:g}"] = dec(make_policy("judge", pair, k=cfg.judge_k, head=cfg.judge, threshold=delta,
@@ -75,8 +85,12 @@ def run_sweep(decoders: dict[str, Decoder], prompts, rows_path: Path, warmup: bo
             for name in order:
                 if (i, name) in done:
                     continue
+                policy = decoders[name].policy
+                before = {c: getattr(policy, c) for c in LENIENT_COUNTERS if hasattr(policy, c)}
                 res = decoders[name].decode(prompt, i, name=f"prompt {prompt.id}")
                 row = {"index": i, "id": prompt.id, "config": name, "tokens": res.tokens, **res.stats.to_dict()}
+                for c, value in before.items():  # this prompt's share of the policy's running count
+                    row[c] = round(getattr(policy, c) - value, 4)
                 decisions = getattr(decoders[name].policy, "decisions", None)
                 if decisions is not None:  # SPRINTER: (position, token, approved) of every verifier call
                     row["decisions"] = [list(d) for d in decisions]

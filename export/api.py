@@ -12,7 +12,7 @@ from specheads.errors import UserError
 from .package import load_head
 from .shim.engine import Engine, Generation, GenerationStats
 from .shim.models import Pair, context_length
-from .shim.policies import BASELINES, Judge, Policy, SpecDecPP, Sprinter, build_policy
+from .shim.policies import BASELINES, FSD, ConfidenceStop, Judge, Policy, SpecDecPP, Sprinter, build_policy
 from .shim.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,7 @@ class Result:
 # policy -> (head type, the model whose states it reads, default threshold when the head has none)
 _POLICY_HEADS = {"specdecpp": ("acceptance", "draft", 0.7), "sprinter": ("verifier", "draft", 0.5),
                  "judge": ("judge", "target", 0.5)}
+DEFAULT_TAU = 0.4  # confidence_stop's tau when none is given: the assistant_confidence_threshold transformers configs carry
 
 
 def _policy_head(name: str, head: str | None, pair: Pair, sampling, strict: bool, threshold: float | None):
@@ -84,15 +85,45 @@ def _policy_head(name: str, head: str | None, pair: Pair, sampling, strict: bool
 
 def make_policy(name: str, pair: Pair, k: int = 4, head: str | None = None, threshold: float | None = None,
                 k_min: int = 2, k_max: int = 20, sampling: SamplingConfig | None = None,
-                strict: bool = False, max_run: int | None = 20, top_k: int = 2) -> Policy | str:
+                strict: bool = False, max_run: int | None = 20, top_k: int = 2, divergence: str = "js",
+                fsd_top_k: int = 0, fsd_rule: str = "paper", fsd_dist: str = "raw") -> Policy | str:
     """A policy by name, loading and checking its head when it needs one; baselines stay names.
 
-    ``threshold`` is SpecDec++'s stop threshold ``h``, SPRINTER's approval threshold ``eta`` or the
-    judge's ``delta`` (default: the head's ``default_threshold``); ``max_run`` caps SPRINTER's
-    approved runs; ``k`` is the candidates per round of ``sd`` and ``judge``.
+    Args:
+        name: a key of ``POLICIES`` or a baseline (``ar``, ``draft``).
+        pair: the loaded pair (heads are checked against it).
+        k: candidates per round of ``sd``, ``judge``, ``topk_verify`` and ``fsd``.
+        head: exported head for ``specdecpp``, ``sprinter`` and ``judge``; for ``fsd``, optionally an
+            acceptance head trained on FSD labels that decides when to stop drafting (``k_min``,
+            ``k_max`` and its default threshold ``h`` then apply instead of ``k``).
+        threshold: SpecDec++'s stop threshold ``h``, SPRINTER's approval threshold ``eta`` or the
+            judge's ``delta`` (default: the head's ``default_threshold``); FSD's divergence threshold
+            ``T`` (required); ``confidence_stop``'s ``tau`` (default 0.4, Hugging Face's).
+        k_min, k_max: SpecDec++'s bounds on candidates per round; ``k_max`` also caps ``confidence_stop``.
+        sampling: the decoding's sampling settings (checked against a head's).
+        strict: refuse a head trained under other sampling settings instead of warning.
+        max_run: cap on SPRINTER's approved runs.
+        top_k: ``topk_verify``'s K.
+        divergence, fsd_top_k, fsd_rule, fsd_dist: FSD's settings (see :class:`FSD`).
     """
     if name in BASELINES:
         return name
+    if name == "fsd":  # FSD reports every bad setting at once, a missing threshold included
+        stopper = None
+        if head:  # an acceptance head trained on FSD labels stops the drafting (FSD paper section 7.1)
+            module, feature, h = _policy_head("specdecpp", head, pair, sampling, strict, None)
+            info = load_head(head).metadata.get("fsd")
+            if not info:
+                log.warning("%s was not trained on FSD labels (heads-datagen labels=fsd): it predicts SD "
+                            "acceptance, not FSD's", head)
+            elif (info.get("divergence"), float(info.get("threshold", -1))) != (divergence, float(threshold or 0)):
+                log.warning("%s predicts FSD acceptance under %s < %s; this decoding verifies with %s < %s",
+                            head, info.get("divergence"), info.get("threshold"), divergence, threshold)
+            stopper = SpecDecPP(module, h, k_min, k_max, position=feature.get("position", "own"))
+        return FSD(threshold, divergence, k=k, fsd_top_k=fsd_top_k, rule=fsd_rule, fsd_dist=fsd_dist,
+                   stopper=stopper)
+    if name == "confidence_stop":
+        return ConfidenceStop(DEFAULT_TAU if threshold is None else threshold, k_max)
     if name == "specdecpp":
         module, feature, h = _policy_head(name, head, pair, sampling, strict, threshold)
         return SpecDecPP(module, h, k_min, k_max, position=feature.get("position", "own"))

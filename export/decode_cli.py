@@ -29,7 +29,7 @@ from .api import Decoder, make_policy
 from .decode_config import DecodeConfig
 from .shim.engine import GenerationStats
 from .shim.models import load_pair
-from .shim.policies import BASELINES, POLICIES
+from .shim.policies import BASELINES, POLICIES, fsd_problems
 
 log = logging.getLogger(__name__)
 PROG = "heads-decode"
@@ -43,8 +43,15 @@ def _check(cfg: DecodeConfig) -> None:
         problems.append(f"k={cfg.k} must be >= 1")
     if not 1 <= cfg.k_min <= cfg.k_max:
         problems.append(f"need 1 <= k_min <= k_max, got k_min={cfg.k_min}, k_max={cfg.k_max}")
-    if cfg.threshold is not None and not 0 < cfg.threshold < 1:
+    if cfg.policy == "fsd":
+        problems += fsd_problems(cfg.threshold, cfg.divergence, cfg.fsd_top_k, cfg.fsd_rule, cfg.fsd_dist)
+    elif cfg.policy == "confidence_stop":
+        if cfg.threshold is not None and not 0 <= cfg.threshold <= 1:
+            problems.append(f"threshold={cfg.threshold} (confidence tau) must be in [0, 1]")
+    elif cfg.threshold is not None and not 0 < cfg.threshold < 1:
         problems.append(f"threshold={cfg.threshold} must be in (0, 1)")
+    if cfg.policy == "topk_verify" and cfg.verify_top_k < 1:
+        problems.append(f"verify_top_k={cfg.verify_top_k} must be >= 1")
     if cfg.max_new_tokens < 1:
         problems.append(f"max_new_tokens={cfg.max_new_tokens} must be >= 1")
     if not cfg.prompts:
@@ -88,6 +95,16 @@ def _policy_settings(cfg: DecodeConfig, policy) -> dict:
         return {"head": cfg.head, "delta": policy.delta, "k": cfg.k}
     if cfg.policy == "sprinter":
         return {"head": cfg.head, "eta": policy.eta, "max_run": policy.max_run, "feature": policy.feature}
+    if cfg.policy == "topk_verify":
+        return {"k": cfg.k, "verify_top_k": cfg.verify_top_k}
+    if cfg.policy == "fsd":
+        out = {"k": policy.k, "threshold": policy.threshold, "divergence": policy.divergence,
+               "fsd_top_k": policy.fsd_top_k, "fsd_rule": policy.rule, "fsd_dist": policy.fsd_dist}
+        if policy.stopper is not None:
+            out.update(head=cfg.head, stop_threshold=policy.stopper.threshold, k_min=cfg.k_min)
+        return out
+    if cfg.policy == "confidence_stop":
+        return {"tau": policy.tau, "k_max": policy.k}
     return {}
 
 
@@ -107,8 +124,10 @@ def run(cfg: DecodeConfig) -> int:
         log.info("resuming: %d of %d prompts already done in %s", len(done), len(prompts), out_dir)
     needs_draft = cfg.policy != "ar"
     pair = load_pair(cfg.target, cfg.draft if needs_draft else None, same_vocab=True)
-    policy = make_policy(cfg.policy, pair, cfg.k, cfg.head, cfg.threshold, cfg.k_min, cfg.k_max, cfg.sampling,
-                         cfg.strict, cfg.max_run)
+    policy = make_policy(cfg.policy, pair, k=cfg.k, head=cfg.head, threshold=cfg.threshold, k_min=cfg.k_min,
+                         k_max=cfg.k_max, sampling=cfg.sampling, strict=cfg.strict, max_run=cfg.max_run,
+                         top_k=cfg.verify_top_k, divergence=cfg.divergence, fsd_top_k=cfg.fsd_top_k,
+                         fsd_rule=cfg.fsd_rule, fsd_dist=cfg.fsd_dist)
     decoder = Decoder(pair, policy, cfg.max_new_tokens, cfg.k, cfg.sampling, cfg.seed, cfg.chat_template,
                       cfg.fused_forward)
     settings = _policy_settings(cfg, policy)
@@ -118,27 +137,33 @@ def run(cfg: DecodeConfig) -> int:
     started = time.time()
     with open(out_dir / "outputs.jsonl", "a", encoding="utf-8") as outputs, MetricsWriter(out_dir) as metrics, \
             tqdm(total=len(prompts), desc=f"{PROG} {cfg.policy}", unit="prompt", disable=cfg.stream) as bar:
-        total, truncated = GenerationStats(prompts=0), 0
+        total, truncated, fuzzy_only = GenerationStats(prompts=0), 0, 0.0
         for index, prompt in enumerate(prompts, start=cfg.offset):
             row = done.get(index)
             if row is None:
                 streamer = _Streamer(pair.tokenizer) if cfg.stream else None
                 if streamer:
                     print(f"\n### {prompt.id}", flush=True)
+                before = getattr(policy, "fuzzy_only", None)
                 res = decoder.decode(prompt, index, on_tokens=streamer, name=f"prompt {prompt.id}")
                 if streamer:
                     print(flush=True)
                 row = {"index": index, "id": prompt.id, "completion": res.text, "tokens": res.tokens, "reference": prompt.reference,
                        "truncated_prompt_tokens": res.truncated_prompt_tokens, "stats": res.stats.to_dict()}
+                if before is not None:  # FSD: accepted candidates the SD rule would have rejected
+                    row["fuzzy_only"] = round(policy.fuzzy_only - before, 4)
                 outputs.write(json.dumps(row, ensure_ascii=False) + "\n")
                 outputs.flush()
             metrics.write({"index": index, "id": prompt.id, **row["stats"]})
             total = GenerationStats.total([total, _stats(row)])
+            fuzzy_only += row.get("fuzzy_only", 0.0)
             truncated += bool(row["truncated_prompt_tokens"])
             bar.update()
             bar.set_postfix(tok_s=f"{total.tokens_per_s:.1f}", per_call=f"{total.tokens_per_call:.2f}")
     summary = {"policy": cfg.policy, **settings,
                "sampling": cfg.sampling.to_dict(), "truncated_prompts": truncated, **total.to_dict()}
+    if cfg.policy == "fsd":
+        summary["fuzzy_only"] = round(fuzzy_only, 4)
     atomic_write_json(out_dir / "metrics.json", summary)
     write_manifest(out_dir, command=PROG, prompts_file=cfg.prompts, num_prompts=len(prompts),
                    target={"name": pair.target.name, "fingerprint": pair.target.fingerprint},

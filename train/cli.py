@@ -1,6 +1,7 @@
 """``heads-train``: fit a head on ``heads-datagen`` output.
 
     heads-train recipe=quickstart
+    heads-train recipe=fsd_head_quickstart fsd_label=js@0.4     # an FSD acceptance head (label=fsd)
     accelerate launch --multi_gpu --num_processes 2 -m specheads.train.cli recipe=quickstart
 
 Writes ``head.safetensors`` (the best epoch's head with its metadata, ready for
@@ -23,6 +24,7 @@ from specheads.errors import UserError
 from specheads.outputs import prepare_output_dir, write_manifest
 
 from .config import TrainConfig
+from .fsd import parse_label
 from .recipe import train
 
 log = logging.getLogger(__name__)
@@ -42,8 +44,15 @@ def _check(cfg: TrainConfig) -> None:
             problems.append("lam and every roc_lambdas value must be > 0")
     if not cfg.data_dir:
         problems.append("data_dir is not set; pass data_dir=<heads-datagen output_dir>")
-    if cfg.label not in ("soft", "expected"):
-        problems.append(f"label={cfg.label!r}: choose soft or expected")
+    if cfg.label not in ("soft", "expected", "fsd"):
+        problems.append(f"label={cfg.label!r}: choose soft, expected or fsd")
+    if cfg.label == "fsd":
+        if cfg.head != "acceptance":
+            problems.append(f"label=fsd trains head=acceptance, not head={cfg.head}")
+        try:
+            parse_label(cfg.fsd_label)
+        except UserError as err:
+            problems.append(str(err))
     if cfg.features not in ("online", "cached"):
         problems.append(f"features={cfg.features!r}: choose online or cached")
     if cfg.depth < 0:

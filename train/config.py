@@ -10,7 +10,8 @@ from specheads.export.shim.models import ModelSpec
 @dataclass
 class TrainConfig:
     """Fit a head on ``heads-datagen`` output: the SpecDec++ acceptance head (weighted soft BCE on
-    ``labels=acceptance`` data) or the SPRINTER verifier (class-weighted BCE on ``labels=sprinter`` data)."""
+    ``labels=acceptance`` data, or on the FSD decisions of ``labels=fsd`` data) or the SPRINTER
+    verifier (class-weighted BCE on ``labels=sprinter`` data)."""
 
     data_dir: str = field(default="", metadata={"help": "output_dir of heads-datagen"})
     draft: ModelSpec = field(default_factory=ModelSpec)
@@ -20,7 +21,8 @@ class TrainConfig:
     feature: str = field(default="previous", metadata={"help": "verifier: previous | current | previous+embedding (draft state before x, after x, or before x + x's input embedding)"})
     class_weights: str = field(default="balanced", metadata={"help": "verifier, judge: balanced (weights 1/(2 * class share) from the training labels) | fixed (w_acc, w_rej)"})
     roc_lambdas: list[float] = field(default_factory=list, metadata={"help": "verifier: also train one head per lambda on the same data for the ROC plot (roc.png)"})
-    label: str = field(default="soft", metadata={"help": "soft: min(1, p/q) on the state at y_i, token mixing (SpecDec++); expected: 1 - TV(p, q) on the state that produced q_i (the target's own prefix, no mixing)"})
+    label: str = field(default="soft", metadata={"help": "soft: min(1, p/q) on the state at y_i, token mixing (SpecDec++); expected: 1 - TV(p, q) on the state that produced q_i (the target's own prefix, no mixing); fsd: the FSD decision Div(p, q) < T of labels=fsd data (fsd_label), on the same state as expected"})
+    fsd_label: str = field(default="", metadata={"help": "label=fsd: <divergence>@<threshold>, one the datagen run stored (its manifest's fsd.label_columns), e.g. js@0.3"})
     features: str = field(default="online", metadata={"help": "online: the draft runs inside training; cached: its states are stored once (fp16) and reused"})
     cache_dir: str | None = field(default=None, metadata={"help": "features=cached: where the files go; default <data_dir>/features"})
     mix_ratio: float = field(default=0.15, metadata={"help": "token mixing ratio r"})

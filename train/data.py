@@ -16,7 +16,7 @@ COLUMNS = ("prompt_index", "input_ids", "response_start", "draft_token", "label"
 
 @dataclass
 class Example:
-    """One prompt's response with a draft token and a soft label per response position."""
+    """One prompt's response with a draft token and a label per response position (soft, or 0/1 for FSD)."""
 
     index: int
     input_ids: list[int]
@@ -42,7 +42,7 @@ def load_examples(data_dir: str | Path, label_column: str = "label") -> list[Exa
         table = pq.read_table(path, columns=list(dict.fromkeys((*COLUMNS[:-1], label_column))))
         for row in table.to_pylist():
             out.append(Example(row["prompt_index"], row["input_ids"], row["response_start"], row["draft_token"],
-                               row[label_column]))
+                               [float(v) for v in row[label_column]]))  # FSD decisions are stored as bools
     out.sort(key=lambda e: e.index)
     return out
 

@@ -1,7 +1,8 @@
 """The head training run: setup, epochs, evaluation, early stopping, checkpoints, export.
 
-One loop serves both heads: the SpecDec++ acceptance head (soft labels, token mixing, weighted
-soft BCE; selected on held-out binary KL) and the SPRINTER verifier (``verifier.py``: hard
+One loop serves every head: the SpecDec++ acceptance head (soft labels, token mixing, weighted
+soft BCE; selected on held-out binary KL; ``label=fsd``: the FSD decisions of ``fsd.py``, no
+mixing), the Judge head (``judge.py``) and the SPRINTER verifier (``verifier.py``: hard
 ratio-threshold labels, class-weighted BCE; selected on held-out AUROC, with ``metrics.json`` and
 ``roc.png``).
 
@@ -31,6 +32,7 @@ from specheads.heads import AcceptanceHead, JudgeHead, VerifierHead
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir
 
 from . import checkpoint
+from . import fsd as F
 from . import judge as J
 from . import verifier as V
 from .config import TrainConfig
@@ -57,8 +59,8 @@ def _features(ctx, examples, epoch: int):
     verifier = ctx["cfg"].head == "verifier"
     if ctx["cfg"].head == "judge":  # the datagen run's stored target features
         return ctx["cache"].batch(epoch, examples, ctx["device"])
-    if verifier and epoch != EVAL_EPOCH:
-        epoch = 0  # verifier features do not change between epochs (no mixing)
+    if (verifier or ctx["cfg"].label == "fsd") and epoch != EVAL_EPOCH:
+        epoch = 0  # verifier and FSD features do not change between epochs (no mixing)
     if ctx.get("cache") is not None:
         x, y = ctx["cache"].batch(epoch, examples, ctx["device"])
     else:
@@ -72,7 +74,7 @@ def _draft_features(ctx, examples, epoch: int):
     if ctx["cfg"].head == "verifier":
         return V.draft_features(ctx["draft"], ctx["capture"], examples, ctx["cfg"].feature, ctx["pad"], ctx["device"])
     seqs, starts, masks, labels = [], [], [], []
-    expected = ctx["cfg"].label == "expected"
+    expected = ctx["cfg"].label in ("expected", "fsd")  # labels that are functions of (p_i, q_i) alone
     for ex in examples:
         if expected:  # the state that produced q_i: the draft on the target's own prefix, every position
             z, m = ex.input_ids, [True] * len(ex.label)
@@ -83,7 +85,7 @@ def _draft_features(ctx, examples, epoch: int):
         masks.append(m)
         labels.append(ex.label)
     x, y = draft_features(ctx["draft"], ctx["capture"], seqs, starts, masks, labels, ctx["pad"], ctx["device"],
-                          shift=1 if ctx["cfg"].label == "expected" else 0)
+                          shift=1 if expected else 0)
     return x, y, [sum(m) for m in masks]
 
 
@@ -165,11 +167,15 @@ def _head_metadata(cfg: TrainConfig, manifest: dict, hidden: int, metrics: dict)
                 "label": "ratio", "lam": cfg.lam, "draft": manifest["draft"], "target": manifest["target"],
                 "sampling": manifest["sampling"], "default_threshold": cfg.threshold,
                 "extra": {"train": metrics, "datagen_seed": manifest.get("seed")}}
-    return {"head_config": {"hidden_size": hidden, "depth": cfg.depth}, "hidden_size": hidden,
-            "feature": {"model": "draft", "state": "post", "layer": -1, "position": "previous" if cfg.label == "expected" else "own"},
+    meta = {"head_config": {"hidden_size": hidden, "depth": cfg.depth}, "hidden_size": hidden,
+            "feature": {"model": "draft", "state": "post", "layer": -1,
+                        "position": "previous" if cfg.label in ("expected", "fsd") else "own"},
             "label": cfg.label,
             "draft": manifest["draft"], "target": manifest["target"], "sampling": manifest["sampling"],
             "default_threshold": cfg.threshold, "extra": {"train": metrics, "datagen_seed": manifest.get("seed")}}
+    if cfg.label == "fsd":
+        meta["fsd"] = F.head_metadata(cfg.fsd_label, manifest)
+    return meta
 
 
 def train(cfg: TrainConfig, out: Path) -> dict:
@@ -187,13 +193,16 @@ def train(cfg: TrainConfig, out: Path) -> dict:
     manifest = json.loads(manifest_path.read_text())
     verifier = cfg.head == "verifier"
     want = {"verifier": "sprinter", "judge": "judge"}.get(cfg.head, "acceptance")
-    if manifest.get("labels", "acceptance") != want:
-        raise UserError(f"{cfg.data_dir} holds labels={manifest.get('labels')!r} data; head={cfg.head} needs "
+    held = manifest.get("labels", "acceptance")
+    if held != want and not (want == "acceptance" and held == "fsd"):  # fsd data holds the acceptance columns too
+        raise UserError(f"{cfg.data_dir} holds labels={held!r} data; head={cfg.head} needs "
                         f"heads-datagen labels={want}")
     if cfg.head == "judge":  # the datagen run stored the target's features: no model is loaded
         return _train_loop(cfg, out, acc, manifest, *_judge_setup(cfg, acc, manifest))
     if verifier:
         examples = V.load_examples(cfg.data_dir)
+    elif cfg.label == "fsd":
+        examples = load_examples(cfg.data_dir, F.label_column(cfg.fsd_label, manifest, cfg.data_dir))
     else:
         examples = load_examples(cfg.data_dir, "expected_label" if cfg.label == "expected" else "label")
     train_ex, eval_ex = split(examples, cfg.eval_fraction, cfg.seed)
@@ -211,12 +220,15 @@ def train(cfg: TrainConfig, out: Path) -> dict:
     if cfg.features == "cached":
         if verifier:
             key = cache_key(draft.fingerprint, 0.0, cfg.seed, f"verifier:{cfg.feature}", cfg.eval_fraction)
+        elif cfg.label == "fsd":  # no mixing; the labels differ per divergence and threshold
+            name, threshold = F.parse_label(cfg.fsd_label)
+            key = cache_key(draft.fingerprint, 0.0, cfg.seed, f"fsd:{name}@{threshold!r}", cfg.eval_fraction)
         else:
             key = cache_key(draft.fingerprint, cfg.mix_ratio, cfg.seed, cfg.label, cfg.eval_fraction)
         root = Path(cfg.cache_dir or Path(cfg.data_dir) / "features") / key
         cache = FeatureCache(root, lambda exs, epoch: _draft_features(ctx, exs, epoch), cfg.batch_size)
         if acc.is_main_process:  # built once, before training; other processes wait for the files
-            for epoch in range(1 if verifier else cfg.epochs):
+            for epoch in range(1 if verifier or cfg.label == "fsd" else cfg.epochs):
                 cache.build(epoch, train_ex)
             cache.build(EVAL_EPOCH, eval_ex)
         acc.wait_for_everyone()

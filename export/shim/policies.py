@@ -8,7 +8,8 @@ exactly two decisions per round:
 * ``verify(rnd, logits, hidden)`` after the single target pass over
   ``[last, y_1..y_n]``: how many candidates to keep and which token the target adds.
 
-SpecDec++, SPRINTER, Judge, FSD and the heterogeneous-vocabulary methods are policies.
+SpecDec++, SPRINTER, Judge, FSD, top-K verification, draft-confidence stopping and the
+heterogeneous-vocabulary methods are policies.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from specheads.errors import UserError
 
+from .divergence import DIVERGENCES, divergence
 from .sampling import SamplingConfig, probs_from_logits, sample
 
 
@@ -417,8 +419,183 @@ class TopKVerify(Policy):
         return Verdict(m, tokens[m])
 
 
+FSD_RULES = ("paper", "or")
+DIV_DISTS = ("raw", "warped")
+
+
+def fsd_problems(threshold: float | None, divergence_name: str, fsd_top_k: int, rule: str, fsd_dist: str) -> list[str]:
+    """One line per invalid FSD setting (empty when valid), so a CLI can report them all at once.
+
+    Args:
+        threshold: ``T``; None when the user did not set it.
+        divergence_name: one of :data:`~.divergence.DIVERGENCES`.
+        fsd_top_k: 0 (full vocabulary) or the top-k-plus-rest restriction.
+        rule: ``paper`` or ``or``.
+        fsd_dist: ``raw`` or ``warped``.
+    """
+    out = []
+    if threshold is None:
+        out.append("FSD needs a divergence threshold T: set threshold=T (>= 0; sweep it with heads-eval fsd_js=[...])")
+    elif not threshold >= 0:  # also catches nan
+        out.append(f"FSD threshold T={threshold} must be >= 0")
+    if divergence_name not in DIVERGENCES:
+        out.append(f"unknown divergence {divergence_name!r}; choose one of {list(DIVERGENCES)}")
+    if fsd_top_k < 0:
+        out.append(f"fsd_top_k={fsd_top_k} must be >= 0 (0: the whole vocabulary)")
+    if rule not in FSD_RULES:
+        out.append(f"FSD rule {rule!r}: expected paper (Div < T) or or (SD accepts or Div < T)")
+    if fsd_dist not in DIV_DISTS:
+        out.append(f"fsd_dist={fsd_dist!r}: expected raw (unwarped softmax) or warped (after temperature/top-k/top-p)")
+    return out
+
+
+class FSD(Policy):
+    """Fuzzy speculative decoding (ALGORITHMS.md section 4), training-free, not lossless.
+
+    ``k`` candidates are verified in one target pass. Paper rule (default): accept candidate ``y_i``
+    while ``Div(p_i, q_i) < T``; at the first rejection emit a token from ``p_i`` itself (greedy: its
+    argmax; sampling: a draw from the warped ``p_i``); after ``k`` acceptances the bonus from
+    ``p_{k+1}``. ``T = 0`` accepts nothing (target-exact output, every draft wasted). Rule ``or`` (the
+    FSD author's later implementation): accept while the SD rule accepts OR ``Div < T``, at the first
+    rejection the SD correction (residual; greedy: argmax); ``T = 0`` is SD draw for draw.
+
+    Divergences are in fp32 on ``raw`` distributions (softmax of the unwarped logits, as the public
+    FSD code) or ``warped`` ones (after temperature / top-k / top-p: the distributions decoding draws
+    from). Greedy decoding warps nothing, so there ``warped`` is ``raw``. Divergences are clamped at 0
+    against rounding, so ``T = 0`` never accepts.
+
+    ``fuzzy_only`` counts accepted candidates that the strict SD rule would have rejected (greedy:
+    ``y_i != argmax p_i``; rule ``or`` with sampling: the round's own SD draw failed), up to the first
+    EOS (the engine drops what follows). The paper rule with sampling draws no uniforms, so there it
+    adds the expected count ``sum(1 - min(1, p_i(y_i) / q_i(y_i)))``.
+
+    Args:
+        threshold: ``T >= 0``; larger accepts more.
+        divergence: ``kl`` (KL(p||q)), ``kl_rev`` (KL(q||p)), ``js`` or ``tv``.
+        k: candidates per round.
+        fsd_top_k: 0 for the full vocabulary, else the target's top ``fsd_top_k`` tokens plus one bucket.
+        rule: ``paper`` or ``or``.
+        fsd_dist: ``raw`` or ``warped``.
+        stopper: optional SpecDec++ policy whose head predicts FSD acceptance from draft states
+            (``heads-datagen labels=fsd``, FSD paper section 7.1): it decides when to stop drafting
+            (its ``k_max`` replaces ``k``); FSD still verifies.
+    """
+
+    name = "fsd"
+
+    def __init__(self, threshold: float, divergence: str = "js", k: int = 4, fsd_top_k: int = 0,
+                 rule: str = "paper", fsd_dist: str = "raw", stopper: SpecDecPP | None = None):
+        problems = fsd_problems(threshold, divergence, fsd_top_k, rule, fsd_dist)
+        if problems:
+            raise UserError("; ".join(problems))
+        super().__init__(k if stopper is None else stopper.k)
+        self.threshold, self.divergence, self.fsd_top_k = float(threshold), divergence, fsd_top_k
+        self.rule, self.fsd_dist = rule, fsd_dist
+        self.stopper = stopper
+        if stopper is not None:
+            self.draft_hidden = stopper.draft_hidden
+        self.fuzzy_only = 0.0
+        self._eos: tuple[frozenset, torch.Tensor] | None = None
+
+    def reset(self) -> None:
+        if self.stopper is not None:
+            self.stopper.reset()
+
+    def stop_drafting(self, rnd: Round) -> bool:
+        return super().stop_drafting(rnd) if self.stopper is None else self.stopper.stop_drafting(rnd)
+
+    def _emitted(self, rnd: Round, cand: torch.Tensor) -> torch.Tensor:
+        """``[n]`` 1 for candidates up to the first EOS among them, 0 after it (the engine cuts those)."""
+        if not rnd.eos:
+            return torch.ones_like(cand)
+        if self._eos is None or self._eos[0] != rnd.eos or self._eos[1].device != cand.device:
+            self._eos = (rnd.eos, torch.tensor(sorted(rnd.eos), device=cand.device))
+        is_eos = torch.isin(cand, self._eos[1]).long()
+        return (is_eos.cumsum(0) - is_eos == 0).long()
+
+    def _divergences(self, rnd: Round, logits: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
+        """``[n]`` divergences between the target's and the draft's distributions at each candidate."""
+        n = rnd.n
+        if self.fsd_dist == "warped" and rnd.sampling.do_sample:
+            p_div, q_div = p[:n], torch.stack(rnd.q).to(p.device)
+        else:  # raw: in greedy mode rnd.q is empty, the draft's logits are always there
+            p_div = logits[:n].float().softmax(-1)
+            q_div = torch.stack(rnd.draft_logits).to(logits.device).float().softmax(-1)
+        return divergence(self.divergence, p_div, q_div, self.fsd_top_k).clamp_min(0)
+
+    def verify(self, rnd: Round, logits: torch.Tensor, hidden: torch.Tensor | None) -> Verdict:
+        if rnd.n == 0:  # no room for a candidate: the target's own token
+            return standard_verify(rnd, logits)
+        cand = rnd.candidates(logits.device)
+        if not rnd.sampling.do_sample:
+            return self._verify_greedy(rnd, logits, cand)
+        p = probs_from_logits(logits, rnd.sampling)  # [n+1, V] warped
+        return self._verify_sampled(rnd, p, cand, self._divergences(rnd, logits, p) < self.threshold)
+
+    def _verify_greedy(self, rnd: Round, logits: torch.Tensor, cand: torch.Tensor) -> Verdict:
+        n = rnd.n
+        fuzzy = self._divergences(rnd, logits, None) < self.threshold
+        top = logits.argmax(-1)
+        strict = cand == top[:n]
+        kept = ((fuzzy | strict) if self.rule == "or" else fuzzy).long().cumprod(0)
+        lenient = ((~strict).long() * kept * self._emitted(rnd, cand)).sum()
+        m, lenient, *tokens = torch.cat([torch.stack([kept.sum(), lenient]), top]).tolist()  # the one sync
+        self.fuzzy_only += lenient
+        return Verdict(m, tokens[m])
+
+    def _verify_sampled(self, rnd: Round, p: torch.Tensor, cand: torch.Tensor, fuzzy: torch.Tensor) -> Verdict:
+        n = rnd.n
+        q = torch.stack(rnd.q).to(p.device)
+        idx = torch.arange(n, device=p.device)
+        py, qy = p[idx, cand], q[idx, cand]
+        emitted = self._emitted(rnd, cand)
+        if self.rule == "or":
+            u = torch.rand(n, device=p.device, generator=rnd.generator)  # the draws SD makes, in its order
+            strict = u * qy <= py
+            kept = (fuzzy | strict).long().cumprod(0)
+            m, lenient = torch.stack([kept.sum(), ((~strict).long() * kept * emitted).sum()]).tolist()
+            self.fuzzy_only += lenient
+            dist = p[n] if m == n else residual(p[m], q[m])
+            return Verdict(m, int(sample(dist, rnd.generator)))
+        kept = fuzzy.long().cumprod(0)
+        expected = ((1 - (py / qy).clamp(max=1)) * kept * emitted).sum()  # qy > 0: y_i was drawn from q_i
+        draws = sample(p, rnd.generator)  # a token from every p_i; the decision does not depend on them
+        m, lenient, *tokens = torch.cat([torch.stack([kept.sum().double(), expected.double()]),
+                                         draws.double()]).tolist()  # the one sync
+        self.fuzzy_only += lenient
+        return Verdict(int(m), int(tokens[int(m)]))
+
+
+class ConfidenceStop(Policy):
+    """Draft-confidence stopping (ALGORITHMS.md section 4; Hugging Face's
+    ``assistant_confidence_threshold``), a training-free baseline: stop drafting after a candidate
+    whose probability under the draft, ``q_i(y_i)`` from the softmax of the raw draft logits, is
+    below ``tau``, and after ``k_max`` candidates at most. Verification is the standard SD rule,
+    so the output is as lossless as SD's; ``tau = 0`` never stops early (SD with ``k = k_max``).
+
+    Args:
+        tau: confidence threshold in [0, 1]; larger stops sooner.
+        k_max: most candidates per round.
+    """
+
+    name = "confidence_stop"
+
+    def __init__(self, tau: float = 0.4, k_max: int = 20):
+        if not 0 <= tau <= 1:
+            raise UserError(f"confidence threshold tau={tau} must be in [0, 1]")
+        super().__init__(k_max)
+        self.tau = float(tau)
+
+    def stop_drafting(self, rnd: Round) -> bool:
+        if rnd.n >= self.k:
+            return True
+        logits = rnd.draft_logits[-1].float()  # [V]
+        confidence = (logits[rnd.tokens[-1]] - logits.logsumexp(-1)).exp()
+        return float(confidence) < self.tau
+
+
 POLICIES: dict[str, type[Policy]] = {"sd": StandardSD, "specdecpp": SpecDecPP, "sprinter": Sprinter, "judge": Judge,
-                                     "topk_verify": TopKVerify}
+                                     "topk_verify": TopKVerify, "fsd": FSD, "confidence_stop": ConfidenceStop}
 BASELINES = ("ar", "draft")  # autoregressive target-only / draft-only, no policy object
 
 

@@ -1,0 +1,144 @@
+"""Training-free policies on the shared pair: FSD threshold sweeps, top-K verification and
+draft-confidence stopping against SD, graded on GSM8K-test.
+
+    python bench/training_free.py                  # recipe fsd_quickstart, writes bench/results/training_free.json
+    python bench/training_free.py eval.num_prompts=2 eval.max_new_tokens=16 eval.fsd_tv=[]   # a quick look
+
+Runs ``heads-eval`` with the recipe's ``eval`` section (any ``key=value`` or ``eval.key=value``
+override): target-only, draft-only, SD at fixed K, top-K verification, FSD at every threshold of
+every divergence and draft-confidence stopping at every tau decode every prompt, interleaved. Writes
+``bench/results/training_free.json`` (the table with GSM8K accuracy, tokens/s and accepted drafts per
+target call for every row, the FSD sweep per divergence, the divergence settings, and a check of the
+FSD paper's claim that small thresholds keep SD's accuracy at a higher speed: the fastest FSD row whose
+GSM8K accuracy is within 2 points of SD's and its speed ratio to SD, reported whether it holds or not)
+and ``bench/results/training_free.png`` (quality against tokens/s and accepted drafts per call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from _common import run_info
+from specheads.config import UserError, load_config
+from specheads.evaluate.cli import main as eval_main
+from specheads.evaluate.config import EvalConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = 0.02  # "within 2 points" of SD's accuracy
+MIN_CORRECT = 5  # fewer correct SD answers than this: the accuracy comparison is noise
+COLUMNS = ("config", "tokens_per_s", "accepted_per_call", "gsm8k_accuracy", "rouge_l_vs_target", "vs_sd_tokens_per_s")
+
+
+def _gsm8k(accuracy: dict, config: str) -> dict:
+    return accuracy.get(config, {}).get("gsm8k") or {}
+
+
+def _table(sweep: dict) -> list[dict]:
+    """Every configuration with the numbers the result reports."""
+    acc, tf = sweep.get("accuracy", {}), sweep["training_free"]
+    sd = next((r for r in sweep["table"] if r["config"] == tf["sd_reference"]), None)
+    out = []
+    for r in sweep["table"]:
+        g, extra = _gsm8k(acc, r["config"]), tf["rows"].get(r["config"], {})
+        out.append({"config": r["config"], "family": extra.get("family"), "tokens_per_s": r["tokens_per_s"],
+                    "accepted_per_call": r["accepted_per_call"], "tokens_per_call": r["tokens_per_call"],
+                    "gsm8k_accuracy": g.get("accuracy"), "gsm8k_correct": g.get("correct"),
+                    "gsm8k_graded": g.get("prompts"),
+                    "rouge_l_vs_target": 1.0 if r["config"] == "ar" else (r.get("rouge_vs_target") or {}).get("rougeL"),
+                    "fuzzy_only": extra.get("fuzzy_only"),
+                    "vs_sd_tokens_per_s": round(r["tokens_per_s"] / sd["tokens_per_s"], 4)
+                    if sd and sd["tokens_per_s"] else None})
+    return out
+
+
+def paper_claim(table: list[dict], sd_config: str) -> dict:
+    """The fastest FSD row whose GSM8K accuracy is within 2 points of SD's, and its speed ratio to SD.
+
+    ``holds`` is True when that row is faster than SD, False when it is not or no row is within the
+    tolerance, None when nothing was graded.
+    """
+    by = {r["config"]: r for r in table}
+    sd = by[sd_config]
+    out = {"claim": "FSD keeps SD's accuracy at a higher speed for small thresholds (FSD paper, sections 5-6)",
+           "sd_config": sd_config, "sd_gsm8k_accuracy": sd["gsm8k_accuracy"], "sd_tokens_per_s": sd["tokens_per_s"],
+           "tolerance": TOLERANCE, "graded_prompts": sd["gsm8k_graded"], "sd_correct": sd["gsm8k_correct"]}
+    if sd["gsm8k_accuracy"] is None:
+        return {**out, "holds": None, "why": "no GSM8K prompt was graded"}
+    if sd["gsm8k_correct"] < MIN_CORRECT:
+        out["caveat"] = (f"SD answers {sd['gsm8k_correct']} of {sd['gsm8k_graded']} prompts correctly: accuracy "
+                         "cannot separate the rows; see rouge_l_vs_target")
+    fsd = [r for r in table if r["config"].startswith("fsd-") and r["gsm8k_accuracy"] is not None]
+    within = [r for r in fsd if abs(r["gsm8k_accuracy"] - sd["gsm8k_accuracy"]) <= TOLERANCE + 1e-9]
+    out.update(fsd_within=[r["config"] for r in within],
+               one_prompt_is_points=round(100 / sd["gsm8k_graded"], 2) if sd["gsm8k_graded"] else None)
+    if not within:
+        return {**out, "holds": False, "fastest_fsd_within": None, "why": "no FSD row within the tolerance"}
+    best = max(within, key=lambda r: r["tokens_per_s"])
+    ratio = round(best["tokens_per_s"] / sd["tokens_per_s"], 4) if sd["tokens_per_s"] else None
+    return {**out, "fastest_fsd_within": best["config"], "its_gsm8k_accuracy": best["gsm8k_accuracy"],
+            "its_rouge_l_vs_target": best["rouge_l_vs_target"],
+            "its_tokens_per_s": best["tokens_per_s"], "its_accepted_per_call": best["accepted_per_call"],
+            "sd_accepted_per_call": sd["accepted_per_call"], "speed_ratio_vs_sd": ratio,
+            "holds": ratio is not None and ratio > 1}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default="fsd_quickstart")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/training_free.json"))
+    args, overrides = ap.parse_known_args(argv)
+    eval_args = [f"recipe={args.recipe}", *(o.removeprefix("eval.") for o in overrides)]
+    try:
+        cfg = load_config(EvalConfig, "eval", eval_args)  # fail fast on a bad override
+    except UserError as exc:
+        print(f"training_free.py: error: {exc}", file=sys.stderr)
+        return 2
+    code = eval_main(eval_args)
+    if code:
+        return code
+    out_dir = Path(cfg.output_dir)
+    sweep = json.loads((out_dir / "sweep.json").read_text())
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    if "training_free" not in sweep:
+        print("training_free.py: error: the sweep has no training-free rows; set fsd_js=[...], topk=[...] or "
+              "confidence=[...]", file=sys.stderr)
+        return 2
+    tf = sweep["training_free"]
+    table = _table(sweep)
+    by = {r["config"]: r for r in table}
+    fsd_sweep: dict[str, list[dict]] = {}
+    for div, thresholds in tf["settings"]["fsd"]["thresholds"].items():
+        fsd_sweep[div] = [{"threshold": t, **by[f"fsd-{div}-{t:g}"],
+                           "fuzzy_only_share": tf["rows"][f"fsd-{div}-{t:g}"].get("fuzzy_only_share")}
+                          for t in sorted(thresholds)]
+    result = {
+        **run_info(__file__, argv, "fp32, batch 1 decoding"),
+        "recipe": args.recipe, "prompts": sweep["prompts"], "num_prompts": sweep["num_prompts"],
+        "max_new_tokens": sweep["max_new_tokens"], "sampling": sweep["sampling"],
+        "wall_time_s": manifest["wall_time_s"],
+        "t_target_ms": sweep["t_target_ms"], "t_draft_ms": sweep["t_draft_ms"],
+        "settings": tf["settings"], "sd_config": tf["sd_reference"],
+        "accepted_per_call": "accepted draft tokens per target call (tokens per call = that + 1 per round)",
+        "table": table, "fsd_sweep": fsd_sweep,
+        "topk": [by[f"t{k}"] for k in tf["settings"]["topk"]["values"]],
+        "confidence": [by[f"c{t:g}"] for t in tf["settings"]["confidence"]["taus"]],
+        "paper_claim": paper_claim(table, tf["sd_reference"]) if tf["sd_reference"] else None,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    if sweep.get("quality_png"):
+        shutil.copyfile(sweep["quality_png"], out.with_suffix(".png"))
+    print(" | ".join(COLUMNS))
+    for r in table:
+        print(" | ".join("-" if r[c] is None else str(r[c]) for c in COLUMNS))
+    print(json.dumps({"paper_claim": result["paper_claim"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
