@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 
@@ -56,12 +57,23 @@ def main(argv=None) -> int:
     table = [{"config": r["config"], "tokens_per_s": r["tokens_per_s"], "accepted_per_call": r["accepted_per_call"],
               "tokens_per_call": r["tokens_per_call"], "gsm8k_accuracy": _acc(acc, r["config"], "gsm8k"),
               "arc_accuracy": _acc(acc, r["config"], "arc")} for r in sweep["table"]]
+    quality = {r["config"]: (r.get("rouge_vs_target") or {}).get("rougeL") for r in sweep["table"]}
+    tradeoff = [{"config": n, "delta": float(n[1:]), "accepted_per_call": rows[n]["accepted_per_call"],
+                 "tokens_per_s": rows[n]["tokens_per_s"], "gsm8k_accuracy": _acc(acc, n, "gsm8k"),
+                 "arc_accuracy": _acc(acc, n, "arc"), "rougeL_vs_target": quality.get(n)}
+                for n in sorted(rows, key=lambda n: rows[n]["accepted_per_call"])]
+    png = Path(args.out).with_name(Path(args.out).stem + "_tradeoff.png")
+    src = Path(cfgs["eval"].output_dir) / "quality.png"
+    if src.is_file():
+        shutil.copyfile(src, png)
     result = {
         **run_info(__file__, argv, "fp32, batch 1 decoding"),
         "prompts": sweep["prompts"], "num_prompts": sweep["num_prompts"], "max_new_tokens": sweep["max_new_tokens"],
         "tuple_counts": manifest["tuple_counts"], "positive_tokens": manifest["positive_tokens"],
         "negative_tokens": manifest["negative_tokens"], "auroc": train["auroc"], "judge_metrics": train,
-        "table": table, "judge_config": pick, "judge_within_2_points": pick in ok, "sd_config": sd,
+        "table": table, "tradeoff": tradeoff,
+        "tradeoff_png": str(png.relative_to(ROOT)) if png.is_relative_to(ROOT) and png.is_file() else None,
+        "judge_config": pick, "judge_within_2_points": pick in ok, "sd_config": sd,
         "ratios": {"judge_vs_sd_accepted_per_call": rows[pick]["vs_sd_accepted_per_call"],
                    "judge_vs_sd_tokens_per_s": rows[pick]["vs_sd_tokens_per_s"]},
         "gsm8k_accuracy": {k: _acc(acc, c, "gsm8k") for k, c in (("target", "ar"), ("judge", pick), ("draft", "draft"),
