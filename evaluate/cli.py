@@ -39,7 +39,8 @@ from specheads.errors import UserError
 from specheads.export.api import fit_context, format_prompt
 from specheads.export.package import read_metadata
 from specheads.export.shim.engine import GenerationStats
-from specheads.export.shim.models import load_pair
+from specheads.export.shim.hetero import METHODS as HETERO
+from specheads.export.shim.models import load_pair, same_vocabulary
 from specheads.export.shim.divergence import DIVERGENCES
 from specheads.export.shim.policies import SpecDecPP, fsd_problems
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, write_manifest
@@ -49,7 +50,7 @@ from . import quality, training_free
 from .config import EvalConfig
 from .oracle import below_curve, cost_per_token, draft_agreement, oracle_schedule, perfect_head_schedule
 from .plot import pareto_plot, quality_speed_plot
-from .sweep import build_decoders, run_sweep, total
+from .sweep import build_decoders, run_sweep, same_vocab_rows, total
 
 log = logging.getLogger(__name__)
 PROG = "heads-eval"
@@ -62,9 +63,14 @@ def _check(cfg: EvalConfig) -> None:
     if not cfg.prompts:
         problems.append("prompts is not set; pass prompts=<held-out prompt file>")
     fsd = {d: list(getattr(cfg, f"fsd_{d}")) for d in DIVERGENCES if getattr(cfg, f"fsd_{d}")}
-    if not (cfg.ks or cfg.head or cfg.verifier or cfg.judge or cfg.topk or fsd or cfg.confidence):
+    if not (cfg.ks or cfg.head or cfg.verifier or cfg.judge or cfg.topk or fsd or cfg.confidence or cfg.hetero):
         problems.append("nothing to sweep: set ks=[...], head=, verifier=, judge=, topk=[...], fsd_js=[...] "
-                        "(or fsd_tv, fsd_kl, fsd_kl_rev) and/or confidence=[...]")
+                        "(or fsd_tv, fsd_kl, fsd_kl_rev), confidence=[...] and/or hetero=[tli,slem]")
+    bad = [m for m in cfg.hetero if m not in HETERO]
+    if bad or len(set(cfg.hetero)) != len(cfg.hetero):
+        problems.append(f"hetero={list(cfg.hetero)}: each of {list(HETERO)} at most once")
+    if cfg.hetero_k < 1:
+        problems.append(f"hetero_k={cfg.hetero_k} must be >= 1")
     for d, ts in fsd.items():
         if not all(t >= 0 for t in ts):
             problems.append(f"fsd_{d}={ts}: every FSD threshold T must be >= 0")
@@ -173,7 +179,7 @@ def summarize(cfg: EvalConfig, grouped: dict[str, list[dict]], oracle: Generatio
 def _quality(cfg: EvalConfig, pair, prompts, grouped: dict[str, list[dict]], decoders, summary: dict) -> None:
     """Adds FLOPs, verifier calls and ROUGE to the table rows; SPRINTER's alpha, TV bound and ratios."""
     tok = pair.tokenizer
-    texts = {n: [tok.decode(r["tokens"], skip_special_tokens=True) for r in rows] for n, rows in grouped.items()}
+    texts = {n: [_text(pair, n, r["tokens"]) for r in rows] for n, rows in grouped.items()}
     refs = [p.reference_text for p in prompts]
     v_params = {n: sum(p.numel() for p in d.policy.head.parameters())
                 for n, d in decoders.items() if n.startswith("s") and hasattr(d.policy, "head")}
@@ -222,17 +228,22 @@ def _quality(cfg: EvalConfig, pair, prompts, grouped: dict[str, list[dict]], dec
     summary["sprinter"] = section
 
 
+def _text(pair, config: str, tokens: list[int]) -> str:
+    """A row's output text: the draft-alone row is in the draft's vocabulary, every other in the target's."""
+    tok = pair.draft.tokenizer if config == "draft" else pair.tokenizer
+    return tok.decode(tokens, skip_special_tokens=True)
+
+
 def _accuracy(cfg: EvalConfig, pair, prompts, grouped: dict[str, list[dict]], summary: dict) -> None:
     """Per configuration and prompt source with a grader (GSM8K final number, ARC letter): accuracy;
     for judge rows, the ratios to SD at the same K (else the fastest SD row)."""
     from specheads.datagen.judge import grade
 
-    tok = pair.tokenizer
     acc: dict = {}
     for name, rows in grouped.items():
         per: dict = {}
         for prompt, row in zip(prompts, rows):
-            ok, _ = grade(prompt, tok.decode(row["tokens"], skip_special_tokens=True))
+            ok, _ = grade(prompt, _text(pair, name, row["tokens"]))
             if ok is None:
                 continue
             d = per.setdefault(prompt.source, [0, 0])
@@ -301,12 +312,18 @@ def run(cfg: EvalConfig) -> int:
     prompts = load_prompt_files(cfg.prompts, limit=cfg.num_prompts, offset=cfg.offset)
     out = prepare_output_dir(cfg.output_dir, to_yaml(cfg), overwrite=cfg.overwrite)
     started = time.time()
-    pair = load_pair(cfg.target, cfg.draft, same_vocab=True)
+    pair = load_pair(cfg.target, cfg.draft, same_vocab=not cfg.hetero)
+    shared = same_vocabulary(pair.target.tokenizer, pair.draft.tokenizer)
+    if not shared and same_vocab_rows(cfg):
+        raise UserError(f"the draft's tokenizer differs from the target's: {', '.join(same_vocab_rows(cfg))} need "
+                        "one vocabulary; on this pair sweep only hetero=[tli,slem] (and pass ks=[])")
     decoders = build_decoders(cfg, pair)
     grouped = run_sweep(decoders, prompts, out / "rows.jsonl")
     oracle = perfect = None
     lag = next((d.policy.lag for d in decoders.values() if isinstance(d.policy, SpecDecPP)), None)
-    if cfg.oracle and not cfg.sampling.do_sample:
+    if cfg.oracle and not shared:
+        log.info("the oracle needs one vocabulary; skipped for this heterogeneous pair")
+    elif cfg.oracle and not cfg.sampling.do_sample:
         oracle = GenerationStats(prompts=0)
         perfect = GenerationStats(prompts=0) if lag is not None else None
         ar = decoders["ar"]
@@ -331,11 +348,12 @@ def run(cfg: EvalConfig) -> int:
     if label is not None:
         summary["quality_png"] = str(quality_speed_plot(
             out / "quality.png", points, label, f"{pair.draft.name} -> {pair.target.name}, {len(prompts)} prompts"))
-    summary["pareto_png"] = str(pareto_plot(
-        out / "pareto.png",
-        [{"label": r["config"], **r} for r in summary["table"] if r["config"].startswith("k")],
-        [{"label": r["config"], **r} for r in summary["table"] if r["config"].startswith("h")],
-        summary.get("oracle"), f"{pair.draft.name} -> {pair.target.name}, {len(prompts)} prompts"))
+    if any(r["config"].startswith(("k", "h")) for r in summary["table"]):  # the fixed-K / SpecDec++ plane
+        summary["pareto_png"] = str(pareto_plot(
+            out / "pareto.png",
+            [{"label": r["config"], **r} for r in summary["table"] if r["config"].startswith("k")],
+            [{"label": r["config"], **r} for r in summary["table"] if r["config"].startswith("h")],
+            summary.get("oracle"), f"{pair.draft.name} -> {pair.target.name}, {len(prompts)} prompts"))
     summary.update(prompts=cfg.prompts, num_prompts=len(prompts), sampling=cfg.sampling.to_dict(),
                    max_new_tokens=cfg.max_new_tokens)
     atomic_write_json(out / "sweep.json", summary)

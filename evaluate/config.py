@@ -39,6 +39,8 @@ class EvalConfig:
     fsd_dist: str = field(default="raw", metadata={"help": "FSD: raw (softmax of unwarped logits) | warped (after temperature/top-k/top-p; same as raw when greedy)"})
     confidence: list[float] = field(default_factory=list, metadata={"help": "draft-confidence stopping baselines: taus in [0, 1] (rows c<tau>; stop drafting when q(y) < tau)"})
     confidence_k_max: int = field(default=10, metadata={"help": "draft-confidence stopping: most candidates per round"})
+    hetero: list[str] = field(default_factory=list, metadata={"help": "heterogeneous-vocabulary methods: tli and/or slem (rows v-<method>-k<hetero_k>); with a draft whose tokenizer differs from the target's, only these, ar and draft can run"})
+    hetero_k: int = field(default=2, metadata={"help": "tli / slem: draft tokens per round"})
     accuracy: bool = field(default=True, metadata={"help": "grade outputs where a grader exists: GSM8K final number, ARC letter"})
     quality: bool = field(default=True, metadata={"help": "ROUGE vs target-only outputs and references, FLOPs per token, SPRINTER alpha"})
     k_min: int = field(default=2, metadata={"help": "specdecpp: fewest candidates per round"})

@@ -31,6 +31,23 @@ def config_names(ks: list[int], thresholds: list[float], with_head: bool, etas: 
             + ([f"s{e:g}" for e in etas] if with_verifier else []))
 
 
+def hetero_row(method: str, k: int) -> str:
+    """Row name of a heterogeneous-vocabulary method (``v-slem-k2``)."""
+    return f"v-{method}-k{k}"
+
+
+def same_vocab_rows(cfg) -> list[str]:
+    """The configured rows that need the target's vocabulary in the draft (all but ar, draft, tli, slem)."""
+    rows = [f"ks={list(cfg.ks)}"] if cfg.ks else []
+    for key in ("head", "verifier", "judge"):
+        if getattr(cfg, key, None):
+            rows.append(f"{key}=")
+    for key in ("topk", "confidence", *(f"fsd_{d}" for d in DIVERGENCES)):
+        if getattr(cfg, key, None):
+            rows.append(f"{key}={list(getattr(cfg, key))}")
+    return rows
+
+
 def build_decoders(cfg, pair) -> dict[str, Decoder]:
     """A decoder per configuration, all on the one loaded pair, seed and sampling settings."""
     def dec(policy):
@@ -57,6 +74,8 @@ def build_decoders(cfg, pair) -> dict[str, Decoder]:
         for delta in cfg.deltas:
             out[f"j{delta:g}"] = dec(make_policy("judge", pair, k=cfg.judge_k, head=cfg.judge, threshold=delta,
                                                  sampling=cfg.sampling))
+    for method in getattr(cfg, "hetero", []):
+        out[hetero_row(method, cfg.hetero_k)] = dec(make_policy(method, pair, k=cfg.hetero_k))
     if getattr(cfg, "verifier", None):
         for eta in cfg.etas:
             out[f"s{eta:g}"] = dec(make_policy("sprinter", pair, head=cfg.verifier, threshold=eta,

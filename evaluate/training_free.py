@@ -12,7 +12,8 @@ from specheads.export.shim.divergence import DIVERGENCES
 from .sweep import total
 
 FAMILIES = {"ar": "target alone", "draft": "draft alone", "k": "SD (fixed K)", "h": "SpecDec++",
-            "t": "top-K verification", "c": "confidence stop", "j": "judge", "s": "SPRINTER"}
+            "t": "top-K verification", "c": "confidence stop", "j": "judge", "s": "SPRINTER",
+            "v": "TLI / SLEM"}
 TRAINING_FREE = ("t", "fsd", "c")
 
 

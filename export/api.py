@@ -11,6 +11,7 @@ from specheads.errors import UserError
 
 from .package import load_head
 from .shim.engine import Engine, Generation, GenerationStats
+from .shim.hetero import METHODS as HETERO, HeteroEngine, HeteroMethod
 from .shim.models import Pair, context_length
 from .shim.policies import BASELINES, FSD, ConfidenceStop, Judge, Policy, SpecDecPP, Sprinter, build_policy
 from .shim.sampling import SamplingConfig
@@ -108,6 +109,8 @@ def make_policy(name: str, pair: Pair, k: int = 4, head: str | None = None, thre
     """
     if name in BASELINES:
         return name
+    if name in HETERO:
+        return HeteroMethod(name, k)
     if name == "fsd":  # FSD reports every bad setting at once, a missing threshold included
         stopper = None
         if head:  # an acceptance head trained on FSD labels stops the drafting (FSD paper section 7.1)
@@ -156,7 +159,7 @@ class Decoder:
             False keeps each model's own forward.
     """
 
-    def __init__(self, pair: Pair, policy: str | Policy = "sd", max_new_tokens: int = 128, k: int = 4,
+    def __init__(self, pair: Pair, policy: str | Policy | HeteroMethod = "sd", max_new_tokens: int = 128, k: int = 4,
                  sampling: SamplingConfig | None = None, seed: int = 0, chat_template: bool = True,
                  fused_forward: bool = True):
         if max_new_tokens < 1:
@@ -167,11 +170,16 @@ class Decoder:
             raise UserError("; ".join(bad))
         if isinstance(policy, str):
             policy = make_policy(policy, pair, k=k, sampling=self.sampling)
-        if (isinstance(policy, Policy) or policy == "draft") and pair.draft is None:
+        if (isinstance(policy, (Policy, HeteroMethod)) or policy == "draft") and pair.draft is None:
             raise UserError(f"policy {getattr(policy, 'name', policy)!r} needs a draft model; set draft.path")
         self.pair, self.policy, self.max_new_tokens, self.chat_template = pair, policy, max_new_tokens, chat_template
         self.engine = Engine(pair.target.model, pair.draft.model if pair.draft else None, pair.eos_token_ids,
                              fused=fused_forward)
+        self.hetero = None
+        if isinstance(policy, HeteroMethod):
+            self.hetero = HeteroEngine(pair.target.model, pair.draft.model, pair.target.tokenizer,
+                                       pair.draft.tokenizer, pair.eos_token_ids, policy.lookbehind,
+                                       fused=fused_forward)
         limits = [context_length(m.model) for m in (pair.target, pair.draft) if m is not None]
         self.context = min((x for x in limits if x), default=None)
         self.seed = seed
@@ -195,14 +203,23 @@ class Decoder:
         self.generator.manual_seed(stream)
         if self.draft_generator is not None:
             self.draft_generator.manual_seed(stream | (1 << 31))
-        ids = format_prompt(self.pair.tokenizer, prompt, self.chat_template)
+        # The draft alone speaks its own tokenizer; every other policy emits the target's tokens.
+        tokenizer = self.pair.draft.tokenizer if self.policy == "draft" else self.pair.tokenizer
+        ids = format_prompt(tokenizer, prompt, self.chat_template)
         if not ids:
             raise UserError(f"{name} is empty after tokenisation")
         ids, dropped = fit_context(ids, self.max_new_tokens, self.context)
         if dropped:
             log.warning("%s: %d prompt tokens + max_new_tokens=%d exceed the context of %d; kept the last %d tokens",
                         name, len(ids) + dropped, self.max_new_tokens, self.context, len(ids))
-        if isinstance(self.policy, Policy):
+        if self.hetero is not None:  # each model reads the prompt in its own tokenizer and chat template
+            d_ids, _ = fit_context(format_prompt(self.pair.draft.tokenizer, prompt, self.chat_template),
+                                   self.max_new_tokens, self.context)
+            g = self.hetero.generate(ids, self.policy.name, self.policy.k, self.max_new_tokens, self.sampling,
+                                     self.generator, draft_prompt_ids=d_ids)
+            if on_tokens is not None:
+                on_tokens(g.tokens)
+        elif isinstance(self.policy, Policy):
             g: Generation = self.engine.generate(ids, self.policy, self.max_new_tokens, self.sampling,
                                                  self.generator, on_tokens, self.draft_generator)
         else:
@@ -210,7 +227,7 @@ class Decoder:
             gen = self.draft_generator if use_draft and self.draft_generator is not None else self.generator
             g = self.engine.generate_ar(ids, self.max_new_tokens, self.sampling, gen, use_draft=use_draft,
                                         on_tokens=on_tokens)
-        text = self.pair.tokenizer.decode(g.tokens, skip_special_tokens=True)
+        text = tokenizer.decode(g.tokens, skip_special_tokens=True)
         return Result(text, g.tokens, g.stats, dropped)
 
 

@@ -29,6 +29,7 @@ from .api import Decoder, make_policy
 from .decode_config import DecodeConfig
 from .shim.engine import GenerationStats
 from .shim.models import load_pair
+from .shim.hetero import METHODS as HETERO
 from .shim.policies import BASELINES, POLICIES, fsd_problems
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,8 @@ PROG = "heads-decode"
 
 def _check(cfg: DecodeConfig) -> None:
     problems = list(cfg.sampling.problems())
-    if cfg.policy not in POLICIES and cfg.policy not in BASELINES:
-        problems.append(f"policy={cfg.policy!r} is not one of {sorted(POLICIES) + list(BASELINES)}")
+    if cfg.policy not in POLICIES and cfg.policy not in BASELINES and cfg.policy not in HETERO:
+        problems.append(f"policy={cfg.policy!r} is not one of {sorted(POLICIES) + list(HETERO) + list(BASELINES)}")
     if cfg.k < 1:
         problems.append(f"k={cfg.k} must be >= 1")
     if not 1 <= cfg.k_min <= cfg.k_max:
@@ -87,7 +88,7 @@ def _stats(row: dict) -> GenerationStats:
 
 def _policy_settings(cfg: DecodeConfig, policy) -> dict:
     """The settings that define the run's policy, for the log and metrics.json."""
-    if cfg.policy == "sd":
+    if cfg.policy in ("sd", *HETERO):
         return {"k": cfg.k}
     if cfg.policy == "specdecpp":
         return {"head": cfg.head, "threshold": policy.threshold, "k_min": cfg.k_min, "k_max": cfg.k_max}
@@ -123,7 +124,8 @@ def run(cfg: DecodeConfig) -> int:
     if done:
         log.info("resuming: %d of %d prompts already done in %s", len(done), len(prompts), out_dir)
     needs_draft = cfg.policy != "ar"
-    pair = load_pair(cfg.target, cfg.draft if needs_draft else None, same_vocab=True)
+    # TLI and SLEM bridge two vocabularies; the draft alone needs none of the target's.
+    pair = load_pair(cfg.target, cfg.draft if needs_draft else None, same_vocab=cfg.policy not in (*HETERO, "draft"))
     policy = make_policy(cfg.policy, pair, k=cfg.k, head=cfg.head, threshold=cfg.threshold, k_min=cfg.k_min,
                          k_max=cfg.k_max, sampling=cfg.sampling, strict=cfg.strict, max_run=cfg.max_run,
                          top_k=cfg.verify_top_k, divergence=cfg.divergence, fsd_top_k=cfg.fsd_top_k,

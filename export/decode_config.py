@@ -14,8 +14,8 @@ class DecodeConfig:
 
     target: ModelSpec = field(default_factory=ModelSpec)
     draft: ModelSpec = field(default_factory=ModelSpec)
-    policy: str = field(default="sd", metadata={"help": "sd (fixed k), specdecpp (needs head=), sprinter (needs a verifier head=), judge (needs a judge head=; k candidates), topk_verify (k candidates, verify_top_k), fsd (k candidates, threshold=T, divergence ...), confidence_stop (threshold=tau, k_max), ar (target alone), draft (draft alone)"})
-    k: int = field(default=4, metadata={"help": "candidates per round for policy=sd, judge, topk_verify and fsd"})
+    policy: str = field(default="sd", metadata={"help": "sd (fixed k), specdecpp (needs head=), sprinter (needs a verifier head=), judge (needs a judge head=; k candidates), topk_verify (k candidates, verify_top_k), fsd (k candidates, threshold=T, divergence ...), confidence_stop (threshold=tau, k_max), tli / slem (a draft with another tokenizer; k draft tokens per round; lossless), ar (target alone), draft (draft alone)"})
+    k: int = field(default=4, metadata={"help": "candidates per round for policy=sd, judge, topk_verify and fsd; draft tokens per round for tli and slem"})
     head: str | None = field(default=None, metadata={"help": "exported head (.safetensors) for policy=specdecpp, sprinter or judge; for fsd optionally an acceptance head trained on FSD labels that stops the drafting (k_min, k_max, its own threshold h)"})
     threshold: float | None = field(default=None, metadata={"help": "specdecpp stop threshold h / sprinter approval threshold eta / judge delta (default: the head's); fsd divergence threshold T >= 0 (required); confidence_stop draft-confidence tau in [0, 1] (default 0.4)"})
     max_run: int | None = field(default=20, metadata={"help": "sprinter: most verifier-approved tokens in a row before the target is called (null: no cap)"})

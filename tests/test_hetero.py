@@ -322,3 +322,51 @@ def test_non_injective_greedy_equals_target_greedy(toks, trained, method, target
         assert got.tokens == engine.generate_ar(prompt, 16).tokens, prompt
         accepted += got.stats.accepted
     assert accepted > 0
+
+
+def test_heads_decode_runs_tli_and_slem_and_refuses_same_vocab_policies(toks, trained, tmp_path, capsys):
+    """``heads-decode policy=tli|slem`` on saved models with different tokenizers: the target's greedy
+    output; a same-vocabulary policy on that pair is a one-line error naming TLI and SLEM."""
+    from specheads.export.decode_cli import main as decode
+
+    dirs = {}
+    for name in ("sp", "bl"):
+        dirs[name] = tmp_path / name
+        model = type(trained[name])(trained[name].config)  # a clean copy: earlier decoding leaves fused views
+        model.load_state_dict({k: v.contiguous() for k, v in trained[name].state_dict().items()})
+        model.save_pretrained(dirs[name])
+        toks[name].save_pretrained(dirs[name])
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]), encoding="utf-8")
+    common = [f"target.path={dirs['sp']}", "target.gguf_file=null", f"draft.path={dirs['bl']}",
+              "target.device=cpu", "draft.device=cpu", f"prompts={prompts}", "num_prompts=null",
+              "max_new_tokens=12", "k=3", "offset=0", "head=null"]
+    outs = {}
+    for policy in ("ar", "tli", "slem"):
+        assert decode([*common, f"policy={policy}", f"output_dir={tmp_path / policy}"]) == 0
+        rows = [json.loads(x) for x in (tmp_path / policy / "outputs.jsonl").read_text().splitlines()]
+        outs[policy] = [r["tokens"] for r in rows]
+    assert outs["tli"] == outs["ar"] and outs["slem"] == outs["ar"] and len(outs["ar"]) == 3
+    summary = json.loads((tmp_path / "slem" / "metrics.json").read_text())
+    assert summary["target_calls"] <= summary["new_tokens"]
+    capsys.readouterr()
+    assert decode([*common, "policy=sd", f"output_dir={tmp_path / 'sd'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tokenizers differ" in err[0] and "tli, slem" in err[0]
+    # heads-eval puts both methods next to target-only and draft-only on the same prompts.
+    from specheads.evaluate.cli import main as evaluate
+
+    ev = [*common[:6], f"prompts={prompts}", "num_prompts=null", "offset=0", "max_new_tokens=12",
+          "hetero=[tli,slem]", "hetero_k=3", "ks=[]", "head=null", "judge=null", "verifier=null", "topk=[]",
+          "fsd_js=[]", "fsd_tv=[]", "fsd_kl=[]", "fsd_kl_rev=[]", "confidence=[]"]
+    assert evaluate([*ev, f"output_dir={tmp_path / 'ev'}"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "ev" / "rows.jsonl").read_text().splitlines()]
+    by = {(r["config"], r["index"]): r["tokens"] for r in rows}
+    for method in ("tli", "slem"):
+        assert [by[(f"v-{method}-k3", i)] for i in range(3)] == outs["ar"]
+    sweep = json.loads((tmp_path / "ev" / "sweep.json").read_text())
+    assert {r["config"] for r in sweep["table"]} == {"ar", "draft", "v-tli-k3", "v-slem-k3"}
+    capsys.readouterr()
+    assert evaluate([*ev[:-12], "hetero=[slem]", "ks=[2]", f"output_dir={tmp_path / 'ev2'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ks=[2]" in err[0] and "hetero=[tli,slem]" in err[0]

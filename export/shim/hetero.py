@@ -264,6 +264,28 @@ class _Side:
         self.append(ids)
 
 
+@dataclass
+class HeteroMethod:
+    """TLI or SLEM as a decoding policy: :class:`~specheads.export.api.Decoder` (``heads-decode``,
+    ``heads-eval``) runs it on a :class:`HeteroEngine` instead of the same-vocabulary engine.
+
+    Args:
+        name: ``tli`` or ``slem``.
+        k: draft tokens per round.
+        lookbehind: committed tokens a re-tokenisation window may cover.
+    """
+
+    name: str
+    k: int = 2
+    lookbehind: int = 8
+
+    def __post_init__(self):
+        if self.name not in METHODS:
+            raise UserError(f"heterogeneous-vocabulary method {self.name!r}: expected one of {list(METHODS)}")
+        if self.k < 1 or self.lookbehind < 1:
+            raise UserError(f"k={self.k} and lookbehind={self.lookbehind} must both be >= 1")
+
+
 class HeteroEngine:
     """Lossless speculative decoding with a draft whose tokenizer differs from the target's.
 
