@@ -89,6 +89,11 @@ def _draft_features(ctx, examples, epoch: int):
     return x, y, [sum(m) for m in masks]
 
 
+def _param_dtype(module) -> torch.dtype:
+    """The dtype of a head's weights (bf16 inside a DeepSpeed bf16 engine, else fp32)."""
+    return next(module.parameters()).dtype
+
+
 @torch.no_grad()
 def _predict(ctx, head, examples) -> tuple[torch.Tensor, torch.Tensor]:
     logits, labels = [], []
@@ -99,7 +104,7 @@ def _predict(ctx, head, examples) -> tuple[torch.Tensor, torch.Tensor]:
                     else _draft_features(ctx, batch, EVAL_EPOCH)[:2])
         else:
             x, y = _features(ctx, batch, EVAL_EPOCH)
-        logits.append(head(x).float())
+        logits.append(head(x.to(_param_dtype(head))).float())
         labels.append(y)
     return torch.cat(logits), torch.cat(labels)
 
@@ -286,6 +291,7 @@ def _train_loop(cfg: TrainConfig, out: Path, acc, manifest: dict, ctx: dict, hea
         log.info("resumed from %s (epoch %d, step %d)", ckpt, progress["epoch"], progress["step"])
     head, opt = acc.prepare(head, opt)
     raw = acc.unwrap_model(head)
+    dtype = _param_dtype(raw)
     if ds and ckpt is not None:
         checkpoint.load_zero_partition(ckpt, opt, acc.process_index, world)
     final = {}
@@ -298,8 +304,8 @@ def _train_loop(cfg: TrainConfig, out: Path, acc, manifest: dict, ctx: dict, hea
             head.train()
             for i, idx in enumerate(batches):
                 x, y = _features(ctx, [train_ex[j] for j in idx], epoch)
-                with acc.autocast():
-                    loss = weighted_soft_bce(head(x), y, w_pos, w_neg)
+                with acc.autocast():  # a DeepSpeed bf16 engine holds bf16 weights: feed it its dtype
+                    loss = weighted_soft_bce(head(x.to(dtype)).float(), y, w_pos, w_neg)
                 if not ds:  # DeepSpeed divides by its gradient_accumulation_steps itself
                     loss = loss / cfg.grad_accum
                 last = (i + 1) % cfg.grad_accum == 0 or i + 1 == len(batches)
