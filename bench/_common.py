@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import sys
@@ -16,3 +17,45 @@ def run_info(script: str, argv: list[str] | None, setting: str) -> dict:
     return {"command": f"python bench/{Path(script).name} " + " ".join(args),
             "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "
                        f"{torch.get_num_threads()} threads, {setting}"}
+
+
+def run_pipeline(pipe_args: list[str]) -> tuple[int, dict]:
+    """Runs ``heads-pipeline`` with ``pipe_args`` (a bad override fails before any work).
+
+    Returns ``(exit code, outputs)``; on success ``outputs`` holds the resolved stage configs
+    (``cfgs``) and the eval ``sweep``, train ``metrics`` and datagen ``manifest`` the run wrote.
+    """
+    from specheads.pipeline import load_configs, main as pipeline_main
+
+    _, cfgs = load_configs(pipe_args)
+    code = pipeline_main(pipe_args)
+    if code:
+        return code, {}
+
+    def read(stage: str, name: str) -> dict:
+        return json.loads((Path(cfgs[stage].output_dir) / name).read_text())
+
+    return 0, {"cfgs": cfgs, "sweep": read("eval", "sweep.json"), "metrics": read("train", "metrics.json"),
+               "manifest": read("datagen", "manifest.json")}
+
+
+def interleave(configs: dict, items: list, warmup) -> tuple[dict[str, list], dict[str, list[list[int]]]]:
+    """Runs every configuration on every item, rotating the order from one item to the next so that
+    machine noise hits all alike, after one untimed warm-up call each on ``warmup``.
+
+    ``configs`` maps a name to a callable returning ``(tokens, stats)`` or an object with ``.tokens``
+    and ``.stats``. Returns ``(stats, outputs)``: per name, one entry per item.
+    """
+    names = list(configs)
+    for name in names:  # warm-up, not timed
+        configs[name](warmup)
+    stats = {n: [] for n in names}
+    outputs = {n: [] for n in names}
+    for i, item in enumerate(items):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            res = configs[name](item)
+            toks, st = (res.tokens, res.stats) if hasattr(res, "tokens") else res
+            stats[name].append(st)
+            outputs[name].append(toks)
+        print(f"prompt {i + 1}/{len(items)} done", file=sys.stderr, flush=True)
+    return stats, outputs

@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from _common import run_info
+from _common import interleave, run_info
 from specheads.export import format_prompt, load_pair
 from specheads.export.shim.engine import Engine, GenerationStats
 from specheads.export.shim.models import ModelSpec
@@ -75,18 +74,7 @@ def main(argv=None) -> int:
             ap.error(f"unknown configs {sorted(unknown)}; choose from {list(configs)}")
         configs = {k: v for k, v in configs.items() if k in args.configs.split(",")}
     names = list(configs)
-    for name in names:  # warm-up, not timed
-        configs[name](prompts[0][:32])
-    stats = {n: [] for n in names}
-    outputs = {n: [] for n in names}
-    for i, ids in enumerate(prompts):
-        order = names[i % len(names):] + names[: i % len(names)]
-        for name in order:
-            res = configs[name](ids)
-            toks, st = (res.tokens, res.stats) if hasattr(res, "tokens") else res
-            stats[name].append(st)
-            outputs[name].append(toks)
-        print(f"prompt {i + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
+    stats, outputs = interleave(configs, prompts, prompts[0][:32])
     if "hf_generate" not in outputs:
         outputs["hf_generate"] = [hf_run(pair, ids, mx)[0] for ids in prompts]
     reference = outputs["hf_generate"]

@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from _common import run_info
+from _common import interleave, run_info
 from specheads.export.shim.engine import GenerationStats
 from specheads.export.shim.hetero import HeteroEngine, VocabMap
 from specheads.export.shim.models import ModelSpec, eos_ids, load_model
@@ -80,16 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         for method in ("tli", "slem"):
             configs[f"{method}_k{k}"] = lambda t, m=method, k=k: engine.generate(t, m, k=k, max_new_tokens=mx)
     names = list(configs)
-    for name in names:  # warm-up, not timed
-        configs[name](texts[0][:80])
-    stats = {n: [] for n in names}
-    outputs = {n: [] for n in names}
-    for i, text in enumerate(texts):
-        for name in names[i % len(names):] + names[: i % len(names)]:
-            g = configs[name](text)
-            stats[name].append(g.stats)
-            outputs[name].append(g.tokens)
-        print(f"prompt {i + 1}/{len(texts)} done", file=sys.stderr, flush=True)
+    stats, outputs = interleave(configs, texts, texts[0][:80])
     reference = outputs["target_only"]
     table = []
     for name in names:

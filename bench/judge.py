@@ -21,8 +21,7 @@ import shutil
 from pathlib import Path
 
 
-from _common import run_info
-from specheads.pipeline import load_configs, main as pipeline_main
+from _common import run_info, run_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,13 +36,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench/results/judge.json"))
     args, overrides = ap.parse_known_args(argv)
     pipe_args = [f"recipe={args.recipe}", *overrides]
-    _, cfgs = load_configs(pipe_args)
-    code = pipeline_main(pipe_args)
+    code, ran = run_pipeline(pipe_args)
     if code:
         return code
-    sweep = json.loads((Path(cfgs["eval"].output_dir) / "sweep.json").read_text())
-    train = json.loads((Path(cfgs["train"].output_dir) / "metrics.json").read_text())
-    manifest = json.loads((Path(cfgs["datagen"].output_dir) / "manifest.json").read_text())
+    cfgs, sweep, train, manifest = ran["cfgs"], ran["sweep"], ran["metrics"], ran["manifest"]
     acc, judge = sweep["accuracy"], sweep["judge"]
     sd = judge["sd_reference"]
 

@@ -20,8 +20,7 @@ import shutil
 from pathlib import Path
 
 
-from _common import run_info
-from specheads.pipeline import load_configs, main as pipeline_main
+from _common import run_info, run_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = ("config", "tokens", "tokens_per_s", "verification_rate", "tokens_per_call", "gflops_per_token",
@@ -38,13 +37,10 @@ def main(argv=None) -> int:
     extra = [f"eval.head={args.specdecpp_head}", f"eval.thresholds={args.thresholds}", "eval.k_min=1"] \
         if args.specdecpp_head else []
     pipe_args = [f"recipe={args.recipe}", *extra, *overrides]
-    _, cfgs = load_configs(pipe_args)  # fail fast on a bad override
-    code = pipeline_main(pipe_args)
+    code, ran = run_pipeline(pipe_args)
     if code:
         return code
-    sweep = json.loads((Path(cfgs["eval"].output_dir) / "sweep.json").read_text())
-    train = json.loads((Path(cfgs["train"].output_dir) / "metrics.json").read_text())
-    manifest = json.loads((Path(cfgs["datagen"].output_dir) / "manifest.json").read_text())
+    sweep, train, manifest = ran["sweep"], ran["metrics"], ran["manifest"]
     sp = sweep["sprinter"]
     main_row = next(r for r in sweep["table"] if r["config"] == sp["main"])
     png = Path(args.out).with_name(Path(args.out).stem + "_roc.png")

@@ -66,7 +66,7 @@ DEFAULT_TAU = 0.4  # confidence_stop's tau when none is given: the assistant_con
 
 
 def _policy_head(name: str, head: str | None, pair: Pair, sampling, strict: bool, threshold: float | None):
-    """Loads and checks the head a policy needs: ``(module in the model's dtype, feature metadata, threshold)``."""
+    """Loads and checks the head a policy needs: ``(module in the model's dtype, head metadata, threshold)``."""
     head_type, role, default = _POLICY_HEADS[name]
     if not head:
         raise UserError(f"policy={name} needs head=<exported {head_type} head .safetensors> "
@@ -81,7 +81,7 @@ def _policy_head(name: str, head: str | None, pair: Pair, sampling, strict: bool
                         f"states; policy={name} needs a {head_type} head on the {role}'s states")
     if threshold is None:
         threshold = loaded.threshold if loaded.threshold is not None else default
-    return loaded.module.to(model.model.dtype), feature, threshold
+    return loaded.module.to(model.model.dtype), loaded.metadata, threshold
 
 
 def make_policy(name: str, pair: Pair, k: int = 4, head: str | None = None, threshold: float | None = None,
@@ -114,25 +114,25 @@ def make_policy(name: str, pair: Pair, k: int = 4, head: str | None = None, thre
     if name == "fsd":  # FSD reports every bad setting at once, a missing threshold included
         stopper = None
         if head:  # an acceptance head trained on FSD labels stops the drafting (FSD paper section 7.1)
-            module, feature, h = _policy_head("specdecpp", head, pair, sampling, strict, None)
-            info = load_head(head).metadata.get("fsd")
+            module, meta, h = _policy_head("specdecpp", head, pair, sampling, strict, None)
+            info = meta.get("fsd")
             if not info:
                 log.warning("%s was not trained on FSD labels (heads-datagen labels=fsd): it predicts SD "
                             "acceptance, not FSD's", head)
             elif (info.get("divergence"), float(info.get("threshold", -1))) != (divergence, float(threshold or 0)):
                 log.warning("%s predicts FSD acceptance under %s < %s; this decoding verifies with %s < %s",
                             head, info.get("divergence"), info.get("threshold"), divergence, threshold)
-            stopper = SpecDecPP(module, h, k_min, k_max, position=feature.get("position", "own"))
+            stopper = SpecDecPP(module, h, k_min, k_max, position=meta.get("feature", {}).get("position", "own"))
         return FSD(threshold, divergence, k=k, fsd_top_k=fsd_top_k, rule=fsd_rule, fsd_dist=fsd_dist,
                    stopper=stopper)
     if name == "confidence_stop":
         return ConfidenceStop(DEFAULT_TAU if threshold is None else threshold, k_max)
     if name == "specdecpp":
-        module, feature, h = _policy_head(name, head, pair, sampling, strict, threshold)
-        return SpecDecPP(module, h, k_min, k_max, position=feature.get("position", "own"))
+        module, meta, h = _policy_head(name, head, pair, sampling, strict, threshold)
+        return SpecDecPP(module, h, k_min, k_max, position=meta.get("feature", {}).get("position", "own"))
     if name == "sprinter":
-        module, feature, eta = _policy_head(name, head, pair, sampling, strict, threshold)
-        position = feature.get("position", "previous")
+        module, meta, eta = _policy_head(name, head, pair, sampling, strict, threshold)
+        position = meta.get("feature", {}).get("position", "previous")
         embedding = pair.draft.model.get_input_embeddings() if position == "previous+embedding" else None
         return Sprinter(module, eta, max_run, position, embedding)
     if name == "judge":

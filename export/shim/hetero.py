@@ -459,7 +459,7 @@ class HeteroEngine:
         (TLI: and the target's token when it is in the intersection) as they are, the rest re-tokenised."""
         text = _spell(self.vmap.target_text, new)
         ids: list[int] = []
-        if drf.pending:
+        if drf.pending:  # bytes of an unfinished character wait: re-tokenise everything with them
             pass
         elif method == "tli":
             last = self._t2d[new[-1]] if len(new) > kept else -1
