@@ -2,6 +2,8 @@
 
     heads-datagen recipe=quickstart num_prompts=64 output_dir=runs/labels
     accelerate launch --cpu --num_processes 2 -m specheads.datagen.cli recipe=quickstart
+    heads-datagen recipe=quickstart verify            # every prompt labelled once, every shard readable
+    heads-datagen merge from=node0/labels,node1/labels output_dir=labels   # nodes without a shared disk
 
 Output: ``data/chunk-*.parquet``, one row per prompt. ``labels=acceptance``: ``prompt_id``,
 ``prompt_index``, ``input_ids`` = prompt + response, ``response_start``, ``draft_token``,
@@ -14,12 +16,15 @@ lengths), ``draft_token``, ``q_token``, ``p_token``, ``ratio``, ``tv``. ``labels
 question + answer, ``answer_start``, ``labels`` 1/0/-1), the target's features at the labelled
 tokens in ``features/chunk-*.safetensors`` (fp16), ``tuples.jsonl`` and ``review.jsonl``. Also ``manifest.json`` (counts, label statistics, models, fingerprints,
 sampling settings, seed, schema version), ``metrics.jsonl`` (one line per chunk) and
-``config.yaml``. Killed at any point and started again with the same command, it finishes
-with every prompt labelled exactly once (see ``shards.py``).
+``config.yaml``. Killed at any point and started again with the same command (any process
+count), it finishes with every prompt labelled exactly once (see ``shards.py``). A sample whose
+logits hold NaN/Inf is skipped and counted (``skipped_nonfinite`` and ``skipped_samples`` in the
+manifest), never written. Prompts are streamed: host memory does not grow with the prompt file.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import shutil
@@ -35,7 +40,7 @@ from specheads.errors import UserError
 from specheads.export import fit_context, format_prompt, load_pair
 from specheads.export.shim.models import context_length
 from specheads.outputs import MetricsWriter, prepare_output_dir, write_manifest
-from specheads.prompts import load_prompt_files
+from specheads.prompts import iter_prompt_files
 
 from . import shards
 from . import fsd, judge, sprinter
@@ -94,10 +99,20 @@ def _prepare(cfg: DatagenConfig, is_main: bool) -> Path:
     return out
 
 
-def _label_chunk(cfg, pair, prompts, chunk: int, pad: int, eos: list[int], limit) -> tuple[dict, int]:
-    """Labels one chunk; returns its columns and its number of labelled tokens."""
+def _finite_rows(p_all: torch.Tensor, q_all: torch.Tensor, rows: list[int]) -> list[bool]:
+    """Per response, whether every target and draft logit at its positions is finite."""
+    finite = (torch.isfinite(p_all).all(-1) & torch.isfinite(q_all).all(-1)).cpu()
+    return [bool(f.all()) for f in finite.split(rows)]
+
+
+def _skip(prompt, index: int, reason: str) -> dict:
+    log.warning("prompt %d (%s) skipped: %s", index, prompt.id, reason)
+    return {"prompt_index": index, "prompt_id": str(prompt.id), "reason": reason}
+
+
+def _label_chunk(cfg, pair, items: list, chunk: int, pad: int, eos: list[int], limit) -> tuple[dict, int, list[dict]]:
+    """Labels one chunk; returns its columns, its number of labelled tokens and the skipped samples."""
     lo = chunk * cfg.chunk_size
-    items = prompts[lo: lo + cfg.chunk_size]
     seed = shards.chunk_seed(cfg.seed, chunk)
     gen = torch.Generator(device=pair.target.device).manual_seed(seed)
     if cfg.labels == "sprinter":
@@ -109,7 +124,7 @@ def _label_chunk(cfg, pair, prompts, chunk: int, pad: int, eos: list[int], limit
         names += [fsd.divergence_column(d) for d in cfg.fsd_divergences]
         names += [fsd.label_column(d, t) for d in cfg.fsd_divergences for t in cfg.fsd_thresholds]
     cols: dict[str, list] = {k: [] for k in ("prompt_id", "prompt_index", "input_ids", "response_start", *names)}
-    labelled = 0
+    labelled, skipped = 0, []
     for b in range(0, len(items), cfg.batch_size):
         batch = items[b: b + cfg.batch_size]
         ids = [fit_context(format_prompt(pair.tokenizer, p, cfg.chat_template), cfg.max_new_tokens, limit)[0]
@@ -117,25 +132,36 @@ def _label_chunk(cfg, pair, prompts, chunk: int, pad: int, eos: list[int], limit
         responses, p_logits = generate_responses(pair.target.model, ids, cfg.max_new_tokens, cfg.sampling,
                                                  seed + b, pad, eos)
         p_all, q_all, rows = teacher_forced_pair(pair.target.model, pair.draft.model, ids, responses, pad, p_logits)
+        ok = _finite_rows(p_all, q_all, rows)
+        if not all(ok):  # a sample with NaN/Inf logits is counted, never written
+            keep = torch.tensor(ok).repeat_interleave(torch.tensor(rows)).to(p_all.device)
+            p_all, q_all = p_all[keep], q_all[keep]
+            rows = [n for n, good in zip(rows, ok) if good]
         out = acceptance_labels(p_all, q_all, cfg.sampling, gen)  # the draws: the same as labels=acceptance
         if cfg.labels == "fsd":
             out |= fsd.fsd_labels(p_all, q_all, cfg.sampling, list(cfg.fsd_divergences), list(cfg.fsd_thresholds),
                                   cfg.fsd_top_k, cfg.fsd_dist)
         del p_all, q_all
-        for i, (p, x, r, lab) in enumerate(zip(batch, ids, responses, split_rows(out, rows))):
+        labels = iter(split_rows(out, rows) if rows else [])
+        for i, (p, x, r, good) in enumerate(zip(batch, ids, responses, ok)):
+            index = cfg.offset + lo + b + i
+            if not good:
+                skipped.append(_skip(p, index, "non-finite logits"))
+                continue
+            lab = next(labels)
             cols["prompt_id"].append(p.id)
-            cols["prompt_index"].append(cfg.offset + lo + b + i)
+            cols["prompt_index"].append(index)
             cols["input_ids"].append(x + r)
             cols["response_start"].append(len(x))
             for key in names:
                 cols[key].append(lab[key].tolist() if key != "expected_label" or cfg.expected_label else None)
             labelled += len(r)
-    return cols, labelled
+    return cols, labelled, skipped
 
 
 def _label_sprinter_chunk(cfg, pair, items, lo: int, seed: int, gen, pad: int, eos: list[int], limit):
     cols: dict[str, list] = {k: [] for k in SPRINTER_COLUMNS}
-    labelled = 0
+    labelled, skipped = 0, []
     # Batches hold whole groups of four consecutive prompts (one per category) so that each
     # batch, and with it the chunk, is balanced over the categories.
     step = max(len(sprinter.CATEGORIES), cfg.batch_size - cfg.batch_size % len(sprinter.CATEGORIES))
@@ -147,12 +173,15 @@ def _label_sprinter_chunk(cfg, pair, items, lo: int, seed: int, gen, pad: int, e
         rows = sprinter.label_chunk(pair.target.model, pair.draft.model, ids, indices, cfg.max_new_tokens,
                                     cfg.sampling, seed + b, pad, eos, cfg.mix_prob, gen)
         for p, index, row in zip(batch, indices, rows):
+            if row.get("nonfinite"):
+                skipped.append(_skip(p, index, "non-finite logits"))
+                continue
             cols["prompt_id"].append(p.id)
             cols["prompt_index"].append(index)
             for key in SPRINTER_COLUMNS[2:]:
                 cols[key].append(row[key])
             labelled += len(row["positions"])
-    return cols, labelled
+    return cols, labelled, skipped
 
 
 def _answers(cfg, pair, batch, ids, seed: int, pad: int, eos: list[int]) -> list[list[judge.Answer]]:
@@ -201,7 +230,14 @@ def _label_judge_chunk(cfg, pair, items, lo: int, chunk: int, seed: int, pad: in
             counts["too_long"] += 1
             continue
         rows.append(r)
-    feats, labels, per_row = judge.target_features(pair.target.model, rows, pad, cfg.batch_size)
+    feats, labels, per_row, bad = judge.target_features(pair.target.model, rows, pad, cfg.batch_size)
+    skipped = []
+    for i in bad:  # a tuple side whose target states hold NaN/Inf is counted, never written
+        skipped.append({"prompt_index": index_of.get(rows[i]["tuple_id"], -1), "tuple_id": rows[i]["tuple_id"],
+                        "side": rows[i]["side"], "reason": "non-finite target states"})
+        log.warning("tuple %s side %s skipped: non-finite target states", rows[i]["tuple_id"], rows[i]["side"])
+    dropped = set(bad)
+    rows = [r for i, r in enumerate(rows) if i not in dropped]
     out = Path(cfg.output_dir)
     offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
     if rows:
@@ -215,7 +251,7 @@ def _label_judge_chunk(cfg, pair, items, lo: int, chunk: int, seed: int, pad: in
         cols["prompt_index"].append(index_of.get(r["tuple_id"], -1))
         for key in ("side", "input_ids", "answer_start", "labels"):
             cols[key].append(r[key])
-    return cols, int(labels.numel())
+    return cols, int(labels.numel()), skipped
 
 
 def _summarise_judge(out: Path) -> dict:
@@ -288,21 +324,56 @@ def _summarise(out: Path) -> dict:
             "label_histogram_deciles": hist}
 
 
+def _items(cfg: DatagenConfig):
+    """The run's prompts (or imported tuples), one at a time: JSONL is streamed, never held whole."""
+    if cfg.labels == "judge" and cfg.tuples:
+        from .tuples import load_tuples
+
+        everything = load_tuples(cfg.tuples)[cfg.offset:]
+        return iter(everything[: cfg.num_prompts] if cfg.num_prompts is not None else everything)
+    return iter_prompt_files(cfg.prompts, limit=cfg.num_prompts, offset=cfg.offset)
+
+
+def count_items(cfg: DatagenConfig) -> int:
+    """Reads (and so validates) every prompt once, keeping none: bad rows fail before any labelling."""
+    return sum(1 for _ in _items(cfg))
+
+
+def _chunks_of(items, size: int):
+    """``(chunk, items)`` for consecutive groups of ``size`` items."""
+    it = iter(items)
+    chunk = 0
+    while batch := list(itertools.islice(it, size)):
+        yield chunk, batch
+        chunk += 1
+
+
+def _clean_temporaries(out: Path, rank: int, world: int) -> None:
+    """Removes the half-written files a killed run of this process's chunks left behind."""
+    for tmp in list(out.glob("*/.chunk-*.tmp")) + list(out.glob("*/.chunk-*.tmp*")):
+        try:
+            chunk = int(tmp.name.split("-")[1].split(".")[0])
+        except (IndexError, ValueError):
+            continue
+        if shards.owner(chunk, world) == rank:
+            tmp.unlink(missing_ok=True)
+
+
+def _models(pair) -> dict:
+    return {"target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
+            "draft": {"name": pair.draft.name, "fingerprint": pair.draft.fingerprint} if pair.draft else None,
+            "hidden_size": pair.target.hidden_size}
+
+
 def run(cfg: DatagenConfig) -> int:
-    """Labels every pending chunk of this process, then (main process) writes the manifest."""
+    """Labels this process's unfinished chunks, then (main process) writes the manifest."""
     from accelerate import PartialState
 
     _check(cfg)
     hf_logging.disable_progress_bar()
     state = PartialState(cpu=not torch.cuda.is_available())
-    if cfg.labels == "judge" and cfg.tuples:
-        from .tuples import load_tuples
-
-        everything = load_tuples(cfg.tuples)[cfg.offset:]
-        prompts = everything[: cfg.num_prompts] if cfg.num_prompts is not None else everything
-    else:
-        prompts = load_prompt_files(cfg.prompts, limit=cfg.num_prompts, offset=cfg.offset)
-    out = _prepare(cfg, state.is_main_process)
+    out = _prepare(cfg, state.is_local_main_process)  # one per node: nodes need not share a filesystem
+    n_items = count_items(cfg)
     state.wait_for_everyone()
     needs_draft = not (cfg.labels == "judge" and (cfg.tuples or "draft" not in cfg.answer_models))
     pair = load_pair(cfg.target, cfg.draft if needs_draft or cfg.draft.path else None, same_vocab=True)
@@ -312,41 +383,82 @@ def run(cfg: DatagenConfig) -> int:
     pad = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else eos[0]
     limit = min(x for x in (context_length(pair.target.model),
                             context_length(pair.draft.model) if pair.draft is not None else None, 1 << 30) if x)
-    pending = shards.pending_chunks(out, len(prompts), cfg.chunk_size)
-    mine = shards.my_chunks(pending, state.process_index, state.num_processes)
-    total = shards.num_chunks(len(prompts), cfg.chunk_size)
-    if state.is_main_process and len(pending) < total:
-        log.info("resuming: %d of %d chunks already labelled in %s", total - len(pending), total, out)
+    total = shards.num_chunks(n_items, cfg.chunk_size)
+    rank, world = state.process_index, state.num_processes
+    _clean_temporaries(out, rank, world)
+    mine = set(shards.my_chunks(out, total, rank, world))
+    if state.is_main_process and len(shards.pending_chunks(out, n_items, cfg.chunk_size)) < total:
+        log.info("resuming: %d of %d chunks already labelled in %s", total - len(shards.pending_chunks(
+            out, n_items, cfg.chunk_size)), total, out)
+    models = _models(pair)
     started, labelled = time.perf_counter(), 0
-    with tqdm(total=len(mine), unit="chunk", desc=f"{PROG} rank {state.process_index}",
-              disable=not state.is_main_process) as bar, MetricsWriter(out, f"metrics.rank{state.process_index}.jsonl") as metrics:
-        for chunk in mine:
+    with tqdm(total=len(mine), unit="chunk", desc=f"{PROG} rank {rank}", disable=not state.is_main_process) as bar, \
+            MetricsWriter(out, f"metrics.rank{rank}.jsonl") as metrics:
+        for chunk, items in _chunks_of(_items(cfg), cfg.chunk_size):
+            if chunk not in mine:
+                continue
             t0 = time.perf_counter()
-            cols, n = _label_chunk(cfg, pair, prompts, chunk, pad, eos, limit)
-            shards.write_chunk(out, chunk, cols)
+            cols, n, skipped = _label_chunk(cfg, pair, items, chunk, pad, eos, limit)
+            rows = len(next(iter(cols.values())))
+            info = {"first_prompt": cfg.offset + chunk * cfg.chunk_size, "prompts": len(items), "rows": rows,
+                    "labelled_tokens": n, "skipped": skipped, **models}
+            shards.write_chunk(out, chunk, cols, info)
             labelled += n
-            items = min(cfg.chunk_size, len(prompts) - chunk * cfg.chunk_size)
-            metrics.write(chunk=chunk, prompts=items, rows=len(next(iter(cols.values()))), labelled_tokens=n,
-                          seconds=round(time.perf_counter() - t0, 3))
+            metrics.write(chunk=chunk, rank=rank, prompts=len(items), rows=rows, labelled_tokens=n,
+                          skipped=len(skipped), seconds=round(time.perf_counter() - t0, 3))
             bar.update()
             bar.set_postfix(labelled_tok_s=f"{labelled / (time.perf_counter() - started):.1f}")
     state.wait_for_everyone()
     if state.is_main_process:
-        _finish(cfg, out, pair, total)
+        finish(cfg, out, total)
     return 0
 
 
-def _finish(cfg: DatagenConfig, out: Path, pair, total: int) -> None:
-    missing = shards.pending_chunks(out, total * cfg.chunk_size, cfg.chunk_size)
+def _metrics_rows(path: Path) -> list[dict]:
+    """The complete lines of a per-rank metrics file (a line torn by a kill is dropped)."""
+    rows = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def finish(cfg: DatagenConfig, out: Path, total: int) -> dict:
+    """Checks every chunk is there and writes ``metrics.jsonl`` and ``manifest.json`` from the chunk files."""
+    missing = [c for c in range(total) if not shards.chunk_path(out, c).exists()]
     if missing:
-        raise UserError(f"chunks {missing[:5]} are missing in {out}; run the same command again to finish them")
-    with MetricsWriter(out) as metrics:  # merge the per-rank logs in chunk order
-        rows = []
+        raise UserError(f"{len(missing)} of {total} chunks (first: {missing[:5]}) are not in {out}: run the same "
+                        "command again to label them; if the nodes do not share a filesystem, run "
+                        "`heads-datagen merge from=<dir>,<dir>... output_dir=<dir>` over every node's output_dir")
+    with MetricsWriter(out) as metrics:  # merge the per-rank logs in chunk order, one line per chunk
+        rows = {}
         for path in sorted(out.glob("metrics.rank*.jsonl")):
-            rows += [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            for row in _metrics_rows(path):
+                rows[row["chunk"]] = row
             path.unlink()
-        for row in sorted((json.loads(r) for r in rows), key=lambda r: r["chunk"]):
-            metrics.write(row)
+        for chunk in sorted(rows):
+            metrics.write(rows[chunk])
+    shard_list, skipped, models = [], [], None
+    for c in range(total):
+        path = shards.chunk_path(out, c)
+        info = shards.chunk_info(path)
+        here = {k: info.get(k) for k in ("target", "draft", "hidden_size")}
+        if models is None:
+            models = here
+        elif here != models:
+            raise UserError(f"{path} was labelled with other models ({here['target']}, {here['draft']}) than chunk 0 "
+                            f"({models['target']}, {models['draft']}); relabel it (delete it and rerun)")
+        entry = {"file": f"data/{path.name}", "chunk": c, "first_prompt": info.get("first_prompt"),
+                 "prompts": info.get("prompts"), "rows": info.get("rows"), "labelled_tokens": info.get("labelled_tokens"),
+                 "skipped": len(info.get("skipped", [])), "bytes": path.stat().st_size, "sha256": shards.sha256(path)}
+        if cfg.labels == "judge":
+            feats = shards.JudgeChunkFiles(out, c).features_path
+            entry["features"] = {"file": f"features/{feats.name}", "bytes": feats.stat().st_size,
+                                 "sha256": shards.sha256(feats)}
+        shard_list.append(entry)
+        skipped += info.get("skipped", [])
     if cfg.labels == "sprinter":
         stats = _summarise_sprinter(out, list(cfg.lambdas))
         extra = {"lambdas": list(cfg.lambdas), "mix_prob": cfg.mix_prob}
@@ -354,25 +466,43 @@ def _finish(cfg: DatagenConfig, out: Path, pair, total: int) -> None:
         stats = _summarise_judge(out)
         extra = {"answer_models": list(cfg.answer_models), "answer_samples": cfg.answer_samples,
                  "answer_temperature": cfg.answer_temperature, "tuples_imported_from": cfg.tuples,
-                 "hidden_size": pair.target.hidden_size, "feature": {"model": "target", "state": "pre", "layer": -1}}
+                 "hidden_size": models["hidden_size"], "feature": {"model": "target", "state": "pre", "layer": -1}}
     else:
         stats = _summarise(out)
         extra = {}
         if cfg.labels == "fsd":
             extra["fsd"] = fsd.manifest_block(out, list(cfg.fsd_divergences), list(cfg.fsd_thresholds), cfg.fsd_top_k,
                                               cfg.fsd_dist)
+    prompts_read = sum(s["prompts"] or 0 for s in shard_list)
     write_manifest(out, command=PROG, labels=cfg.labels, schema_version=shards.SCHEMA_VERSION, **extra,
                    prompts_file=cfg.prompts, offset=cfg.offset, chunk_size=cfg.chunk_size, chunks=total,
-                   target={"name": pair.target.name, "fingerprint": pair.target.fingerprint},
-                   draft={"name": pair.draft.name, "fingerprint": pair.draft.fingerprint} if pair.draft else None,
-                   sampling=cfg.sampling.to_dict(), seed=cfg.seed, max_new_tokens=cfg.max_new_tokens, **stats)
-    log.info("%d prompts, %d labelled tokens, mean label %.3f -> %s", stats["prompts"], stats["labelled_tokens"],
-             stats["label_mean"] or 0.0, out)
+                   target=models["target"], draft=models["draft"],
+                   sampling=cfg.sampling.to_dict(), seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
+                   prompts_read=prompts_read, skipped_nonfinite=len(skipped),
+                   skipped_samples=skipped[:1000], **stats, shards=shard_list)
+    log.info("%d prompts, %d labelled tokens, mean label %.3f, %d skipped (non-finite) -> %s", stats["prompts"],
+             stats["labelled_tokens"], stats["label_mean"] or 0.0, len(skipped), out)
+    return stats
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``heads-datagen``."""
-    return cli_main(PROG, DatagenConfig, "datagen", argv, run)
+    """Entry point of ``heads-datagen`` (and its ``verify`` and ``merge`` steps, see ``verify.py``)."""
+    import sys
+
+    from .verify import merge, verify_main
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "verify" in args:
+        args.remove("verify")
+        return cli_main(f"{PROG} verify", DatagenConfig, "datagen", args, verify_main)
+    if "merge" in args:
+        args.remove("merge")
+        sources = [a for a in args if a.startswith("from=")]
+        args = [a for a in args if not a.startswith("from=")]
+        dirs = [d.strip() for a in sources for d in a[len("from="):].split(",") if d.strip()]
+        return cli_main(f"{PROG} merge", DatagenConfig, "datagen", args,
+                        lambda cfg: (merge(dirs, cfg.output_dir), 0)[1])
+    return cli_main(PROG, DatagenConfig, "datagen", args, run)
 
 
 if __name__ == "__main__":

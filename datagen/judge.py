@@ -102,19 +102,27 @@ def tuple_rows(tokenizer, tuples: list[JudgeTuple], format_question) -> list[dic
 
 
 @torch.inference_mode()
-def target_features(model, rows: list[dict], pad: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def target_features(model, rows: list[dict], pad: int, batch_size: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
     """The target's pre-final-norm states at every labelled answer token (label != IGNORE), fp16.
 
-    Returns features ``[M, d]``, labels ``[M]`` and the number of tokens per row.
+    A row whose states hold a NaN or Inf anywhere in the sequence is left out.
+
+    Returns features ``[M, d]``, labels ``[M]``, the number of tokens per kept row and the
+    indices of the rows left out.
     """
     device = model.get_input_embeddings().weight.device
-    feats, labels, counts = [], [], []
+    feats, labels, counts, bad = [], [], [], []
     with HiddenCapture(model) as cap:
         for i in range(0, len(rows), batch_size):
             batch = rows[i: i + batch_size]
             ids, mask = pad_batch([r["input_ids"] for r in batch], pad, device)
             model(input_ids=ids, attention_mask=mask, logits_to_keep=1)
+            finite = (torch.isfinite(cap.pre).all(-1) | ~mask.bool().to(cap.pre.device)).all(-1).tolist()
             for b, r in enumerate(batch):
+                if not finite[b]:
+                    bad.append(i + b)
+                    continue
                 keep = [j for j, v in enumerate(r["labels"]) if v != IGNORE]
                 pos = torch.tensor([r["answer_start"] + j for j in keep], dtype=torch.long, device=cap.pre.device)
                 feats.append(cap.pre[b].index_select(0, pos).to(torch.float16).cpu())
@@ -122,5 +130,5 @@ def target_features(model, rows: list[dict], pad: int, batch_size: int) -> tuple
                 counts.append(len(keep))
     d = model.config.hidden_size
     if not feats:
-        return torch.empty(0, d, dtype=torch.float16), torch.empty(0), counts
-    return torch.cat(feats), torch.cat(labels), counts
+        return torch.empty(0, d, dtype=torch.float16), torch.empty(0), counts, bad
+    return torch.cat(feats), torch.cat(labels), counts, bad

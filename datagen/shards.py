@@ -1,19 +1,28 @@
 """Resumable, rank-independent output: one Parquet file per chunk of prompts.
 
 Chunk ``c`` holds the examples of prompts ``[c*S, (c+1)*S)``; its random draws are seeded from
-``(seed, c)``. A chunk file appears atomically (written under a temporary name, then renamed)
-and only when the whole chunk is labelled, so a killed run loses at most the chunks in flight
-and a restart skips every finished chunk. Chunks are dealt to processes by ``c % world``
-among the unfinished ones, so any process count, and any mix of counts across restarts,
-yields the same files.
+``(seed, c)``, so its content does not depend on which process labels it. Chunk ``c`` belongs to
+process ``c % world``: each process knows its share without looking at the others' files (no
+shared filesystem needed) and a restart, with any process count, finds every unfinished chunk
+owned by exactly one process. A chunk file appears atomically (written under a temporary name,
+fsynced, then renamed) and only when the whole chunk is labelled, so a killed run loses at most
+the chunks in flight. Each file carries its own record in the Parquet footer (``specheads``:
+prompt range, rows, skipped samples, models), from which the finished run's ``manifest.json``
+is built: its ``shards`` list (file, rows, bytes, sha256) is what every reader uses.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+from specheads.errors import UserError
+
+# 2: manifest lists the shards (file, rows, sha256) and the skipped samples; chunk footers.
+SCHEMA_VERSION = 2
+FOOTER_KEY = b"specheads"
 
 
 def chunk_path(out_dir: Path, chunk: int) -> Path:
@@ -29,9 +38,14 @@ def pending_chunks(out_dir: Path, num_prompts: int, chunk_size: int) -> list[int
     return [c for c in range(num_chunks(num_prompts, chunk_size)) if not chunk_path(out_dir, c).exists()]
 
 
-def my_chunks(pending: list[int], rank: int, world: int) -> list[int]:
-    """This process's share of the pending chunks."""
-    return pending[rank::world]
+def owner(chunk: int, world: int) -> int:
+    """The process that labels ``chunk`` in a run of ``world`` processes."""
+    return chunk % world
+
+
+def my_chunks(out_dir: Path, total: int, rank: int, world: int) -> list[int]:
+    """This process's unfinished chunks (a function of the rank, the count and its own files only)."""
+    return [c for c in range(rank, total, world) if not chunk_path(out_dir, c).exists()]
 
 
 def chunk_seed(seed: int, chunk: int) -> int:
@@ -39,8 +53,9 @@ def chunk_seed(seed: int, chunk: int) -> int:
     return ((seed & 0xFFFFFFFF) << 20) + chunk
 
 
-def write_chunk(out_dir: Path, chunk: int, columns: dict[str, list]) -> Path:
-    """Writes one chunk's examples as Parquet, atomically."""
+def write_chunk(out_dir: Path, chunk: int, columns: dict[str, list], info: dict) -> Path:
+    """Writes one chunk's examples as Parquet, atomically, with ``info`` in its footer."""
+    import pyarrow.parquet as pq
     from datasets import Dataset
     from datasets.utils.logging import disable_progress_bar
 
@@ -48,16 +63,94 @@ def write_chunk(out_dir: Path, chunk: int, columns: dict[str, list]) -> Path:
     path = chunk_path(out_dir, chunk)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    Dataset.from_dict(columns).to_parquet(str(tmp))
+    table = Dataset.from_dict(columns).data.table  # the datasets library's types and its schema record
+    meta = dict(table.schema.metadata or {})
+    meta[FOOTER_KEY] = json.dumps({"chunk": chunk, "schema_version": SCHEMA_VERSION, **info}).encode()
+    pq.write_table(table.replace_schema_metadata(meta), str(tmp))
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     return path
 
 
+def chunk_info(path: Path) -> dict:
+    """The ``specheads`` record in a chunk file's footer (raises UserError on an unreadable file)."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.read_schema(str(path)).metadata or {}
+    except Exception as err:  # noqa: BLE001 - pyarrow raises several types for damaged files
+        raise UserError(f"{path} is not a readable Parquet file ({str(err).splitlines()[0]}); delete it and run "
+                        "the same heads-datagen command again to relabel that chunk") from None
+    if FOOTER_KEY not in meta:
+        return {}
+    return json.loads(meta[FOOTER_KEY])
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def chunk_files(out_dir: Path) -> list[Path]:
-    """Finished chunk files, in chunk order."""
+    """Finished chunk files, in chunk order (on disk; readers use :func:`shard_paths`)."""
     return sorted((Path(out_dir) / "data").glob("chunk-*.parquet"))
+
+
+def read_manifest(data_dir: Path) -> dict:
+    """A finished run's manifest; UserError when it is missing, damaged or from a newer specheads."""
+    path = Path(data_dir) / "manifest.json"
+    if not path.is_file():
+        raise UserError(f"{path} not found; data_dir must be a finished heads-datagen output_dir "
+                        "(run heads-datagen, or the same command again if it was interrupted)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise UserError(f"{path} is damaged ({err}); run the same heads-datagen command again to rewrite it") from None
+    version = manifest.get("schema_version", 1)
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise UserError(f"{data_dir} was written with data schema version {version}, newer than this specheads "
+                        f"reads ({SCHEMA_VERSION}); upgrade specheads (pip install -U specheads)")
+    return manifest
+
+
+def shard_paths(data_dir: Path) -> list[Path]:
+    """The data files of a finished run, as its manifest lists them (the single source of truth).
+
+    Each listed file must exist with its recorded size (a full check of checksums and prompt
+    coverage is ``heads-datagen verify``). Runs written before the manifest listed its shards
+    (schema 1) fall back to the files on disk.
+    """
+    root = Path(data_dir)
+    manifest = read_manifest(root)
+    if "shards" not in manifest:
+        return chunk_files(root)
+    out = []
+    for shard in manifest["shards"]:
+        path = root / shard["file"]
+        if not path.is_file() or path.stat().st_size != shard["bytes"]:
+            raise UserError(f"{path} is missing or changed since heads-datagen wrote it (manifest: {shard['bytes']} "
+                            f"bytes); run `heads-datagen verify output_dir={root}` and relabel")
+        out.append(path)
+    return out
+
+
+def require_columns(path: Path, columns) -> None:
+    """UserError naming the missing columns of a data file."""
+    import pyarrow.parquet as pq
+
+    try:
+        names = pq.read_schema(str(path)).names
+    except Exception as err:  # noqa: BLE001
+        raise UserError(f"{path} is not a readable Parquet file ({str(err).splitlines()[0]}); "
+                        "run heads-datagen verify on its output_dir") from None
+    missing = [c for c in dict.fromkeys(columns) if c not in names]
+    if missing:
+        raise UserError(f"{path} lacks columns {missing}; it was not written by this heads-datagen labels= mode, "
+                        "regenerate it with heads-datagen")
 
 
 class JudgeChunkFiles:

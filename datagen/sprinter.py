@@ -173,9 +173,20 @@ def label_chunk(target, draft, prompts: list[list[int]], indices: list[int], max
     seqs, pos = [r["input_ids"] for r in live], [r["positions"] for r in live]
     p_logits = torch.cat(logits_at(target, seqs, pos, pad))
     q_logits = torch.cat(logits_at(draft, seqs, pos, pad)).to(p_logits.device)
+    sizes = [len(p) for p in pos]
+    finite = (torch.isfinite(p_logits).all(-1) & torch.isfinite(q_logits).all(-1)).cpu()
+    ok = [bool(f.all()) for f in finite.split(sizes)]
+    if not all(ok):  # a prompt with NaN/Inf logits is left out (the caller counts it)
+        for r, good in zip(live, ok):
+            r["nonfinite"] = not good
+        keep = finite.new_tensor(ok).repeat_interleave(torch.tensor(sizes)).to(p_logits.device)
+        p_logits, q_logits = p_logits[keep], q_logits[keep]
+        live = [r for r, good in zip(live, ok) if good]
+        if not live:
+            return rows
     vocab = min(p_logits.shape[-1], q_logits.shape[-1])
     out = label_distributions(p_logits[:, :vocab], q_logits[:, :vocab], sampling, generator)
-    sizes = [len(p) for p in pos]
+    sizes = [len(r["positions"]) for r in live]
     for key, val in out.items():
         for r, part in zip(live, val.cpu().split(sizes)):
             r[key] = part.tolist()

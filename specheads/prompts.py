@@ -174,20 +174,23 @@ def _array_rows(path: Path, data: bytes) -> list[Any]:
                         f"{exc.colno}); fix the file") from None
 
 
-def load_prompts(path: str | Path, limit: int | None = None, offset: int = 0) -> list[Prompt]:
-    """Read prompts from a JSONL file (one object a line) or a JSON array file.
+def iter_prompts(path: str | Path, limit: int | None = None, offset: int = 0) -> Iterator[Prompt]:
+    """Prompts of a JSONL file (one object a line) or a JSON array file, one at a time.
+
+    A JSONL file is read line by line (memory does not grow with the file); a JSON array file
+    has to be parsed whole.
 
     Args:
         path: The prompt file.
         limit: At most this many prompts (``None``: all).
         offset: Skip this many rows first (row ids keep their position in the file).
 
-    Returns:
+    Yields:
         The prompts in file order.
 
     Raises:
         UserError: Missing, empty or non-UTF-8 file, invalid JSON or an unrecognised row
-            (naming the file and line).
+            (naming the file and line), raised when the reader reaches it.
     """
     path = Path(path)
     if limit is not None and limit < 0 or offset < 0:
@@ -197,8 +200,7 @@ def load_prompts(path: str | Path, limit: int | None = None, offset: int = 0) ->
                         f"(relative paths start at {Path.cwd()})")
     if path.is_dir():
         raise UserError(f"prompt file {str(path)!r} is a directory; give a .jsonl or .json file")
-    prompts: list[Prompt] = []
-    seen = 0
+    seen = given = 0
     with path.open("rb") as handle:
         head = handle.read(4096).lstrip(_BOM).lstrip()
         handle.seek(0)
@@ -206,25 +208,42 @@ def load_prompts(path: str | Path, limit: int | None = None, offset: int = 0) ->
             rows = _array_rows(path, handle.read())
             seen = len(rows)
             for index in range(offset, len(rows)):
-                if limit is not None and len(prompts) >= limit:
+                if limit is not None and given >= limit:
                     break
-                where = f"{path} element {index}"
-                prompts.append(_to_prompt(rows[index], index, path.stem, where))
+                given += 1
+                yield _to_prompt(rows[index], index, path.stem, f"{path} element {index}")
         else:
             for index, number, raw in _jsonl_rows(path, handle):
                 seen = index + 1
                 if index < offset:
                     continue
-                if limit is not None and len(prompts) >= limit:
+                if limit is not None and given >= limit:
                     break
-                row = _parse_line(raw, path, number)
-                prompts.append(_to_prompt(row, index, path.stem, f"{path} line {number}"))
+                given += 1
+                yield _to_prompt(_parse_line(raw, path, number), index, path.stem, f"{path} line {number}")
     if seen == 0:
         raise UserError(f"prompt file {str(path)!r} is empty; give a file with prompts")
-    if not prompts and limit != 0:
+    if not given and limit != 0:
         raise UserError(f"prompt file {str(path)!r} has {seen} rows, none after offset={offset}; "
                         "lower offset")
-    return prompts
+
+
+def load_prompts(path: str | Path, limit: int | None = None, offset: int = 0) -> list[Prompt]:
+    """Every prompt of a file as a list (:func:`iter_prompts` reads them one at a time)."""
+    return list(iter_prompts(path, limit, offset))
+
+
+def _paths(spec: str) -> list[str]:
+    paths = [p.strip() for p in str(spec).split(",") if p.strip()]
+    if not paths:
+        raise UserError("no prompt file given; set prompts=<file> (or several, comma-separated)")
+    return paths
+
+
+def iter_prompt_files(spec: str, limit: int | None = None, offset: int = 0) -> Iterator[Prompt]:
+    """:func:`load_prompt_files`, one prompt at a time (bounded memory for JSONL files)."""
+    for path in _paths(spec):
+        yield from iter_prompts(path, limit=limit, offset=offset)
 
 
 def load_prompt_files(spec: str, limit: int | None = None, offset: int = 0) -> list[Prompt]:
@@ -232,10 +251,4 @@ def load_prompt_files(spec: str, limit: int | None = None, offset: int = 0) -> l
 
     ``limit`` and ``offset`` apply to each file; ids stay unique (``<file stem>-<row>``).
     """
-    paths = [p.strip() for p in str(spec).split(",") if p.strip()]
-    if not paths:
-        raise UserError("no prompt file given; set prompts=<file> (or several, comma-separated)")
-    out: list[Prompt] = []
-    for path in paths:
-        out.extend(load_prompts(path, limit=limit, offset=offset))
-    return out
+    return list(iter_prompt_files(spec, limit, offset))

@@ -29,16 +29,15 @@ def load_examples(data_dir: str | Path, label_column: str = "label") -> list[Exa
     """Reads every chunk written by ``heads-datagen`` (only the columns training needs)."""
     import pyarrow.parquet as pq
 
-    files = sorted((Path(data_dir) / "data").glob("chunk-*.parquet"))
+    from specheads.datagen.shards import require_columns, shard_paths
+
+    files = shard_paths(data_dir)  # the manifest's list; UserError for a missing/newer-schema manifest
     if not files:
-        raise UserError(f"no chunk-*.parquet under {Path(data_dir) / 'data'}; run heads-datagen first "
-                        "or point data_dir at its output_dir")
+        raise UserError(f"{data_dir} holds no labelled examples (its manifest lists no shards); run heads-datagen "
+                        "with more prompts")
     out = []
     for path in files:
-        names = pq.read_schema(path).names
-        missing = [c for c in (*COLUMNS, label_column) if c not in names]
-        if missing:
-            raise UserError(f"{path} lacks columns {missing}; regenerate it with heads-datagen")
+        require_columns(path, (*COLUMNS, label_column))
         table = pq.read_table(path, columns=list(dict.fromkeys((*COLUMNS[:-1], label_column))))
         for row in table.to_pylist():
             out.append(Example(row["prompt_index"], row["input_ids"], row["response_start"], row["draft_token"],

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from specheads.datagen.shards import JudgeChunkFiles, chunk_files
+from specheads.datagen.shards import JudgeChunkFiles, shard_paths
 from specheads.errors import UserError
 
 
@@ -32,7 +32,7 @@ class JudgeStore:
     def __init__(self, data_dir: str | Path):
         import pyarrow.parquet as pq
 
-        files = chunk_files(Path(data_dir))
+        files = shard_paths(Path(data_dir))  # the manifest's list
         if not files:
             raise UserError(f"no chunk-*.parquet under {Path(data_dir) / 'data'}; run heads-datagen labels=judge first")
         feats, labels, self.examples = [], [], []

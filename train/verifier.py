@@ -36,15 +36,14 @@ def load_examples(data_dir: str | Path) -> list[VerifierExample]:
     """Reads every chunk written by ``heads-datagen labels=sprinter``."""
     import pyarrow.parquet as pq
 
-    files = sorted((Path(data_dir) / "data").glob("chunk-*.parquet"))
+    from specheads.datagen.shards import require_columns, shard_paths
+
+    files = shard_paths(data_dir)  # the manifest's list; UserError for a missing/newer-schema manifest
     if not files:
-        raise UserError(f"no chunk-*.parquet under {Path(data_dir) / 'data'}; run heads-datagen labels=sprinter "
-                        "first or point data_dir at its output_dir")
+        raise UserError(f"{data_dir} holds no labelled examples; run heads-datagen labels=sprinter with more prompts")
     out = []
     for path in files:
-        missing = [c for c in COLUMNS if c not in pq.read_schema(path).names]
-        if missing:
-            raise UserError(f"{path} lacks columns {missing}: head=verifier needs heads-datagen labels=sprinter data")
+        require_columns(path, COLUMNS)
         for row in pq.read_table(path, columns=list(COLUMNS)).to_pylist():
             ratio = [q / p if p > 0 else float("inf") for q, p in zip(row["q_token"], row["p_token"])]
             out.append(VerifierExample(row["prompt_index"], row["category"], row["input_ids"], row["positions"],

@@ -73,4 +73,8 @@ def probs_from_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One draw per row of ``probs`` ``[..., V]`` -> ``[...]`` token ids (long)."""
     flat = probs.reshape(-1, probs.shape[-1])
+    # A row from non-finite logits (NaN/Inf) would make multinomial raise for the whole batch: it
+    # draws from a uniform row instead, and the caller that checks its logits drops that sample.
+    bad = ~(torch.isfinite(flat).all(-1) & (flat.sum(-1) > 0))
+    flat = torch.where(bad[:, None], torch.ones_like(flat), flat.clamp_min(0))
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
