@@ -255,23 +255,36 @@ def _label_judge_chunk(cfg, pair, items, lo: int, chunk: int, seed: int, pad: in
 
 
 def _summarise_judge(out: Path) -> dict:
-    """Tuple counts (summed over chunks), token label counts, and the merged tuple and review files."""
+    """Tuple counts (summed over chunks), token label counts, and the merged tuple and review files
+    (written chunk by chunk: memory does not grow with the run)."""
+    import os
+    import tempfile
+
     counts = {k: 0 for k in JUDGE_COUNTS}
     pos = neg = 0
-    tuples_lines, review_lines = [], []
-    for path in shards.chunk_files(out):
-        files = shards.JudgeChunkFiles(out, int(path.stem.split("-")[1]))
-        for k, v in files.counts().items():
-            counts[k] = counts.get(k, 0) + v
-        labels = files.labels()
-        pos += int((labels == 1).sum())
-        neg += int((labels == 0).sum())
-        tuples_lines += files.tuples()
-        review_lines += files.review()
-    from specheads.outputs import atomic_write_text
-
-    atomic_write_text(out / "tuples.jsonl", "".join(x + "\n" for x in tuples_lines))
-    atomic_write_text(out / "review.jsonl", "".join(x + "\n" for x in review_lines))
+    handles = {}
+    for name in ("tuples.jsonl", "review.jsonl"):
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=out)
+        handles[name] = (os.fdopen(fd, "w", encoding="utf-8"), tmp)
+    try:
+        for path in shards.chunk_files(out):
+            files = shards.JudgeChunkFiles(out, int(path.stem.split("-")[1]))
+            for k, v in files.counts().items():
+                counts[k] = counts.get(k, 0) + v
+            labels = files.labels()
+            pos += int((labels == 1).sum())
+            neg += int((labels == 0).sum())
+            handles["tuples.jsonl"][0].writelines(x + "\n" for x in files.tuples())
+            handles["review.jsonl"][0].writelines(x + "\n" for x in files.review())
+        for name, (fh, tmp) in handles.items():
+            fh.flush()
+            os.fsync(fh.fileno())
+            fh.close()
+            os.replace(tmp, out / name)
+    finally:
+        for fh, tmp in handles.values():
+            fh.close()
+            Path(tmp).unlink(missing_ok=True)
     tokens = pos + neg
     return {"prompts": counts["items"], "tuple_counts": counts, "labelled_tokens": tokens,
             "positive_tokens": pos, "negative_tokens": neg, "label_mean": pos / tokens if tokens else None,

@@ -129,6 +129,13 @@ def test_judge_head_trains_exports_and_decodes(tiny_pair_dirs, tmp_path):
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     data, tr, exp = tmp_path / "dg", tmp_path / "tr", tmp_path / "exp"
     assert cli.main(_args(tiny_pair_dirs, data, f"tuples={src}", "prompts=''", "chunk_size=4")) == 0
+    assert cli.main([f"output_dir={data}", "verify"]) == 0  # tuple sides once, features match their shards
+    import shutil
+
+    shutil.copytree(data, tmp_path / "damaged")
+    feats = sorted((tmp_path / "damaged" / "features").glob("chunk-*.safetensors"))[0]
+    feats.write_bytes(feats.read_bytes()[:-8])
+    assert cli.main([f"output_dir={tmp_path / 'damaged'}", "verify"]) == 1
     t, d = tiny_pair_dirs
     assert train_main([f"data_dir={data}", f"output_dir={tr}", "head=judge", "depth=0", "epochs=3", "lr=1e-2",
                        "batch_size=2", "grad_accum=1", "eval_fraction=0.25", "w_rej=3.0", "weight_decay=0.01",

@@ -1,0 +1,264 @@
+"""Reliability benchmark on the shared pair: SIGKILL/resume trials, 1 vs 2 processes, peak host memory.
+
+    python bench/reliability.py                          # every part, writes bench/results/reliability.json
+    python bench/reliability.py --parts rss --rss-prompts 10000
+    python bench/reliability.py --parts kill,procs,train --kill-trials 10
+
+Parts (each writes its keys into the result file, the others are kept):
+
+``procs``: ``heads-datagen`` on the same prompts with 1 process and with 2 (``accelerate launch
+--cpu --num_processes 2``, gloo): are the chunk files byte-identical?
+
+``kill``: the same datagen command killed with SIGKILL at random points ``--kill-trials`` times,
+alternating 1 and 2 processes, each time restarted; then run to the end. Counts prompts lost
+(neither labelled nor skipped) and duplicated (labelled more than once), runs ``heads-datagen
+verify``, and compares the files with the uninterrupted run.
+
+``train``: ``heads-train`` (acceptance head) on that data: uninterrupted vs SIGKILLed after its
+first checkpoint and resumed (same head, bit for bit?), and 1 process with ``grad_accum=2`` vs
+2 processes with ``grad_accum=1`` (the same examples per step; the largest weight difference).
+
+``rss``: ``heads-datagen`` over ``--rss-prompts`` prompts (GSM8K-train then Alpaca; one new token
+each, so the prompts' prefill dominates): peak RSS of the process, and its RSS when the first
+10% and the last of the chunks were written (bounded memory: the two are about equal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _common import run_info
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
+ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+LAUNCH2 = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no"]
+
+
+def _datagen_args(out: Path, n: int) -> list[str]:
+    return ["recipe=quickstart", f"prompts={SHARED}/data/gsm8k/train.jsonl", f"num_prompts={n}", "max_new_tokens=8",
+            "batch_size=4", "chunk_size=4", "sampling.do_sample=true", f"output_dir={out}"]
+
+
+def _cmd(args: list[str], procs: int, module: str = "specheads.datagen.cli") -> list[str]:
+    return ([sys.executable] if procs == 1 else LAUNCH2) + ["-m", module, *args]
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=ROOT)
+    if proc.returncode:
+        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+
+
+def _shas(out: Path) -> dict:
+    from specheads.datagen import shards
+
+    return {p.name: shards.sha256(p) for p in shards.chunk_files(out)}
+
+
+def _coverage(out: Path, n: int) -> dict:
+    import pyarrow.parquet as pq
+
+    from specheads.datagen import shards
+
+    seen: dict[int, int] = {}
+    skipped = set()
+    for path in shards.chunk_files(out):
+        for i in pq.read_table(path, columns=["prompt_index"]).column("prompt_index").to_pylist():
+            seen[i] = seen.get(i, 0) + 1
+        skipped |= {s["prompt_index"] for s in shards.chunk_info(path).get("skipped", [])}
+    return {"lost": len(set(range(n)) - set(seen) - skipped), "duplicated": sum(k - 1 for k in seen.values() if k > 1)}
+
+
+def _kill_at_random(cmd: list[str], out: Path, rng: random.Random, pattern: str = "data/chunk-*.parquet") -> bool:
+    """Starts ``cmd`` and SIGKILLs its whole process group a random 1-3 files and 0-0.5 s in. True if killed."""
+    before = len(list(out.glob(pattern)))
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV, cwd=ROOT,
+                            start_new_session=True)
+    want, deadline = before + rng.randint(1, 3), time.time() + 900
+    while proc.poll() is None and len(list(out.glob(pattern))) < want and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(rng.uniform(0.0, 0.5))
+    killed = proc.poll() is None
+    if killed:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return killed
+
+
+def part_procs(work: Path, n: int) -> dict:
+    one, two = work / "dg-1proc", work / "dg-2proc"
+    t0 = time.perf_counter()
+    _run(_cmd(_datagen_args(one, n), 1))
+    t1 = time.perf_counter()
+    _run(_cmd(_datagen_args(two, n), 2))
+    t2 = time.perf_counter()
+    same = _shas(one) == _shas(two)
+    print(f"datagen {n} prompts: 1 process {t1 - t0:.0f} s, 2 processes {t2 - t1:.0f} s, identical files: {same}")
+    return {"datagen_1_vs_2_processes": {"prompts": n, "chunks": len(_shas(one)), "identical_files": same,
+                                         "seconds_1_process": round(t1 - t0, 1), "seconds_2_processes": round(t2 - t1, 1)}}
+
+
+def part_kill(work: Path, n: int, trials: int, seed: int) -> dict:
+    ref, out = work / "dg-1proc", work / "dg-killed"
+    if not ref.is_dir():
+        _run(_cmd(_datagen_args(ref, n), 1))
+    rng = random.Random(seed)
+    kills, log = 0, []
+    for t in range(trials):
+        procs = 1 + t % 2
+        killed = _kill_at_random(_cmd(_datagen_args(out, n), procs), out, rng)
+        kills += killed
+        done = len(list(out.glob("data/chunk-*.parquet")))
+        log.append({"trial": t, "processes": procs, "killed": killed, "chunks_after": done})
+        print(f"trial {t}: {procs} process(es), killed={killed}, {done} chunks written")
+    _run(_cmd(_datagen_args(out, n), 2))  # finish with 2 processes
+    cov = _coverage(out, n)
+    check = subprocess.run([sys.executable, "-m", "specheads.datagen.cli", "verify", f"output_dir={out}"],
+                           capture_output=True, text=True, env=ENV, cwd=ROOT)
+    print(check.stdout.strip())
+    return {"datagen_kill_trials": trials, "datagen_kills_landed": kills, "datagen_lost": cov["lost"],
+            "datagen_duplicated": cov["duplicated"], "datagen_verify_exit": check.returncode,
+            "datagen_verify_output": check.stdout.strip().splitlines()[-1],
+            "datagen_killed_equals_uninterrupted": _shas(out) == _shas(ref), "datagen_kill_log": log}
+
+
+def _train_args(data: Path, out: Path, *extra: str) -> list[str]:
+    return ["recipe=quickstart", f"data_dir={data}", "epochs=3", "patience=10", "batch_size=4", f"output_dir={out}",
+            *extra]
+
+
+def _head(path: Path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "head.safetensors"))
+
+
+def part_train(work: Path, n: int, seed: int) -> dict:
+    from specheads.train.config import TrainConfig
+
+    data = work / "dg-1proc"
+    if not data.is_dir():
+        _run(_cmd(_datagen_args(data, n), 1))
+    mid = ["checkpoint_every=2"] if "checkpoint_every" in TrainConfig.__dataclass_fields__ else []
+    full, cut = work / "tr-full", work / "tr-killed"
+    _run(_cmd(_train_args(data, full, *mid), 1, "specheads.train.cli"))
+    rng = random.Random(seed)
+    kills = 0
+    for _ in range(3):  # killed a random moment after 1-3 new checkpoints, three times
+        if (cut / "head.safetensors").exists() and (cut / "manifest.json").exists():
+            break
+        kills += _kill_at_random(_cmd(_train_args(data, cut, *mid), 1, "specheads.train.cli"), cut, rng,
+                                 "checkpoint-*")
+    _run(_cmd(_train_args(data, cut, *mid), 1, "specheads.train.cli"))
+    a, b = _head(full), _head(cut)
+    identical = a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
+    one, two = work / "tr-1proc-accum2", work / "tr-2proc"
+    _run(_cmd(_train_args(data, one, "grad_accum=2"), 1, "specheads.train.cli"))
+    _run(_cmd(_train_args(data, two, "grad_accum=1"), 2, "specheads.train.cli"))
+    x, y = _head(one), _head(two)
+    diff = max(float((x[k].float() - y[k].float()).abs().max()) for k in x)
+    print(f"train kill/resume identical: {identical} ({kills} kills); 1 vs 2 processes max |dw| = {diff:.2e}")
+    return {"train_resume_identical": identical, "train_kills_landed": kills,
+            "train_checkpoint_every": mid[0].split("=")[1] if mid else "epoch",
+            "train_1_vs_2_processes": {"max_abs_weight_diff": diff, "setting": "1 process grad_accum=2 vs "
+                                       "2 processes grad_accum=1 (same examples per optimizer step, DDP all-reduce)"}}
+
+
+def _rss_kb(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def part_rss(work: Path, n: int) -> dict:
+    out = work / f"rss-{n}"
+    gsm = min(n, 7473)
+    prompts = f"{SHARED}/data/gsm8k/train.jsonl" + (f",{SHARED}/data/alpaca/alpaca_5000.json" if n > gsm else "")
+    per_file = gsm if n <= gsm else n // 2
+    if per_file * (2 if n > gsm else 1) != n:
+        raise SystemExit("--rss-prompts: use up to 7473, or an even number up to 10000")
+    args = ["recipe=quickstart", f"prompts={prompts}", f"num_prompts={per_file}", "max_new_tokens=1",
+            "batch_size=32", "chunk_size=64", f"output_dir={out}"]
+    cmd = _cmd(args, 1)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV, cwd=ROOT)
+    total = -(-n // 64)
+    samples = []  # (chunks written, rss kB)
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        samples.append((len(list(out.glob("data/chunk-*.parquet"))), _rss_kb(proc.pid)))
+        time.sleep(1.0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise SystemExit(f"datagen failed ({proc.returncode}): {' '.join(cmd)}")
+    peak_kb = usage.ru_maxrss  # kB on Linux: the child's own high-water mark
+    early = max((r for c, r in samples if c <= max(1, total // 10)), default=0)
+    late = max((r for c, r in samples if c >= total - 1), default=0)
+    manifest = json.loads((out / "manifest.json").read_text())
+    print(f"{n} prompts: peak RSS {peak_kb / 1024:.0f} MiB; RSS up to 10% of chunks {early / 1024:.0f} MiB, "
+          f"at the end {late / 1024:.0f} MiB; {time.perf_counter() - t0:.0f} s")
+    return {"peak_rss_10k_prompts" if n == 10000 else f"peak_rss_{n}_prompts": {
+        "prompts": manifest["prompts_read"], "peak_rss_mib": round(peak_kb / 1024, 1),
+        "rss_first_10pct_chunks_mib": round(early / 1024, 1), "rss_last_chunks_mib": round(late / 1024, 1),
+        "chunks": manifest["chunks"], "seconds": round(time.perf_counter() - t0, 1),
+        "setting": "heads-datagen recipe=quickstart, GSM8K-train + Alpaca prompts, max_new_tokens=1, batch_size=32, "
+                   "chunk_size=64, 1 process, fp32 on CPU"}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="procs,kill,train,rss")
+    ap.add_argument("--prompts", type=int, default=48, help="prompts of the procs/kill/train runs")
+    ap.add_argument("--kill-trials", type=int, default=8)
+    ap.add_argument("--rss-prompts", type=int, default=10000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--work", default="/tmp/specheads-reliability")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/reliability.json"))
+    args = ap.parse_args(argv)
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    work = Path(args.work)
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    out = Path(args.out)
+    result = json.loads(out.read_text()) if out.is_file() else {}
+    runs = result.setdefault("runs", {})
+    for part in parts:
+        t0 = time.perf_counter()
+        if part == "procs":
+            got = part_procs(work, args.prompts)
+        elif part == "kill":
+            got = part_kill(work, args.prompts, args.kill_trials, args.seed)
+        elif part == "train":
+            got = part_train(work, args.prompts, args.seed)
+        elif part == "rss":
+            got = part_rss(work, args.rss_prompts)
+        else:
+            raise SystemExit(f"unknown part {part!r}: choose from procs, kill, train, rss")
+        result.update(got)
+        runs[part] = {**run_info(__file__, argv, "subprocesses on CPU"), "seconds": round(time.perf_counter() - t0, 1)}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "datagen_kill_log")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
