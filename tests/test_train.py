@@ -171,27 +171,116 @@ def test_cached_features_match_online_and_are_reused(tiny_pair_dirs, labelled, t
     assert read_metadata(tmp_path / "again" / "head.safetensors")["head_config"]["depth"] == 0
 
 
-def test_two_process_ddp_training(tiny_pair_dirs, labelled, tmp_path):
-    """``accelerate launch`` with 2 processes (DDP over gloo on CPU): the ranks stay in sync and the
-    run is reproducible."""
+def _launch(tiny_pair_dirs, labelled, out, launcher: list[str], *extra, wait=True, env=None):
+    """``accelerate launch <launcher> -m specheads.train.cli ...`` on CPU: the finished process, or
+    (``wait=False``) the running one, in a session of its own."""
     import os
     import subprocess
     import sys
 
-    heads = []
-    for name in ("a", "b"):
-        out = tmp_path / name
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "-m", "specheads.train.cli", *_targs(tiny_pair_dirs, labelled, out, "epochs=2")]
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        heads.append(load_head(out / "head.safetensors").module.state_dict())
-        steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        assert sum("eval_binary_kl" in r for r in steps) == 2  # one writer: the main process
-    for k in heads[0]:
-        torch.testing.assert_close(heads[0][k], heads[1][k], rtol=0, atol=0)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher, "-m", "specheads.train.cli",
+           *_targs(tiny_pair_dirs, labelled, out, *extra)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **(env or {})}
+    if wait:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                            start_new_session=True)
+
+
+def _kill_tree(pid: int) -> list[int]:
+    """SIGKILLs ``pid`` and every process below it. The launcher's workers run in sessions of their own
+    (torch elastic starts them with ``start_new_session``), so killing the launcher's process group
+    alone would leave them training."""
+    import os
+    import signal
+
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return tree
+
+
+def _kill_after_first_checkpoint(proc, out) -> None:
+    """Waits for ``out/latest`` (the first checkpoint), then SIGKILLs the whole run; the run must not
+    have finished by then."""
+    import time
+
+    deadline = time.time() + 300
+    while not (out / "latest").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    alive = proc.poll() is None
+    _kill_tree(proc.pid)
+    proc.wait()
+    assert alive, "the run ended before its first checkpoint"
+    latest = out / (out / "latest").read_text().strip() / "state.json"
+    assert json.loads(latest.read_text())["progress"]["done"] is False  # killed mid-run
+
+
+def _same_heads(a, b, atol=0.0):
+    a = load_head(a / "head.safetensors").module.state_dict()
+    b = load_head(b / "head.safetensors").module.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol)
+
+
+DDP = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+       "--dynamo_backend", "no"]
+
+
+def test_two_process_ddp_training(tiny_pair_dirs, labelled, tmp_path, capsys):
+    """``accelerate launch`` with 2 processes (DDP over gloo on CPU) trains the head one process
+    trains with the same global batch (2 x batch_size x grad_accum): the two runs differ only in
+    the summation order of the gradient (all-reduce of two partial means vs one sum), which keeps
+    them within 1e-6. The checkpoints record the process count: a one-process rerun is refused."""
+    out = tmp_path / "ddp"
+    proc = _launch(tiny_pair_dirs, labelled, out, DDP, "epochs=2", "grad_accum=1", "checkpoint_every=1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert sum("eval_binary_kl" in r for r in rows) == 2  # one writer: the main process
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert (out / "checkpoint-3").is_dir()  # mid-epoch (2 steps an epoch)
+    state = json.loads((out / "checkpoint-3" / "state.json").read_text())["progress"]
+    assert state["world"] == 2 and state["position"] == 1 and state["epoch"] == 1
+
+    one = tmp_path / "one"  # 1 process, twice the accumulation: the same 4 micro-batches a step
+    assert main(_targs(tiny_pair_dirs, labelled, one, "epochs=2", "grad_accum=2")) == 0
+    _same_heads(out, one, atol=1e-6)
+
+    capsys.readouterr()
+    assert main(_targs(tiny_pair_dirs, labelled, out, "epochs=2", "grad_accum=1", "checkpoint_every=1")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "2 processes, this one has 1" in err and "--num_processes 2" in err
+
+
+@pytest.mark.slow
+def test_two_process_ddp_training_killed_mid_epoch_resumes_to_the_same_head(tiny_pair_dirs, labelled, tmp_path):
+    """2-process DDP, SIGKILLed (launcher and workers) after its first mid-epoch checkpoint, rerun
+    with the same command: the head of an uninterrupted 2-process run, bit for bit."""
+    extra = ("epochs=2", "grad_accum=1", "checkpoint_every=1")
+    full = _launch(tiny_pair_dirs, labelled, tmp_path / "full", DDP, *extra)
+    assert full.returncode == 0, full.stderr[-2000:]
+    _kill_after_first_checkpoint(_launch(tiny_pair_dirs, labelled, tmp_path / "cut", DDP, *extra, wait=False),
+                                 tmp_path / "cut")
+    again = _launch(tiny_pair_dirs, labelled, tmp_path / "cut", DDP, *extra)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed from" in again.stderr
+    _same_heads(tmp_path / "full", tmp_path / "cut")
+    assert (tmp_path / "full" / "metrics.jsonl").read_text() == (tmp_path / "cut" / "metrics.jsonl").read_text()
 
 
 def _deepspeed_ok() -> bool:
@@ -200,55 +289,50 @@ def _deepspeed_ok() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
 
+def _deepspeed_resumes(tiny_pair_dirs, labelled, tmp_path, name: str) -> None:
+    """The shipped launcher config ``name`` on one CPU process (accelerate runs DeepSpeed
+    multi-process only on accelerators): the DeepSpeed path (engine-owned accumulation and loss
+    scaling, per-rank optimizer partitions in the checkpoint) trains the same head as the plain
+    loop, and a run SIGKILLed after its first (mid-epoch) checkpoint resumes to the head of an
+    uninterrupted run, bit for bit, with the same metrics.jsonl."""
+    from importlib.resources import files
+
+    config = files("specheads.recipes") / "accelerate" / f"{name}.yaml"
+    launcher = ["--config_file", str(config), "--num_processes", "1", "--mixed_precision", "no"]
+    env = {"DS_ACCELERATOR": "cpu"}
+    extra = ("epochs=3", "checkpoint_every=1")
+    full = _launch(tiny_pair_dirs, labelled, tmp_path / "full", launcher, *extra, env=env)
+    assert full.returncode == 0, full.stderr[-3000:]
+    ckpt = sorted((tmp_path / "full").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
+    step = ckpt.name.split("-")[1]
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith(".zero")) == [f".zero-{step}-rank0.safetensors"]
+    from safetensors import safe_open
+
+    with safe_open(str(ckpt / "state.safetensors"), framework="pt") as f:  # full weights, also under ZeRO-3
+        assert f.get_slice("model.blocks.0.linear.weight").get_shape() == [32, 32]
+    assert main(_targs(tiny_pair_dirs, labelled, tmp_path / "plain", *extra)) == 0
+    _same_heads(tmp_path / "full", tmp_path / "plain", atol=1e-3)  # same math, other summation order
+    _kill_after_first_checkpoint(_launch(tiny_pair_dirs, labelled, tmp_path / "cut", launcher, *extra, wait=False,
+                                         env=env), tmp_path / "cut")
+    again = _launch(tiny_pair_dirs, labelled, tmp_path / "cut", launcher, *extra, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stderr
+    _same_heads(tmp_path / "full", tmp_path / "cut")
+    assert (tmp_path / "full" / "metrics.jsonl").read_text() == (tmp_path / "cut" / "metrics.jsonl").read_text()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not _deepspeed_ok(), reason="needs the deepspeed extra (pip install -e '.[deepspeed]')")
 def test_deepspeed_zero2_training_resumes_to_the_same_head(tiny_pair_dirs, labelled, tmp_path):
-    """The shipped ZeRO-2 launcher config on one CPU process (accelerate runs DeepSpeed multi-process
-    only on accelerators): the DeepSpeed path (engine-owned accumulation and loss scaling, per-rank
-    optimizer partitions in the checkpoint) trains the same head as the plain loop, and a run
-    killed after its first checkpoint resumes to the head of an uninterrupted run."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-    from importlib.resources import files
+    _deepspeed_resumes(tiny_pair_dirs, labelled, tmp_path, "deepspeed_zero2")
 
-    config = files("specheads.recipes") / "accelerate" / "deepspeed_zero2.yaml"
 
-    def launch(out, wait=True):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-               "--num_processes", "1", "--mixed_precision", "no", "-m", "specheads.train.cli",
-               *_targs(tiny_pair_dirs, labelled, out, "epochs=3")]
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-        if wait:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
-
-    full = launch(tmp_path / "full")
-    assert full.returncode == 0, full.stderr[-3000:]
-    ckpt = sorted((tmp_path / "full").glob("checkpoint-*"))[-1]
-    step = ckpt.name.split("-")[1]
-    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith(".zero")) == [f".zero-{step}-rank0.safetensors"]
-    assert main(_targs(tiny_pair_dirs, labelled, tmp_path / "plain", "epochs=3")) == 0
-    plain = load_head(tmp_path / "plain" / "head.safetensors").module.state_dict()
-    ds = load_head(tmp_path / "full" / "head.safetensors").module.state_dict()
-    for k in plain:
-        torch.testing.assert_close(ds[k], plain[k], rtol=0, atol=1e-3)  # same math, other summation order
-    proc = launch(tmp_path / "cut", wait=False)  # killed (SIGKILL, whole process group) after its first checkpoint
-    deadline = time.time() + 300
-    while not (tmp_path / "cut" / "latest").exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    again = launch(tmp_path / "cut")
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from" in again.stderr
-    a = load_head(tmp_path / "full" / "head.safetensors").module.state_dict()
-    b = load_head(tmp_path / "cut" / "head.safetensors").module.state_dict()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+@pytest.mark.slow
+@pytest.mark.skipif(not _deepspeed_ok(), reason="needs the deepspeed extra (pip install -e '.[deepspeed]')")
+def test_deepspeed_zero3_training_resumes_to_the_same_head(tiny_pair_dirs, labelled, tmp_path):
+    """ZeRO-3 partitions the head's h x h weights (persistence threshold 10 h): evaluation, export
+    and checkpoints gather them, and the checkpoint holds the stage-3 optimizer partition."""
+    _deepspeed_resumes(tiny_pair_dirs, labelled, tmp_path, "deepspeed_zero3")
 
 
 def test_expected_label_features_come_from_the_targets_own_prefix():

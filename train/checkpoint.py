@@ -1,29 +1,46 @@
 """Training checkpoints without pickle: tensors in safetensors, everything else in JSON.
 
 A checkpoint is a folder ``checkpoint-<step>/`` holding ``state.safetensors`` (head weights,
-optimizer tensors, RNG states) and ``state.json`` (optimizer param groups and scalars,
-scheduler state, progress). It is written under a temporary name and renamed, then
-``latest`` is replaced atomically: a kill during a save leaves the previous checkpoint intact.
+optimizer tensors, RNG states), ``state.json`` (optimizer param groups and scalars, scheduler
+state, progress: epoch, step, data position inside the epoch, process count, ...; plus the size
+and SHA-256 of every other file) and, under DeepSpeed, one ``.zero-<step>-rank<r>.safetensors``
+per process (that rank's optimizer partition). The folder is written under a temporary name,
+fsynced and renamed, then ``latest`` is replaced atomically: a kill during a save leaves the
+previous checkpoint and ``latest`` intact.
+
+Resuming (:func:`find`) takes the newest checkpoint folder (normally the one ``latest`` names);
+when it is damaged (truncated, bad JSON, wrong checksum) the newest older one that reads back
+whole, with a warning; when none does it stops with a one-line
+:class:`~specheads.errors.UserError`, as it does when the run that wrote it had another
+process count.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import re
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_bytes
+from safetensors.torch import save_file
 
 from specheads.errors import UserError
 from specheads.outputs import atomic_write_text
 
+log = logging.getLogger(__name__)
+FORMAT = 2
+_NAME = re.compile(r"checkpoint-(\d+)")
+
 
 def _jsonable(x):
-    if isinstance(x, tuple):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, list):
+    if isinstance(x, (tuple, list)):
         return [_jsonable(v) for v in x]
     if isinstance(x, dict):
         return {str(k): _jsonable(v) for k, v in x.items()}
@@ -32,13 +49,41 @@ def _jsonable(x):
     return x
 
 
+def _digest(path: Path) -> dict:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def _fsync(path: Path) -> None:
+    """Flushes a file (or a folder's entries) to disk, so a crash of the machine keeps it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on folders
+        pass
+    finally:
+        os.close(fd)
+
+
+def _step(path: Path) -> int:
+    return int(_NAME.fullmatch(path.name).group(1))
+
+
 def save(out_dir: Path, step: int, model: torch.nn.Module, optimizer, scheduler, progress: dict, keep: int = 2,
          extra_files: list[Path] = ()) -> Path:
     """Writes ``checkpoint-<step>`` atomically and points ``latest`` at it; keeps the newest ``keep``.
 
     ``optimizer=None``: its state is saved elsewhere (DeepSpeed partitions, given as
-    ``extra_files``, which are moved into the checkpoint before it appears).
+    ``extra_files``, which are moved into the checkpoint before it appears). ``model`` must hold
+    its full weights (gathered under ZeRO-3).
     """
+    out_dir = Path(out_dir)
     tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     opt = optimizer.state_dict() if optimizer is not None else {"state": {}, "param_groups": []}
     scalars = {}
@@ -52,28 +97,53 @@ def save(out_dir: Path, step: int, model: torch.nn.Module, optimizer, scheduler,
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"rng.cuda.{i}"] = s
-    meta = {"step": step, "progress": progress, "optimizer": {"param_groups": _jsonable(opt["param_groups"]),
-                                                             "scalars": scalars},
+    meta = {"format": FORMAT, "step": step, "progress": progress,
+            "optimizer": {"param_groups": _jsonable(opt["param_groups"]), "scalars": scalars},
             "scheduler": _jsonable(scheduler.state_dict()) if scheduler is not None else None}
-    final = Path(out_dir) / f"checkpoint-{step}"
-    tmp = Path(out_dir) / f".checkpoint-{step}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in out_dir.glob(".checkpoint-*.tmp*"):  # left by a save that was killed
+        shutil.rmtree(stale, ignore_errors=True)
+    for stale in out_dir.glob(".zero-*"):
+        if not stale.name.startswith(f".zero-{step}-rank") or ".tmp" in stale.name:
+            stale.unlink(missing_ok=True)
+    final = out_dir / f"checkpoint-{step}"
+    tmp = out_dir / f".checkpoint-{step}.tmp{os.getpid()}"
     tmp.mkdir(parents=True)
     save_file(tensors, str(tmp / "state.safetensors"))
     for extra in extra_files:
         os.replace(extra, tmp / Path(extra).name)
-    atomic_write_text(tmp / "state.json", json.dumps(meta, indent=1))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    atomic_write_text(Path(out_dir) / "latest", final.name + "\n")
-    olds = sorted(Path(out_dir).glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-    for old in olds[:-keep]:
+    meta["files"] = {}
+    for f in sorted(tmp.iterdir()):
+        _fsync(f)
+        meta["files"][f.name] = _digest(f)
+    atomic_write_text(tmp / "state.json", json.dumps(meta, indent=1))  # last: its presence means complete
+    _fsync(tmp)
+    if final.exists():  # the same step again (a rerun after a fallback): move the old one out of the way
+        old = out_dir / f".checkpoint-{step}.tmp{os.getpid()}-old"
+        os.replace(final, old)
+        os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync(out_dir)
+    atomic_write_text(out_dir / "latest", final.name + "\n")
+    olds = sorted((p for p in out_dir.glob("checkpoint-*") if _NAME.fullmatch(p.name)), key=_step)
+    for old in olds[:-keep]:
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def clear(out_dir: Path) -> None:
+    """Removes every checkpoint (and ``latest``) from ``out_dir``: the next run starts over."""
+    out_dir = Path(out_dir)
+    for path in [*out_dir.glob("checkpoint-*"), *out_dir.glob(".checkpoint-*")]:
+        shutil.rmtree(path, ignore_errors=True)
+    for path in [*out_dir.glob(".zero-*"), out_dir / "latest"]:
+        path.unlink(missing_ok=True)
+
+
 def latest(out_dir: Path) -> Path | None:
-    """The checkpoint ``latest`` points at, if any."""
+    """The checkpoint ``latest`` points at, if any (not checked for damage; see :func:`find`)."""
     pointer = Path(out_dir) / "latest"
     if not pointer.is_file():
         return None
@@ -81,40 +151,173 @@ def latest(out_dir: Path) -> Path | None:
     return path if (path / "state.json").is_file() else None
 
 
-def load(path: Path, model: torch.nn.Module, optimizer, scheduler) -> dict:
-    """Restores model, optimizer, scheduler and RNG state in place; returns the saved metadata."""
-    meta = json.loads((Path(path) / "state.json").read_text())
-    tensors = load_file(str(Path(path) / "state.safetensors"))
-    model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+def candidates(out_dir: Path) -> list[Path]:
+    """Checkpoint folders, newest first (one a kill left without its ``latest`` update included: it is
+    complete once it has its final name)."""
+    return sorted((p for p in Path(out_dir).glob("checkpoint-*") if _NAME.fullmatch(p.name) and p.is_dir()),
+                  key=_step, reverse=True)
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read back whole: its metadata, its tensors, and this rank's ZeRO partition."""
+
+    path: Path
+    meta: dict
+    tensors: dict
+    zero: dict | None = None
+    zero_meta: dict = field(default_factory=dict)
+
+    @property
+    def progress(self) -> dict:
+        return self.meta["progress"]
+
+
+class Damaged(UserError):
+    """A checkpoint folder that does not read back whole."""
+
+
+def _read_file(path: Path, files: dict) -> tuple[dict, dict]:
+    """A safetensors file's tensors and metadata, checked against the size and hash ``state.json`` recorded."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise Damaged(f"{path} is missing")
+    data = path.read_bytes()
+    want = files.get(path.name)
+    if want is not None:
+        if len(data) != want["bytes"]:
+            raise Damaged(f"{path} holds {len(data)} bytes, {want['bytes']} were written (truncated?)")
+        if hashlib.sha256(data).hexdigest() != want["sha256"]:
+            raise Damaged(f"{path} does not match the SHA-256 recorded when it was written")
+    try:
+        tensors = load_bytes(data)
+        with safe_open(str(path), framework="pt") as f:  # the header's own metadata
+            meta = f.metadata() or {}
+    except Exception as exc:  # safetensors raises its own error types
+        raise Damaged(f"{path} is not a readable safetensors file ({str(exc).splitlines()[0][:200]})") from None
+    return tensors, meta
+
+
+def read(path: Path, rank: int = 0, zero: bool = False, world: int | None = None) -> Checkpoint:
+    """Reads a checkpoint folder whole (and this rank's ZeRO partition with ``zero``); raises :class:`Damaged`,
+    or :class:`UserError` when it was written by a run with another process count than ``world``."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / "state.json").read_text())
+        meta["progress"]["step"], meta["optimizer"], meta["step"]
+    except FileNotFoundError:
+        raise Damaged(f"{path / 'state.json'} is missing") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise Damaged(f"{path / 'state.json'} is not a checkpoint's JSON ({type(exc).__name__}: {exc})") from None
+    saved = meta["progress"].get("world")
+    if world is not None and saved is not None and saved != world:
+        raise UserError(f"{path} was written by a run with {saved} processes, this one has {world}; resume "
+                        f"with the same count (accelerate launch --num_processes {saved} ...), or start a new "
+                        "run in another output_dir")
+    files = meta.get("files", {})
+    tensors, _ = _read_file(path / "state.safetensors", files)
+    if "rng.torch" not in tensors:
+        raise Damaged(f"{path / 'state.safetensors'} holds no RNG state")
+    ckpt = Checkpoint(path, meta, tensors)
+    if zero:
+        name = zero_partition_path(Path("."), int(meta["step"]), rank).name
+        if not (path / name).is_file() and not any(n.startswith(".zero-") for n in files):
+            raise UserError(f"{path} holds no DeepSpeed optimizer partitions (it was written without DeepSpeed); "
+                            "resume without DeepSpeed, or start a new run in another output_dir")
+        ckpt.zero, ckpt.zero_meta = _read_file(path / name, files)
+    return ckpt
+
+
+def find(out_dir: Path, world: int, rank: int = 0, zero: bool = False,
+         any_rank: Callable[[bool], bool] = lambda bad: bad) -> Checkpoint | None:
+    """The checkpoint to resume from: the newest that reads back whole.
+
+    ``any_rank(bad)`` tells whether some process found its copy damaged (every process must take
+    the same checkpoint; each reads its own ZeRO partition). ``None`` when there is no checkpoint.
+    Raises :class:`UserError` when every checkpoint is damaged, or the run that wrote it had
+    another number of processes than ``world``.
+    """
+    out_dir = Path(out_dir)
+    found = candidates(out_dir)
+    problems = []
+    pointer = out_dir / "latest"
+    if pointer.is_file() and not (out_dir / pointer.read_text(errors="replace").strip()).is_dir():
+        problems.append(f"'latest' names {pointer.read_text(errors='replace').strip()!r}, which is missing")
+    for path in found:
+        try:
+            ckpt, err = read(path, rank, zero, world), None
+        except Damaged as exc:
+            ckpt, err = None, exc
+        if any_rank(err is not None):
+            problems.append(str(err) if err is not None else f"{path}: another process found its partition damaged")
+            log.warning("%s; trying an older checkpoint", problems[-1])
+            continue
+        if problems:
+            log.warning("resuming from %s, an older checkpoint", path)
+        return ckpt
+    if problems:
+        raise UserError(f"no checkpoint in {out_dir} reads back whole ({problems[0]}); delete its checkpoint-* "
+                        "folders and 'latest' to start the run over, or train into another output_dir")
+    return None
+
+
+def restore(ckpt: Checkpoint, model: torch.nn.Module, optimizer, scheduler) -> dict:
+    """Restores model, optimizer (unless ``None``), scheduler and RNG state in place; returns the progress."""
+    try:
+        model.load_state_dict({k[len("model."):]: v for k, v in ckpt.tensors.items() if k.startswith("model.")})
+    except RuntimeError as exc:
+        raise UserError(f"{ckpt.path} does not fit this head ({str(exc).splitlines()[0][:200]}); start a new run "
+                        "in another output_dir") from None
     if optimizer is not None:
-        _load_optimizer(optimizer, tensors, meta)
-    if scheduler is not None and meta["scheduler"] is not None:
-        scheduler.load_state_dict(meta["scheduler"])
-    torch.set_rng_state(tensors["rng.torch"])
+        _load_optimizer(optimizer, ckpt.tensors, ckpt.meta)
+    if scheduler is not None and ckpt.meta["scheduler"] is not None:
+        scheduler.load_state_dict(ckpt.meta["scheduler"])
+        # the learning rate the next step uses (optimizer.load_state_dict restores it; a DeepSpeed
+        # optimizer, restored from its partitions, starts from the freshly built one's)
+        for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+    torch.set_rng_state(ckpt.tensors["rng.torch"])
     if torch.cuda.is_available():
-        states = [tensors[k] for k in sorted(k for k in tensors if k.startswith("rng.cuda."))]
-        if states:
+        states = [ckpt.tensors[k] for k in sorted((k for k in ckpt.tensors if k.startswith("rng.cuda.")),
+                                                  key=lambda k: int(k.rsplit(".", 1)[1]))]
+        if len(states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(states)
-    return meta
+    return ckpt.progress
 
 
-def _load_optimizer(optimizer, tensors: dict, meta: dict) -> None:
+def load(path: Path, model: torch.nn.Module, optimizer, scheduler) -> dict:
+    """Reads ``path`` and restores it (see :func:`restore`); returns the saved metadata."""
+    ckpt = read(path)
+    restore(ckpt, model, optimizer, scheduler)
+    return ckpt.meta
+
+
+def _optimizer_state(tensors: dict, scalars: dict, prefix: str = "optim.") -> dict:
     state: dict = {}
     for name, val in tensors.items():
-        if name.startswith("optim."):
+        if name.startswith(prefix):
             _, pid, key = name.split(".", 2)
             state.setdefault(int(pid), {})[key] = val
-    for name, val in meta["optimizer"]["scalars"].items():
+    for name, val in scalars.items():
         pid, key = name.split(".", 1)
         state.setdefault(int(pid), {})[key] = torch.tensor(val, dtype=torch.float32) if key == "step" else val
-    groups = meta["optimizer"]["param_groups"]
+    return state
+
+
+def _param_groups(groups: list) -> list:
     for g in groups:
         if "betas" in g:
             g["betas"] = tuple(g["betas"])
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return groups
 
 
-# ---- DeepSpeed ZeRO (stages 1-2): each rank's optimizer partition in its own file ------------------
+def _load_optimizer(optimizer, tensors: dict, meta: dict) -> None:
+    state = _optimizer_state(tensors, meta["optimizer"]["scalars"])
+    optimizer.load_state_dict({"state": state, "param_groups": _param_groups(meta["optimizer"]["param_groups"])})
+
+
+# ---- DeepSpeed ZeRO (stages 1-3): each rank's optimizer partition in its own file ------------------
 
 def zero_partition_path(out_dir: Path, step: int, rank: int) -> Path:
     return Path(out_dir) / f".zero-{step}-rank{rank}.safetensors"
@@ -122,46 +325,88 @@ def zero_partition_path(out_dir: Path, step: int, rank: int) -> Path:
 
 def _zero(optimizer):
     zero = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer
-    if not hasattr(zero, "single_partition_of_fp32_groups"):
-        raise UserError("DeepSpeed checkpoints support ZeRO stages 1 and 2; set zero_stage to 1 or 2 in the "
-                        "accelerate config (the head is small: stage 3 saves nothing)")
+    if not hasattr(zero, "single_partition_of_fp32_groups") and not hasattr(zero, "fp32_partitioned_groups_flat"):
+        raise UserError(f"DeepSpeed optimizer {type(zero).__name__} is not a ZeRO optimizer; set zero_stage to 1, "
+                        "2 or 3 in the accelerate config")
     return zero
 
 
+def _scaler_state(scaler) -> dict:
+    return {k: _jsonable(v) for k, v in vars(scaler).items()
+            if isinstance(v, (bool, int, float, str)) or (isinstance(v, torch.Tensor) and v.dim() == 0)}
+
+
+def _set_scaler_state(scaler, saved: dict) -> None:
+    for key, val in saved.items():
+        old = getattr(scaler, key, None)
+        if isinstance(old, torch.Tensor):
+            old.fill_(val)
+        else:
+            setattr(scaler, key, val)
+
+
 def save_zero_partition(out_dir: Path, step: int, optimizer, rank: int, world: int) -> Path:
-    """This rank's fp32 master partition and its Adam moments (tensors), written atomically."""
+    """This rank's fp32 master partition, its optimizer moments (tensors) and the rest (JSON in the
+    file's header), written atomically. ZeRO-3's state comes from the optimizer's own
+    ``state_dict()`` (fp32 partitioned flat groups + the inner optimizer's state)."""
     zero = _zero(optimizer)
     tensors, scalars = {}, {}
-    for i, part in enumerate(zero.single_partition_of_fp32_groups):
-        tensors[f"fp32.{i}"] = part.detach().cpu().contiguous()
-        for key, val in zero.optimizer.state.get(part, {}).items():
-            if isinstance(val, torch.Tensor) and val.dim() > 0:
-                tensors[f"state.{i}.{key}"] = val.detach().cpu().contiguous()
-            else:
-                scalars[f"{i}.{key}"] = _jsonable(val)
+    header = {"world": str(world), "rank": str(rank)}
+    if hasattr(zero, "fp32_partitioned_groups_flat"):  # stage 3
+        from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT
+
+        sd = zero.state_dict()
+        for i, part in enumerate(sd[FP32_FLAT_GROUPS]):
+            tensors[f"fp32.{i}"] = part.detach().cpu().contiguous()
+        inner = sd[OPTIMIZER_STATE_DICT]
+        for pid, state in inner["state"].items():
+            for key, val in state.items():
+                if isinstance(val, torch.Tensor) and val.dim() > 0:
+                    tensors[f"state.{pid}.{key}"] = val.detach().cpu().contiguous()
+                else:
+                    scalars[f"{pid}.{key}"] = _jsonable(val)
+        header["stage"] = "3"
+        header["zero3"] = json.dumps({"param_groups": _jsonable(inner["param_groups"]),
+                                      "loss_scaler": _scaler_state(sd[LOSS_SCALER]),
+                                      "dynamic_loss_scale": _jsonable(sd["dynamic_loss_scale"]),
+                                      "overflow": _jsonable(sd["overflow"])})
+    else:  # stages 1-2
+        for i, part in enumerate(zero.single_partition_of_fp32_groups):
+            tensors[f"fp32.{i}"] = part.detach().cpu().contiguous()
+            for key, val in zero.optimizer.state.get(part, {}).items():
+                if isinstance(val, torch.Tensor) and val.dim() > 0:
+                    tensors[f"state.{i}.{key}"] = val.detach().cpu().contiguous()
+                else:
+                    scalars[f"{i}.{key}"] = _jsonable(val)
+        header["stage"] = "2"
+        if getattr(zero, "loss_scaler", None) is not None:
+            header["loss_scaler"] = json.dumps(_scaler_state(zero.loss_scaler))
+    header["scalars"] = json.dumps(scalars)
     path = zero_partition_path(out_dir, step, rank)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"world": str(world), "rank": str(rank), "scalars": json.dumps(scalars)})
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    save_file(tensors, str(tmp), metadata=header)
+    _fsync(tmp)
     os.replace(tmp, path)
     return path
 
 
-def load_zero_partition(path: Path, optimizer, rank: int, world: int) -> None:
-    """Restores this rank's partition (same number of processes as when it was saved)."""
-    from safetensors import safe_open
-
+def load_zero_partition(ckpt: Checkpoint, optimizer, rank: int, world: int) -> None:
+    """Restores this rank's partition (read by :func:`read` with ``zero=True``; same process count)."""
     zero = _zero(optimizer)
-    file = Path(path) / zero_partition_path(Path("."), int(Path(path).name.split("-")[1]), rank).name
-    if not file.is_file():
-        raise UserError(f"{file} is missing: this DeepSpeed checkpoint was written by fewer processes; "
-                        f"resume with the same num_processes")
-    with safe_open(str(file), framework="pt") as f:
-        meta = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    meta, tensors = ckpt.zero_meta, ckpt.zero
     if int(meta["world"]) != world:
-        raise UserError(f"checkpoint {path} was written by {meta['world']} DeepSpeed processes, this run has "
+        raise UserError(f"checkpoint {ckpt.path} was written by {meta['world']} DeepSpeed processes, this run has "
                         f"{world}; resume with num_processes={meta['world']}")
+    stage3 = hasattr(zero, "fp32_partitioned_groups_flat")
+    if stage3 != (meta.get("stage") == "3"):
+        raise UserError(f"checkpoint {ckpt.path} was written under ZeRO stage {meta.get('stage', '1-2')}; resume "
+                        "with the same zero_stage in the accelerate config")
     scalars = json.loads(meta["scalars"])
+    if stage3:
+        _load_zero3(zero, tensors, scalars, json.loads(meta["zero3"]), world)
+        return
+    if "loss_scaler" in meta:
+        _set_scaler_state(zero.loss_scaler, json.loads(meta["loss_scaler"]))
     with torch.no_grad():
         for i, part in enumerate(zero.single_partition_of_fp32_groups):
             part.copy_(tensors[f"fp32.{i}"].to(part.device))
@@ -173,3 +418,20 @@ def load_zero_partition(path: Path, optimizer, rank: int, world: int) -> None:
             zero.optimizer.state[part] = st
     # The model's own weights were restored from the checkpoint before prepare(): they are the
     # master weights of the same step (rounded to the working precision).
+
+
+def _load_zero3(zero, tensors: dict, scalars: dict, extra: dict, world: int) -> None:
+    """Hands the saved partition to the stage-3 optimizer's own ``load_state_dict`` (which also
+    copies the fp32 masters into the working-precision partitions), bracketed like DeepSpeed's
+    ``load_checkpoint`` (parameters partitioned before, persistent ones gathered after)."""
+    from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT
+
+    _set_scaler_state(zero.loss_scaler, extra["loss_scaler"])
+    groups = [tensors[f"fp32.{i}"] for i in range(len(zero.fp32_partitioned_groups_flat))]
+    state = _optimizer_state(tensors, scalars, prefix="state.")
+    sd = {OPTIMIZER_STATE_DICT: {"state": state, "param_groups": _param_groups(extra["param_groups"])},
+          FP32_FLAT_GROUPS: groups, LOSS_SCALER: zero.loss_scaler,
+          "dynamic_loss_scale": extra["dynamic_loss_scale"], "overflow": extra["overflow"]}
+    zero.checkpoint_event_prologue()
+    zero.load_state_dict([sd] * world, load_optimizer_states=True, load_from_fp32_weights=True)
+    zero.checkpoint_event_epilogue()

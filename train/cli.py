@@ -8,7 +8,8 @@ Writes ``head.safetensors`` (the best epoch's head with its metadata, ready for
 ``heads-decode policy=specdecpp head=...`` or ``policy=sprinter``), ``best_metrics.json``,
 ``metrics.jsonl``, for the verifier also ``metrics.json`` (ROC, AUROC, TPR/FPR at eta, alpha) and
 ``roc.png`` (one curve per ``roc_lambdas`` value, each from its own head in ``lambda-<x>/``),
-``checkpoint-<step>/`` + ``latest`` (resume by running the same command again),
+``checkpoint-<step>/`` + ``latest`` (at epoch ends and, with ``checkpoint_every=N``, every N
+optimizer steps; resume by running the same command again, with as many processes),
 ``config.yaml`` and ``manifest.json``.
 """
 
@@ -64,6 +65,8 @@ def _check(cfg: TrainConfig) -> None:
     for key in ("epochs", "batch_size", "grad_accum", "patience"):
         if getattr(cfg, key) < 1:
             problems.append(f"{key}={getattr(cfg, key)} must be >= 1")
+    if cfg.checkpoint_every < 0:
+        problems.append(f"checkpoint_every={cfg.checkpoint_every} must be >= 0 (0 = at epoch ends only)")
     if cfg.lr <= 0 or cfg.w_acc <= 0 or cfg.w_rej <= 0:
         problems.append("lr, w_acc and w_rej must be > 0")
     if not 0 < cfg.threshold < 1:
@@ -76,8 +79,11 @@ def run(cfg: TrainConfig) -> int:
     """Validates, prepares the output directory (resuming the same run), trains."""
     _check(cfg)
     hf_logging.disable_progress_bar()
+    config = Path(cfg.output_dir) / "config.yaml"
+    # overwrite=true on a different run: its checkpoints must not be resumed (train() removes them)
+    other_run = cfg.overwrite and config.is_file() and config.read_text(errors="replace") != to_yaml(cfg)
     out = prepare_output_dir(cfg.output_dir, to_yaml(cfg), overwrite=cfg.overwrite)
-    metrics = train(cfg, Path(out))
+    metrics = train(cfg, Path(out), fresh=other_run)
     write_manifest(out, command=PROG, data_dir=cfg.data_dir, head="head.safetensors", **metrics)
     if cfg.head == "judge":
         log.info("judge AUROC %s, wrong tokens accepted at delta=%g: %s -> %s", metrics.get("eval_auroc"), cfg.threshold,

@@ -37,6 +37,7 @@ class TrainConfig:
     eval_fraction: float = 0.1
     patience: int = field(default=1, metadata={"help": "epochs without eval improvement before stopping"})
     max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
+    checkpoint_every: int = field(default=0, metadata={"help": "also checkpoint every this many optimizer steps inside an epoch (0 = at epoch ends only); a rerun resumes at that data position"})
     bf16: bool = field(default=True, metadata={"help": "bf16 autocast where the device supports it"})
     threshold: float = field(default=0.7, metadata={"help": "default threshold stored in the export: acceptance stop threshold h, verifier approval threshold eta, judge delta"})
     seed: int = 0

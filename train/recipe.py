@@ -6,9 +6,14 @@ mixing), the Judge head (``judge.py``) and the SPRINTER verifier (``verifier.py`
 ratio-threshold labels, class-weighted BCE; selected on held-out AUROC, with ``metrics.json`` and
 ``roc.png``).
 
-Data parallel under ``accelerate launch`` (DDP): every process draws the same seeded epoch
-permutation and takes every ``world``-th micro-batch of it, so the examples a step sees do
-not depend on timing, and a resumed run continues at the saved position with the saved RNG.
+Data parallel under ``accelerate launch`` (DDP, DeepSpeed ZeRO 1-3): every process draws the
+same seeded epoch permutation and takes every ``world``-th micro-batch of it, so the examples a
+step sees do not depend on timing. Checkpoints (``checkpoint.py``) are written at epoch ends and,
+with ``checkpoint_every``, every that many optimizer steps; a rerun of the same command (same
+number of processes) continues at the saved data position with the saved optimizer, scheduler
+and RNG state, and ends with the head an uninterrupted run ends with, bit for bit. Its
+``metrics.jsonl`` is first cut back to the rows written up to that checkpoint, so no step appears
+twice.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import logging
 import math
 import os
 import random
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -183,8 +190,9 @@ def _head_metadata(cfg: TrainConfig, manifest: dict, hidden: int, metrics: dict)
     return meta
 
 
-def train(cfg: TrainConfig, out: Path) -> dict:
-    """Runs the whole training; returns the final metrics. Resumes from ``out/latest`` if present."""
+def train(cfg: TrainConfig, out: Path, fresh: bool = False) -> dict:
+    """Runs the whole training; returns the final metrics. Resumes from the newest checkpoint in
+    ``out``, if any, unless ``fresh`` (``out`` held another run, overwritten: its state is removed)."""
     from accelerate import Accelerator
 
     cuda = torch.cuda.is_available()
@@ -202,6 +210,12 @@ def train(cfg: TrainConfig, out: Path) -> dict:
     if held != want and not (want == "acceptance" and held == "fsd"):  # fsd data holds the acceptance columns too
         raise UserError(f"{cfg.data_dir} holds labels={held!r} data; head={cfg.head} needs "
                         f"heads-datagen labels={want}")
+    if _any_rank(acc, fresh):
+        if acc.is_main_process:
+            checkpoint.clear(out)
+            for name in ("head.safetensors", "best_metrics.json"):
+                (out / name).unlink(missing_ok=True)
+        acc.wait_for_everyone()
     if cfg.head == "judge":  # the datagen run stored the target's features: no model is loaded
         return _train_loop(cfg, out, acc, manifest, *_judge_setup(cfg, acc, manifest))
     if verifier:
@@ -212,7 +226,8 @@ def train(cfg: TrainConfig, out: Path) -> dict:
         examples = load_examples(cfg.data_dir, "expected_label" if cfg.label == "expected" else "label")
     train_ex, eval_ex = split(examples, cfg.eval_fraction, cfg.seed)
     cfg.draft.device = str(acc.device) if cfg.draft.device == "auto" else cfg.draft.device
-    draft = load_model(cfg.draft, "draft")
+    with _unpartitioned_models(acc):
+        draft = load_model(cfg.draft, "draft")
     if draft.fingerprint != manifest["draft"]["fingerprint"]:
         raise UserError(f"draft {draft.name!r} (fingerprint {draft.fingerprint}) is not the draft the data was "
                         f"labelled with ({manifest['draft']['name']!r}, {manifest['draft']['fingerprint']}); "
@@ -278,32 +293,61 @@ def _train_loop(cfg: TrainConfig, out: Path, acc, manifest: dict, ctx: dict, hea
     steps_per_epoch = math.ceil(micro / cfg.grad_accum)
     total = min(steps_per_epoch * cfg.epochs, cfg.max_steps or 1 << 62)
     sched = get_cosine_schedule_with_warmup(opt, math.ceil(cfg.warmup_ratio * total), total)
-    progress = {"epoch": 0, "step": 0, "best": None, "bad_epochs": 0, "done": False}
     ds = acc.distributed_type == DistributedType.DEEPSPEED
+    zero3 = ds and _zero_stage(acc) == 3
     if ds:  # the recipe's batch geometry, not the launcher's, drives DeepSpeed's accumulation
         ds_cfg = acc.state.deepspeed_plugin.deepspeed_config
         ds_cfg["train_micro_batch_size_per_gpu"] = cfg.batch_size
         ds_cfg["gradient_accumulation_steps"] = cfg.grad_accum
         ds_cfg.pop("train_batch_size", None)  # derived by accelerate from the two above
-    ckpt = checkpoint.latest(out)
+        if zero3:  # accelerate fills these "auto" values from model.config, which a head lacks: the same
+            h = ctx["hidden"]  # rule from the head's width (its h x h weights are partitioned, biases kept whole)
+            zero_cfg = ds_cfg.setdefault("zero_optimization", {})
+            for key, value in (("reduce_bucket_size", h * h), ("stage3_prefetch_bucket_size", int(0.9 * h * h)),
+                               ("stage3_param_persistence_threshold", 10 * h)):
+                if zero_cfg.get(key, "auto") == "auto":
+                    zero_cfg[key] = value
+            warnings.filterwarnings("ignore", category=FutureWarning,  # DeepSpeed's collectives, once per call
+                                    message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)")
+    # position: the next micro-batch of this process's share of the epoch (at an optimizer step)
+    progress = {"epoch": 0, "step": 0, "position": 0, "best": None, "bad_epochs": 0, "done": False, "world": world}
+    ckpt = checkpoint.find(out, world, acc.process_index, zero=ds, any_rank=lambda bad: _any_rank(acc, bad))
     if ckpt is not None:  # under DeepSpeed the optimizer state is per-rank partitions, loaded after prepare
-        progress = checkpoint.load(ckpt, head, None if ds else opt, sched)["progress"]
-        log.info("resumed from %s (epoch %d, step %d)", ckpt, progress["epoch"], progress["step"])
+        progress.update(checkpoint.restore(ckpt, head, None if ds else opt, sched))
+        log.info("resumed from %s (epoch %d, step %d, micro-batch %d)", ckpt.path, progress["epoch"],
+                 progress["step"], progress["position"])
+        if acc.is_main_process:
+            _cut_metrics(out, progress.get("metrics_bytes"))
     head, opt = acc.prepare(head, opt)
     raw = acc.unwrap_model(head)
     dtype = _param_dtype(raw)
     if ds and ckpt is not None:
         checkpoint.load_zero_partition(ckpt, opt, acc.process_index, world)
+    ckpt = None
     final = {}
     with MetricsWriter(out) if acc.is_main_process else _Null() as metrics, \
             tqdm(total=total, initial=progress["step"], unit="step", desc="heads-train",
                  disable=not acc.is_main_process) as bar:
+
+        def save_checkpoint():
+            parts = []
+            if ds:  # every rank writes its optimizer partition; the main process files them in
+                checkpoint.save_zero_partition(out, progress["step"], opt, acc.process_index, world)
+                parts = [checkpoint.zero_partition_path(out, progress["step"], r) for r in range(world)]
+                acc.wait_for_everyone()
+            with _full_weights(raw, zero3):
+                if acc.is_main_process:
+                    progress["metrics_bytes"] = metrics.path.stat().st_size  # what a resumed run keeps
+                    checkpoint.save(out, progress["step"], raw, None if ds else opt, sched, dict(progress),
+                                    extra_files=parts)
+            acc.wait_for_everyone()
+
         while not progress["done"] and progress["epoch"] < cfg.epochs:
             epoch = progress["epoch"]
             batches = _epoch_batches(len(train_ex), cfg.batch_size, world, cfg.seed, epoch)[acc.process_index::world]
             head.train()
-            for i, idx in enumerate(batches):
-                x, y = _features(ctx, [train_ex[j] for j in idx], epoch)
+            for i in range(progress["position"], len(batches)):
+                x, y = _features(ctx, [train_ex[j] for j in batches[i]], epoch)
                 with acc.autocast():  # a DeepSpeed bf16 engine holds bf16 weights: feed it its dtype
                     loss = weighted_soft_bce(head(x.to(dtype)).float(), y, w_pos, w_neg)
                 if not ds:  # DeepSpeed divides by its gradient_accumulation_steps itself
@@ -317,11 +361,14 @@ def _train_loop(cfg: TrainConfig, out: Path, acc, manifest: dict, ctx: dict, hea
                     sched.step()
                     opt.zero_grad()
                     progress["step"] += 1
+                    progress["position"] = i + 1
                     bar.update()
                     metrics.write(step=progress["step"], epoch=epoch, loss=float(loss.detach()) * (1 if ds else cfg.grad_accum),
                                   lr=sched.get_last_lr()[0])
                     if progress["step"] >= total:
                         break
+                    if cfg.checkpoint_every and progress["step"] % cfg.checkpoint_every == 0 and i + 1 < len(batches):
+                        save_checkpoint()  # mid-epoch (the epoch's last step is checkpointed after its eval)
                 else:
                     with acc.no_sync(head):
                         acc.backward(loss)
@@ -329,24 +376,20 @@ def _train_loop(cfg: TrainConfig, out: Path, acc, manifest: dict, ctx: dict, hea
             final = {"epoch": epoch, "step": progress["step"], **evaluate(ctx, raw, eval_ex)}
             metrics.write(final)
             score = _selection_score(final, cfg.head)
-            if progress["best"] is None or score < progress["best"]:
+            improved = progress["best"] is None or score < progress["best"]
+            if improved:
                 progress["best"], progress["bad_epochs"] = score, 0
-                if acc.is_main_process:
+            else:
+                progress["bad_epochs"] += 1
+            with _full_weights(raw, zero3):
+                if improved and acc.is_main_process:
                     save_head(out / "head.safetensors", raw, cfg.head,
                               _head_metadata(cfg, manifest, ctx["hidden"], final))
                     atomic_write_json(out / "best_metrics.json", final)
-            else:
-                progress["bad_epochs"] += 1
             progress["epoch"] += 1
+            progress["position"] = 0
             progress["done"] = progress["bad_epochs"] >= cfg.patience or progress["step"] >= total
-            parts = []
-            if ds:  # every rank writes its optimizer partition; the main process files them in
-                checkpoint.save_zero_partition(out, progress["step"], opt, acc.process_index, world)
-                parts = [checkpoint.zero_partition_path(out, progress["step"], r) for r in range(world)]
-                acc.wait_for_everyone()
-            if acc.is_main_process:
-                checkpoint.save(out, progress["step"], raw, None if ds else opt, sched, progress, extra_files=parts)
-            acc.wait_for_everyone()
+            save_checkpoint()
     best = json.loads((out / "best_metrics.json").read_text()) if (out / "best_metrics.json").exists() else final
     if verifier:
         best.update(_verifier_report(cfg, out, ctx, eval_ex, acc, ctx["model_name"]))
@@ -395,7 +438,59 @@ def _verifier_report(cfg: TrainConfig, out: Path, ctx, eval_ex, acc, draft_name:
     return {k: report[k] for k in ("auroc", "tpr_at_eta", "fpr_at_eta", "alpha", "roc_png")}
 
 
+def _zero_stage(acc) -> int:
+    return int(acc.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0))
+
+
+@contextmanager
+def _full_weights(module, zero3: bool):
+    """The head's full parameters inside the block (ZeRO-3 partitions them; collective: every rank enters)."""
+    if not zero3:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        yield
+
+
+@contextmanager
+def _unpartitioned_models(acc):
+    """Under ZeRO-3, transformers would build models partitioned (``zero.Init``): the draft, which
+    only computes features, is loaded whole."""
+    plugin = acc.state.deepspeed_plugin if acc.distributed_type == DistributedType.DEEPSPEED else None
+    if plugin is None or _zero_stage(acc) != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
+def _any_rank(acc, bad: bool) -> bool:
+    """Whether any process says ``bad`` (every process must call it)."""
+    if acc.num_processes == 1:
+        return bad
+    flag = torch.tensor([1.0 if bad else 0.0], device=acc.device)
+    return bool(acc.reduce(flag, reduction="sum").item() > 0)
+
+
+def _cut_metrics(out: Path, size: int | None) -> None:
+    """Drops the rows a killed run wrote after the checkpoint it resumes from (the rerun writes them again)."""
+    path = out / "metrics.jsonl"
+    if size is not None and path.is_file() and path.stat().st_size > size:
+        with open(path, "r+b") as f:
+            f.truncate(size)
+        log.info("metrics.jsonl cut back to the checkpoint's rows (%d bytes)", size)
+
+
 class _Null:
+    path = None
+
     def write(self, *a, **k):
         pass
 

@@ -1,0 +1,161 @@
+"""Kill safety of ``heads-train``: mid-epoch checkpoints, a SIGKILLed run resumed by the same
+command, a crash while a checkpoint is written, damaged checkpoints, stale runs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from test_train import _same_heads, _targs, labelled  # noqa: F401  (labelled: the module's datagen fixture)
+
+from specheads.train import checkpoint
+from specheads.train.cli import main
+
+# 8 training examples, batch 2, no accumulation: 4 steps an epoch, 12 in all, a checkpoint after each
+EXTRA = ("grad_accum=1", "checkpoint_every=1")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair_dirs, labelled, tmp_path_factory):  # noqa: F811
+    """An uninterrupted run with the settings every test here uses."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    assert main(_targs(tiny_pair_dirs, labelled, out, *EXTRA)) == 0
+    return out
+
+
+def _steps(out) -> list[int]:
+    return [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(x)]
+
+
+def test_mid_epoch_checkpoints(reference):
+    rows = [json.loads(x) for x in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert _steps(reference) == list(range(1, 13)) and sum("eval_binary_kl" in r for r in rows) == 3
+    assert sorted(p.name for p in reference.glob("checkpoint-*")) == ["checkpoint-11", "checkpoint-12"]
+    mid = json.loads((reference / "checkpoint-11" / "state.json").read_text())
+    assert {k: mid["progress"][k] for k in ("epoch", "step", "position", "done", "world")} == {
+        "epoch": 2, "step": 11, "position": 3, "done": False, "world": 1}
+    assert set(mid["files"]) == {"state.safetensors"} and len(mid["files"]["state.safetensors"]["sha256"]) == 64
+    end = json.loads((reference / "checkpoint-12" / "state.json").read_text())["progress"]
+    assert end["epoch"] == 3 and end["position"] == 0 and end["done"] is True
+    assert (reference / "latest").read_text() == "checkpoint-12\n"
+    assert not list(reference.glob(".checkpoint-*"))
+
+
+def test_sigkilled_cli_resumes_mid_epoch_to_the_same_head(tiny_pair_dirs, labelled, reference, tmp_path):  # noqa: F811
+    """A real ``python -m specheads.train.cli`` process, SIGKILLed right after its first mid-epoch
+    checkpoint appears, then the same command again: the uninterrupted run's head, bit for bit,
+    and its metrics.jsonl (the killed run's rows after the checkpoint are cut)."""
+    out = tmp_path / "cut"
+    cmd = [sys.executable, "-m", "specheads.train.cli", *_targs(tiny_pair_dirs, labelled, out, *EXTRA)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while not (out / "latest").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    alive = proc.poll() is None
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert alive, "the run ended before its first checkpoint"
+    killed_at = json.loads((out / (out / "latest").read_text().strip() / "state.json").read_text())["progress"]
+    assert not killed_at["done"]
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed from" in again.stderr
+    _same_heads(reference, out)
+    assert (out / "metrics.jsonl").read_text() == (reference / "metrics.jsonl").read_text()
+    assert (out / "best_metrics.json").read_text() == (reference / "best_metrics.json").read_text()
+
+
+def _crash_on_save(monkeypatch, n: int, after_write: bool):
+    """The ``n``-th checkpoint save raises: after writing its state.safetensors into the temporary
+    folder (``after_write=False``: before the folder is renamed), or right after the save."""
+    calls = {"n": 0}
+    real_save, real_file = checkpoint.save, checkpoint.save_file
+
+    def save(*args, **kwargs):
+        calls["n"] += 1
+        result = real_save(*args, **kwargs)
+        if after_write and calls["n"] == n:
+            raise KeyboardInterrupt
+        return result
+
+    def save_file(tensors, path, *args, **kwargs):
+        real_file(tensors, path, *args, **kwargs)
+        if not after_write and calls["n"] == n and path.endswith("state.safetensors"):
+            raise KeyboardInterrupt  # the process dies in the middle of the save
+
+    monkeypatch.setattr(checkpoint, "save", save)
+    monkeypatch.setattr(checkpoint, "save_file", save_file)
+
+
+def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(tiny_pair_dirs, labelled, reference, tmp_path,  # noqa: F811
+                                                                 monkeypatch):
+    out = tmp_path / "crash"
+    args = _targs(tiny_pair_dirs, labelled, out, *EXTRA)
+    _crash_on_save(monkeypatch, 3, after_write=False)
+    assert main(args) == 130
+    monkeypatch.undo()
+    assert (out / "latest").read_text() == "checkpoint-2\n"
+    assert [p.name for p in out.glob(".checkpoint-3.tmp*")] and not (out / "checkpoint-3").exists()
+    ckpt = checkpoint.find(out, world=1)
+    assert ckpt.path.name == "checkpoint-2" and ckpt.progress["position"] == 2
+    assert _steps(out) == [1, 2, 3]
+    assert main(args) == 0  # resumes from checkpoint-2, removes the half-written folder
+    assert not list(out.glob(".checkpoint-*"))
+    _same_heads(reference, out)
+    assert (out / "metrics.jsonl").read_text() == (reference / "metrics.jsonl").read_text()
+
+
+def test_damaged_checkpoints_fall_back_or_end_in_one_line(tiny_pair_dirs, labelled, reference, tmp_path,  # noqa: F811
+                                                          monkeypatch, capsys, caplog):
+    out, broken = tmp_path / "damaged", tmp_path / "broken"
+    for folder in (out, broken):  # two runs that stop right after their third checkpoint
+        _crash_on_save(monkeypatch, 3, after_write=True)
+        assert main(_targs(tiny_pair_dirs, labelled, folder, *EXTRA)) == 130
+        monkeypatch.undo()
+        assert sorted(p.name for p in folder.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    args = _targs(tiny_pair_dirs, labelled, out, *EXTRA)
+
+    state = out / "checkpoint-3" / "state.safetensors"  # truncated: the previous checkpoint is taken
+    state.write_bytes(state.read_bytes()[:-100])
+    with pytest.raises(checkpoint.Damaged, match="truncated"):
+        checkpoint.read(out / "checkpoint-3")
+    caplog.clear()
+    caplog.set_level(logging.INFO)
+    assert main(args) == 0
+    assert any("trying an older checkpoint" in r.message for r in caplog.records)
+    assert any("resumed from" in r.getMessage() and "checkpoint-2" in r.getMessage() for r in caplog.records)
+    _same_heads(reference, out)
+    assert (out / "metrics.jsonl").read_text() == (reference / "metrics.jsonl").read_text()
+
+    data = bytearray((broken / "checkpoint-3" / "state.safetensors").read_bytes())  # same size, a flipped bit
+    data[-1] ^= 1
+    (broken / "checkpoint-3" / "state.safetensors").write_bytes(bytes(data))
+    (broken / "checkpoint-2" / "state.json").write_text('{"step": 2, "progr')  # cut JSON
+    capsys.readouterr()
+    assert main(_targs(tiny_pair_dirs, labelled, broken, *EXTRA)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "no checkpoint in" in err and "SHA-256" in err and "delete its checkpoint-*" in err
+
+
+def test_overwriting_another_run_does_not_resume_its_checkpoints(tiny_pair_dirs, labelled, reference, tmp_path):  # noqa: F811
+    out = tmp_path / "other"
+    shutil.copytree(reference, out)
+    args = _targs(tiny_pair_dirs, labelled, out, *EXTRA)
+    assert main([*args, "epochs=1"]) == 2  # another run's folder: refused
+    assert main([*args, "epochs=1", "overwrite=true"]) == 0
+    assert _steps(out) == [1, 2, 3, 4]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+
+
+def test_checkpoint_every_must_not_be_negative(tiny_pair_dirs, labelled, tmp_path, capsys):  # noqa: F811
+    assert main(_targs(tiny_pair_dirs, labelled, tmp_path / "x", "checkpoint_every=-1")) == 2
+    assert "checkpoint_every=-1 must be >= 0" in capsys.readouterr().err
