@@ -82,7 +82,9 @@ ACCELERATE_CONFIGS = _accelerate_configs()
 
 
 def test_the_launcher_configs_are_all_there() -> None:
-    assert {"ddp", "deepspeed_zero2", "deepspeed_zero3", "multi_node_ddp", "multi_node_zero2"} <= set(ACCELERATE_CONFIGS)
+    shipped = {"ddp", "deepspeed_zero2", "deepspeed_zero3", "multi_node_ddp", "multi_node_zero2",
+               "multi_node_zero3"}
+    assert shipped <= set(ACCELERATE_CONFIGS)
 
 
 @pytest.mark.parametrize("name", ACCELERATE_CONFIGS)

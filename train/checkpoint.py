@@ -127,9 +127,9 @@ def save(out_dir: Path, step: int, model: torch.nn.Module, optimizer, scheduler,
     _fsync(out_dir)
     atomic_write_text(out_dir / "latest", final.name + "\n")
     olds = sorted((p for p in out_dir.glob("checkpoint-*") if _NAME.fullmatch(p.name)), key=_step)
-    for old in olds[:-keep]:
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
+    later = [p for p in olds if _step(p) > step]  # left from before a fallback to an older checkpoint
+    for old in later + [p for p in olds if p not in later][:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 

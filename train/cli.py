@@ -26,7 +26,7 @@ from specheads.outputs import prepare_output_dir, write_manifest
 
 from .config import TrainConfig
 from .fsd import parse_label
-from .recipe import train
+from .recipe import overwrites_another_run, train
 
 log = logging.getLogger(__name__)
 PROG = "heads-train"
@@ -79,11 +79,9 @@ def run(cfg: TrainConfig) -> int:
     """Validates, prepares the output directory (resuming the same run), trains."""
     _check(cfg)
     hf_logging.disable_progress_bar()
-    config = Path(cfg.output_dir) / "config.yaml"
-    # overwrite=true on a different run: its checkpoints must not be resumed (train() removes them)
-    other_run = cfg.overwrite and config.is_file() and config.read_text(errors="replace") != to_yaml(cfg)
+    fresh = overwrites_another_run(cfg)  # train() then removes that run's checkpoints
     out = prepare_output_dir(cfg.output_dir, to_yaml(cfg), overwrite=cfg.overwrite)
-    metrics = train(cfg, Path(out), fresh=other_run)
+    metrics = train(cfg, Path(out), fresh=fresh)
     write_manifest(out, command=PROG, data_dir=cfg.data_dir, head="head.safetensors", **metrics)
     if cfg.head == "judge":
         log.info("judge AUROC %s, wrong tokens accepted at delta=%g: %s -> %s", metrics.get("eval_auroc"), cfg.threshold,

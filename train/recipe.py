@@ -190,6 +190,13 @@ def _head_metadata(cfg: TrainConfig, manifest: dict, hidden: int, metrics: dict)
     return meta
 
 
+def overwrites_another_run(cfg: TrainConfig) -> bool:
+    """``overwrite=true`` into an output_dir that holds a run with another config (call it before
+    ``prepare_output_dir`` rewrites config.yaml): that run's checkpoints must not be resumed."""
+    config = Path(cfg.output_dir) / "config.yaml"
+    return cfg.overwrite and config.is_file() and config.read_text(errors="replace") != to_yaml(cfg)
+
+
 def train(cfg: TrainConfig, out: Path, fresh: bool = False) -> dict:
     """Runs the whole training; returns the final metrics. Resumes from the newest checkpoint in
     ``out``, if any, unless ``fresh`` (``out`` held another run, overwritten: its state is removed)."""
@@ -415,11 +422,12 @@ def _verifier_report(cfg: TrainConfig, out: Path, ctx, eval_ex, acc, draft_name:
         if lam == cfg.lam:
             continue
         sub = replace(cfg, lam=lam, roc_lambdas=[], output_dir=str(out / f"lambda-{lam:g}"))
+        fresh = overwrites_another_run(sub)
         if acc.is_main_process:
             prepare_output_dir(sub.output_dir, to_yaml(sub), overwrite=cfg.overwrite)
         acc.wait_for_everyone()
         log.info("roc_lambdas: training the lambda=%g verifier in %s", lam, sub.output_dir)
-        train(sub, Path(sub.output_dir))
+        train(sub, Path(sub.output_dir), fresh=fresh)
         if acc.is_main_process:
             head = load_head(Path(sub.output_dir) / "head.safetensors").module.to(ctx["device"]).float()
             logits, ratio = _predict(ctx, head, eval_ex)
