@@ -312,6 +312,7 @@ def _deepspeed_resumes(tiny_pair_dirs, labelled, tmp_path, name: str) -> None:
         assert f.get_slice("model.blocks.0.linear.weight").get_shape() == [32, 32]
     assert main(_targs(tiny_pair_dirs, labelled, tmp_path / "plain", *extra)) == 0
     _same_heads(tmp_path / "full", tmp_path / "plain", atol=1e-3)  # same math, other summation order
+    assert main(_targs(tiny_pair_dirs, labelled, tmp_path / "full", *extra)) == 2  # resumed without DeepSpeed
     _kill_after_first_checkpoint(_launch(tiny_pair_dirs, labelled, tmp_path / "cut", launcher, *extra, wait=False,
                                          env=env), tmp_path / "cut")
     again = _launch(tiny_pair_dirs, labelled, tmp_path / "cut", launcher, *extra, env=env)

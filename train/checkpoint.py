@@ -205,7 +205,7 @@ def read(path: Path, rank: int = 0, zero: bool = False, world: int | None = None
     path = Path(path)
     try:
         meta = json.loads((path / "state.json").read_text())
-        meta["progress"]["step"], meta["optimizer"], meta["step"]
+        int(meta["step"]), int(meta["progress"]["step"]), dict(meta["optimizer"])  # the keys a resume reads
     except FileNotFoundError:
         raise Damaged(f"{path / 'state.json'} is missing") from None
     except (ValueError, KeyError, TypeError) as exc:
@@ -220,6 +220,9 @@ def read(path: Path, rank: int = 0, zero: bool = False, world: int | None = None
     if "rng.torch" not in tensors:
         raise Damaged(f"{path / 'state.safetensors'} holds no RNG state")
     ckpt = Checkpoint(path, meta, tensors)
+    if not zero and any(n.startswith(".zero-") for n in files):
+        raise UserError(f"{path} was written under DeepSpeed (its optimizer state is in per-process partitions); "
+                        "resume with the same accelerate config, or start a new run in another output_dir")
     if zero:
         name = zero_partition_path(Path("."), int(meta["step"]), rank).name
         if not (path / name).is_file() and not any(n.startswith(".zero-") for n in files):
