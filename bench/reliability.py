@@ -238,8 +238,7 @@ def main(argv=None) -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     out = Path(args.out)
-    result = json.loads(out.read_text()) if out.is_file() else {}
-    runs = result.setdefault("runs", {})
+    result = {}
     for part in parts:
         t0 = time.perf_counter()
         if part == "procs":
@@ -252,8 +251,11 @@ def main(argv=None) -> int:
             got = part_rss(work, args.rss_prompts)
         else:
             raise SystemExit(f"unknown part {part!r}: choose from procs, kill, train, rss")
+        # re-read at write time: parts run as separate invocations keep each other's keys
+        result = json.loads(out.read_text()) if out.is_file() else {}
         result.update(got)
-        runs[part] = {**run_info(__file__, argv, "subprocesses on CPU"), "seconds": round(time.perf_counter() - t0, 1)}
+        result.setdefault("runs", {})[part] = {**run_info(__file__, argv, "subprocesses on CPU"),
+                                               "seconds": round(time.perf_counter() - t0, 1)}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "datagen_kill_log")}, indent=1))
