@@ -10,7 +10,7 @@ from specheads.export.shim.sampling import SamplingConfig
 
 @dataclass
 class DatagenConfig:
-    """Run target and draft over prompts and write labelled examples."""
+    """Run target and draft over prompts and write labelled examples; `heads-datagen ... verify` checks a finished output_dir, `heads-datagen merge from=DIR,DIR output_dir=DIR` joins per-node outputs."""
 
     target: ModelSpec = field(default_factory=ModelSpec)
     draft: ModelSpec = field(default_factory=ModelSpec)
