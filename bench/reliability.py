@@ -79,20 +79,56 @@ def _coverage(out: Path, n: int) -> dict:
     return {"lost": len(set(range(n)) - set(seen) - skipped), "duplicated": sum(k - 1 for k in seen.values() if k > 1)}
 
 
-def _kill_at_random(cmd: list[str], out: Path, rng: random.Random, pattern: str = "data/chunk-*.parquet") -> bool:
-    """Starts ``cmd`` and SIGKILLs its whole process group a random 1-3 files and 0-0.5 s in. True if killed."""
-    before = len(list(out.glob(pattern)))
+def _chunks_done(out: Path):
+    return lambda: len(list(out.glob("data/chunk-*.parquet")))
+
+
+def _checkpoint_step(out: Path):
+    """The step of the checkpoint ``latest`` points at (old checkpoints are pruned: count steps, not folders)."""
+    def step() -> int:
+        try:
+            return int((out / "latest").read_text().strip().split("-")[1])
+        except (OSError, IndexError, ValueError):
+            return 0
+    return step
+
+
+def _kill_at_random(cmd: list[str], progress, rng: random.Random, unit: int = 1) -> bool:
+    """Starts ``cmd`` and SIGKILLs the launcher and every process under it once ``progress()`` has grown
+    by a random 1-3 ``unit`` and a random 0-0.5 s more. True if it was still running then."""
+    before = progress()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV, cwd=ROOT,
                             start_new_session=True)
-    want, deadline = before + rng.randint(1, 3), time.time() + 900
-    while proc.poll() is None and len(list(out.glob(pattern))) < want and time.time() < deadline:
+    want, deadline = before + unit * rng.randint(1, 3), time.time() + 900
+    while proc.poll() is None and progress() < want and time.time() < deadline:
         time.sleep(0.01)
     time.sleep(rng.uniform(0.0, 0.5))
     killed = proc.poll() is None
     if killed:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_tree(proc.pid)
     proc.wait()
     return killed
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and its descendants (torch elastic starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    todo, tree = [pid], []
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def part_procs(work: Path, n: int) -> dict:
@@ -116,7 +152,7 @@ def part_kill(work: Path, n: int, trials: int, seed: int) -> dict:
     kills, log = 0, []
     for t in range(trials):
         procs = 1 + t % 2
-        killed = _kill_at_random(_cmd(_datagen_args(out, n), procs), out, rng)
+        killed = _kill_at_random(_cmd(_datagen_args(out, n), procs), _chunks_done(out), rng)
         kills += killed
         done = len(list(out.glob("data/chunk-*.parquet")))
         log.append({"trial": t, "processes": procs, "killed": killed, "chunks_after": done})
@@ -132,9 +168,13 @@ def part_kill(work: Path, n: int, trials: int, seed: int) -> dict:
             "datagen_killed_equals_uninterrupted": _shas(out) == _shas(ref), "datagen_kill_log": log}
 
 
-def _train_args(data: Path, out: Path, *extra: str) -> list[str]:
-    return ["recipe=quickstart", f"data_dir={data}", "epochs=3", "patience=10", "batch_size=4", f"output_dir={out}",
-            *extra]
+def _train_args(data: Path, out: Path, n: int, *extra: str) -> list[str]:
+    # n_eval = 8 + n % 8 held-out prompts leave a multiple of 8 = batch_size x 2 training examples: an
+    # epoch is padded to a multiple of batch_size x processes, so 1 and 2 processes then see the same
+    # examples at every step
+    n_eval = 8 + n % 8
+    return ["recipe=quickstart", f"data_dir={data}", "epochs=3", "patience=10", "batch_size=4",
+            f"eval_fraction={n_eval / n!r}", f"output_dir={out}", *extra]
 
 
 def _head(path: Path):
@@ -151,20 +191,20 @@ def part_train(work: Path, n: int, seed: int) -> dict:
         _run(_cmd(_datagen_args(data, n), 1))
     mid = ["checkpoint_every=2"] if "checkpoint_every" in TrainConfig.__dataclass_fields__ else []
     full, cut = work / "tr-full", work / "tr-killed"
-    _run(_cmd(_train_args(data, full, *mid), 1, "specheads.train.cli"))
+    _run(_cmd(_train_args(data, full, n, *mid), 1, "specheads.train.cli"))
     rng = random.Random(seed)
     kills = 0
-    for _ in range(3):  # killed a random moment after 1-3 new checkpoints, three times
+    for _ in range(3):  # killed a random moment after 1-3 new checkpoints, up to three times
         if (cut / "head.safetensors").exists() and (cut / "manifest.json").exists():
             break
-        kills += _kill_at_random(_cmd(_train_args(data, cut, *mid), 1, "specheads.train.cli"), cut, rng,
-                                 "checkpoint-*")
-    _run(_cmd(_train_args(data, cut, *mid), 1, "specheads.train.cli"))
+        kills += _kill_at_random(_cmd(_train_args(data, cut, n, *mid), 1, "specheads.train.cli"),
+                                 _checkpoint_step(cut), rng, unit=2 if mid else 1)
+    _run(_cmd(_train_args(data, cut, n, *mid), 1, "specheads.train.cli"))
     a, b = _head(full), _head(cut)
     identical = a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
     one, two = work / "tr-1proc-accum2", work / "tr-2proc"
-    _run(_cmd(_train_args(data, one, "grad_accum=2"), 1, "specheads.train.cli"))
-    _run(_cmd(_train_args(data, two, "grad_accum=1"), 2, "specheads.train.cli"))
+    _run(_cmd(_train_args(data, one, n, "grad_accum=2"), 1, "specheads.train.cli"))
+    _run(_cmd(_train_args(data, two, n, "grad_accum=1"), 2, "specheads.train.cli"))
     x, y = _head(one), _head(two)
     diff = max(float((x[k].float() - y[k].float()).abs().max()) for k in x)
     print(f"train kill/resume identical: {identical} ({kills} kills); 1 vs 2 processes max |dw| = {diff:.2e}")
@@ -224,7 +264,7 @@ def part_rss(work: Path, n: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="procs,kill,train,rss")
-    ap.add_argument("--prompts", type=int, default=48, help="prompts of the procs/kill/train runs")
+    ap.add_argument("--prompts", type=int, default=96, help="prompts of the procs/kill/train runs")
     ap.add_argument("--kill-trials", type=int, default=8)
     ap.add_argument("--rss-prompts", type=int, default=10000)
     ap.add_argument("--seed", type=int, default=0)
