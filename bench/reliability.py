@@ -53,8 +53,8 @@ def _cmd(args: list[str], procs: int, module: str = "specheads.datagen.cli") -> 
     return ([sys.executable] if procs == 1 else LAUNCH2) + ["-m", module, *args]
 
 
-def _run(cmd: list[str]) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=ROOT)
+def _run(cmd: list[str], env: dict | None = None) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env or ENV, cwd=ROOT)
     if proc.returncode:
         raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
 
@@ -202,16 +202,27 @@ def part_train(work: Path, n: int, seed: int) -> dict:
     _run(_cmd(_train_args(data, cut, n, *mid), 1, "specheads.train.cli"))
     a, b = _head(full), _head(cut)
     identical = a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
+    # One thread per process in both runs (accelerate launch sets OMP_NUM_THREADS=1 for each of its
+    # processes): the draft's features then come from the same kernels, and the all-reduce's mean
+    # (g1 + g2) / 2 equals the accumulated g1 / 2 + g2 / 2 exactly. With 2 threads in the single
+    # process the features differ in the last bits, and Adam turns that into visibly different
+    # weights wherever a gradient is near zero (update ~ +-lr).
     one, two = work / "tr-1proc-accum2", work / "tr-2proc"
-    _run(_cmd(_train_args(data, one, n, "grad_accum=2"), 1, "specheads.train.cli"))
-    _run(_cmd(_train_args(data, two, n, "grad_accum=1"), 2, "specheads.train.cli"))
+    single = {**ENV, "OMP_NUM_THREADS": "1"}
+    _run(_cmd(_train_args(data, one, n, "grad_accum=2"), 1, "specheads.train.cli"), single)
+    _run(_cmd(_train_args(data, two, n, "grad_accum=1"), 2, "specheads.train.cli"), single)
     x, y = _head(one), _head(two)
     diff = max(float((x[k].float() - y[k].float()).abs().max()) for k in x)
+    evals = {name: json.loads((d / "best_metrics.json").read_text()) for name, d in (("1_process", one),
+                                                                                    ("2_processes", two))}
     print(f"train kill/resume identical: {identical} ({kills} kills); 1 vs 2 processes max |dw| = {diff:.2e}")
     return {"train_resume_identical": identical, "train_kills_landed": kills,
             "train_checkpoint_every": mid[0].split("=")[1] if mid else "epoch",
-            "train_1_vs_2_processes": {"max_abs_weight_diff": diff, "setting": "1 process grad_accum=2 vs "
-                                       "2 processes grad_accum=1 (same examples per optimizer step, DDP all-reduce)"}}
+            "train_1_vs_2_processes": {
+                "max_abs_weight_diff": diff, "identical": diff == 0.0,
+                "best_eval": {k: {m: v.get(m) for m in ("epoch", "eval_binary_kl", "eval_auroc")} for k, v in evals.items()},
+                "setting": "1 process grad_accum=2 vs 2 processes grad_accum=1 (accelerate launch --cpu, gloo DDP), "
+                           "same examples per optimizer step, OMP_NUM_THREADS=1 in both"}}
 
 
 def _rss_kb(pid: int) -> int:
