@@ -7,7 +7,8 @@
 Parts (each writes its keys into the result file, the others are kept):
 
 ``procs``: ``heads-datagen`` on the same prompts with 1 process and with 2 (``accelerate launch
---cpu --num_processes 2``, gloo): are the chunk files byte-identical?
+--multi_gpu --num_processes 2`` on a machine without GPUs: two CPU processes, gloo): are the chunk
+files byte-identical?
 
 ``kill``: the same datagen command killed with SIGKILL at random points ``--kill-trials`` times,
 alternating 1 and 2 processes, each time restarted; then run to the end. Counts prompts lost
@@ -40,8 +41,10 @@ from _common import run_info
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
-LAUNCH2 = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no"]
+# Two CPU processes, DDP over gloo: `--multi_gpu` on a machine without GPUs. (`--cpu --num_processes 2`
+# starts ONE process in accelerate 1.x unless an MPI hostfile is given.)
+LAUNCH2 = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
 
 
 def _datagen_args(out: Path, n: int) -> list[str]:
@@ -221,7 +224,7 @@ def part_train(work: Path, n: int, seed: int) -> dict:
             "train_1_vs_2_processes": {
                 "max_abs_weight_diff": diff, "identical": diff == 0.0,
                 "best_eval": {k: {m: v.get(m) for m in ("epoch", "eval_binary_kl", "eval_auroc")} for k, v in evals.items()},
-                "setting": "1 process grad_accum=2 vs 2 processes grad_accum=1 (accelerate launch --cpu, gloo DDP), "
+                "setting": "1 process grad_accum=2 vs 2 processes grad_accum=1 (accelerate launch --multi_gpu without GPUs: gloo DDP), "
                            "same examples per optimizer step, OMP_NUM_THREADS=1 in both"}}
 
 

@@ -1,7 +1,7 @@
 """``heads-datagen``: run both models over prompts and write labelled examples.
 
     heads-datagen recipe=quickstart num_prompts=64 output_dir=runs/labels
-    accelerate launch --cpu --num_processes 2 -m specheads.datagen.cli recipe=quickstart
+    accelerate launch --multi_gpu --num_processes 2 -m specheads.datagen.cli recipe=quickstart   # no GPU: 2 CPU processes, gloo
     heads-datagen recipe=quickstart verify            # every prompt labelled once, every shard readable
     heads-datagen merge from=node0/labels,node1/labels output_dir=labels   # nodes without a shared disk
 
