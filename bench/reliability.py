@@ -271,8 +271,9 @@ def part_rss(work: Path, n: int) -> dict:
         "prompts": manifest["prompts_read"], "peak_rss_mib": round(peak_kb / 1024, 1),
         "rss_first_10pct_chunks_mib": round(early / 1024, 1), "rss_last_chunks_mib": round(late / 1024, 1),
         "chunks": manifest["chunks"], "seconds": round(time.perf_counter() - t0, 1),
-        "setting": "heads-datagen recipe=quickstart, GSM8K-train + Alpaca prompts, max_new_tokens=1, batch_size=32, "
-                   "chunk_size=64, 1 process, fp32 on CPU"}}
+        "command": f"python bench/reliability.py --parts rss --rss-prompts {n}",
+        "setting": f"heads-datagen recipe=quickstart, {'GSM8K-train + Alpaca' if n > gsm else 'GSM8K-train'} prompts, "
+                   "max_new_tokens=1, batch_size=32, chunk_size=64, 1 process, fp32 on CPU"}}
 
 
 def main(argv=None) -> int:
