@@ -64,8 +64,9 @@ def _run(cmd: list[str], env: dict | None = None) -> None:
 
 def _shas(out: Path) -> dict:
     from specheads.datagen import shards
+    from specheads.outputs import file_sha256
 
-    return {p.name: shards.sha256(p) for p in shards.chunk_files(out)}
+    return {p.name: file_sha256(p) for p in shards.chunk_files(out)}
 
 
 def _coverage(out: Path, n: int) -> dict:

@@ -39,7 +39,7 @@ from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError
 from specheads.export import fit_context, format_prompt, load_pair
 from specheads.export.shim.models import context_length
-from specheads.outputs import MetricsWriter, prepare_output_dir, write_manifest
+from specheads.outputs import MetricsWriter, file_sha256, holds_other_run, prepare_output_dir, write_manifest
 from specheads.prompts import iter_prompt_files
 
 from . import shards
@@ -90,8 +90,7 @@ def _prepare(cfg: DatagenConfig, is_main: bool) -> Path:
     config_yaml = to_yaml(cfg)
     out = Path(cfg.output_dir)
     if is_main:
-        previous = out / "config.yaml"
-        same = previous.is_file() and previous.read_text(encoding="utf-8") == config_yaml
+        same = (out / "config.yaml").is_file() and not holds_other_run(out, config_yaml)
         prepare_output_dir(out, config_yaml, overwrite=cfg.overwrite)
         if not same:  # another run's files (and feature caches built on them) must not mix with this one's
             for sub in ("data", "features", "tuples", "review"):
@@ -363,7 +362,7 @@ def _chunks_of(items, size: int):
 
 def _clean_temporaries(out: Path, rank: int, world: int) -> None:
     """Removes the half-written files a killed run of this process's chunks left behind."""
-    for tmp in list(out.glob("*/.chunk-*.tmp")) + list(out.glob("*/.chunk-*.tmp*")):
+    for tmp in out.glob("*/.chunk-*.tmp*"):
         try:
             chunk = int(tmp.name.split("-")[1].split(".")[0])
         except (IndexError, ValueError):
@@ -400,9 +399,10 @@ def run(cfg: DatagenConfig) -> int:
     rank, world = state.process_index, state.num_processes
     _clean_temporaries(out, rank, world)
     mine = set(shards.my_chunks(out, total, rank, world))
-    if state.is_main_process and len(shards.pending_chunks(out, n_items, cfg.chunk_size)) < total:
-        log.info("resuming: %d of %d chunks already labelled in %s", total - len(shards.pending_chunks(
-            out, n_items, cfg.chunk_size)), total, out)
+    if state.is_main_process:
+        done = total - len(shards.pending_chunks(out, n_items, cfg.chunk_size))
+        if done:
+            log.info("resuming: %d of %d chunks already labelled in %s", done, total, out)
     models = _models(pair)
     started, labelled = time.perf_counter(), 0
     with tqdm(total=len(mine), unit="chunk", desc=f"{PROG} rank {rank}", disable=not state.is_main_process) as bar, \
@@ -465,11 +465,11 @@ def finish(cfg: DatagenConfig, out: Path, total: int) -> dict:
                             f"({models['target']}, {models['draft']}); relabel it (delete it and rerun)")
         entry = {"file": f"data/{path.name}", "chunk": c, "first_prompt": info.get("first_prompt"),
                  "prompts": info.get("prompts"), "rows": info.get("rows"), "labelled_tokens": info.get("labelled_tokens"),
-                 "skipped": len(info.get("skipped", [])), "bytes": path.stat().st_size, "sha256": shards.sha256(path)}
+                 "skipped": len(info.get("skipped", [])), "bytes": path.stat().st_size, "sha256": file_sha256(path)}
         if cfg.labels == "judge":
             feats = shards.JudgeChunkFiles(out, c).features_path
             entry["features"] = {"file": f"features/{feats.name}", "bytes": feats.stat().st_size,
-                                 "sha256": shards.sha256(feats)}
+                                 "sha256": file_sha256(feats)}
         shard_list.append(entry)
         skipped += info.get("skipped", [])
     if cfg.labels == "sprinter":

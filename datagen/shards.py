@@ -13,7 +13,6 @@ is built: its ``shards`` list (file, rows, bytes, sha256) is what every reader u
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -85,14 +84,6 @@ def chunk_info(path: Path) -> dict:
     if FOOTER_KEY not in meta:
         return {}
     return json.loads(meta[FOOTER_KEY])
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def chunk_files(out_dir: Path) -> list[Path]:

@@ -25,7 +25,7 @@ import torch
 
 from specheads.export.shim import batched
 from specheads.export.shim.models import pad_batch
-from specheads.export.shim.sampling import SamplingConfig, probs_from_logits, sample
+from specheads.export.shim.sampling import SamplingConfig, probs_from_logits, sample, sample_finite
 
 CATEGORIES = ("prompt", "draft", "target", "mixed")
 
@@ -115,7 +115,7 @@ def build_contexts(target, draft, prompts: list[list[int]], categories: list[str
         pos = [list(range(len(prompts[i]), len(prompts[i]) + len(conts[i]))) for i in mixed]
         for i, q_logits in zip(mixed, logits_at(draft, seqs, pos, pad)):
             if sampling.do_sample:
-                y = sample(probs_from_logits(q_logits, sampling), generator).tolist()
+                y = sample_finite(probs_from_logits(q_logits, sampling), generator).tolist()
             else:
                 y = q_logits.argmax(-1).tolist()
             swap = (torch.rand(len(y), generator=generator, device=generator.device if generator else None)

@@ -28,6 +28,7 @@ from pathlib import Path
 import yaml
 
 from specheads.errors import UserError
+from specheads.outputs import file_sha256
 
 from . import shards
 from .config import DatagenConfig
@@ -63,7 +64,7 @@ def verify(out_dir: str | Path) -> tuple[list[str], dict]:
         if not path.is_file():
             problems.append(f"{where}: missing")
             continue
-        if path.stat().st_size != shard["bytes"] or shards.sha256(path) != shard["sha256"]:
+        if path.stat().st_size != shard["bytes"] or file_sha256(path) != shard["sha256"]:
             problems.append(f"{where}: bytes or SHA-256 differ from the manifest (changed after it was written)")
             continue
         try:
@@ -121,7 +122,7 @@ def _verify_features(out: Path, shard: dict, rows: int) -> list[str]:
     if not feats:
         return [f"{shard['file']}: the manifest lists no features file"]
     path = out / feats["file"]
-    if not path.is_file() or path.stat().st_size != feats["bytes"] or shards.sha256(path) != feats["sha256"]:
+    if not path.is_file() or path.stat().st_size != feats["bytes"] or file_sha256(path) != feats["sha256"]:
         return [f"{feats['file']}: missing, or bytes/SHA-256 differ from the manifest"]
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -202,7 +203,7 @@ def merge(sources: list[str], dest: str | Path) -> dict:
             chunk = int(path.stem.split("-")[1])
             target = shards.chunk_path(dest, chunk)
             if target.exists():
-                if shards.sha256(target) != shards.sha256(path):
+                if file_sha256(target) != file_sha256(path):
                     raise UserError(f"chunk {chunk} differs between {src} and {dest}; labelling is deterministic, so "
                                     "one of them is damaged: delete it there and relabel")
                 continue

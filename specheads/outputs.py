@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import logging
 import os
@@ -59,10 +60,25 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     return path
 
 
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes (hex), read in blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def atomic_write_json(path: str | Path, obj: Any) -> Path:
     """Write ``obj`` as indented JSON with :func:`atomic_write_text`."""
     text = json.dumps(obj, indent=2, ensure_ascii=False, default=_jsonable) + "\n"
     return atomic_write_text(path, text)
+
+
+def holds_other_run(path: str | Path, config_yaml: str) -> bool:
+    """Whether ``path`` holds the config of a run other than ``config_yaml`` (a run resuming is not one)."""
+    config_path = Path(path) / CONFIG_FILE
+    return config_path.is_file() and config_path.read_text(encoding="utf-8", errors="replace") != config_yaml
 
 
 def prepare_output_dir(path: str | Path, config_yaml: str, overwrite: bool = False) -> Path:
@@ -86,17 +102,15 @@ def prepare_output_dir(path: str | Path, config_yaml: str, overwrite: bool = Fal
         raise UserError(f"output_dir {str(out)!r} is a file; choose a directory path")
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / CONFIG_FILE
-    if config_path.exists():
-        previous = config_path.read_text(encoding="utf-8", errors="replace")
-        if previous != config_yaml:
-            if not overwrite:
-                raise UserError(
-                    f"output_dir {str(out)!r} already holds a different run; "
-                    "choose another output_dir or pass overwrite=true"
-                )
-            logger.warning("overwriting the run in %s", out)
-            for name in (METRICS_FILE, MANIFEST_FILE):
-                (out / name).unlink(missing_ok=True)
+    if holds_other_run(out, config_yaml):
+        if not overwrite:
+            raise UserError(
+                f"output_dir {str(out)!r} already holds a different run; "
+                "choose another output_dir or pass overwrite=true"
+            )
+        logger.warning("overwriting the run in %s", out)
+        for name in (METRICS_FILE, MANIFEST_FILE):
+            (out / name).unlink(missing_ok=True)
     atomic_write_text(config_path, config_yaml)
     return out
 

@@ -16,8 +16,8 @@ import torch
 
 from specheads.datagen import shards
 from specheads.datagen.cli import main
-
-WORDS = ["the cat sat", "a dog ran up", "one two three four", "why is the sun red", "big blue moon", "yes no"]
+from specheads.outputs import file_sha256
+from test_datagen import WORDS, _args  # the tiny pair's datagen command line (chunks of 2 prompts)
 
 
 def _prompts(tmp_path, n):
@@ -26,19 +26,12 @@ def _prompts(tmp_path, n):
     return path
 
 
-def _args(pair_dirs, prompts, out, *extra):
-    t, d = pair_dirs
-    return [f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu", "draft.device=cpu",
-            f"prompts={prompts}", f"output_dir={out}", "num_prompts=null", "max_new_tokens=6", "batch_size=2",
-            "chunk_size=2", "sampling.do_sample=true", *extra]
-
-
 def _indices(out):
     return sorted(i for p in shards.shard_paths(out) for i in pq.read_table(p).column("prompt_index").to_pylist())
 
 
 def _shas(out):
-    return {p.name: shards.sha256(p) for p in sorted((out / "data").glob("chunk-*.parquet"))}
+    return {p.name: file_sha256(p) for p in sorted((out / "data").glob("chunk-*.parquet"))}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +49,7 @@ def test_manifest_lists_every_shard_and_verify_passes(reference, capsys):
     assert manifest["schema_version"] == shards.SCHEMA_VERSION and manifest["chunks"] == 16
     assert [s["file"] for s in manifest["shards"]] == [f"data/chunk-{c:06d}.parquet" for c in range(16)]
     assert manifest["prompts_read"] == 32 and manifest["skipped_nonfinite"] == 0
-    assert all(s["sha256"] == shards.sha256(out / s["file"]) for s in manifest["shards"])
+    assert all(s["sha256"] == file_sha256(out / s["file"]) for s in manifest["shards"])
     info = shards.chunk_info(out / "data" / "chunk-000003.parquet")
     assert info["chunk"] == 3 and info["first_prompt"] == 6 and info["prompts"] == 2 and info["skipped"] == []
     assert main([f"output_dir={out}", "verify"]) == 0
@@ -165,10 +158,10 @@ def test_nonfinite_logits_skip_the_sample_and_count_it(tiny_pair_dirs, tmp_path,
 
 
 def test_sample_survives_a_nonfinite_row():
-    from specheads.export.shim.sampling import sample
+    from specheads.export.shim.sampling import sample_finite
 
     probs = torch.tensor([[0.0, 1.0, 0.0], [float("nan"), 0.5, 0.5], [0.0, 0.0, 0.0]])
-    tok = sample(probs, torch.Generator().manual_seed(0))
+    tok = sample_finite(probs, torch.Generator().manual_seed(0))
     assert tok[0] == 1 and all(0 <= t < 3 for t in tok.tolist())
 
 
@@ -210,7 +203,7 @@ def test_duplicate_rows_are_found(reference, tmp_path, capsys):
     doubled = pa.concat_tables([table, table.slice(0, 1)])
     pq.write_table(doubled, path)
     manifest = json.loads((out / "manifest.json").read_text())
-    manifest["shards"][0].update(bytes=path.stat().st_size, sha256=shards.sha256(path), rows=3)
+    manifest["shards"][0].update(bytes=path.stat().st_size, sha256=file_sha256(path), rows=3)
     (out / "manifest.json").write_text(json.dumps(manifest))
     assert main([f"output_dir={out}", "verify"]) == 1
     assert "1 prompts labelled more than once (first: [0])" in capsys.readouterr().out
@@ -274,7 +267,7 @@ def test_newer_schema_and_missing_columns_are_refused(reference, tiny_pair_dirs,
     for shard in manifest["shards"]:
         path = cut / shard["file"]
         pq.write_table(pq.read_table(path).drop_columns(["label"]), path)
-        shard.update(bytes=path.stat().st_size, sha256=shards.sha256(path))
+        shard.update(bytes=path.stat().st_size, sha256=file_sha256(path))
     (cut / "manifest.json").write_text(json.dumps(manifest))
     targs[0], targs[-1] = f"data_dir={cut}", f"output_dir={tmp_path / 't2'}"
     assert train(targs) == 2

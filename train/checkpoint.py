@@ -32,7 +32,7 @@ from safetensors.torch import load as load_bytes
 from safetensors.torch import save_file
 
 from specheads.errors import UserError
-from specheads.outputs import atomic_write_text
+from specheads.outputs import atomic_write_text, file_sha256
 
 log = logging.getLogger(__name__)
 FORMAT = 2
@@ -49,12 +49,18 @@ def _jsonable(x):
     return x
 
 
+def _split_state(state: dict, prefix: str, tensors: dict, scalars: dict) -> None:
+    """Per-parameter optimizer state: tensors under ``<prefix><id>.<key>``, the scalars (as JSON) under ``<id>.<key>``."""
+    for pid, entries in state.items():
+        for key, val in entries.items():
+            if isinstance(val, torch.Tensor) and val.dim() > 0:
+                tensors[f"{prefix}{pid}.{key}"] = val.detach().cpu().contiguous()
+            else:
+                scalars[f"{pid}.{key}"] = _jsonable(val)
+
+
 def _digest(path: Path) -> dict:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 def _fsync(path: Path) -> None:
@@ -87,12 +93,7 @@ def save(out_dir: Path, step: int, model: torch.nn.Module, optimizer, scheduler,
     tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     opt = optimizer.state_dict() if optimizer is not None else {"state": {}, "param_groups": []}
     scalars = {}
-    for pid, state in opt["state"].items():
-        for key, val in state.items():
-            if isinstance(val, torch.Tensor) and val.dim() > 0:
-                tensors[f"optim.{pid}.{key}"] = val.detach().cpu().contiguous()
-            else:
-                scalars[f"{pid}.{key}"] = _jsonable(val)
+    _split_state(opt["state"], "optim.", tensors, scalars)
     tensors["rng.torch"] = torch.get_rng_state()
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
@@ -140,15 +141,6 @@ def clear(out_dir: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     for path in [*out_dir.glob(".zero-*"), out_dir / "latest"]:
         path.unlink(missing_ok=True)
-
-
-def latest(out_dir: Path) -> Path | None:
-    """The checkpoint ``latest`` points at, if any (not checked for damage; see :func:`find`)."""
-    pointer = Path(out_dir) / "latest"
-    if not pointer.is_file():
-        return None
-    path = Path(out_dir) / pointer.read_text().strip()
-    return path if (path / "state.json").is_file() else None
 
 
 def candidates(out_dir: Path) -> list[Path]:
@@ -289,13 +281,6 @@ def restore(ckpt: Checkpoint, model: torch.nn.Module, optimizer, scheduler) -> d
     return ckpt.progress
 
 
-def load(path: Path, model: torch.nn.Module, optimizer, scheduler) -> dict:
-    """Reads ``path`` and restores it (see :func:`restore`); returns the saved metadata."""
-    ckpt = read(path)
-    restore(ckpt, model, optimizer, scheduler)
-    return ckpt.meta
-
-
 def _optimizer_state(tensors: dict, scalars: dict, prefix: str = "optim.") -> dict:
     state: dict = {}
     for name, val in tensors.items():
@@ -362,25 +347,17 @@ def save_zero_partition(out_dir: Path, step: int, optimizer, rank: int, world: i
         for i, part in enumerate(sd[FP32_FLAT_GROUPS]):
             tensors[f"fp32.{i}"] = part.detach().cpu().contiguous()
         inner = sd[OPTIMIZER_STATE_DICT]
-        for pid, state in inner["state"].items():
-            for key, val in state.items():
-                if isinstance(val, torch.Tensor) and val.dim() > 0:
-                    tensors[f"state.{pid}.{key}"] = val.detach().cpu().contiguous()
-                else:
-                    scalars[f"{pid}.{key}"] = _jsonable(val)
+        _split_state(inner["state"], "state.", tensors, scalars)
         header["stage"] = "3"
         header["zero3"] = json.dumps({"param_groups": _jsonable(inner["param_groups"]),
                                       "loss_scaler": _scaler_state(sd[LOSS_SCALER]),
                                       "dynamic_loss_scale": _jsonable(sd["dynamic_loss_scale"]),
                                       "overflow": _jsonable(sd["overflow"])})
     else:  # stages 1-2
-        for i, part in enumerate(zero.single_partition_of_fp32_groups):
+        parts = zero.single_partition_of_fp32_groups
+        for i, part in enumerate(parts):
             tensors[f"fp32.{i}"] = part.detach().cpu().contiguous()
-            for key, val in zero.optimizer.state.get(part, {}).items():
-                if isinstance(val, torch.Tensor) and val.dim() > 0:
-                    tensors[f"state.{i}.{key}"] = val.detach().cpu().contiguous()
-                else:
-                    scalars[f"{i}.{key}"] = _jsonable(val)
+        _split_state({i: zero.optimizer.state.get(part, {}) for i, part in enumerate(parts)}, "state.", tensors, scalars)
         header["stage"] = "2"
         if getattr(zero, "loss_scaler", None) is not None:
             header["loss_scaler"] = json.dumps(_scaler_state(zero.loss_scaler))

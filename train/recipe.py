@@ -36,7 +36,7 @@ from specheads.export import save_head
 from specheads.export.shim.models import HiddenCapture, load_model
 from specheads.config import to_yaml
 from specheads.heads import AcceptanceHead, JudgeHead, VerifierHead
-from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir
+from specheads.outputs import MetricsWriter, atomic_write_json, holds_other_run, prepare_output_dir
 
 from . import checkpoint
 from . import fsd as F
@@ -193,8 +193,7 @@ def _head_metadata(cfg: TrainConfig, manifest: dict, hidden: int, metrics: dict)
 def overwrites_another_run(cfg: TrainConfig) -> bool:
     """``overwrite=true`` into an output_dir that holds a run with another config (call it before
     ``prepare_output_dir`` rewrites config.yaml): that run's checkpoints must not be resumed."""
-    config = Path(cfg.output_dir) / "config.yaml"
-    return cfg.overwrite and config.is_file() and config.read_text(errors="replace") != to_yaml(cfg)
+    return cfg.overwrite and holds_other_run(cfg.output_dir, to_yaml(cfg))
 
 
 def train(cfg: TrainConfig, out: Path, fresh: bool = False) -> dict:

@@ -17,7 +17,7 @@ import torch
 
 from .fused import _rms, decoder_layers, fused_weights, output_logits, supports
 from .models import pad_batch
-from .sampling import SamplingConfig, probs_from_logits, sample
+from .sampling import SamplingConfig, probs_from_logits, sample_finite
 
 
 class _Shape:
@@ -101,7 +101,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
                 record = logits.new_empty(b, max_new_tokens, logits.shape[-1])
             record[torch.tensor(rows, device=device), step] = logits
         if sampling.do_sample:
-            tok = sample(probs_from_logits(logits, sampling), generator)
+            tok = sample_finite(probs_from_logits(logits, sampling), generator)  # a NaN row must not stop the batch
         else:
             tok = logits.argmax(-1)
         for r, t in zip(rows, tok.tolist()):  # the step's one device sync

@@ -73,8 +73,14 @@ def probs_from_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One draw per row of ``probs`` ``[..., V]`` -> ``[...]`` token ids (long)."""
     flat = probs.reshape(-1, probs.shape[-1])
-    # A row from non-finite logits (NaN/Inf) would make multinomial raise for the whole batch: it
-    # draws from a uniform row instead, and the caller that checks its logits drops that sample.
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def sample_finite(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """:func:`sample` for batches of many prompts (data generation): a row from non-finite logits
+    (NaN/Inf), which would make ``multinomial`` raise for the whole batch, draws from a uniform row
+    instead; the caller, which checks its logits, drops that sample. Valid rows draw as in :func:`sample`."""
+    flat = probs.reshape(-1, probs.shape[-1])
     bad = ~(torch.isfinite(flat).all(-1) & (flat.sum(-1) > 0))
-    flat = torch.where(bad[:, None], torch.ones_like(flat), flat.clamp_min(0))
+    flat = torch.where(bad[:, None], torch.ones_like(flat), flat)
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
