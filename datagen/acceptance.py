@@ -78,7 +78,7 @@ def response_logits(model, prompts: list[list[int]], responses: list[list[int]],
     forward keeps the logits from the shortest prompt on.
     """
     seqs = [p + r for p, r in zip(prompts, responses)]
-    if batched.supports(model) is None:
+    if not batched.use_fused(model):
         device = model.get_input_embeddings().weight.device
         ids, mask = pad_batch(seqs, pad, device)
         hid = model.model(input_ids=ids, attention_mask=mask).last_hidden_state  # after the final norm

@@ -44,3 +44,40 @@ def test_quickstart_recipe_runs(tmp_path, monkeypatch):
     assert main(["recipe=quickstart", "num_prompts=1", "max_new_tokens=16", f"output_dir={out}"]) == 0
     summary = json.loads((out / "metrics.json").read_text())
     assert summary["new_tokens"] == 16 and summary["target_calls"] >= 1
+
+
+def test_sprinter_without_run_cap_decodes(real_pair, tmp_path, monkeypatch):
+    """heads-decode policy=sprinter max_run=null: the caches are sized from the prompt and the new
+    tokens, not from the uncapped max_candidates() (2**30 positions: hundreds of GB)."""
+    import torch
+
+    from specheads.export import SamplingConfig, save_head
+    from specheads.export.shim import engine as engine_module
+    from specheads.heads import VerifierHead
+
+    d = real_pair.draft.hidden_size
+    head = VerifierHead(d, depth=0)
+    with torch.no_grad():  # approves every candidate: one uncapped run per prompt, no target call
+        head.out.weight.zero_()
+        head.out.bias.fill_(30.0)
+    path = save_head(tmp_path / "verifier.safetensors", head, "verifier", {
+        "head_config": head.config(), "hidden_size": d,
+        "feature": {"model": "draft", "state": "post", "layer": -1, "position": "previous"},
+        "draft": {"name": real_pair.draft.name, "fingerprint": real_pair.draft.fingerprint},
+        "target": {"name": real_pair.target.name, "fingerprint": real_pair.target.fingerprint},
+        "sampling": SamplingConfig().to_dict(), "default_threshold": 0.5})
+    caps = []
+    make_runner = engine_module.make_runner
+
+    def recording(model, hidden, vocab_size, capacity, fused):
+        caps.append(capacity)
+        return make_runner(model, hidden, vocab_size, capacity, fused)
+
+    monkeypatch.setattr(engine_module, "make_runner", recording)
+    monkeypatch.setenv("SPECHEADS_SHARED", str(SHARED))
+    out = tmp_path / "sprinter"
+    assert main(["recipe=quickstart", "policy=sprinter", f"head={path}", "max_run=null", "num_prompts=1",
+                 "max_new_tokens=8", f"output_dir={out}"]) == 0
+    summary = json.loads((out / "metrics.json").read_text())
+    assert summary["max_run"] is None and 1 <= summary["new_tokens"] <= 8 and summary["target_calls"] == 0
+    assert len(caps) == 2 and max(caps) <= summary["prompt_tokens"] + 2 * 8 + 2

@@ -92,6 +92,38 @@ def test_run_cap_forces_target_calls(feature):
         assert s.discarded >= s.target_calls - 1
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "hf"])
+@pytest.mark.parametrize("logit", [30.0, -30.0], ids=["approve", "reject"])
+def test_uncapped_run_sizes_caches_from_the_round(tiny_pair, monkeypatch, logit, fused):
+    """max_run=None makes max_candidates() 2**30: the caches are sized from what a round can use
+    (prompt + new tokens + a round bounded by them), not from it, and decoding is unchanged."""
+    from specheads.export.shim import engine as engine_module
+    from specheads.export.shim.fused import FusedRunner
+
+    made = []
+    make_runner = engine_module.make_runner
+
+    def recording(model, hidden, vocab_size, capacity, fused):
+        runner = make_runner(model, hidden, vocab_size, capacity, fused)
+        made.append((capacity, runner))
+        return runner
+
+    monkeypatch.setattr(engine_module, "make_runner", recording)
+    target, draft = tiny_pair
+    engine = Engine(target, draft, eos_token_ids=[], fused=fused)
+    prompt, n = [3, 8, 12, 15, 20], 24
+    policy = Sprinter(Constant(logit), eta=0.5, max_run=None)
+    assert policy.max_candidates() >= 1 << 30
+    out = engine.generate(prompt, policy, n)
+    assert len(made) == 2 and all(cap <= len(prompt) + 2 * n + 2 for cap, _ in made)
+    assert all(isinstance(r, FusedRunner) == fused for _, r in made)
+    assert all(r.capacity == cap for cap, r in made)  # the fused runner never had to grow
+    # approve-all: one round of n candidates, draft-only greedy, no target call; reject-all: greedy target
+    ref = engine.generate_ar(prompt, n, use_draft=logit > 0)
+    assert out.tokens == ref.tokens and len(out.tokens) == n
+    assert (out.stats.target_calls == 0) == (logit > 0)
+
+
 def test_greedy_perfect_verifier_matches_greedy_target():
     """Greedy: approving exactly the tokens equal to the target's argmax reproduces greedy decoding."""
     p = torch.tensor(P_ROWS)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .fused import _rms, decoder_layers, fused_weights, output_logits, supports
+from .fused import _rms, decoder_layers, fused_weights, output_logits, supports, use_fused
 from .models import pad_batch
 from .sampling import SamplingConfig, probs_from_logits, sample_finite
 
@@ -60,7 +60,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
     """
     if not prompts:
         return ([], []) if record_logits else []
-    if supports(model) is not None:
+    if not use_fused(model):
         out = hf_generate(model, prompts, max_new_tokens, sampling, generator, eos, pad)
         return (out, None) if record_logits else out
     shape = _Shape(model)

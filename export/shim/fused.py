@@ -20,10 +20,13 @@ the model's own forward (:class:`~specheads.export.shim.kv.ModelRunner`).
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
 import torch.nn.functional as F
+
+from .kernels import linear
 
 # Architectures whose decoder layer is exactly: RMSNorm -> attention(q,k,v[,bias],rope,o) -> residual
 # -> RMSNorm -> SiLU-gated MLP -> residual, with full attention in every layer.
@@ -52,6 +55,17 @@ def supports(model) -> str | None:
     if getattr(model, "_hf_hook", None) is not None or getattr(model.model, "_hf_hook", None) is not None:
         return "accelerate hooks (offloaded weights)"
     return None
+
+
+def use_fused(model) -> bool:
+    """Whether decoding should run ``model`` on the fused forward: where it computes the model
+    exactly (:func:`supports`) and on the CPU, where it is measured faster. On CUDA the model's
+    own forward is the default (the fused forward measured 2.7x slower on an H100,
+    ``bench/results/gpu_check.md``); ``SPECHEADS_FUSED_CUDA=1`` opts in there."""
+    if supports(model) is not None:
+        return False
+    device = model.get_input_embeddings().weight.device
+    return device.type == "cpu" or os.environ.get("SPECHEADS_FUSED_CUDA") == "1"
 
 
 class _Fused:
@@ -87,7 +101,6 @@ class _Fused:
         out = model.get_output_embeddings()
         self.lm_weight, self.lm_bias = out.weight, getattr(out, "bias", None)
         self.views = self._pointers(model)
-        self._rows: tuple[list, torch.Tensor, list[int]] | None = None  # row-major copies, see layers_for
 
     @staticmethod
     def _pointers(model) -> list[int]:
@@ -97,29 +110,6 @@ class _Fused:
             out += [m.weight.data_ptr() for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj,
                                                   mlp.up_proj, mlp.down_proj)]
         return out + [model.get_output_embeddings().weight.data_ptr()]
-
-    def _versions(self) -> list[int]:
-        return [t._version for layer in self.layers for t in (layer[1], layer[3], layer[6], layer[7])] + [
-            self.lm_weight._version]
-
-    def layers_for(self, rows: int) -> tuple[list, torch.Tensor]:
-        """The per-layer weights and the output-layer weight to use for a product with ``rows`` rows.
-
-        On CPU the stored (column-major) layout is the fast one for 1 row and for 4 or more; for
-        2-3 rows (a K = 1 or 2 verification pass) row-major products are about 15% faster, so
-        row-major copies are made on first need (doubling weight memory on CPU) and refreshed
-        when an in-place update changes the stored weights."""
-        if not self.column_major or rows not in (2, 3):
-            return self.layers, self.lm_weight
-        versions = self._versions()
-        if self._rows is None or self._rows[2] != versions:
-            with torch.inference_mode(False), torch.no_grad():
-                def row(t):
-                    return t.detach().contiguous()
-                layers = [(n1, row(qkv), qkv_b, row(wo), bo, n2, row(gu), row(wd))
-                          for n1, qkv, qkv_b, wo, bo, n2, gu, wd in self.layers]
-                self._rows = (layers, row(self.lm_weight), versions)
-        return self._rows[0], self._rows[1]
 
     def stale(self, model) -> bool:
         """True when a parameter was replaced (not updated in place) since fusing."""
@@ -214,23 +204,23 @@ def decoder_layers(shape, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """
     b, s = x.shape[:2]
     h, kv_h, hd = shape.heads, shape.kv_heads, shape.head_dim
-    for i, (n1, qkv, qkv_b, wo, bo, n2, gu, wd) in enumerate(shape.weights.layers_for(b * s)[0]):
-        q, k, v = F.linear(_rms(n1, x), qkv, qkv_b).split(shape.sizes, dim=-1)
+    for i, (n1, qkv, qkv_b, wo, bo, n2, gu, wd) in enumerate(shape.weights.layers):
+        q, k, v = linear(_rms(n1, x), qkv, qkv_b).split(shape.sizes, dim=-1)
         q = _rotate(q.view(b, s, h, hd).transpose(1, 2), cos, sin)
         k = _rotate(k.view(b, s, kv_h, hd).transpose(1, 2), cos, sin)
         keys[i][:, :, start:end] = k
         values[i][:, :, start:end] = v.view(b, s, kv_h, hd).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, keys[i][:, :, :end], values[i][:, :, :end],
                                            attn_mask=mask, is_causal=causal, enable_gqa=kv_h != h)
-        x = x + F.linear(o.transpose(1, 2).reshape(b, s, h * hd), wo, bo)
-        gate, up = F.linear(_rms(n2, x), gu).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, wd)
+        x = x + linear(o.transpose(1, 2).reshape(b, s, h * hd), wo, bo)
+        gate, up = linear(_rms(n2, x), gu).chunk(2, dim=-1)
+        x = x + linear(F.silu(gate) * up, wd)
     return x
 
 
 def output_logits(weights: _Fused, x: torch.Tensor) -> torch.Tensor:
-    """The output layer on final-norm states ``x`` ``[M, d]``, in the faster layout for ``M`` rows."""
-    return F.linear(x, weights.layers_for(x.shape[0])[1], weights.lm_bias)
+    """The output layer on final-norm states ``x`` ``[M, d]`` (kernel chosen for ``M`` rows)."""
+    return linear(x, weights.lm_weight, weights.lm_bias)
 
 
 class FusedRunner:

@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .kernels import route
 from .models import HiddenCapture
 
 
@@ -27,7 +28,7 @@ class ModelRunner:
     """
 
     def __init__(self, model, hidden: str | None = None, vocab_size: int | None = None, capacity: int = 256):
-        self.model = model
+        self.model = route(model)  # its linears on the kernels measured fastest here (CPU)
         self.device = model.get_input_embeddings().weight.device
         self.hidden = hidden
         self.capture = HiddenCapture(model) if hidden else None
@@ -134,10 +135,10 @@ def _new_cache(model, capacity: int = 256) -> DynamicCache:
 
 def make_runner(model, hidden: str | None = None, vocab_size: int | None = None, capacity: int = 256,
                 fused: bool = True):
-    """The fastest runner that computes ``model`` exactly: the fused forward where it applies
-    (:func:`specheads.export.shim.fused.supports`), else the model's own forward."""
-    from .fused import FusedRunner, supports
+    """The fastest runner that computes ``model`` exactly: the fused forward where it applies and
+    pays (:func:`specheads.export.shim.fused.use_fused`: CPU), else the model's own forward."""
+    from .fused import FusedRunner, use_fused
 
-    if fused and supports(model) is None:
+    if fused and use_fused(model):
         return FusedRunner(model, hidden, vocab_size, capacity)
     return ModelRunner(model, hidden, vocab_size, capacity)

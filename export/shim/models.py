@@ -14,6 +14,8 @@ import torch
 
 from specheads.errors import UserError
 
+from .kernels import route
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -179,6 +181,8 @@ def load_model(spec: ModelSpec, role: str = "model") -> LoadedModel:
         model = model.to(device)
     model.eval()
     model.requires_grad_(False)
+    if model.get_input_embeddings().weight.device.type == "cpu":
+        route(model)  # every linear on the kernel measured fastest on this CPU (see kernels.py)
     name = f"{path}/{gguf}" if gguf else path
     return LoadedModel(model, tokenizer, spec, fingerprint(path, gguf, is_local, model), name)
 
