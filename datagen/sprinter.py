@@ -25,7 +25,7 @@ import torch
 
 from specheads.export.shim import batched
 from specheads.export.shim.models import pad_batch
-from specheads.export.shim.sampling import SamplingConfig, probs_from_logits, sample, sample_finite
+from specheads.export.shim.sampling import SamplingConfig, probs_from_logits, sample, sample_finite, usable_logits
 
 CATEGORIES = ("prompt", "draft", "target", "mixed")
 
@@ -174,7 +174,7 @@ def label_chunk(target, draft, prompts: list[list[int]], indices: list[int], max
     p_logits = torch.cat(logits_at(target, seqs, pos, pad))
     q_logits = torch.cat(logits_at(draft, seqs, pos, pad)).to(p_logits.device)
     sizes = [len(p) for p in pos]
-    finite = (torch.isfinite(p_logits).all(-1) & torch.isfinite(q_logits).all(-1)).cpu()
+    finite = (torch.isfinite(p_logits).all(-1) & usable_logits(q_logits)).cpu()  # a pruned draft's -inf is fine
     ok = [bool(f.all()) for f in finite.split(sizes)]
     if not all(ok):  # a prompt with NaN/Inf logits is left out (the caller counts it)
         for r, good in zip(live, ok):

@@ -130,6 +130,25 @@ def check_head_against_pair(meta: dict, pair) -> None:
     if want and want != model.fingerprint:
         raise UserError(f"head was trained on {role} {meta[role].get('name')!r} (fingerprint {want}) but the loaded "
                         f"{role} {model.name!r} has fingerprint {model.fingerprint}; load that {role} or retrain the head")
+    if role == "draft":
+        check_draft_vocab(meta, model.vocab)
+
+
+def check_draft_vocab(meta: dict, loaded: dict | None) -> None:
+    """A head trained on a pruned draft (its labels used that draft's renormalised ``q``) needs the same
+    subset: UserError otherwise. Heads whose metadata predates pruning only warn on a pruned draft."""
+    from .shim.vocab import describe, same_subset
+
+    draft = meta.get("draft") or {}
+    if "vocab" not in draft:
+        if loaded is not None:
+            log.warning("the head predates draft vocabulary pruning (trained on the full vocabulary) but the draft "
+                        "is pruned to %s; its acceptance estimates may be off", describe(loaded))
+        return
+    if not same_subset(draft["vocab"], loaded):
+        raise UserError(f"head was trained with the draft's output layer over {describe(draft['vocab'])} but the "
+                        f"loaded draft uses {describe(loaded)}; set draft.vocab_file/draft.vocab_top_n as in training "
+                        f"(or retrain the head)")
 
 
 def check_sampling(meta: dict, sampling: dict, strict: bool) -> None:

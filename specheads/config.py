@@ -36,6 +36,7 @@ SECTIONS: dict[str, str] = {
     "export": "specheads.export.export_config:ExportConfig",
     "eval": "specheads.evaluate.config:EvalConfig",
     "pipeline": "specheads.pipeline:PipelineConfig",
+    "vocab": "specheads.datagen.vocab:VocabConfig",
 }
 #: Every section a recipe may hold, with the CLI that reads it.
 PROGS: dict[str, str] = {
@@ -45,6 +46,7 @@ PROGS: dict[str, str] = {
     "eval": "heads-eval",
     "export": "heads-export",
     "pipeline": "heads-pipeline",
+    "vocab": "heads-vocab",
 }
 DEFAULT_RECIPE = "quickstart"
 

@@ -200,10 +200,11 @@ def _exact_sequences(sampling: SamplingConfig, horizon: int, rows=P_ROWS) -> dic
 
 
 def _sd_pvalue(sampling: SamplingConfig, n: int = 3000, horizon: int = 3, k: int = 2, policy=None,
-               rows=P_ROWS) -> float:
+               rows=P_ROWS, draft=None) -> float:
     """Chi-square p-value of ``n`` sampled outputs of ``policy`` (default SD with ``k``) on the
-    bigram pair against the exact sequence distribution of the bigram ``rows`` (default: the target)."""
-    engine = Engine(bigram(P_ROWS), bigram(Q_ROWS), eos_token_ids=[])
+    bigram pair (or the target with ``draft``) against the exact sequence distribution of the
+    bigram ``rows`` (default: the target)."""
+    engine = Engine(bigram(P_ROWS), draft if draft is not None else bigram(Q_ROWS), eos_token_ids=[])
     gen = torch.Generator().manual_seed(1234)
     exact = _exact_sequences(sampling, horizon, rows)
     counts = dict.fromkeys(exact, 0)

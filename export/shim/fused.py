@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernels import linear
+from .vocab import PrunedHead
 
 # Architectures whose decoder layer is exactly: RMSNorm -> attention(q,k,v[,bias],rope,o) -> residual
 # -> RMSNorm -> SiLU-gated MLP -> residual, with full attention in every layer.
@@ -219,7 +220,11 @@ def decoder_layers(shape, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 def output_logits(weights: _Fused, x: torch.Tensor) -> torch.Tensor:
-    """The output layer on final-norm states ``x`` ``[M, d]`` (kernel chosen for ``M`` rows)."""
+    """The output layer on final-norm states ``x`` ``[M, d]`` (kernel chosen for ``M`` rows); a
+    pruned draft's :class:`~specheads.export.shim.vocab.PrunedHead` scores its subset only."""
+    head = weights.model().get_output_embeddings()
+    if isinstance(head, PrunedHead):
+        return head(x)
     return linear(x, weights.lm_weight, weights.lm_bias)
 
 

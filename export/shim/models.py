@@ -15,6 +15,7 @@ import torch
 from specheads.errors import UserError
 
 from .kernels import route
+from .vocab import prune, read_ranking, subset_from_ranking, vocab_info
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ class ModelSpec:
     revision: str | None = None
     trust_remote_code: bool = False
     load_in_8bit: bool = field(default=False, metadata={"help": "8-bit weights (bitsandbytes, CUDA only): e.g. a 405B target on one node"})
+    vocab_file: str | None = field(default=None, metadata={"help": "draft only: a heads-vocab ranking; the draft's output layer scores only its most frequent tokens (FR-Spec pruning, lossless)"})
+    vocab_top_n: int | None = field(default=None, metadata={"help": "draft only: keep this many of vocab_file's most frequent tokens (EOS always kept); null: every ranked token"})
 
 
 @dataclass
@@ -56,6 +59,11 @@ class LoadedModel:
     @property
     def hidden_size(self) -> int:
         return int(self.model.config.hidden_size)
+
+    @property
+    def vocab(self) -> dict | None:
+        """The pruned output layer's subset (size, sha256), or None for the full vocabulary."""
+        return vocab_info(self.model)
 
 
 @dataclass
@@ -183,8 +191,26 @@ def load_model(spec: ModelSpec, role: str = "model") -> LoadedModel:
     model.requires_grad_(False)
     if model.get_input_embeddings().weight.device.type == "cpu":
         route(model)  # every linear on the kernel measured fastest on this CPU (see kernels.py)
+    if spec.vocab_file or spec.vocab_top_n is not None:
+        _prune(model, tokenizer, spec, role)
     name = f"{path}/{gguf}" if gguf else path
     return LoadedModel(model, tokenizer, spec, fingerprint(path, gguf, is_local, model), name)
+
+
+def _prune(model, tokenizer, spec: ModelSpec, role: str) -> None:
+    """Restricts the draft's output layer to ``spec.vocab_file``'s top ``spec.vocab_top_n`` tokens."""
+    if role != "draft":
+        raise UserError(f"{role}.vocab_file/vocab_top_n: only the draft's output layer can be pruned "
+                        "(the target's distribution must stay whole); unset them")
+    if not spec.vocab_file:
+        raise UserError("draft.vocab_top_n is set but draft.vocab_file is not; write a ranking with heads-vocab "
+                        "and pass draft.vocab_file=<its vocab.json>")
+    rows = model.get_output_embeddings().weight.shape[0]
+    ids = subset_from_ranking(read_ranking(spec.vocab_file), spec.vocab_top_n,
+                              eos_ids(model, tokenizer), rows)
+    info = prune(model, ids, source=os.path.basename(spec.vocab_file))
+    log.info("draft output layer pruned to %d of %d tokens (%s, sha256 %s)", info["size"], rows,
+             spec.vocab_file, info["sha256"])
 
 
 def same_vocabulary(tok_a, tok_b) -> bool:

@@ -76,6 +76,12 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
+def usable_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Per row of ``logits`` ``[..., V]``: no NaN, no ``+inf`` and at least one finite value. A
+    ``-inf`` logit is a token of probability 0 (a pruned draft's tokens outside its subset), not a fault."""
+    return ~torch.isnan(logits).any(-1) & ~torch.isposinf(logits).any(-1) & torch.isfinite(logits).any(-1)
+
+
 def sample_finite(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """:func:`sample` for batches of many prompts (data generation): a row from non-finite logits
     (NaN/Inf), which would make ``multinomial`` raise for the whole batch, draws from a uniform row

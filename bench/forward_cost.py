@@ -1,0 +1,175 @@
+"""Forward-cost table: ms per forward over 1..8 (and 16, 32) new tokens, target and draft, each path.
+
+A CPU decoding step at batch 1 is bound by reading the weights, so a verification pass over a
+few tokens should cost about what one token costs. This measures it on the shared pair, after a
+100-token prefix (KV cache), fp32, with the project's runners:
+
+* ``fused``: the fused forward with the linear kernels measured fastest on this machine (the
+  default decoding path on CPU; :mod:`specheads.export.shim.kernels`);
+* ``fused_torch``: the same forward with ``F.linear`` on the stored weights (the fused path
+  before kernel selection);
+* ``model``: the model's own (Hugging Face) forward with its linears routed through the kernels;
+* ``model_torch``: the model's own forward, plain.
+
+and the draft's one-token forward with its output layer pruned to the most frequent tokens
+(``heads-vocab`` ranking of the recipe's corpus) against the full 49,152-token layer. All
+configurations are interleaved repetition by repetition; each figure is a median.
+
+    python bench/forward_cost.py                 # writes bench/results/forward_cost.json
+    python bench/forward_cost.py --reps 10 --out /tmp/fc.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from _common import run_info
+from specheads.export.shim import kernels
+from specheads.export.shim.kv import ModelRunner
+from specheads.export.shim.fused import FusedRunner
+from specheads.export.shim.models import ModelSpec, load_model
+from specheads.export.shim.vocab import prune, subset_from_ranking, read_ranking, unprune
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
+SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
+PATHS = ("fused", "fused_torch", "model", "model_torch")
+
+
+def _runner(path: str, model):
+    return (FusedRunner if path.startswith("fused") else ModelRunner)(model, None, None, 512)
+
+
+def _time(runner, policy: str, prefix: torch.Tensor, ids: torch.Tensor) -> float:
+    kernels.set_policy(policy)
+    try:
+        runner.trim(prefix.shape[1])
+        t = time.perf_counter()
+        runner.forward(ids, n_logits=ids.shape[1])
+        return time.perf_counter() - t
+    finally:
+        kernels.set_policy("auto")
+
+
+def measure(models: dict, reps: int, sizes=SIZES) -> list[dict]:
+    """Median ms per forward for every (model, path, size), interleaved.
+
+    ``models`` maps a name to two copies of the model, ``(for the fused paths, for the model's own
+    forward)``: fusing rebinds the weights in place, which would change what "the model's own
+    forward" reads."""
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(100, 20000, (1, 100), generator=gen)
+    new = torch.randint(100, 20000, (1, max(sizes)), generator=gen)
+    runners = {}
+    with torch.inference_mode():
+        for name, (fused_copy, own_copy) in models.items():
+            for path in PATHS:
+                model = fused_copy if path.startswith("fused") else own_copy
+                kernels.prepare(model, rows=sizes)
+                r = _runner(path, model)
+                r.forward(prefix, n_logits=1)
+                for s in sizes:  # warm-up
+                    _time(r, "torch" if path.endswith("_torch") else "auto", prefix, new[:, :s])
+                runners[(name, path)] = r
+        times = {(n, p, s): [] for (n, p) in runners for s in sizes}
+        for rep in range(reps):
+            for (name, path), r in runners.items():
+                for s in sizes:
+                    times[(name, path, s)].append(
+                        _time(r, "torch" if path.endswith("_torch") else "auto", prefix, new[:, :s]))
+    return [{"model": n, "path": p, "tokens": s, "ms": round(1000 * statistics.median(v), 3)}
+            for (n, p, s), v in times.items()]
+
+
+def pruned_draft(draft, ranking_path: str, tops: list[int], reps: int) -> list[dict]:
+    """The draft's one-token fused forward with the full and pruned output layers, interleaved."""
+    ranking = read_ranking(ranking_path)
+    rows = draft.get_output_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(1)
+    prefix = torch.randint(100, 20000, (1, 100), generator=gen)
+    tok = torch.randint(100, 20000, (1, 1), generator=gen)
+    configs = {"full": None, **{f"top{n}": n for n in tops}}
+    times = {c: [] for c in configs}
+    with torch.inference_mode():
+        runners = {}
+        for c, n in configs.items():
+            unprune(draft)
+            if n is not None:
+                prune(draft, subset_from_ranking(ranking, n, [2], rows))
+                kernels.prepare(draft, rows=(1,))
+            r = FusedRunner(draft, None, None, 512)
+            r.forward(prefix, n_logits=1)
+            runners[c] = (r, n)
+        for _ in range(reps + 3):
+            for c, (r, n) in runners.items():
+                unprune(draft)
+                if n is not None:
+                    prune(draft, subset_from_ranking(ranking, n, [2], rows))
+                r.trim(100)
+                t = time.perf_counter()
+                r.forward(tok, n_logits=1)
+                times[c].append(time.perf_counter() - t)
+        unprune(draft)
+    coverage = ranking.get("coverage", {})
+    return [{"draft_output_layer": c, "tokens": n or rows, "ms": round(1000 * statistics.median(v[3:]), 3),
+             "corpus_coverage": coverage.get(str(n)) if n else 1.0} for c, (n, v) in
+            ((c, (configs[c], times[c])) for c in configs)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--vocab", default=str(ROOT / "runs/quickstart-vocab/vocab.json"),
+                    help="heads-vocab ranking (heads-vocab recipe=quickstart writes it)")
+    ap.add_argument("--tops", default="8192,16384")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/forward_cost.json"))
+    args = ap.parse_args(argv)
+    if not Path(args.vocab).is_file():
+        from specheads.datagen.vocab import main as vocab_main
+        vocab_main(["recipe=quickstart", f"output={args.vocab}"])
+    specs = {"target": ModelSpec(path=str(SHARED / "models/smollm2-135m-instruct"),
+                                 gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype="float32", device="cpu"),
+             "draft": ModelSpec(path=str(SHARED / "models/smollm2-draft-4l"), dtype="float32", device="cpu")}
+    models = {n: (load_model(s, n).model, load_model(s, n).model) for n, s in specs.items()}
+    table = measure(models, args.reps)
+    prune_rows = pruned_draft(models["draft"][0], args.vocab, [int(x) for x in args.tops.split(",")], args.reps)
+
+    def ms(model, path, s):
+        return next(r["ms"] for r in table if r["model"] == model and r["path"] == path and r["tokens"] == s)
+
+    print("| model | path | " + " | ".join(str(s) for s in SIZES) + " |")
+    print("|---|---|" + "---|" * len(SIZES))
+    for model in ("target", "draft"):
+        for path in PATHS:
+            print(f"| {model} | {path} | " + " | ".join(f"{ms(model, path, s):.1f}" for s in SIZES) + " |")
+    print("\n| draft output layer | tokens | ms (1-token forward) | corpus coverage |\n|---|---|---|---|")
+    for r in prune_rows:
+        print(f"| {r['draft_output_layer']} | {r['tokens']} | {r['ms']:.2f} | {r['corpus_coverage']} |")
+    full = prune_rows[0]["ms"]
+    ratios = {
+        "target_t2_over_t1": round(ms("target", "fused", 2) / ms("target", "fused", 1), 4),
+        "target_t4_over_t1": round(ms("target", "fused", 4) / ms("target", "fused", 1), 4),
+        "target_t8_over_t1": round(ms("target", "fused", 8) / ms("target", "fused", 1), 4),
+        "draft_t4_over_t1": round(ms("draft", "fused", 4) / ms("draft", "fused", 1), 4),
+        "draft_pruned_over_full": round(prune_rows[1]["ms"] / full, 4),
+        "target_t1_over_fused_torch_t1": round(ms("target", "fused", 1) / ms("target", "fused_torch", 1), 4),
+        "target_model_t4_over_t1": round(ms("target", "model", 4) / ms("target", "model", 1), 4),
+    }
+    print("\n" + json.dumps(ratios, indent=1))
+    out = {**run_info(__file__, argv, "fp32, batch 1, 100-token prefix, median of interleaved repetitions"),
+           "kernels": kernels.describe(), "table": table, "draft_pruning": prune_rows, "ratios": ratios}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
