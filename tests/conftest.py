@@ -117,3 +117,18 @@ def bigram(probs: list[list[float]]) -> BigramLM:
     """A BigramLM from next-token probabilities (rows may hold zeros: their logits are -inf)."""
     p = torch.tensor(probs, dtype=torch.float64)
     return BigramLM(torch.log(p).float())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _own_measurement_cache(tmp_path_factory):
+    """Kernel choices and cost tables go to a fresh folder for the session (subprocesses inherit it),
+    never to the user's ~/.cache/specheads."""
+    import os
+
+    old = os.environ.get("SPECHEADS_CACHE")
+    os.environ["SPECHEADS_CACHE"] = str(tmp_path_factory.mktemp("specheads-cache"))
+    yield
+    if old is None:
+        os.environ.pop("SPECHEADS_CACHE", None)
+    else:
+        os.environ["SPECHEADS_CACHE"] = old
