@@ -22,11 +22,11 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from specheads.config import cli_main
+from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError
 from specheads.export.shim.models import ModelSpec
 from specheads.export.shim.vocab import FORMAT
-from specheads.outputs import atomic_write_json
+from specheads.outputs import MetricsWriter, atomic_write_json, atomic_write_text, write_manifest
 
 log = logging.getLogger(__name__)
 PROG = "heads-vocab"
@@ -42,6 +42,7 @@ class VocabConfig:
     corpus: str | None = field(default=None, metadata={"help": "prompt files whose reference responses are counted (comma-separated; .txt: every line)"})
     num_rows: int | None = field(default=None, metadata={"help": "count only the first N rows of each corpus file"})
     output: str = field(default="runs/vocab/vocab.json", metadata={"help": "where the ranking is written"})
+    top_n: int | None = field(default=None, metadata={"help": "heads-pipeline: the draft's output layer keeps this many tokens in every later stage (draft.vocab_top_n); null: no pruning"})
 
 
 def _corpus_texts(spec: str, limit: int | None):
@@ -138,7 +139,14 @@ def run(cfg: VocabConfig) -> int:
     if not counts:
         raise UserError(f"no tokens counted from {cfg.data_dir or cfg.corpus}; nothing to rank")
     out = ranking(counts, vocab_size, source)
+    folder = Path(cfg.output).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(folder / "config.yaml", to_yaml(cfg))
     atomic_write_json(cfg.output, out)
+    summary = {k: out[k] for k in ("tokens_counted", "distinct", "coverage", "vocab_size", "source")}
+    with MetricsWriter(folder) as metrics:
+        metrics.write(**summary)
+    write_manifest(folder, command=PROG, ranking=Path(cfg.output).name, **summary)
     cov = ", ".join(f"top {k}: {100 * v:.1f}%" for k, v in out["coverage"].items())
     log.info("%d tokens counted, %d distinct; coverage %s -> %s", out["tokens_counted"], out["distinct"], cov, cfg.output)
     print(f"{out['tokens_counted']} tokens, {out['distinct']} distinct; coverage {cov}; wrote {cfg.output}")

@@ -1,10 +1,13 @@
-"""``heads-pipeline``: the main job end to end: datagen -> train -> export -> eval.
+"""``heads-pipeline``: the main job end to end: vocab -> datagen -> train -> export -> eval.
 
     heads-pipeline                                  # recipe=quickstart: the shared pair on CPU
     heads-pipeline recipe=quickstart datagen.num_prompts=128 train.depth=2 seed=1
 
 Each stage reads its own section of the one recipe, chained so that every stage consumes what
-the previous one wrote (``train.data_dir`` = ``datagen.output_dir``, ``export.train_dir`` =
+the previous one wrote (with ``vocab.top_n`` set, every stage that loads the draft gets
+``draft.vocab_file`` = ``vocab.output`` and ``draft.vocab_top_n`` = ``vocab.top_n``: the draft's
+output layer pruned to the most frequent tokens; a recipe without a ``vocab`` section skips that
+stage; ``train.data_dir`` = ``datagen.output_dir``, ``export.train_dir`` =
 ``train.output_dir``, ``eval.head`` = the exported file, or ``eval.verifier`` for a SPRINTER
 verifier: ``heads-pipeline recipe=sprinter_quickstart``). Overrides are ``section.key=value``
 for one stage, or ``key=value`` for every stage that has that key (``seed=1``). All four configs
@@ -30,7 +33,7 @@ from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_d
 
 log = logging.getLogger(__name__)
 PROG = "heads-pipeline"
-STAGES = ("datagen", "train", "export", "eval")
+STAGES = ("vocab", "datagen", "train", "export", "eval")
 
 
 @dataclass
@@ -93,22 +96,32 @@ def load_configs(argv: list[str]) -> tuple[PipelineConfig, dict]:
         try:
             cfgs[stage] = load_config(schema_for(stage), stage, stage_args(stage, chained.get(stage, [])))
         except UserError as err:
+            if stage == "vocab" and "has no 'vocab' section" in str(err):  # no pruning in this recipe
+                pipe.stages = [s for s in pipe.stages if s != "vocab"]
+                continue
             problems.append(f"[{stage}] {err}")
             continue
-        if stage == "datagen":
-            chained["train"] = [f"data_dir={cfgs[stage].output_dir}"]
+        if stage == "vocab" and cfgs[stage].top_n is not None:
+            prune = [f"draft.vocab_file={cfgs[stage].output}", f"draft.vocab_top_n={cfgs[stage].top_n}"]
+            for later in STAGES:
+                if "draft" in _top_level(schema_for(later)):
+                    chained.setdefault(later, []).extend(prune)
+        elif stage == "datagen":
+            chained.setdefault("train", []).append(f"data_dir={cfgs[stage].output_dir}")
         elif stage == "train":
             chained["export"] = [f"train_dir={cfgs[stage].output_dir}"]
         elif stage == "export":  # a verifier feeds SPRINTER's rows, a judge the judge's, an acceptance head SpecDec++'s
             key = {"verifier": "verifier", "judge": "judge"}.get(getattr(cfgs.get("train"), "head", "acceptance"), "head")
-            chained["eval"] = [f"{key}={Path(cfgs[stage].output_dir) / 'head.safetensors'}"]
+            chained.setdefault("eval", []).append(f"{key}={Path(cfgs[stage].output_dir) / 'head.safetensors'}")
     if problems:
         raise UserError("; ".join(problems))
     return pipe, cfgs
 
 
 def _runner(stage: str):
-    if stage == "datagen":
+    if stage == "vocab":
+        from specheads.datagen.vocab import run
+    elif stage == "datagen":
         from specheads.datagen.cli import run
     elif stage == "train":
         from specheads.train.cli import run
@@ -135,9 +148,10 @@ def summarize(cfgs: dict, times: dict) -> dict:
     sweep = Path(cfgs["eval"].output_dir) / "sweep.json"
     if sweep.is_file():
         s = json.loads(sweep.read_text())
-        out["eval"] = {k: s.get(k) for k in ("table", "oracle", "ratios", "best_fixed_k", "best_threshold",
-                                             "pareto_dominates", "pareto_png", "t_target_ms", "t_draft_ms",
-                                             "sprinter", "judge", "accuracy")}
+        out["eval"] = {k: s.get(k) for k in ("table", "oracle", "perfect_head", "ratios", "best_fixed_k",
+                                             "best_threshold", "best_stop_rule", "best_lossless", "pareto_dominates",
+                                             "pareto_png", "t_target_ms", "t_draft_ms", "cost_table", "sprinter",
+                                             "judge", "accuracy")}
     return out
 
 
@@ -162,15 +176,21 @@ def print_summary(summary: dict, file=None) -> None:
     ev = summary.get("eval")
     if ev:
         cols = ("config", "tokens_per_s", "tokens_per_call", "verification_rate", "discard_rate",
-                "model_cost_ms_per_token")
+                "predicted_ms_per_token", "measured_ms_per_token")
         p(" | ".join(cols))
-        for r in ev["table"]:
+        for r in ev["table"]:  # predicted: the cost table at the row's own target pass sizes
             p(" | ".join("-" if r.get(c) is None else str(r.get(c)) for c in cols))
         if ev.get("oracle"):
             o = ev["oracle"]
-            p(f"oracle | - | - | {o['verification_rate']} | 0.0 | {o['model_cost_ms_per_token']}")
+            p(f"oracle | {o.get('predicted_tokens_per_s', '-')} (predicted) | - | {o['verification_rate']} | 0.0 | "
+              f"{o['model_cost_ms_per_token']} | -")
+        if ev.get("oracle") and ev.get("best_lossless"):
+            b = ev["best_lossless"]
+            p(f"oracle predicted {ev['oracle'].get('predicted_tokens_per_s')} tokens/s vs best lossless row "
+              f"{b['config']}: {b['tokens_per_s']} tokens/s measured ({b['predicted_tokens_per_s']} predicted)")
         p(f"best fixed K: {ev.get('best_fixed_k')}, best SpecDec++ threshold: {ev.get('best_threshold')}, "
-          f"ratios: {ev.get('ratios')}, pareto_dominates: {ev.get('pareto_dominates')}")
+          f"best stop rule: {ev.get('best_stop_rule')}, ratios: {ev.get('ratios')}, "
+          f"pareto_dominates: {ev.get('pareto_dominates')}")
         p(f"Pareto plot: {ev.get('pareto_png')}")
         if ev.get("judge"):
             p(f"judge vs {ev['judge']['sd_reference']}: " + ", ".join(
@@ -185,7 +205,8 @@ def run(argv: list[str]) -> int:
     from specheads.config import to_yaml
 
     pipe, cfgs = load_configs(argv)
-    text = "".join(f"{s}:\n" + "".join(f"  {line}\n" for line in to_yaml(cfgs[s]).splitlines()) for s in STAGES)
+    text = "".join(f"{s}:\n" + "".join(f"  {line}\n" for line in to_yaml(cfgs[s]).splitlines()) for s in STAGES
+                   if s in cfgs)
     out = prepare_output_dir(pipe.output_dir, to_yaml(pipe) + text, overwrite=pipe.overwrite)
     times = {}
     with MetricsWriter(out) as metrics:
@@ -211,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip())
         print()
         print(help_text(PipelineConfig, "pipeline", PROG))
-        print("\nEach stage's keys: see heads-datagen / heads-train / heads-export / heads-eval --help.")
+        print("\nEach stage's keys: see heads-vocab / heads-datagen / heads-train / heads-export / heads-eval --help.")
         return 0
     try:
         _setup_logging()

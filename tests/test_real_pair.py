@@ -81,3 +81,25 @@ def test_sprinter_without_run_cap_decodes(real_pair, tmp_path, monkeypatch):
     summary = json.loads((out / "metrics.json").read_text())
     assert summary["max_run"] is None and 1 <= summary["new_tokens"] <= 8 and summary["target_calls"] == 0
     assert len(caps) == 2 and max(caps) <= summary["prompt_tokens"] + 2 * 8 + 2
+
+
+def test_real_pair_pruned_draft_greedy_sd_equals_target(real_pair, tmp_path):
+    """The draft's output layer pruned to 2,048 corpus-frequent tokens: greedy SD is still the target's
+    greedy output (tokens outside the subset come from the target's correction)."""
+    from specheads.datagen.vocab import main as vocab_main
+    from specheads.export.shim.vocab import prune, read_ranking, subset_from_ranking, unprune
+
+    out = tmp_path / "vocab.json"
+    assert vocab_main([f"target.path={SHARED / 'models/smollm2-135m-instruct'}",
+                       f"corpus={SHARED / 'data/gsm8k/train.jsonl'}", "num_rows=500", f"output={out}"]) == 0
+    draft = real_pair.draft.model
+    prompts = load_prompts(SHARED / "data/mt_bench/question.jsonl", limit=2, offset=70)
+    ref = generate(real_pair, prompts, policy="ar", max_new_tokens=32)
+    prune(draft, subset_from_ranking(read_ranking(out), 2048, real_pair.eos_token_ids, 49152))
+    try:
+        assert real_pair.draft.vocab["size"] == 2048
+        got = generate(real_pair, prompts, policy="sd", k=3, max_new_tokens=32)
+    finally:
+        unprune(draft)
+    assert [r.tokens for r in got] == [r.tokens for r in ref]
+    assert sum(r.stats.accepted for r in got) > 0
