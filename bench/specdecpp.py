@@ -145,13 +145,18 @@ def main(argv=None) -> int:
         "sampling": sweep["sampling"], "head": sweep.get("head"),
         "eval_binary_kl": (sweep.get("head") or {}).get("eval_binary_kl"),
         "t_target_ms": sweep["t_target_ms"], "t_draft_ms": sweep["t_draft_ms"],
+        "cost_table": sweep.get("cost_table"),
         "table": sweep["table"], "oracle": sweep.get("oracle"), "perfect_head": sweep.get("perfect_head"),
         "best_fixed_k": sweep.get("best_fixed_k"), "best_threshold": sweep.get("best_threshold"),
+        "best_stop_rule": sweep.get("best_stop_rule"), "best_lossless": sweep.get("best_lossless"),
         "below_fixed_k_curve": sweep.get("below_fixed_k_curve"),
         "ratios": ratios, "pareto_dominates": sweep.get("pareto_dominates"),
         "pareto_png": str(png.relative_to(ROOT)) if png.is_relative_to(ROOT) else str(png),
-        "note": "tokens_per_call = emitted tokens / target calls; model_cost_ms_per_token = (t_d*N_draft + "
-                "t_t*N_target)/N at the measured t_d, t_t; oracle_gain_fraction = (cost(best K) - cost(SpecDec++)) "
+        "note": "tokens_per_call = emitted tokens / target calls; model_cost_ms_per_token = predicted_ms_per_token "
+                "= (t_d*N_draft + sum_k t_t(k)*count_k)/N at the profiled cost_table over each row's target pass "
+                "sizes (prefill left out), beside measured_ms_per_token = wall time / N; t_target_ms, t_draft_ms = "
+                "the baselines' wall time per forward; h-cost = SpecDec++ with the cost-aware stop rule; "
+                "oracle_gain_fraction = (cost(best K) - cost(SpecDec++)) "
                 "/ (cost(best K) - cost(oracle)); perfect_head = the SpecDec++ stopping rule with a head that "
                 "knows every disagreement (drafts at least k_min, sees a candidate only once drawn): "
                 "perfect_head_cost_gain_vs_best_fixed_k bounds what any head can gain here",

@@ -9,17 +9,27 @@ One run decodes every prompt with: the target alone (``ar``), the draft alone (`
 standard SD at each fixed ``K`` and SpecDec++ at each threshold ``h``, interleaved prompt by
 prompt. It reports for each configuration tokens/s, tokens and accepted drafts per target call,
 verification rate, discard rate and draft forwards per token; the per-forward times ``t_t``
-and ``t_d`` measured by the two baselines; the cost model ``T/N`` of ALGORITHMS.md section 0 at
-those times; and, for greedy decoding, the oracle stopping rule (SpecDec++ Theorem 4.1) computed
-from the target's own output, and the same stopping rule as a perfect SpecDec++ head would apply it
-(it can only judge a candidate after drafting it, never before ``k_min``): the most any head can
-gain on these prompts with these models. With ``verifier=`` it also decodes with SPRINTER at each
+and ``t_d`` measured by the two baselines (wall time per forward, loop overhead included); the
+cost model ``T/N`` of ALGORITHMS.md section 0 at the profiled cost table
+(:mod:`specheads.export.shim.costs`: ``t_d`` and ``t_t(k)`` per target pass size ``k``, cached per
+machine; ``profile=``) over the pass sizes each row actually used (``predicted_ms_per_token``),
+beside the measured ms/token (wall time / new tokens, prefill included) and their ratio; with
+``cost_stop`` the cost-aware stop rules (rows ``h-cost``, ``c-cost``: no threshold, stop where the
+expected tokens per ms of the cost table peak); and, for greedy decoding, the oracle stopping rule
+(SpecDec++ Theorem 4.1) computed from the target's own output, and the same stopping rule as a
+perfect SpecDec++ head would apply it (it can only judge a candidate after drafting it, never before
+``k_min``): the most any head can gain on these prompts with these models, both priced with the
+cost table. With ``verifier=`` it also decodes with SPRINTER at each
 ``eta`` and reports, for every configuration, FLOPs per token, verifier calls per token and ROUGE
 against the target-only outputs and the references, and for SPRINTER the measured ``alpha`` and the
 TV bound (``quality.py``) and its ratios to the best SD configuration. Training-free rows: top-K
 verification (``topk=``, rows ``t<K>``), FSD per divergence (``fsd_js=`` ..., rows ``fsd-<div>-<T>``)
 and draft-confidence stopping (``confidence=``, rows ``c<tau>``), summarised against SD in the
-``training_free`` section (``training_free.py``). Writes ``sweep.json`` (table, oracle, perfect head,
+``training_free`` section (``training_free.py``). Ratios of the stop rules: ``cost_aware_vs_best_fixed_k``
+(tokens/s of ``h-cost`` over the fastest fixed K; ``confidence_cost_vs_best_fixed_k`` for ``c-cost``) and
+``share_of_perfect_head_gain`` (the fastest SpecDec++ row's measured gain over the fastest fixed K,
+``tokens/s / best K's - 1``, divided by the perfect head's predicted gain, ``predicted tokens/s / best K's
+predicted - 1``). Writes ``sweep.json`` (cost table, table, oracle, perfect head, best lossless row,
 ratios, Pareto check, ``accuracy``, ``sprinter``, ``judge``, ``training_free``), ``pareto.png``,
 ``quality.png`` (quality against tokens/s and accepted drafts per call, every row),
 ``rows.jsonl`` (every prompt x configuration; a killed sweep resumes),
@@ -31,13 +41,15 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 from transformers.utils import logging as hf_logging
 
 from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError
-from specheads.export.api import fit_context, format_prompt
+from specheads.export.api import fit_context, format_prompt, pair_costs
 from specheads.export.package import read_metadata
+from specheads.export.shim.costs import PROFILES, CostTable
 from specheads.export.shim.engine import GenerationStats
 from specheads.export.shim.hetero import METHODS as HETERO
 from specheads.export.shim.models import load_pair, same_vocabulary
@@ -48,14 +60,17 @@ from specheads.prompts import load_prompt_files
 
 from . import quality, training_free
 from .config import EvalConfig
-from .oracle import below_curve, cost_per_token, draft_agreement, oracle_schedule, perfect_head_schedule
+from .oracle import (below_curve, cost_per_token, draft_agreement, oracle_schedule, perfect_head_schedule,
+                     predicted_ms_per_token)
 from .plot import pareto_plot, quality_speed_plot
-from .sweep import build_decoders, run_sweep, same_vocab_rows, total
+from .sweep import COST_ROWS, build_decoders, run_sweep, same_vocab_rows, total
 
 log = logging.getLogger(__name__)
 PROG = "heads-eval"
 COLUMNS = ("config", "tokens", "wall_s", "tokens_per_s", "tokens_per_call", "accepted_per_call",
-           "verification_rate", "discard_rate", "draft_forwards_per_token", "model_cost_ms_per_token")
+           "verification_rate", "discard_rate", "draft_forwards_per_token", "predicted_ms_per_token",
+           "measured_ms_per_token", "predicted_over_measured")
+LOSSLESS = ("k", "h", "c", "v-")  # row prefixes of the lossless rules (SD, SpecDec++, confidence stop, TLI / SLEM)
 
 
 def _check(cfg: EvalConfig) -> None:
@@ -92,8 +107,10 @@ def _check(cfg: EvalConfig) -> None:
         problems.append(f"max_run={cfg.max_run} must be >= 0 (or null for no cap)")
     if any(k < 1 for k in cfg.ks):
         problems.append(f"ks={list(cfg.ks)}: every K must be >= 1")
-    if cfg.head and not cfg.thresholds:
-        problems.append("head is set but thresholds is empty")
+    if cfg.head and not cfg.thresholds and not cfg.cost_stop:
+        problems.append("head is set but thresholds is empty (and cost_stop=false)")
+    if cfg.profile not in PROFILES and not Path(cfg.profile).is_file():
+        problems.append(f"profile={cfg.profile!r} is not auto, refresh or an existing cost-table JSON file")
     if any(not 0 < h < 1 for h in cfg.thresholds):
         problems.append(f"thresholds={list(cfg.thresholds)}: every h must be in (0, 1)")
     if not 1 <= cfg.k_min <= cfg.k_max:
@@ -104,7 +121,33 @@ def _check(cfg: EvalConfig) -> None:
         raise UserError("; ".join(problems))
 
 
-def _row(name: str, rows: list[dict], t_d: float, t_t: float) -> dict:
+def _max_pass(cfg: EvalConfig) -> int:
+    """The largest target pass the sweep's rows and the oracle use: most candidates per round + 1
+    (SPRINTER's catch-up passes can be longer; the table extrapolates those)."""
+    fsd = any(getattr(cfg, f"fsd_{d}") for d in DIVERGENCES)
+    most = [1, *cfg.ks, cfg.k_max if cfg.head or cfg.oracle else 1, cfg.topk_k if cfg.topk else 1,
+            cfg.fsd_k if fsd else 1, cfg.confidence_k_max if cfg.confidence else 1, cfg.judge_k if cfg.judge else 1,
+            (cfg.max_run if cfg.max_run is not None else 20) + 1 if cfg.verifier else 1]
+    return min(max(most), 63) + 1
+
+
+def _r(x: float | None, digits: int = 4) -> float | None:
+    return None if x is None or x != x else round(x, digits)
+
+
+def _costs(tot: GenerationStats, table: CostTable | None, t_d: float, t_t: float) -> dict:
+    """Predicted (cost table, the row's own pass sizes) and measured ms/token, their ratio, and
+    ``model_cost_ms_per_token`` (the predicted one; the scalar model at the baselines' times without a table)."""
+    predicted = predicted_ms_per_token(tot, table) if table is not None else None
+    measured = 1000 * tot.wall_time / tot.new_tokens if tot.new_tokens and tot.wall_time else None
+    model = predicted if table is not None else 1000 * cost_per_token(tot.draft_forwards, tot.target_calls,
+                                                                       tot.new_tokens, t_d, t_t)
+    return {"predicted_ms_per_token": _r(predicted), "measured_ms_per_token": _r(measured),
+            "predicted_over_measured": _r(predicted / measured) if predicted is not None and measured else None,
+            "model_cost_ms_per_token": _r(model)}
+
+
+def _row(name: str, rows: list[dict], t_d: float, t_t: float, table: CostTable | None = None) -> dict:
     tot = total(rows)
     sd = name not in ("ar", "draft")
     return {
@@ -115,34 +158,52 @@ def _row(name: str, rows: list[dict], t_d: float, t_t: float) -> dict:
         "verification_rate": round(tot.verification_rate, 4),
         "discard_rate": round(tot.discard_rate, 4),
         "draft_forwards_per_token": round(tot.draft_forwards / tot.new_tokens, 4) if tot.new_tokens else None,
-        "model_cost_ms_per_token": round(1000 * cost_per_token(tot.draft_forwards, tot.target_calls,
-                                                              tot.new_tokens, t_d, t_t), 4),
+        **_costs(tot, table, t_d, t_t),
     }
 
 
-def _ideal(counts: GenerationStats, t_d: float, t_t: float) -> dict:
+def _ideal(counts: GenerationStats, t_d: float, t_t: float, table: CostTable | None = None) -> dict:
+    cost = _costs(counts, table, t_d, t_t)
+    ms = cost["model_cost_ms_per_token"]
     return {"tokens": counts.new_tokens, "target_calls": counts.target_calls, "draft_forwards": counts.draft_forwards,
             "verification_rate": round(counts.verification_rate, 4), "discard_rate": round(counts.discard_rate, 4),
-            "model_cost_ms_per_token": round(1000 * cost_per_token(
-                counts.draft_forwards, counts.target_calls, counts.new_tokens, t_d, t_t), 4)}
+            "target_pass_sizes": dict(sorted(counts.target_pass_sizes.items())),
+            "predicted_ms_per_token": cost["predicted_ms_per_token"], "model_cost_ms_per_token": ms,
+            "predicted_tokens_per_s": round(1000 / ms, 3) if ms else None}
+
+
+def _gain(x: float | None, base: float | None) -> float | None:
+    """``x / base - 1``; None when either is missing or zero."""
+    return x / base - 1 if x and base else None
 
 
 def summarize(cfg: EvalConfig, grouped: dict[str, list[dict]], oracle: GenerationStats | None, head_meta: dict | None,
-              perfect: GenerationStats | None = None) -> dict:
-    """The sweep table, measured forward times, oracle, perfect-head bound, ratios and Pareto check."""
+              perfect: GenerationStats | None = None, costs: CostTable | None = None) -> dict:
+    """The sweep table, measured forward times, oracle, perfect-head bound, ratios and Pareto check;
+    every cost-model figure at the cost table ``costs`` (without one, the scalar model at the baselines'
+    per-forward times)."""
     ar, dr = total(grouped["ar"]), total(grouped["draft"])
     t_t = ar.wall_time / ar.target_calls if ar.target_calls else float("nan")
     t_d = dr.wall_time / dr.draft_forwards if dr.draft_forwards else float("nan")
-    table = [_row(n, rows, t_d, t_t) for n, rows in grouped.items()]
+    table = [_row(n, rows, t_d, t_t, costs) for n, rows in grouped.items()]
     by = {r["config"]: r for r in table}
     fixed = [r for r in table if r["config"].startswith("k")]
-    adaptive = [r for r in table if r["config"].startswith("h")]
+    adaptive = [r for r in table if r["config"].startswith("h") and r["config"] not in COST_ROWS.values()]
+    cost_aware = by.get(COST_ROWS["specdecpp"])
     out = {"t_target_ms": round(1000 * t_t, 3), "t_draft_ms": round(1000 * t_d, 3),
            "t_draft_over_t_target": round(t_d / t_t, 4), "table": table}
+    if costs is not None:
+        out["cost_table"] = costs.to_dict()
     if oracle is not None:
-        out["oracle"] = _ideal(oracle, t_d, t_t)
+        out["oracle"] = _ideal(oracle, t_d, t_t, costs)
     if perfect is not None:
-        out["perfect_head"] = _ideal(perfect, t_d, t_t)
+        out["perfect_head"] = _ideal(perfect, t_d, t_t, costs)
+    lossless = [r for r in table if r["config"] == "ar" or r["config"].startswith(LOSSLESS)]
+    if lossless:
+        best = max(lossless, key=lambda r: r["tokens_per_s"])
+        ms = best["predicted_ms_per_token"]
+        out["best_lossless"] = {"config": best["config"], "tokens_per_s": best["tokens_per_s"],
+                                "predicted_tokens_per_s": round(1000 / ms, 3) if ms else None}
     ratios: dict = {}
     if fixed:
         best_k = max(fixed, key=lambda r: r["tokens_per_s"])
@@ -156,17 +217,35 @@ def summarize(cfg: EvalConfig, grouped: dict[str, list[dict]], oracle: Generatio
         ratios["specdecpp_vs_best_fixed_k"] = round(best_h["tokens_per_s"] / best_k["tokens_per_s"], 4)
         curve = [(r["verification_rate"], r["discard_rate"]) for r in fixed]
         flags = {r["config"]: below_curve(curve, r["verification_rate"], r["discard_rate"]) for r in adaptive}
+        out["pareto_dominates"] = all(f is not False for f in flags.values()) and any(flags.values())  # fixed h
+        if cost_aware:
+            flags[cost_aware["config"]] = below_curve(curve, cost_aware["verification_rate"],
+                                                      cost_aware["discard_rate"])
         out["below_fixed_k_curve"] = flags
-        out["pareto_dominates"] = all(f is not False for f in flags.values()) and any(flags.values())
+        c_k, c_h = best_k["model_cost_ms_per_token"], best_h["model_cost_ms_per_token"]
         if oracle is not None:
-            c_k, c_h = best_k["model_cost_ms_per_token"], best_h["model_cost_ms_per_token"]
             c_o = out["oracle"]["model_cost_ms_per_token"]
-            ratios["oracle_gain_fraction"] = round((c_k - c_h) / (c_k - c_o), 4) if c_k != c_o else None
+            ratios["oracle_gain_fraction"] = (round((c_k - c_h) / (c_k - c_o), 4)
+                                              if None not in (c_k, c_h, c_o) and c_k != c_o else None)
         if perfect is not None:  # the most any head could gain over the best fixed K, in the cost model
-            ratios["perfect_head_cost_gain_vs_best_fixed_k"] = round(
-                best_k["model_cost_ms_per_token"] / out["perfect_head"]["model_cost_ms_per_token"], 4)
-            ratios["specdecpp_cost_gain_vs_best_fixed_k"] = round(
-                best_k["model_cost_ms_per_token"] / best_h["model_cost_ms_per_token"], 4)
+            c_p = out["perfect_head"]["model_cost_ms_per_token"]
+            ratios["perfect_head_cost_gain_vs_best_fixed_k"] = round(c_k / c_p, 4) if c_k and c_p else None
+            ratios["specdecpp_cost_gain_vs_best_fixed_k"] = round(c_k / c_h, 4) if c_k and c_h else None
+    if fixed:
+        for name, key in ((COST_ROWS["specdecpp"], "cost_aware_vs_best_fixed_k"),
+                          (COST_ROWS["confidence_stop"], "confidence_cost_vs_best_fixed_k")):
+            if name in by and best_k["tokens_per_s"]:
+                ratios[key] = round(by[name]["tokens_per_s"] / best_k["tokens_per_s"], 4)
+    rules = adaptive + ([cost_aware] if cost_aware else [])
+    if rules:
+        best_rule = max(rules, key=lambda r: r["tokens_per_s"])
+        out["best_stop_rule"] = best_rule["config"]
+        if fixed and perfect is not None:  # measured gain of the best stop rule / predicted gain of a perfect head
+            k_ms, p_ms = best_k["predicted_ms_per_token"], out["perfect_head"]["predicted_ms_per_token"]
+            bound = _gain(k_ms, p_ms)  # (1/p_ms) / (1/k_ms) - 1
+            got = _gain(best_rule["tokens_per_s"], best_k["tokens_per_s"])
+            ratios["share_of_perfect_head_gain"] = round(got / bound, 4) if bound and bound > 0 and got is not None \
+                else None
     out["ratios"] = ratios
     if head_meta is not None:
         train = head_meta.get("extra", {}).get("train", {})
@@ -269,17 +348,23 @@ def _accuracy(cfg: EvalConfig, pair, prompts, grouped: dict[str, list[dict]], su
 
 
 def _print(summary: dict) -> None:
+    if "cost_table" in summary:
+        print(CostTable.from_dict(summary["cost_table"]).describe())
     print(" | ".join(COLUMNS))
     for r in summary["table"]:
-        print(" | ".join("-" if r[c] is None else str(r[c]) for c in COLUMNS))
-    if "oracle" in summary:
-        o = summary["oracle"]
-        print(f"oracle | {o['tokens']} | - | - | - | - | {o['verification_rate']} | 0.0 | - | {o['model_cost_ms_per_token']}")
-    if "perfect_head" in summary:
-        o = summary["perfect_head"]
-        print(f"perfect head | {o['tokens']} | - | - | - | - | {o['verification_rate']} | {o['discard_rate']} | - | "
-              f"{o['model_cost_ms_per_token']}")
-    print(f"t_target {summary['t_target_ms']} ms, t_draft {summary['t_draft_ms']} ms; ratios {summary['ratios']}"
+        print(" | ".join("-" if r.get(c) is None else str(r[c]) for c in COLUMNS))
+    for name, key in (("oracle", "oracle"), ("perfect head", "perfect_head")):
+        if key in summary:
+            o = summary[key]
+            print(f"{name}: {o['tokens']} tokens, verification rate {o['verification_rate']}, discard rate "
+                  f"{o['discard_rate']}, predicted {o['model_cost_ms_per_token']} ms/token "
+                  f"({o['predicted_tokens_per_s']} tokens/s)")
+    if "best_lossless" in summary:
+        b = summary["best_lossless"]
+        print(f"best lossless row {b['config']}: {b['tokens_per_s']} tokens/s measured, "
+              f"{b['predicted_tokens_per_s']} predicted")
+    print(f"baselines: t_target {summary['t_target_ms']} ms, t_draft {summary['t_draft_ms']} ms per forward (wall); "
+          f"ratios {summary['ratios']}"
           + (f"; pareto_dominates {summary['pareto_dominates']}" if "pareto_dominates" in summary else ""))
     if "gflops_per_token" in summary["table"][0]:
         print("config | gflops_per_token | verifier_calls_per_token | rougeL_vs_target | rougeL_vs_reference")
@@ -317,7 +402,9 @@ def run(cfg: EvalConfig) -> int:
     if not shared and same_vocab_rows(cfg):
         raise UserError(f"the draft's tokenizer differs from the target's: {', '.join(same_vocab_rows(cfg))} need "
                         "one vocabulary; on this pair sweep only hetero=[tli,slem] (and pass ks=[])")
-    decoders = build_decoders(cfg, pair)
+    costs = pair_costs(pair, _max_pass(cfg), cfg.profile, cfg.fused_forward)
+    log.info("%s", costs.describe())
+    decoders = build_decoders(cfg, pair, costs)
     grouped = run_sweep(decoders, prompts, out / "rows.jsonl")
     oracle = perfect = None
     lag = next((d.policy.lag for d in decoders.values() if isinstance(d.policy, SpecDecPP)), None)
@@ -336,7 +423,7 @@ def run(cfg: EvalConfig) -> int:
                 perfect = GenerationStats.total([perfect, perfect_head_schedule(agree, cfg.k_min, cfg.k_max, lag)])
     elif cfg.oracle:
         log.warning("the oracle is defined for greedy decoding only (sampling.do_sample=false); skipped")
-    summary = summarize(cfg, grouped, oracle, head_meta, perfect)
+    summary = summarize(cfg, grouped, oracle, head_meta, perfect, costs)
     if cfg.quality:
         _quality(cfg, pair, prompts, grouped, decoders, summary)
     if cfg.accuracy:
@@ -358,7 +445,10 @@ def run(cfg: EvalConfig) -> int:
                    max_new_tokens=cfg.max_new_tokens)
     atomic_write_json(out / "sweep.json", summary)
     atomic_write_json(out / "metrics.json", {"ratios": summary["ratios"], **{k: summary[k] for k in (
-        "t_target_ms", "t_draft_ms", "best_fixed_k", "best_threshold", "pareto_dominates") if k in summary},
+        "t_target_ms", "t_draft_ms", "best_fixed_k", "best_threshold", "best_stop_rule", "best_lossless",
+        "pareto_dominates") if k in summary},
+        **({"oracle_predicted_tokens_per_s": summary["oracle"]["predicted_tokens_per_s"]}
+           if "oracle" in summary else {}),
         **({"sprinter": {k: summary["sprinter"].get(k) for k in ("main", "alpha", "best_sd", "ratios")}}
            if "sprinter" in summary else {}),
         **({"training_free": {k: summary["training_free"][k] for k in ("settings", "sd_reference", "quality_metric")}}

@@ -11,7 +11,7 @@ from specheads.export.shim.sampling import SamplingConfig
 @dataclass
 class EvalConfig:
     """Compare decoding configurations on one prompt set, in one run: target alone, draft alone, fixed-K
-    SD, SpecDec++ thresholds (head=), SPRINTER approval thresholds (verifier=), judge thresholds
+    SD, SpecDec++ thresholds (head=) and its cost-aware rule (cost_stop), SPRINTER approval thresholds (verifier=), judge thresholds
     (judge=), top-K verification (topk=), FSD thresholds per divergence (fsd_js=, fsd_tv=, fsd_kl=,
     fsd_kl_rev=) and draft-confidence stopping (confidence=)."""
 
@@ -20,6 +20,8 @@ class EvalConfig:
     head: str | None = field(default=None, metadata={"help": "exported acceptance head; none: fixed K only"})
     thresholds: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9],
                                     metadata={"help": "SpecDec++ stop thresholds h to sweep"})
+    cost_stop: bool = field(default=True, metadata={"help": "also sweep the cost-aware stop rules (no threshold; draft on while one more candidate raises expected tokens per ms of the cost table): row h-cost with head=, row c-cost with confidence=[...]"})
+    profile: str = field(default="auto", metadata={"help": "cost table behind predicted ms/token and the cost-aware rows: auto (cached per machine and settings under $SPECHEADS_CACHE/costs, default ~/.cache/specheads/costs; measured when absent) | refresh (measure again) | path to a cost-table JSON"})
     ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8], metadata={"help": "fixed candidate lengths K"})
     verifier: str | None = field(default=None, metadata={"help": "exported SPRINTER verifier head; none: no SPRINTER rows"})
     etas: list[float] = field(default_factory=lambda: [0.5], metadata={"help": "SPRINTER approval thresholds eta to sweep"})

@@ -1,9 +1,11 @@
-"""The greedy oracle (SpecDec++ Theorem 4.1) and the cost model of ALGORITHMS.md section 0."""
+"""The greedy oracle (SpecDec++ Theorem 4.1) and the cost model of ALGORITHMS.md section 0 (at the
+profiled prices of :mod:`specheads.export.shim.costs`)."""
 
 from __future__ import annotations
 
 import torch
 
+from specheads.export.shim.costs import CostTable, predict_ms_per_token
 from specheads.export.shim.engine import GenerationStats
 from specheads.export.shim.kv import make_runner
 
@@ -15,18 +17,20 @@ def oracle_schedule(agree: list[bool], k_max: int) -> GenerationStats:
     target's prefix. Each round drafts the run of agreements ahead (at most ``k_max``, and, as
     in the engine, never the final token, which a target call emits) and stops right before a
     disagreement: nothing is discarded, and each disagreement (plus each ``k_max`` cut and the
-    last round) costs one target call.
+    last round) costs one target call, over the round's candidates + 1 (``target_pass_sizes``).
     """
     n = len(agree)
     pos = calls = drafts = 0
+    sizes: dict[int, int] = {}
     while pos < n:
         run = 0
         while pos + run < n - 1 and run < k_max and agree[pos + run]:
             run += 1
         calls += 1
         drafts += run
+        sizes[run + 1] = sizes.get(run + 1, 0) + 1
         pos += run + 1
-    return GenerationStats(new_tokens=n, target_calls=calls, draft_forwards=drafts)
+    return GenerationStats(new_tokens=n, target_calls=calls, draft_forwards=drafts, target_pass_sizes=sizes)
 
 
 def perfect_head_schedule(agree: list[bool], k_min: int, k_max: int, lag: int) -> GenerationStats:
@@ -39,10 +43,12 @@ def perfect_head_schedule(agree: list[bool], k_min: int, k_max: int, lag: int) -
     disagreement 0, so the round stops as soon as the disagreement is scored. The cost of this
     schedule bounds what any SpecDec++ head can reach with these models on these prompts.
 
-    ``draft_forwards`` counts candidates drafted; discards are ``draft_forwards - accepted``.
+    ``draft_forwards`` counts candidates drafted; discards are ``draft_forwards - accepted``; each
+    round's target pass covers its candidates + 1 (``target_pass_sizes``).
     """
     n = len(agree)
     pos = calls = drafts = accepted = 0
+    sizes: dict[int, int] = {}
     while pos < n:
         room = min(k_max, n - 1 - pos)  # the final token is always the target's, as in the engine
         run = 0
@@ -51,9 +57,11 @@ def perfect_head_schedule(agree: list[bool], k_min: int, k_max: int, lag: int) -
         drawn = min(room, max(k_min, run + 1 + lag)) if run < room else room
         calls += 1
         drafts += drawn
+        sizes[drawn + 1] = sizes.get(drawn + 1, 0) + 1
         accepted += run
         pos += run + 1
-    return GenerationStats(new_tokens=n, target_calls=calls, draft_forwards=drafts, discarded=drafts - accepted)
+    return GenerationStats(new_tokens=n, target_calls=calls, draft_forwards=drafts, discarded=drafts - accepted,
+                           target_pass_sizes=sizes)
 
 
 @torch.inference_mode()
@@ -73,6 +81,14 @@ def draft_agreement(draft, prompt_ids: list[int], output: list[int], fused: bool
 def cost_per_token(draft_forwards: int, target_calls: int, new_tokens: int, t_d: float, t_t: float) -> float:
     """``T / N = (t_d * N_draft + t_t * N_target) / N`` (SpecDec++ Lemma 3.1), counts measured."""
     return (t_d * draft_forwards + t_t * target_calls) / new_tokens if new_tokens else float("nan")
+
+
+def predicted_ms_per_token(stats: GenerationStats, table: CostTable) -> float | None:
+    """The cost model at the profiled prices, ``(t_d N_draft + sum_k t_t(k) count_k) / N`` in ms, over the
+    pass sizes the run actually used; None when its target calls were not counted by size (TLI / SLEM)."""
+    if not stats.new_tokens or sum(stats.target_pass_sizes.values()) != stats.target_calls:
+        return None
+    return predict_ms_per_token(table, stats.draft_forwards, stats.target_pass_sizes, stats.new_tokens)
 
 
 def below_curve(points: list[tuple[float, float]], v: float, d: float, tol: float = 1e-9) -> bool | None:

@@ -22,6 +22,8 @@ from specheads.outputs import read_finished_rows
 log = logging.getLogger(__name__)
 # Policy counters of accepted candidates that the strict SD rule would have rejected (FSD, judge).
 LENIENT_COUNTERS = ("fuzzy_only", "judge_only")
+# Rows of the cost-aware stop rules (stop="cost"); the prefix keeps each with its family (h: SpecDec++, c: confidence).
+COST_ROWS = {"specdecpp": "h-cost", "confidence_stop": "c-cost"}
 
 
 def config_names(ks: list[int], thresholds: list[float], with_head: bool, etas: list[float] = (),
@@ -48,8 +50,9 @@ def same_vocab_rows(cfg) -> list[str]:
     return rows
 
 
-def build_decoders(cfg, pair) -> dict[str, Decoder]:
-    """A decoder per configuration, all on the one loaded pair, seed and sampling settings."""
+def build_decoders(cfg, pair, costs=None) -> dict[str, Decoder]:
+    """A decoder per configuration, all on the one loaded pair, seed and sampling settings; with a cost
+    table (``costs``) and ``cfg.cost_stop``, the cost-aware stop rules too (rows ``h-cost``, ``c-cost``)."""
     def dec(policy):
         return Decoder(pair, policy, cfg.max_new_tokens, 1, cfg.sampling, cfg.seed, cfg.chat_template,
                        cfg.fused_forward)
@@ -61,6 +64,10 @@ def build_decoders(cfg, pair) -> dict[str, Decoder]:
         for h in cfg.thresholds:
             out[f"h{h:g}"] = dec(make_policy("specdecpp", pair, head=cfg.head, threshold=h, k_min=cfg.k_min,
                                              k_max=cfg.k_max, sampling=cfg.sampling))
+        if costs is not None and cfg.cost_stop:
+            out[COST_ROWS["specdecpp"]] = dec(make_policy("specdecpp", pair, head=cfg.head, k_min=cfg.k_min,
+                                                          k_max=cfg.k_max, sampling=cfg.sampling, stop="cost",
+                                                          costs=costs))
     for top_k in getattr(cfg, "topk", []):
         out[f"t{top_k}"] = dec(make_policy("topk_verify", pair, k=cfg.topk_k, top_k=top_k))
     for div in DIVERGENCES:
@@ -70,6 +77,9 @@ def build_decoders(cfg, pair) -> dict[str, Decoder]:
                                                       fsd_dist=cfg.fsd_dist))
     for tau in getattr(cfg, "confidence", []):
         out[f"c{tau:g}"] = dec(make_policy("confidence_stop", pair, threshold=tau, k_max=cfg.confidence_k_max))
+    if getattr(cfg, "confidence", None) and costs is not None and cfg.cost_stop:
+        out[COST_ROWS["confidence_stop"]] = dec(make_policy("confidence_stop", pair, k_max=cfg.confidence_k_max,
+                                                            stop="cost", costs=costs))
     if getattr(cfg, "judge", None):
         for delta in cfg.deltas:
             out[f"j{delta:g}"] = dec(make_policy("judge", pair, k=cfg.judge_k, head=cfg.judge, threshold=delta,
@@ -122,4 +132,5 @@ def run_sweep(decoders: dict[str, Decoder], prompts, rows_path: Path, warmup: bo
 
 def total(rows: list[dict]) -> GenerationStats:
     """Summed stats of a configuration's rows."""
-    return GenerationStats.total([GenerationStats(**{k: r.get(k, 0) for k in COUNTS}) for r in rows])
+    return GenerationStats.total([GenerationStats(**{k: r.get(k, 0) for k in COUNTS},
+                                                  target_pass_sizes=r.get("target_pass_sizes") or {}) for r in rows])

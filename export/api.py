@@ -10,6 +10,7 @@ import torch
 from specheads.errors import UserError
 
 from .package import load_head
+from .shim.costs import CostTable, cost_table
 from .shim.engine import Engine, Generation, GenerationStats
 from .shim.hetero import METHODS as HETERO, HeteroEngine, HeteroMethod
 from .shim.models import Pair, context_length
@@ -84,10 +85,23 @@ def _policy_head(name: str, head: str | None, pair: Pair, sampling, strict: bool
     return loaded.module.to(model.model.dtype), loaded.metadata, threshold
 
 
+def pair_costs(pair: Pair, max_pass: int, profile: str = "auto", fused: bool = True) -> CostTable:
+    """The pair's profiled cost table (:func:`~.shim.costs.cost_table`): cached for this machine and
+    settings, measured when absent (``profile="auto"``), re-measured (``"refresh"``) or read from a
+    JSON path. ``max_pass`` is the largest target pass needed: the most candidates per round + 1."""
+    if pair.draft is None:
+        raise UserError("a cost table needs a draft model; set draft.path")
+    vt = pair.target.model.get_output_embeddings().weight.shape[0]
+    vd = pair.draft.model.get_output_embeddings().weight.shape[0]
+    return cost_table(pair.target.model, pair.draft.model, max_pass, pair.target.fingerprint, pair.draft.fingerprint,
+                      fused=fused, vocab_size=min(vt, vd) if vt != vd else None, profile=profile)
+
+
 def make_policy(name: str, pair: Pair, k: int = 4, head: str | None = None, threshold: float | None = None,
                 k_min: int = 2, k_max: int = 20, sampling: SamplingConfig | None = None,
                 strict: bool = False, max_run: int | None = 20, top_k: int = 2, divergence: str = "js",
-                fsd_top_k: int = 0, fsd_rule: str = "paper", fsd_dist: str = "raw") -> Policy | str:
+                fsd_top_k: int = 0, fsd_rule: str = "paper", fsd_dist: str = "raw", stop: str = "threshold",
+                costs: CostTable | None = None) -> Policy | str:
     """A policy by name, loading and checking its head when it needs one; baselines stay names.
 
     Args:
@@ -106,6 +120,9 @@ def make_policy(name: str, pair: Pair, k: int = 4, head: str | None = None, thre
         max_run: cap on SPRINTER's approved runs.
         top_k: ``topk_verify``'s K.
         divergence, fsd_top_k, fsd_rule, fsd_dist: FSD's settings (see :class:`FSD`).
+        stop: ``threshold`` or ``cost``: how ``specdecpp`` and ``confidence_stop`` stop drafting; ``cost``
+            ignores ``threshold`` and needs ``costs`` (:func:`pair_costs`).
+        costs: the pair's cost table for ``stop="cost"``.
     """
     if name in BASELINES:
         return name
@@ -126,10 +143,11 @@ def make_policy(name: str, pair: Pair, k: int = 4, head: str | None = None, thre
         return FSD(threshold, divergence, k=k, fsd_top_k=fsd_top_k, rule=fsd_rule, fsd_dist=fsd_dist,
                    stopper=stopper)
     if name == "confidence_stop":
-        return ConfidenceStop(DEFAULT_TAU if threshold is None else threshold, k_max)
+        return ConfidenceStop(DEFAULT_TAU if threshold is None else threshold, k_max, stop=stop, costs=costs)
     if name == "specdecpp":
         module, meta, h = _policy_head(name, head, pair, sampling, strict, threshold)
-        return SpecDecPP(module, h, k_min, k_max, position=meta.get("feature", {}).get("position", "own"))
+        return SpecDecPP(module, h, k_min, k_max, position=meta.get("feature", {}).get("position", "own"),
+                         stop=stop, costs=costs)
     if name == "sprinter":
         module, meta, eta = _policy_head(name, head, pair, sampling, strict, threshold)
         position = meta.get("feature", {}).get("position", "previous")

@@ -3,8 +3,9 @@
     heads-decode recipe=quickstart k=8 num_prompts=4 output_dir=runs/sd-k8
 
 Writes ``outputs.jsonl`` (one completion per prompt, with its stats), ``metrics.jsonl``
-(the same stats, one line per prompt), ``metrics.json`` (aggregate), ``config.yaml`` and
-``manifest.json`` into ``output_dir``. Re-running the same command after an interruption
+(the same stats, one line per prompt), ``metrics.json`` (aggregate; with ``stop=cost`` also the
+cost table and the predicted and measured ms/token), ``config.yaml`` and ``manifest.json`` into
+``output_dir``. Re-running the same command after an interruption
 resumes: finished prompts are kept, the rest are decoded (each prompt's draws are seeded
 from ``(seed, prompt index)``, so the result equals an uninterrupted run).
 """
@@ -25,15 +26,17 @@ from specheads.errors import UserError
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, read_finished_rows, write_manifest
 from specheads.prompts import load_prompt_files
 
-from .api import Decoder, make_policy
+from .api import Decoder, make_policy, pair_costs
 from .decode_config import DecodeConfig
+from .shim.costs import PROFILES, predict_ms_per_token
 from .shim.engine import GenerationStats
 from .shim.models import load_pair
 from .shim.hetero import METHODS as HETERO
-from .shim.policies import BASELINES, POLICIES, fsd_problems
+from .shim.policies import BASELINES, POLICIES, STOPS, fsd_problems
 
 log = logging.getLogger(__name__)
 PROG = "heads-decode"
+COST_STOP = ("specdecpp", "confidence_stop")  # the policies with stop=cost
 
 
 def _check(cfg: DecodeConfig) -> None:
@@ -51,6 +54,13 @@ def _check(cfg: DecodeConfig) -> None:
             problems.append(f"threshold={cfg.threshold} (confidence tau) must be in [0, 1]")
     elif cfg.threshold is not None and not 0 < cfg.threshold < 1:
         problems.append(f"threshold={cfg.threshold} must be in (0, 1)")
+    if cfg.stop not in STOPS:
+        problems.append(f"stop={cfg.stop!r}: expected threshold or cost")
+    elif cfg.stop == "cost":
+        if cfg.policy not in COST_STOP:
+            problems.append(f"stop=cost applies to policy=specdecpp or confidence_stop, not policy={cfg.policy}")
+        if cfg.profile not in PROFILES and not Path(cfg.profile).is_file():
+            problems.append(f"profile={cfg.profile!r} is not auto, refresh or an existing cost-table JSON file")
     if cfg.policy == "topk_verify" and cfg.verify_top_k < 1:
         problems.append(f"verify_top_k={cfg.verify_top_k} must be >= 1")
     if cfg.max_new_tokens < 1:
@@ -91,7 +101,9 @@ def _policy_settings(cfg: DecodeConfig, policy) -> dict:
     if cfg.policy in ("sd", *HETERO):
         return {"k": cfg.k}
     if cfg.policy == "specdecpp":
-        return {"head": cfg.head, "threshold": policy.threshold, "k_min": cfg.k_min, "k_max": cfg.k_max}
+        return {"head": cfg.head, "stop": policy.stop,
+                "threshold": policy.threshold if policy.stop == "threshold" else None, "k_min": cfg.k_min,
+                "k_max": cfg.k_max}
     if cfg.policy == "judge":
         return {"head": cfg.head, "delta": policy.delta, "k": cfg.k}
     if cfg.policy == "sprinter":
@@ -105,7 +117,7 @@ def _policy_settings(cfg: DecodeConfig, policy) -> dict:
             out.update(head=cfg.head, stop_threshold=policy.stopper.threshold, k_min=cfg.k_min)
         return out
     if cfg.policy == "confidence_stop":
-        return {"tau": policy.tau, "k_max": policy.k}
+        return {"stop": policy.stop, "tau": policy.tau if policy.stop == "threshold" else None, "k_max": policy.k}
     return {}
 
 
@@ -126,10 +138,16 @@ def run(cfg: DecodeConfig) -> int:
     needs_draft = cfg.policy != "ar"
     # TLI and SLEM bridge two vocabularies; the draft alone needs none of the target's.
     pair = load_pair(cfg.target, cfg.draft if needs_draft else None, same_vocab=cfg.policy not in (*HETERO, "draft"))
+    costs = None
+    if cfg.stop == "cost":
+        if cfg.threshold is not None:
+            log.warning("threshold=%s is not used with stop=cost", cfg.threshold)
+        costs = pair_costs(pair, cfg.k_max + 1, cfg.profile, cfg.fused_forward)
+        log.info("%s", costs.describe())
     policy = make_policy(cfg.policy, pair, k=cfg.k, head=cfg.head, threshold=cfg.threshold, k_min=cfg.k_min,
                          k_max=cfg.k_max, sampling=cfg.sampling, strict=cfg.strict, max_run=cfg.max_run,
                          top_k=cfg.verify_top_k, divergence=cfg.divergence, fsd_top_k=cfg.fsd_top_k,
-                         fsd_rule=cfg.fsd_rule, fsd_dist=cfg.fsd_dist)
+                         fsd_rule=cfg.fsd_rule, fsd_dist=cfg.fsd_dist, stop=cfg.stop, costs=costs)
     decoder = Decoder(pair, policy, cfg.max_new_tokens, cfg.k, cfg.sampling, cfg.seed, cfg.chat_template,
                       cfg.fused_forward)
     settings = _policy_settings(cfg, policy)
@@ -166,6 +184,12 @@ def run(cfg: DecodeConfig) -> int:
                "sampling": cfg.sampling.to_dict(), "truncated_prompts": truncated, **total.to_dict()}
     if cfg.policy == "fsd":
         summary["fuzzy_only"] = round(fuzzy_only, 4)
+    if costs is not None and total.new_tokens:
+        predicted = predict_ms_per_token(costs, total.draft_forwards, total.target_pass_sizes, total.new_tokens)
+        measured = 1000 * total.wall_time / total.new_tokens
+        summary.update(cost_table=costs.to_dict(), predicted_ms_per_token=round(predicted, 4),
+                       measured_ms_per_token=round(measured, 4),
+                       predicted_over_measured=round(predicted / measured, 4) if measured else None)
     atomic_write_json(out_dir / "metrics.json", summary)
     write_manifest(out_dir, command=PROG, prompts_file=cfg.prompts, num_prompts=len(prompts),
                    target={"name": pair.target.name, "fingerprint": pair.target.fingerprint},

@@ -8,9 +8,11 @@ import pytest
 import torch
 from conftest import perturbed_copy
 
-from specheads.evaluate.cli import main
+from specheads.evaluate.cli import main, summarize
+from specheads.evaluate.config import EvalConfig
 from specheads.evaluate.oracle import below_curve, draft_agreement, oracle_schedule, perfect_head_schedule
-from specheads.export import Engine, ModelSpec, SamplingConfig, load_pair, save_head
+from specheads.export import Engine, GenerationStats, ModelSpec, SamplingConfig, load_pair, save_head
+from specheads.export.shim.costs import CostTable
 from specheads.heads import AcceptanceHead
 
 
@@ -91,29 +93,67 @@ def prompts_file(tmp_path):
     return path
 
 
-def test_eval_sweep_end_to_end(tiny_pair_dirs, head_file, prompts_file, tmp_path):
+@pytest.fixture()
+def table_file(tmp_path):
+    """A synthetic cost table (no timing decides a test): t_d = 0.5 ms, t_t(k) = 4 + 0.5 k ms."""
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(CostTable(t_draft_ms=0.5, t_target_ms=[4 + 0.5 * k for k in range(1, 22)]).to_dict()))
+    return path
+
+
+def _predicted(rows: list[dict], t_d: float = 0.5) -> float:
+    """The cost model by hand over a configuration's rows: (t_d N_draft + sum_k t_t(k) count_k) / N."""
+    n = sum(r["new_tokens"] for r in rows)
+    target = sum((4 + 0.5 * int(k)) * c for r in rows for k, c in r["target_pass_sizes"].items())
+    return (t_d * sum(r["draft_forwards"] for r in rows) + target) / n
+
+
+def test_eval_sweep_end_to_end(tiny_pair_dirs, head_file, prompts_file, table_file, tmp_path, capsys):
     out = tmp_path / "ev"
-    assert main(_args(tiny_pair_dirs, prompts_file, out, f"head={head_file}")) == 0
+    assert main(_args(tiny_pair_dirs, prompts_file, out, f"head={head_file}", f"profile={table_file}")) == 0
+    printed = capsys.readouterr().out
     s = json.loads((out / "sweep.json").read_text())
     names = [r["config"] for r in s["table"]]
-    assert names == ["ar", "draft", "k1", "k2", "k4", "h0.3", "h0.7"]
+    assert names == ["ar", "draft", "k1", "k2", "k4", "h0.3", "h0.7", "h-cost"]
     by = {r["config"]: r for r in s["table"]}
     assert by["ar"]["verification_rate"] == 1.0 and by["ar"]["discard_rate"] == 0.0
     assert by["k1"]["draft_forwards_per_token"] <= by["k4"]["draft_forwards_per_token"]
     # lossless greedy: every configuration emits the target's own tokens
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
-    assert len(rows) == 4 * 7
+    assert len(rows) == 4 * 8
     ar = {r["index"]: r["tokens"] for r in rows if r["config"] == "ar"}
     assert all(r["tokens"] == ar[r["index"]] for r in rows if r["config"] != "draft")
     # the oracle never calls the target more often than any policy does, and discards nothing
     assert s["oracle"]["tokens"] == by["ar"]["tokens"]
     assert all(s["oracle"]["verification_rate"] <= r["verification_rate"] + 1e-9 for r in s["table"]
                if r["config"] != "draft")
-    assert set(s["ratios"]) >= {"specdecpp_vs_best_fixed_k", "oracle_gain_fraction", "best_fixed_k_vs_ar"}
-    assert isinstance(s["pareto_dominates"], bool) and set(s["below_fixed_k_curve"]) == {"h0.3", "h0.7"}
+    assert set(s["ratios"]) >= {"specdecpp_vs_best_fixed_k", "oracle_gain_fraction", "best_fixed_k_vs_ar",
+                                "cost_aware_vs_best_fixed_k", "share_of_perfect_head_gain"}
+    assert isinstance(s["pareto_dominates"], bool) and set(s["below_fixed_k_curve"]) == {"h0.3", "h0.7", "h-cost"}
     assert s["head"]["eval_binary_kl"] == 0.123
+    # the cost model: the given table at each row's own pass sizes, beside the measured ms/token
+    assert s["cost_table"]["t_target_ms"][:2] == [4.5, 5.0] and s["cost_table"]["source"] == str(table_file)
+    for name, r in by.items():
+        mine = [x for x in rows if x["config"] == name]
+        assert r["predicted_ms_per_token"] == pytest.approx(_predicted(mine), abs=1e-4)
+        assert r["model_cost_ms_per_token"] == r["predicted_ms_per_token"]
+        measured = 1000 * sum(x["wall_time"] for x in mine) / sum(x["new_tokens"] for x in mine)
+        assert r["measured_ms_per_token"] == pytest.approx(measured, abs=1e-3)
+        assert r["predicted_over_measured"] == pytest.approx(r["predicted_ms_per_token"] / measured, rel=1e-3)
+    assert by["ar"]["predicted_ms_per_token"] == pytest.approx(4.5)  # 1-token steps only
+    assert by["draft"]["predicted_ms_per_token"] == pytest.approx(0.5)
+    o = s["oracle"]
+    assert sum(o["target_pass_sizes"].values()) == o["target_calls"]
+    want = (0.5 * o["draft_forwards"] + sum((4 + 0.5 * int(k)) * c for k, c in o["target_pass_sizes"].items())) \
+        / o["tokens"]
+    assert o["predicted_ms_per_token"] == pytest.approx(want, abs=1e-4)
+    assert o["predicted_tokens_per_s"] == pytest.approx(1000 / o["predicted_ms_per_token"], rel=1e-3)
+    assert s["ratios"]["cost_aware_vs_best_fixed_k"] == pytest.approx(
+        by["h-cost"]["tokens_per_s"] / by[s["best_fixed_k"]]["tokens_per_s"], abs=1e-4)
+    assert s["best_stop_rule"] in ("h0.3", "h0.7", "h-cost") and s["best_lossless"]["config"] in by
+    assert "cost table t_d 0.5 ms" in printed and "predicted_ms_per_token" in printed
     assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 7
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 8
     assert {"config.yaml", "manifest.json", "metrics.json"} <= {p.name for p in out.iterdir()}
 
 
@@ -147,3 +187,39 @@ def test_eval_bad_input(tiny_pair_dirs, prompts_file, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "c", "thresholds=[1.2]", "ks=[]", "head=x")) == 2
     assert "every h must be in (0, 1)" in capsys.readouterr().err
+
+
+def _stats_row(new: int, wall: float, drafts: int, sizes: dict[int, int]) -> dict:
+    calls = sum(sizes.values())
+    return {"new_tokens": new, "wall_time": wall, "draft_forwards": drafts, "target_calls": calls, "prompts": 1,
+            "drafted": drafts, "accepted": new - calls, "discarded": drafts - (new - calls),
+            "target_pass_sizes": {str(k): c for k, c in sizes.items()}}
+
+
+def test_summary_costs_and_stop_rule_ratios_by_hand():
+    """Hand-made rows: every cost figure and ratio of the summary from the formulas."""
+    table = CostTable(t_draft_ms=1.0, t_target_ms=[10.0, 11.0, 12.0, 13.0, 14.0])
+    grouped = {"ar": [_stats_row(100, 1.2, 0, {1: 100})],
+               "draft": [_stats_row(100, 0.2, 100, {})],
+               "k2": [_stats_row(100, 0.8, 80, {3: 40})],      # predicted (80 + 12 * 40) / 100 = 5.6 ms
+               "k4": [_stats_row(100, 0.9, 100, {5: 25})],     # (100 + 14 * 25) / 100 = 4.5 ms
+               "h0.5": [_stats_row(100, 0.7, 90, {4: 30})],    # (90 + 13 * 30) / 100 = 4.8 ms
+               "h-cost": [_stats_row(100, 0.6, 90, {4: 20, 5: 5})]}  # (90 + 260 + 70) / 100 = 4.2 ms
+    perfect = GenerationStats(prompts=0, new_tokens=100, target_calls=20, draft_forwards=80,
+                              target_pass_sizes={5: 20})  # (80 + 14 * 20) / 100 = 3.6 ms
+    s = summarize(EvalConfig(), grouped, None, None, perfect, table)
+    by = {r["config"]: r for r in s["table"]}
+    assert [by[n]["predicted_ms_per_token"] for n in ("ar", "draft", "k2", "k4", "h0.5", "h-cost")] == \
+        [10.0, 1.0, 5.6, 4.5, 4.8, 4.2]
+    assert by["k4"]["measured_ms_per_token"] == 9.0 and by["k4"]["predicted_over_measured"] == 0.5
+    assert s["best_fixed_k"] == "k2" and s["best_threshold"] == "h0.5" and s["best_stop_rule"] == "h-cost"
+    r = s["ratios"]
+    tps = {n: 100 / rows[0]["wall_time"] for n, rows in grouped.items()}
+    assert r["cost_aware_vs_best_fixed_k"] == pytest.approx(tps["h-cost"] / tps["k2"], abs=1e-4)  # 0.8 / 0.6
+    # best stop rule h-cost: measured gain 0.8 / 0.6 - 1 = 1/3; perfect head: 5.6 / 3.6 - 1 = 5/9
+    assert r["share_of_perfect_head_gain"] == pytest.approx((1 / 3) / (5 / 9), abs=1e-4)
+    assert r["perfect_head_cost_gain_vs_best_fixed_k"] == pytest.approx(5.6 / 3.6, abs=1e-4)
+    assert s["perfect_head"]["predicted_tokens_per_s"] == pytest.approx(1000 / 3.6, abs=1e-2)
+    assert s["best_lossless"] == {"config": "h-cost", "tokens_per_s": pytest.approx(tps["h-cost"], abs=1e-3),
+                                  "predicted_tokens_per_s": pytest.approx(1000 / 4.2, abs=1e-2)}
+    assert "h-cost" in s["below_fixed_k_curve"]

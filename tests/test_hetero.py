@@ -366,6 +366,7 @@ def test_heads_decode_runs_tli_and_slem_and_refuses_same_vocab_policies(toks, tr
         assert [by[(f"v-{method}-k3", i)] for i in range(3)] == outs["ar"]
     sweep = json.loads((tmp_path / "ev" / "sweep.json").read_text())
     assert {r["config"] for r in sweep["table"]} == {"ar", "draft", "v-tli-k3", "v-slem-k3"}
+    assert all(r["predicted_ms_per_token"] > 0 for r in sweep["table"])  # TLI / SLEM count their pass sizes too
     capsys.readouterr()
     narrow = [a for a in ev if not a.startswith(("hetero=", "ks="))]
     assert evaluate([*narrow, "hetero=[slem]", "ks=[2]", f"output_dir={tmp_path / 'ev2'}"]) == 2

@@ -38,11 +38,12 @@ def test_pipeline_runs_every_stage_chained(tiny_pair_dirs, tmp_path, capsys):
     path, runs = _recipe(tmp_path, tiny_pair_dirs)
     assert main([f"recipe={path}", "train.depth=0", "seed=3"]) == 0
     out = capsys.readouterr().out
-    assert "== heads-pipeline summary ==" in out and "best fixed K" in out
+    assert "== heads-pipeline summary ==" in out and "best fixed K" in out and "oracle predicted" in out
     summary = json.loads((runs / "pipe" / "summary.json").read_text())
     assert set(summary["stage_seconds"]) == {"datagen", "train", "export", "eval"}
     assert summary["datagen"]["prompts"] == 10 and summary["train"]["eval_binary_kl"] is not None
-    assert [r["config"] for r in summary["eval"]["table"]] == ["ar", "draft", "k1", "k2", "h0.5"]
+    assert [r["config"] for r in summary["eval"]["table"]] == ["ar", "draft", "k1", "k2", "h0.5", "h-cost"]
+    assert summary["eval"]["oracle"]["predicted_tokens_per_s"] > 0 and summary["eval"]["best_lossless"]["config"]
     ev_cfg = yaml.safe_load((runs / "ev" / "config.yaml").read_text())
     assert ev_cfg["head"] == str(runs / "ex" / "head.safetensors") and ev_cfg["seed"] == 3
     tr_cfg = yaml.safe_load((runs / "tr" / "config.yaml").read_text())

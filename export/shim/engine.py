@@ -12,7 +12,7 @@ Rejected positions are trimmed from the caches, never recomputed.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -41,6 +41,12 @@ class GenerationStats:
     target_context: int = 0  # sum over those tokens of the context each attends to (itself included)
     draft_tokens: int = 0
     draft_context: int = 0
+    # {k: target calls over k tokens}: k = the pass's tokens after the prompt's first P - 1 (so the
+    # prefill round counts as its candidates + 1, like every other round); see costs.py
+    target_pass_sizes: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.target_pass_sizes = {int(k): int(v) for k, v in self.target_pass_sizes.items()}  # JSON keys are str
 
     @property
     def tokens_per_s(self) -> float:
@@ -79,6 +85,8 @@ class GenerationStats:
         for s in stats:
             for k in COUNTS:
                 setattr(out, k, getattr(out, k) + getattr(s, k))
+            for k, v in s.target_pass_sizes.items():
+                out.target_pass_sizes[k] = out.target_pass_sizes.get(k, 0) + v
         return out
 
 
@@ -153,7 +161,11 @@ class Engine:
         sampling = sampling or SamplingConfig()
         start = time.perf_counter()
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
-        cap = len(prompt_ids) + max_new_tokens + policy.max_candidates() + 2
+        # A round drafts at most min(max_candidates, round_room(remaining)) <= remaining candidates, so
+        # the caches never need much beyond prompt + new tokens; an uncapped policy (SPRINTER with
+        # max_run=None: max_candidates 2**30) must not size them. The runners grow if ever exceeded.
+        extra = max(0, min(policy.max_candidates(), policy.round_room(max_new_tokens), max_new_tokens))
+        cap = len(prompt_ids) + max_new_tokens + extra + 2
         target = make_runner(self.target, policy.target_hidden, self.vocab_size, cap, self.fused)
         draft = make_runner(self.draft, policy.draft_hidden, self.vocab_size, cap, self.fused)
         policy.reset()
@@ -195,6 +207,8 @@ class Engine:
                     # The first round's target pass is also the prompt's prefill.
                     t_in = torch.cat([torch.tensor(seq[target.length:], device=t_dev), cand]).view(1, -1)
                     _count(stats, "target", target.length, t_in.shape[1])
+                    size = t_in.shape[1] - max(0, stats.prompt_tokens - 1 - target.length)  # candidates + 1
+                    stats.target_pass_sizes[size] = stats.target_pass_sizes.get(size, 0) + 1
                     logits, hid = target.forward(t_in, n_logits=n + 1)
                     stats.target_calls += 1
                     if hid is not None:
@@ -263,6 +277,7 @@ class Engine:
             stats.draft_forwards = runner.forwards
         else:
             stats.target_calls = runner.forwards
+            stats.target_pass_sizes = {1: runner.forwards}  # the prefill counts as a 1-token step
         stats.rounds = runner.forwards
         stats.wall_time = time.perf_counter() - start
         return Generation(out, stats)

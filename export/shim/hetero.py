@@ -382,6 +382,8 @@ class HeteroEngine:
                     cand = tgt.continuation(drf.spell(drafted))[:remaining - 1] if drafted else []
                 t_in = torch.tensor([tgt.ids[target.length:] + cand], device=target.device)
                 _count(stats, "target", target.length, t_in.shape[1])
+                size = t_in.shape[1] - max(0, stats.prompt_tokens - 1 - target.length)  # candidates + 1 (costs.py)
+                stats.target_pass_sizes[size] = stats.target_pass_sizes.get(size, 0) + 1
                 logits, _ = target.forward(t_in, n_logits=len(cand) + 1)
                 stats.target_calls += 1
                 m, token = self._verify(method, logits, cand, qs, sampling, generator)

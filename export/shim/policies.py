@@ -21,6 +21,7 @@ import torch
 
 from specheads.errors import UserError
 
+from .costs import CostTable, draft_more
 from .divergence import DIVERGENCES, divergence
 from .sampling import SamplingConfig, probs_from_logits, sample
 
@@ -170,10 +171,28 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 1e-12, r / mass.clamp_min(1e-30), p)
 
 
+STOPS = ("threshold", "cost")  # how SpecDecPP and ConfidenceStop decide to stop drafting
+
+
+def _stop_problems(stop: str, costs: CostTable | None) -> list[str]:
+    if stop not in STOPS:
+        return [f"stop={stop!r}: expected threshold or cost"]
+    if stop == "cost" and costs is None:
+        return ["stop=cost needs a cost table (costs=...; see specheads.export.shim.costs.cost_table)"]
+    return []
+
+
 class SpecDecPP(Policy):
     """SpecDec++ adaptive candidate length (ALGORITHMS.md section 1): stop drafting when
     ``1 - prod_j beta_hat_j > h``, with ``beta_hat_j = sigmoid(head(h^D_j))`` from the draft
     state at candidate ``y_j``'s own position; never before ``k_min``, always at ``k_max``.
+
+    ``stop="cost"`` replaces the threshold with the profiled costs ``costs``: with ``n`` candidates
+    drafted, ``S_i = prod_{j<=i} beta_hat_j`` and the round's expected tokens
+    ``E(n) = 1 + sum_{i<=n} S_i`` against its cost ``C(n) = n t_d + t_t(n + 1)``, drafting goes on
+    while ``E(n+1) / C(n+1) > E(n) / C(n)`` (:func:`~.costs.draft_more`). Candidates without a score
+    (the newest, in the reference order, and the next one) get the round's last score, or at a
+    round's start the mean score of the prompt so far (1 before any).
 
     Scoring order (the reference's): the draft forward that produces ``y_n`` consumes
     ``y_{n-1}``, so its state scores ``y_{n-1}``; the round's first forward consumes verified
@@ -190,36 +209,60 @@ class SpecDecPP(Policy):
         threshold: ``h`` in (0, 1); larger drafts longer.
         k_min, k_max: bounds on candidates per round.
         position: ``own`` (the soft-label head, reference order above) or ``previous``.
+        stop: ``threshold`` (the rule above) or ``cost`` (no ``h``; needs ``costs``).
+        costs: the pair's :class:`~.costs.CostTable` (``stop="cost"``).
     """
 
     name = "specdecpp"
     draft_hidden = "post"
 
     def __init__(self, head: torch.nn.Module, threshold: float = 0.7, k_min: int = 2, k_max: int = 20,
-                 position: str = "own"):
+                 position: str = "own", stop: str = "threshold", costs: CostTable | None = None):
         if not 0 < threshold < 1:
             raise UserError(f"threshold h={threshold} must be in (0, 1)")
         if not 1 <= k_min <= k_max:
             raise UserError(f"need 1 <= k_min <= k_max, got k_min={k_min}, k_max={k_max}")
         if position not in ("own", "previous"):
             raise UserError(f"head feature position {position!r}: expected own or previous")
+        problems = _stop_problems(stop, costs)
+        if problems:
+            raise UserError("; ".join(problems))
         super().__init__(k_max)
         self.head, self.threshold, self.k_min = head, threshold, k_min
+        self.stop, self.costs = stop, costs
         self.lag = 1 if position == "own" else 0  # how many candidates behind the newest the scored one is
         self._log_keep = 0.0  # log prod of scored betas in the current round
+        self._sum = 0.0  # sum of the round's S_i over the scored candidates (stop="cost")
+        self._beta: float | None = None  # the round's last score (stop="cost")
+        self._prompt_betas = [0.0, 0]  # this prompt's scores: sum, count (stop="cost")
         self.scored = 0  # head evaluations, for the stats
+
+    def reset(self) -> None:
+        self._prompt_betas = [0.0, 0]
 
     def stop_drafting(self, rnd: Round) -> bool:
         n = rnd.n
         if n >= self.k:  # k_max: stop without scoring
             return True
         if n == 1:
-            self._log_keep = 0.0
+            self._log_keep, self._sum, self._beta = 0.0, 0.0, None
         if n > self.lag:  # own: the state returned with y_n belongs to y_{n-1}; the head has the draft's dtype
             logit = self.head(rnd.draft_hidden[n - 1])
-            self._log_keep += float(torch.nn.functional.logsigmoid(logit.float()))
+            log_beta = float(torch.nn.functional.logsigmoid(logit.float()))
+            self._log_keep += log_beta
             self.scored += 1
-        return n >= self.k_min and 1.0 - math.exp(self._log_keep) > self.threshold
+            if self.stop == "cost":
+                self._beta = math.exp(log_beta)
+                self._sum += math.exp(self._log_keep)
+                self._prompt_betas[0] += self._beta
+                self._prompt_betas[1] += 1
+        if n < self.k_min:
+            return False
+        if self.stop == "cost":
+            total, count = self._prompt_betas
+            beta = self._beta if self._beta is not None else (total / count if count else 1.0)
+            return not draft_more(self.costs, n, n - self.lag, math.exp(self._log_keep), self._sum, beta)
+        return 1.0 - math.exp(self._log_keep) > self.threshold
 
 
 class Sprinter(Policy):
@@ -573,25 +616,45 @@ class ConfidenceStop(Policy):
     below ``tau``, and after ``k_max`` candidates at most. Verification is the standard SD rule,
     so the output is as lossless as SD's; ``tau = 0`` never stops early (SD with ``k = k_max``).
 
+    ``stop="cost"``: no ``tau``; the rule of :class:`SpecDecPP` ``stop="cost"`` with ``q_i(y_i)`` as
+    the acceptance estimate of ``y_i`` (every candidate has one as soon as it is drawn; the next
+    candidate gets the newest one's).
+
     Args:
         tau: confidence threshold in [0, 1]; larger stops sooner.
         k_max: most candidates per round.
+        stop: ``threshold`` or ``cost`` (needs ``costs``).
+        costs: the pair's :class:`~.costs.CostTable` (``stop="cost"``).
+        k_min: fewest candidates per round.
     """
 
     name = "confidence_stop"
 
-    def __init__(self, tau: float = 0.4, k_max: int = 20):
-        if not 0 <= tau <= 1:
-            raise UserError(f"confidence threshold tau={tau} must be in [0, 1]")
+    def __init__(self, tau: float = 0.4, k_max: int = 20, stop: str = "threshold", costs: CostTable | None = None,
+                 k_min: int = 1):
+        problems = [] if 0 <= tau <= 1 else [f"confidence threshold tau={tau} must be in [0, 1]"]
+        if not 1 <= k_min <= k_max:
+            problems.append(f"need 1 <= k_min <= k_max, got k_min={k_min}, k_max={k_max}")
+        problems += _stop_problems(stop, costs)
+        if problems:
+            raise UserError("; ".join(problems))
         super().__init__(k_max)
-        self.tau = float(tau)
+        self.tau, self.k_min, self.stop, self.costs = float(tau), k_min, stop, costs
+        self._keep = self._sum = 0.0  # the round's S_n and sum of S_i (stop="cost")
 
     def stop_drafting(self, rnd: Round) -> bool:
-        if rnd.n >= self.k:
+        n = rnd.n
+        if n >= self.k:
             return True
         logits = rnd.draft_logits[-1].float()  # [V]
-        confidence = (logits[rnd.tokens[-1]] - logits.logsumexp(-1)).exp()
-        return float(confidence) < self.tau
+        confidence = float((logits[rnd.tokens[-1]] - logits.logsumexp(-1)).exp())
+        if self.stop == "cost":
+            if n == 1:
+                self._keep, self._sum = 1.0, 0.0
+            self._keep *= confidence
+            self._sum += self._keep
+            return n >= self.k_min and not draft_more(self.costs, n, n, self._keep, self._sum, confidence)
+        return n >= self.k_min and confidence < self.tau
 
 
 POLICIES: dict[str, type[Policy]] = {"sd": StandardSD, "specdecpp": SpecDecPP, "sprinter": Sprinter, "judge": Judge,

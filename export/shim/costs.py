@@ -1,0 +1,320 @@
+"""A profiled cost table: what one draft forward and one target pass of ``k`` tokens cost here.
+
+The cost model of ALGORITHMS.md section 0 prices a run at ``T = t_d * N_draft + t_t * N_target``.
+A target pass over more tokens costs more (on a CPU a 5-token verification pass can cost far more
+than a 1-token step), so the table keeps one target price per pass size. Definitions, used by
+the engine's counting, ``heads-eval`` and the cost-aware stop rules alike:
+
+* ``t_d``: one draft forward over 1 token after a prefix of ``prefix_tokens`` tokens (1 logit row).
+* ``t_t(k)``: one target forward over ``k`` tokens after the same prefix, returning ``k`` logit
+  rows: the verification pass of ``k - 1`` candidates (``[last, y_1..y_{k-1}]``); ``k = 1`` is an
+  autoregressive step. A round with ``n`` candidates costs ``n * t_d + t_t(n + 1)``.
+* The prompt's prefill is in neither: the engine counts every target pass as its candidates + 1
+  (``GenerationStats.target_pass_sizes``), so predictions leave the prefill out, while measured
+  ms/token (wall time / new tokens) includes it, and the loop's own overhead (sampling, syncs).
+
+Times come from the runners decoding uses (:func:`~.kv.make_runner`): a warm-up pass per size,
+then ``reps`` repetitions interleaved over the sizes; each price is the median. A table is cached
+as JSON under ``$SPECHEADS_CACHE/costs/<key>.json`` (default ``~/.cache/specheads``), the key a
+hash of every setting that changes the prices (machine, torch, threads, dtypes, devices, runner,
+model fingerprints, draft vocabulary subset, kernel policy, prefix and repetitions), written
+atomically under a lock; it is measured when absent, too short, or with ``profile="refresh"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specheads.errors import UserError
+from specheads.machine import cache_dir, cpu_model, locked, read_json, settings_key
+from specheads.outputs import atomic_write_json
+
+from .kv import make_runner
+
+log = logging.getLogger(__name__)
+
+PROFILES = ("auto", "refresh")  # or a path to a cost-table JSON
+PREFIX_TOKENS = 100
+REPS = 7
+WARMUP = 2
+
+
+@dataclass
+class CostTable:
+    """Per-forward prices in milliseconds and the settings they were measured under.
+
+    ``t_target_ms[k - 1]`` is ``t_t(k)``, a target pass over ``k`` tokens (see the module docstring).
+    """
+
+    t_draft_ms: float
+    t_target_ms: list[float]
+    machine: str = ""
+    torch: str = ""
+    threads: int = 0
+    target_dtype: str = ""
+    draft_dtype: str = ""
+    target_device: str = ""
+    draft_device: str = ""
+    fused: bool = True
+    target_runner: str = ""
+    draft_runner: str = ""
+    target_fingerprint: str = ""
+    draft_fingerprint: str = ""
+    draft_vocab_hash: str | None = None
+    kernels: str | None = None
+    prefix_tokens: int = PREFIX_TOKENS
+    reps: int = REPS
+    source: str = field(default="", compare=False)  # measured / a cache file / a given file; not a setting
+
+    def settings(self) -> dict:
+        """Every field the prices depend on (all but the prices and ``source``)."""
+        out = dataclasses.asdict(self)
+        for k in ("t_draft_ms", "t_target_ms", "source"):
+            out.pop(k)
+        return out
+
+    @property
+    def key(self) -> str:
+        """The cache key: a hash of :meth:`settings`."""
+        return settings_key(self.settings())
+
+    @property
+    def max_pass(self) -> int:
+        """The largest pass size measured."""
+        return len(self.t_target_ms)
+
+    def t_target(self, k: int) -> float:
+        """``t_t(k)`` in ms; beyond the measured sizes, the line through the last two."""
+        if k < 1:
+            raise ValueError(f"a target pass has at least 1 token, got {k}")
+        t = self.t_target_ms
+        if k <= len(t):
+            return t[k - 1]
+        slope = t[-1] - t[-2] if len(t) > 1 else 0.0
+        return t[-1] + max(slope, 0.0) * (k - len(t))
+
+    def round_ms(self, n: int) -> float:
+        """Cost of a round with ``n`` candidates: ``n * t_d + t_t(n + 1)``."""
+        return n * self.t_draft_ms + self.t_target(n + 1)
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "key": self.key}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "CostTable":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def describe(self, sizes: int = 8) -> str:
+        """One line: ``t_d`` and the first ``sizes`` target prices, the machine and where it came from."""
+        shown = ", ".join(f"{k}:{t:.3g}" for k, t in enumerate(self.t_target_ms[:sizes], start=1))
+        more = f", ... {self.max_pass}:{self.t_target_ms[-1]:.3g}" if self.max_pass > sizes else ""
+        return (f"cost table t_d {self.t_draft_ms:.3g} ms, t_t(k) ms {{{shown}{more}}} "
+                f"[{self.machine}; {self.target_device}/{self.draft_device}, {self.target_dtype}/{self.draft_dtype}, "
+                f"{self.threads} threads; {self.source or 'given'}]")
+
+
+def load_table(path: str | Path) -> CostTable:
+    """A cost table from a JSON file (one written by :func:`cost_table`, or a hand-made one with at
+    least ``t_draft_ms`` and ``t_target_ms``)."""
+    data = read_json(Path(path))
+    if data is None:
+        raise UserError(f"cost table {str(path)!r} is missing or not a JSON object; pass profile=auto to measure one")
+    problems = []
+    if not isinstance(data.get("t_draft_ms"), (int, float)) or data["t_draft_ms"] < 0:
+        problems.append(f"t_draft_ms={data.get('t_draft_ms')!r} must be a number >= 0")
+    t = data.get("t_target_ms")
+    if not isinstance(t, list) or not t or not all(isinstance(x, (int, float)) and x > 0 for x in t):
+        problems.append(f"t_target_ms={t!r} must be a non-empty list of times > 0 (t_t(1), t_t(2), ...)")
+    if problems:
+        raise UserError(f"cost table {str(path)!r}: " + "; ".join(problems))
+    table = CostTable.from_dict(data)
+    table.source = str(path)
+    return table
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _kernel_policy() -> str | None:
+    try:
+        from . import kernels
+    except ImportError:
+        return None
+    policy = getattr(kernels, "policy", None)
+    return policy() if callable(policy) else None
+
+
+def _settings(target, draft, target_fingerprint: str, draft_fingerprint: str, fused: bool,
+              draft_vocab_hash: str | None, prefix_tokens: int, reps: int) -> CostTable:
+    """An empty table holding this machine's settings for the pair."""
+    from .fused import use_fused
+
+    if draft_vocab_hash is None:  # a draft whose output layer was pruned to a vocabulary subset
+        try:
+            from .vocab import vocab_info
+        except ImportError:
+            vocab_info = None
+        info = vocab_info(draft) if vocab_info is not None else None
+        draft_vocab_hash = info.get("sha256") if info else None
+    devices = [m.get_input_embeddings().weight.device for m in (target, draft)]
+    gpus = sorted({torch.cuda.get_device_name(d) for d in devices if d.type == "cuda"})
+    return CostTable(
+        t_draft_ms=0.0, t_target_ms=[], machine=" + ".join([cpu_model(), *gpus]), torch=torch.__version__,
+        threads=torch.get_num_threads(), target_dtype=str(target.dtype).removeprefix("torch."),
+        draft_dtype=str(draft.dtype).removeprefix("torch."), target_device=str(devices[0]),
+        draft_device=str(devices[1]), fused=fused,
+        target_runner="fused" if fused and use_fused(target) else "model",
+        draft_runner="fused" if fused and use_fused(draft) else "model",
+        target_fingerprint=target_fingerprint, draft_fingerprint=draft_fingerprint,
+        draft_vocab_hash=draft_vocab_hash, kernels=_kernel_policy(), prefix_tokens=prefix_tokens, reps=reps)
+
+
+@torch.inference_mode()
+def measure(target, draft, max_pass: int, fused: bool = True, vocab_size: int | None = None,
+            prefix_tokens: int = PREFIX_TOKENS, reps: int = REPS, warmup: int = WARMUP,
+            seed: int = 0) -> tuple[float, list[float]]:
+    """``(t_d, [t_t(1) .. t_t(max_pass)])`` in ms on the decoding runners, medians of ``reps``.
+
+    Both models first consume the same random ``prefix_tokens``-token prefix; each timed forward
+    is trimmed off again, so every pass sees that prefix.
+    """
+    if max_pass < 1 or prefix_tokens < 1 or reps < 1:
+        raise UserError(f"need max_pass, prefix_tokens, reps >= 1, got {max_pass}, {prefix_tokens}, {reps}")
+    cap = prefix_tokens + max_pass + 2
+    runners = [make_runner(m, None, vocab_size, cap, fused) for m in (target, draft)]
+    gen = torch.Generator().manual_seed(seed)
+    vocab = min(m.get_input_embeddings().weight.shape[0] for m in (target, draft))
+    prefix = torch.randint(3, max(vocab, 4), (1, prefix_tokens), generator=gen)
+    tokens = torch.randint(3, max(vocab, 4), (1, max_pass), generator=gen)
+
+    def once(runner, k: int) -> float:
+        ids = tokens[:, :k].to(runner.device)
+        _sync(runner.device)
+        start = time.perf_counter()
+        logits, _ = runner.forward(ids, n_logits=k)
+        _sync(logits.device)  # the last shard's device, for a model split over several
+        elapsed = time.perf_counter() - start
+        runner.trim(prefix_tokens)
+        return 1000 * elapsed
+
+    try:
+        for r in runners:
+            r.forward(prefix.to(r.device), n_logits=0)
+        t_run, d_run = runners
+        sizes = list(range(1, max_pass + 1))
+        for _ in range(warmup):  # first-use costs (allocations, kernel choices, weight copies) stay out
+            once(d_run, 1)
+            for k in sizes:
+                once(t_run, k)
+        draft_ms, target_ms = [], {k: [] for k in sizes}
+        for rep in range(reps):  # interleaved, the order rotating: drifts hit every size alike
+            order = sizes[rep % max_pass:] + sizes[: rep % max_pass]
+            for k in order:
+                draft_ms.append(once(d_run, 1))
+                target_ms[k].append(once(t_run, k))
+    finally:
+        for r in runners:
+            r.close()
+    return statistics.median(draft_ms), [statistics.median(target_ms[k]) for k in sizes]
+
+
+def cost_table(target, draft, max_pass: int, target_fingerprint: str = "", draft_fingerprint: str = "",
+               fused: bool = True, vocab_size: int | None = None, profile: str = "auto",
+               draft_vocab_hash: str | None = None, prefix_tokens: int = PREFIX_TOKENS, reps: int = REPS) -> CostTable:
+    """The pair's cost table for pass sizes ``1..max_pass`` (at least).
+
+    Args:
+        target, draft: the models (as loaded for decoding).
+        max_pass: the largest target pass needed (the most candidates per round + 1).
+        target_fingerprint, draft_fingerprint: the models' content fingerprints (part of the key).
+        fused: whether decoding may run the fused forward (as ``Engine(fused=...)``).
+        vocab_size: common vocabulary size when one model pads its logits (as the engine's).
+        profile: ``auto`` (the cached table; measured when absent or shorter than ``max_pass``),
+            ``refresh`` (measured again and cached), or a path to a cost-table JSON (used as is).
+        draft_vocab_hash: a hash of the draft's vocabulary subset when it is pruned (default: read from
+            the draft's pruned output layer, :func:`~.vocab.vocab_info`).
+        prefix_tokens, reps: measurement settings (part of the key).
+    """
+    if profile not in PROFILES:
+        table = load_table(profile)
+        if table.max_pass < max_pass:
+            log.info("cost table %s covers passes up to %d tokens; larger ones are extrapolated", profile,
+                     table.max_pass)
+        return table
+    table = _settings(target, draft, target_fingerprint, draft_fingerprint, fused, draft_vocab_hash,
+                      prefix_tokens, reps)
+    path = cache_dir("costs") / f"{table.key}.json"
+    with locked(path):
+        cached = read_json(path) if profile == "auto" else None
+        if cached is not None and len(cached.get("t_target_ms") or []) >= max_pass:
+            out = CostTable.from_dict(cached)
+            out.source = str(path)
+            return out
+        log.info("profiling per-forward costs (draft 1 token, target 1..%d tokens) -> %s", max_pass, path)
+        table.t_draft_ms, table.t_target_ms = measure(target, draft, max_pass, fused, vocab_size,
+                                                      prefix_tokens, reps)
+        table.source = "measured"
+        atomic_write_json(path, {**table.to_dict(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    return table
+
+
+def pass_counts(rounds_by_size: Mapping[int, int] | Iterable[int]) -> dict[int, int]:
+    """``{pass size: target calls}`` from such a mapping or from a list of each call's pass size."""
+    if isinstance(rounds_by_size, Mapping):
+        return {int(k): int(v) for k, v in rounds_by_size.items()}
+    out: dict[int, int] = {}
+    for k in rounds_by_size:
+        out[int(k)] = out.get(int(k), 0) + 1
+    return out
+
+
+def predict_ms_per_token(table: CostTable, draft_forwards: int, rounds_by_size: Mapping[int, int] | Iterable[int],
+                         new_tokens: int) -> float:
+    """``(t_d * N_draft + sum_k t_t(k) * count_k) / N`` in ms (the prompt's prefill left out).
+
+    Args:
+        table: the prices.
+        draft_forwards: ``N_draft``.
+        rounds_by_size: ``{k: target calls over k tokens}``, or each target call's pass size.
+        new_tokens: ``N``.
+    """
+    if not new_tokens:
+        return float("nan")
+    target = sum(table.t_target(k) * c for k, c in pass_counts(rounds_by_size).items())
+    return (table.t_draft_ms * draft_forwards + target) / new_tokens
+
+
+def draft_more(table: CostTable, n: int, scored: int, survival: float, survival_sum: float, beta: float) -> bool:
+    """Whether drafting candidate ``n + 1`` raises the round's expected tokens per unit of cost.
+
+    With ``S_i = prod_{j<=i} beta_j`` the chance that ``y_1..y_i`` are all accepted, a round with
+    ``n`` candidates yields ``E(n) = 1 + sum_{i<=n} S_i`` tokens and costs
+    ``C(n) = n * t_d + t_t(n + 1)``; draft on iff ``E(n+1) / C(n+1) > E(n) / C(n)``.
+    ``E`` is concave in ``n`` (``S_i`` never grows), so where ``t_t`` is convex this stops at the
+    argmax of ``E / C``.
+
+    Args:
+        table: the prices.
+        n: candidates drafted so far.
+        scored: how many of them have an acceptance estimate (``n`` or ``n - 1``).
+        survival: ``S_scored`` (1 when none is scored).
+        survival_sum: ``sum_{i<=scored} S_i``.
+        beta: the estimate for every candidate without one (the unscored newest and the next).
+    """
+    e_n, s = 1.0 + survival_sum, survival
+    for _ in range(n - scored):
+        s *= beta
+        e_n += s
+    gain = s * beta  # S_{n+1}
+    return (e_n + gain) * table.round_ms(n) > e_n * table.round_ms(n + 1)
