@@ -15,9 +15,12 @@ lengths), ``draft_token``, ``q_token``, ``p_token``, ``ratio``, ``tv``. ``labels
 ``judge.py``): one row per tuple side (``tuple_id``, ``prompt_index``, ``side``, ``input_ids`` =
 question + answer, ``answer_start``, ``labels`` 1/0/-1), the target's features at the labelled
 tokens in ``features/chunk-*.safetensors`` (fp16), ``tuples.jsonl`` and ``review.jsonl``. Also ``manifest.json`` (counts, label statistics, models, fingerprints,
-sampling settings, seed, schema version), ``metrics.jsonl`` (one line per chunk) and
+sampling settings, seed, schema version, ``numerics``: threads per process, process count, dtypes,
+devices, torch version, kernel path), ``metrics.jsonl`` (one line per chunk) and
 ``config.yaml``. Killed at any point and started again with the same command (any process
-count), it finishes with every prompt labelled exactly once (see ``shards.py``). A sample whose
+count), it finishes with every prompt labelled exactly once (see ``shards.py``); with the same
+numerics settings (``threads=N`` sets the thread count), the files are the uninterrupted run's, byte
+for byte, and a resume under other settings warns. A sample whose
 logits hold NaN/Inf is skipped and counted (``skipped_nonfinite`` and ``skipped_samples`` in the
 manifest), never written. Prompts are streamed: host memory does not grow with the prompt file.
 """
@@ -39,6 +42,8 @@ from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError
 from specheads.export import fit_context, format_prompt, load_pair
 from specheads.export.shim.models import context_length
+from specheads.export.shim.sampling import usable_logits
+from specheads.numerics import check_resume, differences, numerics_settings, use_threads, without
 from specheads.outputs import MetricsWriter, file_sha256, holds_other_run, prepare_output_dir, write_manifest
 from specheads.prompts import iter_prompt_files
 
@@ -74,6 +79,8 @@ def _check(cfg: DatagenConfig) -> None:
     for key in ("max_new_tokens", "batch_size", "chunk_size"):
         if getattr(cfg, key) < 1:
             problems.append(f"{key}={getattr(cfg, key)} must be >= 1")
+    if cfg.threads is not None and cfg.threads < 1:
+        problems.append(f"threads={cfg.threads} must be >= 1 (or null: torch's default)")
     if cfg.labels == "sprinter":
         if cfg.chunk_size % len(sprinter.CATEGORIES):
             problems.append(f"chunk_size={cfg.chunk_size}: labels=sprinter needs a multiple of "
@@ -99,8 +106,9 @@ def _prepare(cfg: DatagenConfig, is_main: bool) -> Path:
 
 
 def _finite_rows(p_all: torch.Tensor, q_all: torch.Tensor, rows: list[int]) -> list[bool]:
-    """Per response, whether every target and draft logit at its positions is finite."""
-    finite = (torch.isfinite(p_all).all(-1) & torch.isfinite(q_all).all(-1)).cpu()
+    """Per response, whether every target logit at its positions is finite and the draft's are usable
+    (:func:`~specheads.export.shim.sampling.usable_logits`)."""
+    finite = (torch.isfinite(p_all).all(-1) & usable_logits(q_all)).cpu()  # a pruned draft's -inf is fine
     return [bool(f.all()) for f in finite.split(rows)]
 
 
@@ -373,15 +381,29 @@ def _clean_temporaries(out: Path, rank: int, world: int) -> None:
 
 def _models(pair) -> dict:
     return {"target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
-            "draft": {"name": pair.draft.name, "fingerprint": pair.draft.fingerprint} if pair.draft else None,
+            "draft": ({"name": pair.draft.name, "fingerprint": pair.draft.fingerprint, "vocab": pair.draft.vocab}
+                      if pair.draft else None),
             "hidden_size": pair.target.hidden_size}
+
+
+def _numerics(pair, processes: int) -> dict:
+    """The run's numerics settings (see :mod:`specheads.numerics`)."""
+    loaded = {"target": pair.target, "draft": pair.draft}
+    loaded = {role: m for role, m in loaded.items() if m is not None}
+    return numerics_settings(processes, {role: m.model.dtype for role, m in loaded.items()},
+                             {role: m.device for role, m in loaded.items()})
 
 
 def run(cfg: DatagenConfig) -> int:
     """Labels this process's unfinished chunks, then (main process) writes the manifest."""
+    _check(cfg)
+    with use_threads(cfg.threads):  # before any model work: the thread count changes the last bits
+        return _run(cfg)
+
+
+def _run(cfg: DatagenConfig) -> int:
     from accelerate import PartialState
 
-    _check(cfg)
     hf_logging.disable_progress_bar()
     state = PartialState(cpu=not torch.cuda.is_available())
     out = _prepare(cfg, state.is_local_main_process)  # one per node: nodes need not share a filesystem
@@ -399,11 +421,14 @@ def run(cfg: DatagenConfig) -> int:
     rank, world = state.process_index, state.num_processes
     _clean_temporaries(out, rank, world)
     mine = set(shards.my_chunks(out, total, rank, world))
+    numerics = _numerics(pair, world)
     if state.is_main_process:
         done = total - len(shards.pending_chunks(out, n_items, cfg.chunk_size))
         if done:
             log.info("resuming: %d of %d chunks already labelled in %s", done, total, out)
-    models = _models(pair)
+            first = shards.chunk_files(out)[0]
+            check_resume(shards.chunk_info(first).get("numerics"), numerics, str(first), ignore=("processes",))
+    models = {**_models(pair), "numerics": without(numerics, ("processes",))}  # the count changes no chunk
     started, labelled = time.perf_counter(), 0
     with tqdm(total=len(mine), unit="chunk", desc=f"{PROG} rank {rank}", disable=not state.is_main_process) as bar, \
             MetricsWriter(out, f"metrics.rank{rank}.jsonl") as metrics:
@@ -423,7 +448,7 @@ def run(cfg: DatagenConfig) -> int:
             bar.set_postfix(labelled_tok_s=f"{labelled / (time.perf_counter() - started):.1f}")
     state.wait_for_everyone()
     if state.is_main_process:
-        finish(cfg, out, total)
+        finish(cfg, out, total, processes=world)
     return 0
 
 
@@ -438,8 +463,12 @@ def _metrics_rows(path: Path) -> list[dict]:
     return rows
 
 
-def finish(cfg: DatagenConfig, out: Path, total: int) -> dict:
-    """Checks every chunk is there and writes ``metrics.jsonl`` and ``manifest.json`` from the chunk files."""
+def finish(cfg: DatagenConfig, out: Path, total: int, processes: int | None = None) -> dict:
+    """Checks every chunk is there and writes ``metrics.jsonl`` and ``manifest.json`` from the chunk files.
+
+    The manifest's ``numerics`` are chunk 0's settings with ``processes`` (the count of the run that
+    finishes; ``None`` from ``merge``); chunks labelled otherwise are warned about and listed.
+    """
     missing = [c for c in range(total) if not shards.chunk_path(out, c).exists()]
     if missing:
         raise UserError(f"{len(missing)} of {total} chunks (first: {missing[:5]}) are not in {out}: run the same "
@@ -453,10 +482,14 @@ def finish(cfg: DatagenConfig, out: Path, total: int) -> dict:
             path.unlink()
         for chunk in sorted(rows):
             metrics.write(rows[chunk])
-    shard_list, skipped, models = [], [], None
+    shard_list, skipped, models, numerics, otherwise = [], [], None, None, {}
     for c in range(total):
         path = shards.chunk_path(out, c)
         info = shards.chunk_info(path)
+        if c == 0:
+            numerics = info.get("numerics")
+        elif info.get("numerics") != numerics:
+            otherwise[c] = info.get("numerics") or {}
         here = {k: info.get(k) for k in ("target", "draft", "hidden_size")}
         if models is None:
             models = here
@@ -487,10 +520,17 @@ def finish(cfg: DatagenConfig, out: Path, total: int) -> dict:
             extra["fsd"] = fsd.manifest_block(out, list(cfg.fsd_divergences), list(cfg.fsd_thresholds), cfg.fsd_top_k,
                                               cfg.fsd_dist)
     prompts_read = sum(s["prompts"] or 0 for s in shard_list)
+    if otherwise:  # a resume under other settings (it warned too), or a merge of such nodes
+        first = next(iter(otherwise))
+        log.warning("%d chunks (first: %d) were labelled with other numerics settings (%s) than chunk 0: %s is not "
+                    "byte-identical to a run with one setting", len(otherwise), first,
+                    ", ".join(differences(numerics or {}, otherwise[first])), out)
+        extra["numerics_otherwise"] = list(otherwise)[:1000]
     write_manifest(out, command=PROG, labels=cfg.labels, schema_version=shards.SCHEMA_VERSION, **extra,
                    prompts_file=cfg.prompts, offset=cfg.offset, chunk_size=cfg.chunk_size, chunks=total,
                    target=models["target"], draft=models["draft"],
                    sampling=cfg.sampling.to_dict(), seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
+                   numerics={**(numerics or {}), "processes": processes},
                    prompts_read=prompts_read, skipped_nonfinite=len(skipped),
                    skipped_samples=skipped[:1000], **stats, shards=shard_list)
     log.info("%d prompts, %d labelled tokens, mean label %.3f, %d skipped (non-finite) -> %s", stats["prompts"],

@@ -37,6 +37,7 @@ class DatagenConfig:
     answer_models: list[str] = field(default_factory=lambda: ["target", "draft"], metadata={"help": "judge: the models that answer each prompt"})
     answer_samples: int = field(default=1, metadata={"help": "judge: sampled answers per model and prompt, besides the greedy one"})
     answer_temperature: float = field(default=0.8, metadata={"help": "judge: temperature of the sampled answers"})
+    threads: int | None = field(default=None, metadata={"help": "torch threads per process (torch.set_num_threads); null: torch's default. Results match bit for bit only between runs with the same count (see the manifest's numerics)"})
     seed: int = 0
     output_dir: str = "runs/datagen"
     overwrite: bool = False

@@ -7,7 +7,7 @@ shared filesystem needed) and a restart, with any process count, finds every unf
 owned by exactly one process. A chunk file appears atomically (written under a temporary name,
 fsynced, then renamed) and only when the whole chunk is labelled, so a killed run loses at most
 the chunks in flight. Each file carries its own record in the Parquet footer (``specheads``:
-prompt range, rows, skipped samples, models), from which the finished run's ``manifest.json``
+prompt range, rows, skipped samples, models, numerics settings), from which the finished run's ``manifest.json``
 is built: its ``shards`` list (file, rows, bytes, sha256) is what every reader uses.
 """
 

@@ -61,18 +61,59 @@ def test_datagen_resumes_and_is_deterministic(tiny_pair_dirs, prompts_file, tmp_
 
 
 def test_two_processes_write_the_same_examples_as_one(tiny_pair_dirs, prompts_file, tmp_path):
-    """Data-parallel under accelerate (torchrun, gloo on CPU): the same files as one process."""
+    """Data-parallel under accelerate (torchrun, gloo on CPU): the same files as one process (one thread
+    per process in both, set by the config: not by the machine's default or the environment)."""
     import os
     import subprocess
     import sys
 
     one, two = tmp_path / "one", tmp_path / "two"
-    assert main(_args(tiny_pair_dirs, prompts_file, one)) == 0
+    assert main(_args(tiny_pair_dirs, prompts_file, one, "threads=1")) == 0
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "-m", "specheads.datagen.cli", *_args(tiny_pair_dirs, prompts_file, two)]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+           "-m", "specheads.datagen.cli", *_args(tiny_pair_dirs, prompts_file, two, "threads=1")]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert _rows(one) == _rows(two)
     assert [p.name for p in sorted((two / "data").iterdir())] == [p.name for p in sorted((one / "data").iterdir())]
+    numerics = [json.loads((d / "manifest.json").read_text())["numerics"] for d in (one, two)]
+    assert [n.pop("processes") for n in numerics] == [1, 2] and numerics[0] == numerics[1]
+    assert numerics[0]["threads"] == 1
+
+
+def test_manifest_records_numerics_and_a_resume_under_others_warns(tiny_pair_dirs, prompts_file, tmp_path, caplog):
+    """``threads=1`` is set for the run only; chunk footers and the manifest record the numerics
+    settings; a resume under another thread count (here torch's default, changed) warns and is listed."""
+    import logging
+
+    import torch
+
+    from specheads import numerics
+    from specheads.datagen import shards
+
+    before = torch.get_num_threads()
+    out = tmp_path / "dg"
+    assert main(_args(tiny_pair_dirs, prompts_file, out, "threads=1")) == 0
+    assert torch.get_num_threads() == before  # the caller's count is restored
+    manifest = json.loads((out / "manifest.json").read_text())
+    with numerics.use_threads(1):
+        expected = numerics.numerics_settings(1, {"target": "float32", "draft": "float32"},
+                                              {"target": "cpu", "draft": "cpu"})
+    assert manifest["numerics"] == expected and expected["threads"] == 1 and expected["torch"] == torch.__version__
+    footer = shards.chunk_info(out / "data" / "chunk-000000.parquet")["numerics"]
+    assert footer == {k: v for k, v in manifest["numerics"].items() if k != "processes"}
+    assert "numerics_otherwise" not in manifest
+
+    again = tmp_path / "again"  # threads=null: the count in force, which differs between the two attempts
+    with numerics.use_threads(1):
+        assert main(_args(tiny_pair_dirs, prompts_file, again)) == 0
+    (again / "data" / "chunk-000001.parquet").unlink()
+    caplog.set_level(logging.WARNING)
+    with numerics.use_threads(2):
+        assert main(_args(tiny_pair_dirs, prompts_file, again)) == 0
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("threads=1 now 2" in m and "not be byte-identical" in m for m in warned)
+    assert any("1 chunks (first: 1) were labelled with other numerics settings (threads" in m for m in warned)
+    manifest = json.loads((again / "manifest.json").read_text())
+    assert manifest["numerics"]["threads"] == 1 and manifest["numerics_otherwise"] == [1]

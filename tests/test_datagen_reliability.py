@@ -36,10 +36,10 @@ def _shas(out):
 
 @pytest.fixture(scope="module")
 def reference(tiny_pair_dirs, tmp_path_factory):
-    """An uninterrupted one-process run over 32 prompts (16 chunks)."""
+    """An uninterrupted one-process run over 32 prompts (16 chunks), one thread (as every run it is compared with)."""
     root = tmp_path_factory.mktemp("ref")
     prompts = _prompts(root, 32)
-    assert main(_args(tiny_pair_dirs, prompts, root / "out")) == 0
+    assert main(_args(tiny_pair_dirs, prompts, root / "out", "threads=1")) == 0
     return prompts, root / "out"
 
 
@@ -72,14 +72,12 @@ def test_sigkill_loop_then_resume_labels_every_prompt_once(reference, tiny_pair_
     uninterrupted run's files, every prompt labelled exactly once."""
     prompts, ref = reference
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "specheads.datagen.cli", *_args(tiny_pair_dirs, prompts, out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "specheads.datagen.cli", *_args(tiny_pair_dirs, prompts, out, "threads=1")]
     rng = random.Random(7)
     kills = 0
     for _ in range(4):
         before = len(list((out / "data").glob("chunk-*.parquet"))) if (out / "data").exists() else 0
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline, wait_for = time.time() + 120, before + rng.randint(1, 3)
         while proc.poll() is None and time.time() < deadline and \
                 len(list((out / "data").glob("chunk-*.parquet"))) < wait_for:
@@ -90,7 +88,7 @@ def test_sigkill_loop_then_resume_labels_every_prompt_once(reference, tiny_pair_
             kills += 1
         proc.wait()
     assert kills >= 3
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert _indices(out) == list(range(32))
     assert _shas(out) == _shas(ref)
@@ -115,8 +113,8 @@ def test_a_run_started_by_four_processes_is_finished_by_two(reference, tiny_pair
     (out / "config.yaml").write_text((ref / "config.yaml").read_text().replace(str(ref), str(out)))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "-m", "specheads.datagen.cli", *_args(tiny_pair_dirs, prompts, out)]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+           "-m", "specheads.datagen.cli", *_args(tiny_pair_dirs, prompts, out, "threads=1")]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert _shas(out) == _shas(ref)

@@ -165,3 +165,37 @@ def test_overwriting_another_run_does_not_resume_its_checkpoints(tiny_pair_dirs,
 def test_checkpoint_every_must_not_be_negative(tiny_pair_dirs, labelled, tmp_path, capsys):
     assert main(_targs(tiny_pair_dirs, labelled, tmp_path / "x", "checkpoint_every=-1")) == 2
     assert "checkpoint_every=-1 must be >= 0" in capsys.readouterr().err
+
+
+def test_manifest_and_checkpoints_record_numerics_and_a_resume_under_others_warns(tiny_pair_dirs, labelled, reference,
+                                                                                   tmp_path, monkeypatch, caplog):
+    import torch
+
+    numerics = json.loads((reference / "manifest.json").read_text())["numerics"]
+    assert numerics["processes"] == 1 and numerics["threads"] == torch.get_num_threads()
+    assert numerics["dtypes"] == {"head": "float32", "autocast": "no", "draft": "float32"}
+    assert numerics["devices"] == {"head": "cpu", "draft": "cpu"} and numerics["torch"] == torch.__version__
+    assert "kernel_path" in numerics
+    assert json.loads((reference / "checkpoint-12" / "state.json").read_text())["progress"]["numerics"] == numerics
+
+    out = tmp_path / "threads"
+    args = _targs(tiny_pair_dirs, labelled, out, *EXTRA, "threads=1")
+    _crash_on_save(monkeypatch, 3, after_write=True)
+    assert main(args) == 130
+    monkeypatch.undo()
+    state = out / "checkpoint-3" / "state.json"  # as if written by a process with 3 threads
+    meta = json.loads(state.read_text())
+    assert meta["progress"]["numerics"]["threads"] == 1
+    meta["progress"]["numerics"]["threads"] = 3
+    state.write_text(json.dumps(meta))
+    caplog.clear()
+    caplog.set_level(logging.WARNING)
+    assert main(args) == 0
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "specheads.numerics"]
+    assert "threads=3 now 1" in message and "checkpoint-3" in message and "not be byte-identical" in message
+    assert json.loads((out / "manifest.json").read_text())["numerics"]["threads"] == 1
+
+
+def test_threads_must_be_positive(tiny_pair_dirs, labelled, tmp_path, capsys):
+    assert main(_targs(tiny_pair_dirs, labelled, tmp_path / "x", "threads=0")) == 2
+    assert "threads=0 must be >= 1" in capsys.readouterr().err

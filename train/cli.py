@@ -10,7 +10,8 @@ Writes ``head.safetensors`` (the best epoch's head with its metadata, ready for
 ``roc.png`` (one curve per ``roc_lambdas`` value, each from its own head in ``lambda-<x>/``),
 ``checkpoint-<step>/`` + ``latest`` (at epoch ends and, with ``checkpoint_every=N``, every N
 optimizer steps; resume by running the same command again, with as many processes),
-``config.yaml`` and ``manifest.json``.
+``config.yaml`` and ``manifest.json`` (with the run's ``numerics``: threads per process, process
+count, dtypes, devices, torch version, kernel path; a resume under other settings warns).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from transformers.utils import logging as hf_logging
 
 from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError
+from specheads.numerics import use_threads
 from specheads.outputs import prepare_output_dir, write_manifest
 
 from .config import TrainConfig
@@ -65,6 +67,8 @@ def _check(cfg: TrainConfig) -> None:
     for key in ("epochs", "batch_size", "grad_accum", "patience"):
         if getattr(cfg, key) < 1:
             problems.append(f"{key}={getattr(cfg, key)} must be >= 1")
+    if cfg.threads is not None and cfg.threads < 1:
+        problems.append(f"threads={cfg.threads} must be >= 1 (or null: torch's default)")
     if cfg.checkpoint_every < 0:
         problems.append(f"checkpoint_every={cfg.checkpoint_every} must be >= 0 (0 = at epoch ends only)")
     if cfg.lr <= 0 or cfg.w_acc <= 0 or cfg.w_rej <= 0:
@@ -81,7 +85,8 @@ def run(cfg: TrainConfig) -> int:
     hf_logging.disable_progress_bar()
     fresh = overwrites_another_run(cfg)  # train() then removes that run's checkpoints
     out = prepare_output_dir(cfg.output_dir, to_yaml(cfg), overwrite=cfg.overwrite)
-    metrics = train(cfg, Path(out), fresh=fresh)
+    with use_threads(cfg.threads):  # before any model work: the thread count changes the last bits
+        metrics = train(cfg, Path(out), fresh=fresh)
     write_manifest(out, command=PROG, data_dir=cfg.data_dir, head="head.safetensors", **metrics)
     if cfg.head == "judge":
         log.info("judge AUROC %s, wrong tokens accepted at delta=%g: %s -> %s", metrics.get("eval_auroc"), cfg.threshold,

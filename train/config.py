@@ -40,6 +40,7 @@ class TrainConfig:
     checkpoint_every: int = field(default=0, metadata={"help": "also checkpoint every this many optimizer steps inside an epoch (0 = at epoch ends only); a rerun resumes at that data position"})
     bf16: bool = field(default=True, metadata={"help": "bf16 autocast where the device supports it"})
     threshold: float = field(default=0.7, metadata={"help": "default threshold stored in the export: acceptance stop threshold h, verifier approval threshold eta, judge delta"})
+    threads: int | None = field(default=None, metadata={"help": "torch threads per process (torch.set_num_threads); null: torch's default. Results match bit for bit only between runs with the same count (see the manifest's numerics)"})
     seed: int = 0
     output_dir: str = "runs/train"
     overwrite: bool = False

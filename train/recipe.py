@@ -11,9 +11,10 @@ same seeded epoch permutation and takes every ``world``-th micro-batch of it, so
 step sees do not depend on timing. Checkpoints (``checkpoint.py``) are written at epoch ends and,
 with ``checkpoint_every``, every that many optimizer steps; a rerun of the same command (same
 number of processes) continues at the saved data position with the saved optimizer, scheduler
-and RNG state, and ends with the head an uninterrupted run ends with, bit for bit. Its
-``metrics.jsonl`` is first cut back to the rows written up to that checkpoint, so no step appears
-twice.
+and RNG state, and ends with the head an uninterrupted run ends with, bit for bit (under the same
+numerics settings, which checkpoints record: a resume under others warns, see
+``specheads.numerics``). Its ``metrics.jsonl`` is first cut back to the rows written up to that
+checkpoint, so no step appears twice.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from specheads.export import save_head
 from specheads.export.shim.models import HiddenCapture, load_model
 from specheads.config import to_yaml
 from specheads.heads import AcceptanceHead, JudgeHead, VerifierHead
+from specheads.numerics import check_resume, numerics_settings
 from specheads.outputs import MetricsWriter, atomic_write_json, holds_other_run, prepare_output_dir
 
 from . import checkpoint
@@ -197,8 +199,9 @@ def overwrites_another_run(cfg: TrainConfig) -> bool:
 
 
 def train(cfg: TrainConfig, out: Path, fresh: bool = False) -> dict:
-    """Runs the whole training; returns the final metrics. Resumes from the newest checkpoint in
-    ``out``, if any, unless ``fresh`` (``out`` held another run, overwritten: its state is removed)."""
+    """Runs the whole training; returns the final metrics and the run's ``numerics``. Resumes from the
+    newest checkpoint in ``out``, if any, unless ``fresh`` (``out`` held another run, overwritten: its
+    state is removed)."""
     from accelerate import Accelerator
 
     cuda = torch.cuda.is_available()
@@ -329,6 +332,10 @@ def _train_loop(cfg: TrainConfig, out: Path, acc, manifest: dict, ctx: dict, hea
     dtype = _param_dtype(raw)
     if ds and ckpt is not None:
         checkpoint.load_zero_partition(ckpt, opt, acc.process_index, world)
+    numerics = _numerics(ctx, acc, dtype)
+    if ckpt is not None and acc.is_main_process:
+        check_resume(ckpt.progress.get("numerics"), numerics, str(ckpt.path))
+    progress["numerics"] = numerics  # what the next checkpoints record
     ckpt = None
     final = {}
     with MetricsWriter(out) if acc.is_main_process else _Null() as metrics, \
@@ -399,10 +406,19 @@ def _train_loop(cfg: TrainConfig, out: Path, acc, manifest: dict, ctx: dict, hea
     best = json.loads((out / "best_metrics.json").read_text()) if (out / "best_metrics.json").exists() else final
     if verifier:
         best.update(_verifier_report(cfg, out, ctx, eval_ex, acc, ctx["model_name"]))
+    best["numerics"] = numerics
     if cfg.head == "judge" and acc.is_main_process:
         atomic_write_json(out / "metrics.json", {k[len("eval_"):]: v for k, v in best.items() if k.startswith("eval_")}
                           | {"delta": cfg.threshold, "epoch": best.get("epoch")})
     return best
+
+
+def _numerics(ctx, acc, dtype: torch.dtype) -> dict:
+    """The run's numerics settings (see :mod:`specheads.numerics`): the head's and the draft's."""
+    dtypes, devices = {"head": dtype, "autocast": acc.mixed_precision}, {"head": acc.device}
+    if ctx.get("draft") is not None:  # the judge head trains on stored features: no draft
+        dtypes["draft"], devices["draft"] = ctx["draft"].dtype, ctx["device"]
+    return numerics_settings(acc.num_processes, dtypes, devices)
 
 
 def _verifier_report(cfg: TrainConfig, out: Path, ctx, eval_ex, acc, draft_name: str) -> dict:
