@@ -35,7 +35,7 @@ from specheads.export.shim import kernels
 from specheads.export.shim.kv import ModelRunner
 from specheads.export.shim.fused import FusedRunner
 from specheads.export.shim.models import ModelSpec, load_model
-from specheads.export.shim.vocab import prune, subset_from_ranking, read_ranking, unprune
+from specheads.export.shim.vocab import prune, read_ranking, subset_from_ranking
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
@@ -97,26 +97,28 @@ def pruned_draft(draft, ranking_path: str, tops: list[int], reps: int) -> list[d
     tok = torch.randint(100, 20000, (1, 1), generator=gen)
     configs = {"full": None, **{f"top{n}": n for n in tops}}
     times = {c: [] for c in configs}
+    full_head = draft.get_output_embeddings()
+    heads = {}
     with torch.inference_mode():
-        runners = {}
-        for c, n in configs.items():
-            unprune(draft)
+        for c, n in configs.items():  # one output layer per configuration, built (and its rows copied) once
             if n is not None:
                 prune(draft, subset_from_ranking(ranking, n, [2], rows))
+                heads[c] = draft.get_output_embeddings()
+                heads[c].rows()
                 kernels.prepare(draft, rows=(1,))
-            r = FusedRunner(draft, None, None, 512)
-            r.forward(prefix, n_logits=1)
-            runners[c] = (r, n)
-        for _ in range(reps + 3):
-            for c, (r, n) in runners.items():
-                unprune(draft)
-                if n is not None:
-                    prune(draft, subset_from_ranking(ranking, n, [2], rows))
+                draft.set_output_embeddings(full_head)
+            else:
+                heads[c] = full_head
+        r = FusedRunner(draft, None, None, 512)
+        r.forward(prefix, n_logits=1)
+        for rep in range(reps + 3):
+            for c in configs:
+                draft.set_output_embeddings(heads[c])
                 r.trim(100)
                 t = time.perf_counter()
                 r.forward(tok, n_logits=1)
                 times[c].append(time.perf_counter() - t)
-        unprune(draft)
+        draft.set_output_embeddings(full_head)
     coverage = ranking.get("coverage", {})
     return [{"draft_output_layer": c, "tokens": n or rows, "ms": round(1000 * statistics.median(v[3:]), 3),
              "corpus_coverage": coverage.get(str(n)) if n else 1.0} for c, (n, v) in
