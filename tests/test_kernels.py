@@ -113,3 +113,16 @@ def test_greedy_outputs_unchanged_under_every_policy(policy, fused):
     kernels.unroute(target)
     assert "forward" not in target.model.layers[0].mlp.up_proj.__dict__
     unfuse(target)
+
+
+def test_fused_forward_is_the_default_on_cpu_only(monkeypatch):
+    """On CUDA the model's own forward is the default (the fused one measured slower on an H100)."""
+    from specheads.export.shim.fused import use_fused
+
+    model = tiny_llama(40, layers=1)
+    assert use_fused(model)
+    meta = model.to("meta")  # stands in for a non-CPU device: no GPU here
+    monkeypatch.delenv("SPECHEADS_FUSED_CUDA", raising=False)
+    assert not use_fused(meta)
+    monkeypatch.setenv("SPECHEADS_FUSED_CUDA", "1")
+    assert use_fused(meta)

@@ -90,3 +90,17 @@ def test_a_judge_recipe_chains_the_export_into_eval_judge():
 
     _, cfgs = load_configs(["recipe=judge_quickstart", "export.output_dir=/tmp/z-export"])
     assert cfgs["eval"].judge == "/tmp/z-export/head.safetensors" and cfgs["eval"].head is None
+
+
+def test_the_vocab_stage_prunes_the_draft_of_every_later_stage():
+    from specheads.pipeline import load_configs
+
+    pipe, cfgs = load_configs(["recipe=quickstart", "vocab.top_n=4096"])
+    assert pipe.stages[0] == "vocab"
+    for stage in ("datagen", "train", "eval"):
+        assert cfgs[stage].draft.vocab_file == cfgs["vocab"].output
+        assert cfgs[stage].draft.vocab_top_n == 4096
+    _, cfgs = load_configs(["recipe=quickstart", "vocab.top_n=null"])
+    assert cfgs["datagen"].draft.vocab_file is None and cfgs["eval"].draft.vocab_top_n is None
+    pipe, cfgs = load_configs(["recipe=judge_quickstart"])  # no vocab section: no vocab stage, no pruning
+    assert "vocab" not in pipe.stages and "vocab" not in cfgs
