@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 PROFILES = ("auto", "refresh")  # or a path to a cost-table JSON
 PREFIX_TOKENS = 100
-REPS = 7
+REPS = 15
 WARMUP = 2
 
 
