@@ -92,7 +92,7 @@ def run_set(label, pair, engine, table, prompts, mx, configs, reference_name, or
     oracle_row = {"k_max": oracle_k_max, "tokens_per_call": round(oracle.tokens_per_call, 3),
                   "verification_rate": round(oracle.verification_rate, 4),
                   "predicted_ms_per_token": round(o_ms, 3), "predicted_tokens_per_s": round(1000 / o_ms, 3)}
-    lossless = [r for r in rows if r["config"].startswith("ours") and r["config"] != "ours_draft"]
+    lossless = [r for r in rows if r["config"].startswith("ours") and r["config"] not in ("ours_draft", "ours_ar")]
     best = max(lossless, key=lambda r: r["tokens_per_s"])
     ar = next(r for r in rows if r["config"] == "ours_ar")
     cols = ["config", "tokens", "tokens_per_s", "tokens_per_call", "verification_rate", "discard_rate",
