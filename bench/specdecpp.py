@@ -20,6 +20,7 @@ Prints a table and writes ``bench/results/specdecpp.json`` and ``bench/results/s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -123,7 +124,10 @@ def main(argv=None) -> int:
             dg = cfgs["datagen"]
             prompts = load_prompt_files(dg.prompts, limit=args.ref_prompts, offset=dg.offset)
             mine = ours(args.recipe, args.ref_prompts, work)
-            pair = load_pair(dg.target, dg.draft, same_vocab=True)
+            # Both sides of the comparison run the full draft (``ours`` reads the datagen section alone, without
+            # the pipeline's vocab stage): the comparison is about the data pipeline, not the draft's cost.
+            full_draft = dataclasses.replace(dg.draft, vocab_file=None, vocab_top_n=None)
+            pair = load_pair(dg.target, full_draft, same_vocab=True)
             ref = reference_five_pass(dg, pair, prompts, work)
             del pair
         result["datagen"] = {"prompts": len(prompts), "ours": mine, "reference_five_pass": ref}
