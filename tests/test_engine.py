@@ -228,9 +228,13 @@ def _sd_pvalue(sampling: SamplingConfig, n: int = 3000, horizon: int = 3, k: int
     return chisquare(obs, exp).pvalue
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(do_sample=True),
-                                      SamplingConfig(do_sample=True, temperature=0.7, top_k=3, top_p=0.9)],
-                         ids=["plain", "warped"])
+#: Sampling settings every losslessness chi-square runs under (plain and warped).
+SAMPLINGS = pytest.mark.parametrize("sampling", [SamplingConfig(do_sample=True),
+                                                 SamplingConfig(do_sample=True, temperature=0.7, top_k=3, top_p=0.9)],
+                                    ids=["plain", "warped"])
+
+
+@SAMPLINGS
 def test_sampled_sd_is_distributed_as_target(sampling):
     assert _sd_pvalue(sampling) > 1e-3
 

@@ -23,7 +23,7 @@ from specheads.export.shim.vocab import PrunedHead, prune, subset_from_ranking, 
 
 from test_datagen import _args, _rows, prompts_file  # noqa: F401 - fixture
 from test_datagen import main as datagen_main
-from test_engine import Q_ROWS, _sd_pvalue
+from test_engine import Q_ROWS, SAMPLINGS, _sd_pvalue
 
 
 def _ranking_file(tmp_path, ranking, vocab_size):
@@ -144,9 +144,7 @@ def _pruned_bigram_sd_pvalue(sampling=SamplingConfig(do_sample=True)):
     return _sd_pvalue(sampling, draft=draft)
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(do_sample=True),
-                                      SamplingConfig(do_sample=True, temperature=0.7, top_k=3, top_p=0.9)],
-                         ids=["plain", "warped"])
+@SAMPLINGS
 def test_sampled_sd_with_a_pruned_draft_follows_the_target(sampling):
     assert _pruned_bigram_sd_pvalue(sampling) > 1e-3
 
