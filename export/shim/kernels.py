@@ -83,9 +83,10 @@ def _stamp(w: torch.Tensor) -> tuple:
     return w.data_ptr(), (0 if w.is_inference() else w._version)
 
 
-def _in_layout(w: torch.Tensor, layout: str) -> torch.Tensor:
-    """``w`` stored ``layout`` (row- or column-major): itself, or a cached copy."""
-    if _layout_of(w) == layout:
+def _in_layout(w: torch.Tensor, layout: str, stored: str | None = None) -> torch.Tensor:
+    """``w`` stored ``layout`` (row- or column-major): itself, or a cached copy (``stored``: ``w``'s own
+    layout when the caller knows it)."""
+    if (stored or _layout_of(w)) == layout:
         return w
     hit = getattr(w, "_specheads_layouts", None)  # copies live as long as the weight itself
     if hit is not None and hit[0] == _stamp(w) and layout in hit[1]:
@@ -98,9 +99,10 @@ def _in_layout(w: torch.Tensor, layout: str) -> torch.Tensor:
     return copy
 
 
-def _run(choice: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def _run(choice: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+         stored: str | None = None) -> torch.Tensor:
     kernel, layout = choice.split(":")
-    wl = _in_layout(w, layout)
+    wl = _in_layout(w, layout, stored)
     if kernel == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, wl, b, "none", [], "")
     return F.linear(x, wl, b)
@@ -176,7 +178,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     choice = _choices.get(key)
     if choice is None:
         choice = _choices[key] = _choose(key[0], key[1], key[2], key[3], key[4], stored)
-    return _run(choice, x, w, b)
+    return _run(choice, x, w, b, stored)
 
 
 def prepare(model: torch.nn.Module, rows=range(1, 9)) -> None:
