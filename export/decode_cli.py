@@ -103,7 +103,7 @@ def _policy_settings(cfg: DecodeConfig, policy) -> dict:
     if cfg.policy == "specdecpp":
         return {"head": cfg.head, "stop": policy.stop,
                 "threshold": policy.threshold if policy.stop == "threshold" else None, "k_min": cfg.k_min,
-                "k_max": cfg.k_max}
+                "k_max": cfg.k_max, "gate": policy.gate is not None}
     if cfg.policy == "judge":
         return {"head": cfg.head, "delta": policy.delta, "k": cfg.k}
     if cfg.policy == "sprinter":
@@ -117,7 +117,8 @@ def _policy_settings(cfg: DecodeConfig, policy) -> dict:
             out.update(head=cfg.head, stop_threshold=policy.stopper.threshold, k_min=cfg.k_min)
         return out
     if cfg.policy == "confidence_stop":
-        return {"stop": policy.stop, "tau": policy.tau if policy.stop == "threshold" else None, "k_max": policy.k}
+        return {"stop": policy.stop, "tau": policy.tau if policy.stop == "threshold" else None, "k_max": policy.k,
+                "gate": policy.gate is not None}
     return {}
 
 

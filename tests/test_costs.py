@@ -13,7 +13,8 @@ from conftest import bigram
 from specheads.errors import UserError
 from specheads.evaluate.oracle import oracle_schedule, perfect_head_schedule
 from specheads.export.shim import costs as costs_mod
-from specheads.export.shim.costs import CostTable, cost_table, draft_more, load_table, predict_ms_per_token
+from specheads.export.shim.costs import (CostTable, DraftGate, cost_table, draft_more, load_table,
+                                        predict_ms_per_token)
 from specheads.export.shim.engine import Engine, GenerationStats
 from specheads.export.shim.policies import ConfidenceStop, SpecDecPP, StandardSD
 from specheads.heads import AcceptanceHead
@@ -285,6 +286,74 @@ def test_cost_aware_rules_are_lossless_on_a_tiny_pair(tiny_pair, position):
             assert g.tokens == ref
             assert sum(g.stats.target_pass_sizes.values()) == g.stats.target_calls
             assert max(g.stats.target_pass_sizes) <= 9
+
+
+# ---- the draft gate: rounds without a draft -----------------------------------------------------
+
+def test_gate_closes_on_losing_rounds_probes_with_backoff_and_reopens():
+    """t_d = 1, flat t_t = 10: a round with one rejected candidate has surplus 1 - 11/10 = -0.1, one with
+    its candidate kept 2 - 1.1 = +0.9. Prior 0.5 over 2 rounds, memory 16."""
+    gate = DraftGate(linear_table(1.0, 10.0), memory=16, probe_every=4, max_probe_every=16)
+    decisions = []
+    for _ in range(120):
+        d = gate.open()
+        decisions.append(d)
+        if d:
+            gate.observe(1, 0)
+    first_closed = decisions.index(False)
+    assert all(decisions[:first_closed]) and first_closed > 3  # the prior lets a prompt start drafting
+    probes = [i for i in range(first_closed, len(decisions)) if decisions[i]]
+    waits = [b - a - 1 for a, b in zip([first_closed - 1] + probes, probes)]
+    assert waits[:4] == [4, 8, 16, 16]  # doubling up to max_probe_every
+    assert gate.skipped == decisions.count(False)
+    for _ in range(3):  # probes that win: the estimate climbs back above zero, the gate opens on its own
+        gate.observe(1, 1)
+    assert gate.estimate > 0 and gate.open() and gate.open()
+    gate.reset()
+    assert gate.estimate == pytest.approx(0.5)
+    gate.observe(0, 0)  # a round without candidates says nothing
+    assert gate.estimate == pytest.approx(0.5)
+    with pytest.raises(UserError, match="probe_every"):
+        DraftGate(linear_table(1.0, 10.0), probe_every=0)
+
+
+def _disagreeing_pair(v: int = 12):
+    """Target cycles i -> i + 1; the draft always proposes i -> i + 2: every candidate is rejected."""
+    shifted = [[0.9 if j == (i + 2) % v else 0.1 / (v - 1) for j in range(v)] for i in range(v)]
+    return bigram(_cycle(v)), bigram(shifted)
+
+
+@pytest.mark.parametrize("make", [lambda t: ConfidenceStop(k_max=4, stop="cost", costs=t),
+                                  lambda t: SpecDecPP(_beta_head([0.9] * 12), k_min=1, k_max=4, stop="cost", costs=t)])
+def test_gated_rules_stop_drafting_where_it_loses_and_stay_lossless(make):
+    target, draft = _disagreeing_pair()
+    engine = Engine(target, draft, eos_token_ids=[], fused=False)
+    table = linear_table(1.0, lambda k: 10 + k)
+    ref = engine.generate_ar([0], 60).tokens
+    gated = engine.generate([0], make(table), 60)
+    assert gated.tokens == ref == [(i + 1) % 12 for i in range(60)]
+    st = gated.stats
+    assert st.accepted == 0 and st.undrafted_rounds > 30
+    assert st.rounds == st.target_calls == 60  # one token per round, drafted or not
+    # a round without candidates is a one-token pass; so is the last round, which has no room to draft
+    assert st.target_pass_sizes[1] == st.undrafted_rounds + 1
+    ungated = make(table)
+    ungated.gate = None
+    st = engine.generate([0], ungated, 60).stats
+    assert st.undrafted_rounds == 0 and st.draft_forwards >= 59
+
+
+def test_gate_stays_open_where_drafting_pays():
+    engine = Engine(bigram(_cycle(12)), bigram(_cycle(12)), eos_token_ids=[], fused=False)
+    g = engine.generate([0], ConfidenceStop(k_max=4, stop="cost", costs=linear_table(1.0, lambda k: 10 + k)), 60)
+    assert g.stats.undrafted_rounds == 0 and g.stats.accepted > 30
+
+
+def test_gate_needs_the_cost_rule():
+    with pytest.raises(UserError, match="gate=True needs stop=cost"):
+        ConfidenceStop(gate=True)
+    assert ConfidenceStop(stop="cost", costs=linear_table(1.0, 10.0), gate=False).gate is None
+    assert ConfidenceStop().gate is None
 
 
 # ---- heads-decode ------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ class GenerationStats:
     wall_time: float = 0.0
     eos: int = 0
     verifier_calls: int = 0  # learned-verifier evaluations (SPRINTER)
+    undrafted_rounds: int = 0  # rounds whose policy chose not to draft (the cost-aware rules' gate)
     target_tokens: int = 0  # tokens after the prompt the target processed (the prompt's prefill is not counted)
     target_context: int = 0  # sum over those tokens of the context each attends to (itself included)
     draft_tokens: int = 0
@@ -91,7 +92,7 @@ class GenerationStats:
 
 
 COUNTS = ("prompts", "prompt_tokens", "new_tokens", "target_calls", "draft_forwards", "drafted", "accepted",
-          "discarded", "rounds", "wall_time", "eos", "verifier_calls", "target_tokens", "target_context",
+          "discarded", "rounds", "wall_time", "eos", "verifier_calls", "undrafted_rounds", "target_tokens", "target_context",
           "draft_tokens", "draft_context")
 
 
@@ -180,7 +181,10 @@ class Engine:
                 room = policy.round_room(remaining)
                 rnd = Round(sampling, generator, limit=min(policy.max_candidates(), room), position=len(seq),
                             eos=frozenset(self.eos))
-                if rnd.limit > 0:
+                drafting = rnd.limit > 0 and policy.draft_round()
+                if rnd.limit > 0 and not drafting:
+                    stats.undrafted_rounds += 1
+                if drafting:
                     pending = torch.tensor([seq[draft.length:]], device=d_dev)
                     while True:
                         _count(stats, "draft", draft.length, pending.shape[1])
@@ -227,6 +231,7 @@ class Engine:
                 stats.drafted += n
                 stats.accepted += kept_drafts
                 stats.discarded += n - kept_drafts
+                policy.end_round(n, m)
                 seq.extend(new)
                 out.extend(new)
                 if on_tokens is not None:

@@ -21,7 +21,7 @@ import torch
 
 from specheads.errors import UserError
 
-from .costs import CostTable, draft_more
+from .costs import CostTable, DraftGate, draft_more
 from .divergence import DIVERGENCES, divergence
 from .sampling import SamplingConfig, probs_from_logits, sample
 
@@ -96,6 +96,13 @@ class Policy:
 
     def reset(self) -> None:
         """Called before every prompt."""
+
+    def draft_round(self) -> bool:
+        """Called at every round's start: False to skip drafting, so the target steps alone (one token)."""
+        return True
+
+    def end_round(self, drafted: int, accepted: int) -> None:
+        """Called after every round's verdict: ``accepted`` of the ``drafted`` candidates were kept."""
 
     def stop_drafting(self, rnd: Round) -> bool:
         """True to stop drafting and verify the ``rnd.n`` candidates drafted so far."""
@@ -174,15 +181,34 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 STOPS = ("threshold", "cost")  # how SpecDecPP and ConfidenceStop decide to stop drafting
 
 
-def _stop_problems(stop: str, costs: CostTable | None) -> list[str]:
+def _stop_problems(stop: str, costs: CostTable | None, gate: bool | None = None) -> list[str]:
     if stop not in STOPS:
         return [f"stop={stop!r}: expected threshold or cost"]
     if stop == "cost" and costs is None:
         return ["stop=cost needs a cost table (costs=...; see specheads.export.shim.costs.cost_table)"]
+    if gate and stop != "cost":
+        return ["gate=True needs stop=cost (the gate prices rounds with the cost table)"]
     return []
 
 
-class SpecDecPP(Policy):
+class _Gated(Policy):
+    """A policy whose rounds may skip drafting through a :class:`~.costs.DraftGate` (``self.gate``)."""
+
+    gate: DraftGate | None = None
+
+    def reset(self) -> None:
+        if self.gate is not None:
+            self.gate.reset()
+
+    def draft_round(self) -> bool:
+        return self.gate is None or self.gate.open()
+
+    def end_round(self, drafted: int, accepted: int) -> None:
+        if self.gate is not None:
+            self.gate.observe(drafted, accepted)
+
+
+class SpecDecPP(_Gated):
     """SpecDec++ adaptive candidate length (ALGORITHMS.md section 1): stop drafting when
     ``1 - prod_j beta_hat_j > h``, with ``beta_hat_j = sigmoid(head(h^D_j))`` from the draft
     state at candidate ``y_j``'s own position; never before ``k_min``, always at ``k_max``.
@@ -211,23 +237,28 @@ class SpecDecPP(Policy):
         position: ``own`` (the soft-label head, reference order above) or ``previous``.
         stop: ``threshold`` (the rule above) or ``cost`` (no ``h``; needs ``costs``).
         costs: the pair's :class:`~.costs.CostTable` (``stop="cost"``).
+        gate: ``stop="cost"`` only (its default there): before each round, skip drafting when the
+            prompt's recent acceptance says a round with candidates costs more per token than the
+            target alone (:class:`~.costs.DraftGate`).
     """
 
     name = "specdecpp"
     draft_hidden = "post"
 
     def __init__(self, head: torch.nn.Module, threshold: float = 0.7, k_min: int = 2, k_max: int = 20,
-                 position: str = "own", stop: str = "threshold", costs: CostTable | None = None):
+                 position: str = "own", stop: str = "threshold", costs: CostTable | None = None,
+                 gate: bool | None = None):
         if not 0 < threshold < 1:
             raise UserError(f"threshold h={threshold} must be in (0, 1)")
         if not 1 <= k_min <= k_max:
             raise UserError(f"need 1 <= k_min <= k_max, got k_min={k_min}, k_max={k_max}")
         if position not in ("own", "previous"):
             raise UserError(f"head feature position {position!r}: expected own or previous")
-        problems = _stop_problems(stop, costs)
+        problems = _stop_problems(stop, costs, gate)
         if problems:
             raise UserError("; ".join(problems))
         super().__init__(k_max)
+        self.gate = DraftGate(costs) if (stop == "cost" if gate is None else gate) else None
         self.head, self.threshold, self.k_min = head, threshold, k_min
         self.stop, self.costs = stop, costs
         self.lag = 1 if position == "own" else 0  # how many candidates behind the newest the scored one is
@@ -238,6 +269,7 @@ class SpecDecPP(Policy):
         self.scored = 0  # head evaluations, for the stats
 
     def reset(self) -> None:
+        super().reset()
         self._prompt_betas = [0.0, 0]
 
     def stop_drafting(self, rnd: Round) -> bool:
@@ -609,7 +641,7 @@ class FSD(Policy):
         return Verdict(int(m), int(tokens[int(m)]))
 
 
-class ConfidenceStop(Policy):
+class ConfidenceStop(_Gated):
     """Draft-confidence stopping (ALGORITHMS.md section 4; Hugging Face's
     ``assistant_confidence_threshold``), a training-free baseline: stop drafting after a candidate
     whose probability under the draft, ``q_i(y_i)`` from the softmax of the raw draft logits, is
@@ -626,20 +658,22 @@ class ConfidenceStop(Policy):
         stop: ``threshold`` or ``cost`` (needs ``costs``).
         costs: the pair's :class:`~.costs.CostTable` (``stop="cost"``).
         k_min: fewest candidates per round.
+        gate: as :class:`SpecDecPP`'s (``stop="cost"`` only, its default there).
     """
 
     name = "confidence_stop"
 
     def __init__(self, tau: float = 0.4, k_max: int = 20, stop: str = "threshold", costs: CostTable | None = None,
-                 k_min: int = 1):
+                 k_min: int = 1, gate: bool | None = None):
         problems = [] if 0 <= tau <= 1 else [f"confidence threshold tau={tau} must be in [0, 1]"]
         if not 1 <= k_min <= k_max:
             problems.append(f"need 1 <= k_min <= k_max, got k_min={k_min}, k_max={k_max}")
-        problems += _stop_problems(stop, costs)
+        problems += _stop_problems(stop, costs, gate)
         if problems:
             raise UserError("; ".join(problems))
         super().__init__(k_max)
         self.tau, self.k_min, self.stop, self.costs = float(tau), k_min, stop, costs
+        self.gate = DraftGate(costs) if (stop == "cost" if gate is None else gate) else None
         self._keep = self._sum = 0.0  # the round's S_n and sum of S_i (stop="cost")
 
     def stop_drafting(self, rnd: Round) -> bool:
