@@ -9,8 +9,8 @@ machine noise hits every configuration alike. Greedy, fp32, batch 1.
 Our rows run the draft with its output layer pruned to the 8,192 tokens most frequent in the
 quickstart corpus (``--draft-top-n``) and the linear kernels measured fastest on this machine;
 Hugging Face's rows run the full draft and plain ``F.linear``. ``ours_confidence_cost`` is the
-cost-aware confidence stop with its draft gate (rounds skip drafting while the prompt's recent
-drafted rounds lose to the target alone); ``ours_confidence_cost_ungated`` the same rule without it. Each row's predicted ms/token comes
+cost-aware confidence stop; ``ours_confidence_cost_gated`` the same rule with the draft gate (rounds
+skip drafting while the prompt's recent drafted rounds lose to the target alone). Each row's predicted ms/token comes
 from the profiled cost table; the greedy oracle is priced by the same table.
 
 Prints a table and writes ``bench/results/engine.json``.
@@ -162,15 +162,15 @@ def main(argv=None) -> int:
             **{f"ours_sd_k{k}": (lambda ids, k=k: engine.generate(ids, StandardSD(k), mx)) for k in (1, *KS)},
             "ours_confidence_cost": lambda ids: engine.generate(ids, ConfidenceStop(k_max=max(KS), stop="cost",
                                                                                      costs=table), mx),
-            "ours_confidence_cost_ungated": lambda ids: engine.generate(
-                ids, ConfidenceStop(k_max=max(KS), stop="cost", costs=table, gate=False), mx)}
+            "ours_confidence_cost_gated": lambda ids: engine.generate(
+                ids, ConfidenceStop(k_max=max(KS), stop="cost", costs=table, gate=True), mx)}
     configs = {"ours_ar": ours["ours_ar"], "hf_generate": lambda ids: hf(ids)}
     for k in (1, *KS):
         configs[f"ours_sd_k{k}"] = ours[f"ours_sd_k{k}"]
         if k in KS:
             configs[f"hf_assisted_k{k}"] = lambda ids, k=k: hf(ids, k)
     configs["ours_confidence_cost"] = ours["ours_confidence_cost"]
-    configs["ours_confidence_cost_ungated"] = ours["ours_confidence_cost_ungated"]
+    configs["ours_confidence_cost_gated"] = ours["ours_confidence_cost_gated"]
     if args.configs:
         want = args.configs.split(",")
         unknown = set(want) - set(configs)
