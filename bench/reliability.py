@@ -63,23 +63,23 @@ def _run(cmd: list[str], env: dict | None = None) -> None:
 
 
 def _shas(out: Path) -> dict:
-    from specheads.datagen import shards
+    from specheads import dataset
     from specheads.outputs import file_sha256
 
-    return {p.name: file_sha256(p) for p in shards.chunk_files(out)}
+    return {p.name: file_sha256(p) for p in dataset.chunk_files(out)}
 
 
 def _coverage(out: Path, n: int) -> dict:
     import pyarrow.parquet as pq
 
-    from specheads.datagen import shards
+    from specheads import dataset
 
     seen: dict[int, int] = {}
     skipped = set()
-    for path in shards.chunk_files(out):
+    for path in dataset.chunk_files(out):
         for i in pq.read_table(path, columns=["prompt_index"]).column("prompt_index").to_pylist():
             seen[i] = seen.get(i, 0) + 1
-        skipped |= {s["prompt_index"] for s in shards.chunk_info(path).get("skipped", [])}
+        skipped |= {s["prompt_index"] for s in dataset.chunk_info(path).get("skipped", [])}
     return {"lost": len(set(range(n)) - set(seen) - skipped), "duplicated": sum(k - 1 for k in seen.values() if k > 1)}
 
 

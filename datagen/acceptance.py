@@ -1,12 +1,26 @@
-"""SpecDec++ acceptance labels from teacher-forced target and draft logits (ALGORITHMS.md section 1)."""
+"""``labels=acceptance``: SpecDec++ acceptance labels from teacher-forced target and draft logits (ALGORITHMS.md section 1).
+
+Per prompt, the target's response ``x`` and at every response position ``i`` the draft's token
+``y_i ~ q(.|c, x_<i)``, its label ``min(1, p(y_i)/q(y_i))`` and the expected label ``1 - TV(p, q)``
+(columns: :data:`specheads.dataset.ACCEPTANCE_COLUMNS`). ``labels=fsd`` (``fsd.py``) runs the same
+chunk labelling with its own columns added.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from specheads.dataset import ACCEPTANCE_COLUMNS, chunk_files
 from specheads.export.shim import batched
 from specheads.export.shim.models import pad_batch
-from specheads.export.shim.sampling import SamplingConfig, probs_from_logits, sample
+from specheads.export.shim.sampling import SamplingConfig, probs_from_logits, sample, usable_logits
+
+from . import shards
+from .labelling import Job, Labelled, Labeller, skip_record
+
+PER_TOKEN = ("draft_token", "label", "expected_label")  # acceptance_labels' columns, one value per response token
 
 
 def acceptance_labels(p_logits: torch.Tensor, q_logits: torch.Tensor, sampling: SamplingConfig,
@@ -129,3 +143,92 @@ def label_batch(target, draft, prompts: list[list[int]], responses: list[list[in
     """
     p, q, rows = teacher_forced_pair(target, draft, prompts, responses, pad, target_logits)
     return split_rows(acceptance_labels(p, q, sampling, generator), rows)
+
+
+def finite_rows(p_all: torch.Tensor, q_all: torch.Tensor, rows: list[int]) -> list[bool]:
+    """Per response, whether every target logit at its positions is finite and the draft's are usable
+    (:func:`~specheads.export.shim.sampling.usable_logits`)."""
+    finite = (torch.isfinite(p_all).all(-1) & usable_logits(q_all)).cpu()  # a pruned draft's -inf is fine
+    return [bool(f.all()) for f in finite.split(rows)]
+
+
+def label_responses(job: Job, items: list, chunk: int, extra_columns: tuple[str, ...] = (),
+                    extra_labels=None) -> Labelled:
+    """Labels one chunk of prompts: the target's responses, then every response position.
+
+    Args:
+        job: the loaded run.
+        items: the chunk's prompts.
+        chunk: the chunk's number (its seed and first prompt index).
+        extra_columns: per-token columns ``extra_labels`` adds, in file order.
+        extra_labels: ``(p_logits, q_logits) -> {column: [N] tensor}`` at the same rows, or None.
+    """
+    cfg, pair = job.cfg, job.pair
+    seed = shards.chunk_seed(cfg.seed, chunk)
+    gen = torch.Generator(device=pair.target.device).manual_seed(seed)
+    names = (*PER_TOKEN, *extra_columns)
+    cols: dict[str, list] = {k: [] for k in (*ACCEPTANCE_COLUMNS, *extra_columns)}
+    labelled, skipped = 0, []
+    for b in range(0, len(items), cfg.batch_size):
+        batch = items[b: b + cfg.batch_size]
+        ids = job.prompt_ids(batch)
+        responses, p_logits = generate_responses(pair.target.model, ids, cfg.max_new_tokens, cfg.sampling,
+                                                 seed + b, job.pad, job.eos)
+        p_all, q_all, rows = teacher_forced_pair(pair.target.model, pair.draft.model, ids, responses, job.pad,
+                                                 p_logits)
+        ok = finite_rows(p_all, q_all, rows)
+        if not all(ok):  # a sample with NaN/Inf logits is counted, never written
+            keep = torch.tensor(ok).repeat_interleave(torch.tensor(rows)).to(p_all.device)
+            p_all, q_all = p_all[keep], q_all[keep]
+            rows = [n for n, good in zip(rows, ok) if good]
+        out = acceptance_labels(p_all, q_all, cfg.sampling, gen)  # labels=fsd draws the same tokens
+        if extra_labels is not None:
+            out |= extra_labels(p_all, q_all)
+        del p_all, q_all
+        labels = iter(split_rows(out, rows) if rows else [])
+        for i, (p, x, r, good) in enumerate(zip(batch, ids, responses, ok)):
+            index = job.first_index(chunk) + b + i
+            if not good:
+                skipped.append(skip_record(p, index, "non-finite logits"))
+                continue
+            lab = next(labels)
+            cols["prompt_id"].append(p.id)
+            cols["prompt_index"].append(index)
+            cols["input_ids"].append(x + r)
+            cols["response_start"].append(len(x))
+            for key in names:
+                cols[key].append(lab[key].tolist() if key != "expected_label" or cfg.expected_label else None)
+            labelled += len(r)
+    return Labelled(cols, labelled, skipped)
+
+
+def summarise(out: Path) -> dict:
+    """Counts and label statistics, streamed chunk by chunk from the files."""
+    import pyarrow.parquet as pq
+
+    prompts = tokens = 0
+    label_sum = expected_sum = 0.0
+    hist = [0] * 10
+    for path in chunk_files(out):
+        table = pq.read_table(path, columns=["label", "expected_label"])
+        for labels, expected in zip(table.column("label").to_pylist(), table.column("expected_label").to_pylist()):
+            prompts += 1
+            tokens += len(labels)
+            label_sum += sum(labels)
+            expected_sum += sum(expected or [])
+            for v in labels:
+                hist[min(int(v * 10), 9)] += 1
+    return {"prompts": prompts, "labelled_tokens": tokens,
+            "label_mean": label_sum / tokens if tokens else None,
+            "expected_label_mean": expected_sum / tokens if tokens else None,
+            "label_histogram_deciles": hist}
+
+
+class AcceptanceLabeller(Labeller):
+    """``labels=acceptance``: SpecDec++ soft labels at every token of the target's responses."""
+
+    def label_chunk(self, job: Job, items: list, chunk: int) -> Labelled:
+        return label_responses(job, items, chunk)
+
+    def summarise(self, cfg, out: Path, models: dict) -> tuple[dict, dict]:
+        return summarise(out), {}

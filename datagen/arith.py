@@ -3,8 +3,9 @@
 Every arithmetic step in the text is checked: calculator annotations ``<<48/2=24>>`` and inline
 equations ``a op b (op c ...) = r``. The first false step gives the error span: the characters of
 that step's stated result (the first place the text says something false). The final answer (after
-``####``, else the last number) is compared with the reference. Evaluation walks the parsed
-expression tree (numbers, + - * / and parentheses only); nothing is ``eval``-ed.
+``####``, else the last number) is compared with the reference (:mod:`specheads.grading`, which
+``heads-eval`` grades with too). Evaluation walks the parsed expression tree (numbers, + - * / and
+parentheses only); nothing is ``eval``-ed.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import operator
 import re
 from dataclasses import dataclass
 
-_NUM = r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+"
+from specheads.grading import NUMBER, final_answer, final_correct, parse_number
+
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 # <<expression=result>>
 _ANNOTATION = re.compile(r"<<([^<>=]+)=([^<>]+)>>")
 # a op b [op c ...] = r, numbers optionally with $ or a trailing %; x, × and ÷ as operators
-_TERM = r"\(?\s*\$?(?:" + _NUM + r")%?\s*\)?"
-_INLINE = re.compile(r"(" + _TERM + r"(?:\s*[-+*/x×÷]\s*" + _TERM + r")+)\s*=\s*\$?(" + _NUM + r")")
+_TERM = r"\(?\s*\$?(?:" + NUMBER + r")%?\s*\)?"
+_INLINE = re.compile(r"(" + _TERM + r"(?:\s*[-+*/x×÷]\s*" + _TERM + r")+)\s*=\s*\$?(" + NUMBER + r")")
 
 
 @dataclass
@@ -53,10 +55,6 @@ class Check:
     final_correct: bool | None
     error_span: tuple[int, int] | None
     steps: list[Step]
-
-
-def _number(text: str) -> float:
-    return float(text.replace(",", "").replace("$", "").strip())
 
 
 def _decimals(text: str) -> int:
@@ -112,7 +110,7 @@ def steps(text: str) -> list[Step]:
         value = evaluate(m.group(1))
         res = m.group(2)
         try:
-            stated = _number(res)
+            stated = parse_number(res)
         except ValueError:
             continue
         if value is None:
@@ -126,19 +124,8 @@ def steps(text: str) -> list[Step]:
         if value is None:
             continue
         res = m.group(2)
-        found.append(Step(m.start(), m.end(), m.start(2), m.end(2), _number(res), value, _decimals(res)))
+        found.append(Step(m.start(), m.end(), m.start(2), m.end(2), parse_number(res), value, _decimals(res)))
     return sorted(found, key=lambda s: s.start)
-
-
-def final_answer(text: str) -> tuple[str, int, int] | None:
-    """The final answer and its span: the number after ``####``, else the last number in the text."""
-    marker = text.rfind("####")
-    region, base = (text[marker + 4:], marker + 4) if marker >= 0 else (text, 0)
-    nums = list(re.finditer(_NUM, region))
-    if not nums:
-        return None
-    m = nums[0] if marker >= 0 else nums[-1]
-    return m.group().replace(",", ""), base + m.start(), base + m.end()
 
 
 def check(text: str, reference: str | None = None) -> Check:
@@ -146,11 +133,7 @@ def check(text: str, reference: str | None = None) -> Check:
     all_steps = steps(text)
     wrong = next((s for s in all_steps if not s.correct), None)
     fin = final_answer(text)
-    final_correct = None
-    if reference is not None:
-        try:
-            final_correct = fin is not None and abs(_number(fin[0]) - _number(reference)) < 1e-6
-        except ValueError:
-            final_correct = fin is not None and fin[0].strip() == reference.strip()
     span = (wrong.result_start, wrong.result_end) if wrong is not None else None
-    return Check(fin[0] if fin else None, final_correct, span, all_steps)
+    return Check(fin[0] if fin else None, final_correct(text, reference) if reference is not None else None, span,
+                 all_steps)
+

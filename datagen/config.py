@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from specheads.export.shim.models import ModelSpec
 from specheads.export.shim.sampling import SamplingConfig
 
+PROG = "heads-datagen"
+
 
 @dataclass
 class DatagenConfig:

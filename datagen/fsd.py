@@ -37,8 +37,12 @@ from pathlib import Path
 
 import torch
 
+from specheads.dataset import chunk_files
 from specheads.export.shim.divergence import DIVERGENCES, divergence
 from specheads.export.shim.sampling import SamplingConfig, probs_from_logits
+
+from . import acceptance
+from .labelling import Job, Labelled, Labeller
 
 DISTS = ("raw", "warped")
 ROWS_PER_STEP = 256  # rows of [N, V] probabilities processed at once (bounds the temporaries)
@@ -143,8 +147,6 @@ def summarise(out: Path, divergences: list[str], thresholds: list[float]) -> dic
     """
     import pyarrow.parquet as pq
 
-    from .shards import chunk_files
-
     cols = [divergence_column(d) for d in divergences]
     values: dict[str, list[torch.Tensor]] = {d: [] for d in divergences}
     for path in chunk_files(out):
@@ -169,3 +171,23 @@ def summarise(out: Path, divergences: list[str], thresholds: list[float]) -> dic
         stats["accepted_tokens"][d] = accepted
         stats["label_mean"][d] = {k: (n / tokens if tokens else None) for k, n in accepted.items()}
     return {"tokens": tokens, **stats}
+
+
+class FsdLabeller(Labeller):
+    """``labels=fsd``: ``labels=acceptance``'s data plus the divergences and FSD decisions per token."""
+
+    def problems(self, cfg) -> list[str]:
+        return super().problems(cfg) + problems(list(cfg.fsd_divergences), list(cfg.fsd_thresholds), cfg.fsd_top_k,
+                                                cfg.fsd_dist, cfg.sampling)
+
+    def label_chunk(self, job: Job, items: list, chunk: int) -> Labelled:
+        cfg = job.cfg
+        divs, thresholds = list(cfg.fsd_divergences), list(cfg.fsd_thresholds)
+        columns = (*(divergence_column(d) for d in divs), *(label_column(d, t) for d in divs for t in thresholds))
+        return acceptance.label_responses(
+            job, items, chunk, columns,
+            lambda p, q: fsd_labels(p, q, cfg.sampling, divs, thresholds, cfg.fsd_top_k, cfg.fsd_dist))
+
+    def summarise(self, cfg, out: Path, models: dict) -> tuple[dict, dict]:
+        block = manifest_block(out, list(cfg.fsd_divergences), list(cfg.fsd_thresholds), cfg.fsd_top_k, cfg.fsd_dist)
+        return acceptance.summarise(out), {"fsd": block}

@@ -1,9 +1,10 @@
-"""SPRINTER ratio-threshold labels (ALGORITHMS.md section 2).
+"""``labels=sprinter``: SPRINTER ratio-threshold labels (ALGORITHMS.md section 2).
 
 A labelled example is a prefix ``s[:t]`` and a draft token ``x ~ q(.|s[:t])``; it is acceptable
-at threshold ``lambda`` when ``q(x) <= lambda * p(x)`` (no division: ``p(x)`` may be 0). The raw
-``q(x)`` and ``p(x)`` are stored, with the ratio ``q(x)/p(x)`` (``inf`` where ``p(x) = 0``) and
-``TV(p, q)`` at the prefix, so one dataset serves every ``lambda``.
+at threshold ``lambda`` when ``q(x) <= lambda * p(x)`` (:mod:`specheads.ratio`, which also says
+which distributions are compared). The raw ``q(x)`` and ``p(x)`` are stored, with the ratio
+``q(x)/p(x)`` (``inf`` where ``p(x) = 0``) and ``TV(p, q)`` at the prefix, so one dataset serves
+every ``lambda`` (columns: :data:`specheads.dataset.SPRINTER_COLUMNS`).
 
 Prefixes come in four categories, as the paper trains on (every prompt gets one, round robin by
 its index; every chunk keeps the same number of prefixes of each category, chosen at random):
@@ -13,19 +14,22 @@ its index; every chunk keeps the same number of prefixes of each category, chose
 * ``target``: the prompt + the target's continuation;
 * ``mixed``: the prompt + the target's continuation with each token replaced, with probability
   ``mix_prob``, by the draft's token at that position (tokens from both models).
-
-Which distributions the label compares: the deployment's warped ``p`` and ``q`` when sampling.
-Greedy drafts (the official code's setting) take ``x = argmax q`` and compare the raw (T = 1)
-probabilities: the warped ones are one-hot and would make every ``lambda`` the same label.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from specheads.dataset import SPRINTER_COLUMNS, chunk_files
 from specheads.export.shim import batched
-from specheads.export.shim.models import pad_batch
-from specheads.export.shim.sampling import SamplingConfig, probs_from_logits, sample, sample_finite, usable_logits
+from specheads.export.shim.sampling import SamplingConfig, probs_from_logits, sample_finite, usable_logits
+from specheads.ratio import label_distributions
+from specheads.states import logits_at
+
+from . import shards
+from .labelling import Job, Labelled, Labeller, skip_record
 
 CATEGORIES = ("prompt", "draft", "target", "mixed")
 
@@ -33,58 +37,6 @@ CATEGORIES = ("prompt", "draft", "target", "mixed")
 def category_of(prompt_index: int) -> str:
     """The prefix category of a prompt (round robin over :data:`CATEGORIES`)."""
     return CATEGORIES[prompt_index % len(CATEGORIES)]
-
-
-def ratio_label(q_token: torch.Tensor, p_token: torch.Tensor, lam: float) -> torch.Tensor:
-    """``q(x) <= lambda * p(x)`` as a float tensor of 0/1."""
-    return (q_token <= lam * p_token).float()
-
-
-def label_distributions(p_logits: torch.Tensor, q_logits: torch.Tensor, sampling: SamplingConfig,
-                        generator: torch.Generator | None, x: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Draws ``x`` from the draft (or takes the given ``x``) and measures it against the target, at every row.
-
-    Args:
-        p_logits, q_logits: ``[N, V]`` target and draft logits at the same prefixes.
-        sampling: the deployment settings (see the module docstring for greedy).
-        generator: RNG for the draws.
-        x: ``[N]`` tokens to measure instead of drawing them (e.g. the ones a decoder drew).
-
-    Returns:
-        ``draft_token`` ``[N]``, ``q_token``/``p_token`` ``[N]`` (the probability of ``x`` under
-        each model), ``ratio`` ``[N]`` (``q/p``, ``inf`` where ``p = 0``) and ``tv`` ``[N]``.
-    """
-    if sampling.do_sample:
-        p, q = probs_from_logits(p_logits, sampling), probs_from_logits(q_logits, sampling)
-        x = sample(q, generator) if x is None else x
-    else:
-        p, q = p_logits.float().softmax(-1), q_logits.float().softmax(-1)
-        x = q_logits.argmax(-1) if x is None else x
-    qx = q.gather(-1, x[:, None]).squeeze(-1)
-    px = p.gather(-1, x[:, None]).squeeze(-1)
-    ratio = torch.where(px > 0, qx / px.clamp_min(1e-38), torch.full_like(qx, float("inf")))
-    tv = 0.5 * (p - q).abs().sum(-1)
-    return {"draft_token": x, "q_token": qx, "p_token": px, "ratio": ratio, "tv": tv}
-
-
-@torch.inference_mode()
-def logits_at(model, seqs: list[list[int]], positions: list[list[int]], pad: int) -> list[torch.Tensor]:
-    """Per row, the model's next-token logits ``[len(positions[b]), V]`` after each prefix ``seqs[b][:t]``.
-
-    One right-padded forward; the output layer runs only at the requested positions when the
-    model exposes its body (``model.model``), else the full logits are sliced.
-    """
-    device = model.get_input_embeddings().weight.device
-    ids, mask = pad_batch(seqs, pad, device)
-    rows = torch.cat([torch.full((len(p),), b, dtype=torch.long) for b, p in enumerate(positions)]).to(device)
-    cols = torch.cat([torch.tensor(p, dtype=torch.long) - 1 for p in positions]).to(device)
-    body = getattr(model, "model", None)
-    if body is not None and callable(body):
-        hid = body(input_ids=ids, attention_mask=mask).last_hidden_state
-        logits = model.get_output_embeddings()(hid[rows, cols])
-    else:
-        logits = model(input_ids=ids, attention_mask=mask).logits[rows, cols]
-    return list(logits.split([len(p) for p in positions]))
 
 
 def build_contexts(target, draft, prompts: list[list[int]], categories: list[str], max_new_tokens: int,
@@ -151,9 +103,9 @@ def balance(contexts: list[tuple[list[int], list[int]]], categories: list[str],
     return [sorted(k) for k in kept]
 
 
-def label_chunk(target, draft, prompts: list[list[int]], indices: list[int], max_new_tokens: int,
-                sampling: SamplingConfig, seed: int, pad: int, eos: list[int], mix_prob: float,
-                generator: torch.Generator) -> list[dict]:
+def label_prompts(target, draft, prompts: list[list[int]], indices: list[int], max_new_tokens: int,
+                  sampling: SamplingConfig, seed: int, pad: int, eos: list[int], mix_prob: float,
+                  generator: torch.Generator) -> list[dict]:
     """Labels one group of prompts: contexts, balanced prefixes, draws and ratios.
 
     Returns one dict per prompt with ``category``, ``input_ids`` (the context ``s``),
@@ -191,3 +143,70 @@ def label_chunk(target, draft, prompts: list[list[int]], indices: list[int], max
         for r, part in zip(live, val.cpu().split(sizes)):
             r[key] = part.tolist()
     return rows
+
+
+def summarise(out: Path, lambdas: list[float]) -> dict:
+    """Prefix counts and shares per category, and the label mean at each lambda."""
+    import pyarrow.parquet as pq
+
+    prompts = tokens = 0
+    per_cat = {c: 0 for c in CATEGORIES}
+    prompts_per_cat = {c: 0 for c in CATEGORIES}
+    accept = {lam: 0 for lam in lambdas}
+    for path in chunk_files(out):
+        table = pq.read_table(path, columns=["category", "q_token", "p_token"])
+        for cat, qs, ps in zip(*(table.column(c).to_pylist() for c in ("category", "q_token", "p_token"))):
+            prompts += 1
+            prompts_per_cat[cat] += 1
+            per_cat[cat] += len(qs)
+            tokens += len(qs)
+            for lam in lambdas:
+                accept[lam] += sum(q <= lam * p for q, p in zip(qs, ps))
+    return {"prompts": prompts, "labelled_tokens": tokens, "prefixes_per_category": per_cat,
+            "category_shares": {c: (n / tokens if tokens else None) for c, n in per_cat.items()},
+            "prompts_per_category": prompts_per_cat,
+            "label_mean_by_lambda": {f"{lam:g}": (accept[lam] / tokens if tokens else None) for lam in lambdas},
+            "label_mean": accept[lambdas[0]] / tokens if tokens and lambdas else None}
+
+
+class SprinterLabeller(Labeller):
+    """``labels=sprinter``: draft tokens at prefixes of four categories, with ``q(x)``, ``p(x)``, ratio and TV."""
+
+    def problems(self, cfg) -> list[str]:
+        out = super().problems(cfg)
+        if cfg.chunk_size % len(CATEGORIES):
+            out.append(f"chunk_size={cfg.chunk_size}: labels=sprinter needs a multiple of {len(CATEGORIES)} "
+                       "(every chunk holds the four prefix categories equally)")
+        if any(lam <= 0 for lam in cfg.lambdas):
+            out.append(f"lambdas={list(cfg.lambdas)}: every lambda must be > 0")
+        if not 0 <= cfg.mix_prob <= 1:
+            out.append(f"mix_prob={cfg.mix_prob} must be in [0, 1]")
+        return out
+
+    def label_chunk(self, job: Job, items: list, chunk: int) -> Labelled:
+        cfg, pair = job.cfg, job.pair
+        seed = shards.chunk_seed(cfg.seed, chunk)
+        gen = torch.Generator(device=pair.target.device).manual_seed(seed)
+        cols: dict[str, list] = {k: [] for k in SPRINTER_COLUMNS}
+        labelled, skipped = 0, []
+        # Batches hold whole groups of four consecutive prompts (one per category) so that each
+        # batch, and with it the chunk, is balanced over the categories.
+        step = max(len(CATEGORIES), cfg.batch_size - cfg.batch_size % len(CATEGORIES))
+        for b in range(0, len(items), step):
+            batch = items[b: b + step]
+            indices = [job.first_index(chunk) + b + i for i in range(len(batch))]
+            rows = label_prompts(pair.target.model, pair.draft.model, job.prompt_ids(batch), indices,
+                                 cfg.max_new_tokens, cfg.sampling, seed + b, job.pad, job.eos, cfg.mix_prob, gen)
+            for p, index, row in zip(batch, indices, rows):
+                if row.get("nonfinite"):
+                    skipped.append(skip_record(p, index, "non-finite logits"))
+                    continue
+                cols["prompt_id"].append(p.id)
+                cols["prompt_index"].append(index)
+                for key in SPRINTER_COLUMNS[2:]:
+                    cols[key].append(row[key])
+                labelled += len(row["positions"])
+        return Labelled(cols, labelled, skipped)
+
+    def summarise(self, cfg, out: Path, models: dict) -> tuple[dict, dict]:
+        return summarise(out, list(cfg.lambdas)), {"lambdas": list(cfg.lambdas), "mix_prob": cfg.mix_prob}

@@ -27,11 +27,14 @@ from pathlib import Path
 
 import yaml
 
+from specheads.dataset import chunk_files, chunk_info, chunk_path, read_manifest
 from specheads.errors import UserError
 from specheads.outputs import file_sha256
 
 from . import shards
 from .config import DatagenConfig
+from .manifest import finish
+from .registry import labeller
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ def verify(out_dir: str | Path) -> tuple[list[str], dict]:
     out = Path(out_dir)
     if not out.is_dir():
         raise UserError(f"output_dir {str(out)!r} is not a directory; pass the heads-datagen output_dir to verify")
-    manifest = shards.read_manifest(out)
+    manifest = read_manifest(out)
     problems: list[str] = []
     if "shards" not in manifest:
         return ["manifest lists no shards (written by specheads schema 1); rerun heads-datagen to rewrite it"], {}
@@ -72,7 +75,7 @@ def verify(out_dir: str | Path) -> tuple[list[str], dict]:
         except Exception as err:  # noqa: BLE001 - any damage pyarrow reports
             problems.append(f"{where}: unreadable ({str(err).splitlines()[0]})")
             continue
-        info = shards.chunk_info(path)
+        info = chunk_info(path)
         if table.num_rows != shard["rows"] or info.get("chunk") != shard["chunk"]:
             problems.append(f"{where}: {table.num_rows} rows / footer chunk {info.get('chunk')}, manifest says "
                             f"{shard['rows']} rows / chunk {shard['chunk']}")
@@ -178,8 +181,6 @@ def merge(sources: list[str], dest: str | Path) -> dict:
     from specheads.config import to_yaml
     from specheads.outputs import prepare_output_dir
 
-    from .cli import count_items, finish
-
     if not sources:
         raise UserError("merge needs from=<dir>,<dir>...: the output directories to join")
     dest = Path(dest)
@@ -193,32 +194,30 @@ def merge(sources: list[str], dest: str | Path) -> dict:
             raise UserError(f"{src} holds a different run than {configs[0][0]} (config.yaml differs beyond "
                             "output_dir); merge only the outputs of one heads-datagen command")
     cfg = configs[0][2]
+    family = labeller(cfg.labels)
     cfg.output_dir = str(dest)
     prepare_output_dir(dest, to_yaml(cfg), overwrite=False)
     copied = 0
     for src, _, _ in configs:
         if src.resolve() == dest.resolve():
             continue
-        for path in shards.chunk_files(src):
+        for path in chunk_files(src):
             chunk = int(path.stem.split("-")[1])
-            target = shards.chunk_path(dest, chunk)
+            target = chunk_path(dest, chunk)
             if target.exists():
                 if file_sha256(target) != file_sha256(path):
                     raise UserError(f"chunk {chunk} differs between {src} and {dest}; labelling is deterministic, so "
                                     "one of them is damaged: delete it there and relabel")
                 continue
-            if cfg.labels == "judge":  # the side files first: the Parquet file marks the chunk done
-                a, b = shards.JudgeChunkFiles(src, chunk), shards.JudgeChunkFiles(dest, chunk)
-                for x, y in ((a.features_path, b.features_path), (a.tuples_path, b.tuples_path),
-                             (a.review_path, b.review_path), (a.counts_path, b.counts_path)):
-                    _copy_atomic(x, y)
+            for x, y in zip(family.side_files(src, chunk), family.side_files(dest, chunk)):
+                _copy_atomic(x, y)  # the side files first: the Parquet file marks the chunk done
             _copy_atomic(path, target)
             copied += 1
         for metrics in src.glob("metrics.rank*.jsonl"):
             mine = dest / metrics.name
             with open(mine, "a", encoding="utf-8") as fh:
                 fh.write(metrics.read_text(encoding="utf-8", errors="replace"))
-    total = shards.num_chunks(count_items(cfg), cfg.chunk_size)
+    total = shards.num_chunks(family.count(cfg), cfg.chunk_size)
     stats = finish(cfg, dest, total)
     log.info("merged %d chunk files from %d directories into %s", copied, len(sources), dest)
     return stats

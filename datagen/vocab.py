@@ -72,7 +72,7 @@ def _corpus_texts(spec: str, limit: int | None):
 def _datagen_responses(data_dir: str):
     import pyarrow.parquet as pq
 
-    from .shards import read_manifest, shard_paths
+    from specheads.dataset import read_manifest, shard_paths
 
     manifest = read_manifest(Path(data_dir))
     labels = manifest.get("labels", "acceptance")

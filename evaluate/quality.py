@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from specheads.datagen.sprinter import label_distributions, logits_at
+from specheads.ratio import label_distributions
+from specheads.states import logits_at
 
 
 def rouge(candidates: list[str], references: list[str | None]) -> dict | None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from specheads.datagen.shards import JudgeChunkFiles, shard_paths
+from specheads.dataset import JudgeChunkFiles, shard_paths
 from specheads.errors import UserError
 
 

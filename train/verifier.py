@@ -36,7 +36,7 @@ def load_examples(data_dir: str | Path) -> list[VerifierExample]:
     """Reads every chunk written by ``heads-datagen labels=sprinter``."""
     import pyarrow.parquet as pq
 
-    from specheads.datagen.shards import require_columns, shard_paths
+    from specheads.dataset import require_columns, shard_paths
 
     files = shard_paths(data_dir)  # the manifest's list; UserError for a missing/newer-schema manifest
     if not files:
@@ -65,11 +65,11 @@ def draft_features(draft, capture, examples: list[VerifierExample], feature: str
 
     ``previous``: the draft's post-norm state at position ``t - 1`` (the one that produced
     ``q(.|s[:t])``); ``previous+embedding``: that state and ``x``'s input embedding;
-    ``current``: the state after consuming ``x`` at position ``t`` (see ``datagen.states``).
+    ``current``: the state after consuming ``x`` at position ``t`` (see :mod:`specheads.states`).
     """
     seqs = [e.input_ids for e in examples]
     if feature == "current":
-        from specheads.datagen.states import states_after_tokens
+        from specheads.states import states_after_tokens
 
         feats = states_after_tokens(draft, seqs, [e.positions for e in examples],
                                     [e.draft_token for e in examples], pad)

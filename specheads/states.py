@@ -1,14 +1,19 @@
-"""Final hidden states of tokens fed at chosen positions of a sequence, in one forward per batch.
+"""A model's states and logits at chosen positions of sequences, one forward per batch (shared by the stages).
 
-For each row, the sequence and the tokens to probe are concatenated into one input. A custom
-4D attention mask lets each appended token see only the prefix before its own position (and
-itself), while the explicit ``position_ids`` give it that position. The result equals running the
-model on ``seq[:p] + [token]`` separately for each probe, at the cost of a single forward.
+:func:`logits_at`: the next-token logits after chosen prefixes (SPRINTER labels in datagen, the
+measured ``alpha`` in evaluate). :func:`states_after_tokens`: the final hidden states of tokens
+fed at chosen positions (the SPRINTER verifier's ``current`` feature in train). For each row, the
+sequence and the tokens to probe are concatenated into one input. A custom 4D attention mask lets
+each appended token see only the prefix before its own position (and itself), while the explicit
+``position_ids`` give it that position. The result equals running the model on
+``seq[:p] + [token]`` separately for each probe, at the cost of a single forward.
 """
 
 from __future__ import annotations
 
 import torch
+
+from specheads.export.shim.models import pad_batch
 
 # Attention implementations that honour an arbitrary additive 4D mask (others, e.g. flash
 # attention, ignore or reject it, so those models take the per-position fallback).
@@ -123,3 +128,23 @@ def states_after_tokens(model, seqs: list[list[int]], positions: list[list[int]]
         out = _looped(model, base, device, seqs, positions, tokens)
     width_h = next((o.shape[-1] for o in out if o is not None), hidden_size or 0)
     return [o if o is not None else torch.empty(0, width_h, device=device) for o in out]
+
+
+@torch.inference_mode()
+def logits_at(model, seqs: list[list[int]], positions: list[list[int]], pad: int) -> list[torch.Tensor]:
+    """Per row, the model's next-token logits ``[len(positions[b]), V]`` after each prefix ``seqs[b][:t]``.
+
+    One right-padded forward; the output layer runs only at the requested positions when the
+    model exposes its body (``model.model``), else the full logits are sliced.
+    """
+    device = model.get_input_embeddings().weight.device
+    ids, mask = pad_batch(seqs, pad, device)
+    rows = torch.cat([torch.full((len(p),), b, dtype=torch.long) for b, p in enumerate(positions)]).to(device)
+    cols = torch.cat([torch.tensor(p, dtype=torch.long) - 1 for p in positions]).to(device)
+    body = getattr(model, "model", None)
+    if body is not None and callable(body):
+        hid = body(input_ids=ids, attention_mask=mask).last_hidden_state
+        logits = model.get_output_embeddings()(hid[rows, cols])
+    else:
+        logits = model(input_ids=ids, attention_mask=mask).logits[rows, cols]
+    return list(logits.split([len(p) for p in positions]))

@@ -1,0 +1,61 @@
+"""Answer grading shared by the stages: GSM8K-style final numbers and ARC letters.
+
+``heads-datagen labels=judge`` grades the models' answers to build correct/wrong tuples (its
+arithmetic checker, ``datagen/arith.py``, then localises the first false step of a wrong one);
+``heads-eval`` grades every configuration's outputs for its accuracy table. A prompt is graded
+when it carries a reference: ARC by the first standalone letter A-E of the answer, a numeric
+reference by the final answer (the number after ``####``, else the last number in the text).
+"""
+
+from __future__ import annotations
+
+import re
+
+NUMBER = r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+"  # 1,250 / 3.5 / -.5
+_LETTER = re.compile(r"\b([A-E])\b")
+
+
+def parse_number(text: str) -> float:
+    """A written number as a float (thousands commas and ``$`` dropped); ValueError if it is none."""
+    return float(text.replace(",", "").replace("$", "").strip())
+
+
+def final_answer(text: str) -> tuple[str, int, int] | None:
+    """The final answer and its span: the number after ``####``, else the last number in the text."""
+    marker = text.rfind("####")
+    region, base = (text[marker + 4:], marker + 4) if marker >= 0 else (text, 0)
+    nums = list(re.finditer(NUMBER, region))
+    if not nums:
+        return None
+    m = nums[0] if marker >= 0 else nums[-1]
+    return m.group().replace(",", ""), base + m.start(), base + m.end()
+
+
+def final_correct(text: str, reference: str) -> bool:
+    """Whether the final answer of ``text`` equals ``reference`` (as numbers, else as written)."""
+    fin = final_answer(text)
+    if fin is None:
+        return False
+    try:
+        return abs(parse_number(fin[0]) - parse_number(reference)) < 1e-6
+    except ValueError:
+        return fin[0].strip() == reference.strip()
+
+
+def grade(prompt, text: str) -> bool | None:
+    """Whether ``text`` answers ``prompt`` correctly; None when no grader fits the prompt.
+
+    Args:
+        prompt: a :class:`specheads.prompts.Prompt` (its ``reference`` and ``source``).
+        text: the answer.
+    """
+    if prompt.reference is None:
+        return None
+    if prompt.source == "arc":
+        m = _LETTER.search(text)
+        return m is not None and m.group(1) == prompt.reference.strip()
+    try:
+        float(prompt.reference.replace(",", ""))
+    except ValueError:
+        return None
+    return final_correct(text, prompt.reference)
