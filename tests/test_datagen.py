@@ -90,7 +90,7 @@ def test_manifest_records_numerics_and_a_resume_under_others_warns(tiny_pair_dir
     import torch
 
     from specheads import numerics
-    from specheads.datagen import shards
+    from specheads.dataset import chunk_info
 
     before = torch.get_num_threads()
     out = tmp_path / "dg"
@@ -101,7 +101,7 @@ def test_manifest_records_numerics_and_a_resume_under_others_warns(tiny_pair_dir
         expected = numerics.numerics_settings(1, {"target": "float32", "draft": "float32"},
                                               {"target": "cpu", "draft": "cpu"})
     assert manifest["numerics"] == expected and expected["threads"] == 1 and expected["torch"] == torch.__version__
-    footer = shards.chunk_info(out / "data" / "chunk-000000.parquet")["numerics"]
+    footer = chunk_info(out / "data" / "chunk-000000.parquet")["numerics"]
     assert footer == {k: v for k, v in manifest["numerics"].items() if k != "processes"}
     assert "numerics_otherwise" not in manifest
 

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from specheads import dataset
 from specheads.datagen import shards
 from specheads.datagen.cli import main
 from specheads.outputs import file_sha256
@@ -27,7 +28,7 @@ def _prompts(tmp_path, n):
 
 
 def _indices(out):
-    return sorted(i for p in shards.shard_paths(out) for i in pq.read_table(p).column("prompt_index").to_pylist())
+    return sorted(i for p in dataset.shard_paths(out) for i in pq.read_table(p).column("prompt_index").to_pylist())
 
 
 def _shas(out):
@@ -46,11 +47,11 @@ def reference(tiny_pair_dirs, tmp_path_factory):
 def test_manifest_lists_every_shard_and_verify_passes(reference, capsys):
     prompts, out = reference
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["schema_version"] == shards.SCHEMA_VERSION and manifest["chunks"] == 16
+    assert manifest["schema_version"] == dataset.SCHEMA_VERSION and manifest["chunks"] == 16
     assert [s["file"] for s in manifest["shards"]] == [f"data/chunk-{c:06d}.parquet" for c in range(16)]
     assert manifest["prompts_read"] == 32 and manifest["skipped_nonfinite"] == 0
     assert all(s["sha256"] == file_sha256(out / s["file"]) for s in manifest["shards"])
-    info = shards.chunk_info(out / "data" / "chunk-000003.parquet")
+    info = dataset.chunk_info(out / "data" / "chunk-000003.parquet")
     assert info["chunk"] == 3 and info["first_prompt"] == 6 and info["prompts"] == 2 and info["skipped"] == []
     assert main([f"output_dir={out}", "verify"]) == 0
     assert "OK: 16 shards, 32 prompts (32 labelled once, 0 skipped" in capsys.readouterr().out
@@ -61,7 +62,7 @@ def test_chunk_owners_do_not_depend_on_other_processes_files(tmp_path):
     """Chunk c belongs to rank c % world: the shares of any count partition the unfinished chunks."""
     (tmp_path / "data").mkdir()
     for c in (0, 3, 5):
-        shards.chunk_path(tmp_path, c).write_bytes(b"x")
+        dataset.chunk_path(tmp_path, c).write_bytes(b"x")
     for world in (1, 2, 3, 4):
         shares = [shards.my_chunks(tmp_path, 8, r, world) for r in range(world)]
         assert sorted(c for s in shares for c in s) == [1, 2, 4, 6, 7]
@@ -108,7 +109,7 @@ def test_a_run_started_by_four_processes_is_finished_by_two(reference, tiny_pair
     shutil.copy(ref / "config.yaml", out / "config.yaml")
     for c in range(16):
         if shards.owner(c, 4) in (0, 2):
-            shutil.copy(shards.chunk_path(ref, c), shards.chunk_path(out, c))
+            shutil.copy(dataset.chunk_path(ref, c), dataset.chunk_path(out, c))
     (out / "data" / ".chunk-000001.parquet.999.tmp").write_bytes(b"half")  # rank 1 died mid-write
     (out / "config.yaml").write_text((ref / "config.yaml").read_text().replace(str(ref), str(out)))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
@@ -123,10 +124,10 @@ def test_a_run_started_by_four_processes_is_finished_by_two(reference, tiny_pair
 
 
 def test_nonfinite_logits_skip_the_sample_and_count_it(tiny_pair_dirs, tmp_path, monkeypatch, capsys):
-    from specheads.datagen import cli
+    from specheads.datagen import acceptance
     from specheads.train.data import load_examples
 
-    real = cli.teacher_forced_pair
+    real = acceptance.teacher_forced_pair
     calls = []
 
     def poisoned(*args, **kwargs):
@@ -140,14 +141,14 @@ def test_nonfinite_logits_skip_the_sample_and_count_it(tiny_pair_dirs, tmp_path,
             q[0, 0] = float("inf")
         return p, q, rows
 
-    monkeypatch.setattr(cli, "teacher_forced_pair", poisoned)
+    monkeypatch.setattr(acceptance, "teacher_forced_pair", poisoned)
     out = tmp_path / "nan"
     assert main(_args(tiny_pair_dirs, _prompts(tmp_path, 6), out)) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["skipped_nonfinite"] == 2 and manifest["prompts"] == 4
     assert [s["prompt_index"] for s in manifest["skipped_samples"]] == [3, 4]
     assert _indices(out) == [0, 1, 2, 5]
-    for path in shards.shard_paths(out):
+    for path in dataset.shard_paths(out):
         for row in pq.read_table(path).to_pylist():
             assert all(v == v for v in row["label"] + row["expected_label"])  # no NaN written
     assert main([f"output_dir={out}", "verify"]) == 0
@@ -218,7 +219,7 @@ def test_merge_joins_per_node_outputs(reference, tmp_path, capsys):
         (node / "config.yaml").write_text((ref / "config.yaml").read_text())
         for c in range(16):
             if shards.owner(c, 4) // 2 == n:  # 2 nodes x 2 processes: ranks 0-1 on node 0, 2-3 on node 1
-                shutil.copy(shards.chunk_path(ref, c), shards.chunk_path(node, c))
+                shutil.copy(dataset.chunk_path(ref, c), dataset.chunk_path(node, c))
     merged = tmp_path / "merged"
     assert main(["merge", f"from={nodes[0]},{nodes[1]}", f"output_dir={merged}"]) == 0
     assert _shas(merged) == _shas(ref)
@@ -231,7 +232,7 @@ def test_merge_joins_per_node_outputs(reference, tmp_path, capsys):
     # a chunk that differs between sources is refused
     bad = tmp_path / "bad"
     shutil.copytree(nodes[1], bad)
-    shutil.copy(shards.chunk_path(ref, 1), shards.chunk_path(bad, 0))
+    shutil.copy(dataset.chunk_path(ref, 1), dataset.chunk_path(bad, 0))
     assert main(["merge", f"from={nodes[0]},{bad}", f"output_dir={tmp_path / 'm2'}"]) == 2
     assert "chunk 0 differs" in capsys.readouterr().err
     other = tmp_path / "other"
@@ -250,7 +251,7 @@ def test_newer_schema_and_missing_columns_are_refused(reference, tiny_pair_dirs,
     newer = tmp_path / "newer"
     shutil.copytree(ref, newer)
     manifest = json.loads((newer / "manifest.json").read_text())
-    manifest["schema_version"] = shards.SCHEMA_VERSION + 1
+    manifest["schema_version"] = dataset.SCHEMA_VERSION + 1
     (newer / "manifest.json").write_text(json.dumps(manifest))
     targs = [f"data_dir={newer}", f"draft.path={tiny_pair_dirs[1]}", "draft.device=cpu", "epochs=1",
              f"output_dir={tmp_path / 't1'}"]

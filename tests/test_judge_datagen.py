@@ -74,7 +74,7 @@ def test_generated_answers_are_graded_localised_and_reviewed(tiny_pair_dirs, tmp
                         judge.Answer(f"it is {ref + 2}\n#### {ref + 2}", "draft", "sample-1")])  # wrong, no step
         return out
 
-    monkeypatch.setattr(cli, "_answers", fake_answers)
+    monkeypatch.setattr(judge, "_answers", fake_answers)
     out = tmp_path / "dg"
     assert cli.main(_args(tiny_pair_dirs, out, f"prompts={prompts}")) == 0
     m = json.loads((out / "manifest.json").read_text())

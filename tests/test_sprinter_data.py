@@ -11,6 +11,7 @@ from test_datagen import _rows
 from specheads.datagen import sprinter
 from specheads.datagen.cli import main
 from specheads.export.shim.sampling import SamplingConfig
+from specheads.ratio import label_distributions, ratio_label
 
 WORDS = ["the cat sat on a mat", "a dog ran up", "one two three four five", "why is the sun red",
          "big blue moon", "yes no up down", "how was the cat", "left right left"]
@@ -20,7 +21,7 @@ def test_ratio_labels_match_hand_computation():
     # Two prefixes over a 3-token vocabulary; the draft's greedy token is token 0 in both.
     q = torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.2, 0.2]])
     p = torch.tensor([[0.45, 0.45, 0.1], [0.2, 0.7, 0.1]])
-    out = sprinter.label_distributions(p.log(), q.log(), SamplingConfig(do_sample=False), None)
+    out = label_distributions(p.log(), q.log(), SamplingConfig(do_sample=False), None)
     assert out["draft_token"].tolist() == [0, 0]
     torch.testing.assert_close(out["q_token"], torch.tensor([0.5, 0.6]))
     torch.testing.assert_close(out["p_token"], torch.tensor([0.45, 0.2]))
@@ -28,17 +29,17 @@ def test_ratio_labels_match_hand_computation():
     torch.testing.assert_close(out["tv"], torch.tensor([0.15, 0.5]))
     # q/p = 1.11 and 3.0: rejected at lambda 1, the first accepted at 1.2 and 1.5, the second never.
     for lam, want in ((1.0, [0, 0]), (1.2, [1, 0]), (1.5, [1, 0]), (3.5, [1, 1])):
-        assert sprinter.ratio_label(out["q_token"], out["p_token"], lam).tolist() == want
+        assert ratio_label(out["q_token"], out["p_token"], lam).tolist() == want
 
 
 def test_ratio_label_handles_zero_target_probability():
     q = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
     p = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
     gen = torch.Generator().manual_seed(0)
-    out = sprinter.label_distributions(p.log(), q.log(), SamplingConfig(do_sample=True), gen)
+    out = label_distributions(p.log(), q.log(), SamplingConfig(do_sample=True), gen)
     assert out["draft_token"].tolist() == [1, 0]
     assert out["ratio"][0] == float("inf") and out["ratio"][1] == 1.0
-    assert sprinter.ratio_label(out["q_token"], out["p_token"], 1.5).tolist() == [0, 1]
+    assert ratio_label(out["q_token"], out["p_token"], 1.5).tolist() == [0, 1]
 
 
 def test_balance_keeps_equal_shares():
