@@ -1,7 +1,8 @@
 """Learned heads (plain ``nn.Module``s) and their registry. Imports nothing of the project."""
 
 from .acceptance import AcceptanceHead
+from .judge import JudgeHead
 from .registry import HEADS
-from .verifier import JudgeHead, VerifierHead
+from .verifier import VerifierHead
 
 __all__ = ["AcceptanceHead", "HEADS", "JudgeHead", "VerifierHead"]

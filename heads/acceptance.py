@@ -1,45 +1,22 @@
-"""SpecDec++ acceptance head: ``D`` residual blocks ``x + SiLU(Linear(x))`` then ``Linear(d, 1)``."""
+"""SpecDec++ acceptance head: the logit of a draft token's acceptance probability, from a draft state."""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from .mlp import ResidualMLP
 
 
-class ResidualBlock(nn.Module):
-    """``x + SiLU(Linear(x))``."""
-
-    def __init__(self, hidden_size: int):
-        super().__init__()
-        self.linear = nn.Linear(hidden_size, hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + nn.functional.silu(self.linear(x))
-
-
-class AcceptanceHead(nn.Module):
-    """Predicts the logit of the acceptance probability of a draft token from a draft state.
-
-    Each of the ``depth`` blocks has its own weights (the reference code ties them by
-    repeating one module object; that is not copied). ``depth=0`` is a linear head.
+class AcceptanceHead(ResidualMLP):
+    """``depth`` residual blocks and an output layer on the draft's hidden state (``depth=0``: linear).
 
     Args:
-        hidden_size: width ``d`` of the feature.
+        hidden_size: width ``d`` of the draft state.
         depth: number of residual blocks ``D``.
     """
 
     def __init__(self, hidden_size: int, depth: int = 3):
-        super().__init__()
-        self.hidden_size, self.depth = hidden_size, depth
-        self.blocks = nn.ModuleList(ResidualBlock(hidden_size) for _ in range(depth))
-        self.out = nn.Linear(hidden_size, 1)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """``h``: ``[..., d]`` -> logits ``[...]``."""
-        for block in self.blocks:
-            h = block(h)
-        return self.out(h).squeeze(-1)
+        super().__init__(hidden_size, depth)
+        self.hidden_size = hidden_size
 
     def config(self) -> dict:
-        """Constructor arguments, stored in exported metadata."""
+        """Constructor arguments, stored in exported metadata (``head_config``)."""
         return {"hidden_size": self.hidden_size, "depth": self.depth}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from .acceptance import AcceptanceHead
-from .verifier import JudgeHead, VerifierHead
+from .judge import JudgeHead
+from .verifier import VerifierHead
 
 HEADS: dict[str, type[nn.Module]] = {"acceptance": AcceptanceHead, "verifier": VerifierHead, "judge": JudgeHead}

@@ -10,7 +10,7 @@ from torch.testing import assert_close
 
 from specheads.errors import UserError
 from specheads.export import ModelSpec, SamplingConfig, load_head, load_pair, read_metadata, save_head
-from specheads.heads import AcceptanceHead
+from specheads.heads import HEADS, AcceptanceHead
 
 
 @pytest.fixture()
@@ -34,6 +34,16 @@ def test_acceptance_head_blocks_have_separate_weights():
     head = AcceptanceHead(8, depth=3)
     assert len({id(b.linear.weight) for b in head.blocks}) == 3
     assert AcceptanceHead(8, depth=0)(torch.zeros(5, 8)).shape == (5,)
+
+
+def test_every_head_type_has_the_exported_parameter_names():
+    """Exported files name their tensors blocks.<i>.linear.* and out.*: every head type keeps them."""
+    want = {"blocks.0.linear.weight", "blocks.0.linear.bias", "blocks.1.linear.weight", "blocks.1.linear.bias",
+            "out.weight", "out.bias"}
+    for name, cls in HEADS.items():
+        head = cls(8, depth=2)
+        assert set(head.state_dict()) == want, name
+        assert cls(**head.config()).config() == head.config()
 
 
 def test_round_trip_and_metadata(tmp_path, pair):

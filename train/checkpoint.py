@@ -4,9 +4,9 @@ A checkpoint is a folder ``checkpoint-<step>/`` holding ``state.safetensors`` (h
 optimizer tensors, RNG states), ``state.json`` (optimizer param groups and scalars, scheduler
 state, progress: epoch, step, data position inside the epoch, process count, ...; plus the size
 and SHA-256 of every other file) and, under DeepSpeed, one ``.zero-<step>-rank<r>.safetensors``
-per process (that rank's optimizer partition). The folder is written under a temporary name,
-fsynced and renamed, then ``latest`` is replaced atomically: a kill during a save leaves the
-previous checkpoint and ``latest`` intact.
+per process (that rank's optimizer partition: ``zero.py``). The folder is written under a
+temporary name, fsynced and renamed, then ``latest`` is replaced atomically: a kill during a save
+leaves the previous checkpoint and ``latest`` intact.
 
 Resuming (:func:`find`) takes the newest checkpoint folder (normally the one ``latest`` names);
 when it is damaged (truncated, bad JSON, wrong checksum) the newest older one that reads back
@@ -34,36 +34,18 @@ from safetensors.torch import save_file
 from specheads.errors import UserError
 from specheads.outputs import atomic_write_text, file_sha256
 
+from .optim_state import jsonable, optimizer_state, param_groups, split_state
+
 log = logging.getLogger(__name__)
 FORMAT = 2
 _NAME = re.compile(r"checkpoint-(\d+)")
-
-
-def _jsonable(x):
-    if isinstance(x, (tuple, list)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, torch.Tensor):
-        return x.item()
-    return x
-
-
-def _split_state(state: dict, prefix: str, tensors: dict, scalars: dict) -> None:
-    """Per-parameter optimizer state: tensors under ``<prefix><id>.<key>``, the scalars (as JSON) under ``<id>.<key>``."""
-    for pid, entries in state.items():
-        for key, val in entries.items():
-            if isinstance(val, torch.Tensor) and val.dim() > 0:
-                tensors[f"{prefix}{pid}.{key}"] = val.detach().cpu().contiguous()
-            else:
-                scalars[f"{pid}.{key}"] = _jsonable(val)
 
 
 def _digest(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
     """Flushes a file (or a folder's entries) to disk, so a crash of the machine keeps it."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -93,14 +75,14 @@ def save(out_dir: Path, step: int, model: torch.nn.Module, optimizer, scheduler,
     tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     opt = optimizer.state_dict() if optimizer is not None else {"state": {}, "param_groups": []}
     scalars = {}
-    _split_state(opt["state"], "optim.", tensors, scalars)
+    split_state(opt["state"], "optim.", tensors, scalars)
     tensors["rng.torch"] = torch.get_rng_state()
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"rng.cuda.{i}"] = s
     meta = {"format": FORMAT, "step": step, "progress": progress,
-            "optimizer": {"param_groups": _jsonable(opt["param_groups"]), "scalars": scalars},
-            "scheduler": _jsonable(scheduler.state_dict()) if scheduler is not None else None}
+            "optimizer": {"param_groups": jsonable(opt["param_groups"]), "scalars": scalars},
+            "scheduler": jsonable(scheduler.state_dict()) if scheduler is not None else None}
     for stale in out_dir.glob(".checkpoint-*.tmp*"):  # left by a save that was killed
         shutil.rmtree(stale, ignore_errors=True)
     for stale in out_dir.glob(".zero-*"):
@@ -114,10 +96,10 @@ def save(out_dir: Path, step: int, model: torch.nn.Module, optimizer, scheduler,
         os.replace(extra, tmp / Path(extra).name)
     meta["files"] = {}
     for f in sorted(tmp.iterdir()):
-        _fsync(f)
+        fsync(f)
         meta["files"][f.name] = _digest(f)
     atomic_write_text(tmp / "state.json", json.dumps(meta, indent=1))  # last: its presence means complete
-    _fsync(tmp)
+    fsync(tmp)
     if final.exists():  # the same step again (a rerun after a fallback): move the old one out of the way
         old = out_dir / f".checkpoint-{step}.tmp{os.getpid()}-old"
         os.replace(final, old)
@@ -125,7 +107,7 @@ def save(out_dir: Path, step: int, model: torch.nn.Module, optimizer, scheduler,
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _fsync(out_dir)
+    fsync(out_dir)
     atomic_write_text(out_dir / "latest", final.name + "\n")
     olds = sorted((p for p in out_dir.glob("checkpoint-*") if _NAME.fullmatch(p.name)), key=_step)
     later = [p for p in olds if _step(p) > step]  # left from before a fallback to an older checkpoint
@@ -281,137 +263,11 @@ def restore(ckpt: Checkpoint, model: torch.nn.Module, optimizer, scheduler) -> d
     return ckpt.progress
 
 
-def _optimizer_state(tensors: dict, scalars: dict, prefix: str = "optim.") -> dict:
-    state: dict = {}
-    for name, val in tensors.items():
-        if name.startswith(prefix):
-            _, pid, key = name.split(".", 2)
-            state.setdefault(int(pid), {})[key] = val
-    for name, val in scalars.items():
-        pid, key = name.split(".", 1)
-        state.setdefault(int(pid), {})[key] = torch.tensor(val, dtype=torch.float32) if key == "step" else val
-    return state
-
-
-def _param_groups(groups: list) -> list:
-    for g in groups:
-        if "betas" in g:
-            g["betas"] = tuple(g["betas"])
-    return groups
-
-
 def _load_optimizer(optimizer, tensors: dict, meta: dict) -> None:
-    state = _optimizer_state(tensors, meta["optimizer"]["scalars"])
-    optimizer.load_state_dict({"state": state, "param_groups": _param_groups(meta["optimizer"]["param_groups"])})
+    state = optimizer_state(tensors, meta["optimizer"]["scalars"])
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups(meta["optimizer"]["param_groups"])})
 
-
-# ---- DeepSpeed ZeRO (stages 1-3): each rank's optimizer partition in its own file ------------------
 
 def zero_partition_path(out_dir: Path, step: int, rank: int) -> Path:
+    """Where a DeepSpeed rank's optimizer partition is written (``zero.py``), then moved into the checkpoint."""
     return Path(out_dir) / f".zero-{step}-rank{rank}.safetensors"
-
-
-def _zero(optimizer):
-    zero = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer
-    if not hasattr(zero, "single_partition_of_fp32_groups") and not hasattr(zero, "fp32_partitioned_groups_flat"):
-        raise UserError(f"DeepSpeed optimizer {type(zero).__name__} is not a ZeRO optimizer; set zero_stage to 1, "
-                        "2 or 3 in the accelerate config")
-    return zero
-
-
-def _scaler_state(scaler) -> dict:
-    return {k: _jsonable(v) for k, v in vars(scaler).items()
-            if isinstance(v, (bool, int, float, str)) or (isinstance(v, torch.Tensor) and v.dim() == 0)}
-
-
-def _set_scaler_state(scaler, saved: dict) -> None:
-    for key, val in saved.items():
-        old = getattr(scaler, key, None)
-        if isinstance(old, torch.Tensor):
-            old.fill_(val)
-        else:
-            setattr(scaler, key, val)
-
-
-def save_zero_partition(out_dir: Path, step: int, optimizer, rank: int, world: int) -> Path:
-    """This rank's fp32 master partition, its optimizer moments (tensors) and the rest (JSON in the
-    file's header), written atomically. ZeRO-3's state comes from the optimizer's own
-    ``state_dict()`` (fp32 partitioned flat groups + the inner optimizer's state)."""
-    zero = _zero(optimizer)
-    tensors, scalars = {}, {}
-    header = {"world": str(world), "rank": str(rank)}
-    if hasattr(zero, "fp32_partitioned_groups_flat"):  # stage 3
-        from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT
-
-        sd = zero.state_dict()
-        for i, part in enumerate(sd[FP32_FLAT_GROUPS]):
-            tensors[f"fp32.{i}"] = part.detach().cpu().contiguous()
-        inner = sd[OPTIMIZER_STATE_DICT]
-        _split_state(inner["state"], "state.", tensors, scalars)
-        header["stage"] = "3"
-        header["zero3"] = json.dumps({"param_groups": _jsonable(inner["param_groups"]),
-                                      "loss_scaler": _scaler_state(sd[LOSS_SCALER]),
-                                      "dynamic_loss_scale": _jsonable(sd["dynamic_loss_scale"]),
-                                      "overflow": _jsonable(sd["overflow"])})
-    else:  # stages 1-2
-        parts = zero.single_partition_of_fp32_groups
-        for i, part in enumerate(parts):
-            tensors[f"fp32.{i}"] = part.detach().cpu().contiguous()
-        _split_state({i: zero.optimizer.state.get(part, {}) for i, part in enumerate(parts)}, "state.", tensors, scalars)
-        header["stage"] = "2"
-        if getattr(zero, "loss_scaler", None) is not None:
-            header["loss_scaler"] = json.dumps(_scaler_state(zero.loss_scaler))
-    header["scalars"] = json.dumps(scalars)
-    path = zero_partition_path(out_dir, step, rank)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    save_file(tensors, str(tmp), metadata=header)
-    _fsync(tmp)
-    os.replace(tmp, path)
-    return path
-
-
-def load_zero_partition(ckpt: Checkpoint, optimizer, rank: int, world: int) -> None:
-    """Restores this rank's partition (read by :func:`read` with ``zero=True``; same process count)."""
-    zero = _zero(optimizer)
-    meta, tensors = ckpt.zero_meta, ckpt.zero
-    if int(meta["world"]) != world:
-        raise UserError(f"checkpoint {ckpt.path} was written by {meta['world']} DeepSpeed processes, this run has "
-                        f"{world}; resume with num_processes={meta['world']}")
-    stage3 = hasattr(zero, "fp32_partitioned_groups_flat")
-    if stage3 != (meta.get("stage") == "3"):
-        raise UserError(f"checkpoint {ckpt.path} was written under ZeRO stage {meta.get('stage', '1-2')}; resume "
-                        "with the same zero_stage in the accelerate config")
-    scalars = json.loads(meta["scalars"])
-    if stage3:
-        _load_zero3(zero, tensors, scalars, json.loads(meta["zero3"]), world)
-        return
-    if "loss_scaler" in meta:
-        _set_scaler_state(zero.loss_scaler, json.loads(meta["loss_scaler"]))
-    with torch.no_grad():
-        for i, part in enumerate(zero.single_partition_of_fp32_groups):
-            part.copy_(tensors[f"fp32.{i}"].to(part.device))
-            st = {k.split(".", 2)[2]: v.to(part.device) for k, v in tensors.items() if k.startswith(f"state.{i}.")}
-            for name, val in scalars.items():
-                gi, key = name.split(".", 1)
-                if int(gi) == i:
-                    st[key] = torch.tensor(val, dtype=torch.float32) if key == "step" else val
-            zero.optimizer.state[part] = st
-    # The model's own weights were restored from the checkpoint before prepare(): they are the
-    # master weights of the same step (rounded to the working precision).
-
-
-def _load_zero3(zero, tensors: dict, scalars: dict, extra: dict, world: int) -> None:
-    """Hands the saved partition to the stage-3 optimizer's own ``load_state_dict`` (which also
-    copies the fp32 masters into the working-precision partitions), bracketed like DeepSpeed's
-    ``load_checkpoint`` (parameters partitioned before, persistent ones gathered after)."""
-    from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT
-
-    _set_scaler_state(zero.loss_scaler, extra["loss_scaler"])
-    groups = [tensors[f"fp32.{i}"] for i in range(len(zero.fp32_partitioned_groups_flat))]
-    state = _optimizer_state(tensors, scalars, prefix="state.")
-    sd = {OPTIMIZER_STATE_DICT: {"state": state, "param_groups": _param_groups(extra["param_groups"])},
-          FP32_FLAT_GROUPS: groups, LOSS_SCALER: zero.loss_scaler,
-          "dynamic_loss_scale": extra["dynamic_loss_scale"], "overflow": extra["overflow"]}
-    zero.checkpoint_event_prologue()
-    zero.load_state_dict([sd] * world, load_optimizer_states=True, load_from_fp32_weights=True)
-    zero.checkpoint_event_epilogue()

@@ -2,6 +2,7 @@
 
     heads-train recipe=quickstart
     heads-train recipe=fsd_head_quickstart fsd_label=js@0.4     # an FSD acceptance head (label=fsd)
+    heads-train recipe=sprinter_quickstart                      # head=verifier (alias sprinter)
     accelerate launch --multi_gpu --num_processes 2 -m specheads.train.cli recipe=quickstart
 
 Writes ``head.safetensors`` (the best epoch's head with its metadata, ready for
@@ -29,6 +30,7 @@ from specheads.outputs import prepare_output_dir, write_manifest
 from .config import TrainConfig
 from .fsd import parse_label
 from .recipe import overwrites_another_run, train
+from .registry import canonical, task_type
 
 log = logging.getLogger(__name__)
 PROG = "heads-train"
@@ -36,21 +38,16 @@ PROG = "heads-train"
 
 def _check(cfg: TrainConfig) -> None:
     problems = []
-    if cfg.head not in ("acceptance", "verifier", "judge"):
-        problems.append(f"head={cfg.head!r}: choose acceptance (SpecDec++), verifier (SPRINTER) or judge")
-    if cfg.head == "verifier":
-        if cfg.feature not in ("previous", "current", "previous+embedding"):
-            problems.append(f"feature={cfg.feature!r}: choose previous, current or previous+embedding")
-        if cfg.class_weights not in ("balanced", "fixed"):
-            problems.append(f"class_weights={cfg.class_weights!r}: choose balanced or fixed")
-        if cfg.lam <= 0 or any(lam <= 0 for lam in cfg.roc_lambdas):
-            problems.append("lam and every roc_lambdas value must be > 0")
+    try:
+        problems += task_type(cfg.head).check(cfg)
+    except UserError as err:
+        problems.append(str(err))
     if not cfg.data_dir:
         problems.append("data_dir is not set; pass data_dir=<heads-datagen output_dir>")
     if cfg.label not in ("soft", "expected", "fsd"):
         problems.append(f"label={cfg.label!r}: choose soft, expected or fsd")
     if cfg.label == "fsd":
-        if cfg.head != "acceptance":
+        if canonical(cfg.head) != "acceptance":
             problems.append(f"label=fsd trains head=acceptance, not head={cfg.head}")
         try:
             parse_label(cfg.fsd_label)
@@ -82,21 +79,14 @@ def _check(cfg: TrainConfig) -> None:
 def run(cfg: TrainConfig) -> int:
     """Validates, prepares the output directory (resuming the same run), trains."""
     _check(cfg)
+    cfg.head = canonical(cfg.head)  # an alias is recorded under the task's own name
     hf_logging.disable_progress_bar()
     fresh = overwrites_another_run(cfg)  # train() then removes that run's checkpoints
     out = prepare_output_dir(cfg.output_dir, to_yaml(cfg), overwrite=cfg.overwrite)
     with use_threads(cfg.threads):  # before any model work: the thread count changes the last bits
         metrics = train(cfg, Path(out), fresh=fresh)
     write_manifest(out, command=PROG, data_dir=cfg.data_dir, head="head.safetensors", **metrics)
-    if cfg.head == "judge":
-        log.info("judge AUROC %s, wrong tokens accepted at delta=%g: %s -> %s", metrics.get("eval_auroc"), cfg.threshold,
-                 metrics.get("eval_wrong_accepted_share"), Path(out) / "head.safetensors")
-    elif cfg.head == "verifier":
-        log.info("verifier AUROC %s, TPR %s / FPR %s at eta=%g -> %s", metrics.get("auroc"), metrics.get("tpr_at_eta"),
-                 metrics.get("fpr_at_eta"), cfg.threshold, Path(out) / "head.safetensors")
-    else:
-        log.info("eval binary KL %.4f, AUROC %s -> %s", metrics.get("eval_binary_kl", float("nan")),
-                 metrics.get("eval_auroc"), Path(out) / "head.safetensors")
+    log.info("%s -> %s", task_type(cfg.head).summary(cfg, metrics), Path(out) / "head.safetensors")
     return 0
 
 

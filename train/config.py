@@ -15,7 +15,7 @@ class TrainConfig:
 
     data_dir: str = field(default="", metadata={"help": "output_dir of heads-datagen"})
     draft: ModelSpec = field(default_factory=ModelSpec)
-    head: str = field(default="acceptance", metadata={"help": "acceptance (SpecDec++) | verifier (SPRINTER) | judge (Judge decoding, on labels=judge data; needs no model)"})
+    head: str = field(default="acceptance", metadata={"help": "acceptance (SpecDec++; alias specdecpp) | verifier (SPRINTER; alias sprinter) | judge (Judge decoding, on labels=judge data; needs no model)"})
     depth: int = field(default=3, metadata={"help": "residual blocks D (0 = linear; the SPRINTER verifier is linear)"})
     lam: float = field(default=1.0, metadata={"help": "verifier: label 1 when q(x) <= lam * p(x)"})
     feature: str = field(default="previous", metadata={"help": "verifier: previous | current | previous+embedding (draft state before x, after x, or before x + x's input embedding)"})

@@ -1,8 +1,7 @@
-"""Acceptance-head training data: labelled chunks, a seeded split, token mixing, online features."""
+"""SpecDec++ acceptance-head training data: labelled chunks, token mixing, the draft's features."""
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +28,7 @@ def load_examples(data_dir: str | Path, label_column: str = "label") -> list[Exa
     """Reads every chunk written by ``heads-datagen`` (only the columns training needs)."""
     import pyarrow.parquet as pq
 
-    from specheads.datagen.shards import require_columns, shard_paths
+    from specheads.dataset import require_columns, shard_paths
 
     files = shard_paths(data_dir)  # the manifest's list; UserError for a missing/newer-schema manifest
     if not files:
@@ -44,17 +43,6 @@ def load_examples(data_dir: str | Path, label_column: str = "label") -> list[Exa
                                [float(v) for v in row[label_column]]))  # FSD decisions are stored as bools
     out.sort(key=lambda e: e.index)
     return out
-
-
-def split(examples: list[Example], eval_fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
-    """A seeded split by prompt (every prompt's tokens on one side)."""
-    order = list(range(len(examples)))
-    random.Random(seed).shuffle(order)
-    n_eval = max(1, round(len(examples) * eval_fraction)) if eval_fraction > 0 else 0
-    if n_eval >= len(examples):
-        raise UserError(f"eval_fraction={eval_fraction} leaves no training prompts out of {len(examples)}")
-    held = set(order[:n_eval])
-    return [e for i, e in enumerate(examples) if i not in held], [e for i, e in enumerate(examples) if i in held]
 
 
 def mix(example: Example, ratio: float, seed: int) -> tuple[list[int], list[bool]]:

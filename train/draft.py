@@ -1,0 +1,65 @@
+"""The frozen draft whose states the acceptance head and the SPRINTER verifier read, and their cache."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specheads.errors import UserError
+from specheads.export.shim.models import HiddenCapture, load_model
+
+from . import zero
+from .config import TrainConfig
+from .features import FeatureCache, cache_key
+from .task import EVAL_EPOCH
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Draft:
+    """The draft model, the hook that captures its states, and what a task needs to know of it."""
+
+    model: torch.nn.Module
+    capture: HiddenCapture
+    pad: int
+    device: torch.device | str
+    hidden: int
+    name: str
+    fingerprint: str
+
+
+def load_draft(cfg: TrainConfig, acc, manifest: dict) -> Draft:
+    """Loads ``cfg.draft`` (whole, also under ZeRO-3) and checks it is the draft the data was labelled with."""
+    cfg.draft.device = str(acc.device) if cfg.draft.device == "auto" else cfg.draft.device
+    with zero.unpartitioned(acc):
+        draft = load_model(cfg.draft, "draft")
+    if draft.fingerprint != manifest["draft"]["fingerprint"]:
+        raise UserError(f"draft {draft.name!r} (fingerprint {draft.fingerprint}) is not the draft the data was "
+                        f"labelled with ({manifest['draft']['name']!r}, {manifest['draft']['fingerprint']}); "
+                        "set draft.path to that model")
+    tok = draft.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    return Draft(draft.model, HiddenCapture(draft.model), pad, draft.device, draft.hidden_size, draft.name,
+                 draft.fingerprint)
+
+
+def feature_cache(cfg: TrainConfig, acc, draft: Draft, label: str, mix_ratio: float,
+                  compute: Callable, epochs: int, train_examples: list, eval_examples: list) -> FeatureCache:
+    """``features=cached``: the draft's features of the first ``epochs`` epochs and of the held-out set,
+    computed once by the main process (other processes wait for the files). ``label`` and ``mix_ratio``
+    enter the cache key with the draft, seed and split."""
+    key = cache_key(draft.fingerprint, mix_ratio, cfg.seed, label, cfg.eval_fraction)
+    root = Path(cfg.cache_dir or Path(cfg.data_dir) / "features") / key
+    cache = FeatureCache(root, compute, cfg.batch_size)
+    if acc.is_main_process:
+        for epoch in range(epochs):
+            cache.build(epoch, train_examples)
+        cache.build(EVAL_EPOCH, eval_examples)
+    acc.wait_for_everyone()
+    log.info("cached features: %s (%.1f MB)", root, cache.nbytes() / 1e6)
+    return cache

@@ -1,0 +1,27 @@
+"""The head families ``heads-train`` trains, by ``head=`` name (the exported ``head_type``)."""
+
+from __future__ import annotations
+
+from specheads.errors import UserError
+
+from .acceptance_task import AcceptanceTask
+from .judge_task import JudgeTask
+from .task import Task
+from .verifier_task import VerifierTask
+
+TASKS: dict[str, type[Task]] = {"acceptance": AcceptanceTask, "verifier": VerifierTask, "judge": JudgeTask}
+# the algorithms' names, as heads-datagen labels= and heads-decode policy= spell them
+ALIASES = {"specdecpp": "acceptance", "sprinter": "verifier"}
+
+
+def canonical(head: str) -> str:
+    """``head`` with an alias resolved to the task's own name."""
+    return ALIASES.get(head, head)
+
+
+def task_type(head: str) -> type[Task]:
+    """The task ``head=`` names; UserError for an unknown name."""
+    if canonical(head) not in TASKS:
+        raise UserError(f"head={head!r}: choose acceptance (SpecDec++; alias specdecpp), verifier (SPRINTER; "
+                        "alias sprinter) or judge")
+    return TASKS[canonical(head)]

@@ -1,0 +1,110 @@
+"""What a head family brings to a training run, and the pieces the families share.
+
+The loop (``recipe.py``) is the same for every head; a :class:`Task` is the rest: which examples it
+reads, the features and labels of a batch, a fresh head, the held-out metrics, the score that
+selects the best epoch, the metadata the exported head carries, and the reports written after the
+last epoch. ``registry.py`` names the tasks: ``acceptance`` (``acceptance_task.py``), ``verifier``
+(``verifier_task.py``), ``judge`` (``judge_task.py``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import ClassVar, Protocol
+
+import torch
+
+from specheads.errors import UserError
+
+from .config import TrainConfig
+
+EVAL_EPOCH = 0xFFF  # the held-out set's "epoch": its fixed mixing draw, its file in the feature cache
+
+
+class Task(Protocol):
+    """One head family's side of a training run, built by :meth:`setup` before the first epoch."""
+
+    labels: ClassVar[tuple[str, ...]]  # the heads-datagen labels= it trains on; errors name the first
+    head_type: ClassVar[str]  # its key in specheads.heads.HEADS, written into the exported file
+    train_examples: list
+    eval_examples: list
+    weights: tuple[float, float]  # (w_pos, w_neg) of the weighted BCE
+    hidden: int  # the hidden size of the model it reads (ZeRO-3 bucket sizes)
+
+    @classmethod
+    def check(cls, cfg: TrainConfig) -> list[str]:
+        """The problems of its own settings, as one-line messages."""
+
+    @classmethod
+    def setup(cls, cfg: TrainConfig, manifest: dict, acc) -> Task:
+        """Reads the examples, splits them, loads what computes the features (collective)."""
+
+    @staticmethod
+    def summary(cfg: TrainConfig, metrics: dict) -> str:
+        """The final metrics in one log line."""
+
+    def build_head(self) -> torch.nn.Module:
+        """A fresh head, its initial weights drawn from the run's seed."""
+
+    def batch(self, examples: list, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features ``[M, d]`` and labels ``[M]`` of a batch of examples."""
+
+    def evaluate(self, head: torch.nn.Module, examples: list) -> dict:
+        """Held-out metrics (``eval_*``)."""
+
+    def score(self, metrics: dict) -> float:
+        """Selects the best epoch: lower is better."""
+
+    def metadata(self, metrics: dict) -> dict:
+        """What the exported head records besides ``head_config`` (see :mod:`specheads.export.package`)."""
+
+    def models(self) -> dict[str, tuple]:
+        """The frozen models it runs, ``role -> (dtype, device)`` (the run's numerics)."""
+
+    def companions(self, out: Path) -> list[tuple[str, TrainConfig]]:
+        """Further runs on the same data that its report compares, with a note for the log."""
+
+    def report(self, out: Path, acc, best: dict) -> dict:
+        """Writes its report files after training (and the companions'); returns fields for the manifest."""
+
+
+def split(examples: list, eval_fraction: float, seed: int) -> tuple[list, list]:
+    """A seeded split by prompt (every prompt's tokens on one side)."""
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    n_eval = max(1, round(len(examples) * eval_fraction)) if eval_fraction > 0 else 0
+    if n_eval >= len(examples):
+        raise UserError(f"eval_fraction={eval_fraction} leaves no training prompts out of {len(examples)}")
+    held = set(order[:n_eval])
+    return [e for i, e in enumerate(examples) if i not in held], [e for i, e in enumerate(examples) if i in held]
+
+
+def param_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype of a head's weights (bf16 inside a DeepSpeed bf16 engine, else fp32)."""
+    return next(module.parameters()).dtype
+
+
+@torch.no_grad()
+def predict(head: torch.nn.Module, examples: list, batch_size: int,
+            inputs: Callable[[list], tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's logits (fp32) over ``examples``, and the targets ``inputs`` gives with the features."""
+    logits, targets = [], []
+    for i in range(0, len(examples), batch_size):
+        x, y = inputs(examples[i: i + batch_size])
+        logits.append(head(x.to(param_dtype(head))).float())
+        targets.append(y)
+    return torch.cat(logits), torch.cat(targets)
+
+
+def auroc_score(metrics: dict) -> float:
+    """Minus the held-out AUROC (0.5 where it is undefined: one class only)."""
+    return -(metrics["eval_auroc"] if metrics["eval_auroc"] is not None else 0.5)
+
+
+def describe(cfg: TrainConfig, manifest: dict, hidden: int, metrics: dict, **fields) -> dict:
+    """The exported metadata every head carries, and the family's ``fields`` (feature, label, draft ...)."""
+    return {"hidden_size": hidden, "target": manifest["target"], "sampling": manifest["sampling"],
+            "default_threshold": cfg.threshold, "extra": {"train": metrics, "datagen_seed": manifest.get("seed")},
+            **fields}
