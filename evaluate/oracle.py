@@ -91,6 +91,33 @@ def predicted_ms_per_token(stats: GenerationStats, table: CostTable) -> float | 
     return predict_ms_per_token(table, stats.draft_forwards, stats.target_pass_sizes, stats.new_tokens)
 
 
+def _r(x: float | None, digits: int = 4) -> float | None:
+    return None if x is None or x != x else round(x, digits)
+
+
+def cost_figures(tot: GenerationStats, table: CostTable | None, t_d: float, t_t: float) -> dict:
+    """Predicted (cost table, the row's own pass sizes) and measured ms/token, their ratio, and
+    ``model_cost_ms_per_token`` (the predicted one; the scalar model at the baselines' times without a table)."""
+    predicted = predicted_ms_per_token(tot, table) if table is not None else None
+    measured = 1000 * tot.wall_time / tot.new_tokens if tot.new_tokens and tot.wall_time else None
+    model = predicted if table is not None else 1000 * cost_per_token(tot.draft_forwards, tot.target_calls,
+                                                                       tot.new_tokens, t_d, t_t)
+    return {"predicted_ms_per_token": _r(predicted), "measured_ms_per_token": _r(measured),
+            "predicted_over_measured": _r(predicted / measured) if predicted is not None and measured else None,
+            "model_cost_ms_per_token": _r(model)}
+
+
+def ideal_figures(counts: GenerationStats, t_d: float, t_t: float, table: CostTable | None = None) -> dict:
+    """The counts and cost-model figures of a schedule that was never timed (the oracle, the perfect head)."""
+    cost = cost_figures(counts, table, t_d, t_t)
+    ms = cost["model_cost_ms_per_token"]
+    return {"tokens": counts.new_tokens, "target_calls": counts.target_calls, "draft_forwards": counts.draft_forwards,
+            "verification_rate": round(counts.verification_rate, 4), "discard_rate": round(counts.discard_rate, 4),
+            "target_pass_sizes": dict(sorted(counts.target_pass_sizes.items())),
+            "predicted_ms_per_token": cost["predicted_ms_per_token"], "model_cost_ms_per_token": ms,
+            "predicted_tokens_per_s": round(1000 / ms, 3) if ms else None}
+
+
 def below_curve(points: list[tuple[float, float]], v: float, d: float, tol: float = 1e-9) -> bool | None:
     """Whether (verification rate ``v``, discard rate ``d``) lies on or below the piecewise-linear
     curve through ``points``; None when ``v`` is outside the curve's verification-rate range."""

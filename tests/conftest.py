@@ -1,15 +1,27 @@
-"""Shared fixtures: tiny tokenizers and models built locally (nothing downloaded) and stub LMs."""
+"""Shared fixtures and helpers: tiny tokenizers and models built locally (nothing downloaded), stub LMs,
+the tiny pair's datagen and train command lines, the losslessness chi-square, and a child process
+that SIGKILLs itself at a fixed point of its own work. Test modules import helpers from here only."""
 
 from __future__ import annotations
 
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from scipy.stats import chisquare
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+from specheads.export import Engine, StandardSD
 from specheads.export.shim.fused import unfuse
+from specheads.export.shim.sampling import SamplingConfig, probs_from_logits
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 WORDS = ("the cat dog sat on a mat and ran to big red blue sun moon one two three four five six seven eight "
@@ -132,3 +144,169 @@ def _own_measurement_cache(tmp_path_factory):
         os.environ.pop("SPECHEADS_CACHE", None)
     else:
         os.environ["SPECHEADS_CACHE"] = old
+
+
+# --- heads-datagen and heads-train on the tiny pair ---------------------------------------------
+
+DATAGEN_PROMPTS = ["the cat sat", "a dog ran up", "one two three four", "why is the sun red", "big blue moon", "yes no"]
+SPRINTER_PROMPTS = ["the cat sat on a mat", "a dog ran up", "one two three four five", "why is the sun red",
+                    "big blue moon", "yes no up down", "how was the cat", "left right left"]
+
+
+@pytest.fixture()
+def prompts_file(tmp_path):
+    """``DATAGEN_PROMPTS`` as a prompt file."""
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in DATAGEN_PROMPTS))
+    return path
+
+
+def datagen_args(pair_dirs, prompts, out, *extra):
+    """``heads-datagen`` acceptance labels on the tiny pair: chunks of 2 prompts, up to 6 new tokens, sampled."""
+    t, d = pair_dirs
+    return [f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu", "draft.device=cpu",
+            f"prompts={prompts}", f"output_dir={out}", "num_prompts=null", "max_new_tokens=6", "batch_size=2",
+            "chunk_size=2", "sampling.do_sample=true", *extra]
+
+
+def sprinter_args(pair_dirs, prompts, out, *extra):
+    """``heads-datagen labels=sprinter`` on the tiny pair: chunks of 4 prompts (one per prefix category), greedy."""
+    return datagen_args(pair_dirs, prompts, out, "batch_size=4", "chunk_size=4", "labels=sprinter",
+                        "sampling.do_sample=false", *extra)
+
+
+def chunk_rows(out):
+    """Every row of a datagen output's chunk files, in chunk order."""
+    import pyarrow.parquet as pq
+
+    rows = []
+    for path in sorted((out / "data").glob("chunk-*.parquet")):
+        rows += pq.read_table(path).to_pylist()
+    return rows
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory, tiny_pair_dirs):
+    """Acceptance labels of 10 prompts (up to 10 new tokens each) on the tiny pair, for heads-train."""
+    from specheads.datagen.cli import main as datagen_main
+
+    root = tmp_path_factory.mktemp("labelled")
+    prompts = root / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in
+                               ["the cat sat", "a dog ran up", "one two three", "why is the sun red", "big moon",
+                                "yes no up down", "left right", "the red sun", "two three four", "who was it"]))
+    out = root / "dg"
+    assert datagen_main(datagen_args(tiny_pair_dirs, prompts, out, "max_new_tokens=10")) == 0
+    return out
+
+
+def train_args(tiny_pair_dirs, data, out, *extra):
+    """``heads-train`` of a depth-1 acceptance head on ``data``: 3 epochs, batch 2, 2 accumulation steps."""
+    return [f"data_dir={data}", f"draft.path={tiny_pair_dirs[1]}", "draft.gguf_file=null", "draft.device=cpu",
+            f"output_dir={out}", "batch_size=2", "grad_accum=2", "epochs=3", "lr=1e-2", "eval_fraction=0.2",
+            "depth=1", "patience=3", *extra]
+
+
+def same_heads(a, b, atol=0.0):
+    """The exported heads of two training output folders are equal (bit for bit by default)."""
+    from specheads.export import load_head
+
+    a = load_head(a / "head.safetensors").module.state_dict()
+    b = load_head(b / "head.safetensors").module.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol)
+
+
+# --- the losslessness chi-square on a bigram pair -----------------------------------------------
+
+P_ROWS = [[0.50, 0.20, 0.20, 0.10], [0.10, 0.60, 0.20, 0.10], [0.25, 0.25, 0.25, 0.25], [0.05, 0.15, 0.30, 0.50]]
+Q_ROWS = [[0.10, 0.10, 0.40, 0.40], [0.50, 0.20, 0.20, 0.10], [0.70, 0.10, 0.10, 0.10], [0.25, 0.25, 0.25, 0.25]]
+
+
+def exact_sequences(sampling: SamplingConfig, horizon: int, rows=P_ROWS) -> dict[tuple, float]:
+    """The probability of every token sequence of length ``horizon`` from token 0 under the bigram ``rows``."""
+    p = probs_from_logits(torch.log(torch.tensor(rows)), sampling)
+    out = {}
+    for seq in itertools.product(range(4), repeat=horizon):
+        prob, last = 1.0, 0
+        for t in seq:
+            prob, last = prob * float(p[last, t]), t
+        out[seq] = prob
+    return out
+
+
+def sd_pvalue(sampling: SamplingConfig, n: int = 3000, horizon: int = 3, k: int = 2, policy=None,
+              rows=P_ROWS, draft=None) -> float:
+    """Chi-square p-value of ``n`` sampled outputs of ``policy`` (default SD with ``k``) on the
+    bigram pair (or the target with ``draft``) against the exact sequence distribution of the
+    bigram ``rows`` (default: the target)."""
+    engine = Engine(bigram(P_ROWS), draft if draft is not None else bigram(Q_ROWS), eos_token_ids=[])
+    gen = torch.Generator().manual_seed(1234)
+    exact = exact_sequences(sampling, horizon, rows)
+    counts = dict.fromkeys(exact, 0)
+    policy = policy or StandardSD(k)
+    for _ in range(n):
+        counts[tuple(engine.generate([0], policy, horizon, sampling, gen).tokens)] += 1
+    assert sum(counts[s] for s in exact if exact[s] == 0) == 0  # never emits an impossible sequence
+    total = sum(exact.values())
+    obs, exp, pool_obs, pool_exp = [], [], 0, 0.0
+    for s, prob in exact.items():  # pool cells expected < 5 times so the chi-square approximation holds
+        e = prob / total * n
+        if e >= 5:
+            obs.append(counts[s])
+            exp.append(e)
+        elif prob > 0:
+            pool_obs, pool_exp = pool_obs + counts[s], pool_exp + e
+    if pool_exp > 0:
+        obs.append(pool_obs)
+        exp.append(pool_exp)
+    exp = [e * n / sum(exp) for e in exp]
+    return chisquare(obs, exp).pvalue
+
+
+#: Sampling settings every losslessness chi-square runs under (plain and warped).
+SAMPLINGS = pytest.mark.parametrize("sampling", [SamplingConfig(do_sample=True),
+                                                 SamplingConfig(do_sample=True, temperature=0.7, top_k=3, top_p=0.9)],
+                                    ids=["plain", "warped"])
+
+
+# --- a process killed at a fixed point of its own work ------------------------------------------
+
+# Runs ``python -m <module> <args>`` with os.replace wrapped: at the n-th rename onto a file whose name
+# matches the pattern, the process SIGKILLs itself, before the rename (the temporary file written, not
+# yet in place) or right after it. The project writes every finished file by such a rename.
+_KILL_DRIVER = """
+import fnmatch, os, runpy, signal, sys
+
+pattern, nth, when = os.environ["SPECHEADS_TEST_KILL"].split(":")
+nth, seen, replace = int(nth), [0], os.replace
+
+
+def replace_or_die(src, dst, *args, **kwargs):
+    hit = fnmatch.fnmatch(os.path.basename(os.fspath(dst)), pattern)
+    seen[0] += hit
+    if hit and seen[0] == nth and when == "before":
+        os.kill(os.getpid(), signal.SIGKILL)
+    replace(src, dst, *args, **kwargs)
+    if hit and seen[0] == nth and when == "after":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+os.replace = replace_or_die
+module, sys.argv = sys.argv[1], sys.argv[1:]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+
+def run_killed(module: str, args: list[str], pattern: str, nth: int, when: str, timeout: float = 300):
+    """Runs ``python -m module *args`` in a child process that SIGKILLs itself at the ``nth`` rename
+    (``os.replace``) onto a file named like ``pattern`` (fnmatch), ``when`` = ``"before"`` or ``"after"``
+    it; asserts that it died there (not earlier by an error, not later by finishing)."""
+    assert when in ("before", "after")
+    env = {**os.environ, "SPECHEADS_TEST_KILL": f"{pattern}:{nth}:{when}"}
+    proc = subprocess.run([sys.executable, "-c", _KILL_DRIVER, module, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    assert proc.returncode == -signal.SIGKILL, \
+        f"{module} was to die {when} rename {nth} onto {pattern}; exit {proc.returncode}: {proc.stderr[-2000:]}"
+    return proc

@@ -4,46 +4,22 @@ from __future__ import annotations
 
 import json
 
-import pyarrow.parquet as pq
-import pytest
+from conftest import DATAGEN_PROMPTS, chunk_rows, datagen_args
 
 from specheads.datagen.cli import main
-
-WORDS = ["the cat sat", "a dog ran up", "one two three four", "why is the sun red", "big blue moon", "yes no"]
-
-
-@pytest.fixture()
-def prompts_file(tmp_path):
-    path = tmp_path / "p.jsonl"
-    path.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in WORDS))
-    return path
-
-
-def _args(pair_dirs, prompts, out, *extra):
-    t, d = pair_dirs
-    return [f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu", "draft.device=cpu",
-            f"prompts={prompts}", f"output_dir={out}", "num_prompts=null", "max_new_tokens=6", "batch_size=2",
-            "chunk_size=2", "sampling.do_sample=true", *extra]
-
-
-def _rows(out):
-    rows = []
-    for path in sorted((out / "data").glob("chunk-*.parquet")):
-        rows += pq.read_table(path).to_pylist()
-    return rows
 
 
 def test_datagen_writes_labelled_chunks(tiny_pair_dirs, prompts_file, tmp_path):
     out = tmp_path / "dg"
-    assert main(_args(tiny_pair_dirs, prompts_file, out)) == 0
-    rows = _rows(out)
-    assert [r["prompt_index"] for r in rows] == list(range(len(WORDS)))
+    assert main(datagen_args(tiny_pair_dirs, prompts_file, out)) == 0
+    rows = chunk_rows(out)
+    assert [r["prompt_index"] for r in rows] == list(range(len(DATAGEN_PROMPTS)))
     for r in rows:
         n = len(r["input_ids"]) - r["response_start"]
         assert 1 <= n <= 6 and len(r["label"]) == len(r["draft_token"]) == len(r["expected_label"]) == n
         assert all(0.0 <= v <= 1.0 for v in r["label"] + r["expected_label"])
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["prompts"] == len(WORDS) and manifest["chunks"] == 3
+    assert manifest["prompts"] == len(DATAGEN_PROMPTS) and manifest["chunks"] == 3
     assert manifest["labelled_tokens"] == sum(len(r["label"]) for r in rows)
     assert manifest["sampling"]["do_sample"] is True and manifest["draft"]["fingerprint"].startswith("sha256:")
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
@@ -51,13 +27,13 @@ def test_datagen_writes_labelled_chunks(tiny_pair_dirs, prompts_file, tmp_path):
 
 def test_datagen_resumes_and_is_deterministic(tiny_pair_dirs, prompts_file, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    assert main(_args(tiny_pair_dirs, prompts_file, a)) == 0
-    assert main(_args(tiny_pair_dirs, prompts_file, b)) == 0
+    assert main(datagen_args(tiny_pair_dirs, prompts_file, a)) == 0
+    assert main(datagen_args(tiny_pair_dirs, prompts_file, b)) == 0
     (b / "data" / "chunk-000001.parquet").unlink()  # as if killed before this chunk finished
     (b / "manifest.json").unlink()
-    assert main(_args(tiny_pair_dirs, prompts_file, b)) == 0
-    assert _rows(a) == _rows(b)
-    assert json.loads((b / "manifest.json").read_text())["prompts"] == len(WORDS)
+    assert main(datagen_args(tiny_pair_dirs, prompts_file, b)) == 0
+    assert chunk_rows(a) == chunk_rows(b)
+    assert json.loads((b / "manifest.json").read_text())["prompts"] == len(DATAGEN_PROMPTS)
 
 
 def test_two_processes_write_the_same_examples_as_one(tiny_pair_dirs, prompts_file, tmp_path):
@@ -68,14 +44,14 @@ def test_two_processes_write_the_same_examples_as_one(tiny_pair_dirs, prompts_fi
     import sys
 
     one, two = tmp_path / "one", tmp_path / "two"
-    assert main(_args(tiny_pair_dirs, prompts_file, one, "threads=1")) == 0
+    assert main(datagen_args(tiny_pair_dirs, prompts_file, one, "threads=1")) == 0
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "-m", "specheads.datagen.cli", *_args(tiny_pair_dirs, prompts_file, two, "threads=1")]
+           "-m", "specheads.datagen.cli", *datagen_args(tiny_pair_dirs, prompts_file, two, "threads=1")]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert _rows(one) == _rows(two)
+    assert chunk_rows(one) == chunk_rows(two)
     assert [p.name for p in sorted((two / "data").iterdir())] == [p.name for p in sorted((one / "data").iterdir())]
     numerics = [json.loads((d / "manifest.json").read_text())["numerics"] for d in (one, two)]
     assert [n.pop("processes") for n in numerics] == [1, 2] and numerics[0] == numerics[1]
@@ -94,7 +70,7 @@ def test_manifest_records_numerics_and_a_resume_under_others_warns(tiny_pair_dir
 
     before = torch.get_num_threads()
     out = tmp_path / "dg"
-    assert main(_args(tiny_pair_dirs, prompts_file, out, "threads=1")) == 0
+    assert main(datagen_args(tiny_pair_dirs, prompts_file, out, "threads=1")) == 0
     assert torch.get_num_threads() == before  # the caller's count is restored
     manifest = json.loads((out / "manifest.json").read_text())
     with numerics.use_threads(1):
@@ -107,11 +83,11 @@ def test_manifest_records_numerics_and_a_resume_under_others_warns(tiny_pair_dir
 
     again = tmp_path / "again"  # threads=null: the count in force, which differs between the two attempts
     with numerics.use_threads(1):
-        assert main(_args(tiny_pair_dirs, prompts_file, again)) == 0
+        assert main(datagen_args(tiny_pair_dirs, prompts_file, again)) == 0
     (again / "data" / "chunk-000001.parquet").unlink()
     caplog.set_level(logging.WARNING)
     with numerics.use_threads(2):
-        assert main(_args(tiny_pair_dirs, prompts_file, again)) == 0
+        assert main(datagen_args(tiny_pair_dirs, prompts_file, again)) == 0
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("threads=1 now 2" in m and "not be byte-identical" in m for m in warned)
     assert any("1 chunks (first: 1) were labelled with other numerics settings (threads" in m for m in warned)

@@ -4,26 +4,24 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import signal
 import subprocess
 import sys
-import time
 
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import DATAGEN_PROMPTS, datagen_args, run_killed
 
 from specheads import dataset
 from specheads.datagen import shards
 from specheads.datagen.cli import main
 from specheads.outputs import file_sha256
-from test_datagen import WORDS, _args  # the tiny pair's datagen command line (chunks of 2 prompts)
 
 
 def _prompts(tmp_path, n):
     path = tmp_path / "p.jsonl"
-    path.write_text("".join(json.dumps({"prompt": WORDS[i % len(WORDS)] + f" {i}"}) + "\n" for i in range(n)))
+    path.write_text("".join(json.dumps({"prompt": DATAGEN_PROMPTS[i % len(DATAGEN_PROMPTS)] + f" {i}"}) + "\n"
+                            for i in range(n)))
     return path
 
 
@@ -40,7 +38,7 @@ def reference(tiny_pair_dirs, tmp_path_factory):
     """An uninterrupted one-process run over 32 prompts (16 chunks), one thread (as every run it is compared with)."""
     root = tmp_path_factory.mktemp("ref")
     prompts = _prompts(root, 32)
-    assert main(_args(tiny_pair_dirs, prompts, root / "out", "threads=1")) == 0
+    assert main(datagen_args(tiny_pair_dirs, prompts, root / "out", "threads=1")) == 0
     return prompts, root / "out"
 
 
@@ -69,33 +67,30 @@ def test_chunk_owners_do_not_depend_on_other_processes_files(tmp_path):
 
 
 def test_sigkill_loop_then_resume_labels_every_prompt_once(reference, tiny_pair_dirs, tmp_path):
-    """SIGKILL at random points, several times; each restart resumes; the end result is the
-    uninterrupted run's files, every prompt labelled exactly once."""
+    """SIGKILLed four times, each time at a fixed point of its own work: while a chunk's file is
+    written (complete in its temporary file, not yet renamed into place), after 0 to 2 chunks of
+    that attempt; each restart resumes; the end result is the uninterrupted run's files, every
+    prompt labelled exactly once."""
     prompts, ref = reference
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "specheads.datagen.cli", *_args(tiny_pair_dirs, prompts, out, "threads=1")]
-    rng = random.Random(7)
-    kills = 0
-    for _ in range(4):
-        before = len(list((out / "data").glob("chunk-*.parquet"))) if (out / "data").exists() else 0
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline, wait_for = time.time() + 120, before + rng.randint(1, 3)
-        while proc.poll() is None and time.time() < deadline and \
-                len(list((out / "data").glob("chunk-*.parquet"))) < wait_for:
-            time.sleep(0.005)  # a few new chunks into this attempt, then kill at a random moment
-        time.sleep(rng.uniform(0.0, 0.05))
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            kills += 1
-        proc.wait()
-    assert kills >= 3
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    args = datagen_args(tiny_pair_dirs, prompts, out, "threads=1")
+    done = 0
+    for nth in (2, 1, 3, 2):  # die at this attempt's nth chunk rename: nth - 1 chunks done, one half-written
+        run_killed("specheads.datagen.cli", args, "chunk-*.parquet", nth, "before")
+        done += nth - 1
+        assert len(list((out / "data").glob("chunk-*.parquet"))) == done
+        temporaries = [p.name for p in (out / "data").glob(".chunk-*")]  # the earlier attempts' are removed
+        assert len(temporaries) == 1 and temporaries[0].startswith(f".chunk-{done:06d}.parquet.")
+    finished = subprocess.run([sys.executable, "-m", "specheads.datagen.cli", *args], capture_output=True, text=True,
+                              timeout=300)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert f"resuming: {done} of 16 chunks" in finished.stderr
+    assert not list((out / "data").glob(".chunk-*"))  # the killed attempts' temporaries removed
     assert _indices(out) == list(range(32))
     assert _shas(out) == _shas(ref)
     assert main([f"output_dir={out}", "verify"]) == 0
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert sorted(r["chunk"] for r in lines) == list(range(16))  # one line per chunk, torn lines dropped
+    assert sorted(r["chunk"] for r in lines) == list(range(16))  # one line per chunk
 
 
 def test_a_run_started_by_four_processes_is_finished_by_two(reference, tiny_pair_dirs, tmp_path):
@@ -114,7 +109,7 @@ def test_a_run_started_by_four_processes_is_finished_by_two(reference, tiny_pair
     (out / "config.yaml").write_text((ref / "config.yaml").read_text().replace(str(ref), str(out)))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "-m", "specheads.datagen.cli", *_args(tiny_pair_dirs, prompts, out, "threads=1")]
+           "-m", "specheads.datagen.cli", *datagen_args(tiny_pair_dirs, prompts, out, "threads=1")]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -125,7 +120,7 @@ def test_a_run_started_by_four_processes_is_finished_by_two(reference, tiny_pair
 
 def test_nonfinite_logits_skip_the_sample_and_count_it(tiny_pair_dirs, tmp_path, monkeypatch, capsys):
     from specheads.datagen import acceptance
-    from specheads.train.data import load_examples
+    from specheads.train.acceptance import load_examples
 
     real = acceptance.teacher_forced_pair
     calls = []
@@ -143,7 +138,7 @@ def test_nonfinite_logits_skip_the_sample_and_count_it(tiny_pair_dirs, tmp_path,
 
     monkeypatch.setattr(acceptance, "teacher_forced_pair", poisoned)
     out = tmp_path / "nan"
-    assert main(_args(tiny_pair_dirs, _prompts(tmp_path, 6), out)) == 0
+    assert main(datagen_args(tiny_pair_dirs, _prompts(tmp_path, 6), out)) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["skipped_nonfinite"] == 2 and manifest["prompts"] == 4
     assert [s["prompt_index"] for s in manifest["skipped_samples"]] == [3, 4]
@@ -181,7 +176,7 @@ def test_verify_finds_damage_missing_and_stray_files(reference, tmp_path, capsys
     text = capsys.readouterr().out
     assert "chunk-000002.parquet: bytes or SHA-256 differ" in text and "chunk-000005.parquet: missing" in text
     assert "chunk-000042.parquet" in text and "neither labelled nor skipped" in text and "FAILED" in text
-    from specheads.train.data import load_examples
+    from specheads.train.acceptance import load_examples
     from specheads.errors import UserError
 
     with pytest.raises(UserError, match="missing or changed since heads-datagen wrote it"):
@@ -285,7 +280,7 @@ def test_bad_prompt_files_fail_before_any_model_loads(tiny_pair_dirs, tmp_path, 
     path = tmp_path / "bad.jsonl"
     path.write_bytes(content)
     out = tmp_path / "o"
-    assert main(_args(tiny_pair_dirs, path, out)) == 2
+    assert main(datagen_args(tiny_pair_dirs, path, out)) == 2
     err = capsys.readouterr().err
     assert fragment in err and len(err.strip().splitlines()) == 1
     assert not (out / "data").exists()

@@ -6,8 +6,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import bigram, tiny_llama
-from scipy.stats import chisquare
+from conftest import SAMPLINGS, bigram, sd_pvalue, tiny_llama
 from torch.testing import assert_close
 
 from specheads.export.shim import policies
@@ -184,65 +183,15 @@ def test_sampling_warp_top_k_top_p():
 
 # ---- losslessness: chi-square on a tiny vocabulary ------------------------------------------
 
-P_ROWS = [[0.50, 0.20, 0.20, 0.10], [0.10, 0.60, 0.20, 0.10], [0.25, 0.25, 0.25, 0.25], [0.05, 0.15, 0.30, 0.50]]
-Q_ROWS = [[0.10, 0.10, 0.40, 0.40], [0.50, 0.20, 0.20, 0.10], [0.70, 0.10, 0.10, 0.10], [0.25, 0.25, 0.25, 0.25]]
-
-
-def _exact_sequences(sampling: SamplingConfig, horizon: int, rows=P_ROWS) -> dict[tuple, float]:
-    p = probs_from_logits(torch.log(torch.tensor(rows)), sampling)
-    out = {}
-    for seq in itertools.product(range(4), repeat=horizon):
-        prob, last = 1.0, 0
-        for t in seq:
-            prob, last = prob * float(p[last, t]), t
-        out[seq] = prob
-    return out
-
-
-def _sd_pvalue(sampling: SamplingConfig, n: int = 3000, horizon: int = 3, k: int = 2, policy=None,
-               rows=P_ROWS, draft=None) -> float:
-    """Chi-square p-value of ``n`` sampled outputs of ``policy`` (default SD with ``k``) on the
-    bigram pair (or the target with ``draft``) against the exact sequence distribution of the
-    bigram ``rows`` (default: the target)."""
-    engine = Engine(bigram(P_ROWS), draft if draft is not None else bigram(Q_ROWS), eos_token_ids=[])
-    gen = torch.Generator().manual_seed(1234)
-    exact = _exact_sequences(sampling, horizon, rows)
-    counts = dict.fromkeys(exact, 0)
-    policy = policy or StandardSD(k)
-    for _ in range(n):
-        counts[tuple(engine.generate([0], policy, horizon, sampling, gen).tokens)] += 1
-    assert sum(counts[s] for s in exact if exact[s] == 0) == 0  # never emits an impossible sequence
-    total = sum(exact.values())
-    obs, exp, pool_obs, pool_exp = [], [], 0, 0.0
-    for s, prob in exact.items():  # pool cells expected < 5 times so the chi-square approximation holds
-        e = prob / total * n
-        if e >= 5:
-            obs.append(counts[s])
-            exp.append(e)
-        elif prob > 0:
-            pool_obs, pool_exp = pool_obs + counts[s], pool_exp + e
-    if pool_exp > 0:
-        obs.append(pool_obs)
-        exp.append(pool_exp)
-    exp = [e * n / sum(exp) for e in exp]
-    return chisquare(obs, exp).pvalue
-
-
-#: Sampling settings every losslessness chi-square runs under (plain and warped).
-SAMPLINGS = pytest.mark.parametrize("sampling", [SamplingConfig(do_sample=True),
-                                                 SamplingConfig(do_sample=True, temperature=0.7, top_k=3, top_p=0.9)],
-                                    ids=["plain", "warped"])
-
-
 @SAMPLINGS
 def test_sampled_sd_is_distributed_as_target(sampling):
-    assert _sd_pvalue(sampling) > 1e-3
+    assert sd_pvalue(sampling) > 1e-3
 
 
 def test_chi_square_catches_a_broken_rule(monkeypatch):
     """Planted one-line bug: the correction drawn from p instead of the residual -> must fail."""
     monkeypatch.setattr(policies, "residual", lambda p, q: p)
-    assert _sd_pvalue(SamplingConfig(do_sample=True)) < 1e-6
+    assert sd_pvalue(SamplingConfig(do_sample=True)) < 1e-6
 
 
 def test_policy_sees_aligned_hidden_states(tiny_pair):

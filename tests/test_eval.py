@@ -8,9 +8,10 @@ import pytest
 import torch
 from conftest import perturbed_copy
 
-from specheads.evaluate.cli import main, summarize
+from specheads.evaluate.cli import main
 from specheads.evaluate.config import EvalConfig
 from specheads.evaluate.oracle import below_curve, draft_agreement, oracle_schedule, perfect_head_schedule
+from specheads.evaluate.report import summarize
 from specheads.export import Engine, GenerationStats, ModelSpec, SamplingConfig, load_pair, save_head
 from specheads.export.shim.costs import CostTable
 from specheads.heads import AcceptanceHead
@@ -139,7 +140,9 @@ def test_eval_sweep_end_to_end(tiny_pair_dirs, head_file, prompts_file, table_fi
         assert r["model_cost_ms_per_token"] == r["predicted_ms_per_token"]
         measured = 1000 * sum(x["wall_time"] for x in mine) / sum(x["new_tokens"] for x in mine)
         assert r["measured_ms_per_token"] == pytest.approx(measured, abs=1e-3)
-        assert r["predicted_over_measured"] == pytest.approx(r["predicted_ms_per_token"] / measured, rel=1e-3)
+        # rounded to 4 decimals: on a loaded machine the ratio is small and the rounding is most of the error
+        assert r["predicted_over_measured"] == pytest.approx(r["predicted_ms_per_token"] / measured, rel=1e-3,
+                                                             abs=1e-4)
     assert by["ar"]["predicted_ms_per_token"] == pytest.approx(4.5)  # 1-token steps only
     assert by["draft"]["predicted_ms_per_token"] == pytest.approx(0.5)
     o = s["oracle"]

@@ -11,8 +11,7 @@ import shutil
 
 import pytest
 import torch
-from test_datagen import _args as datagen_args
-from test_datagen import _rows
+from conftest import chunk_rows, datagen_args
 
 from specheads.datagen.cli import main as datagen
 from specheads.export import read_metadata
@@ -67,7 +66,7 @@ def _by_hand(name: str, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def test_divergences_match_a_hand_computation_and_labels_are_div_below_t(greedy_data, tiny_pair_dirs):
-    rows = _rows(greedy_data)
+    rows = chunk_rows(greedy_data)
     target, draft = _models(tiny_pair_dirs)
     for row in rows[:3]:  # a few prompts by hand, every token of them
         p = _teacher_forced(target, row).softmax(-1)
@@ -98,7 +97,7 @@ def test_sampled_warped_labels_are_seeded_and_match_the_warped_distributions(tin
     runs = {}
     for name, seed in (("a", 3), ("b", 3), ("c", 4)):
         assert datagen(datagen_args(tiny_pair_dirs, prompts, tmp_path / name, *sampled, f"seed={seed}")) == 0
-        runs[name] = _rows(tmp_path / name)
+        runs[name] = chunk_rows(tmp_path / name)
     assert runs["a"] == runs["b"]
     assert [r["draft_token"] for r in runs["a"]] != [r["draft_token"] for r in runs["c"]]
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
@@ -157,7 +156,8 @@ def test_bad_train_settings_are_one_line_errors(tiny_pair_dirs, prompts, greedy_
     acc = tmp_path / "acc"
     assert datagen(datagen_args(tiny_pair_dirs, prompts, acc, "sampling.do_sample=false", "max_new_tokens=8")) == 0
     keep = ("prompt_index", "input_ids", "draft_token", "label", "expected_label")
-    assert [{k: r[k] for k in keep} for r in _rows(acc)] == [{k: r[k] for k in keep} for r in _rows(greedy_data)]
+    assert [{k: r[k] for k in keep} for r in chunk_rows(acc)] == \
+        [{k: r[k] for k in keep} for r in chunk_rows(greedy_data)]
     capsys.readouterr()
     assert train(_targs(tiny_pair_dirs, acc, tmp_path / "t2", "fsd_label=js@0.2")) == 2
     assert "needs labels=fsd data" in _error(capsys, "heads-train")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from test_datagen import _rows
+from conftest import chunk_rows
 from safetensors.torch import load_file
 
 from specheads.datagen import cli, judge
@@ -32,7 +32,7 @@ def test_imported_tuples_give_labels_and_target_features(tiny_pair, tiny_pair_di
     src.write_text("".join(json.dumps(t) + "\n" for t in TUPLES))
     out = tmp_path / "dg"
     assert cli.main(_args(tiny_pair_dirs, out, f"tuples={src}", "prompts=''")) == 0
-    rows = _rows(out)
+    rows = chunk_rows(out)
     assert [(r["tuple_id"], r["side"]) for r in rows] == [("t-1", "correct"), ("t-1", "wrong"), ("t-2", "correct"),
                                                           ("t-3", "correct"), ("t-3", "wrong")]
     wrong = rows[1]
@@ -108,13 +108,10 @@ def test_judge_datagen_bad_settings(tiny_pair_dirs, tmp_path, capsys, bad):
     assert cli.main(_args(tiny_pair_dirs, tmp_path / "x", "prompts=p.jsonl", bad)) == 2
 
 
-def test_judge_head_trains_exports_and_decodes(tiny_pair_dirs, tmp_path):
+@pytest.fixture(scope="module")
+def judge_data(tmp_path_factory, tiny_pair_dirs):
+    """``heads-datagen labels=judge`` over 16 imported tuples of random words (chunks of 4)."""
     import random
-
-    from specheads.export import read_metadata
-    from specheads.export.cli import main as export_main
-    from specheads.export.decode_cli import main as decode_main
-    from specheads.train.cli import main as train_main
 
     words = "the cat dog sat on a mat and ran to big red blue sun moon one two three four five".split()
     rng = random.Random(0)
@@ -125,46 +122,86 @@ def test_judge_head_trains_exports_and_decodes(tiny_pair_dirs, tmp_path):
         start = wrong.index(" ", 3) + 1
         rows.append({"question": " ".join(rng.choice(words) for _ in range(4)), "correct": correct, "wrong": wrong,
                      "error": [start, start + 2]})
-    src = tmp_path / "t.jsonl"
+    root = tmp_path_factory.mktemp("judge")
+    src = root / "t.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    data, tr, exp = tmp_path / "dg", tmp_path / "tr", tmp_path / "exp"
+    data = root / "dg"
     assert cli.main(_args(tiny_pair_dirs, data, f"tuples={src}", "prompts=''", "chunk_size=4")) == 0
-    assert cli.main([f"output_dir={data}", "verify"]) == 0  # tuple sides once, features match their shards
+    return data
+
+
+@pytest.fixture(scope="module")
+def judge_trained(judge_data):
+    """A depth-0 judge head trained on ``judge_data``."""
+    from specheads.train.cli import main as train_main
+
+    tr = judge_data.parent / "tr"
+    assert train_main([f"data_dir={judge_data}", f"output_dir={tr}", "head=judge", "depth=0", "epochs=3", "lr=1e-2",
+                       "batch_size=2", "grad_accum=1", "eval_fraction=0.25", "w_rej=3.0", "weight_decay=0.01",
+                       "threshold=0.5", "patience=3", "draft.path=unused"]) == 0
+    return tr
+
+
+@pytest.fixture(scope="module")
+def judge_head(judge_trained):
+    """``judge_trained``'s head, exported."""
+    from specheads.export.cli import main as export_main
+
+    exp = judge_trained.parent / "exp"
+    assert export_main([f"train_dir={judge_trained}", f"output_dir={exp}"]) == 0
+    return exp / "head.safetensors"
+
+
+def _one_prompt(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the cat sat"}) + "\n")
+    return prompts
+
+
+def test_judge_data_verifies_and_damaged_features_fail(judge_data, tmp_path):
     import shutil
 
-    shutil.copytree(data, tmp_path / "damaged")
+    assert cli.main([f"output_dir={judge_data}", "verify"]) == 0  # tuple sides once, features match their shards
+    shutil.copytree(judge_data, tmp_path / "damaged")
     feats = sorted((tmp_path / "damaged" / "features").glob("chunk-*.safetensors"))[0]
     feats.write_bytes(feats.read_bytes()[:-8])
     assert cli.main([f"output_dir={tmp_path / 'damaged'}", "verify"]) == 1
-    t, d = tiny_pair_dirs
-    assert train_main([f"data_dir={data}", f"output_dir={tr}", "head=judge", "depth=0", "epochs=3", "lr=1e-2",
-                       "batch_size=2", "grad_accum=1", "eval_fraction=0.25", "w_rej=3.0", "weight_decay=0.01",
-                       "threshold=0.5", "patience=3", "draft.path=unused"]) == 0
-    meta = read_metadata(tr / "head.safetensors")
+
+
+def test_judge_head_trains_on_the_target_states(judge_trained):
+    from specheads.export import read_metadata
+
+    meta = read_metadata(judge_trained / "head.safetensors")
     assert meta["head_type"] == "judge" and meta["feature"] == {"model": "target", "state": "pre", "layer": -1,
                                                                  "position": "own"}
-    metrics = json.loads((tr / "metrics.json").read_text())
+    metrics = json.loads((judge_trained / "metrics.json").read_text())
     assert {"auroc", "negative_precision", "negative_recall", "wrong_accepted_share"} <= set(metrics)
-    assert export_main([f"train_dir={tr}", f"output_dir={exp}"]) == 0
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": "the cat sat"}) + "\n")
+
+
+def test_exported_judge_head_decodes(judge_head, tiny_pair_dirs, tmp_path):
+    from specheads.export.decode_cli import main as decode_main
+
+    t, d = tiny_pair_dirs
     dec = tmp_path / "dec"
     assert decode_main([f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu",
-                        "draft.device=cpu", f"prompts={prompts}", f"output_dir={dec}", "max_new_tokens=10",
-                        "policy=judge", "k=4", f"head={exp / 'head.safetensors'}"]) == 0
+                        "draft.device=cpu", f"prompts={_one_prompt(tmp_path)}", f"output_dir={dec}",
+                        "max_new_tokens=10", "policy=judge", "k=4", f"head={judge_head}"]) == 0
     row = json.loads((dec / "outputs.jsonl").read_text().splitlines()[0])
     assert 1 <= len(row["tokens"]) <= 10 and row["stats"]["target_calls"] >= 1
 
-    # heads-eval: judge rows over a delta sweep, top-K verification, SD, accuracy where a grader exists
+
+def test_heads_eval_sweeps_the_judge_over_deltas(judge_head, tiny_pair_dirs, tmp_path):
+    """Judge rows over a delta sweep, top-K verification, SD, accuracy where a grader exists."""
     from specheads.evaluate.cli import main as eval_main
 
+    t, d = tiny_pair_dirs
     gsm = tmp_path / "gsm.jsonl"
     gsm.write_text("".join(json.dumps(r) + "\n" for r in GSM))
     ev = tmp_path / "ev"
     assert eval_main([f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu",
-                      "draft.device=cpu", f"prompts={gsm},{prompts}", f"output_dir={ev}", "max_new_tokens=12",
-                      "offset=0", "num_prompts=null", "ks=[4]", "head=null", f"judge={exp / 'head.safetensors'}", "deltas=[0.5,1.0]", "judge_k=4",
-                      "topk=[2]", "topk_k=4"]) == 0
+                      "draft.device=cpu", f"prompts={gsm},{_one_prompt(tmp_path)}", f"output_dir={ev}",
+                      "max_new_tokens=12", "offset=0", "num_prompts=null", "ks=[4]", "head=null",
+                      f"judge={judge_head}", "deltas=[0.5,1.0]", "judge_k=4", "topk=[2]", "topk_k=4"]) == 0
     summary = json.loads((ev / "sweep.json").read_text())
     by = {r["config"]: r for r in summary["table"]}
     assert set(by) == {"ar", "draft", "k4", "t2", "j0.5", "j1"}
@@ -173,7 +210,8 @@ def test_judge_head_trains_exports_and_decodes(tiny_pair_dirs, tmp_path):
     assert all(toks[(i, "j1")] == toks[(i, "k4")] for i in range(3))  # delta = 1 is SD at the same K
     assert by["j1"]["accepted_per_call"] == by["k4"]["accepted_per_call"]
     assert summary["accuracy"]["ar"]["gsm8k"]["prompts"] == 2 and "prompt" not in summary["accuracy"]["ar"]
-    assert summary["judge"]["sd_reference"] == "k4" and summary["judge"]["by_delta"]["j1"]["vs_sd_accepted_per_call"] == 1.0
+    assert summary["judge"]["sd_reference"] == "k4"
+    assert summary["judge"]["by_delta"]["j1"]["vs_sd_accepted_per_call"] == 1.0
 
 
 def test_judge_metrics_by_hand():

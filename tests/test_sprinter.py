@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import bigram
+from conftest import P_ROWS, Q_ROWS, bigram, sd_pvalue
 from specheads.errors import UserError
 from specheads.export.shim.engine import Engine
 from specheads.export.shim.policies import Sprinter
 from specheads.export.shim.sampling import SamplingConfig, probs_from_logits
-from test_engine import P_ROWS, Q_ROWS, _sd_pvalue
 
 V = 4
 
@@ -51,21 +50,21 @@ def _embedding():
                                       SamplingConfig(do_sample=True, temperature=0.7, top_k=3)], ids=["plain", "warped"])
 def test_perfect_verifier_is_distributed_as_sd(sampling):
     policy = Sprinter(RatioVerifier(sampling), eta=0.5, feature="previous+embedding", embedding=_embedding())
-    assert _sd_pvalue(sampling, policy=policy) > 1e-3
+    assert sd_pvalue(sampling, policy=policy) > 1e-3
 
 
 def test_always_accept_is_draft_only_sampling():
     sampling = SamplingConfig(do_sample=True)
     policy = Sprinter(Constant(30.0), eta=0.5, max_run=None)
-    assert _sd_pvalue(sampling, policy=policy, rows=Q_ROWS) > 1e-3
-    assert _sd_pvalue(sampling, policy=policy) < 1e-6  # ... and not the target's distribution
+    assert sd_pvalue(sampling, policy=policy, rows=Q_ROWS) > 1e-3
+    assert sd_pvalue(sampling, policy=policy) < 1e-6  # ... and not the target's distribution
 
 
 def test_a_too_lenient_verifier_is_caught():
     """Approving q(y) <= 3 p(y) lets through tokens the target would sometimes reject: not p."""
     sampling = SamplingConfig(do_sample=True)
     policy = Sprinter(RatioVerifier(sampling, scale=3.0), feature="previous+embedding", embedding=_embedding())
-    assert _sd_pvalue(sampling, policy=policy) < 1e-6
+    assert sd_pvalue(sampling, policy=policy) < 1e-6
 
 
 def test_always_reject_calls_the_target_for_every_token_and_is_lossless():
@@ -76,7 +75,7 @@ def test_always_reject_calls_the_target_for_every_token_and_is_lossless():
     assert s.new_tokens == 10 and s.draft_forwards == s.target_calls
     assert s.target_calls <= 10 and s.target_calls >= 5  # one judged token per call, plus a bonus when accepted
     assert policy.verifier_calls == s.draft_forwards
-    assert _sd_pvalue(sampling, policy=Sprinter(Constant(-30.0))) > 1e-3
+    assert sd_pvalue(sampling, policy=Sprinter(Constant(-30.0))) > 1e-3
 
 
 @pytest.mark.parametrize("feature", ["previous", "current"])

@@ -6,15 +6,12 @@ import json
 
 import pytest
 import torch
-from test_datagen import _rows
+from conftest import SPRINTER_PROMPTS, chunk_rows, sprinter_args
 
 from specheads.datagen import sprinter
 from specheads.datagen.cli import main
 from specheads.export.shim.sampling import SamplingConfig
 from specheads.ratio import label_distributions, ratio_label
-
-WORDS = ["the cat sat on a mat", "a dog ran up", "one two three four five", "why is the sun red",
-         "big blue moon", "yes no up down", "how was the cat", "left right left"]
 
 
 def test_ratio_labels_match_hand_computation():
@@ -55,23 +52,16 @@ def test_balance_keeps_equal_shares():
 @pytest.fixture()
 def prompts_file(tmp_path):
     path = tmp_path / "p.jsonl"
-    path.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in WORDS))
+    path.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in SPRINTER_PROMPTS))
     return path
-
-
-def _args(pair_dirs, prompts, out, *extra):
-    t, d = pair_dirs
-    return [f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu", "draft.device=cpu",
-            f"prompts={prompts}", f"output_dir={out}", "num_prompts=null", "max_new_tokens=6", "batch_size=4",
-            "chunk_size=4", "labels=sprinter", *extra]
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_datagen_sprinter_four_equal_categories(tiny_pair_dirs, prompts_file, tmp_path, do_sample):
     out = tmp_path / "dg"
-    assert main(_args(tiny_pair_dirs, prompts_file, out, f"sampling.do_sample={str(do_sample).lower()}")) == 0
-    rows = _rows(out)
-    assert [r["prompt_index"] for r in rows] == list(range(len(WORDS)))
+    assert main(sprinter_args(tiny_pair_dirs, prompts_file, out, f"sampling.do_sample={str(do_sample).lower()}")) == 0
+    rows = chunk_rows(out)
+    assert [r["prompt_index"] for r in rows] == list(range(len(SPRINTER_PROMPTS)))
     assert [r["category"] for r in rows] == list(sprinter.CATEGORIES) * 2
     counts = {c: sum(len(r["positions"]) for r in rows if r["category"] == c) for c in sprinter.CATEGORIES}
     assert len(set(counts.values())) == 1 and counts["prompt"] > 0
@@ -89,16 +79,16 @@ def test_datagen_sprinter_four_equal_categories(tiny_pair_dirs, prompts_file, tm
     assert means["1"] <= means["1.2"] <= means["1.5"]
     # Same seed, same labels.
     again = tmp_path / "again"
-    assert main(_args(tiny_pair_dirs, prompts_file, again, f"sampling.do_sample={str(do_sample).lower()}")) == 0
-    assert _rows(again) == rows
+    assert main(sprinter_args(tiny_pair_dirs, prompts_file, again, f"sampling.do_sample={str(do_sample).lower()}")) == 0
+    assert chunk_rows(again) == rows
 
 
 def test_datagen_sprinter_labels_equal_teacher_forced_probabilities(tiny_pair, tiny_pair_dirs, prompts_file, tmp_path):
     """The stored q(x) and p(x) are the models' softmax at the stored prefix (greedy: raw T = 1)."""
     out = tmp_path / "dg"
-    assert main(_args(tiny_pair_dirs, prompts_file, out, "sampling.do_sample=false")) == 0
+    assert main(sprinter_args(tiny_pair_dirs, prompts_file, out, "sampling.do_sample=false")) == 0
     target, draft = tiny_pair
-    for r in _rows(out)[:4]:
+    for r in chunk_rows(out)[:4]:
         for t, x, q, p in list(zip(r["positions"], r["draft_token"], r["q_token"], r["p_token"]))[:3]:
             ids = torch.tensor([r["input_ids"][:t]])
             with torch.no_grad():
@@ -110,5 +100,5 @@ def test_datagen_sprinter_labels_equal_teacher_forced_probabilities(tiny_pair, t
 
 
 def test_datagen_sprinter_rejects_bad_chunk_size(tiny_pair_dirs, prompts_file, tmp_path, capsys):
-    code = main(_args(tiny_pair_dirs, prompts_file, tmp_path / "x", "chunk_size=6"))
+    code = main(sprinter_args(tiny_pair_dirs, prompts_file, tmp_path / "x", "chunk_size=6"))
     assert code == 2 and "multiple of 4" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from test_sprinter_data import WORDS, _args as datagen_args
+from conftest import SPRINTER_PROMPTS, datagen_args, sprinter_args
 
 from specheads.datagen.cli import main as datagen_main
 from specheads.export import load_head, read_metadata
@@ -20,10 +20,10 @@ from specheads.train.cli import main as train_main
 def labelled(tmp_path_factory, tiny_pair_dirs):
     root = tmp_path_factory.mktemp("sprinter")
     prompts = root / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in WORDS * 2))
+    prompts.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in SPRINTER_PROMPTS * 2))
     out = root / "dg"
-    assert datagen_main(datagen_args(tiny_pair_dirs, prompts, out, "max_new_tokens=10",
-                                     "sampling.do_sample=false")) == 0
+    assert datagen_main(sprinter_args(tiny_pair_dirs, prompts, out, "max_new_tokens=10",
+                                      "sampling.do_sample=false")) == 0
     return out, prompts
 
 
@@ -81,12 +81,10 @@ def test_verifier_trains_exports_and_decodes(tiny_pair_dirs, labelled, tmp_path,
 
 
 def test_train_refuses_acceptance_data_for_a_verifier(tiny_pair_dirs, tmp_path, capsys):
-    from test_datagen import _args as acc_args
-
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "the cat"}) + "\n" + json.dumps({"prompt": "a dog"}) + "\n")
     data = tmp_path / "acc"
-    assert datagen_main(acc_args(tiny_pair_dirs, prompts, data)) == 0
+    assert datagen_main(datagen_args(tiny_pair_dirs, prompts, data)) == 0
     capsys.readouterr()
     assert train_main(_targs(tiny_pair_dirs, data, tmp_path / "tr")) == 2
     assert "labels=sprinter" in capsys.readouterr().err

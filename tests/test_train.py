@@ -6,9 +6,8 @@ import json
 
 import pytest
 import torch
-from test_datagen import _args as datagen_args
+from conftest import same_heads, train_args
 
-from specheads.datagen.cli import main as datagen_main
 from specheads.export import load_head, read_metadata
 from specheads.train.cli import main
 from specheads.train.data import Example, mix
@@ -27,27 +26,9 @@ def test_mixing_follows_the_ratio_and_masks_by_draw():
     assert mix(ex, 0.15, 3) == mix(ex, 0.15, 3)
 
 
-@pytest.fixture(scope="module")
-def labelled(tmp_path_factory, tiny_pair_dirs):
-    root = tmp_path_factory.mktemp("labelled")
-    prompts = root / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in
-                               ["the cat sat", "a dog ran up", "one two three", "why is the sun red", "big moon",
-                                "yes no up down", "left right", "the red sun", "two three four", "who was it"]))
-    out = root / "dg"
-    assert datagen_main(datagen_args(tiny_pair_dirs, prompts, out, "max_new_tokens=10")) == 0
-    return out
-
-
-def _targs(tiny_pair_dirs, data, out, *extra):
-    return [f"data_dir={data}", f"draft.path={tiny_pair_dirs[1]}", "draft.gguf_file=null", "draft.device=cpu",
-            f"output_dir={out}", "batch_size=2", "grad_accum=2", "epochs=3", "lr=1e-2", "eval_fraction=0.2",
-            "depth=1", "patience=3", *extra]
-
-
 def test_train_exports_a_loadable_head(tiny_pair_dirs, labelled, tmp_path):
     out = tmp_path / "tr"
-    assert main(_targs(tiny_pair_dirs, labelled, out)) == 0
+    assert main(train_args(tiny_pair_dirs, labelled, out)) == 0
     meta = read_metadata(out / "head.safetensors")
     assert meta["head_type"] == "acceptance" and meta["hidden_size"] == 32 and meta["default_threshold"] == 0.7
     assert meta["sampling"]["do_sample"] is True
@@ -62,7 +43,7 @@ def test_resumed_training_gives_the_same_head(tiny_pair_dirs, labelled, tmp_path
     from specheads.train import checkpoint
 
     full, cut = tmp_path / "full", tmp_path / "cut"
-    assert main(_targs(tiny_pair_dirs, labelled, full)) == 0
+    assert main(train_args(tiny_pair_dirs, labelled, full)) == 0
     save = checkpoint.save
 
     def killed_after_first_checkpoint(*args, **kwargs):
@@ -70,9 +51,9 @@ def test_resumed_training_gives_the_same_head(tiny_pair_dirs, labelled, tmp_path
         raise KeyboardInterrupt  # the process dies right after its first checkpoint
 
     monkeypatch.setattr(checkpoint, "save", killed_after_first_checkpoint)
-    assert main(_targs(tiny_pair_dirs, labelled, cut)) == 130
+    assert main(train_args(tiny_pair_dirs, labelled, cut)) == 130
     monkeypatch.setattr(checkpoint, "save", save)
-    assert main(_targs(tiny_pair_dirs, labelled, cut)) == 0  # the same command resumes
+    assert main(train_args(tiny_pair_dirs, labelled, cut)) == 0  # the same command resumes
     a = load_head(full / "head.safetensors").module.state_dict()
     b = load_head(cut / "head.safetensors").module.state_dict()
     for k in a:
@@ -80,7 +61,7 @@ def test_resumed_training_gives_the_same_head(tiny_pair_dirs, labelled, tmp_path
 
 
 def test_train_refuses_data_from_another_draft(tiny_pair_dirs, labelled, tmp_path, capsys):
-    args = _targs(tiny_pair_dirs, labelled, tmp_path / "x") + [f"draft.path={tiny_pair_dirs[0]}"]
+    args = train_args(tiny_pair_dirs, labelled, tmp_path / "x") + [f"draft.path={tiny_pair_dirs[0]}"]
     assert main(args) == 2
     assert "not the draft the data was labelled with" in capsys.readouterr().err
 
@@ -89,7 +70,7 @@ def test_export_best_latest_and_bad_sources(tiny_pair_dirs, labelled, tmp_path, 
     from specheads.export.cli import main as export
 
     tr = tmp_path / "tr"
-    assert main(_targs(tiny_pair_dirs, labelled, tr, "patience=1")) == 0
+    assert main(train_args(tiny_pair_dirs, labelled, tr, "patience=1")) == 0
     x = torch.randn(5, 32)
     trained = load_head(tr / "head.safetensors").module
     assert export([f"train_dir={tr}", f"output_dir={tmp_path / 'best'}", "threshold=0.4"]) == 0
@@ -117,7 +98,7 @@ def test_expected_label_head_reads_the_previous_state(tiny_pair_dirs, labelled, 
     from specheads.train.data import draft_features, load_examples
 
     out = tmp_path / "exp"
-    assert main(_targs(tiny_pair_dirs, labelled, out, "label=expected", "epochs=1")) == 0
+    assert main(train_args(tiny_pair_dirs, labelled, out, "label=expected", "epochs=1")) == 0
     meta = read_metadata(out / "head.safetensors")
     assert meta["feature"]["position"] == "previous" and meta["label"] == "expected"
     soft, exp = load_examples(labelled), load_examples(labelled, "expected_label")
@@ -135,7 +116,7 @@ def test_expected_label_head_reads_the_previous_state(tiny_pair_dirs, labelled, 
     x0, _ = draft_features(draft, Capture, [ex.input_ids], [ex.start], [mask], [ex.label], 0, "cpu")
     x1, _ = draft_features(draft, Capture, [ex.input_ids], [ex.start], [mask], [ex.label], 0, "cpu", shift=1)
     assert x0[0, 0] == ex.start and x1[0, 0] == ex.start - 1
-    assert main(_targs(tiny_pair_dirs, labelled, tmp_path / "bad", "label=tv")) == 2
+    assert main(train_args(tiny_pair_dirs, labelled, tmp_path / "bad", "label=tv")) == 2
     assert "label='tv'" in capsys.readouterr().err
 
 
@@ -146,7 +127,7 @@ def test_cached_features_match_online_and_are_reused(tiny_pair_dirs, labelled, t
 
     cache = tmp_path / "cache"
     out = tmp_path / "cached"
-    assert main(_targs(tiny_pair_dirs, labelled, out, "features=cached", f"cache_dir={cache}")) == 0
+    assert main(train_args(tiny_pair_dirs, labelled, out, "features=cached", f"cache_dir={cache}")) == 0
     (key,) = [p for p in cache.iterdir()]
     files = sorted(p.name for p in key.iterdir())
     assert files == ["epoch-0.safetensors", "epoch-1.safetensors", "epoch-2.safetensors", "epoch-4095.safetensors"]
@@ -165,7 +146,7 @@ def test_cached_features_match_online_and_are_reused(tiny_pair_dirs, labelled, t
     torch.testing.assert_close(t["features"][a:b].float(), x, atol=1e-2, rtol=1e-3)
     torch.testing.assert_close(t["labels"][a:b], y)
     stamp = {p.name: p.stat().st_mtime_ns for p in key.iterdir()}
-    assert main(_targs(tiny_pair_dirs, labelled, tmp_path / "again", "features=cached", f"cache_dir={cache}",
+    assert main(train_args(tiny_pair_dirs, labelled, tmp_path / "again", "features=cached", f"cache_dir={cache}",
                        "depth=0")) == 0  # other head settings: the same files, not rebuilt
     assert {p.name: p.stat().st_mtime_ns for p in key.iterdir()} == stamp
     assert read_metadata(tmp_path / "again" / "head.safetensors")["head_config"]["depth"] == 0
@@ -179,7 +160,7 @@ def _launch(tiny_pair_dirs, labelled, out, launcher: list[str], *extra, wait=Tru
     import sys
 
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher, "-m", "specheads.train.cli",
-           *_targs(tiny_pair_dirs, labelled, out, *extra)]
+           *train_args(tiny_pair_dirs, labelled, out, *extra)]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **(env or {})}
     if wait:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
@@ -230,14 +211,6 @@ def _kill_after_first_checkpoint(proc, out) -> None:
     assert json.loads(latest.read_text())["progress"]["done"] is False  # killed mid-run
 
 
-def _same_heads(a, b, atol=0.0):
-    a = load_head(a / "head.safetensors").module.state_dict()
-    b = load_head(b / "head.safetensors").module.state_dict()
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol)
-
-
 DDP = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
        "--dynamo_backend", "no"]
 
@@ -258,11 +231,11 @@ def test_two_process_ddp_training(tiny_pair_dirs, labelled, tmp_path, capsys):
     assert state["world"] == 2 and state["position"] == 1 and state["epoch"] == 1
 
     one = tmp_path / "one"  # 1 process, twice the accumulation: the same 4 micro-batches a step
-    assert main(_targs(tiny_pair_dirs, labelled, one, "epochs=2", "grad_accum=2")) == 0
-    _same_heads(out, one, atol=1e-6)
+    assert main(train_args(tiny_pair_dirs, labelled, one, "epochs=2", "grad_accum=2")) == 0
+    same_heads(out, one, atol=1e-6)
 
     capsys.readouterr()
-    assert main(_targs(tiny_pair_dirs, labelled, out, "epochs=2", "grad_accum=1", "checkpoint_every=1")) == 2
+    assert main(train_args(tiny_pair_dirs, labelled, out, "epochs=2", "grad_accum=1", "checkpoint_every=1")) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "2 processes, this one has 1" in err and "--num_processes 2" in err
 
@@ -279,7 +252,7 @@ def test_two_process_ddp_training_killed_mid_epoch_resumes_to_the_same_head(tiny
     again = _launch(tiny_pair_dirs, labelled, tmp_path / "cut", DDP, *extra)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resumed from" in again.stderr
-    _same_heads(tmp_path / "full", tmp_path / "cut")
+    same_heads(tmp_path / "full", tmp_path / "cut")
     assert (tmp_path / "full" / "metrics.jsonl").read_text() == (tmp_path / "cut" / "metrics.jsonl").read_text()
 
 
@@ -310,15 +283,15 @@ def _deepspeed_resumes(tiny_pair_dirs, labelled, tmp_path, name: str) -> None:
 
     with safe_open(str(ckpt / "state.safetensors"), framework="pt") as f:  # full weights, also under ZeRO-3
         assert f.get_slice("model.blocks.0.linear.weight").get_shape() == [32, 32]
-    assert main(_targs(tiny_pair_dirs, labelled, tmp_path / "plain", *extra)) == 0
-    _same_heads(tmp_path / "full", tmp_path / "plain", atol=1e-3)  # same math, other summation order
-    assert main(_targs(tiny_pair_dirs, labelled, tmp_path / "full", *extra)) == 2  # resumed without DeepSpeed
+    assert main(train_args(tiny_pair_dirs, labelled, tmp_path / "plain", *extra)) == 0
+    same_heads(tmp_path / "full", tmp_path / "plain", atol=1e-3)  # same math, other summation order
+    assert main(train_args(tiny_pair_dirs, labelled, tmp_path / "full", *extra)) == 2  # resumed without DeepSpeed
     _kill_after_first_checkpoint(_launch(tiny_pair_dirs, labelled, tmp_path / "cut", launcher, *extra, wait=False,
                                          env=env), tmp_path / "cut")
     again = _launch(tiny_pair_dirs, labelled, tmp_path / "cut", launcher, *extra, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stderr
-    _same_heads(tmp_path / "full", tmp_path / "cut")
+    same_heads(tmp_path / "full", tmp_path / "cut")
     assert (tmp_path / "full" / "metrics.jsonl").read_text() == (tmp_path / "cut" / "metrics.jsonl").read_text()
 
 

@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
-from test_train import _same_heads, _targs
-from test_train import labelled  # noqa: F401  (the tiny datagen output: a fixture, used by parameter name)
+from conftest import run_killed, same_heads, train_args
 
 from specheads.train import checkpoint
 from specheads.train.cli import main
@@ -27,7 +23,7 @@ EXTRA = ("grad_accum=1", "checkpoint_every=1")
 def reference(tiny_pair_dirs, labelled, tmp_path_factory):
     """An uninterrupted run with the settings every test here uses."""
     out = tmp_path_factory.mktemp("reference") / "run"
-    assert main(_targs(tiny_pair_dirs, labelled, out, *EXTRA)) == 0
+    assert main(train_args(tiny_pair_dirs, labelled, out, *EXTRA)) == 0
     return out
 
 
@@ -51,29 +47,24 @@ def test_mid_epoch_checkpoints(reference):
 
 
 def test_sigkilled_cli_resumes_mid_epoch_to_the_same_head(tiny_pair_dirs, labelled, reference, tmp_path):
-    """A real ``python -m specheads.train.cli`` process, SIGKILLed right after its first mid-epoch
-    checkpoint appears, then the same command again: the uninterrupted run's head, bit for bit,
-    and its metrics.jsonl (the killed run's rows after the checkpoint are cut)."""
+    """A real ``python -m specheads.train.cli`` process, SIGKILLed right after its third (mid-epoch)
+    checkpoint, then again while its third checkpoint since the resume is written (complete in its
+    temporary folder, not yet renamed into place), then the same command again: the uninterrupted
+    run's head, bit for bit, and its metrics.jsonl (the killed runs' rows after the checkpoint are cut)."""
     out = tmp_path / "cut"
-    cmd = [sys.executable, "-m", "specheads.train.cli", *_targs(tiny_pair_dirs, labelled, out, *EXTRA)]
-    for _attempt in range(3):  # a loaded machine may let the whole run pass between two polls: again
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.time() + 120
-        while not (out / "latest").exists() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.005)
-        alive = proc.poll() is None
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        pointer = out / "latest"
-        if alive and not json.loads((out / pointer.read_text().strip() / "state.json").read_text())["progress"]["done"]:
-            break  # killed mid-run
-        shutil.rmtree(out)
-    else:
-        pytest.fail("the run ended before it could be killed, three times")
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    args = train_args(tiny_pair_dirs, labelled, out, *EXTRA)
+    run_killed("specheads.train.cli", args, "latest", 3, "after")  # steps 1-3 of 12 checkpointed
+    assert (out / "latest").read_text() == "checkpoint-3\n"
+    assert not json.loads((out / "checkpoint-3" / "state.json").read_text())["progress"]["done"]
+    run_killed("specheads.train.cli", args, "checkpoint-*", 3, "before")  # resumed at 3; 4 and 5 saved
+    assert (out / "latest").read_text() == "checkpoint-5\n" and not (out / "checkpoint-6").exists()
+    assert [p.name for p in out.glob(".checkpoint-6.tmp*")]
+    again = subprocess.run([sys.executable, "-m", "specheads.train.cli", *args], capture_output=True, text=True,
+                           timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert "resumed from" in again.stderr
-    _same_heads(reference, out)
+    assert "resumed from" in again.stderr and "checkpoint-5" in again.stderr
+    assert not list(out.glob(".checkpoint-*"))
+    same_heads(reference, out)
     assert (out / "metrics.jsonl").read_text() == (reference / "metrics.jsonl").read_text()
     assert (out / "best_metrics.json").read_text() == (reference / "best_metrics.json").read_text()
 
@@ -103,7 +94,7 @@ def _crash_on_save(monkeypatch, n: int, after_write: bool):
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(tiny_pair_dirs, labelled, reference, tmp_path,
                                                                  monkeypatch):
     out = tmp_path / "crash"
-    args = _targs(tiny_pair_dirs, labelled, out, *EXTRA)
+    args = train_args(tiny_pair_dirs, labelled, out, *EXTRA)
     _crash_on_save(monkeypatch, 3, after_write=False)
     assert main(args) == 130
     monkeypatch.undo()
@@ -114,7 +105,7 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(tiny_pair_dirs,
     assert _steps(out) == [1, 2, 3]
     assert main(args) == 0  # resumes from checkpoint-2, removes the half-written folder
     assert not list(out.glob(".checkpoint-*"))
-    _same_heads(reference, out)
+    same_heads(reference, out)
     assert (out / "metrics.jsonl").read_text() == (reference / "metrics.jsonl").read_text()
 
 
@@ -123,10 +114,10 @@ def test_damaged_checkpoints_fall_back_or_end_in_one_line(tiny_pair_dirs, labell
     out, broken = tmp_path / "damaged", tmp_path / "broken"
     for folder in (out, broken):  # two runs that stop right after their third checkpoint
         _crash_on_save(monkeypatch, 3, after_write=True)
-        assert main(_targs(tiny_pair_dirs, labelled, folder, *EXTRA)) == 130
+        assert main(train_args(tiny_pair_dirs, labelled, folder, *EXTRA)) == 130
         monkeypatch.undo()
         assert sorted(p.name for p in folder.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
-    args = _targs(tiny_pair_dirs, labelled, out, *EXTRA)
+    args = train_args(tiny_pair_dirs, labelled, out, *EXTRA)
 
     state = out / "checkpoint-3" / "state.safetensors"  # truncated: the previous checkpoint is taken
     state.write_bytes(state.read_bytes()[:-100])
@@ -137,7 +128,7 @@ def test_damaged_checkpoints_fall_back_or_end_in_one_line(tiny_pair_dirs, labell
     assert main(args) == 0
     assert any("trying an older checkpoint" in r.message for r in caplog.records)
     assert any("resumed from" in r.getMessage() and "checkpoint-2" in r.getMessage() for r in caplog.records)
-    _same_heads(reference, out)
+    same_heads(reference, out)
     assert (out / "metrics.jsonl").read_text() == (reference / "metrics.jsonl").read_text()
 
     data = bytearray((broken / "checkpoint-3" / "state.safetensors").read_bytes())  # same size, a flipped bit
@@ -145,7 +136,7 @@ def test_damaged_checkpoints_fall_back_or_end_in_one_line(tiny_pair_dirs, labell
     (broken / "checkpoint-3" / "state.safetensors").write_bytes(bytes(data))
     (broken / "checkpoint-2" / "state.json").write_text('{"step": 2, "progr')  # cut JSON
     capsys.readouterr()
-    assert main(_targs(tiny_pair_dirs, labelled, broken, *EXTRA)) == 2
+    assert main(train_args(tiny_pair_dirs, labelled, broken, *EXTRA)) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert "no checkpoint in" in err and "SHA-256" in err and "delete its checkpoint-*" in err
@@ -155,7 +146,7 @@ def test_overwriting_another_run_does_not_resume_its_checkpoints(tiny_pair_dirs,
                                                                  tmp_path):
     out = tmp_path / "other"
     shutil.copytree(reference, out)
-    args = _targs(tiny_pair_dirs, labelled, out, *EXTRA)
+    args = train_args(tiny_pair_dirs, labelled, out, *EXTRA)
     assert main([*args, "epochs=1"]) == 2  # another run's folder: refused
     assert main([*args, "epochs=1", "overwrite=true"]) == 0
     assert _steps(out) == [1, 2, 3, 4]
@@ -163,7 +154,7 @@ def test_overwriting_another_run_does_not_resume_its_checkpoints(tiny_pair_dirs,
 
 
 def test_checkpoint_every_must_not_be_negative(tiny_pair_dirs, labelled, tmp_path, capsys):
-    assert main(_targs(tiny_pair_dirs, labelled, tmp_path / "x", "checkpoint_every=-1")) == 2
+    assert main(train_args(tiny_pair_dirs, labelled, tmp_path / "x", "checkpoint_every=-1")) == 2
     assert "checkpoint_every=-1 must be >= 0" in capsys.readouterr().err
 
 
@@ -179,7 +170,7 @@ def test_manifest_and_checkpoints_record_numerics_and_a_resume_under_others_warn
     assert json.loads((reference / "checkpoint-12" / "state.json").read_text())["progress"]["numerics"] == numerics
 
     out = tmp_path / "threads"
-    args = _targs(tiny_pair_dirs, labelled, out, *EXTRA, "threads=1")
+    args = train_args(tiny_pair_dirs, labelled, out, *EXTRA, "threads=1")
     _crash_on_save(monkeypatch, 3, after_write=True)
     assert main(args) == 130
     monkeypatch.undo()
@@ -197,5 +188,5 @@ def test_manifest_and_checkpoints_record_numerics_and_a_resume_under_others_warn
 
 
 def test_threads_must_be_positive(tiny_pair_dirs, labelled, tmp_path, capsys):
-    assert main(_targs(tiny_pair_dirs, labelled, tmp_path / "x", "threads=0")) == 2
+    assert main(train_args(tiny_pair_dirs, labelled, tmp_path / "x", "threads=0")) == 2
     assert "threads=0 must be >= 1" in capsys.readouterr().err

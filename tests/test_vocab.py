@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import BigramLM, perturbed_copy, tiny_llama
+from conftest import Q_ROWS, SAMPLINGS, BigramLM, chunk_rows, datagen_args, perturbed_copy, sd_pvalue, tiny_llama
 from specheads.datagen import vocab as vocab_cli
+from specheads.datagen.cli import main as datagen_main
 from specheads.errors import UserError
 from specheads.export.package import check_draft_vocab, check_head_against_pair
 from specheads.export.shim import engine as engine_mod
@@ -20,10 +21,6 @@ from specheads.export.shim.models import ModelSpec, load_model
 from specheads.export.shim.policies import StandardSD
 from specheads.export.shim.sampling import SamplingConfig, usable_logits
 from specheads.export.shim.vocab import PrunedHead, prune, subset_from_ranking, unprune, vocab_info
-
-from test_datagen import _args, _rows, prompts_file  # noqa: F401 - fixture
-from test_datagen import main as datagen_main
-from test_engine import Q_ROWS, SAMPLINGS, _sd_pvalue
 
 
 def _ranking_file(tmp_path, ranking, vocab_size):
@@ -52,8 +49,8 @@ def test_heads_vocab_ranks_corpus_tokens_by_count(tiny_pair_dirs, tmp_path):
 
 def test_heads_vocab_counts_the_targets_responses_in_datagen_output(tiny_pair_dirs, prompts_file, tmp_path):
     dg = tmp_path / "dg"
-    assert datagen_main(_args(tiny_pair_dirs, prompts_file, dg, "threads=1")) == 0
-    rows = _rows(dg)
+    assert datagen_main(datagen_args(tiny_pair_dirs, prompts_file, dg, "threads=1")) == 0
+    rows = chunk_rows(dg)
     want = {}
     for r in rows:
         for i in r["input_ids"][r["response_start"]:]:
@@ -141,7 +138,7 @@ class _HeadBigram(BigramLM):
 def _pruned_bigram_sd_pvalue(sampling=SamplingConfig(do_sample=True)):
     draft = _HeadBigram(torch.log(torch.tensor(Q_ROWS, dtype=torch.float64)).float())
     prune(draft, [0, 1, 2])  # token 3 can never be drafted; the target still emits it
-    return _sd_pvalue(sampling, draft=draft)
+    return sd_pvalue(sampling, draft=draft)
 
 
 @SAMPLINGS
@@ -200,12 +197,12 @@ def test_head_trained_on_a_pruned_draft_refuses_another_subset():
     check_draft_vocab({"draft": {}}, sub)  # a head from before pruning: warns only
 
 
-def test_datagen_with_a_pruned_draft_records_the_subset(tiny_pair_dirs, prompts_file, tmp_path):  # noqa: F811
+def test_datagen_with_a_pruned_draft_records_the_subset(tiny_pair_dirs, prompts_file, tmp_path):
     t, d = tiny_pair_dirs
     vocab_size = len(load_model(ModelSpec(path=str(d), device="cpu"), "draft").tokenizer)
     path = _ranking_file(tmp_path, list(range(3, vocab_size, 2)), vocab_size)
     out = tmp_path / "dg"
-    assert datagen_main(_args(tiny_pair_dirs, prompts_file, out, f"draft.vocab_file={path}", "threads=1")) == 0
+    assert datagen_main(datagen_args(tiny_pair_dirs, prompts_file, out, f"draft.vocab_file={path}", "threads=1")) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["draft"]["vocab"]["size"] == len(range(3, vocab_size, 2)) + 1
-    assert manifest.get("skipped_nonfinite", 0) == 0 and _rows(out)
+    assert manifest.get("skipped_nonfinite", 0) == 0 and chunk_rows(out)
