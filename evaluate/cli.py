@@ -52,10 +52,10 @@ from specheads.export.api import fit_context, format_prompt, pair_costs
 from specheads.export.package import read_metadata
 from specheads.export.shim.costs import PROFILES
 from specheads.export.shim.engine import GenerationStats
-from specheads.export.shim.hetero import METHODS as HETERO
 from specheads.export.shim.models import load_pair, same_vocabulary
 from specheads.export.shim.divergence import DIVERGENCES
-from specheads.export.shim.policies import SpecDecPP, fsd_problems
+from specheads.export.shim.policies import (FSD, POLICIES, TLI, ConfidenceStop, Judge, SpecDecPP, Sprinter,
+                                            StandardSD, TopKVerify)
 from specheads.outputs import prepare_output_dir, write_manifest
 from specheads.prompts import load_prompt_files
 
@@ -76,40 +76,34 @@ def _check(cfg: EvalConfig) -> None:
     if not (cfg.ks or cfg.head or cfg.verifier or cfg.judge or cfg.topk or fsd or cfg.confidence or cfg.hetero):
         problems.append("nothing to sweep: set ks=[...], head=, verifier=, judge=, topk=[...], fsd_js=[...] "
                         "(or fsd_tv, fsd_kl, fsd_kl_rev), confidence=[...] and/or hetero=[tli,slem]")
-    bad = [m for m in cfg.hetero if m not in HETERO]
-    if bad or len(set(cfg.hetero)) != len(cfg.hetero):
-        problems.append(f"hetero={list(cfg.hetero)}: each of {list(HETERO)} at most once")
-    if cfg.hetero_k < 1:
-        problems.append(f"hetero_k={cfg.hetero_k} must be >= 1")
+    hetero = [name for name, policy in POLICIES.items() if policy.bridge]
+    if any(m not in hetero for m in cfg.hetero) or len(set(cfg.hetero)) != len(cfg.hetero):
+        problems.append(f"hetero={list(cfg.hetero)}: each of {hetero} at most once")
+    # Each policy checks the settings its rows share and the values they sweep, by heads-decode's rules.
+    problems += TLI.Settings(k=cfg.hetero_k).problems({"k": "hetero_k"})
+    problems += StandardSD.Settings.sweep("k", "ks", cfg.ks)
+    problems += SpecDecPP.Settings.sweep("h", "thresholds", cfg.thresholds)
+    problems += SpecDecPP.Settings(k_min=cfg.k_min, k_max=cfg.k_max).problems()
+    problems += Sprinter.Settings.sweep("eta", "etas", cfg.etas) + Sprinter.Settings(max_run=cfg.max_run).problems()
+    problems += Judge.Settings.sweep("delta", "deltas", cfg.deltas)
+    problems += Judge.Settings(k=cfg.judge_k).problems({"k": "judge_k"})
+    problems += TopKVerify.Settings.sweep("verify_top_k", "topk", cfg.topk)
+    problems += TopKVerify.Settings(k=cfg.topk_k).problems({"k": "topk_k"})
     for d, ts in fsd.items():
-        if not all(t >= 0 for t in ts):
-            problems.append(f"fsd_{d}={ts}: every FSD threshold T must be >= 0")
-    if fsd:  # the settings every FSD row shares (threshold 0 and js are valid placeholders)
-        problems += fsd_problems(0.0, "js", cfg.fsd_top_k, cfg.fsd_rule, cfg.fsd_dist)
-    if any(not 0 <= c <= 1 for c in cfg.confidence):
-        problems.append(f"confidence={list(cfg.confidence)}: every tau must be in [0, 1]")
+        problems += FSD.Settings.sweep("T", f"fsd_{d}", ts)
+    if fsd:  # the settings every FSD row shares (T = 0 stands for the swept ones, checked above)
+        problems += FSD.Settings(T=0.0, k=cfg.fsd_k, fsd_top_k=cfg.fsd_top_k, fsd_rule=cfg.fsd_rule,
+                                 fsd_dist=cfg.fsd_dist).problems({"k": "fsd_k"})
+    problems += ConfidenceStop.Settings.sweep("tau", "confidence", cfg.confidence)
+    problems += ConfidenceStop.Settings(k_max=cfg.confidence_k_max).problems()
     if cfg.judge and not cfg.deltas:
         problems.append("judge is set but deltas is empty")
-    if any(not 0 <= d <= 1 for d in cfg.deltas):
-        problems.append(f"deltas={list(cfg.deltas)}: every delta must be in [0, 1]")
-    if min(cfg.judge_k, cfg.topk_k, cfg.fsd_k, cfg.confidence_k_max, *cfg.topk) < 1:
-        problems.append("judge_k, topk_k, fsd_k, confidence_k_max and every topk value must be >= 1")
     if cfg.verifier and not cfg.etas:
         problems.append("verifier is set but etas is empty")
-    if any(not 0 <= e <= 1 for e in cfg.etas):
-        problems.append(f"etas={list(cfg.etas)}: every eta must be in [0, 1]")
-    if cfg.max_run is not None and cfg.max_run < 0:
-        problems.append(f"max_run={cfg.max_run} must be >= 0 (or null for no cap)")
-    if any(k < 1 for k in cfg.ks):
-        problems.append(f"ks={list(cfg.ks)}: every K must be >= 1")
     if cfg.head and not cfg.thresholds and not cfg.cost_stop:
         problems.append("head is set but thresholds is empty (and cost_stop=false)")
     if cfg.profile not in PROFILES and not Path(cfg.profile).is_file():
         problems.append(f"profile={cfg.profile!r} is not auto, refresh or an existing cost-table JSON file")
-    if any(not 0 < h < 1 for h in cfg.thresholds):
-        problems.append(f"thresholds={list(cfg.thresholds)}: every h must be in (0, 1)")
-    if not 1 <= cfg.k_min <= cfg.k_max:
-        problems.append(f"need 1 <= k_min <= k_max, got k_min={cfg.k_min}, k_max={cfg.k_max}")
     if cfg.max_new_tokens < 1:
         problems.append(f"max_new_tokens={cfg.max_new_tokens} must be >= 1")
     if problems:

@@ -16,12 +16,10 @@ from tqdm import tqdm
 
 from specheads.export.api import Decoder, make_policy
 from specheads.export.shim.divergence import DIVERGENCES
-from specheads.export.shim.engine import COUNTS, GenerationStats
+from specheads.export.shim.stats import COUNTS, GenerationStats
 from specheads.outputs import read_finished_rows
 
 log = logging.getLogger(__name__)
-# Policy counters of accepted candidates that the strict SD rule would have rejected (FSD, judge).
-LENIENT_COUNTERS = ("fuzzy_only", "judge_only")
 # Rows of the cost-aware stop rules (stop="cost"); the prefix keeps each with its family (h: SpecDec++, c: confidence).
 COST_ROWS = {"specdecpp": "h-cost", "confidence_stop": "c-cost"}
 
@@ -114,15 +112,10 @@ def run_sweep(decoders: dict[str, Decoder], prompts, rows_path: Path, warmup: bo
             for name in order:
                 if (i, name) in done:
                     continue
-                policy = decoders[name].policy
-                before = {c: getattr(policy, c) for c in LENIENT_COUNTERS if hasattr(policy, c)}
                 res = decoders[name].decode(prompt, i, name=f"prompt {prompt.id}")
-                row = {"index": i, "id": prompt.id, "config": name, "tokens": res.tokens, **res.stats.to_dict()}
-                for c, value in before.items():  # this prompt's share of the policy's running count
-                    row[c] = round(getattr(policy, c) - value, 4)
-                decisions = getattr(decoders[name].policy, "decisions", None)
-                if decisions is not None:  # SPRINTER: (position, token, approved) of every verifier call
-                    row["decisions"] = [list(d) for d in decisions]
+                # the policy's own counts (FSD: fuzzy_only, judge: judge_only) and trace (SPRINTER: its decisions)
+                row = {"index": i, "id": prompt.id, "config": name, "tokens": res.tokens, **res.stats.to_dict(),
+                       **{k: round(v, 4) for k, v in res.stats.counters.items()}, **res.trace}
                 fh.write(json.dumps(row) + "\n")
                 fh.flush()
                 done[(i, name)] = row

@@ -26,43 +26,29 @@ from specheads.errors import UserError
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, read_finished_rows, write_manifest
 from specheads.prompts import load_prompt_files
 
-from .api import Decoder, make_policy, pair_costs
+from .api import Decoder, pair_costs, policy_from_config
 from .decode_config import DecodeConfig
 from .shim.costs import PROFILES, predict_ms_per_token
-from .shim.engine import GenerationStats
 from .shim.models import load_pair
-from .shim.hetero import METHODS as HETERO
-from .shim.policies import BASELINES, POLICIES, STOPS, fsd_problems
+from .shim.policies import POLICIES, STOPS, StandardSD
+from .shim.stats import COUNTS, GenerationStats
 
 log = logging.getLogger(__name__)
 PROG = "heads-decode"
-COST_STOP = ("specdecpp", "confidence_stop")  # the policies with stop=cost
+COST_STOP = tuple(n for n, p in POLICIES.items() if "stop" in p.Settings.__dataclass_fields__)  # stop=cost
 
 
 def _check(cfg: DecodeConfig) -> None:
     problems = list(cfg.sampling.problems())
-    if cfg.policy not in POLICIES and cfg.policy not in BASELINES and cfg.policy not in HETERO:
-        problems.append(f"policy={cfg.policy!r} is not one of {sorted(POLICIES) + list(HETERO) + list(BASELINES)}")
-    if cfg.k < 1:
-        problems.append(f"k={cfg.k} must be >= 1")
-    if not 1 <= cfg.k_min <= cfg.k_max:
-        problems.append(f"need 1 <= k_min <= k_max, got k_min={cfg.k_min}, k_max={cfg.k_max}")
-    if cfg.policy == "fsd":
-        problems += fsd_problems(cfg.threshold, cfg.divergence, cfg.fsd_top_k, cfg.fsd_rule, cfg.fsd_dist)
-    elif cfg.policy == "confidence_stop":
-        if cfg.threshold is not None and not 0 <= cfg.threshold <= 1:
-            problems.append(f"threshold={cfg.threshold} (confidence tau) must be in [0, 1]")
-    elif cfg.threshold is not None and not 0 < cfg.threshold < 1:
-        problems.append(f"threshold={cfg.threshold} must be in (0, 1)")
-    if cfg.stop not in STOPS:
-        problems.append(f"stop={cfg.stop!r}: expected threshold or cost")
-    elif cfg.stop == "cost":
-        if cfg.policy not in COST_STOP:
-            problems.append(f"stop=cost applies to policy=specdecpp or confidence_stop, not policy={cfg.policy}")
-        if cfg.profile not in PROFILES and not Path(cfg.profile).is_file():
-            problems.append(f"profile={cfg.profile!r} is not auto, refresh or an existing cost-table JSON file")
-    if cfg.policy == "topk_verify" and cfg.verify_top_k < 1:
-        problems.append(f"verify_top_k={cfg.verify_top_k} must be >= 1")
+    cls = POLICIES.get(cfg.policy)
+    if cls is None:
+        problems.append(f"policy={cfg.policy!r} is not one of {list(POLICIES)}")
+    # The policy checks its own settings; an unknown one still gets k checked, so one run reports every problem.
+    problems += (cls or StandardSD).Settings.config_problems(cfg)
+    if cls is not None and cfg.policy not in COST_STOP and (cfg.stop == "cost" or cfg.stop not in STOPS):
+        problems.append(f"stop={cfg.stop} applies to policy={' or '.join(COST_STOP)}, not policy={cfg.policy}")
+    if cfg.stop == "cost" and cfg.profile not in PROFILES and not Path(cfg.profile).is_file():
+        problems.append(f"profile={cfg.profile!r} is not auto, refresh or an existing cost-table JSON file")
     if cfg.max_new_tokens < 1:
         problems.append(f"max_new_tokens={cfg.max_new_tokens} must be >= 1")
     if not cfg.prompts:
@@ -96,32 +82,6 @@ def _stats(row: dict) -> GenerationStats:
     return GenerationStats(**{k: v for k, v in row["stats"].items() if k in fields})
 
 
-def _policy_settings(cfg: DecodeConfig, policy) -> dict:
-    """The settings that define the run's policy, for the log and metrics.json."""
-    if cfg.policy in ("sd", *HETERO):
-        return {"k": cfg.k}
-    if cfg.policy == "specdecpp":
-        return {"head": cfg.head, "stop": policy.stop,
-                "threshold": policy.threshold if policy.stop == "threshold" else None, "k_min": cfg.k_min,
-                "k_max": cfg.k_max, "gate": policy.gate is not None}
-    if cfg.policy == "judge":
-        return {"head": cfg.head, "delta": policy.delta, "k": cfg.k}
-    if cfg.policy == "sprinter":
-        return {"head": cfg.head, "eta": policy.eta, "max_run": policy.max_run, "feature": policy.feature}
-    if cfg.policy == "topk_verify":
-        return {"k": cfg.k, "verify_top_k": cfg.verify_top_k}
-    if cfg.policy == "fsd":
-        out = {"k": policy.k, "threshold": policy.threshold, "divergence": policy.divergence,
-               "fsd_top_k": policy.fsd_top_k, "fsd_rule": policy.rule, "fsd_dist": policy.fsd_dist}
-        if policy.stopper is not None:
-            out.update(head=cfg.head, stop_threshold=policy.stopper.threshold, k_min=cfg.k_min)
-        return out
-    if cfg.policy == "confidence_stop":
-        return {"stop": policy.stop, "tau": policy.tau if policy.stop == "threshold" else None, "k_max": policy.k,
-                "gate": policy.gate is not None}
-    return {}
-
-
 def run(cfg: DecodeConfig) -> int:
     """Loads the pair, decodes every prompt, writes outputs and metrics."""
     _check(cfg)
@@ -136,55 +96,53 @@ def run(cfg: DecodeConfig) -> int:
     done = {row["index"]: row for row in read_finished_rows(out_dir / "outputs.jsonl")}
     if done:
         log.info("resuming: %d of %d prompts already done in %s", len(done), len(prompts), out_dir)
-    needs_draft = cfg.policy != "ar"
+    family = POLICIES[cfg.policy]
     # TLI and SLEM bridge two vocabularies; the draft alone needs none of the target's.
-    pair = load_pair(cfg.target, cfg.draft if needs_draft else None, same_vocab=cfg.policy not in (*HETERO, "draft"))
+    pair = load_pair(cfg.target, cfg.draft if "draft" in family.models else None,
+                     same_vocab=family.bridge is None and len(family.models) == 2)
     costs = None
     if cfg.stop == "cost":
-        if cfg.threshold is not None:
-            log.warning("threshold=%s is not used with stop=cost", cfg.threshold)
+        unused = [f"{k}={getattr(cfg, k)}" for k in ("threshold", "h", "tau") if getattr(cfg, k) is not None]
+        if unused:
+            log.warning("%s is not used with stop=cost", ", ".join(unused))
         costs = pair_costs(pair, cfg.k_max + 1, cfg.profile, cfg.fused_forward)
         log.info("%s", costs.describe())
-    policy = make_policy(cfg.policy, pair, k=cfg.k, head=cfg.head, threshold=cfg.threshold, k_min=cfg.k_min,
-                         k_max=cfg.k_max, sampling=cfg.sampling, strict=cfg.strict, max_run=cfg.max_run,
-                         top_k=cfg.verify_top_k, divergence=cfg.divergence, fsd_top_k=cfg.fsd_top_k,
-                         fsd_rule=cfg.fsd_rule, fsd_dist=cfg.fsd_dist, stop=cfg.stop, costs=costs)
+    policy = policy_from_config(cfg.policy, cfg, pair, cfg.sampling, cfg.strict, costs)
     decoder = Decoder(pair, policy, cfg.max_new_tokens, cfg.k, cfg.sampling, cfg.seed, cfg.chat_template,
                       cfg.fused_forward)
-    settings = _policy_settings(cfg, policy)
+    settings = policy.describe()
+    own = [k for k in policy.counters() if k not in COUNTS]  # the policy's counts beside the stats (fsd: fuzzy_only)
     log.info("decoding %d prompts with policy=%s %s", len(prompts), cfg.policy, settings)
     # metrics.jsonl mirrors outputs.jsonl: rebuilt from the finished rows, then appended to.
     (out_dir / "metrics.jsonl").unlink(missing_ok=True)
     started = time.time()
     with open(out_dir / "outputs.jsonl", "a", encoding="utf-8") as outputs, MetricsWriter(out_dir) as metrics, \
             tqdm(total=len(prompts), desc=f"{PROG} {cfg.policy}", unit="prompt", disable=cfg.stream) as bar:
-        total, truncated, fuzzy_only = GenerationStats(prompts=0), 0, 0.0
+        total, truncated, counted = GenerationStats(prompts=0), 0, dict.fromkeys(own, 0.0)
         for index, prompt in enumerate(prompts, start=cfg.offset):
             row = done.get(index)
             if row is None:
                 streamer = _Streamer(pair.tokenizer) if cfg.stream else None
                 if streamer:
                     print(f"\n### {prompt.id}", flush=True)
-                before = getattr(policy, "fuzzy_only", None)
                 res = decoder.decode(prompt, index, on_tokens=streamer, name=f"prompt {prompt.id}")
                 if streamer:
                     print(flush=True)
                 row = {"index": index, "id": prompt.id, "completion": res.text, "tokens": res.tokens, "reference": prompt.reference,
-                       "truncated_prompt_tokens": res.truncated_prompt_tokens, "stats": res.stats.to_dict()}
-                if before is not None:  # FSD: accepted candidates the SD rule would have rejected
-                    row["fuzzy_only"] = round(policy.fuzzy_only - before, 4)
+                       "truncated_prompt_tokens": res.truncated_prompt_tokens, "stats": res.stats.to_dict(),
+                       **{k: round(v, 4) for k, v in res.stats.counters.items()}}
                 outputs.write(json.dumps(row, ensure_ascii=False) + "\n")
                 outputs.flush()
             metrics.write({"index": index, "id": prompt.id, **row["stats"]})
             total = GenerationStats.total([total, _stats(row)])
-            fuzzy_only += row.get("fuzzy_only", 0.0)
+            for k in counted:
+                counted[k] += row.get(k, 0.0)
             truncated += bool(row["truncated_prompt_tokens"])
             bar.update()
             bar.set_postfix(tok_s=f"{total.tokens_per_s:.1f}", per_call=f"{total.tokens_per_call:.2f}")
     summary = {"policy": cfg.policy, **settings,
                "sampling": cfg.sampling.to_dict(), "truncated_prompts": truncated, **total.to_dict()}
-    if cfg.policy == "fsd":
-        summary["fuzzy_only"] = round(fuzzy_only, 4)
+    summary.update({k: round(v, 4) for k, v in counted.items()})
     if costs is not None and total.new_tokens:
         predicted = predict_ms_per_token(costs, total.draft_forwards, total.target_pass_sizes, total.new_tokens)
         measured = 1000 * total.wall_time / total.new_tokens

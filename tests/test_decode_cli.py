@@ -207,3 +207,32 @@ def test_interrupted_run_resumes_to_the_same_outputs(tiny_pair_dirs, prompts_fil
     assert [(r["id"], r["tokens"]) for r in rows["cut"]] == [(r["id"], r["tokens"]) for r in rows["full"]]
     assert len((cut / "metrics.jsonl").read_text().splitlines()) == 3
     assert json.loads((cut / "metrics.json").read_text())["new_tokens"] == sum(len(r["tokens"]) for r in rows["full"])
+
+
+def test_policy_threshold_names_and_the_threshold_alias(tiny_pair_dirs, prompts_file, tmp_path, capsys):
+    """Each policy's threshold has its own name (h, eta, delta, T, tau); ``threshold=`` stays its other name."""
+    runs = {"own": ["policy=fsd", "T=0.3", "k=3"], "alias": ["policy=fsd", "threshold=0.3", "k=3"],
+            "both": ["policy=fsd", "T=0.3", "threshold=0.3", "k=3"]}
+    outs = {}
+    for name, extra in runs.items():
+        assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / name, *extra)) == 0
+        outs[name] = [json.loads(x)["tokens"] for x in (tmp_path / name / "outputs.jsonl").read_text().splitlines()]
+        assert json.loads((tmp_path / name / "metrics.json").read_text())["threshold"] == 0.3
+    assert outs["own"] == outs["alias"] == outs["both"]
+    capsys.readouterr()
+    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "clash", "policy=fsd", "T=0.3", "threshold=0.5")) == 2
+    assert "disagree" in _one_error_line(capsys)
+    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "tau", "policy=confidence_stop", "tau=1.5")) == 2
+    assert "tau=1.5 must be in [0, 1]" in _one_error_line(capsys)
+
+
+def test_one_rule_per_setting_for_both_command_lines():
+    """A setting's rule is written once, in its policy: heads-decode reports one value, heads-eval a swept list."""
+    from specheads.export.api import make_policy
+    from specheads.export.shim.policies import POLICIES, Judge, Policy
+
+    assert Judge.Settings(delta=1.5).problems() == ["delta=1.5 must be in [0, 1]"]
+    assert Judge.Settings.sweep("delta", "deltas", [0.5, 1.5]) == ["deltas=[0.5, 1.5]: every delta must be in [0, 1]"]
+    for name in ("ar", "draft", "sd", "topk_verify", "confidence_stop", "tli", "slem"):  # one type, no head to load
+        policy = make_policy(name, pair=None)
+        assert isinstance(policy, Policy) and type(policy) is POLICIES[name]

@@ -9,10 +9,10 @@ import torch
 from conftest import SAMPLINGS, bigram, sd_pvalue, tiny_llama
 from torch.testing import assert_close
 
-from specheads.export.shim import policies
 from specheads.export.shim.engine import Engine
 from specheads.export.shim.kv import ModelRunner
-from specheads.export.shim.policies import StandardSD, residual
+from specheads.export.shim.policies import DraftOnly, StandardSD, TargetOnly, residual
+from specheads.export.shim.policies import base as sd_rule
 from specheads.export.shim.sampling import SamplingConfig, probs_from_logits
 
 PROMPTS = [[5], [7, 9, 11, 4, 6], [3, 8, 12, 15, 20, 4, 9, 10, 11, 13, 5, 6, 7, 8, 22, 30, 31]]
@@ -190,7 +190,7 @@ def test_sampled_sd_is_distributed_as_target(sampling):
 
 def test_chi_square_catches_a_broken_rule(monkeypatch):
     """Planted one-line bug: the correction drawn from p instead of the residual -> must fail."""
-    monkeypatch.setattr(policies, "residual", lambda p, q: p)
+    monkeypatch.setattr(sd_rule, "residual", lambda p, q: p)
     assert sd_pvalue(SamplingConfig(do_sample=True)) < 1e-6
 
 
@@ -210,6 +210,42 @@ def test_policy_sees_aligned_hidden_states(tiny_pair):
     engine = Engine(target, draft, eos_token_ids=[])
     assert engine.generate(PROMPTS[2], Probe(3), 12).tokens == engine.generate_ar(PROMPTS[2], 12).tokens
     assert all(n + 1 == nl == nh and nd == n for n, nl, nh, nd in seen)
+
+
+def test_one_model_alone_is_a_policy_of_the_same_loop(tiny_pair):
+    """The target alone and the draft alone run through Engine.generate like every policy: one round per
+    token, no candidate, counted as target calls (pass size 1) or as draft forwards."""
+    target, draft = tiny_pair
+    engine = Engine(target, draft, eos_token_ids=[])
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        hf = draft.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
+    alone = engine.generate(PROMPTS[1], DraftOnly(), 12)
+    assert alone.tokens == hf[0, len(PROMPTS[1]):].tolist()
+    s = alone.stats
+    assert (s.rounds, s.draft_forwards, s.target_calls, s.drafted, s.target_pass_sizes) == (12, 12, 0, 0, {})
+    s = engine.generate(PROMPTS[1], TargetOnly(), 12).stats
+    assert (s.rounds, s.target_calls, s.draft_forwards, s.drafted, s.target_pass_sizes) == (12, 12, 0, 0, {1: 12})
+
+
+def test_every_round_starts_with_start_round(tiny_pair):
+    """start_round opens each round before anything is drafted; its state lives on that round only."""
+    target, draft = tiny_pair
+    opened, seen = [], []
+
+    class Probe(StandardSD):
+        def start_round(self, rnd):
+            assert rnd.n == 0 and rnd.state is None
+            rnd.state = len(opened)
+            opened.append(rnd)
+
+        def stop_drafting(self, rnd):
+            seen.append(rnd.state == len(opened) - 1 and rnd is opened[-1])
+            return super().stop_drafting(rnd)
+
+    g = Engine(target, draft, eos_token_ids=[]).generate(PROMPTS[0], Probe(3), 20)
+    assert len(opened) == g.stats.rounds and seen and all(seen)
 
 
 # ---- SpecDec++ stopping ------------------------------------------------------------------------

@@ -163,6 +163,7 @@ def test_fsd_decision_on_a_stub_pair():
     lenient = FSD(js + 1e-3, "js", k=2)
     out = engine.generate([3], lenient, 3, SamplingConfig(), None)
     assert out.tokens == [1, 2, 0] and out.stats.accepted == 2 and lenient.fuzzy_only == 1
+    assert out.stats.counters == {"fuzzy_only": 1}  # the policy's counts, folded into the stats
     # the comparison is strict: at T = 0 even the identical distributions after 3 (JS exactly 0) reject
     out = engine.generate([3], FSD(0.0, "js", k=2), 3, SamplingConfig(), None)
     assert out.tokens == [1, 3, 1] and out.stats.accepted == 0

@@ -16,8 +16,10 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 from transformers import PreTrainedTokenizerFast
 
 from specheads.errors import UserError
-from specheads.export.shim import policies
-from specheads.export.shim.hetero import HeteroEngine, VocabMap, _Side, token_bytes
+from specheads.export.shim import hetero
+from specheads.export.shim.hetero import HeteroEngine
+from specheads.export.shim.policies import base as sd_rule
+from specheads.export.shim.token_text import Side, VocabMap, token_bytes
 from specheads.export.shim.sampling import SamplingConfig, probs_from_logits
 
 CORPUS = [
@@ -164,13 +166,13 @@ def test_trained_tokenizers_differ(toks):
 @pytest.mark.parametrize("target,draft", [("sp", "bl"), ("bl", "sp")])
 def test_greedy_equals_target_greedy(toks, trained, monkeypatch, method, target, draft):
     synced = []  # the draft's text after each round's sync
-    sync = HeteroEngine._sync
+    commit = hetero._Crossing.commit
 
-    def spy(self, method_, drf, *args):
-        sync(self, method_, drf, *args)
-        synced.append(bytes(drf.text) + drf.pending)
+    def spy(self, *args):
+        commit(self, *args)
+        synced.append(bytes(self.drf.text) + self.drf.pending)
 
-    monkeypatch.setattr(HeteroEngine, "_sync", spy)
+    monkeypatch.setattr(hetero._Crossing, "commit", spy)
     engine = _engine(toks, trained, target, draft)
     d_table, t_table = token_bytes(toks[draft]), token_bytes(toks[target])
     accepted = 0
@@ -244,7 +246,7 @@ def test_sampling_is_distributed_as_target(toks, method):
 
 def test_chi_square_catches_a_broken_tli(toks, monkeypatch):
     """Planted one-line bug: the correction drawn from p instead of norm(max(0, p - q')) -> must fail."""
-    monkeypatch.setattr(policies, "residual", lambda p, q: p)
+    monkeypatch.setattr(sd_rule, "residual", lambda p, q: p)
     assert _stub_pvalue(toks, "tli") < 1e-6
 
 
@@ -277,7 +279,7 @@ def test_non_injective_tokenizer_is_non_injective(toks):
 
 def test_continuation_never_changes_committed_tokens(toks):
     tok = toks["sp_lower"]
-    side = _Side(tok, token_bytes(tok), tok("The c")["input_ids"], lookbehind=8)
+    side = Side(tok, token_bytes(tok), tok("The c")["input_ids"], lookbehind=8)
     committed = list(side.ids)
     assert tok.convert_ids_to_tokens(committed) == ["<s>", "▁the", "▁c"]
     assert side.text == b" the c"  # what the committed tokens spell (lower-cased, dummy prefix)
@@ -298,7 +300,7 @@ def test_continuation_never_changes_committed_tokens(toks):
 
 def test_draft_side_extend_rewrites_and_buffers(toks):
     tok = toks["sp_lower"]
-    side = _Side(tok, token_bytes(tok), tok("the cat")["input_ids"], lookbehind=8)
+    side = Side(tok, token_bytes(tok), tok("the cat")["input_ids"], lookbehind=8)
     side.extend(b" Sat")
     assert side.text == b" the cat sat" and side.pending == b""  # the draft's own (lower-cased) view
     side.extend("é".encode()[:1])
@@ -306,7 +308,7 @@ def test_draft_side_extend_rewrites_and_buffers(toks):
     side.extend("é".encode()[1:])
     assert side.text == " the cat saté".encode() and side.pending == b""
     assert side.spell(side.ids) == bytes(side.text) and side.offs[-1] == len(side.text)
-    side = _Side(tok, token_bytes(tok), tok("the c")["input_ids"], lookbehind=8)
+    side = Side(tok, token_bytes(tok), tok("the c")["input_ids"], lookbehind=8)
     side.extend(b"at")  # unlike the target's, the draft's window tokens may be re-tokenised: ▁c + at -> ▁cat
     assert tok.convert_ids_to_tokens(side.ids) == ["<s>", "▁the", "▁cat"] and side.text == b" the cat"
 

@@ -74,7 +74,7 @@ def test_always_reject_calls_the_target_for_every_token_and_is_lossless():
     s = out.stats
     assert s.new_tokens == 10 and s.draft_forwards == s.target_calls
     assert s.target_calls <= 10 and s.target_calls >= 5  # one judged token per call, plus a bonus when accepted
-    assert policy.verifier_calls == s.draft_forwards
+    assert policy.verifier_calls == s.draft_forwards == s.verifier_calls
     assert sd_pvalue(sampling, policy=Sprinter(Constant(-30.0))) > 1e-3
 
 

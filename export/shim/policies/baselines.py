@@ -1,0 +1,234 @@
+"""The baselines: one model alone, standard SD, and the training-free rules (ALGORITHMS.md section 4):
+top-K verification and draft-confidence stopping; and the draft gate the cost-aware stop rules share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..costs import CostTable, DraftGate, draft_more
+from ..sampling import probs_from_logits, sample
+from .base import Policy, Round, Verdict
+from .settings import K, Check, Settings, bounds
+
+STOPS = ("threshold", "cost")  # how SpecDecPP and ConfidenceStop decide to stop drafting
+STOP = Check(lambda s: s in STOPS, "{key}={value!r}: expected threshold or cost")
+
+
+def cost_problems(stop: str, costs: CostTable | None) -> list[str]:
+    """The rule between ``stop`` and the cost table handed to a cost-aware policy."""
+    if stop == "cost" and costs is None:
+        return ["stop=cost needs a cost table (costs=...; see specheads.export.shim.costs.cost_table)"]
+    return []
+
+
+def gate_problems(stop: str, gate: bool | None) -> list[str]:
+    """The rule between ``stop`` and asking for the draft gate."""
+    return ["gate=True needs stop=cost (the gate prices rounds with the cost table)"] if gate and stop != "cost" else []
+
+
+class _Gated(Policy):
+    """A policy whose rounds may skip drafting through a :class:`~..costs.DraftGate` (``self.gate``): on by
+    default with ``stop="cost"``."""
+
+    gate: DraftGate | None = None
+
+    def _set_gate(self, stop: str, costs: CostTable | None, gate: bool | None) -> None:
+        self.gate = DraftGate(costs) if (stop == "cost" if gate is None else gate) else None
+
+    def reset(self) -> None:
+        if self.gate is not None:
+            self.gate.reset()
+
+    def draft_round(self) -> bool:
+        return self.gate is None or self.gate.open()
+
+    def end_round(self, drafted: int, accepted: int) -> None:
+        if self.gate is not None:
+            self.gate.observe(drafted, accepted)
+
+
+@dataclass
+class AloneSettings(Settings):
+    """One model alone has nothing to set."""
+
+
+class TargetOnly(Policy):
+    """The target alone (``ar``): every round is one target step, no candidate."""
+
+    name = "ar"
+    Settings = AloneSettings
+    models = ("target",)
+
+    def __init__(self):
+        super().__init__(0)
+
+    @classmethod
+    def from_settings(cls, s, pair=None, head=None, costs=None) -> Policy:
+        return cls()
+
+
+class DraftOnly(TargetOnly):
+    """The draft alone (``draft``), in its own vocabulary: every round is one draft step."""
+
+    name = "draft"
+    models = ("draft",)
+    verifier = "draft"
+
+
+@dataclass
+class SDSettings(Settings):
+    k: int = 4
+    CHECKS = {"k": K}
+
+
+class StandardSD(Policy):
+    """Standard speculative decoding (Leviathan et al. 2023): fixed ``k``, lossless.
+
+    Greedy: keep candidates while they equal the target's argmax, then emit the argmax.
+    Sampling: accept ``y_j`` when ``u * q_j(y_j) <= p_j(y_j)``; at the first rejection emit a
+    token from ``norm(max(0, p_j - q_j))``; after ``n`` acceptances a bonus from ``p_{n+1}``.
+    """
+
+    name = "sd"
+    Settings = SDSettings
+
+    def __init__(self, k: int = 4):
+        SDSettings(k).check()
+        super().__init__(k)
+
+    @classmethod
+    def from_settings(cls, s, pair=None, head=None, costs=None) -> Policy:
+        return cls(s.k)
+
+    def describe(self) -> dict:
+        return {"k": self.k}
+
+
+@dataclass
+class TopKSettings(Settings):
+    k: int = 4
+    verify_top_k: int = 2
+    CHECKS = {"k": K, "verify_top_k": Check(lambda t: t >= 1, "{key}={value} must be >= 1")}
+
+
+class TopKVerify(Policy):
+    """Top-K verification (ALGORITHMS.md section 4), a training-free baseline, not lossless: accept
+    candidate ``y_i`` while it is among the target's ``top_k`` most likely tokens at its position; at
+    the first candidate that is not, emit the target's token there (greedy: argmax; sampling: a draw
+    from ``p_i``); after ``k`` accepted candidates the bonus from ``p_{k+1}``. ``top_k = 1`` is greedy SD.
+
+    Args:
+        k: candidates per round.
+        top_k: how many of the target's most likely tokens count as acceptable.
+    """
+
+    name = "topk_verify"
+    Settings = TopKSettings
+
+    def __init__(self, k: int = 4, top_k: int = 2):
+        TopKSettings(k, top_k).check(keys={"verify_top_k": "top_k"})
+        super().__init__(k)
+        self.top_k = top_k
+
+    @classmethod
+    def from_settings(cls, s, pair=None, head=None, costs=None) -> Policy:
+        return cls(s.k, s.verify_top_k)
+
+    def describe(self) -> dict:
+        return {"k": self.k, "verify_top_k": self.top_k}
+
+    def verify(self, rnd: Round, logits: torch.Tensor, hidden: torch.Tensor | None) -> Verdict:
+        n = rnd.n
+        cand = rnd.candidates(logits.device)
+        top = logits[:n].topk(min(self.top_k, logits.shape[-1]), dim=-1).indices
+        matched = (top == cand[:, None]).any(-1).long().cumprod(0).sum()
+        if rnd.sampling.do_sample:
+            m = int(matched)
+            return Verdict(m, int(sample(probs_from_logits(logits[m], rnd.sampling), rnd.generator)))
+        m, *tokens = torch.cat([matched.view(1), logits.argmax(-1)]).tolist()  # one sync
+        return Verdict(m, tokens[m])
+
+
+@dataclass
+class ConfidenceSettings(Settings):
+    tau: float | None = None  # None: DEFAULT_TAU
+    k_max: int = 20
+    stop: str = "threshold"
+    k_min: int = 1
+    gate: bool | None = None
+    THRESHOLD = "tau"
+    API_ONLY = ("k_min",)
+    CHECKS = {"tau": Check(lambda t: 0 <= t <= 1, "confidence threshold {key}={value} must be in [0, 1]",
+                           "{key}={values}: every tau must be in [0, 1]"), "stop": STOP}
+
+    def relations(self) -> list[str]:
+        return bounds(self.k_min, self.k_max) + gate_problems(self.stop, self.gate)
+
+
+DEFAULT_TAU = 0.4  # the assistant_confidence_threshold transformers configs carry
+
+
+@dataclass
+class _Survival:
+    """A round's ``S_n`` (the chance its candidates are all accepted) and ``sum_i S_i`` (stop="cost")."""
+
+    keep: float = 1.0
+    total: float = 0.0
+
+
+class ConfidenceStop(_Gated):
+    """Draft-confidence stopping (ALGORITHMS.md section 4; Hugging Face's
+    ``assistant_confidence_threshold``), a training-free baseline: stop drafting after a candidate
+    whose probability under the draft, ``q_i(y_i)`` from the softmax of the raw draft logits, is
+    below ``tau``, and after ``k_max`` candidates at most. Verification is the standard SD rule,
+    so the output is as lossless as SD's; ``tau = 0`` never stops early (SD with ``k = k_max``).
+
+    ``stop="cost"``: no ``tau``; the rule of :class:`SpecDecPP` ``stop="cost"`` with ``q_i(y_i)`` as
+    the acceptance estimate of ``y_i`` (every candidate has one as soon as it is drawn; the next
+    candidate gets the newest one's).
+
+    Args:
+        tau: confidence threshold in [0, 1]; larger stops sooner.
+        k_max: most candidates per round.
+        stop: ``threshold`` or ``cost`` (needs ``costs``).
+        costs: the pair's :class:`~..costs.CostTable` (``stop="cost"``).
+        k_min: fewest candidates per round.
+        gate: as :class:`SpecDecPP`'s (``stop="cost"`` only, its default there).
+    """
+
+    name = "confidence_stop"
+    Settings = ConfidenceSettings
+
+    def __init__(self, tau: float = DEFAULT_TAU, k_max: int = 20, stop: str = "threshold",
+                 costs: CostTable | None = None, k_min: int = 1, gate: bool | None = None):
+        ConfidenceSettings(tau, k_max, stop, k_min, gate).check(*cost_problems(stop, costs))
+        super().__init__(k_max)
+        self.tau, self.k_min, self.stop, self.costs = float(tau), k_min, stop, costs
+        self._set_gate(stop, costs, gate)
+
+    @classmethod
+    def from_settings(cls, s, pair=None, head=None, costs=None) -> Policy:
+        return cls(DEFAULT_TAU if s.tau is None else s.tau, s.k_max, s.stop, costs, s.k_min, s.gate)
+
+    def describe(self) -> dict:
+        return {"stop": self.stop, "tau": self.tau if self.stop == "threshold" else None, "k_max": self.k,
+                "gate": self.gate is not None}
+
+    def start_round(self, rnd: Round) -> None:
+        if self.stop == "cost":
+            rnd.state = _Survival()
+
+    def stop_drafting(self, rnd: Round) -> bool:
+        n = rnd.n
+        if n >= self.k:
+            return True
+        logits = rnd.draft_logits[-1].float()  # [V]
+        confidence = float((logits[rnd.tokens[-1]] - logits.logsumexp(-1)).exp())
+        if self.stop == "cost":
+            s = rnd.state
+            s.keep *= confidence
+            s.total += s.keep
+            return n >= self.k_min and not draft_more(self.costs, n, n, s.keep, s.total, confidence)
+        return n >= self.k_min and confidence < self.tau
