@@ -15,9 +15,9 @@ from specheads import extras
 
 ROOT = Path(__file__).resolve().parents[1]
 # What pyproject.toml's base dependencies provide (import names): all that heads/ and export/ may import.
-BASE = {"torch", "transformers", "safetensors", "yaml", "omegaconf", "gguf", "tqdm"}
+BASE = {"torch", "transformers", "safetensors", "yaml", "omegaconf", "tqdm"}
 # The import names that only the extras add: a base install has none of them.
-EXTRA_ONLY = sorted({m for mods in extras.EXTRAS.values() for m in mods} | {"scipy", "deepspeed"})
+EXTRA_ONLY = sorted({m for mods in extras.EXTRAS.values() for m in mods} | {"gguf", "scipy", "deepspeed"})
 # Each stage's folder and the import names its code (with every project module it imports) may use.
 STAGES = {"heads": BASE, "export": BASE, "datagen": BASE | set(extras.EXTRAS["train"]),
           "train": BASE | set(extras.EXTRAS["train"]) | {"deepspeed"}, "evaluate": BASE | set(extras.EXTRAS["eval"])}
@@ -63,8 +63,8 @@ print(json.dumps({{"exit": code, "api": api, "cli": cli, "loaded": loaded}}))
 
 
 def test_decode_path_runs_without_the_extras(tiny_pair_dirs, tmp_path):
-    """On an install without accelerate, datasets, scikit-learn, scipy, matplotlib, rouge-score, pyarrow
-    or deepspeed, ``specheads.export`` imports and decodes with an exported head, and nothing on the
+    """On an install without accelerate, datasets, scikit-learn, scipy, matplotlib, rouge-score, pyarrow,
+    gguf or deepspeed, ``specheads.export`` imports and decodes with an exported head, and nothing on the
     way imports one of them. (They are blocked rather than looked for in ``sys.modules`` only:
     transformers imports accelerate and scipy by itself whenever they are installed.)"""
     t, d = tiny_pair_dirs
@@ -180,3 +180,14 @@ def test_a_missing_extra_ends_the_cli_in_one_line(monkeypatch, capsys, script, e
 def test_an_installed_extra_runs_the_cli(capsys):
     assert extras.heads_eval(["--help"]) == 0
     assert "heads-eval" in capsys.readouterr().out
+
+
+def test_a_gguf_model_without_the_gguf_extra_is_one_line(monkeypatch, tmp_path):
+    from specheads.errors import UserError
+    from specheads.export import ModelSpec, load_model
+
+    (tmp_path / "m.gguf").write_bytes(b"")
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # transformers reads GGUF files with gguf and accelerate
+    with pytest.raises(UserError, match=r"needs the \[gguf\] extra \(not installed: accelerate\): "
+                                        r"pip install 'specheads\[gguf\]'"):
+        load_model(ModelSpec(path=str(tmp_path / "m.gguf"), device="cpu"), "target")

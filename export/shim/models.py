@@ -29,7 +29,7 @@ class ModelSpec:
     """Where a model comes from and how to place it."""
 
     path: str = ""
-    gguf_file: str | None = field(default=None, metadata={"help": "GGUF file name inside path (needs the gguf package)"})
+    gguf_file: str | None = field(default=None, metadata={"help": "GGUF file name inside path (needs the [gguf] extra)"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer location; defaults to path"})
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16 | auto (bf16 on GPU, else fp32)"})
     device: str = field(default="auto", metadata={"help": "cpu | cuda | cuda:N | auto"})
@@ -161,8 +161,10 @@ def load_model(spec: ModelSpec, role: str = "model") -> LoadedModel:
     dtype = resolve_dtype(spec.dtype, device)
     kwargs = {"dtype": dtype, "revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
     if gguf:
-        if importlib.util.find_spec("gguf") is None:
-            raise UserError(f"{role}.gguf_file is set but the gguf package is missing; pip install gguf")
+        missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]  # transformers needs both
+        if missing:
+            raise UserError(f"{role}.gguf_file needs the [gguf] extra (not installed: {', '.join(missing)}): "
+                            "pip install 'specheads[gguf]'")
         kwargs["gguf_file"] = gguf
     if spec.attn_implementation:
         kwargs["attn_implementation"] = spec.attn_implementation
