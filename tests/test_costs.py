@@ -323,8 +323,9 @@ def _disagreeing_pair(v: int = 12):
     return bigram(_cycle(v)), bigram(shifted)
 
 
-@pytest.mark.parametrize("make", [lambda t: ConfidenceStop(k_max=4, stop="cost", costs=t),
-                                  lambda t: SpecDecPP(_beta_head([0.9] * 12), k_min=1, k_max=4, stop="cost", costs=t)])
+@pytest.mark.parametrize("make", [lambda t: ConfidenceStop(k_max=4, stop="cost", costs=t, gate=True),
+                                  lambda t: SpecDecPP(_beta_head([0.9] * 12), k_min=1, k_max=4, stop="cost", costs=t,
+                                                      gate=True)])
 def test_gated_rules_stop_drafting_where_it_loses_and_stay_lossless(make):
     target, draft = _disagreeing_pair()
     engine = Engine(target, draft, eos_token_ids=[], fused=False)
@@ -345,7 +346,8 @@ def test_gated_rules_stop_drafting_where_it_loses_and_stay_lossless(make):
 
 def test_gate_stays_open_where_drafting_pays():
     engine = Engine(bigram(_cycle(12)), bigram(_cycle(12)), eos_token_ids=[], fused=False)
-    g = engine.generate([0], ConfidenceStop(k_max=4, stop="cost", costs=linear_table(1.0, lambda k: 10 + k)), 60)
+    g = engine.generate([0], ConfidenceStop(k_max=4, stop="cost", costs=linear_table(1.0, lambda k: 10 + k), gate=True),
+                        60)
     assert g.stats.undrafted_rounds == 0 and g.stats.accepted > 30
 
 
@@ -353,6 +355,7 @@ def test_gate_needs_the_cost_rule():
     with pytest.raises(UserError, match="gate=True needs stop=cost"):
         ConfidenceStop(gate=True)
     assert ConfidenceStop(stop="cost", costs=linear_table(1.0, 10.0), gate=False).gate is None
+    assert ConfidenceStop(stop="cost", costs=linear_table(1.0, 10.0)).gate is None  # opt-in
     assert ConfidenceStop().gate is None
 
 

@@ -9,8 +9,8 @@ import torch
 from conftest import same_heads, train_args
 
 from specheads.export import load_head, read_metadata
+from specheads.train.acceptance import Example, mix
 from specheads.train.cli import main
-from specheads.train.data import Example, mix
 
 
 def test_mixing_follows_the_ratio_and_masks_by_draw():
@@ -37,6 +37,16 @@ def test_train_exports_a_loadable_head(tiny_pair_dirs, labelled, tmp_path):
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("loss" in r for r in lines) and sum("eval_binary_kl" in r for r in lines) == 3
     assert (out / "latest").read_text().strip().startswith("checkpoint-")
+
+
+def test_head_aliases_name_the_same_tasks_and_record_their_names(tiny_pair_dirs, labelled, tmp_path):
+    from specheads.train.registry import task_type
+
+    assert task_type("specdecpp") is task_type("acceptance") and task_type("sprinter") is task_type("verifier")
+    out = tmp_path / "alias"
+    assert main(train_args(tiny_pair_dirs, labelled, out, "head=specdecpp", "epochs=1")) == 0
+    assert "head: acceptance" in (out / "config.yaml").read_text()
+    assert read_metadata(out / "head.safetensors")["head_type"] == "acceptance"
 
 
 def test_resumed_training_gives_the_same_head(tiny_pair_dirs, labelled, tmp_path, monkeypatch):
@@ -95,7 +105,7 @@ def test_export_best_latest_and_bad_sources(tiny_pair_dirs, labelled, tmp_path, 
 
 
 def test_expected_label_head_reads_the_previous_state(tiny_pair_dirs, labelled, tmp_path, capsys):
-    from specheads.train.data import draft_features, load_examples
+    from specheads.train.acceptance import draft_features, load_examples
 
     out = tmp_path / "exp"
     assert main(train_args(tiny_pair_dirs, labelled, out, "label=expected", "epochs=1")) == 0
@@ -123,7 +133,7 @@ def test_expected_label_head_reads_the_previous_state(tiny_pair_dirs, labelled, 
 def test_cached_features_match_online_and_are_reused(tiny_pair_dirs, labelled, tmp_path):
     from safetensors.torch import load_file
 
-    from specheads.train.data import load_examples
+    from specheads.train.acceptance import load_examples
 
     cache = tmp_path / "cache"
     out = tmp_path / "cached"
@@ -136,7 +146,7 @@ def test_cached_features_match_online_and_are_reused(tiny_pair_dirs, labelled, t
     assert t["offsets"][-1] == t["features"].shape[0] == t["labels"].shape[0]
     # the cached rows are the online features of the same mixing draw, rounded to fp16
     from specheads.export.shim.models import HiddenCapture, ModelSpec, load_model
-    from specheads.train.data import draft_features, mix, mix_seed
+    from specheads.train.acceptance import draft_features, mix, mix_seed
 
     draft = load_model(ModelSpec(path=str(tiny_pair_dirs[1]), device="cpu"), "draft").model
     ex = {e.index: e for e in load_examples(labelled)}[int(t["index"][0])]
@@ -314,7 +324,8 @@ def test_expected_label_features_come_from_the_targets_own_prefix():
     (no token mixing, a loss at every position); the soft label's inputs are mixed."""
     from types import SimpleNamespace
 
-    from specheads.train.recipe import _draft_features
+    from specheads.train.acceptance_task import AcceptanceTask
+    from specheads.train.draft import Draft
 
     class Capture:
         post = None
@@ -323,10 +334,11 @@ def test_expected_label_features_come_from_the_targets_own_prefix():
         Capture.post = input_ids.float().unsqueeze(-1)
 
     ex = Example(0, [1, 2, 10, 11, 12, 13], 2, [20, 21, 22, 23], [0.0, 1.0, 0.0, 1.0])
-    ctx = {"draft": draft, "capture": Capture, "pad": 0, "device": "cpu",
-           "cfg": SimpleNamespace(head="acceptance", label="expected", mix_ratio=0.15, seed=0)}
-    x, y, rows = _draft_features(ctx, [ex], epoch=0)
+    stub = Draft(draft, Capture, pad=0, device="cpu", hidden=1, name="stub", fingerprint="")
+    task = AcceptanceTask(SimpleNamespace(label="expected", mix_ratio=0.15, seed=0, w_acc=1.0, w_rej=6.0), {}, stub,
+                          [ex], [])
+    x, y, rows = task.features([ex], epoch=0)
     assert x[:, 0].tolist() == [2, 10, 11, 12] and y.tolist() == ex.label and rows == [4]
-    ctx["cfg"] = SimpleNamespace(head="acceptance", label="soft", mix_ratio=0.0, seed=0)
-    x, y, rows = _draft_features(ctx, [ex], epoch=0)
+    task.cfg = SimpleNamespace(label="soft", mix_ratio=0.0, seed=0)
+    x, y, rows = task.features([ex], epoch=0)
     assert x[:, 0].tolist() == [20, 21, 22, 23]  # r = 0: every position holds the draft's token

@@ -29,13 +29,13 @@ def gate_problems(stop: str, gate: bool | None) -> list[str]:
 
 
 class _Gated(Policy):
-    """A policy whose rounds may skip drafting through a :class:`~..costs.DraftGate` (``self.gate``): on by
-    default with ``stop="cost"``."""
+    """A policy whose rounds may skip drafting through a :class:`~..costs.DraftGate` (``self.gate``): opt-in
+    (``gate=True``), with ``stop="cost"`` only."""
 
     gate: DraftGate | None = None
 
     def _set_gate(self, stop: str, costs: CostTable | None, gate: bool | None) -> None:
-        self.gate = DraftGate(costs) if (stop == "cost" if gate is None else gate) else None
+        self.gate = DraftGate(costs) if gate else None
 
     def reset(self) -> None:
         if self.gate is not None:
@@ -195,7 +195,7 @@ class ConfidenceStop(_Gated):
         stop: ``threshold`` or ``cost`` (needs ``costs``).
         costs: the pair's :class:`~..costs.CostTable` (``stop="cost"``).
         k_min: fewest candidates per round.
-        gate: as :class:`SpecDecPP`'s (``stop="cost"`` only, its default there).
+        gate: as :class:`SpecDecPP`'s (opt-in, ``stop="cost"`` only).
     """
 
     name = "confidence_stop"

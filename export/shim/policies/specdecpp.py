@@ -69,7 +69,7 @@ class SpecDecPP(_Gated):
         position: ``own`` (the soft-label head, reference order above) or ``previous``.
         stop: ``threshold`` (the rule above) or ``cost`` (no ``h``; needs ``costs``).
         costs: the pair's :class:`~..costs.CostTable` (``stop="cost"``).
-        gate: ``stop="cost"`` only (its default there): before each round, skip drafting when the
+        gate: opt-in, ``stop="cost"`` only: before each round, skip drafting when the
             prompt's recent acceptance says a round with candidates costs more per token than the
             target alone (:class:`~..costs.DraftGate`).
     """
