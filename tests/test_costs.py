@@ -305,7 +305,6 @@ def test_gate_closes_on_losing_rounds_probes_with_backoff_and_reopens():
     probes = [i for i in range(first_closed, len(decisions)) if decisions[i]]
     waits = [b - a - 1 for a, b in zip([first_closed - 1] + probes, probes)]
     assert waits[:4] == [4, 8, 16, 16]  # doubling up to max_probe_every
-    assert gate.skipped == decisions.count(False)
     for _ in range(3):  # probes that win: the estimate climbs back above zero, the gate opens on its own
         gate.observe(1, 1)
     assert gate.estimate > 0 and gate.open() and gate.open()

@@ -352,7 +352,6 @@ class DraftGate:
         self.table = table
         self.memory, self.prior, self.prior_weight = memory, prior, prior_weight
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
-        self.skipped = 0  # rounds without a draft, over every prompt (for the stats)
         self.reset()
 
     def reset(self) -> None:
@@ -366,7 +365,7 @@ class DraftGate:
         return self._total / self._weight
 
     def open(self) -> bool:
-        """True to draft this round; False: the target steps alone (counted in ``skipped``)."""
+        """True to draft this round; False: the target steps alone."""
         if self.estimate > 0:
             self._idle, self._wait = 0, self.probe_every
             return True
@@ -374,7 +373,6 @@ class DraftGate:
             self._idle, self._wait = 0, min(2 * self._wait, self.max_probe_every)
             return True
         self._idle += 1
-        self.skipped += 1
         return False
 
     def observe(self, drafted: int, accepted: int) -> None:

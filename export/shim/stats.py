@@ -89,8 +89,8 @@ class GenerationStats:
 
 
 COUNTS = ("prompts", "prompt_tokens", "new_tokens", "target_calls", "draft_forwards", "drafted", "accepted",
-          "discarded", "rounds", "wall_time", "eos", "verifier_calls", "undrafted_rounds", "target_tokens", "target_context",
-          "draft_tokens", "draft_context")
+          "discarded", "rounds", "wall_time", "eos", "verifier_calls", "undrafted_rounds", "target_tokens",
+          "target_context", "draft_tokens", "draft_context")
 
 
 def count_tokens(stats: GenerationStats, who: str, start: int, n: int, prompt_tokens: int | None = None) -> None:

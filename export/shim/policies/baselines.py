@@ -23,7 +23,7 @@ def cost_problems(stop: str, costs: CostTable | None) -> list[str]:
     return []
 
 
-def gate_problems(stop: str, gate: bool | None) -> list[str]:
+def gate_problems(stop: str, gate: bool) -> list[str]:
     """The rule between ``stop`` and asking for the draft gate."""
     return ["gate=True needs stop=cost (the gate prices rounds with the cost table)"] if gate and stop != "cost" else []
 
@@ -33,9 +33,6 @@ class _Gated(Policy):
     (``gate=True``), with ``stop="cost"`` only."""
 
     gate: DraftGate | None = None
-
-    def _set_gate(self, stop: str, costs: CostTable | None, gate: bool | None) -> None:
-        self.gate = DraftGate(costs) if gate else None
 
     def reset(self) -> None:
         if self.gate is not None:
@@ -157,7 +154,7 @@ class ConfidenceSettings(Settings):
     k_max: int = 20
     stop: str = "threshold"
     k_min: int = 1
-    gate: bool | None = None
+    gate: bool = False
     THRESHOLD = "tau"
     API_ONLY = ("k_min",)
     CHECKS = {"tau": Check(lambda t: 0 <= t <= 1, "confidence threshold {key}={value} must be in [0, 1]",
@@ -202,11 +199,11 @@ class ConfidenceStop(_Gated):
     Settings = ConfidenceSettings
 
     def __init__(self, tau: float = DEFAULT_TAU, k_max: int = 20, stop: str = "threshold",
-                 costs: CostTable | None = None, k_min: int = 1, gate: bool | None = None):
+                 costs: CostTable | None = None, k_min: int = 1, gate: bool = False):
         ConfidenceSettings(tau, k_max, stop, k_min, gate).check(*cost_problems(stop, costs))
         super().__init__(k_max)
         self.tau, self.k_min, self.stop, self.costs = float(tau), k_min, stop, costs
-        self._set_gate(stop, costs, gate)
+        self.gate = DraftGate(costs) if gate else None
 
     @classmethod
     def from_settings(cls, s, pair=None, head=None, costs=None) -> Policy:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..costs import CostTable, draft_more
+from ..costs import CostTable, DraftGate, draft_more
 from .base import Policy, Round
 from .settings import Check, HeadSpec, Settings, bounds
 from .baselines import STOP, _Gated, cost_problems, gate_problems
@@ -22,7 +22,7 @@ class SpecDecPPSettings(Settings):
     k_min: int = 2
     k_max: int = 20
     stop: str = "threshold"
-    gate: bool | None = None
+    gate: bool = False
     THRESHOLD = "h"
     CHECKS = {"h": Check(lambda h: 0 < h < 1, "threshold {key}={value} must be in (0, 1)",
                          "{key}={values}: every h must be in (0, 1)"), "stop": STOP}
@@ -81,11 +81,11 @@ class SpecDecPP(_Gated):
 
     def __init__(self, head: torch.nn.Module, threshold: float = 0.7, k_min: int = 2, k_max: int = 20,
                  position: str = "own", stop: str = "threshold", costs: CostTable | None = None,
-                 gate: bool | None = None):
+                 gate: bool = False):
         bad = [] if position in POSITIONS else [f"head feature position {position!r}: expected own or previous"]
         SpecDecPPSettings(None, threshold, k_min, k_max, stop, gate).check(*bad, *cost_problems(stop, costs))
         super().__init__(k_max)
-        self._set_gate(stop, costs, gate)
+        self.gate = DraftGate(costs) if gate else None
         self.head, self.threshold, self.k_min = head, threshold, k_min
         self.stop, self.costs = stop, costs
         self.lag = 1 if position == "own" else 0  # how many candidates behind the newest the scored one is
