@@ -32,8 +32,7 @@ import torch
 
 from _common import run_info
 from specheads.export.shim import kernels
-from specheads.export.shim.kv import ModelRunner
-from specheads.export.shim.fused import FusedRunner
+from specheads.export.shim.kv import FusedRunner, ModelRunner
 from specheads.export.shim.models import ModelSpec, load_model
 from specheads.export.shim.vocab import prune, read_ranking, subset_from_ranking
 

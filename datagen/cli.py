@@ -53,7 +53,7 @@ from specheads.outputs import MetricsWriter, holds_other_run, prepare_output_dir
 from . import shards
 from .config import PROG, DatagenConfig
 from .labelling import Job
-from .manifest import finish
+from .manifest import chunk_metrics, finish
 from .registry import LABELLERS, labeller
 from .verify import merge, verify_main
 
@@ -175,10 +175,9 @@ def _run(cfg: DatagenConfig) -> int:
             rows = len(next(iter(result.columns.values())))
             info = {"first_prompt": job.first_index(chunk), "prompts": len(items), "rows": rows,
                     "labelled_tokens": result.tokens, "skipped": result.skipped, **models}
-            shards.write_chunk(out, chunk, result.columns, info)
+            shards.write_chunk(out, chunk, result.columns, info)  # killed after this: finish() rebuilds the line
             labelled += result.tokens
-            metrics.write(chunk=chunk, rank=rank, prompts=len(items), rows=rows, labelled_tokens=result.tokens,
-                          skipped=len(result.skipped), seconds=round(time.perf_counter() - t0, 3))
+            metrics.write(chunk_metrics(chunk, info), rank=rank, seconds=round(time.perf_counter() - t0, 3))
             bar.update()
             bar.set_postfix(labelled_tok_s=f"{labelled / (time.perf_counter() - started):.1f}")
     state.wait_for_everyone()

@@ -24,7 +24,8 @@ import torch
 
 from specheads.dataset import JUDGE_COLUMNS, JudgeChunkFiles, chunk_files
 from specheads.export import format_prompt
-from specheads.export.shim.models import HiddenCapture, pad_batch
+from specheads.export.shim.hidden import HiddenCapture
+from specheads.export.shim.models import pad_batch
 from specheads.grading import grade
 
 from . import arith, shards

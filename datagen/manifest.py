@@ -28,6 +28,13 @@ def _metrics_rows(path: Path) -> list[dict]:
     return rows
 
 
+def chunk_metrics(chunk: int, info: dict) -> dict:
+    """A chunk's ``metrics.jsonl`` line from what its file records (the labelling process adds its rank and
+    seconds; a line rebuilt after a kill has ``recovered: true`` instead)."""
+    return {"chunk": chunk, "prompts": info.get("prompts"), "rows": info.get("rows"),
+            "labelled_tokens": info.get("labelled_tokens"), "skipped": len(info.get("skipped") or [])}
+
+
 def finish(cfg: DatagenConfig, out: Path, total: int, processes: int | None = None) -> dict:
     """Checks every chunk is there and writes ``metrics.jsonl`` and ``manifest.json`` from the chunk files.
 
@@ -46,8 +53,9 @@ def finish(cfg: DatagenConfig, out: Path, total: int, processes: int | None = No
             for row in _metrics_rows(path):
                 rows[row["chunk"]] = row
             path.unlink()
-        for chunk in sorted(rows):
-            metrics.write(rows[chunk])
+        for chunk in range(total):  # a chunk whose process died before its line: the line from the chunk file
+            metrics.write(rows.get(chunk) or {**chunk_metrics(chunk, chunk_info(chunk_path(out, chunk))),
+                                              "recovered": True})
     shard_list, skipped, models, numerics, otherwise = [], [], None, None, {}
     for c in range(total):
         path = chunk_path(out, c)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from specheads.export.shim.costs import CostTable, predict_ms_per_token
+from specheads.export.shim.cost_rules import predict_ms_per_token
+from specheads.export.shim.costs import CostTable
 from specheads.export.shim.engine import GenerationStats
 from specheads.export.shim.kv import make_runner
 

@@ -5,7 +5,7 @@ one table row per configuration (tokens/s, tokens and accepted drafts per call, 
 discard rates, draft forwards per token, predicted and measured ms/token), the baselines' per-forward
 times, the oracle and perfect-head bounds, the ratios and the Pareto check (:func:`summarize`), FLOPs,
 verifier calls and ROUGE per row with the ``sprinter`` section (:func:`add_quality`), accuracy per
-prompt source with the ``judge`` section (:func:`add_accuracy`), the ``training_free`` section and
+prompt source with the ``judge`` section (:func:`~.accuracy.add_accuracy`), the ``training_free`` section and
 the plots. :func:`write` writes ``sweep.json``, ``metrics.json`` and ``metrics.jsonl``;
 :func:`print_summary` prints it.
 """
@@ -21,6 +21,7 @@ from specheads.export.shim.engine import GenerationStats
 from specheads.outputs import MetricsWriter, atomic_write_json
 
 from . import quality, training_free
+from .accuracy import add_accuracy, output_text
 from .oracle import below_curve, cost_figures, ideal_figures
 from .plot import pareto_plot, quality_speed_plot
 from .sweep import COST_ROWS, total
@@ -134,7 +135,7 @@ def summarize(cfg, grouped: dict[str, list[dict]], oracle: GenerationStats | Non
 def add_quality(cfg, pair, prompts, grouped: dict[str, list[dict]], decoders, summary: dict) -> None:
     """Adds FLOPs, verifier calls and ROUGE to the table rows; SPRINTER's alpha, TV bound and ratios."""
     tok = pair.tokenizer
-    texts = {n: [_text(pair, n, r["tokens"]) for r in rows] for n, rows in grouped.items()}
+    texts = {n: [output_text(pair, n, r["tokens"]) for r in rows] for n, rows in grouped.items()}
     refs = [p.reference_text for p in prompts]
     v_params = {n: sum(p.numel() for p in d.policy.head.parameters())
                 for n, d in decoders.items() if n.startswith("s") and hasattr(d.policy, "head")}
@@ -181,46 +182,6 @@ def add_quality(cfg, pair, prompts, grouped: dict[str, list[dict]], decoders, su
                        "auroc": head.get("extra", {}).get("train", {}).get("eval_auroc"),
                        "default_eta": head.get("default_threshold")}
     summary["sprinter"] = section
-
-
-def _text(pair, config: str, tokens: list[int]) -> str:
-    """A row's output text: the draft-alone row is in the draft's vocabulary, every other in the target's."""
-    tok = pair.draft.tokenizer if config == "draft" else pair.tokenizer
-    return tok.decode(tokens, skip_special_tokens=True)
-
-
-def add_accuracy(cfg, pair, prompts, grouped: dict[str, list[dict]], summary: dict) -> None:
-    """Per configuration and prompt source with a grader (GSM8K final number, ARC letter): accuracy;
-    for judge rows, the ratios to SD at the same K (else the fastest SD row)."""
-    from specheads.grading import grade
-
-    acc: dict = {}
-    for name, rows in grouped.items():
-        per: dict = {}
-        for prompt, row in zip(prompts, rows):
-            ok = grade(prompt, _text(pair, name, row["tokens"]))
-            if ok is None:
-                continue
-            d = per.setdefault(prompt.source, [0, 0])
-            d[0] += int(ok)
-            d[1] += 1
-        acc[name] = {src: {"accuracy": round(c / n, 4), "correct": c, "prompts": n} for src, (c, n) in per.items()}
-    summary["accuracy"] = acc
-    judges = [r for r in summary["table"] if r["config"].startswith("j")]
-    if not judges:
-        return
-    by = {r["config"]: r for r in summary["table"]}
-    sd = by.get(f"k{cfg.judge_k}") or max((r for r in summary["table"] if r["config"].startswith("k")),
-                                          key=lambda r: r["tokens_per_s"], default=None)
-    section = {"head": cfg.judge, "k": cfg.judge_k, "sd_reference": sd["config"] if sd else None, "by_delta": {}}
-    for r in judges:
-        section["by_delta"][r["config"]] = {
-            "accepted_per_call": r["accepted_per_call"], "tokens_per_s": r["tokens_per_s"],
-            "accuracy": acc.get(r["config"], {}),
-            "vs_sd_accepted_per_call": round(r["accepted_per_call"] / sd["accepted_per_call"], 4)
-            if sd and sd["accepted_per_call"] else None,
-            "vs_sd_tokens_per_s": round(r["tokens_per_s"] / sd["tokens_per_s"], 4) if sd else None}
-    summary["judge"] = section
 
 
 def build(cfg, pair, prompts, grouped: dict[str, list[dict]], decoders, oracle: GenerationStats | None,

@@ -11,7 +11,8 @@ Public API::
 from .package import LoadedHead, load_head, read_metadata, save_head
 from .api import Decoder, Result, fit_context, format_prompt, generate
 from .shim.engine import Engine, Generation, GenerationStats
-from .shim.models import HiddenCapture, ModelSpec, Pair, load_model, load_pair
+from .shim.hidden import HiddenCapture
+from .shim.models import ModelSpec, Pair, load_model, load_pair
 from .shim.policies import POLICIES, Policy, Round, StandardSD, Verdict, build_policy
 from .shim.sampling import SamplingConfig
 

@@ -28,7 +28,8 @@ from specheads.prompts import load_prompt_files
 
 from .api import Decoder, pair_costs, policy_from_config
 from .decode_config import DecodeConfig
-from .shim.costs import PROFILES, predict_ms_per_token
+from .shim.cost_rules import predict_ms_per_token
+from .shim.costs import PROFILES
 from .shim.models import load_pair
 from .shim.policies import POLICIES, STOPS, StandardSD
 from .shim.stats import COUNTS, GenerationStats

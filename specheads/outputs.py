@@ -145,8 +145,24 @@ def write_manifest(directory: str | Path, **fields: Any) -> Path:
     return atomic_write_json(Path(directory) / MANIFEST_FILE, manifest)
 
 
+def _cut_torn_line(path: Path) -> None:
+    """Cuts an unfinished last line (a crash mid-write) off an append-only JSON-lines file, so that the
+    next append starts a line of its own instead of being glued onto the fragment."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as fh:
+        fh.seek(-1, 2)
+        if fh.read(1) == b"\n":
+            return
+        fh.seek(0)
+        data = fh.read()
+        fh.truncate(data.rfind(b"\n") + 1)
+
+
 class MetricsWriter:
     """Appends one JSON object per line to ``<directory>/metrics.jsonl``, flushed each time.
+
+    A torn last line left by a killed run is cut off when the file is opened again.
 
     Example:
         >>> with MetricsWriter(out) as metrics:  # doctest: +SKIP
@@ -156,6 +172,7 @@ class MetricsWriter:
     def __init__(self, directory: str | Path, filename: str = METRICS_FILE) -> None:
         self.path = Path(directory) / filename
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _cut_torn_line(self.path)
         self._handle = self.path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any] | None = None, **fields: Any) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specheads.config import _setup_logging, help_text, load_config, schema_for
+from specheads import extras
 from specheads.errors import UserError
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, write_manifest
 
@@ -118,6 +119,9 @@ def load_configs(argv: list[str]) -> tuple[PipelineConfig, dict]:
     return pipe, cfgs
 
 
+# the install extra each stage needs (heads-export needs only the base install)
+STAGE_EXTRAS = {"vocab": "train", "datagen": "train", "train": "train", "eval": "eval"}
+
 def _runner(stage: str):
     if stage == "vocab":
         from specheads.datagen.vocab import run
@@ -205,6 +209,9 @@ def run(argv: list[str]) -> int:
     from specheads.config import to_yaml
 
     pipe, cfgs = load_configs(argv)
+    for stage in pipe.stages:  # every stage's extra up front, not after hours of the earlier stages
+        if STAGE_EXTRAS.get(stage):
+            extras.require(STAGE_EXTRAS[stage])
     text = "".join(f"{s}:\n" + "".join(f"  {line}\n" for line in to_yaml(cfgs[s]).splitlines()) for s in STAGES
                    if s in cfgs)
     out = prepare_output_dir(pipe.output_dir, to_yaml(pipe) + text, overwrite=pipe.overwrite)

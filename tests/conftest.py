@@ -4,6 +4,7 @@ that SIGKILLs itself at a fixed point of its own work. Test modules import helpe
 
 from __future__ import annotations
 
+import ast
 import itertools
 import json
 import os
@@ -23,7 +24,10 @@ from specheads.export import Engine, StandardSD
 from specheads.export.shim.fused import unfuse
 from specheads.export.shim.sampling import SamplingConfig, probs_from_logits
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+# The folders installed under the import root (pyproject's package-dir: specheads.<folder>).
+PACKAGE_FOLDERS = ("specheads", "heads", "export", "datagen", "train", "evaluate", "recipes")
 WORDS = ("the cat dog sat on a mat and ran to big red blue sun moon one two three four five six seven eight "
          "nine ten is was why how what when who yes no up down left right").split()
 
@@ -310,3 +314,42 @@ def run_killed(module: str, args: list[str], pattern: str, nth: int, when: str, 
     assert proc.returncode == -signal.SIGKILL, \
         f"{module} was to die {when} rename {nth} onto {pattern}; exit {proc.returncode}: {proc.stderr[-2000:]}"
     return proc
+
+
+def package_modules() -> dict[str, Path]:
+    """Every module of the package, by dotted name (pyproject's package-dir: ``specheads.<folder>``)."""
+    out = {}
+    for path in sorted(ROOT.glob("*/**/*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] not in PACKAGE_FOLDERS:
+            continue
+        parts = list(rel.with_suffix("").parts)
+        if parts[0] != "specheads":
+            parts.insert(0, "specheads")
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def module_imports(name: str, path: Path, modules: dict[str, Path]) -> tuple[set[str], set[str]]:
+    """``(third-party top-level names, project modules)`` that a module imports anywhere in its body."""
+    package = (name if path.name == "__init__.py" else name.rpartition(".")[0]).split(".")
+    third, ours = set(), set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1 packages
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]  # a name may be a submodule
+        else:
+            continue
+        for target in targets:
+            top = target.split(".")[0]
+            if top == "specheads":
+                ours |= {target} & modules.keys()
+            elif top not in sys.stdlib_module_names and top != "__future__":
+                third.add(top)
+    return third, ours

@@ -13,8 +13,8 @@ from conftest import bigram
 from specheads.errors import UserError
 from specheads.evaluate.oracle import oracle_schedule, perfect_head_schedule
 from specheads.export.shim import costs as costs_mod
-from specheads.export.shim.costs import (CostTable, DraftGate, cost_table, draft_more, load_table,
-                                        predict_ms_per_token)
+from specheads.export.shim.cost_rules import DraftGate, draft_more, predict_ms_per_token
+from specheads.export.shim.costs import CostTable, cost_table, load_table
 from specheads.export.shim.engine import Engine, GenerationStats
 from specheads.export.shim.policies import ConfidenceStop, SpecDecPP, StandardSD
 from specheads.heads import AcceptanceHead

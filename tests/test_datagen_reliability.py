@@ -93,6 +93,20 @@ def test_sigkill_loop_then_resume_labels_every_prompt_once(reference, tiny_pair_
     assert sorted(r["chunk"] for r in lines) == list(range(16))  # one line per chunk
 
 
+def test_a_kill_between_a_chunks_rename_and_its_metrics_line_loses_no_line(tiny_pair_dirs, tmp_path):
+    """Killed right after chunk 1's file is in place (its metrics line not yet written): the resumed run's
+    metrics.jsonl still has one line per chunk, the lost one rebuilt from the chunk file."""
+    out = tmp_path / "killed"
+    args = datagen_args(tiny_pair_dirs, _prompts(tmp_path, 3), out, "threads=1", "chunk_size=1")
+    run_killed("specheads.datagen.cli", args, "chunk-*.parquet", 2, "after")
+    assert len(list((out / "data").glob("chunk-*.parquet"))) == 2
+    assert main(args) == 0
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["chunk"] for r in lines] == [0, 1, 2]
+    assert [r.get("recovered", False) for r in lines] == [False, True, False]
+    assert lines[1]["rows"] == dataset.chunk_info(dataset.chunk_path(out, 1))["rows"] > 0
+
+
 def test_a_run_started_by_four_processes_is_finished_by_two(reference, tiny_pair_dirs, tmp_path):
     """Ranks 0 and 2 of a 4-process run finished their chunks before the run died; two processes
     (accelerate launch, gloo) finish the rest: the same files as one uninterrupted process."""

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from conftest import BigramLM, tiny_llama
 from specheads.export.shim import batched
 from specheads.export.shim.engine import Engine
-from specheads.export.shim.fused import FusedRunner, fused_weights, supports, unfuse
-from specheads.export.shim.kv import ModelRunner, make_runner
+from specheads.export.shim.fused import fused_weights, supports, unfuse
+from specheads.export.shim.kv import FusedRunner, ModelRunner, make_runner
 from specheads.export.shim.policies import StandardSD
 from specheads.export.shim.sampling import SamplingConfig
 

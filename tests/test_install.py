@@ -3,7 +3,6 @@ a missing extra ends a stage's CLI in one line naming it."""
 
 from __future__ import annotations
 
-import ast
 import json
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import module_imports, package_modules
 from specheads import extras
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,48 +76,9 @@ def test_decode_path_runs_without_the_extras(tiny_pair_dirs, tmp_path):
     assert result["cli"] == result["api"] and 1 <= len(result["api"]) <= 6  # greedy: SpecDec++ decodes as SD
 
 
-def _modules() -> dict[str, Path]:
-    """Every module of the package, by dotted name (pyproject's package-dir: ``specheads.<folder>``)."""
-    out = {}
-    for path in sorted(ROOT.glob("*/**/*.py")):
-        rel = path.relative_to(ROOT)
-        if rel.parts[0] not in ("specheads", *STAGES, "recipes"):
-            continue
-        parts = list(rel.with_suffix("").parts)
-        if parts[0] != "specheads":
-            parts.insert(0, "specheads")
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = path
-    return out
-
-
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> tuple[set[str], set[str]]:
-    """``(third-party top-level names, project modules)`` that a module imports anywhere in its body."""
-    package = (name if path.name == "__init__.py" else name.rpartition(".")[0]).split(".")
-    third, ours = set(), set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:  # relative: from the package, up level - 1 packages
-                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
-            targets = [base] + [f"{base}.{a.name}" for a in node.names]  # a name may be a submodule
-        else:
-            continue
-        for target in targets:
-            top = target.split(".")[0]
-            if top == "specheads":
-                ours |= {target} & modules.keys()
-            elif top not in sys.stdlib_module_names and top != "__future__":
-                third.add(top)
-    return third, ours
-
-
 def _closure(modules: dict[str, Path]) -> dict[str, set[str]]:
     """Each module's third-party imports, with those of every project module it imports (and their packages)."""
-    direct = {n: _imports(n, p, modules) for n, p in modules.items()}
+    direct = {n: module_imports(n, p, modules) for n, p in modules.items()}
     out: dict[str, set[str]] = {}
     for name in modules:
         seen, todo, third = set(), [name], set()
@@ -137,7 +98,7 @@ def test_each_stage_imports_only_its_extra():
     """heads/ and export/ (the decode path) need the base install only; datagen/ and train/ the [train]
     extra (train/ also [deepspeed]); evaluate/ the [eval] extra: counting every import in every function
     of each module and of each project module it imports."""
-    modules = _modules()
+    modules = package_modules()
     closure = _closure(modules)
     wrong = {}
     for name, third in closure.items():

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from specheads.datagen import cli, judge
 from specheads.datagen.tuples import IGNORE, span_labels
-from specheads.export.shim.models import HiddenCapture
+from specheads.export.shim.hidden import HiddenCapture
 
 TUPLES = [
     {"question": "what is one two", "correct": "three four", "wrong": "two three five six", "error": [4, 9]},

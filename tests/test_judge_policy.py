@@ -74,7 +74,7 @@ def test_judge_reads_the_candidates_own_states(tiny_pair):
     cand = seen[0].shape[0]
     assert cand >= 1
     # the first round's candidates, teacher-forced through the target: pre-norm states at their positions
-    from specheads.export.shim.models import HiddenCapture
+    from specheads.export.shim.hidden import HiddenCapture
 
     with HiddenCapture(target) as cap, torch.no_grad():
         drafted = []

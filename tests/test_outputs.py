@@ -102,3 +102,16 @@ def test_metrics_writer_appends_flushed_lines(tmp_path: Path) -> None:
         again.write(step=2, auroc=math.nan)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and math.isnan(rows[1]["auroc"])
+
+
+@pytest.mark.parametrize("torn", ['{"step": 2, "lo', '{', 'x'])
+def test_metrics_writer_cuts_a_torn_line_before_appending(tmp_path: Path, torn: str) -> None:
+    """A run killed mid-line left a fragment: the next run's first line is not glued onto it."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n' + torn)
+    with MetricsWriter(tmp_path) as metrics:
+        metrics.write(step=2)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    (tmp_path / "only.jsonl").write_text(torn)  # a fragment and nothing before it
+    with MetricsWriter(tmp_path, "only.jsonl") as metrics:
+        metrics.write(step=1)
+    assert (tmp_path / "only.jsonl").read_text() == '{"step": 1}\n'

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import yaml
 
@@ -63,6 +64,17 @@ def test_pipeline_checks_every_stage_before_running(tiny_pair_dirs, tmp_path, ca
     assert "[train]" in err and "depth" in err and not (runs / "dg").exists()
     assert main(["--help"]) == 0
     assert "datagen -> train -> export -> eval" in capsys.readouterr().out
+
+
+def test_a_missing_extra_stops_the_pipeline_before_any_stage(tiny_pair_dirs, tmp_path, capsys, monkeypatch):
+    """Without the [eval] extra the pipeline ends in one line naming it before datagen starts, not in a
+    traceback after the earlier stages ran."""
+    path, runs = _recipe(tmp_path, tiny_pair_dirs)
+    monkeypatch.setitem(sys.modules, "rouge_score", None)  # not installed, as importlib sees it
+    assert main([f"recipe={path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs the [eval] extra (not installed: rouge_score)" in err[0], err
+    assert not runs.exists()
 
 
 def test_a_common_overwrite_reaches_the_pipeline_and_every_stage(tiny_pair_dirs, tmp_path):

@@ -97,7 +97,7 @@ def test_uncapped_run_sizes_caches_from_the_round(tiny_pair, monkeypatch, logit,
     """max_run=None makes max_candidates() 2**30: the caches are sized from what a round can use
     (prompt + new tokens + a round bounded by them), not from it, and decoding is unchanged."""
     from specheads.export.shim import engine as engine_module
-    from specheads.export.shim.fused import FusedRunner
+    from specheads.export.shim.kv import FusedRunner
 
     made = []
     make_runner = engine_module.make_runner

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim.models import HiddenCapture, load_model
+from specheads.export.shim.hidden import HiddenCapture
+from specheads.export.shim.models import load_model
 
 from . import zero
 from .config import TrainConfig

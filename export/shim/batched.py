@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .fused import _rms, decoder_layers, fused_weights, output_logits, supports, use_fused
+from .fused import rms_norm, decoder_layers, fused_weights, output_logits, supports, use_fused
 from .models import pad_batch
 from .sampling import SamplingConfig, probs_from_logits, sample_finite
 
@@ -93,7 +93,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
                        mask[:, None], False)
     end = width
     for step in range(max_new_tokens):
-        logits = output_logits(shape.weights, _rms(model.model.norm, x[:, -1]))
+        logits = output_logits(shape.weights, rms_norm(model.model.norm, x[:, -1]))
         if vocab_size is not None:
             logits = logits[:, :vocab_size]
         if record_logits:

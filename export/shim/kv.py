@@ -1,7 +1,9 @@
 """A model plus its KV cache: forward over new tokens, trim on rejection.
 
 The cache lives across rounds. A rejected suffix is cut off (``trim``), never recomputed;
-the next forward appends after the kept prefix.
+the next forward appends after the kept prefix. Two runners share one interface:
+:class:`ModelRunner` (the model's own forward) and :class:`FusedRunner` (the fused forward of
+:mod:`.fused`); :func:`make_runner` picks one.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .fused import rms_norm, decoder_layers, fused_weights, output_logits, use_fused
+from .hidden import HiddenCapture
 from .kernels import route
-from .models import HiddenCapture
 
 
 class ModelRunner:
@@ -133,12 +136,112 @@ def _new_cache(model, capacity: int = 256) -> DynamicCache:
     return cache
 
 
+class FusedRunner:
+    """Same interface as :class:`~specheads.export.shim.kv.ModelRunner`, on the fused forward.
+
+    Args:
+        model: a model for which :func:`supports` returns None (eval mode).
+        hidden: ``None``, ``"pre"`` or ``"post"``: the final-norm state returned with the logits.
+        vocab_size: logits are cut to this many columns when the model pads its vocabulary.
+        capacity: initial cache length; doubles when exceeded.
+    """
+
+    def __init__(self, model, hidden: str | None = None, vocab_size: int | None = None, capacity: int = 256):
+        self.model = model
+        self.weights = fused_weights(model)
+        cfg = model.config
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.sizes = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
+        emb = model.get_input_embeddings().weight
+        self.device, self.dtype = emb.device, emb.dtype
+        self.hidden = hidden
+        self.vocab_size = vocab_size
+        self.forwards = 0
+        self._length = 0
+        self._alloc(max(int(capacity), 1))
+
+    def _alloc(self, capacity: int) -> None:
+        shape = (1, self.kv_heads, capacity, self.head_dim)
+        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.weights.layers]
+        values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.weights.layers]
+        if self._length:  # growing mid-sequence: carry the filled part over
+            n = self._length
+            for new, old in zip(keys + values, self.keys + self.values):
+                new[:, :, :n] = old[:, :, :n]
+        self.keys, self.values = keys, values
+        positions = torch.arange(capacity, device=self.device).unsqueeze(0)
+        probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
+        cos, sin = self.model.model.rotary_emb(probe, positions)
+        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [capacity, head_dim]
+        self.capacity = capacity
+
+    @property
+    def length(self) -> int:
+        """Tokens held in the cache."""
+        return self._length
+
+    def reset(self) -> None:
+        """Empties the cache (a new prompt)."""
+        self._length = 0
+
+    def trim(self, length: int) -> None:
+        """Keeps the first ``length`` cached positions; later writes overwrite the rest."""
+        self._length = min(self._length, max(int(length), 0))
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached keys and values of ``layer``, ``[1, kv_heads, length, head_dim]`` (views)."""
+        return self.keys[layer][:, :, : self._length], self.values[layer][:, :, : self._length]
+
+    def forward(self, ids: torch.Tensor, n_logits: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Consumes ``ids`` ``[1, S]`` after the cached prefix.
+
+        Returns:
+            logits ``[n_logits, V]`` for the last ``n_logits`` positions (0 = none) and the
+            requested hidden state ``[S, d]`` (or None).
+        """
+        s = ids.shape[1]
+        start, end = self._length, self._length + s
+        if end > self.capacity:
+            cap = self.capacity
+            while cap < end:
+                cap *= 2
+            self._alloc(cap)
+        cos, sin = self.cos[start:end], self.sin[start:end]
+        mask = None
+        if s > 1 and start > 0:  # queries see the whole prefix and the causal part of the new block
+            mask = torch.ones(s, end, dtype=torch.bool, device=self.device).tril(start)
+        causal = s > 1 and start == 0
+        x = self.model.get_input_embeddings()(ids)
+        x = decoder_layers(self, x, cos, sin, self.keys, self.values, start, end, mask, causal)
+        self._length = end
+        self.forwards += 1
+        norm = self.model.model.norm
+        hid = None
+        if self.hidden == "pre":
+            hid = x[0]
+        if self.hidden == "post":
+            hid = rms_norm(norm, x)[0]
+            last = hid[s - n_logits:] if n_logits else hid[:0]
+        else:
+            last = rms_norm(norm, x[0, s - n_logits:]) if n_logits else x[0, :0]
+        if n_logits:
+            logits = output_logits(self.weights, last)
+        else:
+            logits = last.new_zeros(0, self.weights.lm_weight.shape[0])
+        if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
+            logits = logits[..., : self.vocab_size]
+        return logits, hid
+
+    def close(self) -> None:
+        """Nothing to release (no hooks); kept for interface parity."""
+
+
 def make_runner(model, hidden: str | None = None, vocab_size: int | None = None, capacity: int = 256,
                 fused: bool = True):
     """The fastest runner that computes ``model`` exactly: the fused forward where it applies and
     pays (:func:`specheads.export.shim.fused.use_fused`: CPU), else the model's own forward."""
-    from .fused import FusedRunner, use_fused
-
     if fused and use_fused(model):
         return FusedRunner(model, hidden, vocab_size, capacity)
     return ModelRunner(model, hidden, vocab_size, capacity)

@@ -1,8 +1,9 @@
 """Decoding policies, one module per family, and their registry.
 
 ``base`` holds the interface (:class:`Round`, :class:`Verdict`, :class:`Policy`) and the one standard SD
-acceptance rule; ``settings`` the settings machinery (:class:`Settings`, :class:`Check`, :class:`HeadSpec`); ``baselines`` the target or draft alone, standard SD, top-K verification,
-draft-confidence stopping and the draft gate; ``specdecpp``, ``sprinter``, ``judge`` and ``fsd`` one family
+acceptance rule; ``settings`` the settings machinery (:class:`Settings`, :class:`Check`, :class:`HeadSpec`);
+``baselines`` the target or draft alone, standard SD, top-K verification and draft-confidence stopping
+(the cost rules and the draft gate they share with SpecDec++ are in :mod:`..cost_rules`); ``specdecpp``, ``sprinter``, ``judge`` and ``fsd`` one family
 each; ``hetero`` TLI and SLEM. :data:`POLICIES` maps every ``policy=`` name to its class.
 """
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..costs import CostTable, DraftGate, draft_more
+from ..cost_rules import DraftGate, draft_more
+from ..costs import CostTable
 from ..sampling import probs_from_logits, sample
 from .base import Policy, Round, Verdict
 from .settings import K, Check, Settings, bounds
@@ -29,7 +30,7 @@ def gate_problems(stop: str, gate: bool) -> list[str]:
 
 
 class _Gated(Policy):
-    """A policy whose rounds may skip drafting through a :class:`~..costs.DraftGate` (``self.gate``): opt-in
+    """A policy whose rounds may skip drafting through a :class:`~..cost_rules.DraftGate` (``self.gate``): opt-in
     (``gate=True``), with ``stop="cost"`` only."""
 
     gate: DraftGate | None = None

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..costs import CostTable, DraftGate, draft_more
+from ..cost_rules import DraftGate, draft_more
+from ..costs import CostTable
 from .base import Policy, Round
 from .settings import Check, HeadSpec, Settings, bounds
 from .baselines import STOP, _Gated, cost_problems, gate_problems
@@ -48,7 +49,7 @@ class SpecDecPP(_Gated):
     ``stop="cost"`` replaces the threshold with the profiled costs ``costs``: with ``n`` candidates
     drafted, ``S_i = prod_{j<=i} beta_hat_j`` and the round's expected tokens
     ``E(n) = 1 + sum_{i<=n} S_i`` against its cost ``C(n) = n t_d + t_t(n + 1)``, drafting goes on
-    while ``E(n+1) / C(n+1) > E(n) / C(n)`` (:func:`~..costs.draft_more`). Candidates without a score
+    while ``E(n+1) / C(n+1) > E(n) / C(n)`` (:func:`~..cost_rules.draft_more`). Candidates without a score
     (the newest, in the reference order, and the next one) get the round's last score, or at a
     round's start the mean score of the prompt so far (1 before any).
 
@@ -71,7 +72,7 @@ class SpecDecPP(_Gated):
         costs: the pair's :class:`~..costs.CostTable` (``stop="cost"``).
         gate: opt-in, ``stop="cost"`` only: before each round, skip drafting when the
             prompt's recent acceptance says a round with candidates costs more per token than the
-            target alone (:class:`~..costs.DraftGate`).
+            target alone (:class:`~..cost_rules.DraftGate`).
     """
 
     name = "specdecpp"

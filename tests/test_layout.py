@@ -1,0 +1,76 @@
+"""The module layout's rules (ARCHITECTURE.md): which stage may import which, no import circle, the
+pipeline meets the stages only at their CLIs' entry points, and no module of a stage runs long."""
+
+from __future__ import annotations
+
+import ast
+
+from conftest import module_imports, package_modules
+
+STAGES = ("heads", "export", "datagen", "train", "evaluate")
+# The project modules each part may import, by part (a stage folder, "root" for the neutral modules under
+# specheads/ and "recipes"). export/ is the decoding library every other stage builds on; heads/ the models.
+ALLOWED = {"heads": {"heads", "root"}, "export": {"export", "heads", "root"},
+           "datagen": {"datagen", "export", "heads", "root"}, "train": {"train", "export", "heads", "root"},
+           "evaluate": {"evaluate", "export", "heads", "root"}, "root": {"root", "export", "heads"},
+           "recipes": {"recipes", "root"}}
+MAX_LINES = 300
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in (*STAGES, "recipes") else "root"
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = package_modules()
+    return {n: module_imports(n, p, modules)[1] - {n, "specheads"} for n, p in modules.items()}
+
+
+def test_each_stage_imports_only_what_it_may():
+    """datagen, train and evaluate never import each other; export and heads import no later stage; the
+    neutral modules (contracts, states, grading, config) import no stage but the decoding library."""
+    wrong = sorted((n, o) for n, deps in _graph().items() if n != "specheads.pipeline"
+                   for o in deps if _part(o) not in ALLOWED[_part(n)])
+    assert wrong == []
+
+
+def test_no_import_circle():
+    """No chain of imports (at module level or inside functions) leads from a module back to itself."""
+    graph, state, cycles = _graph(), {}, []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == "open":
+                cycles.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
+
+
+def _defines(path, name: str) -> bool:
+    return any(isinstance(n, ast.FunctionDef) and n.name == name for n in ast.parse(path.read_text()).body)
+
+
+def test_pipeline_calls_only_each_stages_entry_point():
+    """heads-pipeline imports from a stage only ``run`` (a resolved config in, an exit code out) of a
+    module that is that stage's CLI (it defines ``main``)."""
+    modules = package_modules()
+    tree = ast.parse(modules["specheads.pipeline"].read_text(encoding="utf-8"))
+    from_stages = {(node.module, a.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                   and node.module and _part(node.module) in STAGES for a in node.names}
+    assert {_part(m) for m, _ in from_stages} == {"datagen", "train", "export", "evaluate"}
+    assert {name for _, name in from_stages} == {"run"}, from_stages
+    assert all(_defines(modules[m], "main") and _defines(modules[m], "run") for m, _ in from_stages)
+
+
+def test_no_stage_module_runs_long():
+    long = {n: lines for n, p in package_modules().items() if _part(n) in STAGES
+            and (lines := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert long == {}
