@@ -148,13 +148,13 @@ def test_sampled_sd_with_a_pruned_draft_follows_the_target(sampling):
 
 def test_chi_square_catches_an_unrenormalised_pruned_q(monkeypatch):
     """Planted bug: the SD rule gets q as the full softmax's mass on the subset, not renormalised."""
-    pick = engine_mod._pick
+    pick = engine_mod.pick_token
 
     def broken(logits, sampling, generator):
         tok, q = pick(logits, sampling, generator)
         return tok, (q * 0.6 if q is not None else q)
 
-    monkeypatch.setattr(engine_mod, "_pick", broken)
+    monkeypatch.setattr(engine_mod, "pick_token", broken)
     assert _pruned_bigram_sd_pvalue() < 1e-6
 
 

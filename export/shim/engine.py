@@ -38,7 +38,7 @@ class Generation:
     trace: dict = field(default_factory=dict)
 
 
-def _pick(logits: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+def pick_token(logits: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Next token (0-dim) from logits ``[V]`` and, when sampling, the warped distribution."""
     if not sampling.do_sample:
         return logits.argmax(-1), None
@@ -63,7 +63,7 @@ class _SameVocabulary:
         while True:
             count_tokens(self.stats, "draft", runner.length, pending.shape[1])
             logits, hid = runner.forward(pending, n_logits=1)
-            tok, q = _pick(logits[0], rnd.sampling, self.generator)
+            tok, q = pick_token(logits[0], rnd.sampling, self.generator)
             rnd.tokens.append(tok)
             rnd.draft_logits.append(logits[0])
             if q is not None:
@@ -85,7 +85,7 @@ class _SameVocabulary:
         self.runner.close()
 
 
-def _commit(stats: GenerationStats, eos: frozenset[int], cand: torch.Tensor, verdict: Verdict,
+def commit_round(stats: GenerationStats, eos: frozenset[int], cand: torch.Tensor, verdict: Verdict,
             remaining: int) -> list[int]:
     """The round's new tokens (kept candidates, then the verdict's token) up to the first EOS and at most
     ``remaining``; counts the round."""
@@ -180,7 +180,7 @@ class Engine:
                     verdict = Verdict(n, None)
                 else:
                     verdict = policy.verify(rnd, *self._pass(verifier, who, seq, cand, stats))
-                new = _commit(stats, self.eos, cand, verdict, remaining)
+                new = commit_round(stats, self.eos, cand, verdict, remaining)
                 policy.end_round(n, verdict.accepted)
                 seq.extend(new)
                 out.extend(new)

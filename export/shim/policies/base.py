@@ -27,6 +27,7 @@ is built from settings and a head (``from_settings``) and how it reads in a log 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -116,6 +117,19 @@ class Policy:
     def describe(self) -> dict:
         """The settings that define this policy, for the log and ``metrics.json``."""
         return {}
+
+    def fork(self) -> "Policy":
+        """An independent copy for one row of a batch: its own per-prompt state (counters, the draft
+        gate's memory), the same heads, tensors and cost table (shared, never written while decoding)."""
+        shared: dict[int, Any] = {}
+        todo: list[Any] = [self]
+        while todo:  # through nested policies (FSD's stopper) too
+            for v in vars(todo.pop()).values():
+                if isinstance(v, (torch.nn.Module, torch.Tensor)) or type(v).__name__ == "CostTable":
+                    shared[id(v)] = v
+                elif isinstance(v, Policy):
+                    todo.append(v)
+        return copy.deepcopy(self, shared)
 
     def max_candidates(self) -> int:
         """Upper bound on candidates per round (the engine also caps by remaining length)."""
