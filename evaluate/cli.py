@@ -62,6 +62,7 @@ from specheads.prompts import load_prompt_files
 from . import report
 from .config import EvalConfig
 from .oracle import draft_agreement, oracle_schedule, perfect_head_schedule
+from .select import parse as parse_select
 from .sweep import build_decoders, run_sweep, same_vocab_rows
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,16 @@ def _check(cfg: EvalConfig) -> None:
         problems.append(f"profile={cfg.profile!r} is not auto, refresh or an existing cost-table JSON file")
     if cfg.max_new_tokens < 1:
         problems.append(f"max_new_tokens={cfg.max_new_tokens} must be >= 1")
+    try:
+        parse_select(cfg.select)
+    except UserError as exc:
+        problems.append(str(exc))
+    if cfg.select and not cfg.accuracy:
+        problems.append("select= chooses by accuracy: set accuracy=true")
+    if cfg.batch_size < 1:
+        problems.append(f"batch_size={cfg.batch_size} must be >= 1")
+    elif cfg.batch_size > 1 and not cfg.fused_forward:
+        problems.append(f"batch_size={cfg.batch_size} runs on the fused forward: set fused_forward=true")
     if problems:
         raise UserError("; ".join(problems))
 
@@ -135,7 +146,7 @@ def run(cfg: EvalConfig) -> int:
     costs = pair_costs(pair, _max_pass(cfg), cfg.profile, cfg.fused_forward)
     log.info("%s", costs.describe())
     decoders = build_decoders(cfg, pair, costs)
-    grouped = run_sweep(decoders, prompts, out / "rows.jsonl")
+    grouped = run_sweep(decoders, prompts, out / "rows.jsonl", batch_size=cfg.batch_size)
     oracle = perfect = None
     lag = next((d.policy.lag for d in decoders.values() if isinstance(d.policy, SpecDecPP)), None)
     if cfg.oracle and not shared:

@@ -44,6 +44,7 @@ class EvalConfig:
     hetero: list[str] = field(default_factory=list, metadata={"help": "heterogeneous-vocabulary methods: tli and/or slem (rows v-<method>-k<hetero_k>); with a draft whose tokenizer differs from the target's, only these, ar and draft can run"})
     hetero_k: int = field(default=2, metadata={"help": "tli / slem: draft tokens per round"})
     accuracy: bool = field(default=True, metadata={"help": "grade outputs where a grader exists: GSM8K final number, ARC letter"})
+    select: str | None = field(default=None, metadata={"help": "max_drop:X (e.g. max_drop:0.01): for each lossy policy (judge, sprinter, topk, fsd), the fastest row whose accuracy drop against the target alone is <= X at the upper 95% bound on the even-indexed prompts, reported on the odd-indexed ones (section gated)"})
     quality: bool = field(default=True, metadata={"help": "ROUGE vs target-only outputs and references, FLOPs per token, SPRINTER alpha"})
     k_min: int = field(default=2, metadata={"help": "specdecpp: fewest candidates per round"})
     k_max: int = field(default=20, metadata={"help": "specdecpp (and the oracle): most candidates per round"})
@@ -56,5 +57,6 @@ class EvalConfig:
     oracle: bool = field(default=True, metadata={"help": "greedy oracle (ALGORITHMS.md section 0); greedy decoding only"})
     fused_forward: bool = True
     seed: int = 0
+    batch_size: int = field(default=1, metadata={"help": "prompts each configuration decodes together (heads-decode batch_size); > 1: configurations take turns block by block (4 x batch_size prompts), a row's wall_time is its share of the block's time (tokens/s = throughput) and latency_s its own; tli/slem rows stay at batch 1"})
     output_dir: str = field(default="runs/eval", metadata={"help": "sweep.json, pareto.png, rows.jsonl, metrics.jsonl ..."})
     overwrite: bool = False

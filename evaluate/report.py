@@ -218,6 +218,11 @@ def write(out: Path, summary: dict) -> None:
         headline["oracle_predicted_tokens_per_s"] = summary["oracle"]["predicted_tokens_per_s"]
     if "sprinter" in summary:
         headline["sprinter"] = {k: summary["sprinter"].get(k) for k in ("main", "alpha", "best_sd", "ratios")}
+    if "gated" in summary:
+        headline["gated"] = {f: {k: e.get(k) for k in ("row", "threshold", "acc_drop", "acc_drop_upper",
+                                                       "tokens_per_s_vs_target", "tokens_per_s_vs_sd",
+                                                       "accepted_per_call_vs_sd")}
+                             for f, e in summary["gated"]["rows"].items()}
     if "training_free" in summary:
         headline["training_free"] = {k: summary["training_free"][k] for k in ("settings", "sd_reference",
                                                                               "quality_metric")}
@@ -257,8 +262,21 @@ def print_summary(summary: dict) -> None:
     if summary.get("accuracy"):
         for name, per in summary["accuracy"].items():
             if per:
-                print(f"accuracy {name}: " + ", ".join(f"{src} {v['accuracy']} ({v['correct']}/{v['prompts']})"
-                                                      for src, v in per.items()))
+                print(f"accuracy {name}: " + ", ".join(
+                    f"{src} {v['accuracy']} [{v['accuracy_low']}, {v['accuracy_high']}] ({v['correct']}/{v['prompts']})"
+                    + (f", drop vs target {v['acc_drop']} [{v['acc_drop_low']}, {v['acc_drop_high']}]"
+                       if "acc_drop" in v else "") for src, v in per.items()))
+    if "gated" in summary:
+        g = summary["gated"]
+        print(f"quality-gated (accuracy drop <= {g['max_drop']} at the upper bound; chosen on {g['calibration_prompts']} "
+              f"prompts, reported on {g['test_prompts']} others):")
+        for family, e in g["rows"].items():
+            if e["row"] is None:
+                print(f"  {family}: none ({e['reason']})")
+                continue
+            print(f"  {family}: {e['row']} drop {e['acc_drop']:.4f} [{e['acc_drop_low']:.4f}, {e['acc_drop_upper']:.4f}], "
+                  f"tokens/s vs target {e['tokens_per_s_vs_target']:.3f}"
+                  + (f", vs {e['sd_reference']} {e['tokens_per_s_vs_sd']:.3f}" if "sd_reference" in e else ""))
     if "sprinter" in summary:
         sp = summary["sprinter"]
         print(f"sprinter {sp['main']}: alpha {sp['alpha']}, vs {sp.get('best_sd')}: {sp.get('ratios')}")

@@ -1,8 +1,8 @@
-"""One-run sweep of decoding configurations over a prompt set, interleaved prompt by prompt.
+"""One-run sweep of decoding configurations over a prompt set, interleaved prompt by prompt (or block by block).
 
-Every configuration decodes every prompt; the order of configurations rotates from one prompt
-to the next so that machine noise (thermal, other load) hits all of them alike, and the ratio of
-two configurations' tokens/s is a side-by-side measurement. Each finished (prompt, config) row
+Every configuration decodes every prompt; the order of configurations rotates from one prompt (one
+block of prompts, batched) to the next so that machine noise (thermal, other load) hits all of them
+alike, and the ratio of two configurations' tokens/s is a side-by-side measurement. Each finished (prompt, config) row
 is appended to ``rows.jsonl`` at once: a killed sweep resumes where it stopped.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -22,6 +23,7 @@ from specheads.outputs import read_finished_rows
 log = logging.getLogger(__name__)
 # Rows of the cost-aware stop rules (stop="cost"); the prefix keeps each with its family (h: SpecDec++, c: confidence).
 COST_ROWS = {"specdecpp": "h-cost", "confidence_stop": "c-cost"}
+BLOCK = 4  # a batched sweep's block of prompts per configuration, in batches: rows refill three times
 
 
 def config_names(ks: list[int], thresholds: list[float], with_head: bool, etas: list[float] = (),
@@ -91,9 +93,26 @@ def build_decoders(cfg, pair, costs=None) -> dict[str, Decoder]:
     return out
 
 
-def run_sweep(decoders: dict[str, Decoder], prompts, rows_path: Path, warmup: bool = True) -> dict[str, list[dict]]:
-    """Decodes every prompt with every configuration; returns rows grouped by configuration."""
+def _row(i: int, prompt, name: str, res) -> dict:
+    # the policy's own counts (FSD: fuzzy_only, judge: judge_only) and trace (SPRINTER: its decisions)
+    return {"index": i, "id": prompt.id, "config": name, "tokens": res.tokens, **res.stats.to_dict(),
+            **{k: round(v, 4) for k, v in res.stats.counters.items()}, **res.trace}
+
+
+def run_sweep(decoders: dict[str, Decoder], prompts, rows_path: Path, warmup: bool = True,
+              batch_size: int = 1) -> dict[str, list[dict]]:
+    """Decodes every prompt with every configuration; returns rows grouped by configuration.
+
+    ``batch_size=1``: configurations interleaved prompt by prompt. ``batch_size=B``: blocks of
+    ``BLOCK * B`` prompts, every configuration decoding the block ``B`` at a time in rotating order;
+    a row's ``wall_time`` is then its share (by tokens) of its configuration's time on the block, so
+    that a configuration's tokens/s is its throughput, and ``latency_s`` its own time in the batch.
+    """
     names = list(decoders)
+    sizes = {n: batch_size if batch_size > 1 and d.batch_problem() is None else 1 for n, d in decoders.items()}
+    if batch_size > 1 and any(b == 1 for b in sizes.values()):
+        log.info("rows %s run at batch 1 (%s)", [n for n, b in sizes.items() if b == 1],
+                 next(decoders[n].batch_problem() for n, b in sizes.items() if b == 1))
     done = {(r["index"], r["config"]): r for r in read_finished_rows(rows_path)}
     todo = sum((i, n) not in done for i, _ in enumerate(prompts) for n in names)
     if done:
@@ -103,23 +122,32 @@ def run_sweep(decoders: dict[str, Decoder], prompts, rows_path: Path, warmup: bo
             keep = decoders[name].max_new_tokens
             decoders[name].max_new_tokens = min(keep, 4)
             try:
-                decoders[name].decode(prompts[0], 0)
+                dict(decoders[name].decode_many(list(enumerate(prompts[:sizes[name]])), sizes[name]))
             finally:
                 decoders[name].max_new_tokens = keep
+    block = 1 if batch_size == 1 else BLOCK * batch_size
     with open(rows_path, "a", encoding="utf-8") as fh, tqdm(total=todo, desc="heads-eval", unit="run") as bar:
-        for i, prompt in enumerate(prompts):
-            order = names[i % len(names):] + names[: i % len(names)]
-            for name in order:
-                if (i, name) in done:
+        for b, first in enumerate(range(0, len(prompts), block)):
+            items = list(enumerate(prompts))[first: first + block]
+            for name in names[b % len(names):] + names[: b % len(names)]:
+                mine = [(i, p) for i, p in items if (i, name) not in done]
+                if not mine:
                     continue
-                res = decoders[name].decode(prompt, i, name=f"prompt {prompt.id}")
-                # the policy's own counts (FSD: fuzzy_only, judge: judge_only) and trace (SPRINTER: its decisions)
-                row = {"index": i, "id": prompt.id, "config": name, "tokens": res.tokens, **res.stats.to_dict(),
-                       **{k: round(v, 4) for k, v in res.stats.counters.items()}, **res.trace}
-                fh.write(json.dumps(row) + "\n")
+                start = time.perf_counter()
+                results = dict(decoders[name].decode_many(mine, sizes[name],
+                                                          names=[f"prompt {p.id}" for _, p in mine]))
+                elapsed = time.perf_counter() - start
+                rows = {i: _row(i, p, name, results[i]) for i, p in mine}
+                if sizes[name] > 1:
+                    tokens = sum(len(r["tokens"]) for r in rows.values()) or 1
+                    for r in rows.values():
+                        r["latency_s"] = r["wall_time"]
+                        r["wall_time"] = elapsed * max(len(r["tokens"]), 0) / tokens
+                for i, _ in mine:
+                    fh.write(json.dumps(rows[i]) + "\n")
+                    done[(i, name)] = rows[i]
                 fh.flush()
-                done[(i, name)] = row
-                bar.update()
+                bar.update(len(mine))
     return {n: [done[(i, n)] for i in range(len(prompts))] for n in names}
 
 

@@ -12,7 +12,9 @@ from specheads.errors import UserError
 
 from .package import LoadedHead, load_head
 from .shim.costs import CostTable, cost_table
+from .shim.batch_engine import BatchEngine, BatchJob
 from .shim.engine import Engine
+from .shim.fused import supports
 from .shim.hetero import Bridge
 from .shim.models import Pair, context_length
 from .shim.policies import Policy, policy_class
@@ -193,19 +195,17 @@ class Decoder:
         if pair.draft is not None and pair.draft.device != pair.target.device:
             self.draft_generator = torch.Generator(device=pair.draft.device)
 
-    def decode(self, prompt, index: int = 0, on_tokens=None, name: str = "prompt") -> Result:
-        """One completion; ``on_tokens(ids)`` receives emitted ids as they are committed.
+    def _stream(self, index: int) -> int:
+        return ((self.seed & 0xFFFFFFFF) << 32) | (index & 0x7FFFFFFF)
 
-        The RNG is seeded from ``(seed, index)``, so a prompt's output does not depend on which
-        prompts ran before it (a resumed run equals an uninterrupted one).
-        """
-        stream = ((self.seed & 0xFFFFFFFF) << 32) | (index & 0x7FFFFFFF)
-        self.generator.manual_seed(stream)
-        if self.draft_generator is not None:
-            self.draft_generator.manual_seed(stream | (1 << 31))
+    def _tokenizer(self):
         # The draft alone speaks its own tokenizer; every other policy emits the target's tokens.
-        tokenizer = self.pair.draft.tokenizer if self.policy.verifier == "draft" else self.pair.tokenizer
-        ids = format_prompt(tokenizer, prompt, self.chat_template)
+        return self.pair.draft.tokenizer if self.policy.verifier == "draft" else self.pair.tokenizer
+
+    def _prompt_ids(self, prompt, name: str) -> tuple[list[int], int, list[int] | None]:
+        """``(ids, dropped, draft_ids)``: the formatted prompt cut to the context, and in the draft's
+        vocabulary for policies across vocabularies."""
+        ids = format_prompt(self._tokenizer(), prompt, self.chat_template)
         if not ids:
             raise UserError(f"{name} is empty after tokenisation")
         ids, dropped = fit_context(ids, self.max_new_tokens, self.context)
@@ -216,19 +216,81 @@ class Decoder:
         if self.policy.bridge:  # each model reads the prompt in its own tokenizer and chat template
             draft_ids, _ = fit_context(format_prompt(self.pair.draft.tokenizer, prompt, self.chat_template),
                                        self.max_new_tokens, self.context)
+        return ids, dropped, draft_ids
+
+    def decode(self, prompt, index: int = 0, on_tokens=None, name: str = "prompt") -> Result:
+        """One completion; ``on_tokens(ids)`` receives emitted ids as they are committed.
+
+        The RNG is seeded from ``(seed, index)``, so a prompt's output does not depend on which
+        prompts ran before it (a resumed run equals an uninterrupted one).
+        """
+        stream = self._stream(index)
+        self.generator.manual_seed(stream)
+        if self.draft_generator is not None:
+            self.draft_generator.manual_seed(stream | (1 << 31))
+        ids, dropped, draft_ids = self._prompt_ids(prompt, name)
         g = self.engine.generate(ids, self.policy, self.max_new_tokens, self.sampling, self.generator, on_tokens,
                                  self.draft_generator, draft_ids)
-        text = tokenizer.decode(g.tokens, skip_special_tokens=True)
-        return Result(text, g.tokens, g.stats, dropped, g.trace)
+        return Result(self._tokenizer().decode(g.tokens, skip_special_tokens=True), g.tokens, g.stats, dropped,
+                      g.trace)
+
+    def decode_many(self, prompts, batch_size: int = 1, names=None):
+        """Completions of ``prompts`` (``(index, prompt)`` pairs), yielded as ``(index, Result)``.
+
+        ``batch_size=1`` decodes them one at a time, in order. ``batch_size=B`` decodes ``B`` at a time
+        (:class:`~.shim.batch_engine.BatchEngine`: a finished prompt's row is taken by the next one),
+        yielding each as it finishes; every prompt draws from the same ``(seed, index)`` stream as
+        alone, so it makes the same decisions. Same-vocabulary policies on Llama-family models with
+        the fused forward, draft and target on one device.
+        """
+        items = list(prompts)
+        names = names or [f"prompt {i}" for i, _ in items]
+        if batch_size == 1:
+            for (index, prompt), name in zip(items, names):
+                yield index, self.decode(prompt, index, name=name)
+            return
+        problem = self.batch_problem()
+        if problem:
+            raise UserError(f"batch_size={batch_size}: {problem}")
+        jobs, dropped = [], []
+        for (index, prompt), name in zip(items, names):
+            ids, cut, _ = self._prompt_ids(prompt, name)
+            gen = torch.Generator(device=self.pair.target.device).manual_seed(self._stream(index))
+            jobs.append(BatchJob(ids, gen))
+            dropped.append(cut)
+        tok = self._tokenizer()
+        for j, g in BatchEngine(self.engine, batch_size).generate(jobs, self.policy, self.max_new_tokens,
+                                                                  self.sampling):
+            yield items[j][0], Result(tok.decode(g.tokens, skip_special_tokens=True), g.tokens, g.stats,
+                                      dropped[j], g.trace)
+
+    def batch_problem(self) -> str | None:
+        """Why this decoder cannot decode in batches (None: it can)."""
+        if self.policy.bridge:
+            return f"policy={self.policy.name} drafts across vocabularies and runs at batch 1 only"
+        if self.draft_generator is not None:
+            return "batched decoding needs the draft and the target on one device"
+        models = [self.pair.target] + ([self.pair.draft] if self.pair.draft is not None else [])
+        for m in models:
+            why = supports(m.model)
+            if why is not None or not self.engine.fused:
+                return (f"batched decoding runs on the fused forward (fused_forward=true, Llama-family models); "
+                        f"{m.name}: {why or 'fused_forward=false'}")
+        return None
 
 
 def generate(pair: Pair, prompts, policy: str | Policy = "sd", max_new_tokens: int = 128, k: int = 4,
-             sampling: SamplingConfig | None = None, seed: int = 0, chat_template: bool = True) -> list[Result]:
+             sampling: SamplingConfig | None = None, seed: int = 0, chat_template: bool = True,
+             batch_size: int = 1) -> list[Result]:
     """Completions for a prompt or a list of prompts (strings, message lists or ``Prompt`` objects).
 
-    See ``Decoder`` for the arguments. Returns one ``Result`` per prompt.
+    See ``Decoder`` for the arguments; ``batch_size`` as in :meth:`Decoder.decode_many`. Returns one
+    ``Result`` per prompt, in order.
     """
+    if batch_size < 1:
+        raise UserError(f"batch_size={batch_size} must be >= 1")
     single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict))
     items = [prompts] if single else list(prompts)
     decoder = Decoder(pair, policy, max_new_tokens, k, sampling, seed, chat_template)
-    return [decoder.decode(p, i, name=f"prompt {i}") for i, p in enumerate(items)]
+    done = dict(decoder.decode_many(enumerate(items), batch_size))
+    return [done[i] for i in range(len(items))]

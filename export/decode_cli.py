@@ -56,6 +56,13 @@ def _check(cfg: DecodeConfig) -> None:
         problems.append("prompts is not set; pass prompts=<file.jsonl>")
     if cfg.num_prompts is not None and cfg.num_prompts < 1:
         problems.append(f"num_prompts={cfg.num_prompts} must be >= 1 (or unset for all)")
+    if cfg.batch_size < 1:
+        problems.append(f"batch_size={cfg.batch_size} must be >= 1")
+    elif cfg.batch_size > 1 and cls is not None and cls.bridge is not None:
+        problems.append(f"batch_size={cfg.batch_size}: policy={cfg.policy} drafts across vocabularies and runs at "
+                        "batch 1 only")
+    if cfg.batch_size > 1 and cfg.stream:
+        problems.append("stream=true prints one completion at a time: use batch_size=1")
     if problems:
         raise UserError("; ".join(problems))
 
@@ -111,6 +118,9 @@ def run(cfg: DecodeConfig) -> int:
     policy = policy_from_config(cfg.policy, cfg, pair, cfg.sampling, cfg.strict, costs)
     decoder = Decoder(pair, policy, cfg.max_new_tokens, cfg.k, cfg.sampling, cfg.seed, cfg.chat_template,
                       cfg.fused_forward)
+    problem = decoder.batch_problem() if cfg.batch_size > 1 else None
+    if problem:
+        raise UserError(f"batch_size={cfg.batch_size}: {problem}")
     settings = policy.describe()
     own = [k for k in policy.counters() if k not in COUNTS]  # the policy's counts beside the stats (fsd: fuzzy_only)
     log.info("decoding %d prompts with policy=%s %s", len(prompts), cfg.policy, settings)
@@ -120,29 +130,43 @@ def run(cfg: DecodeConfig) -> int:
     with open(out_dir / "outputs.jsonl", "a", encoding="utf-8") as outputs, MetricsWriter(out_dir) as metrics, \
             tqdm(total=len(prompts), desc=f"{PROG} {cfg.policy}", unit="prompt", disable=cfg.stream) as bar:
         total, truncated, counted = GenerationStats(prompts=0), 0, dict.fromkeys(own, 0.0)
-        for index, prompt in enumerate(prompts, start=cfg.offset):
-            row = done.get(index)
-            if row is None:
-                streamer = _Streamer(pair.tokenizer) if cfg.stream else None
-                if streamer:
+        todo = [(i, p) for i, p in enumerate(prompts, start=cfg.offset) if i not in done]
+        ids = {i: p.id for i, p in enumerate(prompts, start=cfg.offset)}
+
+        def results():
+            yield from ((i, done[i]) for i in sorted(done))
+            if cfg.stream:
+                for index, prompt in todo:
                     print(f"\n### {prompt.id}", flush=True)
-                res = decoder.decode(prompt, index, on_tokens=streamer, name=f"prompt {prompt.id}")
-                if streamer:
+                    res = decoder.decode(prompt, index, on_tokens=_Streamer(pair.tokenizer), name=f"prompt {prompt.id}")
                     print(flush=True)
-                row = {"index": index, "id": prompt.id, "completion": res.text, "tokens": res.tokens, "reference": prompt.reference,
+                    yield index, res
+            else:
+                yield from decoder.decode_many(todo, cfg.batch_size, names=[f"prompt {p.id}" for _, p in todo])
+
+        decode_started = time.perf_counter()
+        for index, res in results():
+            row = res
+            if not isinstance(res, dict):  # decoded now (a dict: a finished row of an earlier attempt)
+                row = {"index": index, "id": ids[index], "completion": res.text, "tokens": res.tokens,
+                       "reference": prompts[index - cfg.offset].reference,
                        "truncated_prompt_tokens": res.truncated_prompt_tokens, "stats": res.stats.to_dict(),
                        **{k: round(v, 4) for k, v in res.stats.counters.items()}}
                 outputs.write(json.dumps(row, ensure_ascii=False) + "\n")
                 outputs.flush()
-            metrics.write({"index": index, "id": prompt.id, **row["stats"]})
+            metrics.write({"index": index, "id": ids[index], **row["stats"]})
             total = GenerationStats.total([total, _stats(row)])
             for k in counted:
                 counted[k] += row.get(k, 0.0)
             truncated += bool(row["truncated_prompt_tokens"])
             bar.update()
             bar.set_postfix(tok_s=f"{total.tokens_per_s:.1f}", per_call=f"{total.tokens_per_call:.2f}")
+        elapsed = time.perf_counter() - decode_started
     summary = {"policy": cfg.policy, **settings,
                "sampling": cfg.sampling.to_dict(), "truncated_prompts": truncated, **total.to_dict()}
+    if todo and not done:  # every prompt decoded in this run: its throughput over the wall clock
+        summary.update(batch_size=cfg.batch_size, elapsed_s=round(elapsed, 3),
+                       aggregate_tokens_per_s=round(total.new_tokens / elapsed, 4) if elapsed > 0 else None)
     summary.update({k: round(v, 4) for k, v in counted.items()})
     if costs is not None and total.new_tokens:
         predicted = predict_ms_per_token(costs, total.draft_forwards, total.target_pass_sizes, total.new_tokens)

@@ -41,6 +41,7 @@ class DecodeConfig:
     max_new_tokens: int = 128
     chat_template: bool = field(default=True, metadata={"help": "format prompts with the target's chat template"})
     seed: int = 0
+    batch_size: int = field(default=1, metadata={"help": "prompts decoded together (each row its own rounds, one draft and one target forward per step for all rows); > 1 needs a same-vocabulary policy on Llama-family models with fused_forward=true; outputs.jsonl is then in the order prompts finish"})
     fused_forward: bool = field(default=True, metadata={"help": "Llama-family models run a fused forward (same outputs, faster); false: the model's own"})
     output_dir: str = field(default="runs/decode", metadata={"help": "outputs.jsonl, metrics.json, config.yaml, manifest.json"})
     overwrite: bool = field(default=False, metadata={"help": "allow writing into an output_dir that holds another run"})

@@ -59,3 +59,20 @@ def grade(prompt, text: str) -> bool | None:
     except ValueError:
         return None
     return final_correct(text, prompt.reference)
+
+
+def answer(prompt, text: str) -> str | None:
+    """The answer ``grade`` reads from ``text`` (ARC: the letter; numeric: the final number, normalised),
+    to compare two outputs' answers; None when there is none or no grader fits the prompt."""
+    if grade(prompt, text) is None:
+        return None
+    if prompt.source == "arc":
+        m = _LETTER.search(text)
+        return m.group(1) if m else None
+    fin = final_answer(text)
+    if fin is None:
+        return None
+    try:
+        return f"{parse_number(fin[0]):g}"
+    except ValueError:
+        return fin[0].strip()

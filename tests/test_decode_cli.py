@@ -236,3 +236,40 @@ def test_one_rule_per_setting_for_both_command_lines():
     for name in ("ar", "draft", "sd", "topk_verify", "confidence_stop", "tli", "slem"):  # one type, no head to load
         policy = make_policy(name, pair=None)
         assert isinstance(policy, Policy) and type(policy) is POLICIES[name]
+
+
+def test_batched_decode_writes_what_batch_one_writes(tiny_pair_dirs, prompts_file, tmp_path):
+    """batch_size=2 over 3 prompts (one row joins later): each prompt's tokens and counts are batch 1's,
+    sampled too (each prompt draws from its own seeded stream); a resumed batched run keeps what was done."""
+    def rows(out):
+        return {r["index"]: r for r in map(json.loads, (out / "outputs.jsonl").read_text().splitlines())}
+
+    for extra in ([], ["sampling.do_sample=true"]):
+        one, two = tmp_path / f"b1{len(extra)}", tmp_path / f"b2{len(extra)}"
+        assert main(_args(tiny_pair_dirs, prompts_file, one, "k=3", *extra)) == 0
+        assert main(_args(tiny_pair_dirs, prompts_file, two, "k=3", "batch_size=2", *extra)) == 0
+        a, b = rows(one), rows(two)
+        assert sorted(b) == [0, 1, 2]
+        for i in a:
+            keys = ("tokens", "completion", "id")
+            assert {k: b[i][k] for k in keys} == {k: a[i][k] for k in keys}
+            same = ("new_tokens", "target_calls", "draft_forwards", "accepted", "target_pass_sizes")
+            assert {k: b[i]["stats"][k] for k in same} == {k: a[i]["stats"][k] for k in same}
+        summary = json.loads((two / "metrics.json").read_text())
+        assert summary["batch_size"] == 2 and summary["aggregate_tokens_per_s"] > 0
+    lines = (two / "outputs.jsonl").read_text().splitlines()
+    (two / "outputs.jsonl").write_text(lines[0] + "\n")  # as if killed after the first finished prompt
+    assert main(_args(tiny_pair_dirs, prompts_file, two, "k=3", "batch_size=2", "sampling.do_sample=true")) == 0
+    assert rows(two) == {i: r for i, r in rows(tmp_path / "b21").items()} | {json.loads(lines[0])["index"]:
+                                                                             json.loads(lines[0])}
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["batch_size=0"], "batch_size=0 must be >= 1"),
+    (["batch_size=2", "stream=true"], "stream=true prints one completion at a time"),
+    (["batch_size=2", "policy=slem"], "runs at batch 1 only"),
+    (["batch_size=2", "fused_forward=false"], "fused forward"),
+])
+def test_batched_decode_refusals(tiny_pair_dirs, prompts_file, tmp_path, capsys, extra, message):
+    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "out", *extra)) == 2
+    assert message in _one_error_line(capsys)

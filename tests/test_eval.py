@@ -226,3 +226,25 @@ def test_summary_costs_and_stop_rule_ratios_by_hand():
     assert s["best_lossless"] == {"config": "h-cost", "tokens_per_s": pytest.approx(tps["h-cost"], abs=1e-3),
                                   "predicted_tokens_per_s": pytest.approx(1000 / 4.2, abs=1e-2)}
     assert "h-cost" in s["below_fixed_k_curve"]
+
+
+def test_a_batched_sweep_decodes_what_batch_one_decodes(tiny_pair_dirs, head_file, prompts_file, table_file,
+                                                         tmp_path):
+    """batch_size=2: every row's tokens and counts are batch 1's; wall_time is the row's share of its
+    configuration's time on the block (they add up to the block's time), latency_s its own."""
+    one, two = tmp_path / "b1", tmp_path / "b2"
+    common = [f"head={head_file}", f"profile={table_file}", "ks=[2]", "thresholds=[0.5]", "oracle=false"]
+    assert main(_args(tiny_pair_dirs, prompts_file, one, *common)) == 0
+    assert main(_args(tiny_pair_dirs, prompts_file, two, *common, "batch_size=2")) == 0
+
+    def rows(out):
+        return {(r["index"], r["config"]): r for r in map(json.loads, (out / "rows.jsonl").read_text().splitlines())}
+
+    a, b = rows(one), rows(two)
+    assert a.keys() == b.keys()
+    for key in a:
+        for field in ("tokens", "target_calls", "draft_forwards", "accepted", "target_pass_sizes"):
+            assert b[key][field] == a[key][field], (key, field)
+        assert "latency_s" in b[key] and "latency_s" not in a[key]
+    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "bad", *common, "batch_size=2",
+                      "fused_forward=false")) == 2

@@ -80,10 +80,11 @@ class BatchRunner:
         self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # by position, [capacity, hd]
 
     def _room(self, width: int) -> None:
-        """Makes ``width`` free slots after the cursor: compacts the rows, then doubles if needed."""
-        if self.end + width <= self.capacity:
-            return
+        """Makes ``width`` free slots after the cursor: compacts the rows when the buffer is full or when
+        the gaps are most of it (attention reads every slot up to the cursor), then doubles if needed."""
         longest = max((len(s) for s in self.slots), default=0)
+        if self.end + width <= self.capacity and self.end <= max(2 * longest, 64):
+            return
         if longest < self.end:  # gaps to close
             idx = torch.zeros(self.rows, longest, dtype=torch.long, device=self.device)
             for r, s in enumerate(self.slots):

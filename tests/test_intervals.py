@@ -1,0 +1,92 @@
+"""Bootstrap intervals (evaluate/intervals.py) on cases whose answer is known, and the quality-gated choice."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from specheads.errors import UserError
+from specheads.evaluate.intervals import mean_interval, paired_difference, paired_ratio, ratio_interval
+from specheads.evaluate.select import choose, gated, parse
+
+
+def test_the_interval_of_a_proportion_matches_the_normal_approximation():
+    """400 prompts, half right: 0.5 +- 1.96 sqrt(0.25 / 400) = [0.451, 0.549]."""
+    r = mean_interval([1] * 200 + [0] * 200)
+    assert r["value"] == 0.5 and r["n"] == 400
+    half = 1.96 * math.sqrt(0.25 / 400)
+    assert r["low"] == pytest.approx(0.5 - half, abs=0.006) and r["high"] == pytest.approx(0.5 + half, abs=0.006)
+    assert mean_interval([1] * 200 + [0] * 200) == r  # seeded: the same rows give the same bounds
+
+
+def test_pairing_by_prompt_resolves_a_drop_two_separate_intervals_cannot():
+    """200 prompts; the target gets the first 100 right, the configuration loses 10 of them. Separately the
+    two accuracy intervals (0.50 vs 0.45, each about +-0.07) overlap; paired, the drop 0.05 has a
+    bound of about +-0.03 and excludes 0."""
+    target = [1] * 100 + [0] * 100
+    config = [0] * 10 + [1] * 90 + [0] * 100
+    a, b = mean_interval(target), mean_interval(config)
+    assert a["low"] < b["high"]  # unpaired: no resolution
+    d = paired_difference(target, config)
+    assert d["value"] == pytest.approx(0.05)
+    assert 0 < d["low"] < 0.05 < d["high"] < 0.09
+    same = paired_difference(target, target)
+    assert (same["value"], same["low"], same["high"]) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="same prompts"):
+        paired_difference([1, 0], [1])
+
+
+def test_ratio_intervals_resample_prompts_whole():
+    tokens, seconds = [10, 20, 30, 40], [1, 2, 3, 4]  # every prompt at 10 tokens/s: no spread
+    r = ratio_interval(tokens, seconds)
+    assert (r["value"], r["low"], r["high"]) == (10.0, 10.0, 10.0)
+    fast = paired_ratio([20, 40, 60, 80], seconds, tokens, seconds)  # twice as fast on every prompt
+    assert (fast["value"], fast["low"], fast["high"]) == (2.0, 2.0, 2.0)
+    mixed = ratio_interval([10, 30, 10, 30] * 10, [1] * 40)
+    assert mixed["low"] < 20 < mixed["high"] and mixed["value"] == 20
+    assert ratio_interval([], [])["value"] is None
+
+
+# ---- quality-gated selection -------------------------------------------------------------------
+
+
+
+def test_choose_refuses_a_faster_threshold_whose_bound_exceeds_max_drop():
+    cands = {"j0.2": {"tokens_per_s": 30.0, "acc_drop_high": 0.011},
+             "j0.5": {"tokens_per_s": 25.0, "acc_drop_high": 0.010},
+             "j0.9": {"tokens_per_s": 20.0, "acc_drop_high": -0.01}}
+    assert choose(cands, 0.01) == "j0.5"
+    assert choose(cands, 0.02) == "j0.2"
+    assert choose(cands, -0.02) is None
+
+
+def _rows(n, tokens, seconds, accepted=0, calls=1):
+    return [{"new_tokens": tokens, "wall_time": seconds, "accepted": accepted, "target_calls": calls}] * n
+
+
+def test_gated_chooses_on_one_half_and_reports_on_the_other():
+    """400 graded prompts. j0.2: twice the target's speed, loses every 5th prompt the target gets (drop
+    0.1); j0.6: 1.5x, loses nothing. With max_drop 0.01 j0.6 is chosen and reported on the odd half."""
+    n = 400
+    target = [1] * n
+    grouped = {"ar": _rows(n, 10, 1.0, calls=10), "k4": _rows(n, 10, 0.8, accepted=6, calls=4),
+               "j0.2": _rows(n, 10, 0.5, accepted=8, calls=2), "j0.6": _rows(n, 10, 2 / 3, accepted=7, calls=3)}
+    correct = {"ar": target, "k4": target, "j0.2": [0 if i % 5 == 0 else 1 for i in range(n)], "j0.6": target}
+    g = gated(grouped, correct, 0.01, {"judge": "k4"})
+    assert (g["calibration_prompts"], g["test_prompts"]) == (200, 200)
+    e = g["rows"]["judge"]
+    assert e["row"] == "j0.6" and e["threshold"] == 0.6
+    assert e["calibration"]["j0.2"]["acc_drop_high"] > 0.01
+    assert (e["acc_drop"], e["acc_drop_upper"]) == (0.0, 0.0)
+    assert e["tokens_per_s_vs_target"] == pytest.approx(1.5) and e["tokens_per_s_vs_sd"] == pytest.approx(1.2)
+    assert e["accepted_per_call_vs_sd"] == pytest.approx((7 / 3) / (6 / 4))
+    none = gated(grouped, {**correct, "j0.6": correct["j0.2"]}, 0.01, {"judge": None})["rows"]["judge"]
+    assert none["row"] is None and "no setting" in none["reason"]
+
+
+@pytest.mark.parametrize("bad", ["max_drop", "max_drop:x", "drop:0.01", "max_drop:1.5", "max_drop:-0.1"])
+def test_select_spelling(bad):
+    assert parse("max_drop:0.01") == 0.01 and parse(None) is None
+    with pytest.raises(UserError, match="max_drop:X"):
+        parse(bad)
