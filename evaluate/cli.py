@@ -49,7 +49,7 @@ from transformers.utils import logging as hf_logging
 from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError
 from specheads.export.api import fit_context, format_prompt, pair_costs
-from specheads.export.package import read_metadata
+from specheads.export.package import read_metadata, set_default_threshold
 from specheads.export.shim.costs import PROFILES
 from specheads.export.shim.engine import GenerationStats
 from specheads.export.shim.models import load_pair, same_vocabulary
@@ -113,6 +113,8 @@ def _check(cfg: EvalConfig) -> None:
         problems.append(str(exc))
     if cfg.select and not cfg.accuracy:
         problems.append("select= chooses by accuracy: set accuracy=true")
+    if cfg.write_default and not cfg.select:
+        problems.append("write_default=true writes what select= chooses: set select=max_drop:X")
     if cfg.batch_size < 1:
         problems.append(f"batch_size={cfg.batch_size} must be >= 1")
     elif cfg.batch_size > 1 and not cfg.fused_forward:
@@ -165,6 +167,8 @@ def run(cfg: EvalConfig) -> int:
     elif cfg.oracle:
         log.warning("the oracle is defined for greedy decoding only (sampling.do_sample=false); skipped")
     summary = report.build(cfg, pair, prompts, grouped, decoders, oracle, perfect, head_meta, costs, out)
+    if cfg.write_default:
+        _write_defaults(cfg, summary, out)
     report.write(out, summary)
     write_manifest(out, command=PROG, prompts_file=cfg.prompts, num_prompts=len(prompts),
                    target={"name": pair.target.name, "fingerprint": pair.target.fingerprint},
@@ -172,6 +176,20 @@ def run(cfg: EvalConfig) -> int:
                    sampling=cfg.sampling.to_dict(), seed=cfg.seed, wall_time_s=round(time.time() - started, 3))
     report.print_summary(summary)
     return 0
+
+
+def _write_defaults(cfg: EvalConfig, summary: dict, out: Path) -> None:
+    """Each chosen judge / sprinter threshold into its head file (``write_default=true``)."""
+    for family, path in (("judge", cfg.judge), ("sprinter", cfg.verifier)):
+        entry = summary.get("gated", {}).get("rows", {}).get(family)
+        if not path or not entry or entry["row"] is None:
+            continue
+        set_default_threshold(path, entry["threshold"], {
+            "command": f"{PROG} select={cfg.select}", "sweep": str(out / "sweep.json"), "prompts": cfg.prompts,
+            "acc_drop": entry["acc_drop"], "acc_drop_upper": entry["acc_drop_upper"],
+            "tokens_per_s_vs_target": entry["tokens_per_s_vs_target"]})
+        entry["written_to"] = path
+        log.info("%s: default_threshold %g written to %s", family, entry["threshold"], path)
 
 
 def main(argv: list[str] | None = None) -> int:

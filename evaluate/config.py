@@ -44,6 +44,7 @@ class EvalConfig:
     hetero: list[str] = field(default_factory=list, metadata={"help": "heterogeneous-vocabulary methods: tli and/or slem (rows v-<method>-k<hetero_k>); with a draft whose tokenizer differs from the target's, only these, ar and draft can run"})
     hetero_k: int = field(default=2, metadata={"help": "tli / slem: draft tokens per round"})
     accuracy: bool = field(default=True, metadata={"help": "grade outputs where a grader exists: GSM8K final number, ARC letter"})
+    write_default: bool = field(default=False, metadata={"help": "with select=: write each chosen judge / sprinter threshold into its head file as default_threshold (with how it was chosen)"})
     select: str | None = field(default=None, metadata={"help": "max_drop:X (e.g. max_drop:0.01): for each lossy policy (judge, sprinter, topk, fsd), the fastest row whose accuracy drop against the target alone is <= X at the upper 95% bound on the even-indexed prompts, reported on the odd-indexed ones (section gated)"})
     quality: bool = field(default=True, metadata={"help": "ROUGE vs target-only outputs and references, FLOPs per token, SPRINTER alpha"})
     k_min: int = field(default=2, metadata={"help": "specdecpp: fewest candidates per round"})

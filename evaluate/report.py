@@ -22,6 +22,7 @@ from specheads.outputs import MetricsWriter, atomic_write_json
 
 from . import quality, training_free
 from .accuracy import add_accuracy, output_text
+from .head_calibration import add_calibration
 from .oracle import below_curve, cost_figures, ideal_figures
 from .plot import pareto_plot, quality_speed_plot
 from .sweep import COST_ROWS, total
@@ -192,6 +193,7 @@ def build(cfg, pair, prompts, grouped: dict[str, list[dict]], decoders, oracle: 
         add_quality(cfg, pair, prompts, grouped, decoders, summary)
     if cfg.accuracy:
         add_accuracy(cfg, pair, prompts, grouped, summary)
+    add_calibration(summary, grouped, out, f"{pair.draft.name} -> {pair.target.name}")
     tf = training_free.section(cfg, summary, grouped)
     if tf is not None:
         summary["training_free"] = tf
@@ -277,6 +279,10 @@ def print_summary(summary: dict) -> None:
             print(f"  {family}: {e['row']} drop {e['acc_drop']:.4f} [{e['acc_drop_low']:.4f}, {e['acc_drop_upper']:.4f}], "
                   f"tokens/s vs target {e['tokens_per_s_vs_target']:.3f}"
                   + (f", vs {e['sd_reference']} {e['tokens_per_s_vs_sd']:.3f}" if "sd_reference" in e else ""))
+    for name, c in summary.get("calibration", {}).items():
+        o = c["overall"]
+        print(f"calibration {name}: ECE {o['ece']:.4f}, Brier {o['brier']:.4f}, AUROC {o['auroc']}, {o['n']} candidates; "
+              "ECE by position " + ", ".join(f"{k}: {v['ece']:.3f}" for k, v in c["by_position"].items()))
     if "sprinter" in summary:
         sp = summary["sprinter"]
         print(f"sprinter {sp['main']}: alpha {sp['alpha']}, vs {sp.get('best_sd')}: {sp.get('ratios')}")

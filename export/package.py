@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from specheads.errors import UserError
 from specheads.heads import HEADS
@@ -56,6 +56,21 @@ def save_head(path: str | Path, head: torch.nn.Module, head_type: str, metadata:
     meta = {"format_version": FORMAT_VERSION, "head_type": head_type, **metadata, "tensors_sha256": _digest(tensors)}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt", META_KEY: json.dumps(meta, sort_keys=True)})
+    tmp.replace(path)
+    return path
+
+
+def set_default_threshold(path: str | Path, value: float, chosen_by: dict) -> Path:
+    """Rewrites an exported head's ``default_threshold`` (its tensors unchanged), recording how the value
+    was chosen (``default_threshold_chosen_by``: e.g. ``heads-eval select=max_drop:0.01`` and its figures)."""
+    meta = read_metadata(path)
+    tensors = load_file(str(path))
+    if _digest(tensors) != meta.get("tensors_sha256"):
+        raise UserError(f"head file {str(path)!r}: tensors do not match their recorded digest; re-export it")
+    meta.update(default_threshold=float(value), default_threshold_chosen_by=chosen_by)
+    path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt", META_KEY: json.dumps(meta, sort_keys=True)})
     tmp.replace(path)

@@ -20,7 +20,7 @@ from specheads.errors import UserError
 # extra -> the import names of the packages it adds that the stage's code imports (pyproject.toml lists them)
 EXTRAS: dict[str, tuple[str, ...]] = {
     "train": ("accelerate", "datasets", "pyarrow", "sklearn", "matplotlib"),
-    "eval": ("matplotlib", "rouge_score", "scipy"),
+    "eval": ("matplotlib", "rouge_score", "scipy", "sklearn"),
 }
 
 

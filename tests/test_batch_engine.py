@@ -74,7 +74,16 @@ def _counts(g):
     s = g.stats
     return (g.tokens, s.new_tokens, s.target_calls, s.draft_forwards, s.drafted, s.accepted, s.discarded, s.rounds,
             s.eos, s.undrafted_rounds, s.target_tokens, s.target_context, s.draft_tokens, s.draft_context,
-            s.target_pass_sizes, {k: round(v, 4) for k, v in s.counters.items()}, g.trace)  # float sums: rounding
+            s.target_pass_sizes, {k: round(v, 4) for k, v in s.counters.items()},  # float sums: rounding
+            {k: v for k, v in g.trace.items() if k != "acceptance"},
+            [(j, ok) for j, _, ok in g.trace.get("acceptance", [])])
+
+
+def _same_scores(batched, alone):
+    """The acceptance head's recorded scores agree to float rounding (batched products)."""
+    for a, b in zip(batched, alone):
+        assert [x[1] for x in a.trace.get("acceptance", [])] == pytest.approx(
+            [x[1] for x in b.trace.get("acceptance", [])], abs=1e-5)
 
 
 @pytest.mark.parametrize("name", list(_policies(False)))
@@ -84,6 +93,7 @@ def test_greedy_batched_equals_batch_one(engine, prompts, name, capacity):
     alone = _alone(engine, prompts, policy, SamplingConfig())
     batched = _batched(engine, prompts, _policies(False)[name], SamplingConfig(), capacity=capacity)
     assert [_counts(g) for g in batched] == [_counts(g) for g in alone]
+    _same_scores(batched, alone)
     assert any(g.stats.eos for g in alone) and any(not g.stats.eos for g in alone)  # both ways to finish
 
 
@@ -93,7 +103,9 @@ def test_sampled_batched_rows_make_batch_one_decisions(engine, prompts, name):
     policy = {**_policies(False), **_policies(True)}[name]
     sampling = SamplingConfig(do_sample=True, temperature=0.8)
     alone = _alone(engine, prompts, policy, sampling)
-    assert [_counts(g) for g in _batched(engine, prompts, policy, sampling, rows=4)] == [_counts(g) for g in alone]
+    batched = _batched(engine, prompts, policy, sampling, rows=4)
+    assert [_counts(g) for g in batched] == [_counts(g) for g in alone]
+    _same_scores(batched, alone)
 
 
 def test_one_row_and_more_rows_than_prompts(engine, prompts):

@@ -128,6 +128,12 @@ def test_eval_sweep_end_to_end(tiny_pair_dirs, head_file, prompts_file, table_fi
     assert s["oracle"]["tokens"] == by["ar"]["tokens"]
     assert all(s["oracle"]["verification_rate"] <= r["verification_rate"] + 1e-9 for r in s["table"]
                if r["config"] != "draft")
+    # the acceptance head's calibration while decoding: every SpecDec++ row, overall and by draft position
+    for name in ("h0.3", "h0.7", "h-cost"):
+        c = s["calibration"][name]
+        assert c["overall"]["n"] == sum(v["n"] for v in c["by_position"].values()) > 0
+        assert "1" in c["by_position"] and 0 <= c["overall"]["ece"] <= 1
+    assert set(s["calibration"]) == {"h0.3", "h0.7", "h-cost"} and (out / "calibration.png").is_file()
     assert set(s["ratios"]) >= {"specdecpp_vs_best_fixed_k", "oracle_gain_fraction", "best_fixed_k_vs_ar",
                                 "cost_aware_vs_best_fixed_k", "share_of_perfect_head_gain"}
     assert isinstance(s["pareto_dominates"], bool) and set(s["below_fixed_k_curve"]) == {"h0.3", "h0.7", "h-cost"}

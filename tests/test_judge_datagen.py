@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -193,15 +194,19 @@ def test_exported_judge_head_decodes(judge_head, tiny_pair_dirs, tmp_path):
 def test_heads_eval_sweeps_the_judge_over_deltas(judge_head, tiny_pair_dirs, tmp_path):
     """Judge rows over a delta sweep, top-K verification, SD, accuracy where a grader exists."""
     from specheads.evaluate.cli import main as eval_main
+    from specheads.export import read_metadata
 
     t, d = tiny_pair_dirs
     gsm = tmp_path / "gsm.jsonl"
     gsm.write_text("".join(json.dumps(r) + "\n" for r in GSM))
     ev = tmp_path / "ev"
+    head = tmp_path / "judge.safetensors"  # a copy: write_default rewrites it
+    shutil.copy(judge_head, head)
     assert eval_main([f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu",
                       "draft.device=cpu", f"prompts={gsm},{_one_prompt(tmp_path)}", f"output_dir={ev}",
                       "max_new_tokens=12", "offset=0", "num_prompts=null", "ks=[4]", "head=null",
-                      f"judge={judge_head}", "deltas=[0.5,1.0]", "judge_k=4", "topk=[2]", "topk_k=4"]) == 0
+                      f"judge={head}", "deltas=[0.5,1.0]", "judge_k=4", "topk=[2]", "topk_k=4",
+                      "select=max_drop:0.5", "write_default=true"]) == 0
     summary = json.loads((ev / "sweep.json").read_text())
     by = {r["config"]: r for r in summary["table"]}
     assert set(by) == {"ar", "draft", "k4", "t2", "j0.5", "j1"}
@@ -212,6 +217,18 @@ def test_heads_eval_sweeps_the_judge_over_deltas(judge_head, tiny_pair_dirs, tmp
     assert summary["accuracy"]["ar"]["gsm8k"]["prompts"] == 2 and "prompt" not in summary["accuracy"]["ar"]
     assert summary["judge"]["sd_reference"] == "k4"
     assert summary["judge"]["by_delta"]["j1"]["vs_sd_accepted_per_call"] == 1.0
+    # intervals, the paired drop against the target, and the quality-gated choice written into the head
+    acc = summary["accuracy"]
+    assert acc["ar"]["gsm8k"]["accuracy_low"] <= acc["ar"]["gsm8k"]["accuracy"] <= acc["ar"]["gsm8k"]["accuracy_high"]
+    assert "acc_drop" in acc["j1"]["gsm8k"] and acc["j1"]["gsm8k"]["acc_drop"] == 0.0
+    gated = summary["gated"]
+    assert (gated["calibration_prompts"], gated["test_prompts"]) == (1, 1)
+    chosen = gated["rows"]["judge"]
+    assert chosen["row"] in ("j0.5", "j1") and chosen["sd_reference"] == "k4" and chosen["written_to"] == str(head)
+    meta = read_metadata(head)
+    assert meta["default_threshold"] == chosen["threshold"]
+    assert meta["default_threshold_chosen_by"]["command"] == "heads-eval select=max_drop:0.5"
+    assert gated["rows"]["topk_verify"]["row"] == "t2" or gated["rows"]["topk_verify"]["row"] is None
 
 
 def test_judge_metrics_by_hand():

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
 from specheads.errors import UserError
 from specheads.export import ModelSpec, SamplingConfig, load_head, load_pair, read_metadata, save_head
+from specheads.export.package import set_default_threshold
 from specheads.heads import HEADS, AcceptanceHead
 
 
@@ -54,6 +57,26 @@ def test_round_trip_and_metadata(tmp_path, pair):
     x = torch.randn(4, 32)
     assert_close(loaded.module(x), head(x))
     assert loaded.threshold == 0.7
+
+
+def test_a_chosen_default_threshold_is_written_into_the_header(tmp_path, pair):
+    """heads-eval write_default=true: the header's default changes (with how it was chosen), the tensors
+    and their digest do not; a file whose tensors were altered is refused."""
+    head, path = _export(tmp_path, pair)
+    before = read_metadata(path)
+    set_default_threshold(path, 0.55, {"command": "heads-eval select=max_drop:0.01", "acc_drop_upper": 0.008})
+    after = read_metadata(path)
+    assert after["default_threshold"] == 0.55 and after["default_threshold_chosen_by"]["acc_drop_upper"] == 0.008
+    assert after["tensors_sha256"] == before["tensors_sha256"]
+    loaded = load_head(path, pair=pair, sampling=SamplingConfig())
+    assert loaded.threshold == 0.55
+    x = torch.randn(2, 32)
+    assert_close(loaded.module(x), head(x))
+    tensors = load_file(str(path))
+    tensors["out.bias"] += 1
+    save_file(tensors, str(path), metadata={"format": "pt", "specheads": json.dumps(after)})
+    with pytest.raises(UserError, match="digest"):
+        set_default_threshold(path, 0.6, {})
 
 
 def test_refuses_other_hidden_size(tmp_path, pair):

@@ -37,6 +37,14 @@ def test_train_exports_a_loadable_head(tiny_pair_dirs, labelled, tmp_path):
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("loss" in r for r in lines) and sum("eval_binary_kl" in r for r in lines) == 3
     assert (out / "latest").read_text().strip().startswith("checkpoint-")
+    # calibration of the held-out predictions, every epoch, and the best epoch's reliability diagram
+    evals = [r for r in lines if "eval_binary_kl" in r]
+    assert all(0 <= r["eval_ece"] <= 1 and 0 <= r["eval_brier"] <= 1 and len(r["eval_calibration"]) == 10
+               for r in evals)
+    assert sum(b["n"] for b in evals[-1]["eval_calibration"]) == evals[-1]["eval_tokens"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["reliability_png"] == str(out / "reliability.png")
+    assert (out / "reliability.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_head_aliases_name_the_same_tasks_and_record_their_names(tiny_pair_dirs, labelled, tmp_path):

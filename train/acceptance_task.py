@@ -20,7 +20,7 @@ from .acceptance import draft_features, load_examples, mix, mix_seed
 from .config import TrainConfig
 from .draft import Draft, feature_cache, load_draft
 from .loss import binary_kl, weighted_soft_bce
-from .task import EVAL_EPOCH, describe, predict, split
+from .task import EVAL_EPOCH, calibration_metrics, describe, predict, split
 
 
 class AcceptanceTask:
@@ -107,7 +107,7 @@ class AcceptanceTask:
         auroc = float(roc_auc_score(hard, x.cpu().numpy())) if 0 < hard.sum() < len(hard) else None
         return {"eval_binary_kl": float(binary_kl(y, x)),
                 "eval_weighted_loss": float(weighted_soft_bce(x, y, cfg.w_acc, cfg.w_rej)), "eval_auroc": auroc,
-                "eval_tokens": int(y.numel()), "eval_label_mean": float(y.mean())}
+                "eval_tokens": int(y.numel()), "eval_label_mean": float(y.mean()), **calibration_metrics(x, y)}
 
     def score(self, metrics: dict) -> float:
         return metrics["eval_binary_kl"]

@@ -7,7 +7,8 @@
 
 Writes ``head.safetensors`` (the best epoch's head with its metadata, ready for
 ``heads-decode policy=specdecpp head=...`` or ``policy=sprinter``), ``best_metrics.json``,
-``metrics.jsonl``, for the verifier also ``metrics.json`` (ROC, AUROC, TPR/FPR at eta, alpha) and
+``metrics.jsonl`` (each epoch's held-out figures, calibration included: ``eval_ece``, ``eval_brier``,
+the reliability bins), ``reliability.png`` (the best epoch's reliability diagram), for the verifier also ``metrics.json`` (ROC, AUROC, TPR/FPR at eta, alpha) and
 ``roc.png`` (one curve per ``roc_lambdas`` value, each from its own head in ``lambda-<x>/``),
 ``checkpoint-<step>/`` + ``latest`` (at epoch ends and, with ``checkpoint_every=N``, every N
 optimizer steps; resume by running the same command again, with as many processes),

@@ -18,7 +18,7 @@ from specheads.outputs import atomic_write_json
 from . import judge as J
 from .config import TrainConfig
 from .loss import weighted_soft_bce
-from .task import EVAL_EPOCH, auroc_score, describe, predict, split
+from .task import EVAL_EPOCH, auroc_score, calibration_metrics, describe, predict, split
 
 
 class JudgeTask:
@@ -72,7 +72,7 @@ class JudgeTask:
                 "eval_negative_precision": m["negative_precision"], "eval_negative_recall": m["negative_recall"],
                 "eval_wrong_accepted_share": m["wrong_accepted_share"],
                 "eval_correct_accepted_share": m["correct_accepted_share"], "eval_tokens": m["tokens"],
-                "eval_negative_tokens": m["negative_tokens"]}
+                "eval_negative_tokens": m["negative_tokens"], **calibration_metrics(logits, labels)}
 
     def score(self, metrics: dict) -> float:
         return auroc_score(metrics)

@@ -96,6 +96,13 @@ def train(cfg: TrainConfig, out: Path, fresh: bool = False) -> dict:
         log.info("%s in %s", note, sub.output_dir)
         train(sub, Path(sub.output_dir), fresh=fresh)
     best.update(task.report(out, acc, best))
+    if acc.is_main_process and best.get("eval_calibration"):
+        from specheads.calibration import reliability_png
+
+        curve = {"ece": best["eval_ece"], "brier": best["eval_brier"], "bins": best["eval_calibration"]}
+        best["reliability_png"] = str(reliability_png(
+            out / "reliability.png", {f"{task.head_type} head, epoch {best.get('epoch')}": curve},
+            f"{cfg.head} head: held-out calibration ({best.get('eval_tokens')} examples)"))
     best["numerics"] = numerics
     return best
 

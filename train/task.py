@@ -98,6 +98,15 @@ def predict(head: torch.nn.Module, examples: list, batch_size: int,
     return torch.cat(logits), torch.cat(targets)
 
 
+def calibration_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict:
+    """The held-out calibration of a head (:func:`specheads.calibration.calibration`): ``eval_ece``,
+    ``eval_brier`` and the reliability bins ``eval_calibration`` that ``reliability.png`` draws."""
+    from specheads.calibration import calibration
+
+    c = calibration(torch.sigmoid(logits.float()).cpu().numpy(), labels.float().cpu().numpy())
+    return {"eval_ece": c["ece"], "eval_brier": c["brier"], "eval_calibration": c["bins"]}
+
+
 def auroc_score(metrics: dict) -> float:
     """Minus the held-out AUROC (0.5 where it is undefined: one class only)."""
     return -(metrics["eval_auroc"] if metrics["eval_auroc"] is not None else 0.5)

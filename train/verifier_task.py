@@ -20,7 +20,7 @@ from . import verifier as V
 from .config import TrainConfig
 from .draft import Draft, feature_cache, load_draft
 from .loss import weighted_soft_bce
-from .task import EVAL_EPOCH, auroc_score, describe, predict, split
+from .task import EVAL_EPOCH, auroc_score, calibration_metrics, describe, predict, split
 
 
 class VerifierTask:
@@ -92,7 +92,7 @@ class VerifierTask:
         return {"eval_auroc": roc["auroc"], "eval_weighted_loss": float(weighted_soft_bce(logits, y, w_pos, w_neg)),
                 "eval_tpr_at_eta": roc["tpr_at_eta"], "eval_fpr_at_eta": roc["fpr_at_eta"],
                 "eval_accuracy_at_eta": roc["accuracy_at_eta"], "eval_alpha": roc["alpha"],
-                "eval_tokens": roc["tokens"], "eval_label_mean": roc["label_mean"]}
+                "eval_tokens": roc["tokens"], "eval_label_mean": roc["label_mean"], **calibration_metrics(logits, y)}
 
     def _predict(self, head: torch.nn.Module, examples: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits and raw ratios (for metrics at any lambda) of held-out examples."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,11 +34,13 @@ class SpecDecPPSettings(Settings):
 
 @dataclass
 class _Scores:
-    """The round's scores so far: ``log prod beta_j``, ``sum_i S_i`` and the newest ``beta`` (stop="cost")."""
+    """The round's scores so far: ``log prod beta_j``, ``sum_i S_i``, the newest ``beta`` (stop="cost") and
+    every ``(j, beta_hat_j)``."""
 
     log_keep: float = 0.0
     total: float = 0.0
     beta: float | None = None
+    scores: list = field(default_factory=list)  # (candidate position j, beta_hat_j)
 
 
 class SpecDecPP(_Gated):
@@ -92,6 +94,7 @@ class SpecDecPP(_Gated):
         self.lag = 1 if position == "own" else 0  # how many candidates behind the newest the scored one is
         self._prompt_betas = [0.0, 0]  # this prompt's scores: sum, count (stop="cost")
         self.scored = 0  # head evaluations
+        self.outcomes: list[list] = []  # this prompt's [j, beta_hat_j, accepted] of every verified scored candidate
 
     @classmethod
     def from_settings(cls, s, pair=None, head=None, costs=None) -> Policy:
@@ -108,9 +111,24 @@ class SpecDecPP(_Gated):
     def reset(self) -> None:
         super().reset()
         self._prompt_betas = [0.0, 0]
+        self.outcomes = []
 
     def start_round(self, rnd: Round) -> None:
         rnd.state = _Scores()
+        self._round = rnd.state
+
+    def end_round(self, drafted: int, accepted: int) -> None:
+        """Records each scored candidate's outcome where the round decided it: the ``accepted`` first were
+        accepted, the next one (when one was rejected) was not; later ones were never judged."""
+        super().end_round(drafted, accepted)
+        for j, beta in self._round.scores:
+            if j <= accepted or (j == accepted + 1 and accepted < drafted):
+                self.outcomes.append([j, round(beta, 6), int(j <= accepted)])
+
+    def trace(self) -> dict:
+        """``acceptance``: ``[position, beta_hat, accepted]`` per verified scored candidate (the head's
+        calibration by draft position, ``heads-eval``)."""
+        return {"acceptance": self.outcomes}
 
     def stop_drafting(self, rnd: Round) -> bool:
         n = rnd.n
@@ -120,6 +138,7 @@ class SpecDecPP(_Gated):
         if n > self.lag:  # own: the state returned with y_n belongs to y_{n-1}; the head has the draft's dtype
             logit = self.head(rnd.draft_hidden[n - 1])
             log_beta = float(torch.nn.functional.logsigmoid(logit.float()))
+            s.scores.append((n - self.lag, math.exp(log_beta)))
             s.log_keep += log_beta
             self.scored += 1
             if self.stop == "cost":
