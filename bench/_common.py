@@ -59,3 +59,24 @@ def interleave(configs: dict, items: list, warmup) -> tuple[dict[str, list], dic
             outputs[name].append(toks)
         print(f"prompt {i + 1}/{len(items)} done", file=sys.stderr, flush=True)
     return stats, outputs
+
+
+def shared_pair(shared: Path, vocab: str, draft_top_n: int):
+    """The shared pair on CPU (SmolLM2-135M-Instruct GGUF target, the 4-layer draft), the draft's output
+    layer pruned to the ``draft_top_n`` most frequent tokens of the ``heads-vocab`` ranking ``vocab``
+    (written by ``heads-vocab recipe=quickstart`` when absent; 0: not pruned)."""
+    from specheads.export import load_pair
+    from specheads.export.shim.models import ModelSpec
+    from specheads.export.shim.vocab import prune, read_ranking, subset_from_ranking
+
+    pair = load_pair(ModelSpec(path=str(shared / "models/smollm2-135m-instruct"),
+                               gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", device="cpu"),
+                     ModelSpec(path=str(shared / "models/smollm2-draft-4l"), device="cpu"))
+    if draft_top_n:
+        if not Path(vocab).is_file():
+            from specheads.datagen.vocab import main as vocab_main
+            vocab_main(["recipe=quickstart", f"output={vocab}"])
+        full = pair.draft.model.get_output_embeddings().weight.shape[0]
+        prune(pair.draft.model, subset_from_ranking(read_ranking(vocab), draft_top_n, pair.eos_token_ids, full),
+              Path(vocab).name)
+    return pair

@@ -24,13 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-from _common import run_info
-from specheads.export import load_pair
+from _common import run_info, shared_pair
 from specheads.export.api import Decoder
 from specheads.export.shim import kernels
-from specheads.export.shim.models import ModelSpec
 from specheads.export.shim.policies import StandardSD, TargetOnly
-from specheads.export.shim.vocab import prune, read_ranking, subset_from_ranking
 from specheads.prompts import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,15 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-top-n", type=int, default=8192)
     ap.add_argument("--out", default=str(ROOT / "bench/results/batched.json"))
     args = ap.parse_args(argv)
-    pair = load_pair(ModelSpec(path=str(SHARED / "models/smollm2-135m-instruct"),
-                               gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", device="cpu"),
-                     ModelSpec(path=str(SHARED / "models/smollm2-draft-4l"), device="cpu"))
-    if args.draft_top_n:
-        if not Path(args.vocab).is_file():
-            from specheads.datagen.vocab import main as vocab_main
-            vocab_main(["recipe=quickstart", f"output={args.vocab}"])
-        prune(pair.draft.model, subset_from_ranking(read_ranking(args.vocab), args.draft_top_n, pair.eos_token_ids,
-                                                    pair.draft.model.get_output_embeddings().weight.shape[0]))
+    pair = shared_pair(SHARED, args.vocab, args.draft_top_n)
     half = args.n // 2
     prompts = (load_prompts(str(SHARED / "data/gsm8k/test.jsonl"), limit=half, offset=args.offset)
                + load_prompts(str(SHARED / "data/mt_bench/question.jsonl"), limit=args.n - half,

@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 from sklearn.metrics import roc_auc_score
 
+from _common import shared_pair
+
 from specheads.evaluate.oracle import draft_agreement
-from specheads.export import format_prompt, load_pair
+from specheads.export import format_prompt
 from specheads.export.shim.engine import Engine
-from specheads.export.shim.models import ModelSpec
-from specheads.export.shim.vocab import prune, read_ranking, subset_from_ranking
 from specheads.prompts import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,16 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-top-n", type=int, default=8192)
     ap.add_argument("--out", default=str(ROOT / "bench/results/predraft_signal.json"))
     args = ap.parse_args(argv)
-    pair = load_pair(ModelSpec(path=str(SHARED / "models/smollm2-135m-instruct"),
-                               gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", device="cpu"),
-                     ModelSpec(path=str(SHARED / "models/smollm2-draft-4l"), device="cpu"))
-    if args.draft_top_n:
-        if not Path(args.vocab).is_file():
-            from specheads.datagen.vocab import main as vocab_main
-            vocab_main(["recipe=quickstart", f"output={args.vocab}"])
-        full = pair.draft.model.get_output_embeddings().weight.shape[0]
-        prune(pair.draft.model, subset_from_ranking(read_ranking(args.vocab), args.draft_top_n, pair.eos_token_ids,
-                                                    full), Path(args.vocab).name)
+    pair = shared_pair(SHARED, args.vocab, args.draft_top_n)
     engine = Engine(pair.target.model, pair.draft.model, pair.eos_token_ids)
     rows = {}
     print("| set | positions | agreement | AUC target p_max(i) | AUC agreed(i) | AUC target p_max(i+1), not known |")

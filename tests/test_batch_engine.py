@@ -15,7 +15,7 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import BigramLM, bigram, perturbed_copy, tiny_llama
-from specheads.export.shim import batch_engine as batch_mod
+from specheads.export.shim import engine as engine_mod
 from specheads.export.shim.batch_engine import BatchEngine, BatchJob
 from specheads.export.shim.batch_kv import BatchRunner
 from specheads.export.shim.costs import CostTable
@@ -157,13 +157,13 @@ def test_sampled_batched_sd_follows_the_target(small_pair):
 
 def test_chi_square_catches_a_batched_draw_from_the_wrong_q(small_pair, monkeypatch):
     """Planted bug: the SD rule sees a distorted draft distribution (not the one the candidate came from)."""
-    pick = batch_mod.pick_token
+    pick = engine_mod.pick_token
 
     def broken(logits, sampling, generator):
         tok, q = pick(logits, sampling, generator)
         return tok, (q.flip(-1) if q is not None else q)
 
-    monkeypatch.setattr(batch_mod, "pick_token", broken)
+    monkeypatch.setattr(engine_mod, "pick_token", broken)
     assert _batched_sd_pvalue(small_pair) < 1e-6
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .batch_kv import BatchRunner
-from .engine import Engine, Generation, commit_round, pick_token
+from .engine import Engine, Generation, commit_round, take_candidate
 from .policies import Policy, Round, Verdict
 from .sampling import SamplingConfig
 from .stats import GenerationStats, count_tokens
@@ -165,20 +165,9 @@ class BatchEngine:
             still = []
             for r in drafting:
                 row, (logits, hid) = rows[r], out[r]
-                rnd, policy = row.rnd, row.policy
                 row.forwards += 1
-                tok, q = pick_token(logits[0], rnd.sampling, row.generator)
-                rnd.tokens.append(tok)
-                rnd.draft_logits.append(logits[0])
-                if q is not None:
-                    rnd.q.append(q)
-                if hid is not None:
-                    rnd.draft_hidden.append(hid[-1])
-                if rnd.n >= rnd.limit:
-                    if policy.may_skip_target:  # it may still keep the last candidate without a target call
-                        policy.stop_drafting(rnd)
-                    continue
-                if not policy.stop_drafting(rnd):
+                if take_candidate(row.rnd, row.policy, logits[0], hid[-1] if hid is not None else None,
+                                  row.generator):
                     still.append(r)
             drafting = still
 

@@ -21,19 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .fused import decoder_layers, fused_weights, output_logits, rms_norm, supports
-
-
-class FusedShape:
-    """What :func:`~.fused.decoder_layers` needs to know about a model."""
-
-    def __init__(self, model):
-        cfg = model.config
-        self.weights = fused_weights(model)
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
-        self.sizes = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
+from .fused import FusedShape, decoder_layers, output_logits, rms_norm, supports
 
 
 class BatchRunner:

@@ -15,21 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from .fused import rms_norm, decoder_layers, fused_weights, output_logits, supports, use_fused
+from .fused import FusedShape, decoder_layers, output_logits, rms_norm, supports, use_fused
 from .models import pad_batch
 from .sampling import SamplingConfig, probs_from_logits, sample_finite
-
-
-class _Shape:
-    """What :func:`~specheads.export.shim.fused.decoder_layers` needs to know about the model."""
-
-    def __init__(self, model):
-        cfg = model.config
-        self.weights = fused_weights(model)
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
-        self.sizes = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
 
 
 @torch.inference_mode()
@@ -63,7 +51,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
     if not use_fused(model):
         out = hf_generate(model, prompts, max_new_tokens, sampling, generator, eos, pad)
         return (out, None) if record_logits else out
-    shape = _Shape(model)
+    shape = FusedShape(model)
     emb = model.get_input_embeddings()
     device, dtype = emb.weight.device, emb.weight.dtype
     b = len(prompts)

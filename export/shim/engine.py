@@ -46,6 +46,24 @@ def pick_token(logits: torch.Tensor, sampling: SamplingConfig, generator) -> tup
     return sample(q, generator), q
 
 
+def take_candidate(rnd: Round, policy: Policy, logits: torch.Tensor, hidden: torch.Tensor | None, generator) -> bool:
+    """Draws the next candidate from the draft's logits ``[V]`` and adds it to the round (with its
+    distribution and the draft state returned with it); True while drafting goes on: below the round's
+    limit and until the policy stops."""
+    tok, q = pick_token(logits, rnd.sampling, generator)
+    rnd.tokens.append(tok)
+    rnd.draft_logits.append(logits)
+    if q is not None:
+        rnd.q.append(q)
+    if hidden is not None:
+        rnd.draft_hidden.append(hidden)
+    if rnd.n >= rnd.limit:
+        if policy.may_skip_target:  # it may still keep the last candidate without a target call
+            policy.stop_drafting(rnd)
+        return False
+    return not policy.stop_drafting(rnd)
+
+
 class _SameVocabulary:
     """Drafts with the draft model on the target's vocabulary: one forward per candidate, until the
     policy stops (or the round's limit)."""
@@ -63,20 +81,9 @@ class _SameVocabulary:
         while True:
             count_tokens(self.stats, "draft", runner.length, pending.shape[1])
             logits, hid = runner.forward(pending, n_logits=1)
-            tok, q = pick_token(logits[0], rnd.sampling, self.generator)
-            rnd.tokens.append(tok)
-            rnd.draft_logits.append(logits[0])
-            if q is not None:
-                rnd.q.append(q)
-            if hid is not None:
-                rnd.draft_hidden.append(hid[-1])
-            if rnd.n >= rnd.limit:
-                if policy.may_skip_target:  # it may still keep the last candidate without a target call
-                    policy.stop_drafting(rnd)
+            if not take_candidate(rnd, policy, logits[0], hid[-1] if hid is not None else None, self.generator):
                 break
-            if policy.stop_drafting(rnd):
-                break
-            pending = tok.view(1, 1)
+            pending = rnd.tokens[-1].view(1, 1)
 
     def commit(self, seq: list[int], new: list[int], kept: int) -> None:
         self.runner.trim(min(self.runner.length, len(seq) - 1))

@@ -154,6 +154,18 @@ def fused_weights(model) -> _Fused:
     return f
 
 
+class FusedShape:
+    """What :func:`~.fused.decoder_layers` needs to know about a model."""
+
+    def __init__(self, model):
+        cfg = model.config
+        self.weights = fused_weights(model)
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.sizes = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
+
+
 def unfuse(model) -> None:
     """Gives every projection its own storage again and drops the fused buffers (for code that
     refuses parameters sharing memory, such as ``safetensors.torch.save_file`` on the state dict)."""
