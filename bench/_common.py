@@ -80,3 +80,23 @@ def shared_pair(shared: Path, vocab: str, draft_top_n: int):
         prune(pair.draft.model, subset_from_ranking(read_ranking(vocab), draft_top_n, pair.eos_token_ids, full),
               Path(vocab).name)
     return pair
+
+
+GATED_KEYS = ("threshold", "acc_drop", "acc_drop_upper", "tokens_per_s_vs_target", "tokens_per_s_vs_sd",
+              "accepted_per_call_vs_sd")
+
+
+def eval_and_gated(sweep: dict) -> dict:
+    """The ``eval`` (graded prompts per source, the interval method) and ``gated`` (per lossy policy, the
+    row ``select=max_drop:X`` chose, or the family with why none was) keys of a result file."""
+    from specheads.evaluate.intervals import DESCRIPTION
+
+    target = sweep.get("accuracy", {}).get("ar", {})
+    out = {"eval": {"arc_prompts": target.get("arc", {}).get("prompts", 0),
+                    "gsm8k_prompts": target.get("gsm8k", {}).get("prompts", 0), "interval": DESCRIPTION}}
+    if "gated" in sweep:
+        out["eval"]["max_drop"] = sweep["gated"]["max_drop"]
+        out["gated"] = {(e["row"] or family): {"family": family, **({k: e.get(k) for k in GATED_KEYS} if e["row"]
+                                                                   else {"reason": e["reason"]})}
+                        for family, e in sweep["gated"]["rows"].items()}
+    return out

@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 
 
-from _common import run_info, run_pipeline
+from _common import eval_and_gated, run_info, run_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     if src.is_file():
         shutil.copyfile(src, png)
     result = {
-        **run_info(__file__, argv, "fp32, batch 1 decoding"),
+        **run_info(__file__, argv, f"fp32, batch {sweep.get('batch_size', 1)} decoding"),
         "prompts": sweep["prompts"], "num_prompts": sweep["num_prompts"], "max_new_tokens": sweep["max_new_tokens"],
         "tuple_counts": manifest["tuple_counts"], "positive_tokens": manifest["positive_tokens"],
         "negative_tokens": manifest["negative_tokens"], "auroc": train["auroc"], "judge_metrics": train,
@@ -76,6 +76,7 @@ def main(argv=None) -> int:
                                                                    ("sd", sd))},
         "arc_accuracy": {k: _acc(acc, c, "arc") for k, c in (("target", "ar"), ("judge", pick), ("draft", "draft"),
                                                                ("sd", sd))},
+        **eval_and_gated(sweep),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 
-from _common import run_info, run_pipeline
+from _common import eval_and_gated, run_info, run_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = ("config", "tokens", "tokens_per_s", "verification_rate", "tokens_per_call", "gflops_per_token",
@@ -50,9 +50,9 @@ def main(argv=None) -> int:
         "rouge_l_vs_target": (r.get("rouge_vs_target") or {}).get("rougeL"),
         "rouge_l_vs_reference": (r.get("rouge_vs_reference") or {}).get("rougeL")} for r in sweep["table"]]
     result = {
-        **run_info(__file__, argv, "fp32, batch 1 decoding"),
+        **run_info(__file__, argv, f"fp32, batch {sweep.get('batch_size', 1)} decoding"),
         "prompts": sweep["prompts"], "num_prompts": sweep["num_prompts"], "max_new_tokens": sweep["max_new_tokens"],
-        "sampling": sweep["sampling"],
+        "sampling": sweep["sampling"], **eval_and_gated(sweep),
         "datagen": {k: manifest.get(k) for k in ("prompts", "labelled_tokens", "category_shares",
                                                  "prefixes_per_category", "label_mean_by_lambda")},
         "verifier": {k: train.get(k) for k in ("lam", "eta", "feature", "tpr_at_eta", "fpr_at_eta",

@@ -22,7 +22,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from _common import run_info
+from _common import eval_and_gated, run_info
 from specheads.config import UserError, load_config
 from specheads.evaluate.cli import main as eval_main
 from specheads.evaluate.config import EvalConfig
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
                            "fuzzy_only_share": tf["rows"][f"fsd-{div}-{t:g}"].get("fuzzy_only_share")}
                           for t in sorted(thresholds)]
     result = {
-        **run_info(__file__, argv, "fp32, batch 1 decoding"),
+        **run_info(__file__, argv, f"fp32, batch {sweep.get('batch_size', 1)} decoding"),
         "recipe": args.recipe, "prompts": sweep["prompts"], "num_prompts": sweep["num_prompts"],
         "max_new_tokens": sweep["max_new_tokens"], "sampling": sweep["sampling"],
         "wall_time_s": manifest["wall_time_s"],
@@ -136,6 +136,7 @@ def main(argv=None) -> int:
         "topk": [by[f"t{k}"] for k in tf["settings"]["topk"]["values"]],
         "confidence": [by[f"c{t:g}"] for t in tf["settings"]["confidence"]["taus"]],
         "paper_claim": paper_claim(table, tf["sd_reference"]) if tf["sd_reference"] else None,
+        **eval_and_gated(sweep),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

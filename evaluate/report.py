@@ -208,7 +208,7 @@ def build(cfg, pair, prompts, grouped: dict[str, list[dict]], decoders, oracle: 
             [{"label": r["config"], **r} for r in summary["table"] if r["config"].startswith("h")],
             summary.get("oracle"), title))
     summary.update(prompts=cfg.prompts, num_prompts=len(prompts), sampling=cfg.sampling.to_dict(),
-                   max_new_tokens=cfg.max_new_tokens)
+                   max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size)
     return summary
 
 
