@@ -115,6 +115,10 @@ def _check(cfg: EvalConfig) -> None:
         problems.append("select= chooses by accuracy: set accuracy=true")
     if cfg.write_default and not cfg.select:
         problems.append("write_default=true writes what select= chooses: set select=max_drop:X")
+    sources = ("arc", "gsm8k", "mt_bench", "alpaca", "prompt", "messages")
+    for src, n in cfg.max_new_tokens_by_source.items():
+        if src not in sources or not isinstance(n, int) or n < 1:
+            problems.append(f"max_new_tokens_by_source.{src}={n!r}: expected one of {list(sources)} -> an int >= 1")
     if cfg.batch_size < 1:
         problems.append(f"batch_size={cfg.batch_size} must be >= 1")
     elif cfg.batch_size > 1 and not cfg.fused_forward:

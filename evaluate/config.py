@@ -54,6 +54,7 @@ class EvalConfig:
     num_prompts: int | None = field(default=None, metadata={"help": "first N prompts of each file (after offset)"})
     offset: int = 0
     max_new_tokens: int = 128
+    max_new_tokens_by_source: dict[str, int] = field(default_factory=dict, metadata={"help": "a smaller budget per prompt source (arc, gsm8k, mt_bench, alpaca, prompt, messages), e.g. {arc: 16}: ARC needs only the letter"})
     chat_template: bool = True
     oracle: bool = field(default=True, metadata={"help": "greedy oracle (ALGORITHMS.md section 0); greedy decoding only"})
     fused_forward: bool = True

@@ -54,8 +54,9 @@ def build_decoders(cfg, pair, costs=None) -> dict[str, Decoder]:
     """A decoder per configuration, all on the one loaded pair, seed and sampling settings; with a cost
     table (``costs``) and ``cfg.cost_stop``, the cost-aware stop rules too (rows ``h-cost``, ``c-cost``)."""
     def dec(policy):
-        return Decoder(pair, policy, cfg.max_new_tokens, 1, cfg.sampling, cfg.seed, cfg.chat_template,
-                       cfg.fused_forward)
+        d = Decoder(pair, policy, cfg.max_new_tokens, 1, cfg.sampling, cfg.seed, cfg.chat_template, cfg.fused_forward)
+        d.budgets = dict(getattr(cfg, "max_new_tokens_by_source", {}) or {})
+        return d
 
     out = {"ar": dec("ar"), "draft": dec("draft")}
     for k in cfg.ks:

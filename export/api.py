@@ -1,27 +1,30 @@
-"""The Python API of the decoding shim: load a pair, format prompts, build a policy, generate."""
+"""The Python API of the decoding shim: load a pair, format prompts, build a policy, generate.
+
+Building a policy by name or from a config (:func:`make_policy`, :func:`policy_from_config`) and the
+pair's cost table (:func:`pair_costs`) live in :mod:`.policy_factory` and are re-exported here."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, fields
-from types import SimpleNamespace
+from dataclasses import dataclass, field
 
 import torch
 
 from specheads.errors import UserError
 
-from .package import LoadedHead, load_head
-from .shim.costs import CostTable, cost_table
+from .policy_factory import make_policy, pair_costs, policy_from_config
 from .shim.batch_engine import BatchEngine, BatchJob
 from .shim.engine import Engine
 from .shim.fused import supports
 from .shim.hetero import Bridge
 from .shim.models import Pair, context_length
-from .shim.policies import Policy, policy_class
+from .shim.policies import Policy
 from .shim.sampling import SamplingConfig
 from .shim.stats import GenerationStats
 
 log = logging.getLogger(__name__)
+__all__ = ["Decoder", "Result", "fit_context", "format_prompt", "generate", "make_policy", "pair_costs",
+           "policy_from_config"]
 
 
 def format_prompt(tokenizer, prompt, chat_template: bool = True) -> list[int]:
@@ -65,92 +68,6 @@ class Result:
     trace: dict = field(default_factory=dict)
 
 
-def _policy_head(cls: type[Policy], path: str | None, pair: Pair, sampling, strict: bool) -> LoadedHead | None:
-    """Loads and checks the exported head ``cls.HEAD`` names (its module in the model's dtype), or None."""
-    spec = cls.HEAD
-    if spec is None or (not path and not spec.required):
-        return None
-    if not path:
-        raise UserError(f"policy={cls.name} needs head=<exported {spec.type} head .safetensors> "
-                        f"(heads-train head={spec.type}, then heads-export)")
-    model = pair.draft if spec.model == "draft" else pair.target
-    if model is None:
-        raise UserError(f"policy={cls.name} needs a {spec.model} model; set {spec.model}.path")
-    loaded = load_head(path, pair=pair, sampling=sampling or SamplingConfig(), strict=strict, device=model.device)
-    meta, feature = loaded.metadata, loaded.metadata.get("feature", {})
-    if meta.get("head_type") != spec.type or feature.get("model", "draft") != spec.model:
-        raise UserError(f"{path!r} is a {meta.get('head_type')} head on the {feature.get('model', 'draft')}'s "
-                        f"states; policy={cls.name} needs a {spec.type} head on the {spec.model}'s states")
-    return LoadedHead(loaded.module.to(model.model.dtype), meta)
-
-
-def pair_costs(pair: Pair, max_pass: int, profile: str = "auto", fused: bool = True) -> CostTable:
-    """The pair's profiled cost table (:func:`~.shim.costs.cost_table`): cached for this machine and
-    settings, measured when absent (``profile="auto"``), re-measured (``"refresh"``) or read from a
-    JSON path. ``max_pass`` is the largest target pass needed: the most candidates per round + 1."""
-    if pair.draft is None:
-        raise UserError("a cost table needs a draft model; set draft.path")
-    vt = pair.target.model.get_output_embeddings().weight.shape[0]
-    vd = pair.draft.model.get_output_embeddings().weight.shape[0]
-    return cost_table(pair.target.model, pair.draft.model, max_pass, pair.target.fingerprint, pair.draft.fingerprint,
-                      fused=fused, vocab_size=min(vt, vd) if vt != vd else None, profile=profile)
-
-
-def policy_from_config(name: str, cfg, pair: Pair, sampling: SamplingConfig | None = None, strict: bool = False,
-                       costs: CostTable | None = None) -> Policy:
-    """The policy ``name`` with the settings a flat config gives (:class:`~.decode_config.DecodeConfig`,
-    or any object with those names; ``threshold`` stands for the policy's own threshold name): the
-    settings checked, the head loaded and checked against the pair and the sampling settings
-    (``strict``: refuse other sampling settings instead of warning), ``costs`` for ``stop="cost"``."""
-    cls = policy_class(name)
-    problems = cls.Settings.config_problems(cfg)
-    if problems:
-        raise UserError("; ".join(problems))
-    settings = cls.Settings.from_config(cfg)
-    head = _policy_head(cls, getattr(settings, "head", None), pair, sampling, strict)
-    return cls.from_settings(settings, pair=pair, head=head, costs=costs)
-
-
-def make_policy(name: str, pair: Pair, k: int = 4, head: str | None = None, threshold: float | None = None,
-                k_min: int = 2, k_max: int = 20, sampling: SamplingConfig | None = None,
-                strict: bool = False, max_run: int | None = 20, top_k: int = 2, divergence: str = "js",
-                fsd_top_k: int = 0, fsd_rule: str = "paper", fsd_dist: str = "raw", stop: str = "threshold",
-                costs: CostTable | None = None, **own) -> Policy:
-    """A policy by name (a key of ``POLICIES``: ``ar``, ``draft``, ``sd`` ...), its head loaded and checked.
-
-    Args:
-        name: the policy.
-        pair: the loaded pair (heads are checked against it).
-        k: candidates per round of ``sd``, ``judge``, ``topk_verify`` and ``fsd``; draft tokens per round
-            of ``tli`` and ``slem``.
-        head: exported head for ``specdecpp``, ``sprinter`` and ``judge``; for ``fsd``, optionally an
-            acceptance head trained on FSD labels that decides when to stop drafting (``k_min``,
-            ``k_max`` and its default threshold ``h`` then apply instead of ``k``).
-        threshold: the policy's threshold under its other name: SpecDec++'s ``h``, SPRINTER's ``eta``,
-            the judge's ``delta`` (default: the head's ``default_threshold``), FSD's ``T`` (required),
-            ``confidence_stop``'s ``tau`` (default 0.4, Hugging Face's).
-        k_min, k_max: SpecDec++'s bounds on candidates per round; ``k_max`` also caps ``confidence_stop``.
-        sampling: the decoding's sampling settings (checked against a head's).
-        strict: refuse a head trained under other sampling settings instead of warning.
-        max_run: cap on SPRINTER's approved runs.
-        top_k: ``topk_verify``'s K.
-        divergence, fsd_top_k, fsd_rule, fsd_dist: FSD's settings (see :class:`~.shim.policies.FSD`).
-        stop: ``threshold`` or ``cost``: how ``specdecpp`` and ``confidence_stop`` stop drafting; ``cost``
-            ignores the threshold and needs ``costs`` (:func:`pair_costs`).
-        costs: the pair's cost table for ``stop="cost"``.
-        own: settings under the policy's own names (``h=``, ``eta=``, ``delta=``, ``T=``, ``tau=``,
-            ``lookbehind=``, ``gate=``).
-    """
-    names = {f.name for f in fields(policy_class(name).Settings)}
-    unknown = sorted(set(own) - names)
-    if unknown:
-        raise UserError(f"policy={name} has no setting {', '.join(unknown)}; its settings: {sorted(names)}")
-    cfg = SimpleNamespace(k=k, head=head, threshold=threshold, k_min=k_min, k_max=k_max, max_run=max_run,
-                          verify_top_k=top_k, divergence=divergence, fsd_top_k=fsd_top_k, fsd_rule=fsd_rule,
-                          fsd_dist=fsd_dist, stop=stop, **own)
-    return policy_from_config(name, cfg, pair, sampling, strict, costs)
-
-
 class Decoder:
     """Decodes prompts one at a time with a fixed policy, sampling settings and RNG stream.
 
@@ -189,6 +106,7 @@ class Decoder:
         limits = [context_length(m.model) for m in (pair.target, pair.draft) if m is not None]
         self.context = min((x for x in limits if x), default=None)
         self.seed = seed
+        self.budgets: dict[str, int] = {}  # prompt source -> a smaller max_new_tokens (heads-eval)
         self.generator = torch.Generator(device=pair.target.device)
         # A draft on another device (a sharded target) draws from its own stream.
         self.draft_generator = None
@@ -202,20 +120,26 @@ class Decoder:
         # The draft alone speaks its own tokenizer; every other policy emits the target's tokens.
         return self.pair.draft.tokenizer if self.policy.verifier == "draft" else self.pair.tokenizer
 
+    def _budget(self, prompt) -> int:
+        """New tokens at most for ``prompt``: ``max_new_tokens``, or its source's smaller budget."""
+        own = self.budgets.get(getattr(prompt, "source", None) or "")
+        return min(own, self.max_new_tokens) if own else self.max_new_tokens
+
     def _prompt_ids(self, prompt, name: str) -> tuple[list[int], int, list[int] | None]:
         """``(ids, dropped, draft_ids)``: the formatted prompt cut to the context, and in the draft's
         vocabulary for policies across vocabularies."""
         ids = format_prompt(self._tokenizer(), prompt, self.chat_template)
         if not ids:
             raise UserError(f"{name} is empty after tokenisation")
-        ids, dropped = fit_context(ids, self.max_new_tokens, self.context)
+        budget = self._budget(prompt)
+        ids, dropped = fit_context(ids, budget, self.context)
         if dropped:
             log.warning("%s: %d prompt tokens + max_new_tokens=%d exceed the context of %d; kept the last %d tokens",
-                        name, len(ids) + dropped, self.max_new_tokens, self.context, len(ids))
+                        name, len(ids) + dropped, budget, self.context, len(ids))
         draft_ids = None
         if self.policy.bridge:  # each model reads the prompt in its own tokenizer and chat template
             draft_ids, _ = fit_context(format_prompt(self.pair.draft.tokenizer, prompt, self.chat_template),
-                                       self.max_new_tokens, self.context)
+                                       budget, self.context)
         return ids, dropped, draft_ids
 
     def decode(self, prompt, index: int = 0, on_tokens=None, name: str = "prompt") -> Result:
@@ -229,7 +153,7 @@ class Decoder:
         if self.draft_generator is not None:
             self.draft_generator.manual_seed(stream | (1 << 31))
         ids, dropped, draft_ids = self._prompt_ids(prompt, name)
-        g = self.engine.generate(ids, self.policy, self.max_new_tokens, self.sampling, self.generator, on_tokens,
+        g = self.engine.generate(ids, self.policy, self._budget(prompt), self.sampling, self.generator, on_tokens,
                                  self.draft_generator, draft_ids)
         return Result(self._tokenizer().decode(g.tokens, skip_special_tokens=True), g.tokens, g.stats, dropped,
                       g.trace)
@@ -256,7 +180,7 @@ class Decoder:
         for (index, prompt), name in zip(items, names):
             ids, cut, _ = self._prompt_ids(prompt, name)
             gen = torch.Generator(device=self.pair.target.device).manual_seed(self._stream(index))
-            jobs.append(BatchJob(ids, gen))
+            jobs.append(BatchJob(ids, gen, max_new_tokens=self._budget(prompt)))
             dropped.append(cut)
         tok = self._tokenizer()
         for j, g in BatchEngine(self.engine, batch_size).generate(jobs, self.policy, self.max_new_tokens,

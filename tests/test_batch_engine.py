@@ -198,3 +198,13 @@ def test_batch_runner_keeps_rows_apart(engine):
     alone.prefill({0: [5, 6, 7]})
     ref = alone.forward({0: [9, 20]}, {0: 1})  # row 0's tokens after its trim: 5 6 7 9 | 20
     torch.testing.assert_close(out_a[0][0], ref[0][0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_jobs_own_budget_is_batch_ones_at_that_budget(engine, prompts):
+    """A job may stop sooner than the run's max_new_tokens (heads-eval: ARC needs only the letter)."""
+    budgets = [3, None, 7, 1, None, 5, 2, 20]
+    alone = [engine.generate(p, StandardSD(3), min(b or NEW, NEW), SamplingConfig()) for p, b in zip(prompts, budgets)]
+    jobs = [BatchJob(p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
+    out = dict(BatchEngine(engine, 3).generate(jobs, StandardSD(3), NEW, SamplingConfig()))
+    assert [_counts(out[i]) for i in range(len(prompts))] == [_counts(g) for g in alone]
+    assert all(len(out[i].tokens) <= (b or NEW) for i, b in enumerate(budgets))

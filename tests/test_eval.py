@@ -254,3 +254,16 @@ def test_a_batched_sweep_decodes_what_batch_one_decodes(tiny_pair_dirs, head_fil
         assert "latency_s" in b[key] and "latency_s" not in a[key]
     assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "bad", *common, "batch_size=2",
                       "fused_forward=false")) == 2
+
+
+def test_a_smaller_budget_per_prompt_source(tiny_pair_dirs, prompts_file, table_file, tmp_path, capsys):
+    out = tmp_path / "ev"
+    common = [f"profile={table_file}", "ks=[2]", "thresholds=[]", "head=null", "oracle=false"]
+    assert main(_args(tiny_pair_dirs, prompts_file, out, *common, "max_new_tokens_by_source={prompt: 3}",
+                      "batch_size=2")) == 0
+    rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+    assert rows and all(len(r["tokens"]) <= 3 for r in rows) and any(len(r["tokens"]) == 3 for r in rows)
+    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "bad", *common,
+                      "max_new_tokens_by_source={arcs: 16}")) == 2
+    assert "max_new_tokens_by_source.arcs" in capsys.readouterr().err
+

@@ -34,12 +34,13 @@ from .stats import GenerationStats, count_tokens
 
 @dataclass
 class BatchJob:
-    """One prompt for :meth:`BatchEngine.generate`: its token ids, its RNG and an optional streaming
-    callback receiving each round's emitted ids."""
+    """One prompt for :meth:`BatchEngine.generate`: its token ids, its RNG, an optional streaming
+    callback receiving each round's emitted ids and an optional budget of new tokens below the run's."""
 
     prompt_ids: list[int]
     generator: torch.Generator | None = None
     on_tokens: Callable[[list[int]], None] | None = None
+    max_new_tokens: int | None = None
 
 
 @dataclass
@@ -51,6 +52,7 @@ class _Row:
     generator: torch.Generator | None
     on_tokens: Callable[[list[int]], None] | None
     start: float
+    budget: int  # new tokens at most
     forwards: int = 0  # the verifying draft's passes (the draft alone) or the row's draft steps
     rnd: Round | None = None
 
@@ -77,8 +79,8 @@ class BatchEngine:
     @torch.inference_mode()
     def generate(self, jobs: Iterable[BatchJob], policy: Policy, max_new_tokens: int,
                  sampling: SamplingConfig | None = None) -> Iterator[tuple[int, Generation]]:
-        """Decodes every job under (a fork of) ``policy``; yields ``(job position, Generation)`` as rows
-        finish (not in job order)."""
+        """Decodes every job under (a fork of) ``policy``, each to at most ``max_new_tokens`` (or its own
+        smaller budget); yields ``(job position, Generation)`` as rows finish (not in job order)."""
         if policy.bridge is not None:
             raise ValueError(f"policy {policy.name} drafts across vocabularies and runs at batch 1 only")
         sampling = sampling or SamplingConfig()
@@ -93,17 +95,17 @@ class BatchEngine:
         waiting = iter(enumerate(jobs))
         rows: list[_Row | None] = [None] * self.rows
         while True:
-            self._fill(rows, waiting, policy, verifier, drafter)
+            self._fill(rows, waiting, policy, verifier, drafter, max_new_tokens)
             active = [r for r in range(self.rows) if rows[r] is not None]
             if not active:
                 return
-            drafting = [r for r in active if self._start_round(rows[r], max_new_tokens, sampling)]
+            drafting = [r for r in active if self._start_round(rows[r], sampling)]
             if drafter is not None:
                 self._draft(rows, drafting, drafter)
             verdicts, cands = self._verify(rows, active, verifier, who)
             for r in active:
                 row = rows[r]
-                if self._commit(row, cands[r], verdicts[r], max_new_tokens):
+                if self._commit(row, cands[r], verdicts[r]):
                     yield row.job, self._finish(row, who)
                     rows[r] = None
                     verifier.clear(r)
@@ -114,7 +116,8 @@ class BatchEngine:
                 if drafter is not None:
                     drafter.trim(r, min(drafter.length(r), len(row.seq) - 1))
 
-    def _fill(self, rows, waiting, policy: Policy, verifier: BatchRunner, drafter: BatchRunner | None) -> None:
+    def _fill(self, rows, waiting, policy: Policy, verifier: BatchRunner, drafter: BatchRunner | None,
+              max_new_tokens: int) -> None:
         """Free rows take the next waiting prompts; their prompts (all but the last token) are prefilled."""
         joins: dict[int, list[int]] = {}
         for r in range(self.rows):
@@ -126,8 +129,9 @@ class BatchEngine:
             i, job = nxt
             if not job.prompt_ids:
                 raise ValueError(f"job {i}: empty prompt")
+            budget = min(job.max_new_tokens or max_new_tokens, max_new_tokens)
             row = _Row(i, policy.fork(), list(job.prompt_ids), GenerationStats(prompt_tokens=len(job.prompt_ids)),
-                       job.generator, job.on_tokens, time.perf_counter())
+                       job.generator, job.on_tokens, time.perf_counter(), budget)
             row.policy.reset()
             rows[r] = row
             joins[r] = row.seq[:-1]
@@ -136,10 +140,10 @@ class BatchEngine:
             if drafter is not None:
                 drafter.prefill(joins)
 
-    def _start_round(self, row: _Row, max_new_tokens: int, sampling: SamplingConfig) -> bool:
+    def _start_round(self, row: _Row, sampling: SamplingConfig) -> bool:
         """Opens the row's round; True when it drafts."""
         policy = row.policy
-        remaining = max_new_tokens - len(row.out)
+        remaining = row.budget - len(row.out)
         room = policy.round_room(remaining)
         rnd = Round(sampling, row.generator, limit=min(policy.max_candidates(), room), position=len(row.seq),
                     eos=self.engine.eos)
@@ -198,15 +202,15 @@ class BatchEngine:
             verdicts[r] = rows[r].policy.verify(rows[r].rnd, logits, hid)
         return verdicts, cands
 
-    def _commit(self, row: _Row, cand: torch.Tensor, verdict: Verdict, max_new_tokens: int) -> bool:
+    def _commit(self, row: _Row, cand: torch.Tensor, verdict: Verdict) -> bool:
         """Commits the row's round (the batch-1 engine's rule); True when the row is finished."""
-        remaining = max_new_tokens - len(row.out)
+        remaining = row.budget - len(row.out)
         new = commit_round(row.stats, self.engine.eos, cand, verdict, remaining)
         row.policy.end_round(cand.shape[0], verdict.accepted)
         row.seq.extend(new)
         if row.on_tokens is not None:
             row.on_tokens(new)
-        return bool(row.stats.eos) or len(row.out) >= max_new_tokens
+        return bool(row.stats.eos) or len(row.out) >= row.budget
 
     def _finish(self, row: _Row, who: str) -> Generation:
         stats = row.stats
