@@ -23,6 +23,7 @@ from specheads.outputs import MetricsWriter, atomic_write_json
 from . import quality, training_free
 from .accuracy import add_accuracy, output_text
 from .head_calibration import add_calibration
+from .select import describe as describe_gated
 from .oracle import below_curve, cost_figures, ideal_figures
 from .plot import pareto_plot, quality_speed_plot
 from .sweep import COST_ROWS, total
@@ -189,6 +190,12 @@ def build(cfg, pair, prompts, grouped: dict[str, list[dict]], decoders, oracle: 
           perfect: GenerationStats | None, head_meta: dict | None, costs: CostTable | None, out: Path) -> dict:
     """The whole summary of a sweep (``sweep.json``), with its plots drawn into ``out``."""
     summary = summarize(cfg, grouped, oracle, head_meta, perfect, costs)
+    if getattr(cfg, "batch_size", 1) > 1:  # the cost table prices batch-1 forwards: no prediction for a batch
+        for r in summary["table"]:
+            r["predicted_ms_per_token"] = r["predicted_over_measured"] = None
+        if "best_lossless" in summary:
+            summary["best_lossless"]["predicted_tokens_per_s"] = None
+        summary["cost_model"] = "batch 1 only: the predicted columns and the oracle's price are not this batch's"
     if cfg.quality:
         add_quality(cfg, pair, prompts, grouped, decoders, summary)
     if cfg.accuracy:
@@ -269,16 +276,7 @@ def print_summary(summary: dict) -> None:
                     + (f", drop vs target {v['acc_drop']} [{v['acc_drop_low']}, {v['acc_drop_high']}]"
                        if "acc_drop" in v else "") for src, v in per.items()))
     if "gated" in summary:
-        g = summary["gated"]
-        print(f"quality-gated (accuracy drop <= {g['max_drop']} at the upper bound; chosen on {g['calibration_prompts']} "
-              f"prompts, reported on {g['test_prompts']} others):")
-        for family, e in g["rows"].items():
-            if e["row"] is None:
-                print(f"  {family}: none ({e['reason']})")
-                continue
-            print(f"  {family}: {e['row']} drop {e['acc_drop']:.4f} [{e['acc_drop_low']:.4f}, {e['acc_drop_upper']:.4f}], "
-                  f"tokens/s vs target {e['tokens_per_s_vs_target']:.3f}"
-                  + (f", vs {e['sd_reference']} {e['tokens_per_s_vs_sd']:.3f}" if "sd_reference" in e else ""))
+        print("\n".join(describe_gated(summary["gated"])))
     for name, c in summary.get("calibration", {}).items():
         o = c["overall"]
         print(f"calibration {name}: ECE {o['ece']:.4f}, Brier {o['brier']:.4f}, AUROC {o['auroc']}, {o['n']} candidates; "

@@ -98,3 +98,18 @@ def gated(grouped: dict[str, list[dict]], correct: dict[str, list[int | None]], 
                          accepted_per_call_vs_sd_interval=[by_call["low"], by_call["high"]])
         out["rows"][family] = entry
     return out
+
+
+def describe(g: dict) -> list[str]:
+    """The ``gated`` section as text lines."""
+    lines = [f"quality-gated (accuracy drop <= {g['max_drop']} at the upper bound; chosen on {g['calibration_prompts']} "
+             f"prompts, reported on {g['test_prompts']} others):"]
+    for family, e in g["rows"].items():
+        if e["row"] is None:
+            lines.append(f"  {family}: none ({e['reason']})")
+            continue
+        lines.append(f"  {family}: {e['row']} drop {e['acc_drop']:.4f} [{e['acc_drop_low']:.4f}, "
+                     f"{e['acc_drop_upper']:.4f}], tokens/s vs target {e['tokens_per_s_vs_target']:.3f}"
+                     + (f", vs {e['sd_reference']} {e['tokens_per_s_vs_sd']:.3f}" if "sd_reference" in e else ""))
+    return lines
+

@@ -252,6 +252,9 @@ def test_a_batched_sweep_decodes_what_batch_one_decodes(tiny_pair_dirs, head_fil
         for field in ("tokens", "target_calls", "draft_forwards", "accepted", "target_pass_sizes"):
             assert b[key][field] == a[key][field], (key, field)
         assert "latency_s" in b[key] and "latency_s" not in a[key]
+    s = json.loads((two / "sweep.json").read_text())  # the cost table prices batch-1 forwards only
+    assert s["batch_size"] == 2 and "batch 1 only" in s["cost_model"]
+    assert all(r["predicted_ms_per_token"] is None for r in s["table"])
     assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "bad", *common, "batch_size=2",
                       "fused_forward=false")) == 2
 
