@@ -24,7 +24,7 @@ def _interval(data: tuple[np.ndarray, ...], statistic, paired: bool = False) -> 
     if len(data[0]) < 2 or all(np.all(d == d[0]) for d in data):  # nothing to resample
         value = float(statistic(*data))
         return value, value
-    res = bootstrap(data, statistic, paired=paired, vectorized=False, confidence_level=LEVEL,
+    res = bootstrap(data, statistic, paired=paired, vectorized=True, confidence_level=LEVEL,
                     n_resamples=RESAMPLES, method="percentile", random_state=np.random.default_rng(SEED))
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
@@ -34,7 +34,7 @@ def mean_interval(values: Sequence[float]) -> dict:
     x = np.asarray(values, dtype=float)
     if not len(x):
         return {"value": None, "low": None, "high": None, "n": 0}
-    low, high = _interval((x,), np.mean)
+    low, high = _interval((x,), lambda v, axis=-1: np.mean(v, axis=axis))
     return {"value": float(x.mean()), "low": low, "high": high, "n": len(x)}
 
 
@@ -52,8 +52,9 @@ def ratio_interval(num: Sequence[float], den: Sequence[float]) -> dict:
     if not len(n) or d.sum() == 0:
         return {"value": None, "low": None, "high": None, "n": len(n)}
 
-    def stat(x, y):
-        return x.sum() / y.sum() if y.sum() else np.nan
+    def stat(x, y, axis=-1):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return x.sum(axis) / y.sum(axis)
 
     low, high = _interval((n, d), stat, paired=True)
     return {"value": float(n.sum() / d.sum()), "low": low, "high": high, "n": len(n)}
@@ -66,8 +67,21 @@ def paired_ratio(num_a, den_a, num_b, den_b) -> dict:
     if not len(arrays[0]) or any(x.sum() == 0 for x in arrays[1:]):
         return {"value": None, "low": None, "high": None, "n": len(arrays[0])}
 
-    def stat(na, da, nb, db):
-        return (na.sum() / da.sum()) / (nb.sum() / db.sum()) if da.sum() and nb.sum() and db.sum() else np.nan
+    def stat(na, da, nb, db, axis=-1):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return (na.sum(axis) / da.sum(axis)) / (nb.sum(axis) / db.sum(axis))
 
     low, high = _interval(arrays, stat, paired=True)
     return {"value": float(stat(*arrays)), "low": low, "high": high, "n": len(arrays[0])}
+
+
+def speed_intervals(rows: list[dict]) -> dict:
+    """A configuration's tokens/s and accepted tokens per target call (ratios of sums over its rows), each
+    with its 95% interval resampling prompts: ``{"tokens_per_s_interval": [low, high], ...}``."""
+    out = {}
+    for key, num, den in (("tokens_per_s_interval", "new_tokens", "wall_time"),
+                          ("accepted_per_call_interval", "accepted", "target_calls")):
+        r = ratio_interval([x.get(num, 0) for x in rows], [x.get(den, 0) for x in rows])
+        out[key] = None if r["value"] is None else [round(r["low"], 4), round(r["high"], 4)]
+    return out
+

@@ -23,6 +23,7 @@ from specheads.outputs import MetricsWriter, atomic_write_json
 from . import quality, training_free
 from .accuracy import add_accuracy, output_text
 from .head_calibration import add_calibration
+from .intervals import speed_intervals
 from .select import describe as describe_gated
 from .oracle import below_curve, cost_figures, ideal_figures
 from .plot import pareto_plot, quality_speed_plot
@@ -190,6 +191,8 @@ def build(cfg, pair, prompts, grouped: dict[str, list[dict]], decoders, oracle: 
           perfect: GenerationStats | None, head_meta: dict | None, costs: CostTable | None, out: Path) -> dict:
     """The whole summary of a sweep (``sweep.json``), with its plots drawn into ``out``."""
     summary = summarize(cfg, grouped, oracle, head_meta, perfect, costs)
+    for r in summary["table"]:
+        r.update(speed_intervals(grouped[r["config"]]))
     if getattr(cfg, "batch_size", 1) > 1:  # the cost table prices batch-1 forwards: no prediction for a batch
         for r in summary["table"]:
             r["predicted_ms_per_token"] = r["predicted_over_measured"] = None

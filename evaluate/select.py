@@ -60,9 +60,7 @@ def gated(grouped: dict[str, list[dict]], correct: dict[str, list[int | None]], 
     out = {"max_drop": max_drop, "calibration_prompts": len(calib), "test_prompts": len(test), "rows": {}}
     ar = grouped["ar"]
     for family, prefix in FAMILIES.items():
-        names = [n for n in grouped if n.startswith(prefix) and n != "ar" and not n.startswith("k")]
-        if family == "topk_verify":
-            names = [n for n in names if n[1:2].isdigit()]
+        names = [n for n in grouped if n.startswith(prefix)]
         if not names:
             continue
         candidates = {}

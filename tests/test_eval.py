@@ -118,6 +118,8 @@ def test_eval_sweep_end_to_end(tiny_pair_dirs, head_file, prompts_file, table_fi
     assert names == ["ar", "draft", "k1", "k2", "k4", "h0.3", "h0.7", "h-cost"]
     by = {r["config"]: r for r in s["table"]}
     assert by["ar"]["verification_rate"] == 1.0 and by["ar"]["discard_rate"] == 0.0
+    assert all(r["tokens_per_s_interval"][0] <= r["tokens_per_s"] <= r["tokens_per_s_interval"][1] + 1e-3
+               for r in s["table"])
     assert by["k1"]["draft_forwards_per_token"] <= by["k4"]["draft_forwards_per_token"]
     # lossless greedy: every configuration emits the target's own tokens
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]

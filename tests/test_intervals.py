@@ -7,7 +7,8 @@ import math
 import pytest
 
 from specheads.errors import UserError
-from specheads.evaluate.intervals import mean_interval, paired_difference, paired_ratio, ratio_interval
+from specheads.evaluate.intervals import (mean_interval, paired_difference, paired_ratio, ratio_interval,
+                                          speed_intervals)
 from specheads.evaluate.select import choose, gated, parse
 
 
@@ -46,6 +47,12 @@ def test_ratio_intervals_resample_prompts_whole():
     mixed = ratio_interval([10, 30, 10, 30] * 10, [1] * 40)
     assert mixed["low"] < 20 < mixed["high"] and mixed["value"] == 20
     assert ratio_interval([], [])["value"] is None
+    rows = [{"new_tokens": t, "wall_time": 1.0, "accepted": a, "target_calls": 2} for t, a in ((10, 1), (30, 3))] * 10
+    s = speed_intervals(rows)
+    assert s["tokens_per_s_interval"][0] < 20 < s["tokens_per_s_interval"][1]
+    assert s["accepted_per_call_interval"][0] < 1 < s["accepted_per_call_interval"][1]
+    assert speed_intervals([{"new_tokens": 0, "wall_time": 0, "accepted": 0, "target_calls": 0}]) == {
+        "tokens_per_s_interval": None, "accepted_per_call_interval": None}
 
 
 # ---- quality-gated selection -------------------------------------------------------------------

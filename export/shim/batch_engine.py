@@ -57,8 +57,9 @@ class _Row:
     rnd: Round | None = None
 
     @property
-    def out(self) -> list[int]:
-        return self.seq[self.stats.prompt_tokens:]
+    def produced(self) -> int:
+        """New tokens committed so far."""
+        return len(self.seq) - self.stats.prompt_tokens
 
 
 class BatchEngine:
@@ -143,7 +144,7 @@ class BatchEngine:
     def _start_round(self, row: _Row, sampling: SamplingConfig) -> bool:
         """Opens the row's round; True when it drafts."""
         policy = row.policy
-        remaining = row.budget - len(row.out)
+        remaining = row.budget - row.produced
         room = policy.round_room(remaining)
         rnd = Round(sampling, row.generator, limit=min(policy.max_candidates(), room), position=len(row.seq),
                     eos=self.engine.eos)
@@ -162,7 +163,7 @@ class BatchEngine:
             feed = {}
             for r in drafting:
                 row = rows[r]
-                pending = row.seq[drafter.length(r):] if row.rnd.n == 0 else [int(row.rnd.tokens[-1])]
+                pending = row.seq[drafter.length(r):] if row.rnd.n == 0 else row.rnd.tokens[-1].view(1)
                 count_tokens(row.stats, "draft", drafter.length(r), len(pending))
                 feed[r] = pending
             out = drafter.forward(feed, {r: 1 for r in drafting})
@@ -204,18 +205,19 @@ class BatchEngine:
 
     def _commit(self, row: _Row, cand: torch.Tensor, verdict: Verdict) -> bool:
         """Commits the row's round (the batch-1 engine's rule); True when the row is finished."""
-        remaining = row.budget - len(row.out)
+        remaining = row.budget - row.produced
         new = commit_round(row.stats, self.engine.eos, cand, verdict, remaining)
         row.policy.end_round(cand.shape[0], verdict.accepted)
         row.seq.extend(new)
         if row.on_tokens is not None:
             row.on_tokens(new)
-        return bool(row.stats.eos) or len(row.out) >= row.budget
+        return bool(row.stats.eos) or row.produced >= row.budget
 
     def _finish(self, row: _Row, who: str) -> Generation:
         stats = row.stats
-        stats.new_tokens = len(row.out)
+        out = row.seq[stats.prompt_tokens:]
+        stats.new_tokens = len(out)
         stats.draft_forwards = row.forwards
         stats.fold(row.policy.counters())
         stats.wall_time = time.perf_counter() - row.start
-        return Generation(row.out, stats, row.policy.trace())
+        return Generation(out, stats, row.policy.trace())

@@ -146,14 +146,15 @@ class BatchRunner:
         self.end += width
         self.forwards += 1
 
-    def forward(self, tokens: dict[int, list[int]], n_logits: dict[int, int]
+    def forward(self, tokens: dict[int, list[int] | torch.Tensor], n_logits: dict[int, int]
                 ) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
-        """Feeds each row in ``tokens`` its new tokens after what it holds; one forward over every row.
+        """Feeds each row in ``tokens`` its new tokens (ids, or a 1-D tensor: no host sync) after what it
+        holds; one forward over every row.
 
         Returns, per row with ``n_logits[row] > 0``: logits ``[n, V]`` at its last ``n`` new tokens and
         the requested hidden state there ``[n, d]`` (or None).
         """
-        rows = [r for r, t in tokens.items() if t]
+        rows = [r for r, t in tokens.items() if len(t)]
         if not rows:
             return {}
         width = max(len(tokens[r]) for r in rows)
@@ -164,7 +165,8 @@ class BatchRunner:
         pos = torch.zeros(self.rows, width, dtype=torch.long, device=self.device)
         for r in rows:
             n, have = len(tokens[r]), len(self.slots[r])
-            ids[r, :n] = torch.tensor(tokens[r], device=self.device)
+            t = tokens[r]
+            ids[r, :n] = t if isinstance(t, torch.Tensor) else torch.tensor(t, device=self.device)
             real[r, :n] = True
             pos[r] = torch.arange(have, have + width, device=self.device).clamp_max(self.capacity - 1)
         self.valid[:, start:end] = real

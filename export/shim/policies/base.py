@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..costs import CostTable
 from ..sampling import SamplingConfig, probs_from_logits, sample
 from .settings import HeadSpec, Settings
 
@@ -125,7 +126,7 @@ class Policy:
         todo: list[Any] = [self]
         while todo:  # through nested policies (FSD's stopper) too
             for v in vars(todo.pop()).values():
-                if isinstance(v, (torch.nn.Module, torch.Tensor)) or type(v).__name__ == "CostTable":
+                if isinstance(v, (torch.nn.Module, torch.Tensor, CostTable)):
                     shared[id(v)] = v
                 elif isinstance(v, Policy):
                     todo.append(v)
