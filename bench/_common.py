@@ -31,12 +31,41 @@ def run_pipeline(pipe_args: list[str]) -> tuple[int, dict]:
     code = pipeline_main(pipe_args)
     if code:
         return code, {}
+    return 0, _outputs(cfgs, Path(cfgs["eval"].output_dir))
 
+
+def read_pipeline(pipe_args: list[str], sweep_dir: str) -> tuple[int, dict]:
+    """:func:`run_pipeline` without running anything: the recipe's datagen and train outputs as they are,
+    and the sweep of another ``heads-eval`` run in ``sweep_dir`` that decoded with this recipe's head
+    (``bench/at_scale.py``). A missing file is a one-line error (exit code 2)."""
+    from specheads.pipeline import load_configs
+
+    _, cfgs = load_configs(pipe_args)
+    need = [Path(sweep_dir) / "sweep.json", Path(cfgs["train"].output_dir) / "metrics.json",
+            Path(cfgs["datagen"].output_dir) / "manifest.json"]
+    missing = [str(p) for p in need if not p.is_file()]
+    if missing:
+        print(f"error: {', '.join(missing)} missing: run bench/at_scale.py (or the pipeline and heads-eval) first",
+              file=sys.stderr)
+        return 2, {}
+    return 0, _outputs(cfgs, Path(sweep_dir))
+
+
+def _outputs(cfgs: dict, sweep_dir: Path) -> dict:
     def read(stage: str, name: str) -> dict:
         return json.loads((Path(cfgs[stage].output_dir) / name).read_text())
 
-    return 0, {"cfgs": cfgs, "sweep": read("eval", "sweep.json"), "metrics": read("train", "metrics.json"),
-               "manifest": read("datagen", "manifest.json")}
+    return {"cfgs": cfgs, "sweep": json.loads((sweep_dir / "sweep.json").read_text()), "sweep_dir": sweep_dir,
+            "metrics": read("train", "metrics.json"), "manifest": read("datagen", "manifest.json")}
+
+
+def intervals(sweep: dict, row: dict) -> dict:
+    """A table row's 95% intervals: tokens/s and accepted tokens per target call, and per graded prompt source
+    the accuracy, the paired drop against the target alone and the answer agreement with it."""
+    acc = sweep.get("accuracy", {}).get(row["config"], {})
+    return {"tokens_per_s_interval": row.get("tokens_per_s_interval"),
+            "accepted_per_call_interval": row.get("accepted_per_call_interval"),
+            "accuracy_by_source": {src: dict(fig) for src, fig in acc.items()}}
 
 
 def interleave(configs: dict, items: list, warmup) -> tuple[dict[str, list], dict[str, list[list[int]]]]:
@@ -83,7 +112,8 @@ def shared_pair(shared: Path, vocab: str, draft_top_n: int):
 
 
 GATED_KEYS = ("threshold", "acc_drop", "acc_drop_upper", "tokens_per_s_vs_target", "tokens_per_s_vs_sd",
-              "accepted_per_call_vs_sd")
+              "accepted_per_call_vs_sd", "acc_drop_low", "tokens_per_s_vs_target_interval", "sd_reference",
+              "tokens_per_s_vs_sd_interval", "accepted_per_call_vs_sd_interval")
 
 
 def eval_and_gated(sweep: dict) -> dict:
@@ -95,7 +125,7 @@ def eval_and_gated(sweep: dict) -> dict:
     out = {"eval": {"arc_prompts": target.get("arc", {}).get("prompts", 0),
                     "gsm8k_prompts": target.get("gsm8k", {}).get("prompts", 0), "interval": DESCRIPTION}}
     if "gated" in sweep:
-        out["eval"]["max_drop"] = sweep["gated"]["max_drop"]
+        out["eval"].update({k: sweep["gated"][k] for k in ("max_drop", "calibration_prompts", "test_prompts")})
         out["gated"] = {(e["row"] or family): {"family": family, **({k: e.get(k) for k in GATED_KEYS} if e["row"]
                                                                    else {"reason": e["reason"]})}
                         for family, e in sweep["gated"]["rows"].items()}

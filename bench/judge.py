@@ -2,6 +2,8 @@
 
     python bench/judge.py                         # recipe judge_quickstart, writes bench/results/judge.json
     python bench/judge.py eval.num_prompts=4      # a quicker look (any pipeline override)
+    python bench/judge.py --sweep runs/eval_at_scale   # report a heads-eval run that used this recipe's head
+
 
 Runs the recipe's pipeline (``heads-datagen labels=judge`` on GSM8K-train answers of both models,
 ``heads-train head=judge``, ``heads-export``, ``heads-eval`` on held-out GSM8K-test, ARC-Challenge
@@ -21,7 +23,7 @@ import shutil
 from pathlib import Path
 
 
-from _common import eval_and_gated, run_info, run_pipeline
+from _common import eval_and_gated, intervals, read_pipeline, run_info, run_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,12 +36,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="judge_quickstart")
     ap.add_argument("--out", default=str(ROOT / "bench/results/judge.json"))
+    ap.add_argument("--sweep", default=None, help="run nothing: report this heads-eval output directory (its judge "
+                                                   "rows decoded with the recipe's exported head) and the recipe's "
+                                                   "datagen and train outputs")
     args, overrides = ap.parse_known_args(argv)
     pipe_args = [f"recipe={args.recipe}", *overrides]
-    code, ran = run_pipeline(pipe_args)
+    code, ran = read_pipeline(pipe_args, args.sweep) if args.sweep else run_pipeline(pipe_args)
     if code:
         return code
-    cfgs, sweep, train, manifest = ran["cfgs"], ran["sweep"], ran["metrics"], ran["manifest"]
+    sweep, train, manifest = ran["sweep"], ran["metrics"], ran["manifest"]
     acc, judge = sweep["accuracy"], sweep["judge"]
     sd = judge["sd_reference"]
 
@@ -52,14 +57,14 @@ def main(argv=None) -> int:
     pick = max(ok, key=lambda n: rows[n]["accepted_per_call"]) if ok else sorted(rows)[-1]
     table = [{"config": r["config"], "tokens_per_s": r["tokens_per_s"], "accepted_per_call": r["accepted_per_call"],
               "tokens_per_call": r["tokens_per_call"], "gsm8k_accuracy": _acc(acc, r["config"], "gsm8k"),
-              "arc_accuracy": _acc(acc, r["config"], "arc")} for r in sweep["table"]]
+              "arc_accuracy": _acc(acc, r["config"], "arc"), **intervals(sweep, r)} for r in sweep["table"]]
     quality = {r["config"]: (r.get("rouge_vs_target") or {}).get("rougeL") for r in sweep["table"]}
     tradeoff = [{"config": n, "delta": float(n[1:]), "accepted_per_call": rows[n]["accepted_per_call"],
                  "tokens_per_s": rows[n]["tokens_per_s"], "gsm8k_accuracy": _acc(acc, n, "gsm8k"),
                  "arc_accuracy": _acc(acc, n, "arc"), "rougeL_vs_target": quality.get(n)}
                 for n in sorted(rows, key=lambda n: rows[n]["accepted_per_call"])]
     png = Path(args.out).with_name(Path(args.out).stem + "_tradeoff.png")
-    src = Path(cfgs["eval"].output_dir) / "quality.png"
+    src = ran["sweep_dir"] / "quality.png"
     if src.is_file():
         shutil.copyfile(src, png)
     result = {

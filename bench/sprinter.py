@@ -3,6 +3,7 @@
     python bench/sprinter.py                      # recipe sprinter_quickstart, writes bench/results/sprinter.json
     python bench/sprinter.py --specdecpp-head runs/specdecpp_smollm2-export/head.safetensors   # + SpecDec++ rows
     python bench/sprinter.py eval.num_prompts=2   # a quicker look (any pipeline override)
+    python bench/sprinter.py --sweep runs/eval_at_scale   # report a heads-eval run that used this recipe's head
 
 Runs the recipe's pipeline: ``heads-datagen labels=sprinter`` (four equal prefix categories),
 ``heads-train head=verifier`` (the verifier at the recipe's lambda, plus one per ``roc_lambdas``
@@ -20,7 +21,7 @@ import shutil
 from pathlib import Path
 
 
-from _common import eval_and_gated, run_info, run_pipeline
+from _common import eval_and_gated, intervals, read_pipeline, run_info, run_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = ("config", "tokens", "tokens_per_s", "verification_rate", "tokens_per_call", "gflops_per_token",
@@ -33,11 +34,14 @@ def main(argv=None) -> int:
     ap.add_argument("--specdecpp-head", default=None, help="an exported SpecDec++ head of the same pair: adds its rows")
     ap.add_argument("--thresholds", default="[0.5,0.8]", help="SpecDec++ thresholds with --specdecpp-head")
     ap.add_argument("--out", default=str(ROOT / "bench/results/sprinter.json"))
+    ap.add_argument("--sweep", default=None, help="run nothing: report this heads-eval output directory (its SPRINTER "
+                                                   "rows decoded with the recipe's exported verifier) and the "
+                                                   "recipe's datagen and train outputs")
     args, overrides = ap.parse_known_args(argv)
     extra = [f"eval.head={args.specdecpp_head}", f"eval.thresholds={args.thresholds}", "eval.k_min=1"] \
         if args.specdecpp_head else []
     pipe_args = [f"recipe={args.recipe}", *extra, *overrides]
-    code, ran = run_pipeline(pipe_args)
+    code, ran = read_pipeline(pipe_args, args.sweep) if args.sweep else run_pipeline(pipe_args)
     if code:
         return code
     sweep, train, manifest = ran["sweep"], ran["metrics"], ran["manifest"]
@@ -48,7 +52,8 @@ def main(argv=None) -> int:
     shutil.copyfile(train["roc_png"], png)
     table = [{c: r.get(c) for c in COLUMNS} | {
         "rouge_l_vs_target": (r.get("rouge_vs_target") or {}).get("rougeL"),
-        "rouge_l_vs_reference": (r.get("rouge_vs_reference") or {}).get("rougeL")} for r in sweep["table"]]
+        "rouge_l_vs_reference": (r.get("rouge_vs_reference") or {}).get("rougeL"), **intervals(sweep, r)}
+        for r in sweep["table"]]
     result = {
         **run_info(__file__, argv, f"fp32, batch {sweep.get('batch_size', 1)} decoding"),
         "prompts": sweep["prompts"], "num_prompts": sweep["num_prompts"], "max_new_tokens": sweep["max_new_tokens"],

@@ -3,6 +3,7 @@ draft-confidence stopping against SD, graded on GSM8K-test.
 
     python bench/training_free.py                  # recipe fsd_quickstart, writes bench/results/training_free.json
     python bench/training_free.py eval.num_prompts=2 eval.max_new_tokens=16 eval.fsd_tv=[]   # a quick look
+    python bench/training_free.py --sweep runs/eval_at_scale   # report an existing heads-eval run instead
 
 Runs ``heads-eval`` with the recipe's ``eval`` section (any ``key=value`` or ``eval.key=value``
 override): target-only, draft-only, SD at fixed K, top-K verification, FSD at every threshold of
@@ -22,7 +23,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from _common import eval_and_gated, run_info
+from _common import eval_and_gated, intervals, run_info
 from specheads.config import UserError, load_config
 from specheads.evaluate.cli import main as eval_main
 from specheads.evaluate.config import EvalConfig
@@ -51,7 +52,7 @@ def _table(sweep: dict) -> list[dict]:
                     "rouge_l_vs_target": 1.0 if r["config"] == "ar" else (r.get("rouge_vs_target") or {}).get("rougeL"),
                     "fuzzy_only": extra.get("fuzzy_only"),
                     "vs_sd_tokens_per_s": round(r["tokens_per_s"] / sd["tokens_per_s"], 4)
-                    if sd and sd["tokens_per_s"] else None})
+                    if sd and sd["tokens_per_s"] else None, **intervals(sweep, r)})
     return out
 
 
@@ -99,17 +100,25 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="fsd_quickstart")
     ap.add_argument("--out", default=str(ROOT / "bench/results/training_free.json"))
+    ap.add_argument("--sweep", default=None, help="run nothing: report this heads-eval output directory")
     args, overrides = ap.parse_known_args(argv)
-    eval_args = [f"recipe={args.recipe}", *(o.removeprefix("eval.") for o in overrides)]
-    try:
-        cfg = load_config(EvalConfig, "eval", eval_args)  # fail fast on a bad override
-    except UserError as exc:
-        print(f"training_free.py: error: {exc}", file=sys.stderr)
-        return 2
-    code = eval_main(eval_args)
-    if code:
-        return code
-    out_dir = Path(cfg.output_dir)
+    if args.sweep:
+        out_dir = Path(args.sweep)
+        if not (out_dir / "sweep.json").is_file():
+            print(f"training_free.py: error: {out_dir / 'sweep.json'} missing: run heads-eval there first",
+                  file=sys.stderr)
+            return 2
+    else:
+        eval_args = [f"recipe={args.recipe}", *(o.removeprefix("eval.") for o in overrides)]
+        try:
+            cfg = load_config(EvalConfig, "eval", eval_args)  # fail fast on a bad override
+        except UserError as exc:
+            print(f"training_free.py: error: {exc}", file=sys.stderr)
+            return 2
+        code = eval_main(eval_args)
+        if code:
+            return code
+        out_dir = Path(cfg.output_dir)
     sweep = json.loads((out_dir / "sweep.json").read_text())
     manifest = json.loads((out_dir / "manifest.json").read_text())
     if "training_free" not in sweep:
@@ -126,7 +135,8 @@ def main(argv=None) -> int:
                           for t in sorted(thresholds)]
     result = {
         **run_info(__file__, argv, f"fp32, batch {sweep.get('batch_size', 1)} decoding"),
-        "recipe": args.recipe, "prompts": sweep["prompts"], "num_prompts": sweep["num_prompts"],
+        "recipe": str(out_dir / "config.yaml") if args.sweep else args.recipe,
+        "prompts": sweep["prompts"], "num_prompts": sweep["num_prompts"],
         "max_new_tokens": sweep["max_new_tokens"], "sampling": sweep["sampling"],
         "wall_time_s": manifest["wall_time_s"],
         "t_target_ms": sweep["t_target_ms"], "t_draft_ms": sweep["t_draft_ms"],

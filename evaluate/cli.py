@@ -56,7 +56,7 @@ from specheads.export.shim.models import load_pair, same_vocabulary
 from specheads.export.shim.divergence import DIVERGENCES
 from specheads.export.shim.policies import (FSD, POLICIES, TLI, ConfidenceStop, Judge, SpecDecPP, Sprinter,
                                             StandardSD, TopKVerify)
-from specheads.outputs import prepare_output_dir, write_manifest
+from specheads.outputs import holds_other_run, prepare_output_dir, write_manifest
 from specheads.prompts import load_prompt_files
 
 from . import report
@@ -142,7 +142,10 @@ def run(cfg: EvalConfig) -> int:
     hf_logging.disable_progress_bar()
     head_meta = read_metadata(cfg.head) if cfg.head else None
     prompts = load_prompt_files(cfg.prompts, limit=cfg.num_prompts, offset=cfg.offset)
+    fresh = cfg.overwrite and holds_other_run(cfg.output_dir, to_yaml(cfg))
     out = prepare_output_dir(cfg.output_dir, to_yaml(cfg), overwrite=cfg.overwrite)
+    if fresh:  # another run's rows share config names with this one's, not its settings: never resume from them
+        (out / "rows.jsonl").unlink(missing_ok=True)
     started = time.time()
     pair = load_pair(cfg.target, cfg.draft, same_vocab=not cfg.hetero)
     shared = same_vocabulary(pair.target.tokenizer, pair.draft.tokenizer)

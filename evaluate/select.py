@@ -14,8 +14,10 @@ from specheads.errors import UserError
 
 from .intervals import paired_difference, paired_ratio
 
-# Row-name prefixes of the lossy policies a threshold trades speed for quality in.
-FAMILIES = {"judge": "j", "sprinter": "s", "topk_verify": "t", "fsd": "fsd-"}
+# Row-name prefixes of the lossy policies a threshold trades speed for quality in; FSD is one family per
+# divergence (``fsd_kl`` is the training-free KL judge), so each gets its own gated threshold.
+FAMILIES = {"judge": "j", "sprinter": "s", "topk_verify": "t", "fsd_js": "fsd-js-", "fsd_tv": "fsd-tv-",
+            "fsd_kl": "fsd-kl-", "fsd_kl_rev": "fsd-kl_rev-"}
 
 
 def parse(select: str | None) -> float | None:
@@ -53,7 +55,7 @@ def gated(grouped: dict[str, list[dict]], correct: dict[str, list[int | None]], 
             ``target_calls``).
         correct: each configuration's 0/1 per prompt (None where no grader fits).
         max_drop: the largest accepted upper bound of the drop.
-        sd_reference: per family, the SD row its speed is compared with (None: no SD row).
+        sd_reference: per family (``fsd`` for every FSD divergence), the SD row its speed is compared with.
     """
     graded = [i for i, c in enumerate(correct["ar"]) if c is not None]
     calib, test = graded[0::2], graded[1::2]
@@ -86,7 +88,7 @@ def gated(grouped: dict[str, list[dict]], correct: dict[str, list[int | None]], 
                      acc_drop_low=drop["low"], acc_drop_upper=drop["high"],
                      tokens_per_s_vs_target=vs_target["value"],
                      tokens_per_s_vs_target_interval=[vs_target["low"], vs_target["high"]])
-        sd = sd_reference.get(family)
+        sd = sd_reference.get(family.split("_")[0] if family.startswith("fsd") else family)
         if sd is not None:
             by_time, by_call = ratio("new_tokens", "wall_time", grouped[sd]), ratio("accepted", "target_calls",
                                                                                       grouped[sd])

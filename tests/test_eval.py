@@ -191,6 +191,17 @@ def test_eval_resumes_after_a_kill(tiny_pair_dirs, prompts_file, tmp_path, monke
         (i, c) for i in range(4) for c in ("ar", "draft", "k2"))
 
 
+def test_overwrite_never_resumes_from_the_other_runs_rows(tiny_pair_dirs, prompts_file, table_file, tmp_path):
+    """The same config names under other settings (here max_new_tokens) are another run's rows: overwrite=true
+    decodes afresh instead of reporting them."""
+    out = tmp_path / "ev"
+    common = [f"profile={table_file}", "ks=[2]", "thresholds=[]", "head=null", "oracle=false", "quality=false"]
+    assert main(_args(tiny_pair_dirs, prompts_file, out, *common, "max_new_tokens=3")) == 0
+    assert main(_args(tiny_pair_dirs, prompts_file, out, *common, "max_new_tokens=6", "overwrite=true")) == 0
+    rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 * 3 and any(len(r["tokens"]) > 3 for r in rows)
+
+
 def test_eval_bad_input(tiny_pair_dirs, prompts_file, tmp_path, capsys):
     assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "a", "ks=[0,2]", "head=null")) == 2
     assert "every K must be >= 1" in capsys.readouterr().err

@@ -92,6 +92,24 @@ def test_gated_chooses_on_one_half_and_reports_on_the_other():
     assert none["row"] is None and "no setting" in none["reason"]
 
 
+def test_every_fsd_divergence_gets_its_own_threshold_and_the_sd_reference():
+    """fsd-kl-1 (fast, lossy) and fsd-kl-0.3 (lossless) against fsd-js-0.1 (lossless, slower): one choice per
+    divergence, so the KL judge's gated row is not hidden behind a faster JS row, and both price against k4."""
+    n = 200
+    grouped = {"ar": _rows(n, 10, 1.0, calls=10), "k4": _rows(n, 10, 0.8, accepted=6, calls=4),
+               "fsd-kl-1": _rows(n, 10, 0.4, accepted=9, calls=2), "fsd-kl-0.3": _rows(n, 10, 0.5, accepted=8, calls=2),
+               "fsd-js-0.1": _rows(n, 10, 0.6, accepted=7, calls=3)}
+    target = [1] * n
+    correct = {"ar": target, "k4": target, "fsd-kl-1": [0 if i % 4 == 0 else 1 for i in range(n)],
+               "fsd-kl-0.3": target, "fsd-js-0.1": target}
+    rows = gated(grouped, correct, 0.01, {"fsd": "k4"})["rows"]
+    assert set(rows) == {"fsd_kl", "fsd_js"}
+    assert (rows["fsd_kl"]["row"], rows["fsd_kl"]["threshold"]) == ("fsd-kl-0.3", 0.3)
+    assert (rows["fsd_js"]["row"], rows["fsd_js"]["threshold"]) == ("fsd-js-0.1", 0.1)
+    assert rows["fsd_kl"]["sd_reference"] == rows["fsd_js"]["sd_reference"] == "k4"
+    assert rows["fsd_kl"]["tokens_per_s_vs_sd"] == pytest.approx(1.6)
+
+
 @pytest.mark.parametrize("bad", ["max_drop", "max_drop:x", "drop:0.01", "max_drop:1.5", "max_drop:-0.1"])
 def test_select_spelling(bad):
     assert parse("max_drop:0.01") == 0.01 and parse(None) is None
