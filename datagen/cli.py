@@ -4,6 +4,7 @@
     accelerate launch --multi_gpu --num_processes 2 -m specheads.datagen.cli recipe=quickstart   # no GPU: 2 CPU processes, gloo
     heads-datagen recipe=quickstart verify            # every prompt labelled once, every shard readable
     heads-datagen merge from=node0/labels,node1/labels output_dir=labels   # nodes without a shared disk
+    heads-datagen recipe=judge_mined_quickstart show index=3   # one swap-mined prompt, its mismatches coloured
 
 Output: ``data/chunk-*.parquet``, one row per prompt. ``labels=acceptance``: ``prompt_id``,
 ``prompt_index``, ``input_ids`` = prompt + response, ``response_start``, ``draft_token``,
@@ -14,7 +15,9 @@ decision ``Div < T`` for each of ``fsd_thresholds``). ``labels=sprinter`` (see `
 lengths), ``draft_token``, ``q_token``, ``p_token``, ``ratio``, ``tv``. ``labels=judge`` (see
 ``judge.py``): one row per tuple side (``tuple_id``, ``prompt_index``, ``side``, ``input_ids`` =
 question + answer, ``answer_start``, ``labels`` 1/0/-1), the target's features at the labelled
-tokens in ``features/chunk-*.safetensors`` (fp16), ``tuples.jsonl`` and ``review.jsonl``. Also ``manifest.json`` (counts, label statistics, models, fingerprints,
+tokens in ``features/chunk-*.safetensors`` (fp16), ``tuples.jsonl`` and ``review.jsonl``; with
+``mining=swap`` (``mining.py``) the rows come from swapping the draft's mismatches in, and ``mined.jsonl``
+holds each searched prompt with its marked mismatches. Also ``manifest.json`` (counts, label statistics, models, fingerprints,
 sampling settings, seed, schema version, ``numerics``: threads per process, process count, dtypes,
 devices, torch version, kernel path), ``metrics.jsonl`` (one line per chunk) and
 ``config.yaml``. Killed at any point and started again with the same command (any process
@@ -54,6 +57,7 @@ from . import shards
 from .config import PROG, DatagenConfig
 from .labelling import Job
 from .manifest import chunk_metrics, finish
+from .mined_view import show
 from .registry import LABELLERS, labeller
 from .verify import merge, verify_main
 
@@ -187,13 +191,22 @@ def _run(cfg: DatagenConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``heads-datagen`` (and its ``verify`` and ``merge`` steps, see ``verify.py``)."""
+    """Entry point of ``heads-datagen`` (its ``verify`` and ``merge`` steps: ``verify.py``; ``show``: ``mined_view.py``)."""
     import sys
 
     args = list(sys.argv[1:] if argv is None else argv)
     if "verify" in args:
         args.remove("verify")
         return cli_main(f"{PROG} verify", DatagenConfig, "datagen", args, verify_main)
+    if "show" in args:
+        args.remove("show")
+        picked = [a for a in args if a.startswith("index=")]
+        args = [a for a in args if not a.startswith("index=")]
+        try:
+            index = int(picked[-1][len("index="):]) if picked else 0
+        except ValueError:
+            index = -1
+        return cli_main(f"{PROG} show", DatagenConfig, "datagen", args, lambda cfg: show(cfg.output_dir, index))
     if "merge" in args:
         args.remove("merge")
         sources = [a for a in args if a.startswith("from=")]

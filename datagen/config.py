@@ -39,6 +39,11 @@ class DatagenConfig:
     answer_models: list[str] = field(default_factory=lambda: ["target", "draft"], metadata={"help": "judge: the models that answer each prompt"})
     answer_samples: int = field(default=1, metadata={"help": "judge: sampled answers per model and prompt, besides the greedy one"})
     answer_temperature: float = field(default=0.8, metadata={"help": "judge: temperature of the sampled answers"})
+    mining: str = field(default="arith", metadata={"help": "judge: where the wrong tokens come from: arith (graded answers of answer_models; the arithmetic checker localises a wrong answer's first false step) | swap (AutoJudge: each draft token that differs from the target's greedy one is swapped in and the target finishes; it is important when the final answer changes)"})
+    checker: str = field(default="auto", metadata={"help": "judge, mining=swap: how a response's final answer is read: auto (by prompt source) | gsm8k (final number) | arc (letter) | exact (normalised text) | module:function (your callable (prompt, text) -> answer)"})
+    mine_max_mismatches: int = field(default=16, metadata={"help": "judge, mining=swap: most mismatches tried per prompt (then a budget hit)"})
+    mine_max_tokens: int = field(default=2048, metadata={"help": "judge, mining=swap: most continuation tokens the target generates per prompt (then a budget hit)"})
+    mine_label_matches: bool = field(default=False, metadata={"help": "judge, mining=swap: also label every other token of the final response 1 (default: only the tried mismatches are labelled)"})
     threads: int | None = field(default=None, metadata={"help": "torch threads per process (torch.set_num_threads); null: torch's default. Results match bit for bit only between runs with the same count (see the manifest's numerics)"})
     seed: int = 0
     output_dir: str = "runs/datagen"

@@ -28,7 +28,7 @@ from specheads.export.shim.hidden import HiddenCapture
 from specheads.export.shim.models import pad_batch
 from specheads.grading import grade
 
-from . import arith, shards
+from . import arith, mining, shards
 from .labelling import Job, Labelled, Labeller
 from .tuples import IGNORE, JudgeTuple, load_tuples, token_labels
 
@@ -176,7 +176,8 @@ def summarise(out: Path) -> dict:
     counts = {k: 0 for k in COUNTS}
     pos = neg = 0
     handles = {}
-    for name in ("tuples.jsonl", "review.jsonl"):
+    mined = (out / "mined").is_dir()
+    for name in ("tuples.jsonl", "review.jsonl") + (("mined.jsonl",) if mined else ()):
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=out)
         handles[name] = (os.fdopen(fd, "w", encoding="utf-8"), tmp)
     try:
@@ -189,6 +190,8 @@ def summarise(out: Path) -> dict:
             neg += int((labels == 0).sum())
             handles["tuples.jsonl"][0].writelines(x + "\n" for x in files.tuples())
             handles["review.jsonl"][0].writelines(x + "\n" for x in files.review())
+            if mined:
+                handles["mined.jsonl"][0].writelines(x + "\n" for x in files.mined())
         for name, (fh, tmp) in handles.items():
             fh.flush()
             os.fsync(fh.fileno())
@@ -199,9 +202,13 @@ def summarise(out: Path) -> dict:
             fh.close()
             Path(tmp).unlink(missing_ok=True)
     tokens = pos + neg
-    return {"prompts": counts["items"], "tuple_counts": counts, "labelled_tokens": tokens,
-            "positive_tokens": pos, "negative_tokens": neg, "label_mean": pos / tokens if tokens else None,
-            "tuples_file": "tuples.jsonl", "review_file": "review.jsonl"}
+    stats = {"prompts": counts["items"], "tuple_counts": counts, "labelled_tokens": tokens,
+             "positive_tokens": pos, "negative_tokens": neg, "label_mean": pos / tokens if tokens else None,
+             "tuples_file": "tuples.jsonl", "review_file": "review.jsonl"}
+    if mined:
+        stats["mining"] = mining.summary(counts, out)
+        stats["mined_file"] = "mined.jsonl"
+    return stats
 
 
 class JudgeLabeller(Labeller):
@@ -214,10 +221,14 @@ class JudgeLabeller(Labeller):
             out.append(f"answer_models={list(cfg.answer_models)}: choose from target, draft")
         if cfg.answer_samples < 0 or cfg.answer_temperature <= 0:
             out.append("answer_samples must be >= 0 and answer_temperature > 0")
+        if cfg.mining not in ("arith", "swap"):
+            out.append(f"mining={cfg.mining!r}: choose arith or swap")
+        elif cfg.mining == "swap":
+            out += mining.problems(cfg)
         return out
 
     def needs_draft(self, cfg) -> bool:
-        return not (cfg.tuples or "draft" not in cfg.answer_models)
+        return cfg.mining == "swap" or not (cfg.tuples or "draft" not in cfg.answer_models)
 
     def items(self, cfg):
         if not cfg.tuples:
@@ -227,11 +238,17 @@ class JudgeLabeller(Labeller):
 
     def label_chunk(self, job: Job, items: list, chunk: int) -> Labelled:
         cfg, pair = job.cfg, job.pair
-        counts = {k: 0 for k in COUNTS}
-        counts["items"] = len(items)
-        tuples, review, index_of = _tuples(job, items, chunk, counts)
+        if cfg.mining == "swap":
+            tuples, review = [], []
+            found, mined, index_of, counts = mining.chunk_rows(job, items, chunk)
+        else:
+            counts, mined = {k: 0 for k in COUNTS}, None
+            counts["items"] = len(items)
+            tuples, review, index_of = _tuples(job, items, chunk, counts)
+            found = tuple_rows(pair.tokenizer, tuples, lambda q: format_prompt(pair.tokenizer, q, cfg.chat_template))
         rows = []
-        for r in tuple_rows(pair.tokenizer, tuples, lambda q: format_prompt(pair.tokenizer, q, cfg.chat_template)):
+        counts["too_long"] = 0
+        for r in found:
             if job.limit and len(r["input_ids"]) > job.limit:
                 counts["too_long"] += 1
                 continue
@@ -248,7 +265,8 @@ class JudgeLabeller(Labeller):
         if rows:
             offsets[1:] = torch.tensor(per_row, dtype=torch.int64).cumsum(0)
         JudgeChunkFiles(cfg.output_dir, chunk).write(feats, labels, offsets, [t.to_json() for t in tuples],
-                                                     [json.dumps(x, ensure_ascii=False) for x in review], counts)
+                                                     [json.dumps(x, ensure_ascii=False) for x in review], counts,
+                                                     mined)
         cols = {k: [] for k in JUDGE_COLUMNS}
         for r in rows:
             cols["tuple_id"].append(r["tuple_id"])
@@ -268,7 +286,15 @@ class JudgeLabeller(Labeller):
                              "sha256": file_sha256(feats)}}
 
     def summarise(self, cfg, out: Path, models: dict) -> tuple[dict, dict]:
-        return summarise(out), {"answer_models": list(cfg.answer_models), "answer_samples": cfg.answer_samples,
+        stats = summarise(out)
+        if cfg.mining == "swap":  # the settings beside the counts
+            stats["mining"] = {"method": "swap", "checker": cfg.checker, "max_mismatches": cfg.mine_max_mismatches,
+                               "max_tokens": cfg.mine_max_tokens, "label_matches": cfg.mine_label_matches,
+                               **stats["mining"]}
+        else:
+            stats["mining"] = {"method": cfg.mining}
+        return stats, {"answer_models": list(cfg.answer_models),
+                                "answer_samples": cfg.answer_samples,
                                 "answer_temperature": cfg.answer_temperature, "tuples_imported_from": cfg.tuples,
                                 "hidden_size": models["hidden_size"],
                                 "feature": {"model": "target", "state": "pre", "layer": -1}}

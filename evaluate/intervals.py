@@ -3,8 +3,9 @@
 Accuracy is a mean of 0/1 outcomes per prompt; a configuration's accuracy drop against the target
 alone is the mean of per-prompt differences **paired by prompt** (the same prompts, so prompt
 difficulty cancels and the interval is far narrower than two separate ones). Speed figures are
-ratios of sums (tokens / seconds, accepted / target calls), bootstrapped by resampling prompts.
-Every interval is a 95% percentile bootstrap with a fixed seed: the same rows give the same bounds.
+ratios of sums (tokens / seconds, accepted / target calls), bootstrapped by resampling prompts; in a
+batched sweep the prompts of one block share its measured time (each row holds a share by tokens), so
+a time-based figure resamples blocks (:func:`units`), the independent timings. Every interval is a 95% percentile bootstrap with a fixed seed: the same rows give the same bounds.
 """
 
 from __future__ import annotations
@@ -17,7 +18,20 @@ from scipy.stats import bootstrap
 LEVEL = 0.95
 RESAMPLES = 4000
 SEED = 0
-DESCRIPTION = "paired bootstrap 95% (percentile, 4000 resamples, resampling prompts)"
+DESCRIPTION = ("paired bootstrap 95% (percentile, 4000 resamples, resampling prompts; batched tokens/s: resampling "
+               "the blocks of prompts that were timed together)")
+
+
+def units(rows: list[dict], keys: tuple[str, ...]) -> list[np.ndarray]:
+    """Per timing unit, the sums of ``keys`` over its rows: a batched sweep's block (rows carry ``block``),
+    else each row alone. Rows of two configurations in the same prompt order give the same units, in
+    the same order (a ratio of sums is the same over units as over rows)."""
+    sums: dict = {}
+    for i, r in enumerate(rows):
+        acc = sums.setdefault(("block", r["block"]) if r.get("block") is not None else ("row", i), [0.0] * len(keys))
+        for k, key in enumerate(keys):
+            acc[k] += r.get(key, 0) or 0
+    return [np.asarray([v[k] for v in sums.values()], dtype=float) for k in range(len(keys))]
 
 
 def _interval(data: tuple[np.ndarray, ...], statistic, paired: bool = False) -> tuple[float, float]:
@@ -81,7 +95,8 @@ def speed_intervals(rows: list[dict]) -> dict:
     out = {}
     for key, num, den in (("tokens_per_s_interval", "new_tokens", "wall_time"),
                           ("accepted_per_call_interval", "accepted", "target_calls")):
-        r = ratio_interval([x.get(num, 0) for x in rows], [x.get(den, 0) for x in rows])
+        r = ratio_interval(*(units(rows, (num, den)) if den == "wall_time" else
+                             ([x.get(num, 0) for x in rows], [x.get(den, 0) for x in rows])))
         out[key] = None if r["value"] is None else [round(r["low"], 4), round(r["high"], 4)]
     return out
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from specheads.errors import UserError
 
-from .intervals import paired_difference, paired_ratio
+from .intervals import paired_difference, paired_ratio, units
 
 # Row-name prefixes of the lossy policies a threshold trades speed for quality in; FSD is one family per
 # divergence (``fsd_kl`` is the training-free KL judge), so each gets its own gated threshold.
@@ -80,6 +80,9 @@ def gated(grouped: dict[str, list[dict]], correct: dict[str, list[int | None]], 
         drop = paired_difference([correct["ar"][i] for i in test], [correct[pick][i] for i in test])
 
         def ratio(num: str, den: str, ref: list[dict]) -> dict:
+            if den == "wall_time":  # a batched row's time is its block's share: resample blocks
+                return paired_ratio(*units([rows[i] for i in test], (num, den)), *units([ref[i] for i in test],
+                                                                                       (num, den)))
             return paired_ratio([rows[i][num] for i in test], [rows[i][den] for i in test],
                                 [ref[i][num] for i in test], [ref[i][den] for i in test])
 

@@ -144,6 +144,7 @@ def run_sweep(decoders: dict[str, Decoder], prompts, rows_path: Path, warmup: bo
                     for r in rows.values():
                         r["latency_s"] = r["wall_time"]
                         r["wall_time"] = elapsed * max(len(r["tokens"]), 0) / tokens
+                        r["block"] = b  # the timing unit its intervals resample
                 for i, _ in mine:
                     fh.write(json.dumps(rows[i]) + "\n")
                     done[(i, name)] = rows[i]

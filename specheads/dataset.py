@@ -28,7 +28,7 @@ from specheads.errors import UserError
 SCHEMA_VERSION = 2
 FOOTER_KEY = b"specheads"
 # Every folder a run writes besides its top-level files (another run's must not mix with it).
-RUN_DIRS = ("data", "features", "tuples", "review")
+RUN_DIRS = ("data", "features", "tuples", "review", "mined")
 
 ACCEPTANCE_COLUMNS = ("prompt_id", "prompt_index", "input_ids", "response_start", "draft_token", "label",
                       "expected_label")
@@ -120,7 +120,8 @@ class JudgeChunkFiles:
     labelled answer tokens), ``labels`` ``[M]`` and ``offsets`` ``[rows + 1]`` (row ``i``'s tokens are
     ``offsets[i]:offsets[i+1]``, rows in Parquet order). ``tuples/chunk-N.jsonl``,
     ``review/chunk-N.jsonl`` and ``tuples/chunk-N.counts.json``: the chunk's tuples, review items
-    and counts, merged into ``tuples.jsonl``, ``review.jsonl`` and the manifest at the end.
+    and counts, merged into ``tuples.jsonl``, ``review.jsonl`` and the manifest at the end; with
+    ``mining=swap`` also ``mined/chunk-N.jsonl`` (one searched prompt per line), merged into ``mined.jsonl``.
     """
 
     def __init__(self, out_dir: Path, chunk: int):
@@ -129,13 +130,16 @@ class JudgeChunkFiles:
         self.tuples_path = root / "tuples" / f"chunk-{chunk:06d}.jsonl"
         self.review_path = root / "review" / f"chunk-{chunk:06d}.jsonl"
         self.counts_path = root / "tuples" / f"chunk-{chunk:06d}.counts.json"
+        self.mined_path = root / "mined" / f"chunk-{chunk:06d}.jsonl"
 
     @property
-    def paths(self) -> tuple[Path, Path, Path, Path]:
-        """Every side file: features, tuples, review, counts."""
-        return self.features_path, self.tuples_path, self.review_path, self.counts_path
+    def paths(self) -> tuple[Path, ...]:
+        """Every side file: features, tuples, review, counts (and the mined records of ``mining=swap``)."""
+        base = (self.features_path, self.tuples_path, self.review_path, self.counts_path)
+        return base + (self.mined_path,) if self.mined_path.is_file() else base
 
-    def write(self, features, labels, offsets, tuples: list[str], review: list[str], counts: dict) -> None:
+    def write(self, features, labels, offsets, tuples: list[str], review: list[str], counts: dict,
+              mined: list[str] | None = None) -> None:
         from safetensors.torch import save_file
 
         from specheads.outputs import atomic_write_text
@@ -145,7 +149,9 @@ class JudgeChunkFiles:
         save_file({"features": features.contiguous(), "labels": labels.contiguous(), "offsets": offsets.contiguous()},
                   str(tmp))
         os.replace(tmp, self.features_path)
-        for path, lines in ((self.tuples_path, tuples), (self.review_path, review)):
+        for path, lines in ((self.tuples_path, tuples), (self.review_path, review), (self.mined_path, mined)):
+            if lines is None:
+                continue
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(path, "".join(x + "\n" for x in lines))
         atomic_write_text(self.counts_path, json.dumps(counts))
@@ -166,3 +172,9 @@ class JudgeChunkFiles:
 
     def review(self) -> list[str]:
         return [x for x in self.review_path.read_text(encoding="utf-8").splitlines() if x.strip()]
+
+    def mined(self) -> list[str]:
+        """The chunk's ``mining=swap`` records (none for other judge runs)."""
+        if not self.mined_path.is_file():
+            return []
+        return [x for x in self.mined_path.read_text(encoding="utf-8").splitlines() if x.strip()]

@@ -52,8 +52,7 @@ def grade(prompt, text: str) -> bool | None:
     if prompt.reference is None:
         return None
     if prompt.source == "arc":
-        m = _LETTER.search(text)
-        return m is not None and m.group(1) == prompt.reference.strip()
+        return letter(text) == prompt.reference.strip()
     try:
         float(prompt.reference.replace(",", ""))
     except ValueError:
@@ -61,14 +60,14 @@ def grade(prompt, text: str) -> bool | None:
     return final_correct(text, prompt.reference)
 
 
-def answer(prompt, text: str) -> str | None:
-    """The answer ``grade`` reads from ``text`` (ARC: the letter; numeric: the final number, normalised),
-    to compare two outputs' answers; None when there is none or no grader fits the prompt."""
-    if grade(prompt, text) is None:
-        return None
-    if prompt.source == "arc":
-        m = _LETTER.search(text)
-        return m.group(1) if m else None
+def letter(text: str) -> str | None:
+    """The letter an ARC answer chooses: the first standalone A-E, or None."""
+    m = _LETTER.search(text)
+    return m.group(1) if m else None
+
+
+def number(text: str) -> str | None:
+    """The final number of a GSM8K-style answer (:func:`final_answer`), normalised (``1,250.0`` -> ``1250``)."""
     fin = final_answer(text)
     if fin is None:
         return None
@@ -76,3 +75,11 @@ def answer(prompt, text: str) -> str | None:
         return f"{parse_number(fin[0]):g}"
     except ValueError:
         return fin[0].strip()
+
+
+def answer(prompt, text: str) -> str | None:
+    """The answer ``grade`` reads from ``text`` (ARC: the letter; numeric: the final number, normalised),
+    to compare two outputs' answers; None when there is none or no grader fits the prompt."""
+    if grade(prompt, text) is None:
+        return None
+    return letter(text) if prompt.source == "arc" else number(text)

@@ -115,3 +115,17 @@ def test_select_spelling(bad):
     assert parse("max_drop:0.01") == 0.01 and parse(None) is None
     with pytest.raises(UserError, match="max_drop:X"):
         parse(bad)
+
+
+def test_batched_time_resamples_blocks_not_prompts():
+    """A batched row's time is its block's share: the rows of one block have one rate, so resampling rows
+    would see as many identical rates as rows. The blocks are the units: their sums, in order."""
+    from specheads.evaluate.intervals import speed_intervals, units
+
+    rows = [{"new_tokens": 10, "wall_time": 1.0, "block": 0}, {"new_tokens": 30, "wall_time": 3.0, "block": 0},
+            {"new_tokens": 20, "wall_time": 1.0, "block": 1}, {"new_tokens": 20, "wall_time": 1.0, "block": 1},
+            {"new_tokens": 5, "wall_time": 1.0}]
+    toks, secs = units(rows, ("new_tokens", "wall_time"))
+    assert toks.tolist() == [40, 40, 5] and secs.tolist() == [4.0, 2.0, 1.0]
+    low, high = speed_intervals(rows[:4])["tokens_per_s_interval"]
+    assert low == pytest.approx(10.0) and high == pytest.approx(20.0)  # two blocks: 10 and 20 tokens/s

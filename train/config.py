@@ -13,7 +13,7 @@ class TrainConfig:
     ``labels=acceptance`` data, or on the FSD decisions of ``labels=fsd`` data) or the SPRINTER
     verifier (class-weighted BCE on ``labels=sprinter`` data)."""
 
-    data_dir: str = field(default="", metadata={"help": "output_dir of heads-datagen"})
+    data_dir: str = field(default="", metadata={"help": "output_dir of heads-datagen (head=judge: several comma-separated judge data sets of one target are mixed)"})
     draft: ModelSpec = field(default_factory=ModelSpec)
     head: str = field(default="acceptance", metadata={"help": "acceptance (SpecDec++; alias specdecpp) | verifier (SPRINTER; alias sprinter) | judge (Judge decoding, on labels=judge data; needs no model)"})
     depth: int = field(default=3, metadata={"help": "residual blocks D (0 = linear; the SPRINTER verifier is linear)"})

@@ -30,22 +30,28 @@ class JudgeStore:
     """Every chunk's features and labels in memory (these sets are small) and the examples over them."""
 
     def __init__(self, data_dir: str | Path):
+        """``data_dir``: one ``labels=judge`` output_dir, or several comma-separated (mixed: the examples of
+        the ``k``-th get ids ``k:<tuple id>``)."""
         import pyarrow.parquet as pq
 
-        files = shard_paths(Path(data_dir))  # the manifest's list
-        if not files:
-            raise UserError(f"no chunk-*.parquet under {Path(data_dir) / 'data'}; run heads-datagen labels=judge first")
+        dirs = [Path(d.strip()) for d in str(data_dir).split(",") if d.strip()]
+        files = []
+        for k, d in enumerate(dirs):
+            found = shard_paths(d)  # the manifest's list
+            if not found:
+                raise UserError(f"no chunk-*.parquet under {d / 'data'}; run heads-datagen labels=judge first")
+            files += [(f"{k}:" if len(dirs) > 1 else "", d, p) for p in found]
         feats, labels, self.examples = [], [], []
         base = 0
         spans: dict[str, list[int]] = {}
         order: list[str] = []
-        for path in files:
+        for prefix, root, path in files:
             chunk = int(path.stem.split("-")[1])
-            side = JudgeChunkFiles(Path(data_dir), chunk)
+            side = JudgeChunkFiles(root, chunk)
             if not side.features_path.is_file():
                 raise UserError(f"{side.features_path} is missing; re-run heads-datagen labels=judge to finish the chunk")
             t = side.load()
-            ids = pq.read_table(path, columns=["tuple_id"]).column("tuple_id").to_pylist()
+            ids = [prefix + t for t in pq.read_table(path, columns=["tuple_id"]).column("tuple_id").to_pylist()]
             off = t["offsets"].tolist()
             if len(off) != len(ids) + 1:
                 raise UserError(f"{side.features_path} does not match {path} ({len(off) - 1} rows against "

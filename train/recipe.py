@@ -60,6 +60,31 @@ def overwrites_another_run(cfg: TrainConfig) -> bool:
     return cfg.overwrite and holds_other_run(cfg.output_dir, to_yaml(cfg))
 
 
+def data_manifest(cfg: TrainConfig) -> dict:
+    """The manifest of ``data_dir``; for several comma-separated judge data sets (tuples mixed from several
+    sources: arithmetic-localised, swap-mined, imported), the first one's, after checking that every one is
+    judge data of the same target (fingerprint and hidden size)."""
+    dirs = [d.strip() for d in cfg.data_dir.split(",") if d.strip()]
+    manifests = []
+    for d in dirs:
+        path = Path(d) / "manifest.json"
+        if not path.is_file():
+            raise UserError(f"{path} not found; data_dir must be a finished heads-datagen output_dir")
+        manifests.append(json.loads(path.read_text()))
+    if len(dirs) > 1:
+        if cfg.head != "judge" or any(m.get("labels") != "judge" for m in manifests):
+            raise UserError(f"data_dir={cfg.data_dir}: several data sets are mixed for head=judge on labels=judge data "
+                            "only")
+        first = manifests[0]
+        for d, m in zip(dirs[1:], manifests[1:]):
+            if ((m.get("target") or {}).get("fingerprint") != (first.get("target") or {}).get("fingerprint")
+                    or m.get("hidden_size") != first.get("hidden_size")):
+                raise UserError(f"{d} was labelled on another target than {dirs[0]} (fingerprint or hidden size "
+                                "differ); mix only data sets of one target")
+        return {**first, "data_dirs": dirs}
+    return manifests[0]
+
+
 def train(cfg: TrainConfig, out: Path, fresh: bool = False) -> dict:
     """Runs the whole training; returns the final metrics and the run's ``numerics``. Resumes from the
     newest checkpoint in ``out``, if any, unless ``fresh`` (``out`` held another run, overwritten: its
@@ -71,10 +96,7 @@ def train(cfg: TrainConfig, out: Path, fresh: bool = False) -> dict:
     # Under DeepSpeed the engine owns accumulation (and scales the loss); elsewhere this loop does.
     acc = Accelerator(cpu=not cuda and not deepspeed, gradient_accumulation_steps=cfg.grad_accum if deepspeed else 1,
                       mixed_precision="bf16" if cfg.bf16 and cuda and torch.cuda.is_bf16_supported() else "no")
-    manifest_path = Path(cfg.data_dir) / "manifest.json"
-    if not manifest_path.is_file():
-        raise UserError(f"{manifest_path} not found; data_dir must be a finished heads-datagen output_dir")
-    manifest = json.loads(manifest_path.read_text())
+    manifest = data_manifest(cfg)
     kind = task_type(cfg.head)
     held = manifest.get("labels", "acceptance")
     if held not in kind.labels:

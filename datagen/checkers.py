@@ -1,0 +1,65 @@
+"""Answer checkers of swap mining (``heads-datagen labels=judge mining=swap``): the final answer a response
+gives, so that two responses to one prompt can be compared (a swapped-in draft token is *important* when
+the answer changes).
+
+A checker is a callable ``(prompt, response_text) -> answer`` (any value comparable with ``==``; None when
+the response gives none). ``prompt`` is a :class:`specheads.prompts.Prompt` (``text`` or ``messages``,
+``source``, ``reference``, ``id``). Built in (``checker=``):
+
+* ``gsm8k``: the final number (after ``####``, else the last number in the text), as a number;
+* ``arc``: the chosen letter (the first standalone A-E), as :mod:`specheads.grading` reads it;
+* ``exact``: the whole response, normalised (case, whitespace, surrounding punctuation);
+* ``auto`` (default): ``gsm8k`` for GSM8K prompts, ``arc`` for ARC, ``exact`` for the rest.
+
+Anything else names a user's callable as ``module:function`` (``mypkg.checks:run_unit_tests``): imported
+when the run starts (a missing module or function is a one-line error), called once per response.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Any, Callable
+
+from specheads.errors import UserError
+from specheads.grading import letter, number
+
+Checker = Callable[[Any, str], Any]
+_SPACE = re.compile(r"\s+")
+
+
+def gsm8k(prompt, text: str) -> str | None:
+    return number(text)
+
+
+def arc(prompt, text: str) -> str | None:
+    return letter(text)
+
+
+def exact(prompt, text: str) -> str:
+    return _SPACE.sub(" ", text).strip().strip(".,;:!?\"'").strip().lower()
+
+
+def auto(prompt, text: str):
+    return {"gsm8k": gsm8k, "arc": arc}.get(getattr(prompt, "source", None), exact)(prompt, text)
+
+
+CHECKERS: dict[str, Checker] = {"auto": auto, "gsm8k": gsm8k, "arc": arc, "exact": exact}
+
+
+def resolve(name: str) -> Checker:
+    """The checker ``checker=name`` names (see the module docstring); UserError when there is none."""
+    if name in CHECKERS:
+        return CHECKERS[name]
+    module, _, attr = name.partition(":")
+    if not module or not attr:
+        raise UserError(f"checker={name!r}: choose from {list(CHECKERS)} or name a callable as module:function")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except ImportError as exc:
+        raise UserError(f"checker={name!r}: cannot import {module!r} ({exc})") from None
+    except AttributeError:
+        raise UserError(f"checker={name!r}: module {module!r} has no {attr!r}") from None
+    if not callable(fn):
+        raise UserError(f"checker={name!r}: {attr!r} is not callable")
+    return fn

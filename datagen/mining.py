@@ -1,0 +1,253 @@
+"""Swap mining (``heads-datagen labels=judge mining=swap``): which of the draft's mismatches change the answer.
+
+AutoJudge's semi-greedy search (ALGORITHMS.md section 3), per prompt:
+
+1. The target answers greedily: the running response ``R`` and its final answer (``checkers.py``).
+2. The draft predicts its greedy token at every position of ``R``, teacher-forced along ``R``. A position
+   where it differs from ``R``'s token is a mismatch.
+3. At the next mismatch ``j`` (left to right), the draft's token is swapped in and the target finishes
+   the response greedily from ``R[:j] + [draft token]``. If the final answer changes, the mismatch is
+   *important* (label 0: the judge must reject that token there) and ``R`` stays. If it does not, the
+   mismatch is *unimportant* (label 1): the swapped response becomes ``R`` and the draft's predictions
+   after ``j`` are made again along it.
+4. The search goes on after ``j`` until no mismatch is left or the prompt's budget is spent
+   (``mine_max_mismatches`` tried, ``mine_max_tokens`` generated in continuations): a budget hit.
+
+Positions before ``j`` never change after step 3, so the final response carries every unimportant
+mismatch at its position, and each important one is labelled after the final response's first ``j``
+tokens. The prompts of a chunk search in lockstep: each step tries the next mismatch of every prompt
+still searching in batched target continuations and makes the stale draft predictions in one batched
+draft forward.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specheads.dataset import JudgeChunkFiles
+from specheads.errors import UserError
+from specheads.export.shim import batched
+from specheads.export.shim.sampling import SamplingConfig
+from specheads.states import logits_at
+
+from . import checkers
+from .tuples import IGNORE
+
+COUNTS = ("prompts", "mismatches_tried", "important", "unimportant", "budget_hits", "continuation_tokens")
+
+
+@dataclass
+class Mark:
+    """One tried mismatch: the response position, the target's and the draft's token, the verdict."""
+
+    position: int
+    target_token: int
+    draft_token: int
+    important: bool
+    answer_after: Any
+
+
+@dataclass
+class Search:
+    """One prompt's search state."""
+
+    prompt_ids: list[int]
+    response: list[int]
+    answer: Any
+    position: int = 0  # where the next mismatch is looked for
+    marks: list[Mark] = field(default_factory=list)
+    generated: int = 0  # continuation tokens
+    budget_hit: bool = False
+    done: bool = False
+    draft: list[int] | None = None  # the draft's greedy token at each response position (None: stale)
+
+    def next_mismatch(self) -> int | None:
+        return next((j for j in range(self.position, len(self.response)) if self.draft[j] != self.response[j]), None)
+
+
+@dataclass
+class Budget:
+    """A prompt's limits: response length, mismatches tried, continuation tokens generated."""
+
+    max_new_tokens: int
+    max_mismatches: int
+    max_tokens: int
+
+
+def _groups(items: list, size: int):
+    for i in range(0, len(items), size):
+        yield items[i: i + size]
+
+
+def greedy_tokens(target, draft, eos: list[int], pad: int):
+    """The two model calls the search makes, on a loaded pair: ``generate(contexts, max_new)`` (the target's
+    greedy responses, EOS kept) and ``predict(seqs, positions)`` (the draft's greedy token after each prefix
+    ``seq[:t]``, teacher-forced, in one forward)."""
+    greedy = SamplingConfig()
+
+    def generate(contexts: list[list[int]], max_new: int) -> list[list[int]]:
+        return [list(r) for r in batched.generate(target, contexts, max_new, greedy, None, eos, pad)]
+
+    @torch.inference_mode()
+    def predict(seqs: list[list[int]], positions: list[list[int]]) -> list[list[int]]:
+        return [x.argmax(-1).tolist() for x in logits_at(draft, seqs, positions, pad)]
+
+    return generate, predict
+
+
+def mine(generate, predict, decode, prompts: list, prompt_ids: list[list[int]], checker, budget: Budget,
+         eos: list[int], batch_size: int) -> list[Search]:
+    """Runs the search on a list of prompts (see the module docstring); returns one :class:`Search` each.
+
+    Args:
+        generate, predict: the target's greedy continuations and the draft's greedy predictions
+            (:func:`greedy_tokens`).
+        decode: token ids -> text (the tokenizer's, special tokens skipped).
+        prompts: the prompts (what ``checker`` reads besides the response).
+        prompt_ids: each prompt's token ids as the models read it.
+        checker: ``(prompt, text) -> answer`` (``checkers.resolve``).
+        budget: the per-prompt limits.
+        eos: the ids that end a response.
+        batch_size: rows per target generation and draft forward.
+    """
+    searches: list[Search] = []
+    for group in _groups(list(range(len(prompts))), batch_size):
+        answers = generate([prompt_ids[i] for i in group], budget.max_new_tokens)
+        searches += [Search(prompt_ids[i], r, checker(prompts[i], decode(r))) for i, r in zip(group, answers)]
+    index = {id(s): i for i, s in enumerate(searches)}
+    while True:
+        active = [s for s in searches if not s.done]
+        for group in _groups([s for s in active if s.draft is None], batch_size):
+            preds = predict([s.prompt_ids + s.response for s in group],
+                            [list(range(len(s.prompt_ids), len(s.prompt_ids) + len(s.response))) for s in group])
+            for s, p in zip(group, preds):
+                s.draft = p
+        tries = []
+        for s in active:
+            j = s.next_mismatch()
+            if j is None:
+                s.done = True
+            elif len(s.marks) >= budget.max_mismatches or s.generated >= budget.max_tokens:
+                s.done = s.budget_hit = True
+            else:
+                tries.append((s, j))
+        if not tries:
+            return searches
+        continuations = {}
+        go_on = [(s, j) for s, j in tries if s.draft[j] not in eos and budget.max_new_tokens - j - 1 > 0]
+        for group in _groups(go_on, batch_size):
+            most = max(budget.max_new_tokens - j - 1 for _, j in group)
+            outs = generate([s.prompt_ids + s.response[:j] + [s.draft[j]] for s, j in group], most)
+            continuations.update({id(s): o[: budget.max_new_tokens - j - 1] for (s, j), o in zip(group, outs)})
+        for s, j in tries:
+            cont = continuations.get(id(s), [])
+            swapped = s.response[:j] + [s.draft[j]] + cont
+            after = checker(prompts[index[id(s)]], decode(swapped))
+            important = after != s.answer
+            s.marks.append(Mark(j, s.response[j], s.draft[j], important, after))
+            s.generated += len(cont)
+            if not important:
+                s.response, s.draft = swapped, None
+            s.position = j + 1
+
+
+def judge_rows(s: Search, tuple_id: str, label_matches: bool, ignore: int = IGNORE) -> list[dict]:
+    """The judge rows of one searched prompt (``side``, ``input_ids``, ``answer_start``, ``labels``).
+
+    ``mined``: the final response, label 1 at every unimportant mismatch (and, with ``label_matches``, at
+    every token the draft predicted right too), ``ignore`` elsewhere. ``important``: one row per important
+    mismatch (``important-<j>``), the final response's first ``j`` tokens and the draft's token, labelled 0 there.
+    """
+    start = len(s.prompt_ids)
+    kept = {m.position for m in s.marks if not m.important}
+    labels = [1 if j in kept or label_matches else ignore for j in range(len(s.response))]
+    rows = []
+    if any(v != ignore for v in labels):
+        rows.append({"tuple_id": tuple_id, "side": "mined", "input_ids": s.prompt_ids + s.response,
+                     "answer_start": start, "labels": labels})
+    for m in s.marks:
+        if m.important:
+            rows.append({"tuple_id": tuple_id, "side": f"important-{m.position}",
+                         "input_ids": s.prompt_ids + s.response[: m.position] + [m.draft_token],
+                         "answer_start": start, "labels": [ignore] * m.position + [0]})
+    return rows
+
+
+def record(s: Search, prompt, index: int, token_text) -> dict:
+    """The reviewable record of one searched prompt (``mined.jsonl``; ``heads-datagen ... show`` prints it)."""
+    question = prompt.text if prompt.text is not None else "\n".join(m["content"] for m in prompt.messages)
+    return {"prompt_id": str(prompt.id), "prompt_index": index, "source": prompt.source, "question": question,
+            "answer": None if s.answer is None else str(s.answer), "response_ids": s.response,
+            "response_tokens": [token_text(t) for t in s.response],
+            "marks": [{"position": m.position, "important": m.important, "target_token": token_text(m.target_token),
+                       "draft_token": token_text(m.draft_token), "target_id": m.target_token,
+                       "draft_id": m.draft_token, "answer_after": None if m.answer_after is None
+                       else str(m.answer_after)} for m in s.marks],
+            "mismatches_tried": len(s.marks), "continuation_tokens": s.generated, "budget_hit": s.budget_hit}
+
+
+def counts(searches: list[Search]) -> dict:
+    """The chunk's mining counts (:data:`COUNTS`)."""
+    return {"prompts": len(searches), "mismatches_tried": sum(len(s.marks) for s in searches),
+            "important": sum(m.important for s in searches for m in s.marks),
+            "unimportant": sum(not m.important for s in searches for m in s.marks),
+            "budget_hits": sum(s.budget_hit for s in searches),
+            "continuation_tokens": sum(s.generated for s in searches)}
+
+
+def problems(cfg) -> list[str]:
+    """One line per invalid ``mining=swap`` setting."""
+    out = []
+    if cfg.tuples:
+        out.append("mining=swap searches the loaded pair's answers to prompts; it cannot read tuples=")
+    for key in ("mine_max_mismatches", "mine_max_tokens"):
+        if getattr(cfg, key) < 1:
+            out.append(f"{key}={getattr(cfg, key)} must be >= 1")
+    try:
+        checkers.resolve(cfg.checker)
+    except UserError as exc:
+        out.append(str(exc))
+    return out
+
+
+def chunk_rows(job, items: list, chunk: int) -> tuple[list[dict], list[str], dict[str, int], dict]:
+    """A chunk's swap mining for ``labels=judge``: its judge rows, its ``mined.jsonl`` lines, the run-wide prompt
+    index of each row's ``tuple_id`` and its counts (``items`` and :data:`COUNTS`)."""
+    cfg, pair = job.cfg, job.pair
+    tok = pair.tokenizer
+    generate, predict = greedy_tokens(pair.target.model, pair.draft.model, job.eos, job.pad)
+    searches = mine(generate, predict, lambda ids: tok.decode(ids, skip_special_tokens=True), items,
+                    job.prompt_ids(items), checkers.resolve(cfg.checker),
+                    Budget(cfg.max_new_tokens, cfg.mine_max_mismatches, cfg.mine_max_tokens), job.eos, cfg.batch_size)
+    lo = job.first_index(chunk)
+    rows, lines, index_of = [], [], {}
+    for i, (p, s) in enumerate(zip(items, searches)):
+        tid = f"{p.id}-m"
+        index_of[tid] = lo + i
+        rows += judge_rows(s, tid, cfg.mine_label_matches)
+        lines.append(json.dumps(record(s, p, lo + i, lambda t: tok.decode([t])), ensure_ascii=False))
+    return rows, lines, index_of, {"items": len(items), **counts(searches)}
+
+
+def summary(totals: dict, out) -> dict:
+    """The manifest's ``mining`` block: the run's counts and mismatches tried per minute of labelling time
+    (the chunks' ``seconds`` in ``metrics.jsonl``: the search and the feature pass; chunks rebuilt after a kill
+    have none and are left out of the rate)."""
+    seconds, tried = 0.0, 0
+    path = Path(out) / "metrics.jsonl"
+    per_chunk = {}
+    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+        row = json.loads(line)
+        if row.get("seconds") is not None:
+            per_chunk[row["chunk"]] = row["seconds"]
+    for chunk, sec in per_chunk.items():
+        seconds += sec
+        tried += JudgeChunkFiles(Path(out), chunk).counts().get("mismatches_tried", 0)
+    block = {k: totals.get(k, 0) for k in COUNTS}
+    block["mismatches_per_minute"] = round(tried / (seconds / 60), 2) if seconds else None
+    return block
