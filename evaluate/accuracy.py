@@ -70,7 +70,7 @@ def add_accuracy(cfg, pair, prompts, grouped: dict[str, list[dict]], summary: di
     by = {r["config"]: r for r in summary["table"]}
     sd = by.get(f"k{cfg.judge_k}") or max((r for r in summary["table"] if r["config"].startswith("k")),
                                           key=lambda r: r["tokens_per_s"], default=None)
-    section = {"head": cfg.judge, "k": cfg.judge_k, "sd_reference": sd["config"] if sd else None, "by_delta": {}}
+    section = {"head": cfg.judge, "heads": dict(getattr(cfg, "judges", {}) or {}), "k": cfg.judge_k, "sd_reference": sd["config"] if sd else None, "by_delta": {}}
     for r in judges:
         section["by_delta"][r["config"]] = {
             "accepted_per_call": r["accepted_per_call"], "tokens_per_s": r["tokens_per_s"],

@@ -41,6 +41,7 @@ summary, the sections and the files from the decoded rows.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -74,8 +75,9 @@ def _check(cfg: EvalConfig) -> None:
     if not cfg.prompts:
         problems.append("prompts is not set; pass prompts=<held-out prompt file>")
     fsd = {d: list(getattr(cfg, f"fsd_{d}")) for d in DIVERGENCES if getattr(cfg, f"fsd_{d}")}
-    if not (cfg.ks or cfg.head or cfg.verifier or cfg.judge or cfg.topk or fsd or cfg.confidence or cfg.hetero):
-        problems.append("nothing to sweep: set ks=[...], head=, verifier=, judge=, topk=[...], fsd_js=[...] "
+    if not (cfg.ks or cfg.head or cfg.verifier or cfg.judge or cfg.judges or cfg.topk or fsd or cfg.confidence
+            or cfg.hetero):
+        problems.append("nothing to sweep: set ks=[...], head=, verifier=, judge=, judges=, topk=[...], fsd_js=[...] "
                         "(or fsd_tv, fsd_kl, fsd_kl_rev), confidence=[...] and/or hetero=[tli,slem]")
     hetero = [name for name, policy in POLICIES.items() if policy.bridge]
     if any(m not in hetero for m in cfg.hetero) or len(set(cfg.hetero)) != len(cfg.hetero):
@@ -97,8 +99,11 @@ def _check(cfg: EvalConfig) -> None:
                                  fsd_dist=cfg.fsd_dist).problems({"k": "fsd_k"})
     problems += ConfidenceStop.Settings.sweep("tau", "confidence", cfg.confidence)
     problems += ConfidenceStop.Settings(k_max=cfg.confidence_k_max).problems()
-    if cfg.judge and not cfg.deltas:
+    if (cfg.judge or cfg.judges) and not cfg.deltas:
         problems.append("judge is set but deltas is empty")
+    bad = [n for n in cfg.judges if not re.fullmatch(r"[A-Za-z0-9_]+", str(n))]
+    if bad:
+        problems.append(f"judges: names {bad} must be letters, digits and _ (rows j-<name>-<delta>)")
     if cfg.verifier and not cfg.etas:
         problems.append("verifier is set but etas is empty")
     if cfg.head and not cfg.thresholds and not cfg.cost_stop:
@@ -132,7 +137,8 @@ def _max_pass(cfg: EvalConfig) -> int:
     (SPRINTER's catch-up passes can be longer; the table extrapolates those)."""
     fsd = any(getattr(cfg, f"fsd_{d}") for d in DIVERGENCES)
     most = [1, *cfg.ks, cfg.k_max if cfg.head or cfg.oracle else 1, cfg.topk_k if cfg.topk else 1,
-            cfg.fsd_k if fsd else 1, cfg.confidence_k_max if cfg.confidence else 1, cfg.judge_k if cfg.judge else 1,
+            cfg.fsd_k if fsd else 1, cfg.confidence_k_max if cfg.confidence else 1,
+            cfg.judge_k if cfg.judge or cfg.judges else 1,
             (cfg.max_run if cfg.max_run is not None else 20) + 1 if cfg.verifier else 1]
     return min(max(most), 63) + 1
 
@@ -187,7 +193,8 @@ def run(cfg: EvalConfig) -> int:
 
 def _write_defaults(cfg: EvalConfig, summary: dict, out: Path) -> None:
     """Each chosen judge / sprinter threshold into its head file (``write_default=true``)."""
-    for family, path in (("judge", cfg.judge), ("sprinter", cfg.verifier)):
+    heads = [("judge", cfg.judge), ("sprinter", cfg.verifier), *((f"judge_{n}", p) for n, p in cfg.judges.items())]
+    for family, path in heads:
         entry = summary.get("gated", {}).get("rows", {}).get(family)
         if not path or not entry or entry["row"] is None:
             continue

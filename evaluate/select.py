@@ -10,14 +10,34 @@ biased towards looking good.
 
 from __future__ import annotations
 
+import re
+
 from specheads.errors import UserError
 
 from .intervals import paired_difference, paired_ratio, units
 
-# Row-name prefixes of the lossy policies a threshold trades speed for quality in; FSD is one family per
-# divergence (``fsd_kl`` is the training-free KL judge), so each gets its own gated threshold.
-FAMILIES = {"judge": "j", "sprinter": "s", "topk_verify": "t", "fsd_js": "fsd-js-", "fsd_tv": "fsd-tv-",
-            "fsd_kl": "fsd-kl-", "fsd_kl_rev": "fsd-kl_rev-"}
+# Row names of the lossy policies a threshold trades speed for quality in, and the family each belongs to:
+# FSD is one family per divergence (``fsd_kl`` is the training-free KL judge) and each named judge
+# (``judges=``, rows ``j-<name>-<delta>``) one of its own, so each gets its own gated threshold.
+ROW = re.compile(r"^(?:(?P<judge>j)|j-(?P<named>\w+)-|(?P<sprinter>s)|(?P<topk_verify>t)|fsd-(?P<fsd>kl_rev|kl|js|tv)-)"
+                 r"(?P<threshold>\d[\d.e+-]*)$")
+
+
+def family(row: str) -> str | None:
+    """The gated family of a row name (``j0.9`` judge, ``j-mined-0.9`` judge_mined, ``fsd-kl-1`` fsd_kl, ``s0.5``
+    sprinter, ``t2`` topk_verify), None for a row no threshold makes lossy."""
+    m = ROW.match(row)
+    if m is None:
+        return None
+    if m["named"]:
+        return f"judge_{m['named']}"
+    if m["fsd"]:
+        return f"fsd_{m['fsd']}"
+    return next(k for k in ("judge", "sprinter", "topk_verify") if m[k])
+
+
+def threshold(row: str) -> float:
+    return float(ROW.match(row)["threshold"])
 
 
 def parse(select: str | None) -> float | None:
@@ -55,16 +75,18 @@ def gated(grouped: dict[str, list[dict]], correct: dict[str, list[int | None]], 
             ``target_calls``).
         correct: each configuration's 0/1 per prompt (None where no grader fits).
         max_drop: the largest accepted upper bound of the drop.
-        sd_reference: per family (``fsd`` for every FSD divergence), the SD row its speed is compared with.
+        sd_reference: per family (``fsd`` for every FSD divergence, ``judge`` for every judge), the SD row its
+            speed is compared with.
     """
     graded = [i for i, c in enumerate(correct["ar"]) if c is not None]
     calib, test = graded[0::2], graded[1::2]
     out = {"max_drop": max_drop, "calibration_prompts": len(calib), "test_prompts": len(test), "rows": {}}
     ar = grouped["ar"]
-    for family, prefix in FAMILIES.items():
-        names = [n for n in grouped if n.startswith(prefix)]
-        if not names:
-            continue
+    families: dict[str, list[str]] = {}
+    for n in grouped:
+        if family(n):
+            families.setdefault(family(n), []).append(n)
+    for fam, names in families.items():
         candidates = {}
         for n in names:
             drop = paired_difference([correct["ar"][i] for i in calib], [correct[n][i] for i in calib])
@@ -74,7 +96,7 @@ def gated(grouped: dict[str, list[dict]], correct: dict[str, list[int | None]], 
         entry: dict = {"calibration": candidates, "row": pick}
         if pick is None:
             entry["reason"] = f"no setting's accuracy drop is at most {max_drop} at the upper bound on the calibration half"
-            out["rows"][family] = entry
+            out["rows"][fam] = entry
             continue
         rows = grouped[pick]
         drop = paired_difference([correct["ar"][i] for i in test], [correct[pick][i] for i in test])
@@ -87,11 +109,11 @@ def gated(grouped: dict[str, list[dict]], correct: dict[str, list[int | None]], 
                                 [ref[i][num] for i in test], [ref[i][den] for i in test])
 
         vs_target = ratio("new_tokens", "wall_time", ar)
-        entry.update(threshold=float(pick[len(prefix):].split("-")[-1]), acc_drop=drop["value"],
+        entry.update(threshold=threshold(pick), acc_drop=drop["value"],
                      acc_drop_low=drop["low"], acc_drop_upper=drop["high"],
                      tokens_per_s_vs_target=vs_target["value"],
                      tokens_per_s_vs_target_interval=[vs_target["low"], vs_target["high"]])
-        sd = sd_reference.get(family.split("_")[0] if family.startswith("fsd") else family)
+        sd = sd_reference.get(fam.split("_")[0] if fam.startswith(("fsd", "judge")) else fam)
         if sd is not None:
             by_time, by_call = ratio("new_tokens", "wall_time", grouped[sd]), ratio("accepted", "target_calls",
                                                                                       grouped[sd])
@@ -99,7 +121,7 @@ def gated(grouped: dict[str, list[dict]], correct: dict[str, list[int | None]], 
                          tokens_per_s_vs_sd_interval=[by_time["low"], by_time["high"]],
                          accepted_per_call_vs_sd=by_call["value"],
                          accepted_per_call_vs_sd_interval=[by_call["low"], by_call["high"]])
-        out["rows"][family] = entry
+        out["rows"][fam] = entry
     return out
 
 
@@ -107,11 +129,11 @@ def describe(g: dict) -> list[str]:
     """The ``gated`` section as text lines."""
     lines = [f"quality-gated (accuracy drop <= {g['max_drop']} at the upper bound; chosen on {g['calibration_prompts']} "
              f"prompts, reported on {g['test_prompts']} others):"]
-    for family, e in g["rows"].items():
+    for fam, e in g["rows"].items():
         if e["row"] is None:
-            lines.append(f"  {family}: none ({e['reason']})")
+            lines.append(f"  {fam}: none ({e['reason']})")
             continue
-        lines.append(f"  {family}: {e['row']} drop {e['acc_drop']:.4f} [{e['acc_drop_low']:.4f}, "
+        lines.append(f"  {fam}: {e['row']} drop {e['acc_drop']:.4f} [{e['acc_drop_low']:.4f}, "
                      f"{e['acc_drop_upper']:.4f}], tokens/s vs target {e['tokens_per_s_vs_target']:.3f}"
                      + (f", vs {e['sd_reference']} {e['tokens_per_s_vs_sd']:.3f}" if "sd_reference" in e else ""))
     return lines

@@ -41,7 +41,7 @@ def hetero_row(method: str, k: int) -> str:
 def same_vocab_rows(cfg) -> list[str]:
     """The configured rows that need the target's vocabulary in the draft (all but ar, draft, tli, slem)."""
     rows = [f"ks={list(cfg.ks)}"] if cfg.ks else []
-    for key in ("head", "verifier", "judge"):
+    for key in ("head", "verifier", "judge", "judges"):
         if getattr(cfg, key, None):
             rows.append(f"{key}=")
     for key in ("topk", "confidence", *(f"fsd_{d}" for d in DIVERGENCES)):
@@ -81,10 +81,11 @@ def build_decoders(cfg, pair, costs=None) -> dict[str, Decoder]:
     if getattr(cfg, "confidence", None) and costs is not None and cfg.cost_stop:
         out[COST_ROWS["confidence_stop"]] = dec(make_policy("confidence_stop", pair, k_max=cfg.confidence_k_max,
                                                             stop="cost", costs=costs))
-    if getattr(cfg, "judge", None):
+    judges = ({"": cfg.judge} if getattr(cfg, "judge", None) else {}) | dict(getattr(cfg, "judges", {}) or {})
+    for name, head in judges.items():
         for delta in cfg.deltas:
-            out[f"j{delta:g}"] = dec(make_policy("judge", pair, k=cfg.judge_k, head=cfg.judge, threshold=delta,
-                                                 sampling=cfg.sampling))
+            out[f"j-{name}-{delta:g}" if name else f"j{delta:g}"] = dec(make_policy(
+                "judge", pair, k=cfg.judge_k, head=head, threshold=delta, sampling=cfg.sampling))
     for method in getattr(cfg, "hetero", []):
         out[hetero_row(method, cfg.hetero_k)] = dec(make_policy(method, pair, k=cfg.hetero_k))
     if getattr(cfg, "verifier", None):

@@ -129,3 +129,16 @@ def test_batched_time_resamples_blocks_not_prompts():
     assert toks.tolist() == [40, 40, 5] and secs.tolist() == [4.0, 2.0, 1.0]
     low, high = speed_intervals(rows[:4])["tokens_per_s_interval"]
     assert low == pytest.approx(10.0) and high == pytest.approx(20.0)  # two blocks: 10 and 20 tokens/s
+
+
+@pytest.mark.parametrize("row, fam, thr", [("j0.99", "judge", 0.99), ("j-mined-1e-06", "judge_mined", 1e-06),
+                                           ("j-arith_v2-0.5", "judge_arith_v2", 0.5), ("fsd-kl-1", "fsd_kl", 1.0),
+                                           ("fsd-kl_rev-0.3", "fsd_kl_rev", 0.3), ("s0.5", "sprinter", 0.5),
+                                           ("t2", "topk_verify", 2.0), ("k4", None, None), ("ar", None, None),
+                                           ("h0.5", None, None), ("v-slem-k2", None, None), ("c0.3", None, None)])
+def test_row_families(row, fam, thr):
+    from specheads.evaluate.select import family, threshold
+
+    assert family(row) == fam
+    if fam:
+        assert threshold(row) == thr

@@ -231,6 +231,36 @@ def test_heads_eval_sweeps_the_judge_over_deltas(judge_head, tiny_pair_dirs, tmp
     assert gated["rows"]["topk_verify"]["row"] == "t2" or gated["rows"]["topk_verify"]["row"] is None
 
 
+def test_named_judges_sweep_side_by_side_and_gate_apart(judge_head, tiny_pair_dirs, tmp_path):
+    """judges={a: ..., b: ...}: rows j-a-<delta> and j-b-<delta>, one gated family each, each chosen threshold
+    written into its own head; delta = 1 is SD for both."""
+    from specheads.evaluate.cli import main as eval_main
+    from specheads.export import read_metadata
+
+    t, d = tiny_pair_dirs
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text("".join(json.dumps(r) + "\n" for r in GSM))
+    heads = {n: tmp_path / f"{n}.safetensors" for n in ("a", "b")}
+    for path in heads.values():
+        shutil.copy(judge_head, path)
+    ev = tmp_path / "ev"
+    args = [f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu", "draft.device=cpu",
+            f"prompts={gsm}", f"output_dir={ev}", "max_new_tokens=8", "offset=0", "num_prompts=null", "ks=[4]",
+            "head=null", "deltas=[1.0]", "judge_k=4", "select=max_drop:0.5", "write_default=true", "quality=false"]
+    assert eval_main([*args, f"judges={{a: {heads['a']}, b: {heads['b']}}}"]) == 0
+    summary = json.loads((ev / "sweep.json").read_text())
+    assert {r["config"] for r in summary["table"]} == {"ar", "draft", "k4", "j-a-1", "j-b-1"}
+    rows = [json.loads(x) for x in (ev / "rows.jsonl").read_text().splitlines()]
+    toks = {(r["index"], r["config"]): r["tokens"] for r in rows}
+    assert all(toks[(i, "j-a-1")] == toks[(i, "j-b-1")] == toks[(i, "k4")] for i in range(2))
+    gated = summary["gated"]["rows"]
+    assert set(gated) == {"judge_a", "judge_b"}
+    for name, path in heads.items():
+        assert gated[f"judge_{name}"]["row"] == f"j-{name}-1" and gated[f"judge_{name}"]["sd_reference"] == "k4"
+        assert read_metadata(path)["default_threshold"] == 1.0
+    assert eval_main([*args, "output_dir=" + str(tmp_path / "bad"), "judges={'a-b': x}"]) == 2
+
+
 def test_judge_metrics_by_hand():
     from specheads.train.judge import judge_metrics
 
