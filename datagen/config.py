@@ -43,6 +43,7 @@ class DatagenConfig:
     checker: str = field(default="auto", metadata={"help": "judge, mining=swap: how a response's final answer is read: auto (by prompt source) | gsm8k (final number) | arc (letter) | exact (normalised text) | module:function (your callable (prompt, text) -> answer)"})
     mine_max_mismatches: int = field(default=16, metadata={"help": "judge, mining=swap: most mismatches tried per prompt (then a budget hit)"})
     mine_max_tokens: int = field(default=2048, metadata={"help": "judge, mining=swap: most continuation tokens the target generates per prompt (then a budget hit)"})
+    mine_max_new_tokens_by_source: dict[str, int] = field(default_factory=dict, metadata={"help": "judge, mining=swap: a shorter response per prompt source (e.g. {arc: 16}: the letter comes first)"})
     mine_label_matches: bool = field(default=False, metadata={"help": "judge, mining=swap: also label every other token of the final response 1 (default: only the tried mismatches are labelled)"})
     threads: int | None = field(default=None, metadata={"help": "torch threads per process (torch.set_num_threads); null: torch's default. Results match bit for bit only between runs with the same count (see the manifest's numerics)"})
     seed: int = 0

@@ -33,6 +33,7 @@ from specheads.dataset import JudgeChunkFiles
 from specheads.errors import UserError
 from specheads.export.shim import batched
 from specheads.export.shim.sampling import SamplingConfig
+from specheads.prompts import budget_problems
 from specheads.states import logits_at
 
 from . import checkers
@@ -59,6 +60,7 @@ class Search:
     prompt_ids: list[int]
     response: list[int]
     answer: Any
+    limit: int  # response length
     position: int = 0  # where the next mismatch is looked for
     marks: list[Mark] = field(default_factory=list)
     generated: int = 0  # continuation tokens
@@ -101,7 +103,7 @@ def greedy_tokens(target, draft, eos: list[int], pad: int):
 
 
 def mine(generate, predict, decode, prompts: list, prompt_ids: list[list[int]], checker, budget: Budget,
-         eos: list[int], batch_size: int) -> list[Search]:
+         eos: list[int], batch_size: int, limits: list[int] | None = None) -> list[Search]:
     """Runs the search on a list of prompts (see the module docstring); returns one :class:`Search` each.
 
     Args:
@@ -114,11 +116,14 @@ def mine(generate, predict, decode, prompts: list, prompt_ids: list[list[int]], 
         budget: the per-prompt limits.
         eos: the ids that end a response.
         batch_size: rows per target generation and draft forward.
+        limits: each prompt's response length (default ``budget.max_new_tokens``).
     """
+    limits = limits or [budget.max_new_tokens] * len(prompts)
     searches: list[Search] = []
     for group in _groups(list(range(len(prompts))), batch_size):
-        answers = generate([prompt_ids[i] for i in group], budget.max_new_tokens)
-        searches += [Search(prompt_ids[i], r, checker(prompts[i], decode(r))) for i, r in zip(group, answers)]
+        answers = generate([prompt_ids[i] for i in group], max(limits[i] for i in group))
+        searches += [Search(prompt_ids[i], r[: limits[i]], checker(prompts[i], decode(r[: limits[i]])), limits[i])
+                     for i, r in zip(group, answers)]
     index = {id(s): i for i, s in enumerate(searches)}
     while True:
         active = [s for s in searches if not s.done]
@@ -139,11 +144,11 @@ def mine(generate, predict, decode, prompts: list, prompt_ids: list[list[int]], 
         if not tries:
             return searches
         continuations = {}
-        go_on = [(s, j) for s, j in tries if s.draft[j] not in eos and budget.max_new_tokens - j - 1 > 0]
+        go_on = [(s, j) for s, j in tries if s.draft[j] not in eos and s.limit - j - 1 > 0]
         for group in _groups(go_on, batch_size):
-            most = max(budget.max_new_tokens - j - 1 for _, j in group)
+            most = max(s.limit - j - 1 for s, j in group)
             outs = generate([s.prompt_ids + s.response[:j] + [s.draft[j]] for s, j in group], most)
-            continuations.update({id(s): o[: budget.max_new_tokens - j - 1] for (s, j), o in zip(group, outs)})
+            continuations.update({id(s): o[: s.limit - j - 1] for (s, j), o in zip(group, outs)})
         for s, j in tries:
             cont = continuations.get(id(s), [])
             swapped = s.response[:j] + [s.draft[j]] + cont
@@ -208,6 +213,7 @@ def problems(cfg) -> list[str]:
     for key in ("mine_max_mismatches", "mine_max_tokens"):
         if getattr(cfg, key) < 1:
             out.append(f"{key}={getattr(cfg, key)} must be >= 1")
+    out += budget_problems("mine_max_new_tokens_by_source", cfg.mine_max_new_tokens_by_source or {})
     try:
         checkers.resolve(cfg.checker)
     except UserError as exc:
@@ -221,9 +227,11 @@ def chunk_rows(job, items: list, chunk: int) -> tuple[list[dict], list[str], dic
     cfg, pair = job.cfg, job.pair
     tok = pair.tokenizer
     generate, predict = greedy_tokens(pair.target.model, pair.draft.model, job.eos, job.pad)
+    by_source = dict(cfg.mine_max_new_tokens_by_source or {})
     searches = mine(generate, predict, lambda ids: tok.decode(ids, skip_special_tokens=True), items,
                     job.prompt_ids(items), checkers.resolve(cfg.checker),
-                    Budget(cfg.max_new_tokens, cfg.mine_max_mismatches, cfg.mine_max_tokens), job.eos, cfg.batch_size)
+                    Budget(cfg.max_new_tokens, cfg.mine_max_mismatches, cfg.mine_max_tokens), job.eos, cfg.batch_size,
+                    [min(cfg.max_new_tokens, by_source.get(p.source, cfg.max_new_tokens)) for p in items])
     lo = job.first_index(chunk)
     rows, lines, index_of = [], [], {}
     for i, (p, s) in enumerate(zip(items, searches)):

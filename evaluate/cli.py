@@ -58,7 +58,7 @@ from specheads.export.shim.divergence import DIVERGENCES
 from specheads.export.shim.policies import (FSD, POLICIES, TLI, ConfidenceStop, Judge, SpecDecPP, Sprinter,
                                             StandardSD, TopKVerify)
 from specheads.outputs import holds_other_run, prepare_output_dir, write_manifest
-from specheads.prompts import load_prompt_files
+from specheads.prompts import budget_problems, load_prompt_files
 
 from . import report
 from .config import EvalConfig
@@ -101,6 +101,10 @@ def _check(cfg: EvalConfig) -> None:
     problems += ConfidenceStop.Settings(k_max=cfg.confidence_k_max).problems()
     if (cfg.judge or cfg.judges) and not cfg.deltas:
         problems.append("judge is set but deltas is empty")
+    for name, deltas in cfg.judge_deltas.items():
+        if name not in cfg.judges:
+            problems.append(f"judge_deltas.{name}: no judge of that name in judges={dict(cfg.judges)}")
+        problems += Judge.Settings.sweep("delta", f"judge_deltas.{name}", deltas)
     bad = [n for n in cfg.judges if not re.fullmatch(r"[A-Za-z0-9_]+", str(n))]
     if bad:
         problems.append(f"judges: names {bad} must be letters, digits and _ (rows j-<name>-<delta>)")
@@ -120,10 +124,7 @@ def _check(cfg: EvalConfig) -> None:
         problems.append("select= chooses by accuracy: set accuracy=true")
     if cfg.write_default and not cfg.select:
         problems.append("write_default=true writes what select= chooses: set select=max_drop:X")
-    sources = ("arc", "gsm8k", "mt_bench", "alpaca", "prompt", "messages")
-    for src, n in cfg.max_new_tokens_by_source.items():
-        if src not in sources or not isinstance(n, int) or n < 1:
-            problems.append(f"max_new_tokens_by_source.{src}={n!r}: expected one of {list(sources)} -> an int >= 1")
+    problems += budget_problems("max_new_tokens_by_source", cfg.max_new_tokens_by_source)
     if cfg.batch_size < 1:
         problems.append(f"batch_size={cfg.batch_size} must be >= 1")
     elif cfg.batch_size > 1 and not cfg.fused_forward:

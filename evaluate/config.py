@@ -29,6 +29,7 @@ class EvalConfig:
     judge: str | None = field(default=None, metadata={"help": "exported judge head; none: no judge rows"})
     judges: dict[str, str] = field(default_factory=dict, metadata={"help": "several exported judge heads side by side, by name (e.g. {arith: A.safetensors, mined: B.safetensors}): rows j-<name>-<delta>, each gated on its own (family judge_<name>)"})
     deltas: list[float] = field(default_factory=lambda: [0.5], metadata={"help": "judge thresholds delta to sweep (every judge)"})
+    judge_deltas: dict[str, list[float]] = field(default_factory=dict, metadata={"help": "per named judge (judges=), its own deltas instead of deltas= (heads trained on other labels sit on other scales)"})
     judge_k: int = field(default=10, metadata={"help": "judge: candidates per round"})
     topk: list[int] = field(default_factory=list, metadata={"help": "top-K verification baselines: the K values (target top-K tokens accepted)"})
     topk_k: int = field(default=4, metadata={"help": "top-K verification: candidates per round"})

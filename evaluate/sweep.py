@@ -83,7 +83,7 @@ def build_decoders(cfg, pair, costs=None) -> dict[str, Decoder]:
                                                             stop="cost", costs=costs))
     judges = ({"": cfg.judge} if getattr(cfg, "judge", None) else {}) | dict(getattr(cfg, "judges", {}) or {})
     for name, head in judges.items():
-        for delta in cfg.deltas:
+        for delta in (getattr(cfg, "judge_deltas", {}) or {}).get(name, cfg.deltas):
             out[f"j-{name}-{delta:g}" if name else f"j{delta:g}"] = dec(make_policy(
                 "judge", pair, k=cfg.judge_k, head=head, threshold=delta, sampling=cfg.sampling))
     for method in getattr(cfg, "hetero", []):

@@ -20,6 +20,13 @@ from typing import Any, Iterator
 from specheads.errors import UserError
 
 RECOGNISED = "prompt, messages, question (GSM8K/ARC), instruction (Alpaca), turns (MT-Bench)"
+SOURCES = ("arc", "gsm8k", "mt_bench", "alpaca", "prompt", "messages")  # a Prompt's ``source``, by file format
+
+
+def budget_problems(key: str, budgets: dict) -> list[str]:
+    """One line per bad entry of a per-source response length setting (``{arc: 16}``) named ``key``."""
+    return [f"{key}.{src}={n!r}: expected one of {list(SOURCES)} -> an int >= 1" for src, n in budgets.items()
+            if src not in SOURCES or not isinstance(n, int) or isinstance(n, bool) or n < 1]
 _BOM = b"\xef\xbb\xbf"
 
 

@@ -259,6 +259,13 @@ def test_named_judges_sweep_side_by_side_and_gate_apart(judge_head, tiny_pair_di
         assert gated[f"judge_{name}"]["row"] == f"j-{name}-1" and gated[f"judge_{name}"]["sd_reference"] == "k4"
         assert read_metadata(path)["default_threshold"] == 1.0
     assert eval_main([*args, "output_dir=" + str(tmp_path / "bad"), "judges={'a-b': x}"]) == 2
+    ev2 = tmp_path / "ev2"
+    assert eval_main([*args, f"output_dir={ev2}", f"judges={{a: {heads['a']}, b: {heads['b']}}}",
+                      "judge_deltas={b: [0.5, 1.0]}", "select=null", "write_default=false"]) == 0
+    assert {r["config"] for r in json.loads((ev2 / "sweep.json").read_text())["table"]} == {
+        "ar", "draft", "k4", "j-a-1", "j-b-0.5", "j-b-1"}
+    assert eval_main([*args, "output_dir=" + str(tmp_path / "bad"), f"judges={{a: {heads['a']}}}",
+                      "judge_deltas={c: [0.5]}"]) == 2
 
 
 def test_judge_metrics_by_hand():

@@ -170,7 +170,16 @@ def test_swap_mining_relabels_a_lost_chunk_to_the_same_bytes(tiny_pair_dirs, cha
         assert (part / name).read_bytes() == (whole / name).read_bytes(), name
 
 
+def test_a_shorter_response_per_source():
+    """limits: the ARC-style prompt answers in 3 tokens, so its one reachable mismatch (position 0) is all."""
+    s = mining.mine(generate, predict, decode, PROMPTS, [PROMPT] * 2, checkers.resolve("gsm8k"),
+                    mining.Budget(8, 16, 1000), EOS, batch_size=4, limits=[3, 8])
+    assert decode(s[0].response) == "thus the answer" and len(s[0].marks) == 1 and s[0].generated == 2
+    assert len(s[1].marks) == 2
+
+
 @pytest.mark.parametrize("bad, why", [("mine_max_mismatches=0", "mine_max_mismatches=0"),
+                                      ("mine_max_new_tokens_by_source={arcs: 3}", "mine_max_new_tokens_by_source.arcs"),
                                       ("checker=nope", "choose from"), ("mining=magic", "choose arith or swap")])
 def test_swap_mining_bad_settings(tiny_pair_dirs, chat_prompts, tmp_path, capsys, bad, why):
     assert cli.main(_args(tiny_pair_dirs, tmp_path / "x", chat_prompts, bad)) == 2
