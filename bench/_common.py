@@ -116,9 +116,11 @@ GATED_KEYS = ("threshold", "acc_drop", "acc_drop_upper", "tokens_per_s_vs_target
               "tokens_per_s_vs_sd_interval", "accepted_per_call_vs_sd_interval")
 
 
-def eval_and_gated(sweep: dict) -> dict:
+def eval_and_gated(sweep: dict, names: dict[str, str] | None = None) -> dict:
     """The ``eval`` (graded prompts per source, the interval method) and ``gated`` (per lossy policy, the
-    row ``select=max_drop:X`` chose, or the family with why none was) keys of a result file."""
+    row ``select=max_drop:X`` chose with its figures, or why none was) keys of a result file. ``gated`` is
+    keyed by the policy's family (``judge``, ``sprinter``, ``topk_verify``, ``fsd_kl`` ...), renamed by
+    ``names`` where given (``{"fsd_kl": "kl_judge"}``)."""
     from specheads.evaluate.intervals import DESCRIPTION
 
     target = sweep.get("accuracy", {}).get("ar", {})
@@ -126,7 +128,7 @@ def eval_and_gated(sweep: dict) -> dict:
                     "gsm8k_prompts": target.get("gsm8k", {}).get("prompts", 0), "interval": DESCRIPTION}}
     if "gated" in sweep:
         out["eval"].update({k: sweep["gated"][k] for k in ("max_drop", "calibration_prompts", "test_prompts")})
-        out["gated"] = {(e["row"] or family): {"family": family, **({k: e.get(k) for k in GATED_KEYS} if e["row"]
-                                                                   else {"reason": e["reason"]})}
-                        for family, e in sweep["gated"]["rows"].items()}
+        out["gated"] = {(names or {}).get(family, family): {
+            "family": family, "row": e["row"], **({k: e.get(k) for k in GATED_KEYS} if e["row"] else
+                                                  {"reason": e["reason"]})} for family, e in sweep["gated"]["rows"].items()}
     return out

@@ -1,18 +1,24 @@
-"""Judge decoding benchmark on the shared pair: tuples, judge head, and the accuracy / speed table.
+"""Judge decoding benchmark on the shared pair: labels, judge heads, and the accuracy / speed table.
 
-    python bench/judge.py                         # recipe judge_quickstart, writes bench/results/judge.json
-    python bench/judge.py eval.num_prompts=4      # a quicker look (any pipeline override)
+    python bench/judge.py --recipe judge_mined_quickstart   # swap-mined judge against the arithmetic one,
+                                                            # the KL judge, SD and the target: bench/results/judge.json
+    python bench/judge.py                         # recipe judge_quickstart (arithmetic labels only)
+    python bench/judge.py eval.num_prompts=8      # a quicker look (any pipeline override)
     python bench/judge.py --sweep runs/eval_at_scale   # report a heads-eval run that used this recipe's head
 
-
-Runs the recipe's pipeline (``heads-datagen labels=judge`` on GSM8K-train answers of both models,
-``heads-train head=judge``, ``heads-export``, ``heads-eval`` on held-out GSM8K-test, ARC-Challenge
-and MT-Bench prompts with target-only, draft-only, SD, top-K verification and the judge over the
-recipe's deltas, interleaved) and writes ``bench/results/judge.json``: tuple counts, AUROC, the
-method table (accuracy per source, accepted tokens per target call, tokens/s), the ratios of the
-judge to SD at the same K, and the GSM8K and ARC accuracies of target, draft, SD and the judge. The
-judge row reported is the delta with the most accepted tokens per call whose GSM8K and ARC
-accuracies both stay within 2 points of target-only (else the largest delta).
+Runs the recipe's pipeline (``heads-datagen labels=judge``: graded GSM8K-train answers with the false
+arithmetic step localised, or with ``mining=swap`` the draft's mismatches that change the final answer;
+``heads-train head=judge``, ``heads-export``, then ``heads-eval`` on held-out prompts with the target
+alone, the draft alone, SD and each judge over its deltas, and the recipe's baselines, interleaved) and
+writes the result file: label counts (``mining``: prompts, mismatches tried, important, unimportant,
+budget hits, mismatches per minute), AUROC, the method table (accuracy per source with intervals,
+accepted tokens per target call, tokens/s), ``gated`` (per policy, the fastest delta whose paired
+accuracy drop against the target is at most one point at its upper bound, chosen on one half of the
+prompts and reported on the other; ``judge_arith``, ``judge_mined``, ``kl_judge`` = FSD with KL), and
+``comparison`` (the target, SD and each gated policy side by side, and whether the mined judge accepts
+at least 1.5x SD's and the KL judge's tokens per target call). ``judge_config`` is the older rule: the
+delta with the most accepted tokens per call whose GSM8K and ARC accuracies both stay within 2 points
+of target-only (else the largest delta).
 """
 
 from __future__ import annotations
@@ -24,12 +30,34 @@ from pathlib import Path
 
 
 from _common import eval_and_gated, intervals, read_pipeline, run_info, run_pipeline
+from specheads.evaluate.select import family, threshold
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _acc(accuracy: dict, config: str, source: str):
     return (accuracy.get(config, {}).get(source) or {}).get("accuracy")
+
+
+def comparison(gated: dict, table: list[dict], sd: str | None) -> dict:
+    """The target alone, SD and each judge-like policy at its gated threshold: accuracy per source with
+    intervals and accepted tokens per target call (all prompts), and whether the mined judge accepts at
+    least 1.5x SD's and at least the KL judge's tokens per call."""
+    by = {r["config"]: r for r in table}
+    rows = {"target": "ar", "sd": sd, **{k: e["row"] for k, e in gated.items()
+                                        if k in ("judge_mined", "judge_arith", "kl_judge") and e.get("row")}}
+    out = {name: {"row": row, "accepted_per_call": by[row]["accepted_per_call"],
+                  "accepted_per_call_interval": by[row]["accepted_per_call_interval"],
+                  "tokens_per_s": by[row]["tokens_per_s"], "tokens_per_s_interval": by[row]["tokens_per_s_interval"],
+                  "accuracy": by[row]["accuracy_by_source"]} for name, row in rows.items() if row in by}
+    mined, sd_row, kl = (out.get(k, {}).get("accepted_per_call") for k in ("judge_mined", "sd", "kl_judge"))
+    out["checks"] = {
+        "mined_vs_sd_accepted_per_call": round(mined / sd_row, 4) if mined and sd_row else None,
+        "mined_at_least_1_5x_sd": mined >= 1.5 * sd_row if mined and sd_row else None,
+        "mined_vs_kl_accepted_per_call": round(mined / kl, 4) if mined and kl else None,
+        "mined_at_least_kl": mined >= kl if mined is not None and kl is not None else None,
+        "note": "a policy without a gated row (none within the drop bound) is left out; see gated.<name>.reason"}
+    return out
 
 
 def main(argv=None) -> int:
@@ -45,6 +73,7 @@ def main(argv=None) -> int:
     if code:
         return code
     sweep, train, manifest = ran["sweep"], ran["metrics"], ran["manifest"]
+    mined = (manifest.get("mining") or {}).get("method") == "swap"
     acc, judge = sweep["accuracy"], sweep["judge"]
     sd = judge["sd_reference"]
 
@@ -59,7 +88,7 @@ def main(argv=None) -> int:
               "tokens_per_call": r["tokens_per_call"], "gsm8k_accuracy": _acc(acc, r["config"], "gsm8k"),
               "arc_accuracy": _acc(acc, r["config"], "arc"), **intervals(sweep, r)} for r in sweep["table"]]
     quality = {r["config"]: (r.get("rouge_vs_target") or {}).get("rougeL") for r in sweep["table"]}
-    tradeoff = [{"config": n, "delta": float(n[1:]), "accepted_per_call": rows[n]["accepted_per_call"],
+    tradeoff = [{"config": n, "judge": family(n), "delta": threshold(n), "accepted_per_call": rows[n]["accepted_per_call"],
                  "tokens_per_s": rows[n]["tokens_per_s"], "gsm8k_accuracy": _acc(acc, n, "gsm8k"),
                  "arc_accuracy": _acc(acc, n, "arc"), "rougeL_vs_target": quality.get(n)}
                 for n in sorted(rows, key=lambda n: rows[n]["accepted_per_call"])]
@@ -81,8 +110,14 @@ def main(argv=None) -> int:
                                                                    ("sd", sd))},
         "arc_accuracy": {k: _acc(acc, c, "arc") for k, c in (("target", "ar"), ("judge", pick), ("draft", "draft"),
                                                                ("sd", sd))},
-        **eval_and_gated(sweep),
+        **eval_and_gated(sweep, names={"fsd_kl": "kl_judge", **({} if mined else {"judge": "judge_arith"})}),
     }
+    if mined:
+        result["mining"] = {k: manifest["mining"].get(k) for k in (
+            "prompts", "mismatches_tried", "important", "unimportant", "budget_hits", "mismatches_per_minute",
+            "continuation_tokens", "checker", "max_mismatches", "max_tokens")}
+    if "gated" in result:
+        result["comparison"] = comparison(result["gated"], table, sd)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     cols = ("config", "tokens_per_s", "accepted_per_call", "gsm8k_accuracy", "arc_accuracy")
