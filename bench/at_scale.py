@@ -46,6 +46,8 @@ def main(argv=None) -> int:
     ap.add_argument("--retrain", action="store_true", help="run the judge and SPRINTER pipelines even if their "
                                                            "heads are exported already")
     ap.add_argument("--results", default=str(ROOT / "bench/results"), help="where the three result files go")
+    ap.add_argument("--report-only", action="store_true", help="decode nothing: write the result files from the "
+                                                               "finished sweep in the recipe's output_dir")
     args, overrides = ap.parse_known_args(argv)
     eval_args = [f"recipe={args.recipe}", *(o.removeprefix("eval.") for o in overrides)]
     try:
@@ -53,17 +55,20 @@ def main(argv=None) -> int:
     except UserError as exc:
         print(f"at_scale.py: error: {exc}", file=sys.stderr)
         return 2
-    for recipe, field in HEADS.values():
+    for recipe, field in [] if args.report_only else HEADS.values():
         head = getattr(cfg, field)
         if head and (args.retrain or not Path(head).is_file()):
             code = pipeline_main([f"recipe={recipe}", "pipeline.stages=[datagen,train,export]",
                                   *(["overwrite=true"] if args.retrain else [])])
             if code:
                 return code
-    code = eval_main(eval_args)
+    code = 0 if args.report_only else eval_main(eval_args)
     if code:
         return code
-    command = run_info(__file__, argv, "")["command"]
+    # the command that measured the sweep (--report-only only rewrites the files from it)
+    command = run_info(__file__, [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--report-only"],
+                       "")["command"]
+    Path(args.results).mkdir(parents=True, exist_ok=True)
     for name, bench in (("judge", judge), ("sprinter", sprinter), ("training_free", training_free)):
         if name in HEADS and not getattr(cfg, HEADS[name][1]):
             continue
