@@ -130,5 +130,6 @@ def eval_and_gated(sweep: dict, names: dict[str, str] | None = None) -> dict:
         out["eval"].update({k: sweep["gated"][k] for k in ("max_drop", "calibration_prompts", "test_prompts")})
         out["gated"] = {(names or {}).get(family, family): {
             "family": family, "row": e["row"], **({k: e.get(k) for k in GATED_KEYS} if e["row"] else
-                                                  {"reason": e["reason"]})} for family, e in sweep["gated"]["rows"].items()}
+                                                  {"reason": e["reason"]}),
+            "calibration": e.get("calibration")} for family, e in sweep["gated"]["rows"].items()}
     return out

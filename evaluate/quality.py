@@ -71,12 +71,13 @@ def flops_per_token(stats, target, draft, verifier_params: int = 0) -> float | N
 
 @torch.no_grad()
 def verifier_errors(target, draft, prompt_ids: list[list[int]], outputs: list[list[int]],
-                    decisions: list[list[tuple[int, int, bool]]], sampling, pad: int) -> dict:
+                    decisions: list[list[tuple[int, int, bool]]], sampling, pad: int, batch_size: int = 8) -> dict:
     """Judges every verifier decision of a set of outputs against ``q(x) <= p(x)``.
 
     ``decisions[b]`` holds ``(position, token, approved)``: the candidate ``token`` drafted after
     the first ``position`` tokens of ``prompt_ids[b] + outputs[b]``. One teacher-forced pass per
-    model gives ``p`` and ``q`` there (warped as at decoding; raw for greedy decoding, as the labels).
+    model gives ``p`` and ``q`` there (warped as at decoding; raw for greedy decoding, as the labels),
+    ``batch_size`` outputs at a time.
 
     Returns counts, ``alpha`` (approved share of ``q(x) > p(x)``), the approval rate on the
     acceptable ones, the mean ``TV(p, q)`` over decisions and the per-step bound ``alpha * TV``.
@@ -84,19 +85,24 @@ def verifier_errors(target, draft, prompt_ids: list[list[int]], outputs: list[li
     rows = [(p + o, d) for p, o, d in zip(prompt_ids, outputs, decisions) if d]
     if not rows:
         return {"decisions": 0, "alpha": None}
-    seqs = [s for s, _ in rows]
-    positions = [[pos for pos, _, _ in d] for _, d in rows]
-    p_logits = torch.cat(logits_at(target, seqs, positions, pad))
-    q_logits = torch.cat(logits_at(draft, seqs, positions, pad)).to(p_logits.device)
-    vocab = min(p_logits.shape[-1], q_logits.shape[-1])
-    x = torch.tensor([t for _, d in rows for _, t, _ in d], device=p_logits.device)
-    approved = torch.tensor([a for _, d in rows for _, _, a in d], device=p_logits.device)
-    dist = label_distributions(p_logits[:, :vocab], q_logits[:, :vocab], sampling, None, x=x)
-    tv, bad = dist["tv"], dist["q_token"] > dist["p_token"]
+    tvs, bads, oks = [], [], []
+    for i in range(0, len(rows), batch_size):  # bounded memory: a batch's full-vocabulary logits at a time
+        part = rows[i: i + batch_size]
+        seqs = [s for s, _ in part]
+        positions = [[pos for pos, _, _ in d] for _, d in part]
+        p_logits = torch.cat(logits_at(target, seqs, positions, pad))
+        q_logits = torch.cat(logits_at(draft, seqs, positions, pad)).to(p_logits.device)
+        vocab = min(p_logits.shape[-1], q_logits.shape[-1])
+        x = torch.tensor([t for _, d in part for _, t, _ in d], device=p_logits.device)
+        dist = label_distributions(p_logits[:, :vocab], q_logits[:, :vocab], sampling, None, x=x)
+        tvs.append(dist["tv"].cpu())
+        bads.append((dist["q_token"] > dist["p_token"]).cpu())
+        oks.append(torch.tensor([a for _, d in part for _, _, a in d]))
+    tv, bad, approved = torch.cat(tvs), torch.cat(bads), torch.cat(oks)
     n_bad, n_good = int(bad.sum()), int((~bad).sum())
     alpha = float((approved & bad).sum()) / n_bad if n_bad else None
     mean_tv = float(tv.mean())
-    return {"decisions": int(len(x)), "approved": int(approved.sum()), "unacceptable": n_bad,
+    return {"decisions": int(len(approved)), "approved": int(approved.sum()), "unacceptable": n_bad,
             "alpha": round(alpha, 4) if alpha is not None else None,
             "approval_rate_acceptable": round(float((approved & ~bad).sum()) / n_good, 4) if n_good else None,
             "mean_tv": round(mean_tv, 4),

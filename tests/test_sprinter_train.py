@@ -139,6 +139,11 @@ def test_verifier_errors_by_hand(tiny_pair):
     assert got["decisions"] == 4 and got["approved"] == 3 and got["unacceptable"] == bad
     assert got["alpha"] == (pytest.approx(approved_bad / bad, abs=1e-4) if bad else None)
     assert got["mean_tv"] == pytest.approx(sum(tvs) / 4, abs=1e-4)
+    # several outputs in batches of 2 (memory stays bounded) count as one pass over all of them
+    many = verifier_errors(target, draft, [prompt] * 5, [output] * 5, [decisions] * 5,
+                           SamplingConfig(do_sample=False), pad=2, batch_size=2)
+    assert many["decisions"] == 20 and many["approved"] == 15 and many["unacceptable"] == 5 * bad
+    assert many["mean_tv"] == pytest.approx(got["mean_tv"], abs=1e-4)
 
 
 def test_eval_compares_sprinter_with_sd(tiny_pair_dirs, labelled, verifier_file, tmp_path):
