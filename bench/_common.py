@@ -19,6 +19,20 @@ def run_info(script: str, argv: list[str] | None, setting: str) -> dict:
                        f"{torch.get_num_threads()} threads, {setting}"}
 
 
+def eval_config(prog: str, recipe: str, overrides: list[str]):
+    """The resolved ``heads-eval`` config of ``recipe`` with ``overrides`` (``eval.`` prefix optional) and the
+    argument list that gives it; a bad override prints one line and gives ``(None, None)``."""
+    from specheads.config import UserError, load_config
+    from specheads.evaluate.config import EvalConfig
+
+    eval_args = [f"recipe={recipe}", *(o.removeprefix("eval.") for o in overrides)]
+    try:
+        return load_config(EvalConfig, "eval", eval_args), eval_args
+    except UserError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return None, None
+
+
 def run_pipeline(pipe_args: list[str]) -> tuple[int, dict]:
     """Runs ``heads-pipeline`` with ``pipe_args`` (a bad override fails before any work).
 

@@ -30,10 +30,8 @@ from pathlib import Path
 import judge
 import sprinter
 import training_free
-from _common import run_info
-from specheads.config import UserError, load_config
+from _common import eval_config, run_info
 from specheads.evaluate.cli import main as eval_main
-from specheads.evaluate.config import EvalConfig
 from specheads.pipeline import main as pipeline_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,11 +47,8 @@ def main(argv=None) -> int:
     ap.add_argument("--report-only", action="store_true", help="decode nothing: write the result files from the "
                                                                "finished sweep in the recipe's output_dir")
     args, overrides = ap.parse_known_args(argv)
-    eval_args = [f"recipe={args.recipe}", *(o.removeprefix("eval.") for o in overrides)]
-    try:
-        cfg = load_config(EvalConfig, "eval", eval_args)  # fail fast on a bad override
-    except UserError as exc:
-        print(f"at_scale.py: error: {exc}", file=sys.stderr)
+    cfg, eval_args = eval_config("at_scale.py", args.recipe, overrides)  # fail fast on a bad override
+    if cfg is None:
         return 2
     for recipe, field in [] if args.report_only else HEADS.values():
         head = getattr(cfg, field)

@@ -23,10 +23,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from _common import eval_and_gated, intervals, run_info
-from specheads.config import UserError, load_config
+from _common import eval_and_gated, eval_config, intervals, run_info
 from specheads.evaluate.cli import main as eval_main
-from specheads.evaluate.config import EvalConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.02  # "within 2 points" of SD's accuracy
@@ -109,11 +107,8 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
     else:
-        eval_args = [f"recipe={args.recipe}", *(o.removeprefix("eval.") for o in overrides)]
-        try:
-            cfg = load_config(EvalConfig, "eval", eval_args)  # fail fast on a bad override
-        except UserError as exc:
-            print(f"training_free.py: error: {exc}", file=sys.stderr)
+        cfg, eval_args = eval_config("training_free.py", args.recipe, overrides)  # fail fast on a bad override
+        if cfg is None:
             return 2
         code = eval_main(eval_args)
         if code:

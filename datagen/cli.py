@@ -202,10 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         args.remove("show")
         picked = [a for a in args if a.startswith("index=")]
         args = [a for a in args if not a.startswith("index=")]
-        try:
-            index = int(picked[-1][len("index="):]) if picked else 0
-        except ValueError:
-            index = -1
+        index = picked[-1][len("index="):] if picked else "0"
         return cli_main(f"{PROG} show", DatagenConfig, "datagen", args, lambda cfg: show(cfg.output_dir, index))
     if "merge" in args:
         args.remove("merge")

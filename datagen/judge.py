@@ -168,15 +168,15 @@ def _tuples(job: Job, items: list, chunk: int, counts: dict) -> tuple[list[Judge
     return tuples, review, index_of
 
 
-def summarise(out: Path) -> dict:
+def summarise(out: Path, mined: bool = False) -> dict:
     """Tuple counts (summed over chunks), token label counts, and the merged tuple and review files
-    (written chunk by chunk: memory does not grow with the run)."""
+    (written chunk by chunk: memory does not grow with the run); with ``mined``, the ``mined.jsonl`` records
+    and the mining counts too."""
     import tempfile
 
     counts = {k: 0 for k in COUNTS}
     pos = neg = 0
     handles = {}
-    mined = (out / "mined").is_dir()
     for name in ("tuples.jsonl", "review.jsonl") + (("mined.jsonl",) if mined else ()):
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=out)
         handles[name] = (os.fdopen(fd, "w", encoding="utf-8"), tmp)
@@ -286,7 +286,7 @@ class JudgeLabeller(Labeller):
                              "sha256": file_sha256(feats)}}
 
     def summarise(self, cfg, out: Path, models: dict) -> tuple[dict, dict]:
-        stats = summarise(out)
+        stats = summarise(out, mined=cfg.mining == "swap")
         if cfg.mining == "swap":  # the settings beside the counts
             stats["mining"] = {"method": "swap", "checker": cfg.checker, "max_mismatches": cfg.mine_max_mismatches,
                                "max_tokens": cfg.mine_max_tokens, "label_matches": cfg.mine_label_matches,

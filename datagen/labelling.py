@@ -89,7 +89,7 @@ class Labeller:
         raise NotImplementedError
 
     def side_files(self, out: Path, chunk: int) -> tuple[Path, ...]:
-        """Files a chunk writes before its Parquet file (which marks it done); ``merge`` copies them first."""
+        """Files a chunk may write before its Parquet file (which marks it done); ``merge`` copies those there first."""
         return ()
 
     def shard_entry(self, out: Path, chunk: int) -> dict:

@@ -40,20 +40,29 @@ def render(rec: dict, color: bool) -> str:
         for m in marks:
             if m["important"]:
                 body.append(paint(RED, f"[{m['draft_token']!r} -> {m['answer_after']}]"))
-        kept = next((m for m in marks if not m["important"]), None)
+            elif m["important"] is None:
+                body.append(paint(DIM, f"[{m['draft_token']!r} -> ? (ran to the length limit)]"))
+        kept = next((m for m in marks if m["important"] is False), None)
         body.append(paint(GREEN, tok) + paint(DIM, f"[{kept['target_token']!r}]") if kept else tok)
-    important = sum(m["important"] for m in rec["marks"])
+    verdicts = [m["important"] for m in rec["marks"]]
     lines = [f"prompt {rec['prompt_index']} ({rec['source']}, id {rec['prompt_id']}): "
-             f"{rec['mismatches_tried']} mismatches tried, {important} important, "
-             f"{len(rec['marks']) - important} unimportant" + (", budget hit" if rec["budget_hit"] else ""),
+             f"{rec['mismatches_tried']} mismatches tried, {verdicts.count(True)} important, "
+             f"{verdicts.count(False)} unimportant" + (f", {verdicts.count(None)} undetermined" if None in verdicts
+                                                       else "") + (", budget hit" if rec["budget_hit"] else "")
+             + ("" if rec.get("searchable", True) else ", not searched (its answer ran to the length limit "
+                "or gives no answer)"),
              f"question: {rec['question']}", f"answer: {rec['answer']}", "", "".join(body), "",
              "legend: " + paint(GREEN, "draft token kept") + paint(DIM, "['target token']") + "  "
              + paint(RED, "['draft token' -> answer it gives]") + " rejected before the target's token"]
     return "\n".join(lines)
 
 
-def show(output_dir: str, index: int) -> int:
+def show(output_dir: str, index: str | int) -> int:
     """Prints record ``index`` of ``output_dir/mined.jsonl``; a missing file or index is a UserError."""
+    try:
+        index = int(index)
+    except ValueError:
+        raise UserError(f"index={index!r}: expected a record number (0, 1, ...)") from None
     path = Path(output_dir) / "mined.jsonl"
     if not path.is_file():
         raise UserError(f"{path} not found: show reads a finished heads-datagen labels=judge mining=swap run")

@@ -13,6 +13,10 @@ AutoJudge's semi-greedy search (ALGORITHMS.md section 3), per prompt:
 4. The search goes on after ``j`` until no mismatch is left or the prompt's budget is spent
    (``mine_max_mismatches`` tried, ``mine_max_tokens`` generated in continuations): a budget hit.
 
+An answer cut off at the length limit gives no trustworthy final answer (its last number moves with
+the cut): a prompt whose own response does not end in EOS, or gives no answer, is not searched
+(*unsearchable*), and a swap whose response runs to the limit is *undetermined* (no label; ``R`` stays).
+
 Positions before ``j`` never change after step 3, so the final response carries every unimportant
 mismatch at its position, and each important one is labelled after the final response's first ``j``
 tokens. The prompts of a chunk search in lockstep: each step tries the next mismatch of every prompt
@@ -23,6 +27,7 @@ draft forward.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,17 +44,20 @@ from specheads.states import logits_at
 from . import checkers
 from .tuples import IGNORE
 
-COUNTS = ("prompts", "mismatches_tried", "important", "unimportant", "budget_hits", "continuation_tokens")
+log = logging.getLogger(__name__)
+COUNTS = ("prompts", "mismatches_tried", "important", "unimportant", "undetermined", "unsearchable", "budget_hits",
+          "continuation_tokens")
 
 
 @dataclass
 class Mark:
-    """One tried mismatch: the response position, the target's and the draft's token, the verdict."""
+    """One tried mismatch: the response position, the target's and the draft's token, the verdict (None:
+    undetermined, the swapped response ran to the length limit)."""
 
     position: int
     target_token: int
     draft_token: int
-    important: bool
+    important: bool | None
     answer_after: Any
 
 
@@ -57,6 +65,7 @@ class Mark:
 class Search:
     """One prompt's search state."""
 
+    prompt: Any
     prompt_ids: list[int]
     response: list[int]
     answer: Any
@@ -65,6 +74,7 @@ class Search:
     marks: list[Mark] = field(default_factory=list)
     generated: int = 0  # continuation tokens
     budget_hit: bool = False
+    searchable: bool = True  # False: its own response ran to the limit or gives no answer
     done: bool = False
     draft: list[int] | None = None  # the draft's greedy token at each response position (None: stale)
 
@@ -119,12 +129,18 @@ def mine(generate, predict, decode, prompts: list, prompt_ids: list[list[int]], 
         limits: each prompt's response length (default ``budget.max_new_tokens``).
     """
     limits = limits or [budget.max_new_tokens] * len(prompts)
+
+    def ended(response: list[int]) -> bool:
+        return bool(response) and response[-1] in eos
+
     searches: list[Search] = []
     for group in _groups(list(range(len(prompts))), batch_size):
         answers = generate([prompt_ids[i] for i in group], max(limits[i] for i in group))
-        searches += [Search(prompt_ids[i], r[: limits[i]], checker(prompts[i], decode(r[: limits[i]])), limits[i])
-                     for i, r in zip(group, answers)]
-    index = {id(s): i for i, s in enumerate(searches)}
+        for i, r in zip(group, answers):
+            s = Search(prompts[i], prompt_ids[i], r[: limits[i]], checker(prompts[i], decode(r[: limits[i]])), limits[i])
+            s.searchable = ended(s.response) and s.answer is not None
+            s.done = not s.searchable
+            searches.append(s)
     while True:
         active = [s for s in searches if not s.done]
         for group in _groups([s for s in active if s.draft is None], batch_size):
@@ -152,11 +168,11 @@ def mine(generate, predict, decode, prompts: list, prompt_ids: list[list[int]], 
         for s, j in tries:
             cont = continuations.get(id(s), [])
             swapped = s.response[:j] + [s.draft[j]] + cont
-            after = checker(prompts[index[id(s)]], decode(swapped))
-            important = after != s.answer
+            after = checker(s.prompt, decode(swapped))
+            important = after != s.answer if ended(swapped) else None
             s.marks.append(Mark(j, s.response[j], s.draft[j], important, after))
             s.generated += len(cont)
-            if not important:
+            if important is False:
                 s.response, s.draft = swapped, None
             s.position = j + 1
 
@@ -167,9 +183,12 @@ def judge_rows(s: Search, tuple_id: str, label_matches: bool, ignore: int = IGNO
     ``mined``: the final response, label 1 at every unimportant mismatch (and, with ``label_matches``, at
     every token the draft predicted right too), ``ignore`` elsewhere. ``important``: one row per important
     mismatch (``important-<j>``), the final response's first ``j`` tokens and the draft's token, labelled 0 there.
+    An unsearchable prompt gives none.
     """
+    if not s.searchable:  # nothing was checked
+        return []
     start = len(s.prompt_ids)
-    kept = {m.position for m in s.marks if not m.important}
+    kept = {m.position for m in s.marks if m.important is False}
     labels = [1 if j in kept or label_matches else ignore for j in range(len(s.response))]
     rows = []
     if any(v != ignore for v in labels):
@@ -193,14 +212,17 @@ def record(s: Search, prompt, index: int, token_text) -> dict:
                        "draft_token": token_text(m.draft_token), "target_id": m.target_token,
                        "draft_id": m.draft_token, "answer_after": None if m.answer_after is None
                        else str(m.answer_after)} for m in s.marks],
-            "mismatches_tried": len(s.marks), "continuation_tokens": s.generated, "budget_hit": s.budget_hit}
+            "mismatches_tried": len(s.marks), "continuation_tokens": s.generated, "budget_hit": s.budget_hit,
+            "searchable": s.searchable}
 
 
 def counts(searches: list[Search]) -> dict:
     """The chunk's mining counts (:data:`COUNTS`)."""
     return {"prompts": len(searches), "mismatches_tried": sum(len(s.marks) for s in searches),
-            "important": sum(m.important for s in searches for m in s.marks),
-            "unimportant": sum(not m.important for s in searches for m in s.marks),
+            "important": sum(m.important is True for s in searches for m in s.marks),
+            "unimportant": sum(m.important is False for s in searches for m in s.marks),
+            "undetermined": sum(m.important is None for s in searches for m in s.marks),
+            "unsearchable": sum(not s.searchable for s in searches),
             "budget_hits": sum(s.budget_hit for s in searches),
             "continuation_tokens": sum(s.generated for s in searches)}
 
@@ -227,6 +249,11 @@ def chunk_rows(job, items: list, chunk: int) -> tuple[list[dict], list[str], dic
     cfg, pair = job.cfg, job.pair
     tok = pair.tokenizer
     generate, predict = greedy_tokens(pair.target.model, pair.draft.model, job.eos, job.pad)
+    if cfg.checker == "auto":
+        loose = sorted({p.source for p in items} - {"gsm8k", "arc"})
+        if loose:
+            log.warning("checker=auto compares the whole normalised text for %s prompts: almost every swap changes "
+                        "it, so almost every mismatch counts as important; name a checker for them", loose)
     by_source = dict(cfg.mine_max_new_tokens_by_source or {})
     searches = mine(generate, predict, lambda ids: tok.decode(ids, skip_special_tokens=True), items,
                     job.prompt_ids(items), checkers.resolve(cfg.checker),

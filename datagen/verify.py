@@ -210,7 +210,8 @@ def merge(sources: list[str], dest: str | Path) -> dict:
                                     "one of them is damaged: delete it there and relabel")
                 continue
             for x, y in zip(family.side_files(src, chunk), family.side_files(dest, chunk)):
-                _copy_atomic(x, y)  # the side files first: the Parquet file marks the chunk done
+                if x.is_file():  # the side files first: the Parquet file marks the chunk done
+                    _copy_atomic(x, y)
             _copy_atomic(path, target)
             copied += 1
         for metrics in src.glob("metrics.rank*.jsonl"):

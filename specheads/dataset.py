@@ -134,9 +134,8 @@ class JudgeChunkFiles:
 
     @property
     def paths(self) -> tuple[Path, ...]:
-        """Every side file: features, tuples, review, counts (and the mined records of ``mining=swap``)."""
-        base = (self.features_path, self.tuples_path, self.review_path, self.counts_path)
-        return base + (self.mined_path,) if self.mined_path.is_file() else base
+        """Every side file: features, tuples, review, counts, and the mined records (``mining=swap`` runs only)."""
+        return self.features_path, self.tuples_path, self.review_path, self.counts_path, self.mined_path
 
     def write(self, features, labels, offsets, tuples: list[str], review: list[str], counts: dict,
               mined: list[str] | None = None) -> None:

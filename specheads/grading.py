@@ -67,12 +67,13 @@ def letter(text: str) -> str | None:
 
 
 def number(text: str) -> str | None:
-    """The final number of a GSM8K-style answer (:func:`final_answer`), normalised (``1,250.0`` -> ``1250``)."""
+    """The final number of a GSM8K-style answer (:func:`final_answer`), normalised (``1,250.0`` -> ``1250``; every
+    significant digit a float holds, so ``1234567`` and ``1234571`` stay apart)."""
     fin = final_answer(text)
     if fin is None:
         return None
     try:
-        return f"{parse_number(fin[0]):g}"
+        return f"{parse_number(fin[0]):.15g}"
     except ValueError:
         return fin[0].strip()
 

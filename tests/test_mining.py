@@ -87,7 +87,8 @@ def test_the_budget_stops_a_search_that_has_mismatches_left():
     t = _mine(max_tokens=5)[0]  # the first continuation spends the token budget
     assert len(t.marks) == 1 and t.budget_hit
     assert mining.counts([s, t]) == {"prompts": 2, "mismatches_tried": 2, "important": 0, "unimportant": 2,
-                                     "budget_hits": 2, "continuation_tokens": 10}
+                                     "undetermined": 0, "unsearchable": 0, "budget_hits": 2,
+                                     "continuation_tokens": 10}
 
 
 def test_a_search_without_mismatches_ends_without_a_budget_hit():
@@ -103,6 +104,7 @@ def test_checkers():
     p = SimpleNamespace(source="arc")
     assert checkers.resolve("arc")(p, "I pick B, not C") == "B"
     assert checkers.resolve("gsm8k")(p, "so 1,250.0 dollars") == "1250"
+    assert checkers.resolve("gsm8k")(p, "#### 1234567") != checkers.resolve("gsm8k")(p, "#### 1234571")
     assert checkers.resolve("exact")(p, "  The  Cat sat. ") == checkers.resolve("exact")(p, "the cat sat")
     assert checkers.resolve("auto")(p, "B") == "B"
     assert checkers.resolve("auto")(SimpleNamespace(source="gsm8k"), "#### 12") == "12"
@@ -143,7 +145,8 @@ def test_swap_mining_end_to_end_on_the_tiny_pair(tiny_pair_dirs, chat_prompts, t
     assert cli.main(_args(tiny_pair_dirs, out, chat_prompts)) == 0
     m = json.loads((out / "manifest.json").read_text())
     mine = m["mining"]
-    assert mine["prompts"] == 3 and mine["mismatches_tried"] == mine["important"] + mine["unimportant"] > 0
+    assert mine["prompts"] == 3 and mine["mismatches_tried"] == (
+        mine["important"] + mine["unimportant"] + mine["undetermined"]) > 0
     assert mine["mismatches_per_minute"] > 0 and (mine["method"], mine["checker"]) == ("swap", "exact")
     assert m["positive_tokens"] == mine["unimportant"] and m["negative_tokens"] == mine["important"]
     records = [json.loads(x) for x in (out / "mined.jsonl").read_text().splitlines()]
@@ -155,6 +158,8 @@ def test_swap_mining_end_to_end_on_the_tiny_pair(tiny_pair_dirs, chat_prompts, t
     assert "prompt 2 (prompt" in capsys.readouterr().out
     assert cli.main(_args(tiny_pair_dirs, out, chat_prompts, "show", "index=7")) == 2
     assert "holds 3 records" in capsys.readouterr().err
+    assert cli.main(_args(tiny_pair_dirs, out, chat_prompts, "show", "index=x")) == 2
+    assert "expected a record number" in capsys.readouterr().err
 
 
 def test_swap_mining_relabels_a_lost_chunk_to_the_same_bytes(tiny_pair_dirs, chat_prompts, tmp_path):
@@ -171,11 +176,48 @@ def test_swap_mining_relabels_a_lost_chunk_to_the_same_bytes(tiny_pair_dirs, cha
 
 
 def test_a_shorter_response_per_source():
-    """limits: the ARC-style prompt answers in 3 tokens, so its one reachable mismatch (position 0) is all."""
+    """limits: prompt 0 fits its 6 tokens (EOS included) and is searched; prompt 1 is cut at 5, before its EOS,
+    so its final answer cannot be trusted and it is not searched."""
     s = mining.mine(generate, predict, decode, PROMPTS, [PROMPT] * 2, checkers.resolve("gsm8k"),
-                    mining.Budget(8, 16, 1000), EOS, batch_size=4, limits=[3, 8])
-    assert decode(s[0].response) == "thus the answer" and len(s[0].marks) == 1 and s[0].generated == 2
-    assert len(s[1].marks) == 2
+                    mining.Budget(8, 16, 1000), EOS, batch_size=4, limits=[6, 5])
+    assert len(s[0].marks) == 2 and s[0].searchable
+    assert decode(s[1].response) == "so the answer is 7" and s[1].marks == [] and not s[1].searchable
+    assert mining.counts(s)["unsearchable"] == 1 and mining.judge_rows(s[1], "x", True) == []
+
+
+def test_a_swap_that_runs_to_the_limit_is_undetermined():
+    """A draft that inserts a word the target then repeats past the limit: no EOS, no label, R stays."""
+    def chatty(contexts, max_new):
+        out = []
+        for c in contexts:
+            r = c[len(PROMPT):]
+            out.append(([IDS["the"]] * max_new) if IDS["thus"] in r else TEMPLATE[len(r):][:max_new])
+        return out
+
+    s = mining.mine(chatty, predict, decode, PROMPTS[:1], [PROMPT], checkers.resolve("gsm8k"),
+                    mining.Budget(8, 16, 1000), EOS, batch_size=4)[0]
+    assert [(m.position, m.important) for m in s.marks] == [(0, None)]
+    assert decode(s.response) == "so the answer is 7"  # the target's own, unchanged
+    assert mining.judge_rows(s, "x", False) == [] and mining.counts([s])["undetermined"] == 1
+    assert "undetermined" in render(mining.record(s, PROMPTS[0], 0, lambda t: WORDS[t]), color=False)
+
+
+def test_merged_nodes_keep_every_mined_record(tiny_pair_dirs, chat_prompts, tmp_path):
+    """Two nodes' outputs (chunk 0 on one, chunk 1 on the other) merged into a fresh directory: the mined
+    records and counts of both are there."""
+    whole = tmp_path / "whole"
+    assert cli.main(_args(tiny_pair_dirs, whole, chat_prompts)) == 0
+    nodes = [tmp_path / "n0", tmp_path / "n1"]
+    for n, drop in zip(nodes, ("chunk-000001", "chunk-000000")):
+        shutil.copytree(whole, n)
+        for f in list(n.rglob(drop + "*")):
+            f.unlink()
+        (n / "manifest.json").unlink()
+    merged = tmp_path / "merged"
+    assert cli.main(_args(tiny_pair_dirs, merged, chat_prompts, "merge", f"from={nodes[0]},{nodes[1]}")) == 0
+    assert (merged / "mined.jsonl").read_bytes() == (whole / "mined.jsonl").read_bytes()
+    assert json.loads((merged / "manifest.json").read_text())["mining"] == json.loads(
+        (whole / "manifest.json").read_text())["mining"] | {"mismatches_per_minute": None}
 
 
 @pytest.mark.parametrize("bad, why", [("mine_max_mismatches=0", "mine_max_mismatches=0"),
@@ -196,13 +238,14 @@ def test_a_user_checker_is_called_with_the_prompt(tiny_pair_dirs, chat_prompts, 
 
 
 def test_judge_data_sets_from_several_sources_train_one_head(tiny_pair_dirs, chat_prompts, tmp_path, capsys):
-    """Two data sets (here two swap-mined prompt ranges) train one judge; another target's set is refused."""
+    """Two data sets (here two swap-mined runs) train one judge; another target's set is refused."""
     from specheads.train.cli import main as train_main
     from specheads.train.judge import JudgeStore
 
     a, b = tmp_path / "a", tmp_path / "b"
     assert cli.main(_args(tiny_pair_dirs, a, chat_prompts, "num_prompts=2", "mine_label_matches=true")) == 0
-    assert cli.main(_args(tiny_pair_dirs, b, chat_prompts, "offset=2", "mine_label_matches=true")) == 0
+    assert cli.main(_args(tiny_pair_dirs, b, chat_prompts, "num_prompts=2", "mine_label_matches=true",
+                          "chunk_size=1")) == 0
     both = JudgeStore(f"{a},{b}")
     assert len(both.examples) == len(JudgeStore(a).examples) + len(JudgeStore(b).examples)
     assert {e.tuple_id.split(":")[0] for e in both.examples} == {"0", "1"}

@@ -65,6 +65,8 @@ def data_manifest(cfg: TrainConfig) -> dict:
     sources: arithmetic-localised, swap-mined, imported), the first one's, after checking that every one is
     judge data of the same target (fingerprint and hidden size)."""
     dirs = [d.strip() for d in cfg.data_dir.split(",") if d.strip()]
+    if not dirs:
+        raise UserError(f"data_dir={cfg.data_dir!r} names no directory; pass data_dir=<heads-datagen output_dir>")
     manifests = []
     for d in dirs:
         path = Path(d) / "manifest.json"
