@@ -11,6 +11,11 @@ the response gives none). ``prompt`` is a :class:`specheads.prompts.Prompt` (``t
 * ``exact``: the whole response, normalised (case, whitespace, surrounding punctuation);
 * ``auto`` (default): ``gsm8k`` for GSM8K prompts, ``arc`` for ARC, ``exact`` for the rest.
 
+A checker whose answer, once a response gives one, stays put as text is appended (ARC's first letter) is
+*prefix-stable*: a response cut at the length limit still has a trustworthy answer when it had the same one a
+token earlier (:func:`stable`). ``arc`` is; ``gsm8k`` (the last number moves with the cut) and ``exact`` are
+not; ``auto`` is for ARC prompts; a user's callable is when it has an attribute ``prefix_stable = True``.
+
 Anything else names a user's callable as ``module:function`` (``mypkg.checks:run_unit_tests``): imported
 when the run starts (a missing module or function is a one-line error), called once per response.
 """
@@ -42,6 +47,16 @@ def exact(prompt, text: str) -> str:
 
 def auto(prompt, text: str):
     return {"gsm8k": gsm8k, "arc": arc}.get(getattr(prompt, "source", None), exact)(prompt, text)
+
+
+arc.prefix_stable = True
+
+
+def stable(checker: Checker, prompt) -> bool:
+    """Whether ``checker``'s answer to ``prompt`` survives appending text (see the module docstring)."""
+    if checker is auto:
+        return getattr(prompt, "source", None) == "arc"
+    return getattr(checker, "prefix_stable", False) is True
 
 
 CHECKERS: dict[str, Checker] = {"auto": auto, "gsm8k": gsm8k, "arc": arc, "exact": exact}

@@ -11,11 +11,14 @@ AutoJudge's semi-greedy search (ALGORITHMS.md section 3), per prompt:
    mismatch is *unimportant* (label 1): the swapped response becomes ``R`` and the draft's predictions
    after ``j`` are made again along it.
 4. The search goes on after ``j`` until no mismatch is left or the prompt's budget is spent
-   (``mine_max_mismatches`` tried, ``mine_max_tokens`` generated in continuations): a budget hit.
+   (``mine_max_mismatches`` tried, ``mine_max_tokens`` generated in continuations): a budget hit. The
+   budget is checked before each try, so the last try may take a prompt past ``mine_max_tokens`` by at
+   most one continuation (one response length).
 
 An answer cut off at the length limit gives no trustworthy final answer (its last number moves with
-the cut): a prompt whose own response does not end in EOS, or gives no answer, is not searched
-(*unsearchable*), and a swap whose response runs to the limit is *undetermined* (no label; ``R`` stays).
+the cut) unless the checker is prefix-stable (ARC's first letter, ``checkers.stable``) and the cut
+response gave the same answer a token earlier. A prompt whose own response has no trustworthy answer is
+not searched (*unsearchable*), and a swap whose response has none is *undetermined* (no label; ``R`` stays).
 
 Positions before ``j`` never change after step 3, so the final response carries every unimportant
 mismatch at its position, and each important one is labelled after the final response's first ``j``
@@ -130,15 +133,19 @@ def mine(generate, predict, decode, prompts: list, prompt_ids: list[list[int]], 
     """
     limits = limits or [budget.max_new_tokens] * len(prompts)
 
-    def ended(response: list[int]) -> bool:
-        return bool(response) and response[-1] in eos
+    def answered(prompt, response: list[int], answer) -> bool:  # the response's answer can be trusted
+        if answer is None or not response:
+            return False
+        if response[-1] in eos:
+            return True
+        return checkers.stable(checker, prompt) and checker(prompt, decode(response[:-1])) == answer
 
     searches: list[Search] = []
     for group in _groups(list(range(len(prompts))), batch_size):
         answers = generate([prompt_ids[i] for i in group], max(limits[i] for i in group))
         for i, r in zip(group, answers):
             s = Search(prompts[i], prompt_ids[i], r[: limits[i]], checker(prompts[i], decode(r[: limits[i]])), limits[i])
-            s.searchable = ended(s.response) and s.answer is not None
+            s.searchable = answered(s.prompt, s.response, s.answer)
             s.done = not s.searchable
             searches.append(s)
     while True:
@@ -169,7 +176,7 @@ def mine(generate, predict, decode, prompts: list, prompt_ids: list[list[int]], 
             cont = continuations.get(id(s), [])
             swapped = s.response[:j] + [s.draft[j]] + cont
             after = checker(s.prompt, decode(swapped))
-            important = after != s.answer if ended(swapped) else None
+            important = after != s.answer if answered(s.prompt, swapped, after) else None
             s.marks.append(Mark(j, s.response[j], s.draft[j], important, after))
             s.generated += len(cont)
             if important is False:
@@ -181,7 +188,8 @@ def judge_rows(s: Search, tuple_id: str, label_matches: bool, ignore: int = IGNO
     """The judge rows of one searched prompt (``side``, ``input_ids``, ``answer_start``, ``labels``).
 
     ``mined``: the final response, label 1 at every unimportant mismatch (and, with ``label_matches``, at
-    every token the draft predicted right too), ``ignore`` elsewhere. ``important``: one row per important
+    every other token of the final response too: the target's own tokens, which the judge must accept),
+    ``ignore`` elsewhere. ``important``: one row per important
     mismatch (``important-<j>``), the final response's first ``j`` tokens and the draft's token, labelled 0 there.
     An unsearchable prompt gives none.
     """

@@ -99,8 +99,11 @@ def _check(cfg: EvalConfig) -> None:
                                  fsd_dist=cfg.fsd_dist).problems({"k": "fsd_k"})
     problems += ConfidenceStop.Settings.sweep("tau", "confidence", cfg.confidence)
     problems += ConfidenceStop.Settings(k_max=cfg.confidence_k_max).problems()
-    if (cfg.judge or cfg.judges) and not cfg.deltas:
+    unswept = [f"judges.{n}" for n in cfg.judges if not cfg.judge_deltas.get(n)]
+    if cfg.judge and not cfg.deltas:
         problems.append("judge is set but deltas is empty")
+    elif unswept and not cfg.deltas:
+        problems.append(f"deltas is empty and judge_deltas gives none for {', '.join(unswept)}")
     for name, deltas in cfg.judge_deltas.items():
         if name not in cfg.judges:
             problems.append(f"judge_deltas.{name}: no judge of that name in judges={dict(cfg.judges)}")

@@ -277,3 +277,19 @@ def test_judge_metrics_by_hand():
     # accepted: 0.9 0.8 0.7; predicted negative: 0.2 (a correct token) and 0.1 (a wrong one)
     assert m["negative_precision"] == 0.5 and m["negative_recall"] == 0.5 and m["wrong_accepted_share"] == 0.5
     assert m["auroc"] == pytest.approx(5 / 6)
+
+
+def test_eval_named_judges_need_deltas_somewhere(tmp_path):
+    """deltas= may be empty when judge_deltas= gives every named judge its own; a named judge left without
+    any is a one-line error naming it."""
+    from specheads.errors import UserError
+    from specheads.evaluate.cli import _check
+    from specheads.evaluate.config import EvalConfig
+
+    base = dict(prompts=str(tmp_path / "p.jsonl"), ks=[4], deltas=[], judges={"a": "a.safetensors",
+                                                                              "b": "b.safetensors"})
+    _check(EvalConfig(**base, judge_deltas={"a": [0.5], "b": [0.9]}))
+    with pytest.raises(UserError, match=r"judge_deltas gives none for judges\.b"):
+        _check(EvalConfig(**base, judge_deltas={"a": [0.5]}))
+    with pytest.raises(UserError, match="judge is set but deltas is empty"):
+        _check(EvalConfig(prompts=str(tmp_path / "p.jsonl"), judge="j.safetensors", deltas=[]))

@@ -185,6 +185,43 @@ def test_a_shorter_response_per_source():
     assert mining.counts(s)["unsearchable"] == 1 and mining.judge_rows(s[1], "x", True) == []
 
 
+def first_word(prompt, text):
+    return text.split()[0] if text.split() else None
+
+
+first_word.prefix_stable = True
+
+
+def test_a_prefix_stable_answer_is_trusted_at_the_cut():
+    """A prefix-stable checker (the first word here, ARC's first letter in practice): a response cut at the
+    limit is searched when its answer was there a token earlier, and a swap that changes it is important
+    even though neither response reaches EOS; the last-number checker trusts neither."""
+    s = mining.mine(generate, predict, decode, PROMPTS[:1], [PROMPT], first_word, mining.Budget(5, 16, 1000), EOS,
+                    batch_size=4)[0]
+    assert s.searchable and s.answer == "so"
+    assert [(m.position, m.important, m.answer_after) for m in s.marks] == [(0, True, "thus")]
+    assert decode(s.response) == "so the answer is 7"  # R stays: the swap was important
+    loose = mining.mine(generate, predict, decode, PROMPTS[:1], [PROMPT], checkers.resolve("gsm8k"),
+                        mining.Budget(5, 16, 1000), EOS, batch_size=4)[0]
+    assert not loose.searchable and loose.marks == []
+
+    def one_token(prompt, text):  # answers only at the response's last token: not settled a token earlier
+        return text.split()[-1] if len(text.split()) == 5 else None
+
+    one_token.prefix_stable = True
+    cut = mining.mine(generate, predict, decode, PROMPTS[:1], [PROMPT], one_token, mining.Budget(5, 16, 1000), EOS,
+                      batch_size=4)[0]
+    assert cut.answer == "7" and not cut.searchable
+
+
+def test_which_checkers_are_prefix_stable():
+    arc = SimpleNamespace(id="a", source="arc", text="Q", messages=None)
+    assert checkers.stable(checkers.resolve("arc"), PROMPTS[0]) and checkers.stable(checkers.resolve("auto"), arc)
+    assert not checkers.stable(checkers.resolve("auto"), PROMPTS[0])
+    assert not checkers.stable(checkers.resolve("gsm8k"), arc) and not checkers.stable(checkers.resolve("exact"), arc)
+    assert checkers.stable(first_word, PROMPTS[0]) and not checkers.stable(decode, PROMPTS[0])
+
+
 def test_a_swap_that_runs_to_the_limit_is_undetermined():
     """A draft that inserts a word the target then repeats past the limit: no EOS, no label, R stays."""
     def chatty(contexts, max_new):
