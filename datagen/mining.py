@@ -102,15 +102,19 @@ def _groups(items: list, size: int):
 def greedy_tokens(target, draft, eos: list[int], pad: int):
     """The two model calls the search makes, on a loaded pair: ``generate(contexts, max_new)`` (the target's
     greedy responses, EOS kept) and ``predict(seqs, positions)`` (the draft's greedy token after each prefix
-    ``seq[:t]``, teacher-forced, in one forward)."""
+    ``seq[:t]``, teacher-forced, in one forward). When one model pads its vocabulary, both pick among the
+    tokens the two share (as the decoding engine does), so a padding row never becomes a mismatch."""
     greedy = SamplingConfig()
+    vt, vd = target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0]
+    vocab = min(vt, vd)
 
     def generate(contexts: list[list[int]], max_new: int) -> list[list[int]]:
-        return [list(r) for r in batched.generate(target, contexts, max_new, greedy, None, eos, pad)]
+        return [list(r) for r in batched.generate(target, contexts, max_new, greedy, None, eos, pad,
+                                                  vocab_size=vocab if vt != vd else None)]
 
     @torch.inference_mode()
     def predict(seqs: list[list[int]], positions: list[list[int]]) -> list[list[int]]:
-        return [x.argmax(-1).tolist() for x in logits_at(draft, seqs, positions, pad)]
+        return [x[..., :vocab].argmax(-1).tolist() for x in logits_at(draft, seqs, positions, pad)]
 
     return generate, predict
 

@@ -296,3 +296,24 @@ def test_judge_data_sets_from_several_sources_train_one_head(tiny_pair_dirs, cha
     capsys.readouterr()
     assert train_main([f"data_dir={a},{b}", f"output_dir={tmp_path / 'tr2'}", *args]) == 2
     assert "another target" in capsys.readouterr().err
+
+
+def test_a_padded_draft_vocabulary_never_makes_a_mismatch():
+    """The draft pads its output layer past the target's vocabulary and its padding rows score highest: the
+    search's draft predictions stay within the shared tokens."""
+    import torch
+    from conftest import tiny_llama
+
+    target, draft = tiny_llama(48, seed=0), tiny_llama(56, seed=1)
+    with torch.no_grad():
+        draft.lm_head.weight[48:] = 0.0
+        draft.lm_head.bias = None
+        draft.model.norm.weight.fill_(1.0)
+        draft.lm_head.weight[48:, 0] = 1e4  # a huge logit for padding ids wherever feature 0 is positive
+    generate, predict = mining.greedy_tokens(target, draft, eos=[2], pad=0)
+    seqs = [[5, 6, 7, 8, 9, 10, 11, 12]]
+    preds = predict(seqs, [list(range(1, 8))])[0]
+    assert max(preds) < 48
+    logits = draft(torch.tensor(seqs)).logits[0, :7]
+    assert (logits.argmax(-1) >= 48).any()  # without the cut some prediction would be a padding id
+    assert all(t < 48 for r in generate([[5, 6]], 6) for t in r)
