@@ -3,15 +3,21 @@
     heads-export recipe=quickstart
     heads-export train_dir=runs/train checkpoint=latest threshold=0.5 output_dir=runs/export
 
+    heads-export recipe=judge_quickstart format=hf   # a Hub-style directory: model.safetensors, config.json, README.md
+
 Reads a ``heads-train`` output directory (its best head, its latest checkpoint, or a named
 ``checkpoint-<step>``), writes ``head.safetensors`` whose header carries the metadata the shim
 checks on load (head type and config, hidden size, feature, model names and fingerprints,
-sampling settings, default threshold), then reloads the file and checks that it reproduces the
-head's outputs bit for bit. Also ``config.yaml``, ``manifest.json`` and ``metrics.jsonl``.
+sampling settings, default threshold, a summary of the training data), then reloads the file and
+checks that it reproduces the head's outputs bit for bit. ``format=hf`` writes the same file as
+``model.safetensors`` with ``config.json`` and a generated model card (``export/hub.py``), a directory
+to upload as a Hub model repo; ``load_head`` takes the directory or the repo id. Also
+``config.yaml``, ``manifest.json`` and ``metrics.jsonl``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -23,7 +29,8 @@ from specheads.errors import UserError
 from specheads.outputs import MetricsWriter, prepare_output_dir, write_manifest
 
 from .export_config import ExportConfig
-from .package import load_head, save_head
+from . import hub
+from .package import load_head, read_metadata, save_head
 from .shim.models import DTYPES
 
 log = logging.getLogger(__name__)
@@ -57,10 +64,43 @@ def _source(cfg: ExportConfig) -> tuple[Path, Path | None]:
     return best, ckpt
 
 
+DATA_KEYS = ("labels", "prompts_file", "offset", "prompts", "labelled_tokens", "positive_tokens", "negative_tokens",
+             "label_mean", "max_new_tokens")
+
+
+def training_data(train_dir: Path) -> dict:
+    """What the head was trained on, from the training run's manifest and each data set's ``heads-datagen``
+    manifest (empty fields where a manifest is missing)."""
+    try:
+        train = json.loads((train_dir / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    dirs = [d for d in str(train.get("data_dir") or "").split(",") if d]
+    sets = []
+    for d in dirs:
+        try:
+            m = json.loads((Path(d) / "manifest.json").read_text())
+        except (OSError, ValueError):
+            sets.append({"data_dir": d})
+            continue
+        entry = {"data_dir": d, **{k: m[k] for k in DATA_KEYS if m.get(k) is not None}}
+        mining = {k: v for k, v in (m.get("mining") or {}).items() if k in (
+            "method", "checker", "prompts", "mismatches_tried", "important", "unimportant")}
+        if mining:
+            entry["mining"] = mining
+        if m.get("tuple_counts"):
+            entry["tuples"] = m["tuple_counts"].get("tuples")
+        sets.append(entry)
+    return {"data_sets": sets} if sets else {}
+
+
 def export_head(cfg: ExportConfig, out: Path) -> dict:
-    """Writes ``out/head.safetensors``; returns the manifest fields (including the round-trip check)."""
+    """Writes ``out/head.safetensors`` (``format=hf``: the Hub-style files); returns the manifest fields
+    (including the round-trip check)."""
     if cfg.dtype not in DTYPES:
         raise UserError(f"dtype={cfg.dtype!r}; choose one of {sorted(DTYPES)}")
+    if cfg.format not in ("safetensors", "hf"):
+        raise UserError(f"format={cfg.format!r}; choose safetensors or hf")
     if cfg.threshold is not None and not 0 < cfg.threshold < 1:
         raise UserError(f"threshold={cfg.threshold} must be in (0, 1)")
     best, ckpt = _source(cfg)
@@ -80,9 +120,15 @@ def export_head(cfg: ExportConfig, out: Path) -> dict:
         meta["default_threshold"] = cfg.threshold
     head = head.to(DTYPES[cfg.dtype])
     meta.setdefault("extra", {})["dtype"] = cfg.dtype
-    path = save_head(out / "head.safetensors", head, loaded.metadata["head_type"], meta)
-    # Round trip: the file alone must rebuild a head with bit-identical outputs.
-    back = load_head(path).module
+    data = training_data(Path(cfg.train_dir))
+    if data:
+        meta["extra"]["training_data"] = data
+    hf = cfg.format == "hf"
+    path = save_head(out / (hub.WEIGHTS if hf else "head.safetensors"), head, loaded.metadata["head_type"], meta)
+    if hf:
+        hub.write(out, read_metadata(path))
+    # Round trip: the file (the directory, for format=hf) alone must rebuild a head with bit-identical outputs.
+    back = load_head(out if hf else path).module
     g = torch.Generator().manual_seed(cfg.seed)
     width = meta.get("head_config", {}).get("in_features", meta["hidden_size"])
     x = torch.randn(64, width, generator=g).to(DTYPES[cfg.dtype])
@@ -90,7 +136,7 @@ def export_head(cfg: ExportConfig, out: Path) -> dict:
         identical = bool(torch.equal(head(x), back(x)))
     if not identical:
         raise RuntimeError(f"{path} does not reproduce the head's outputs after reloading")
-    return {"head": str(path), "head_type": loaded.metadata["head_type"], "source": str(ckpt or best),
+    return {"head": str(out if hf else path), "format": cfg.format, "head_type": loaded.metadata["head_type"], "source": str(ckpt or best),
             "default_threshold": meta.get("default_threshold"), "dtype": cfg.dtype,
             "round_trip_identical": identical, "parameters": sum(p.numel() for p in head.parameters())}
 

@@ -14,5 +14,6 @@ class ExportConfig:
     threshold: float | None = field(default=None, metadata={"help": "default stop threshold h stored in the file; default: training's"})
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16: precision of the exported weights"})
     seed: int = field(default=0, metadata={"help": "seed of the round-trip check's random inputs"})
-    output_dir: str = field(default="runs/export", metadata={"help": "head.safetensors, config.yaml, manifest.json, metrics.jsonl"})
+    format: str = field(default="safetensors", metadata={"help": "safetensors: output_dir/head.safetensors | hf: a Hub-style directory (model.safetensors, config.json, README.md model card) that load_head(dir or repo id) reads"})
+    output_dir: str = field(default="runs/export", metadata={"help": "head.safetensors (format=hf: model.safetensors, config.json, README.md), config.yaml, manifest.json, metrics.jsonl"})
     overwrite: bool = False

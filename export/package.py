@@ -65,21 +65,29 @@ def save_head(path: str | Path, head: torch.nn.Module, head_type: str, metadata:
 def set_default_threshold(path: str | Path, value: float, chosen_by: dict) -> Path:
     """Rewrites an exported head's ``default_threshold`` (its tensors unchanged), recording how the value
     was chosen (``default_threshold_chosen_by``: e.g. ``heads-eval select=max_drop:0.01`` and its figures)."""
+    from . import hub
+
+    directory = Path(path) if hub.is_hub_dir(path) else None
+    path = hub.head_file(path)
     meta = read_metadata(path)
     tensors = load_file(str(path))
     if _digest(tensors) != meta.get("tensors_sha256"):
         raise UserError(f"head file {str(path)!r}: tensors do not match their recorded digest; re-export it")
     meta.update(default_threshold=float(value), default_threshold_chosen_by=chosen_by)
-    path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt", META_KEY: json.dumps(meta, sort_keys=True)})
     tmp.replace(path)
+    if directory is not None:  # the Hub-style directory's config.json and model card follow
+        hub.write(directory, meta)
     return path
 
 
 def read_metadata(path: str | Path) -> dict:
-    """The header metadata of an exported head, without loading tensors."""
-    path = Path(path)
+    """The header metadata of an exported head (a file, a ``format=hf`` directory or a Hub repo id), without
+    loading tensors."""
+    from .hub import head_file
+
+    path = head_file(path)
     if not path.is_file():
         raise UserError(f"head file {str(path)!r} does not exist; pass the .safetensors written by heads-export")
     try:
@@ -101,7 +109,7 @@ def load_head(path: str | Path, pair=None, sampling=None, strict: bool = False,
     """Loads an exported head and checks it against the loaded pair and sampling settings.
 
     Args:
-        path: the ``.safetensors`` file.
+        path: the ``.safetensors`` file, a ``heads-export format=hf`` directory, or a Hub repo id.
         pair: when given, the head's hidden size and model fingerprint must match the model
             whose state it reads.
         sampling: when given and different from the settings the head was trained with:
@@ -109,6 +117,9 @@ def load_head(path: str | Path, pair=None, sampling=None, strict: bool = False,
         strict: turn the sampling mismatch warning into an error.
         device: where to put the head.
     """
+    from .hub import head_file
+
+    path = head_file(path)
     meta = read_metadata(path)
     if meta["head_type"] not in HEADS:
         raise UserError(f"{str(path)!r} holds head_type={meta['head_type']!r}, unknown here; known: {sorted(HEADS)}")

@@ -113,7 +113,8 @@ def load_configs(argv: list[str]) -> tuple[PipelineConfig, dict]:
             chained["export"] = [f"train_dir={cfgs[stage].output_dir}"]
         elif stage == "export":  # a verifier feeds SPRINTER's rows, a judge the judge's, an acceptance head SpecDec++'s
             key = {"verifier": "verifier", "judge": "judge"}.get(getattr(cfgs.get("train"), "head", "acceptance"), "head")
-            chained.setdefault("eval", []).append(f"{key}={Path(cfgs[stage].output_dir) / 'head.safetensors'}")
+            out = Path(cfgs[stage].output_dir)
+            chained.setdefault("eval", []).append(f"{key}={out if cfgs[stage].format == 'hf' else out / 'head.safetensors'}")
     if problems:
         raise UserError("; ".join(problems))
     return pipe, cfgs

@@ -1,0 +1,264 @@
+"""A trained head inside Hugging Face ``generate``: assisted generation whose drafting stops by the head.
+
+    from specheads.hf import Assistant
+
+    assistant = Assistant(draft, "runs/specdecpp_smollm2-export")      # an exported SpecDec++ head
+    out = target.generate(**inputs, assistant_model=draft, custom_generate=assistant, max_new_tokens=128)
+
+Transformers' assisted generation drafts with ``assistant_model`` and verifies with the target, losslessly
+(greedy: the target's own argmax; sampling: speculative sampling). How many tokens the draft proposes per
+round is the candidate generator's business; Transformers' default ("dynamic speculation") stops when the
+draft's top probability falls below ``assistant_confidence_threshold``. :class:`Assistant` is a
+``custom_generate`` callable (the entry point ``generate`` documents for a decoding method of one's own)
+that runs Transformers' own assisted decoding with one change: a candidate generator whose drafting stops
+by a specheads policy, the same object the decoding shim runs:
+
+* ``policy="specdecpp"`` (default): an exported acceptance head reads the draft's state at each candidate;
+  drafting stops when ``1 - prod(beta_hat) > h`` (``stop="threshold"``), or when one more candidate no
+  longer raises the expected tokens per unit of cost of the pair's profiled cost table (``stop="cost"``);
+  never before ``k_min``, always at ``k_max``;
+* ``policy="confidence_stop"``: training-free, stop when the draft's probability of its own candidate falls
+  below ``tau`` (Transformers' rule without its online threshold updates), or the cost-aware version.
+
+The head is loaded with :func:`specheads.export.load_head` (a file, a ``heads-export format=hf`` directory
+or a Hub repo id) and checked against the draft as the shim checks it (hidden size, the fingerprint of the
+draft's weights when it was loaded from a local directory, a pruned draft vocabulary) and against the
+sampling settings of the call (a mismatch warns; ``strict=True`` refuses). Batch size 1, as Transformers'
+assisted generation. ``Assistant.stats`` counts the last call's rounds (target calls), drafted and accepted
+tokens.
+
+Works with the Transformers versions in :data:`SUPPORTED` (the range ``pyproject.toml`` pins): it relies on
+``custom_generate`` callables and on ``AssistedCandidateGenerator``'s internals; another version is a one-line
+error naming the range.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from dataclasses import dataclass
+
+import torch
+
+from specheads.errors import UserError
+
+SUPPORTED = (">=5.24", "<6")  # keep in step with pyproject.toml's transformers pin
+POLICIES = ("specdecpp", "confidence_stop")
+
+
+def check_transformers(version: str | None = None) -> None:
+    """UserError (one line, naming :data:`SUPPORTED`) when the installed Transformers is outside it."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    if not SpecifierSet(",".join(SUPPORTED)).contains(Version(version), prereleases=True):
+        raise UserError(f"specheads.hf supports transformers {','.join(SUPPORTED)}; this environment has {version} "
+                        f"(pip install 'transformers{','.join(SUPPORTED)}')")
+
+
+@dataclass
+class Stats:
+    """The last ``generate`` call: rounds (one target call each), candidates drafted, candidates accepted."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def accepted_per_call(self) -> float | None:
+        return self.accepted / self.rounds if self.rounds else None
+
+
+def _loaded(model, gguf_file: str | None):
+    """A shim ``LoadedModel`` view of a Transformers model (for the head checks): its fingerprint as the shim
+    computes it when the model came from a local directory (or GGUF file), ``hub:<id>@<commit>`` otherwise."""
+    from specheads.export.shim.models import LoadedModel, ModelSpec, fingerprint
+
+    path = str(getattr(model.config, "_name_or_path", "") or "")
+    if gguf_file and path.endswith(".gguf"):
+        path = os.path.dirname(path) or "."
+    local = bool(path) and os.path.isdir(path)
+    fp = fingerprint(path, gguf_file, local, model) if path else "unknown"
+    name = f"{path}/{gguf_file}" if gguf_file else path
+    return LoadedModel(model, None, ModelSpec(path=path or "unknown", gguf_file=gguf_file), fp, name)
+
+
+class _Round:
+    """Feeds one drafting round to the policy, one candidate at a time, from the draft's forwards (hooks)."""
+
+    def __init__(self, assistant: "Assistant"):
+        self.a = assistant
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        a = self.a
+        rnd = a.round
+        rnd.tokens.append(input_ids[0, -1])
+        rnd.draft_logits.append(a.logits[0, -1])
+        if a.policy.draft_hidden:
+            rnd.draft_hidden.append(getattr(a.capture, a.policy.draft_hidden)[0, -1])
+        stop = rnd.n >= rnd.limit or a.policy.stop_drafting(rnd)
+        return torch.full((input_ids.shape[0],), bool(stop), dtype=torch.bool, device=input_ids.device)
+
+
+def _generator_class():
+    from transformers.generation.candidate_generator import AssistedCandidateGenerator
+    from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+    class PolicyCandidateGenerator(AssistedCandidateGenerator):
+        """Transformers' assisted candidate generator, drafting until the specheads policy stops it."""
+
+        def __init__(self, *args, assistant: "Assistant", **kwargs):
+            super().__init__(*args, **kwargs)
+            self.assistant = assistant
+            # Transformers' own dynamic rule (and its online threshold updates) off: the policy decides.
+            # (0, not None: generate fills an unset value from the draft's own generation config, 0.4 by default)
+            for cfg in (self.generation_config, self.assistant_generation_config):
+                cfg.assistant_confidence_threshold = 0.0
+                cfg.num_assistant_tokens_schedule = "constant"
+            self.num_assistant_tokens = assistant.policy.max_candidates()
+
+        def _prepare_generation_args(self, input_ids, min_new_tokens, max_new_tokens):
+            args = super()._prepare_generation_args(input_ids, min_new_tokens, max_new_tokens)
+            self.assistant.start_round(input_ids.shape[-1], max_new_tokens)
+            args["stopping_criteria"] = StoppingCriteriaList([_Round(self.assistant)])
+            return args
+
+        def update_candidate_strategy(self, input_ids, scores, num_matches):
+            self.assistant.end_round(scores.shape[1] - 1, int(num_matches))
+
+    return PolicyCandidateGenerator
+
+
+class Assistant:
+    """A ``custom_generate`` callable: Transformers' assisted decoding, drafting stopped by a specheads policy.
+
+    Args:
+        draft: the draft model (the ``assistant_model`` passed to ``generate``).
+        head: the exported SpecDec++ acceptance head (``policy="specdecpp"``): a ``.safetensors`` file, a
+            ``heads-export format=hf`` directory or a Hub repo id.
+        policy: ``specdecpp`` or ``confidence_stop`` (training-free; no head).
+        h: SpecDec++'s stop threshold (default: the head's ``default_threshold``).
+        tau: ``confidence_stop``'s threshold (default 0.4, Transformers').
+        k_min, k_max: fewest and most candidates per round.
+        stop: ``threshold`` or ``cost`` (the cost-aware rule on the pair's profiled cost table).
+        target: the target model; needed for ``stop="cost"`` (the cost table measures both).
+        profile: the cost table: ``auto`` (cached per machine and settings, measured when absent),
+            ``refresh`` or a cost-table JSON path.
+        strict: refuse a head trained under other sampling settings instead of warning.
+        draft_gguf: the GGUF file name when the draft was loaded from one (its fingerprint covers that file).
+    """
+
+    def __init__(self, draft, head=None, *, policy: str = "specdecpp", h: float | None = None,
+                 tau: float | None = None, k_min: int | None = None, k_max: int = 20, stop: str = "threshold",
+                 target=None, profile: str = "auto", strict: bool = False, draft_gguf: str | None = None,
+                 target_gguf: str | None = None):
+        check_transformers()
+        if policy not in POLICIES:
+            raise UserError(f"policy={policy!r}; choose one of {list(POLICIES)}")
+        if policy == "specdecpp" and head is None:
+            raise UserError("policy=specdecpp needs head=<exported acceptance head: file, format=hf directory or "
+                            "repo id>; or use policy='confidence_stop'")
+        if policy == "confidence_stop" and head is not None:
+            raise UserError("policy=confidence_stop is training-free; drop head= or use policy='specdecpp'")
+        if stop == "cost" and target is None:
+            raise UserError("stop='cost' needs target=<the target model> (the cost table times both models)")
+        self.draft, self.target, self.head, self.name = draft, target, head, policy
+        self.settings = dict(h=h, tau=tau, k_min=k_min, k_max=k_max, stop=stop, profile=profile, strict=strict)
+        self.draft_gguf, self.target_gguf = draft_gguf, target_gguf
+        self.policy = None
+        self.stats = Stats()
+        self.round = None
+        self.capture = None
+        self.logits = None
+        self._sampling = None
+        self._costs = None
+
+    # -- the policy ---------------------------------------------------------------------------------------
+    def _pair(self):
+        from specheads.export.shim.models import Pair
+
+        target = self.target if self.target is not None else self.draft  # only the draft's states are read
+        return Pair(_loaded(target, self.target_gguf), _loaded(self.draft, self.draft_gguf))
+
+    def _build(self, sampling) -> None:
+        from specheads.export.policy_factory import make_policy, pair_costs
+
+        if self.policy is not None and sampling == self._sampling:
+            return
+        s = self.settings
+        pair = self._pair()
+        costs = None
+        if s["stop"] == "cost":
+            if self._costs is None:
+                self._costs = pair_costs(pair, s["k_max"] + 1, s["profile"], fused=False)
+            costs = self._costs
+        own = {"h": s["h"]} if self.name == "specdecpp" else {"tau": s["tau"]}
+        kmin = {} if s["k_min"] is None else {"k_min": s["k_min"]}
+        if self.name == "specdecpp":
+            self.policy = make_policy("specdecpp", pair, head=self.head, k_max=s["k_max"], sampling=sampling,
+                                      strict=s["strict"], stop=s["stop"], costs=costs, **kmin, **own)
+        else:
+            self.policy = make_policy("confidence_stop", pair, k_max=s["k_max"], sampling=sampling, stop=s["stop"],
+                                      costs=costs, **kmin, **own)
+        self._sampling = sampling
+
+    # -- rounds (called by the candidate generator) ----------------------------------------------------------
+    def start_round(self, position: int, room: int) -> None:
+        from specheads.export.shim.policies import Round
+
+        self.round = Round(self._sampling, None, limit=min(self.policy.max_candidates(), room), position=position)
+        self.policy.start_round(self.round)
+
+    def end_round(self, drafted: int, accepted: int) -> None:
+        self.stats.rounds += 1
+        self.stats.drafted += drafted
+        self.stats.accepted += accepted
+        self.policy.end_round(drafted, accepted)
+
+    def _keep_logits(self, module, args, output):
+        self.logits = output
+
+    # -- the custom_generate entry point -------------------------------------------------------------------
+    def __call__(self, model, input_ids, logits_processor, stopping_criteria, generation_config,
+                 synced_gpus: bool = False, streamer=None, **model_kwargs):
+        from transformers.generation.utils import GenerationMixin
+
+        from specheads.export.shim.hidden import HiddenCapture
+        from specheads.export.shim.sampling import SamplingConfig
+
+        if input_ids.shape[0] != 1:
+            raise UserError(f"specheads.hf.Assistant decodes one sequence at a time (batch size 1, as Transformers' "
+                            f"assisted generation); got {input_ids.shape[0]}")
+        if generation_config.num_beams not in (None, 1):
+            raise UserError("specheads.hf.Assistant runs greedy or sampled assisted generation; set num_beams=1")
+        sampling = SamplingConfig(do_sample=bool(generation_config.do_sample),
+                                  **({"temperature": float(generation_config.temperature or 1.0),
+                                      "top_k": int(generation_config.top_k or 0),
+                                      "top_p": float(generation_config.top_p or 1.0)}
+                                     if generation_config.do_sample else {}))
+        self._build(sampling)
+        self.policy.reset()
+        self.stats = Stats()
+        generator_cls = _generator_class()
+        draft = self.draft
+
+        def candidate_generator(this, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                **kwargs):
+            return generator_cls(input_ids, draft, generation_config, model_kwargs, inputs_tensor, logits_processor,
+                                 assistant=self)
+
+        logits_hook = draft.get_output_embeddings().register_forward_hook(self._keep_logits)
+        model._get_candidate_generator = types.MethodType(candidate_generator, model)
+        try:
+            with HiddenCapture(draft) as self.capture:
+                return GenerationMixin._assisted_decoding(
+                    model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
+                    streamer=streamer, assistant_model=draft, **model_kwargs)
+        finally:
+            del model._get_candidate_generator
+            logits_hook.remove()
+            self.capture = self.logits = self.round = None

@@ -1,0 +1,171 @@
+"""specheads.hf: a SpecDec++ head (or confidence_stop) stopping the drafting of Transformers' assisted generation.
+Greedy output equals the target's own greedy output; sampled output follows the target's distribution (and a
+planted bug in the candidates' probabilities fails the same test); the head is checked against the draft."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import tiny_llama, train_args
+from scipy.stats import chisquare
+from transformers import AutoModelForCausalLM
+
+from specheads.errors import UserError
+from specheads.hf import SUPPORTED, Assistant, check_transformers
+
+
+@pytest.fixture(scope="module")
+def head(tiny_pair_dirs, labelled, tmp_path_factory):
+    from specheads.train.cli import main as train
+
+    out = tmp_path_factory.mktemp("hf") / "tr"
+    assert train(train_args(tiny_pair_dirs, labelled, out, "epochs=1")) == 0
+    return out / "head.safetensors"
+
+
+@pytest.fixture(scope="module")
+def models(tiny_pair_dirs):
+    """The tiny pair as a user loads it: from_pretrained on the two directories."""
+    return tuple(AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for p in tiny_pair_dirs)
+
+
+PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 12, 4, 8, 20, 3], [1, 30, 31]]
+
+
+def greedy(target, ids, **kw):
+    return target.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, pad_token_id=2, **kw)
+
+
+@pytest.mark.parametrize("policy", ["specdecpp", "confidence_stop"])
+def test_greedy_generate_with_the_assistant_is_the_target_alone(models, head, policy, caplog):
+    target, draft = models
+    a = Assistant(draft, head, h=0.6) if policy == "specdecpp" else Assistant(draft, policy="confidence_stop")
+    drafted = 0
+    with caplog.at_level(logging.WARNING):
+        for ids in PROMPTS:
+            ref = greedy(target, ids)
+            out = greedy(target, ids, assistant_model=draft, custom_generate=a)
+            assert torch.equal(out, ref), ids
+            assert a.stats.rounds >= 1 and a.stats.accepted <= a.stats.drafted
+            drafted += a.stats.drafted
+    assert drafted > len(PROMPTS)  # some rounds drafted several candidates
+    if policy == "specdecpp":  # trained on sampled labels, decoding greedily: a warning, not an error
+        assert "trained with sampling" in caplog.text
+
+
+def test_the_head_decides_where_drafting_stops(models, head):
+    """A low h stops every round after k_min candidates; a high one drafts longer rounds."""
+    target, draft = models
+    short, long = Assistant(draft, head, h=1e-6, k_min=1, k_max=8), Assistant(draft, head, h=1 - 1e-6, k_max=8)
+    greedy(target, PROMPTS[0], assistant_model=draft, custom_generate=short)
+    greedy(target, PROMPTS[0], assistant_model=draft, custom_generate=long)
+    # k_min=1: the first candidate is never scored (own position), the second is, and h ~ 0 stops there
+    assert short.stats.drafted <= 2 * short.stats.rounds
+    assert long.stats.drafted / long.stats.rounds > short.stats.drafted / short.stats.rounds
+
+
+def _joint(target, prompt: list[int], vocab: int) -> torch.Tensor:
+    """The target's exact distribution of its first two sampled tokens (temperature 1, no truncation)."""
+    with torch.no_grad():
+        p1 = target(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        seqs = torch.tensor([prompt + [t] for t in range(vocab)])
+        p2 = target(seqs).logits[:, -1].softmax(-1)
+    return (p1[:, None] * p2).flatten()
+
+
+def _sample_counts(target, draft, assistant, prompt, vocab, n, seed):
+    counts = torch.zeros(vocab * vocab)
+    torch.manual_seed(seed)
+    for _ in range(n):
+        out = target.generate(torch.tensor([prompt]), max_new_tokens=2, do_sample=True, temperature=1.0, top_k=0,
+                              top_p=1.0, assistant_model=draft, custom_generate=assistant, pad_token_id=0,
+                              eos_token_id=None)
+        a, b = out[0, len(prompt):].tolist()
+        counts[a * vocab + b] += 1
+    return counts
+
+
+def _chi2(counts, probs) -> float:
+    expected = probs * counts.sum()
+    keep = expected >= 5  # pool the rare cells
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([expected[keep], expected[~keep].sum()[None]])
+    return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
+
+
+@pytest.mark.slow  # 3,000 generate calls
+def test_sampled_generate_follows_the_target_and_a_planted_bug_fails(monkeypatch):
+    """Two sampled tokens over a 6-token vocabulary, 1500 draws: the joint histogram matches the target's
+    exact distribution; candidates whose probabilities are reported as uniform (not the draft's) do not."""
+    vocab, prompt = 6, [1, 3]
+    target, draft = tiny_llama(vocab, seed=3, init=0.6), tiny_llama(vocab, seed=4, layers=1, init=0.6)
+    probs = _joint(target, prompt, vocab)
+    a = Assistant(draft, policy="confidence_stop", tau=0.05, k_min=2, k_max=4)
+    counts = _sample_counts(target, draft, a, prompt, vocab, 1500, seed=0)
+    assert _chi2(counts, probs) > 1e-3
+
+    from specheads import hf
+
+    cls = hf._generator_class()
+    real = cls._generate_candidates
+
+    def uniform_q(self, args):  # the planted bug: q reported uniform while the draft samples from its own
+        ids, logits = real(self, args)
+        return ids, torch.zeros_like(logits)
+
+    monkeypatch.setattr(cls, "_generate_candidates", uniform_q)
+    monkeypatch.setattr(hf, "_generator_class", lambda: cls)
+    bad = _sample_counts(target, draft, Assistant(draft, policy="confidence_stop", tau=0.05, k_min=2, k_max=4),
+                         prompt, vocab, 1500, seed=0)
+    assert _chi2(bad, probs) < 1e-6
+
+
+def test_the_head_is_checked_against_the_draft(models, head, tiny_pair_dirs):
+    target, draft = models
+    other = tiny_llama(draft.config.vocab_size, seed=9)  # not the draft the head was trained on
+    with pytest.raises(UserError, match="fingerprint"):
+        greedy(target, PROMPTS[0], assistant_model=other, custom_generate=Assistant(other, head))
+    wide = tiny_llama(draft.config.vocab_size, seed=9)
+    wide.config.hidden_size = 48
+    with pytest.raises(UserError, match="hidden_size"):
+        greedy(target, PROMPTS[0], assistant_model=wide, custom_generate=Assistant(wide, head))
+    with pytest.raises(UserError, match="trained with sampling"):
+        greedy(target, PROMPTS[0], assistant_model=draft, custom_generate=Assistant(draft, head, strict=True))
+    with pytest.raises(UserError, match="needs head="):
+        Assistant(draft)
+    with pytest.raises(UserError, match="training-free"):
+        Assistant(draft, head, policy="confidence_stop")
+    with pytest.raises(UserError, match="stop='cost' needs target="):
+        Assistant(draft, head, stop="cost")
+    with pytest.raises(UserError, match="batch size 1"):
+        target.generate(torch.tensor([PROMPTS[0], PROMPTS[0]]), max_new_tokens=4, do_sample=False, pad_token_id=2,
+                        assistant_model=draft, custom_generate=Assistant(draft, head))
+
+
+def test_the_cost_aware_rule_runs_inside_generate(models, head, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    target, draft = models
+    a = Assistant(draft, head, stop="cost", target=target, k_max=6)
+    assert torch.equal(greedy(target, PROMPTS[2], assistant_model=draft, custom_generate=a), greedy(target, PROMPTS[2]))
+    assert a.policy.stop == "cost" and a.stats.rounds >= 1
+
+
+def test_other_transformers_versions_are_a_one_line_error():
+    check_transformers()  # the installed one is supported
+    for version in ("4.46.0", "6.0.0"):
+        with pytest.raises(UserError) as err:
+            check_transformers(version)
+        assert ",".join(SUPPORTED) in str(err.value) and "\n" not in str(err.value)
+    check_transformers("5.30.0.dev0")
+
+
+def test_pyproject_pins_the_supported_range():
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    deps = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    pin = next(d for d in deps if d.startswith("transformers"))
+    assert pin == "transformers" + ",".join(SUPPORTED)
