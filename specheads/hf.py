@@ -60,6 +60,16 @@ def check_transformers(version: str | None = None) -> None:
                         f"(pip install 'transformers{','.join(SUPPORTED)}')")
 
 
+def prune_draft(draft, vocab_file: str, top_n: int | None, tokenizer=None) -> dict:
+    """Prunes ``draft``'s output layer to the ``top_n`` most frequent tokens of ``vocab_file`` (a ``heads-vocab``
+    ranking), as ``heads-pipeline`` pruned it for a head trained on a pruned draft (lossless; the head's metadata
+    records the subset and the head refuses another). Returns the subset's ``size`` and ``sha256``."""
+    from specheads.export.shim.models import ModelSpec, _prune, vocab_info
+
+    _prune(draft, tokenizer, ModelSpec(path="draft", vocab_file=vocab_file, vocab_top_n=top_n), "draft")
+    return vocab_info(draft)
+
+
 @dataclass
 class Stats:
     """The last ``generate`` call: rounds (one target call each), candidates drafted, candidates accepted."""

@@ -169,3 +169,24 @@ def test_pyproject_pins_the_supported_range():
     deps = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
     pin = next(d for d in deps if d.startswith("transformers"))
     assert pin == "transformers" + ",".join(SUPPORTED)
+
+
+def test_a_pruned_draft_must_match_the_head(models, head, tiny_pair_dirs, tmp_path):
+    """prune_draft prunes as heads-pipeline does; a head trained on the full vocabulary refuses the pruned draft,
+    and greedy output with the pruned draft is still the target's."""
+    import json
+
+    from specheads.export.shim.vocab import FORMAT
+    from specheads.hf import prune_draft
+
+    target, _ = models
+    draft = AutoModelForCausalLM.from_pretrained(tiny_pair_dirs[1], dtype=torch.float32).eval()
+    vocab = draft.config.vocab_size
+    ranking = tmp_path / "vocab.json"
+    ranking.write_text(json.dumps({"format": FORMAT, "vocab_size": vocab, "ranking": list(range(vocab))[::-1]}))
+    info = prune_draft(draft, str(ranking), 12)
+    assert info["size"] == 12
+    with pytest.raises(UserError, match="output layer"):
+        greedy(target, PROMPTS[0], assistant_model=draft, custom_generate=Assistant(draft, head))
+    a = Assistant(draft, policy="confidence_stop")
+    assert torch.equal(greedy(target, PROMPTS[1], assistant_model=draft, custom_generate=a), greedy(target, PROMPTS[1]))
