@@ -24,6 +24,8 @@ from pathlib import Path
 
 from specheads.errors import UserError
 
+from .header import read as read_header
+
 FILES = ("config.json", "model.safetensors", "README.md")
 WEIGHTS = "model.safetensors"
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -75,13 +77,11 @@ def config_json(meta: dict) -> dict:
 
 def check_config(directory: Path) -> None:
     """UserError when ``config.json`` and ``model.safetensors``'s header disagree (one was edited or replaced)."""
-    from .package import read_metadata
-
     try:
         cfg = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise UserError(f"{directory / 'config.json'} is not JSON ({exc}); re-export with heads-export format=hf") from None
-    meta = read_metadata(directory / WEIGHTS)
+    meta = read_header(directory / WEIGHTS)
     if not isinstance(cfg, dict) or cfg.get("specheads") != meta:
         raise UserError(f"{directory}: config.json does not match model.safetensors' metadata (one was edited or "
                         "replaced without the other); re-export with heads-export format=hf")

@@ -10,21 +10,22 @@ the head reads: ``{"model": "draft"|"target", "state": "pre"|"post", "layer": -1
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from specheads.errors import UserError
 from specheads.heads import HEADS
 
+from .header import FORMAT_VERSION, META_KEY  # noqa: F401  (re-exported: the format's names)
+from .header import read as read_header, write as write_header
+from .hub import head_file, is_hub_dir, write as write_hub_files
+
 log = logging.getLogger(__name__)
-FORMAT_VERSION = 1
-META_KEY = "specheads"
 
 
 @dataclass
@@ -56,52 +57,29 @@ def save_head(path: str | Path, head: torch.nn.Module, head_type: str, metadata:
     meta = {"format_version": FORMAT_VERSION, "head_type": head_type, **metadata, "tensors_sha256": _digest(tensors)}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt", META_KEY: json.dumps(meta, sort_keys=True)})
-    tmp.replace(path)
-    return path
+    return write_header(path, tensors, meta)
 
 
 def set_default_threshold(path: str | Path, value: float, chosen_by: dict) -> Path:
     """Rewrites an exported head's ``default_threshold`` (its tensors unchanged), recording how the value
     was chosen (``default_threshold_chosen_by``: e.g. ``heads-eval select=max_drop:0.01`` and its figures)."""
-    from . import hub
-
-    directory = Path(path) if hub.is_hub_dir(path) else None
-    path = hub.head_file(path)
+    directory = Path(path) if is_hub_dir(path) else None
+    path = head_file(path)
     meta = read_metadata(path)
     tensors = load_file(str(path))
     if _digest(tensors) != meta.get("tensors_sha256"):
         raise UserError(f"head file {str(path)!r}: tensors do not match their recorded digest; re-export it")
     meta.update(default_threshold=float(value), default_threshold_chosen_by=chosen_by)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt", META_KEY: json.dumps(meta, sort_keys=True)})
-    tmp.replace(path)
+    write_header(path, tensors, meta)
     if directory is not None:  # the Hub-style directory's config.json and model card follow
-        hub.write(directory, meta)
+        write_hub_files(directory, meta)
     return path
 
 
 def read_metadata(path: str | Path) -> dict:
     """The header metadata of an exported head (a file, a ``format=hf`` directory or a Hub repo id), without
     loading tensors."""
-    from .hub import head_file
-
-    path = head_file(path)
-    if not path.is_file():
-        raise UserError(f"head file {str(path)!r} does not exist; pass the .safetensors written by heads-export")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            raw = (f.metadata() or {}).get(META_KEY)
-    except (SafetensorError, OSError, ValueError) as err:
-        raise UserError(f"head file {str(path)!r} is truncated or not a safetensors file ({err}); re-export it") from err
-    if raw is None:
-        raise UserError(f"{str(path)!r} has no specheads metadata; export heads with heads-export")
-    meta = json.loads(raw)
-    if meta.get("format_version", 0) > FORMAT_VERSION:
-        raise UserError(f"{str(path)!r} has format_version={meta['format_version']}, newer than this specheads "
-                        f"({FORMAT_VERSION}); upgrade specheads")
-    return meta
+    return read_header(head_file(path))
 
 
 def load_head(path: str | Path, pair=None, sampling=None, strict: bool = False,
@@ -117,8 +95,6 @@ def load_head(path: str | Path, pair=None, sampling=None, strict: bool = False,
         strict: turn the sampling mismatch warning into an error.
         device: where to put the head.
     """
-    from .hub import head_file
-
     path = head_file(path)
     meta = read_metadata(path)
     if meta["head_type"] not in HEADS:

@@ -15,8 +15,8 @@ from specheads import extras
 
 ROOT = Path(__file__).resolve().parents[1]
 # What pyproject.toml's base dependencies provide (import names): all that heads/ and export/ may import
-# (numpy comes with transformers, which requires it).
-BASE = {"torch", "transformers", "safetensors", "yaml", "omegaconf", "tqdm", "numpy"}
+# (numpy and huggingface_hub come with transformers, which requires them).
+BASE = {"torch", "transformers", "safetensors", "yaml", "omegaconf", "tqdm", "numpy", "huggingface_hub"}
 # The import names that only the extras add: a base install has none of them.
 EXTRA_ONLY = sorted({m for mods in extras.EXTRAS.values() for m in mods} | {"gguf", "scipy", "deepspeed"})
 # Each stage's folder and the import names its code (with every project module it imports) may use.
