@@ -110,7 +110,7 @@ def main(argv=None) -> int:
                                                                    ("sd", sd))},
         "arc_accuracy": {k: _acc(acc, c, "arc") for k, c in (("target", "ar"), ("judge", pick), ("draft", "draft"),
                                                                ("sd", sd))},
-        **eval_and_gated(sweep, names={"fsd_kl": "kl_judge", **({} if mined else {"judge": "judge_arith"})}),
+        **eval_and_gated(sweep, names={"fsd_kl": "kl_judge", "judge": "judge_mined" if mined else "judge_arith"}),
     }
     if mined:
         result["mining"] = {k: manifest["mining"].get(k) for k in (

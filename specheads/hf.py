@@ -225,9 +225,12 @@ class Assistant:
 
     def end_round(self, drafted: int, accepted: int) -> None:
         self.stats.rounds += 1
+        if self.round is None:  # a round without drafting (no room left for candidates)
+            return
         self.stats.drafted += drafted
         self.stats.accepted += accepted
         self.policy.end_round(drafted, accepted)
+        self.round = None
 
     def _keep_logits(self, module, args, output):
         self.logits = output

@@ -103,3 +103,31 @@ def test_real_pair_pruned_draft_greedy_sd_equals_target(real_pair, tmp_path):
         unprune(draft)
     assert [r.tokens for r in got] == [r.tokens for r in ref]
     assert sum(r.stats.accepted for r in got) > 0
+
+
+def test_real_pair_hf_generate_with_a_head_equals_target(real_pair, tmp_path):
+    """Transformers' generate with specheads.hf.Assistant on the shared pair (a SpecDec++ head for this draft,
+    random weights: exactness does not depend on its quality) gives the target's own greedy output."""
+    import torch
+
+    from specheads.export import SamplingConfig, format_prompt, save_head
+    from specheads.heads import AcceptanceHead
+    from specheads.hf import Assistant
+
+    d = real_pair.draft
+    torch.manual_seed(0)
+    head = AcceptanceHead(d.hidden_size, depth=1)
+    path = save_head(tmp_path / "acceptance.safetensors", head, "acceptance", {
+        "head_config": head.config(), "hidden_size": d.hidden_size,
+        "feature": {"model": "draft", "state": "post", "layer": -1, "position": "own"},
+        "draft": {"name": d.name, "fingerprint": d.fingerprint, "vocab": None},
+        "target": {"name": real_pair.target.name, "fingerprint": real_pair.target.fingerprint},
+        "sampling": SamplingConfig().to_dict(), "default_threshold": 0.7})
+    target, tok = real_pair.target.model, real_pair.tokenizer
+    assistant = Assistant(d.model, path, k_min=1, k_max=8)
+    for prompt in load_prompts(SHARED / "data/gsm8k/test.jsonl", limit=2, offset=1010):
+        x = torch.tensor([format_prompt(tok, prompt)])
+        kw = dict(max_new_tokens=32, do_sample=False, pad_token_id=2)
+        ref = target.generate(x, **kw)
+        assert torch.equal(target.generate(x, assistant_model=d.model, custom_generate=assistant, **kw), ref)
+        assert assistant.stats.accepted > 0
