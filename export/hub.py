@@ -46,12 +46,14 @@ def head_file(path_or_repo_id: str | Path) -> Path:
     if p.is_dir():
         missing = [f for f in ("config.json", WEIGHTS) if not (p / f).is_file()]
         if missing:
-            raise UserError(f"{str(p)!r} is a directory without {' and '.join(missing)}; pass a head .safetensors "
-                            "or a directory written by heads-export format=hf")
+            inside = " (it holds head.safetensors: pass that file)" if (p / "head.safetensors").is_file() else ""
+            raise UserError(f"{str(p)!r} is a directory without {' and '.join(missing)}{inside}; pass a head "
+                            ".safetensors or a directory written by heads-export format=hf")
         check_config(p)
         return p / WEIGHTS
     name = str(path_or_repo_id)
-    if _REPO_ID.fullmatch(name) and not name.endswith(".safetensors"):
+    # owner/name is a repo id unless it reads as a local path: an existing first part, or a file name
+    if _REPO_ID.fullmatch(name) and not name.endswith(".safetensors") and not p.parent.exists():
         return _from_hub(name)
     raise UserError(f"head {name!r} does not exist; pass the .safetensors written by heads-export, a directory "
                     "written by heads-export format=hf, or a Hub repo id owner/name")
@@ -60,12 +62,11 @@ def head_file(path_or_repo_id: str | Path) -> Path:
 def _from_hub(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
     except ImportError as exc:  # pragma: no cover - huggingface_hub comes with transformers
         raise UserError(f"head {repo_id!r} looks like a Hub repo id but huggingface_hub is missing ({exc})") from None
     try:
         local = snapshot_download(repo_id, allow_patterns=list(FILES))
-    except (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - offline, unknown repo, HTTP or cache errors: all one line
         raise UserError(f"head {repo_id!r}: no such local path, and the Hub repo could not be fetched "
                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
     return head_file(Path(local))
@@ -78,11 +79,12 @@ def config_json(meta: dict) -> dict:
 def check_config(directory: Path) -> None:
     """UserError when ``config.json`` and ``model.safetensors``'s header disagree (one was edited or replaced)."""
     try:
-        cfg = json.loads((directory / "config.json").read_text())
+        cfg = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise UserError(f"{directory / 'config.json'} is not JSON ({exc}); re-export with heads-export format=hf") from None
     meta = read_header(directory / WEIGHTS)
-    if not isinstance(cfg, dict) or cfg.get("specheads") != meta:
+    # compared as canonical JSON text: 1 and 1.0, or true and 1, are equal in Python but not in the files
+    if not isinstance(cfg, dict) or json.dumps(cfg.get("specheads"), sort_keys=True) != json.dumps(meta, sort_keys=True):
         raise UserError(f"{directory}: config.json does not match model.safetensors' metadata (one was edited or "
                         "replaced without the other); re-export with heads-export format=hf")
 
@@ -93,7 +95,7 @@ def write(directory: str | Path, meta: dict) -> None:
     for name, text in (("config.json", json.dumps(config_json(meta), indent=2, sort_keys=True) + "\n"),
                        ("README.md", model_card(meta))):
         tmp = d / (name + ".tmp")
-        tmp.write_text(text)
+        tmp.write_text(text, encoding="utf-8")
         tmp.replace(d / name)
 
 

@@ -23,7 +23,7 @@ from specheads.heads import HEADS
 
 from .header import FORMAT_VERSION, META_KEY  # noqa: F401  (re-exported: the format's names)
 from .header import read as read_header, write as write_header
-from .hub import head_file, is_hub_dir, write as write_hub_files
+from .hub import WEIGHTS, head_file, is_hub_dir, write as write_hub_files
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,14 @@ def save_head(path: str | Path, head: torch.nn.Module, head_type: str, metadata:
 def set_default_threshold(path: str | Path, value: float, chosen_by: dict) -> Path:
     """Rewrites an exported head's ``default_threshold`` (its tensors unchanged), recording how the value
     was chosen (``default_threshold_chosen_by``: e.g. ``heads-eval select=max_drop:0.01`` and its figures)."""
-    directory = Path(path) if is_hub_dir(path) else None
+    given = Path(path)
+    if not given.exists():
+        raise UserError(f"head {str(path)!r} is not a local file or directory: set_default_threshold rewrites a head "
+                        "you exported (a Hub repo's cached copy is not yours to edit; download it and export anew)")
+    # a format=hf directory, named itself or by its model.safetensors: its config.json and card follow
+    directory = given if is_hub_dir(given) else None
+    if given.name == WEIGHTS and is_hub_dir(given.parent):
+        directory = given.parent
     path = head_file(path)
     meta = read_metadata(path)
     tensors = load_file(str(path))

@@ -27,6 +27,11 @@ sampling settings of the call (a mismatch warns; ``strict=True`` refuses). Batch
 assisted generation. ``Assistant.stats`` counts the last call's rounds (target calls), drafted and accepted
 tokens.
 
+Transformers hands a ``custom_generate`` callable only the arguments of its own signature: ``generate``'s
+``streamer=`` does not reach it, so give the streamer to :class:`Assistant` (``Assistant(..., streamer=s)``).
+While a call runs, the target's ``_get_candidate_generator`` is replaced (and restored afterwards, also on an
+error): one ``generate`` per target model at a time, not from several threads at once.
+
 Works with the Transformers versions in :data:`SUPPORTED` (the range ``pyproject.toml`` pins): it relies on
 ``custom_generate`` callables and on ``AssistedCandidateGenerator``'s internals; another version is a one-line
 error naming the range.
@@ -34,6 +39,8 @@ error naming the range.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import types
 from dataclasses import dataclass
@@ -42,6 +49,7 @@ import torch
 
 from specheads.errors import UserError
 
+log = logging.getLogger(__name__)
 SUPPORTED = (">=5.24", "<6")  # keep in step with pyproject.toml's transformers pin
 POLICIES = ("specdecpp", "confidence_stop")
 
@@ -63,8 +71,15 @@ def check_transformers(version: str | None = None) -> None:
 def prune_draft(draft, vocab_file: str, top_n: int | None, tokenizer=None) -> dict:
     """Prunes ``draft``'s output layer to the ``top_n`` most frequent tokens of ``vocab_file`` (a ``heads-vocab``
     ranking), as ``heads-pipeline`` pruned it for a head trained on a pruned draft (lossless; the head's metadata
-    records the subset and the head refuses another). Returns the subset's ``size`` and ``sha256``."""
+    records the subset and the head refuses another). Returns the subset's ``size`` and ``sha256``.
+
+    ``tokenizer`` (the draft's) keeps its special tokens (end of sequence, padding) in the subset whatever their
+    rank, as the pipeline does; without it only the ranking decides, and a warning says so."""
     from specheads.export.shim.models import ModelSpec, _prune, vocab_info
+
+    if tokenizer is None:
+        log.warning("prune_draft without tokenizer=: the special tokens stay only if %s ranks them in the top %s; "
+                    "pass the draft's tokenizer to keep them as heads-pipeline does", vocab_file, top_n)
 
     _prune(draft, tokenizer, ModelSpec(path="draft", vocab_file=vocab_file, vocab_top_n=top_n), "draft")
     return vocab_info(draft)
@@ -97,6 +112,12 @@ def _loaded(model, gguf_file: str | None):
     return LoadedModel(model, None, ModelSpec(path=path or "unknown", gguf_file=gguf_file), fp, name)
 
 
+def _width(model) -> int:
+    """Rows of the model's output layer (a pruned draft's keeps the full width, the rest at -inf)."""
+    out = model.get_output_embeddings()
+    return int(getattr(out, "out_features", None) or out.weight.shape[0])
+
+
 class _Round:
     """Feeds one drafting round to the policy, one candidate at a time, from the draft's forwards (hooks)."""
 
@@ -108,7 +129,7 @@ class _Round:
         rnd = a.round
         rnd.tokens.append(input_ids[0, -1])
         rnd.draft_logits.append(a.logits[0, -1])
-        if a.policy.draft_hidden:
+        if a.capture is not None:
             rnd.draft_hidden.append(getattr(a.capture, a.policy.draft_hidden)[0, -1])
         stop = rnd.n >= rnd.limit or a.policy.stop_drafting(rnd)
         return torch.full((input_ids.shape[0],), bool(stop), dtype=torch.bool, device=input_ids.device)
@@ -138,7 +159,9 @@ def _generator_class():
             return args
 
         def update_candidate_strategy(self, input_ids, scores, num_matches):
-            self.assistant.end_round(scores.shape[1] - 1, int(num_matches))
+            # accepted: the appended tokens that equal the candidates (Transformers' num_matches is one short
+            # when it crops the round at an accepted end-of-sequence candidate)
+            self.assistant.end_round(scores.shape[1] - 1, input_ids)
 
     return PolicyCandidateGenerator
 
@@ -152,20 +175,24 @@ class Assistant:
             ``heads-export format=hf`` directory or a Hub repo id.
         policy: ``specdecpp`` or ``confidence_stop`` (training-free; no head).
         h: SpecDec++'s stop threshold (default: the head's ``default_threshold``).
-        tau: ``confidence_stop``'s threshold (default 0.4, Transformers').
-        k_min, k_max: fewest and most candidates per round.
+        tau: ``confidence_stop``'s threshold (default 0.4, the default of Transformers' dynamic schedule).
+        k_min, k_max: fewest and most candidates per round (``k_min`` default: 2 for ``specdecpp``, 1 for
+            ``confidence_stop``).
         stop: ``threshold`` or ``cost`` (the cost-aware rule on the pair's profiled cost table).
         target: the target model; needed for ``stop="cost"`` (the cost table measures both).
         profile: the cost table: ``auto`` (cached per machine and settings, measured when absent),
             ``refresh`` or a cost-table JSON path.
         strict: refuse a head trained under other sampling settings instead of warning.
-        draft_gguf: the GGUF file name when the draft was loaded from one (its fingerprint covers that file).
+        draft_gguf, target_gguf: the GGUF file name when that model was loaded from one (its fingerprint
+            covers that file).
+        streamer: a Transformers streamer fed the accepted tokens of each round (``generate``'s own
+            ``streamer=`` does not reach a ``custom_generate`` callable).
     """
 
     def __init__(self, draft, head=None, *, policy: str = "specdecpp", h: float | None = None,
                  tau: float | None = None, k_min: int | None = None, k_max: int = 20, stop: str = "threshold",
                  target=None, profile: str = "auto", strict: bool = False, draft_gguf: str | None = None,
-                 target_gguf: str | None = None):
+                 target_gguf: str | None = None, streamer=None):
         check_transformers()
         if policy not in POLICIES:
             raise UserError(f"policy={policy!r}; choose one of {list(POLICIES)}")
@@ -178,7 +205,7 @@ class Assistant:
             raise UserError("stop='cost' needs target=<the target model> (the cost table times both models)")
         self.draft, self.target, self.head, self.name = draft, target, head, policy
         self.settings = dict(h=h, tau=tau, k_min=k_min, k_max=k_max, stop=stop, profile=profile, strict=strict)
-        self.draft_gguf, self.target_gguf = draft_gguf, target_gguf
+        self.draft_gguf, self.target_gguf, self.streamer = draft_gguf, target_gguf, streamer
         self.policy = None
         self.stats = Stats()
         self.round = None
@@ -196,6 +223,7 @@ class Assistant:
 
     def _build(self, sampling) -> None:
         from specheads.export.policy_factory import make_policy, pair_costs
+        from specheads.export.shim.policies import ConfidenceStop
 
         if self.policy is not None and sampling == self._sampling:
             return
@@ -211,9 +239,9 @@ class Assistant:
         if self.name == "specdecpp":
             self.policy = make_policy("specdecpp", pair, head=self.head, k_max=s["k_max"], sampling=sampling,
                                       strict=s["strict"], stop=s["stop"], costs=costs, **kmin, **own)
-        else:
-            self.policy = make_policy("confidence_stop", pair, k_max=s["k_max"], sampling=sampling, stop=s["stop"],
-                                      costs=costs, **kmin, **own)
+        else:  # built directly: the factory has no k_min for it
+            self.policy = ConfidenceStop(**{k: v for k, v in own.items() if v is not None}, k_max=s["k_max"],
+                                         stop=s["stop"], costs=costs, **kmin)
         self._sampling = sampling
 
     # -- rounds (called by the candidate generator) ----------------------------------------------------------
@@ -223,17 +251,22 @@ class Assistant:
         self.round = Round(self._sampling, None, limit=min(self.policy.max_candidates(), room), position=position)
         self.policy.start_round(self.round)
 
-    def end_round(self, drafted: int, accepted: int) -> None:
+    def end_round(self, drafted: int, input_ids: torch.Tensor) -> None:
         self.stats.rounds += 1
         if self.round is None:  # a round without drafting (no room left for candidates)
             return
+        new = input_ids[0, self.round.position:self.round.position + drafted]
+        cands = torch.stack(self.round.tokens[:drafted]).to(new.device) if drafted else new[:0]
+        same = (new == cands[:new.shape[0]]).long()
+        accepted = int(same.cumprod(0).sum()) if same.numel() else 0
         self.stats.drafted += drafted
         self.stats.accepted += accepted
         self.policy.end_round(drafted, accepted)
         self.round = None
 
     def _keep_logits(self, module, args, output):
-        self.logits = output
+        # the draft's output logits (after any final softcapping), as its own sampling sees them
+        self.logits = output.logits if hasattr(output, "logits") else output[0]
 
     # -- the custom_generate entry point -------------------------------------------------------------------
     def __call__(self, model, input_ids, logits_processor, stopping_criteria, generation_config,
@@ -248,6 +281,11 @@ class Assistant:
                             f"assisted generation); got {input_ids.shape[0]}")
         if generation_config.num_beams not in (None, 1):
             raise UserError("specheads.hf.Assistant runs greedy or sampled assisted generation; set num_beams=1")
+        widths = (_width(model), _width(self.draft))
+        if widths[0] != widths[1]:
+            raise UserError(f"the target's output layer has {widths[0]} tokens and the draft's {widths[1]}: "
+                            "specheads.hf.Assistant needs one vocabulary (heterogeneous pairs: heads-decode)")
+        streamer = streamer if streamer is not None else self.streamer
         sampling = SamplingConfig(do_sample=bool(generation_config.do_sample),
                                   **({"temperature": float(generation_config.temperature or 1.0),
                                       "top_k": int(generation_config.top_k or 0),
@@ -264,14 +302,19 @@ class Assistant:
             return generator_cls(input_ids, draft, generation_config, model_kwargs, inputs_tensor, logits_processor,
                                  assistant=self)
 
-        logits_hook = draft.get_output_embeddings().register_forward_hook(self._keep_logits)
+        logits_hook = draft.register_forward_hook(self._keep_logits)
+        before = model.__dict__.get("_get_candidate_generator")  # an instance attribute of the caller's, if any
         model._get_candidate_generator = types.MethodType(candidate_generator, model)
+        capture = HiddenCapture(draft) if self.policy.draft_hidden else contextlib.nullcontext()
         try:
-            with HiddenCapture(draft) as self.capture:
+            with capture as self.capture:
                 return GenerationMixin._assisted_decoding(
                     model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
                     streamer=streamer, assistant_model=draft, **model_kwargs)
         finally:
-            del model._get_candidate_generator
+            if before is None:
+                del model._get_candidate_generator
+            else:
+                model._get_candidate_generator = before
             logits_hook.remove()
             self.capture = self.logits = self.round = None

@@ -162,7 +162,7 @@ def test_trained_tokenizers_differ(toks):
 
 # ---- exactness: greedy output equals the target's greedy output ----------------------------
 
-@pytest.mark.parametrize("method", ["tli", "slem"])
+@pytest.mark.parametrize("method", ["tli", "slem", "slrs"])
 @pytest.mark.parametrize("target,draft", [("sp", "bl"), ("bl", "sp")])
 def test_greedy_equals_target_greedy(toks, trained, monkeypatch, method, target, draft):
     synced = []  # the draft's text after each round's sync
@@ -204,7 +204,8 @@ def test_errors(toks, trained):
 
 # ---- losslessness: chi-square on sampled outputs of stub models ------------------------------
 
-def _stub_pvalue(toks, method: str, n: int = 1000, horizon: int = 3) -> float:
+def _stub_pvalue(toks, method: str, n: int = 1000, horizon: int = 3, policy=None, seen=None,
+                 draft_tokens=("Ġthe", "Ġcat", "Ġsat", "hello"), draft_probs=(0.2, 0.1, 0.3, 0.4)) -> float:
     """Chi-square p-value of ``n`` sampled ``horizon``-token outputs against the target's exact distribution.
 
     Stub models whose next-token distribution ignores the context: the target puts its mass on
@@ -214,7 +215,7 @@ def _stub_pvalue(toks, method: str, n: int = 1000, horizon: int = 3) -> float:
     sp, bl = toks["sp"], toks["bl"]
     vm = VocabMap.build(bl, sp)
     t_ids = sp.convert_tokens_to_ids(["▁the", "▁cat", "▁sat", "▁he"])
-    d_ids = bl.convert_tokens_to_ids(["Ġthe", "Ġcat", "Ġsat", "hello"])
+    d_ids = bl.convert_tokens_to_ids(list(draft_tokens))
     assert [vm.target_to_draft[t] for t in t_ids] == d_ids[:3] + [-1] and vm.draft_to_target[d_ids[3]] == -1
 
     def stub(size: int, ids: list[int], probs: list[float]) -> BigramLM:
@@ -222,7 +223,7 @@ def _stub_pvalue(toks, method: str, n: int = 1000, horizon: int = 3) -> float:
         row[ids] = torch.tensor(probs)
         return BigramLM(torch.log(row).expand(size, size).clone())
 
-    engine = HeteroEngine(stub(len(sp), t_ids, [0.4, 0.3, 0.1, 0.2]), stub(len(bl), d_ids, [0.2, 0.1, 0.3, 0.4]),
+    engine = HeteroEngine(stub(len(sp), t_ids, [0.4, 0.3, 0.1, 0.2]), stub(len(bl), d_ids, list(draft_probs)),
                           sp, bl, vocab_map=vm)
     sampling = SamplingConfig(do_sample=True, temperature=0.8)
     p = probs_from_logits(torch.log(torch.tensor([0.4, 0.3, 0.1, 0.2])), sampling)
@@ -231,7 +232,13 @@ def _stub_pvalue(toks, method: str, n: int = 1000, horizon: int = 3) -> float:
     counts = dict.fromkeys(exact, 0)
     prompt = sp("the cat")["input_ids"]
     for _ in range(n):
-        out = engine.generate(prompt, method, k=2, max_new_tokens=horizon, sampling=sampling, generator=gen).tokens
+        if policy is None:
+            out = engine.generate(prompt, method, k=2, max_new_tokens=horizon, sampling=sampling, generator=gen).tokens
+        else:  # a configured policy instance on the same engine
+            g = engine.engine.generate(prompt, policy, horizon, sampling, gen, draft_prompt_ids=engine.prompt_ids(prompt)[1])
+            out = g.tokens
+            if seen is not None:
+                seen.append(g.stats)
         counts[tuple(t_ids.index(t) for t in out)] += 1
     big = [seq for seq in exact if exact[seq] * n >= 5]  # pool cells expected fewer than 5 times
     obs = [counts[seq] for seq in big] + [n - sum(counts[seq] for seq in big)]
@@ -239,9 +246,26 @@ def _stub_pvalue(toks, method: str, n: int = 1000, horizon: int = 3) -> float:
     return chisquare(obs, exp).pvalue
 
 
-@pytest.mark.parametrize("method", ["tli", "slem"])
+@pytest.mark.parametrize("method", ["tli", "slem", "slrs"])
 def test_sampling_is_distributed_as_target(toks, method):
     assert _stub_pvalue(toks, method) > 1e-3
+
+
+@pytest.mark.parametrize("budget", [1, 64])
+def test_slrs_sampling_is_lossless_with_and_without_the_budget_fallback(toks, budget):
+    """SLRS with a budget of one draft forward per step (every tree that goes past its root falls back to the
+    target's own token) and with room for the trees: both follow the target; the fallbacks are counted. The
+    draft also proposes ``Ġc``, whose string the target's ``▁cat`` extends: its trees go past the root."""
+    from specheads.export.shim.policies import SLRS
+
+    assert any(t.startswith("▁c") and len(t) > 2 for t in toks["sp"].get_vocab()) and "Ġc" in toks["bl"].get_vocab()
+    seen = []
+    assert _stub_pvalue(toks, "slrs", n=600, policy=SLRS(k=2, budget=budget), seen=seen,
+                        draft_tokens=("Ġthe", "Ġcat", "Ġsat", "hello", "Ġc"), draft_probs=(0.2, 0.1, 0.2, 0.2, 0.3)) > 1e-3
+    fallbacks = sum(s.counters.get("slrs_fallbacks", 0) for s in seen)
+    steps = sum(s.counters.get("slrs_steps", 0) for s in seen)
+    forwards = sum(s.counters.get("slrs_tree_forwards", 0) for s in seen)
+    assert steps > 0 and (fallbacks > 0 if budget == 1 else fallbacks == 0 and forwards > steps)
 
 
 def test_chi_square_catches_a_broken_tli(toks, monkeypatch):
@@ -313,7 +337,7 @@ def test_draft_side_extend_rewrites_and_buffers(toks):
     assert tok.convert_ids_to_tokens(side.ids) == ["<s>", "▁the", "▁cat"] and side.text == b" the cat"
 
 
-@pytest.mark.parametrize("method", ["tli", "slem"])
+@pytest.mark.parametrize("method", ["tli", "slem", "slrs"])
 @pytest.mark.parametrize("target,draft", [("sp_lower", "bl"), ("bl", "sp_lower")])
 def test_non_injective_greedy_equals_target_greedy(toks, trained, method, target, draft):
     engine = _engine(toks, trained, target, draft)

@@ -66,6 +66,60 @@ def test_the_head_decides_where_drafting_stops(models, head):
     assert long.stats.drafted / long.stats.rounds > short.stats.drafted / short.stats.rounds
 
 
+@pytest.mark.parametrize("policy", ["specdecpp", "confidence_stop"])
+def test_generate_drafts_the_rounds_the_shim_drafts(models, head, policy):
+    """The head (or the confidence rule) sees inside Transformers what it sees in the decoding shim: the same
+    rounds, candidates drafted and accepted, prompt by prompt, as specheads' own engine with the same policy."""
+    from specheads.export import Engine
+
+    target, draft = models
+    kw = dict(h=0.6, k_min=1) if policy == "specdecpp" else dict(policy="confidence_stop", tau=0.3)
+    a = Assistant(draft, head if policy == "specdecpp" else None, k_max=6, **kw)
+    engine = Engine(target, draft, (), fused=False)
+    for ids in PROMPTS:
+        out = target.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, pad_token_id=0,
+                              eos_token_id=None, assistant_model=draft, custom_generate=a)
+        a.policy.reset()
+        g = engine.generate(ids, a.policy, 16)
+        assert out[0, len(ids):].tolist() == g.tokens
+        assert (a.stats.rounds, a.stats.drafted, a.stats.accepted) == (g.stats.rounds, g.stats.drafted,
+                                                                         g.stats.accepted), ids
+
+
+def test_the_target_is_left_as_it_was_after_an_error(models):
+    """generate's candidate-generator factory is put back even when decoding fails midway."""
+    target, draft = models
+
+    class Broken:
+        def put(self, value):
+            raise RuntimeError("streamer failed")
+
+        def end(self):
+            pass
+
+    a = Assistant(draft, policy="confidence_stop", streamer=Broken())
+    with pytest.raises(RuntimeError, match="streamer failed"):
+        greedy(target, PROMPTS[0], assistant_model=draft, custom_generate=a)
+    assert "_get_candidate_generator" not in target.__dict__ and a.capture is None
+    assert torch.equal(greedy(target, PROMPTS[0], assistant_model=draft), greedy(target, PROMPTS[0]))
+
+
+def test_a_streamer_given_to_the_assistant_sees_every_token(models):
+    target, draft = models
+    seen = []
+
+    class Collect:
+        def put(self, value):
+            seen.extend(value.flatten().tolist())
+
+        def end(self):
+            pass
+
+    out = greedy(target, PROMPTS[2], assistant_model=draft,
+                 custom_generate=Assistant(draft, policy="confidence_stop", streamer=Collect()))
+    assert seen[-(out.shape[1] - len(PROMPTS[2])):] == out[0, len(PROMPTS[2]):].tolist()
+
+
 def _joint(target, prompt: list[int], vocab: int) -> torch.Tensor:
     """The target's exact distribution of its first two sampled tokens (temperature 1, no truncation)."""
     with torch.no_grad():
@@ -76,15 +130,18 @@ def _joint(target, prompt: list[int], vocab: int) -> torch.Tensor:
 
 
 def _sample_counts(target, draft, assistant, prompt, vocab, n, seed):
-    counts = torch.zeros(vocab * vocab)
+    """Histogram of the first two of 5 sampled tokens (rounds of up to k_max=3 candidates, so the first two
+    tokens are often both accepted candidates of one round); also the candidates drafted and the rounds."""
+    counts, drafted, rounds = torch.zeros(vocab * vocab), 0, 0
     torch.manual_seed(seed)
     for _ in range(n):
-        out = target.generate(torch.tensor([prompt]), max_new_tokens=2, do_sample=True, temperature=1.0, top_k=0,
+        out = target.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=True, temperature=1.0, top_k=0,
                               top_p=1.0, assistant_model=draft, custom_generate=assistant, pad_token_id=0,
                               eos_token_id=None)
-        a, b = out[0, len(prompt):].tolist()
+        a, b = out[0, len(prompt):len(prompt) + 2].tolist()
         counts[a * vocab + b] += 1
-    return counts
+        drafted, rounds = drafted + assistant.stats.drafted, rounds + assistant.stats.rounds
+    return counts, drafted, rounds
 
 
 def _chi2(counts, probs) -> float:
@@ -97,14 +154,15 @@ def _chi2(counts, probs) -> float:
 
 @pytest.mark.slow  # 3,000 generate calls
 def test_sampled_generate_follows_the_target_and_a_planted_bug_fails(monkeypatch):
-    """Two sampled tokens over a 6-token vocabulary, 1500 draws: the joint histogram matches the target's
-    exact distribution; candidates whose probabilities are reported as uniform (not the draft's) do not."""
+    """The first two sampled tokens over a 6-token vocabulary, 1500 draws: the joint histogram matches the
+    target's exact distribution; candidates whose probabilities are reported as uniform (not the draft's) do not."""
     vocab, prompt = 6, [1, 3]
     target, draft = tiny_llama(vocab, seed=3, init=0.6), tiny_llama(vocab, seed=4, layers=1, init=0.6)
     probs = _joint(target, prompt, vocab)
-    a = Assistant(draft, policy="confidence_stop", tau=0.05, k_min=2, k_max=4)
-    counts = _sample_counts(target, draft, a, prompt, vocab, 1500, seed=0)
+    a = Assistant(draft, policy="confidence_stop", tau=0.05, k_min=2, k_max=3)
+    counts, drafted, rounds = _sample_counts(target, draft, a, prompt, vocab, 1500, seed=0)
     assert _chi2(counts, probs) > 1e-3
+    assert drafted > 1.5 * rounds  # multi-candidate rounds: the sampled acceptance chain is exercised
 
     from specheads import hf
 
@@ -117,8 +175,8 @@ def test_sampled_generate_follows_the_target_and_a_planted_bug_fails(monkeypatch
 
     monkeypatch.setattr(cls, "_generate_candidates", uniform_q)
     monkeypatch.setattr(hf, "_generator_class", lambda: cls)
-    bad = _sample_counts(target, draft, Assistant(draft, policy="confidence_stop", tau=0.05, k_min=2, k_max=4),
-                         prompt, vocab, 1500, seed=0)
+    bad, _, _ = _sample_counts(target, draft, Assistant(draft, policy="confidence_stop", tau=0.05, k_min=2, k_max=3),
+                               prompt, vocab, 1500, seed=0)
     assert _chi2(bad, probs) < 1e-6
 
 
@@ -139,6 +197,9 @@ def test_the_head_is_checked_against_the_draft(models, head, tiny_pair_dirs):
         Assistant(draft, head, policy="confidence_stop")
     with pytest.raises(UserError, match="stop='cost' needs target="):
         Assistant(draft, head, stop="cost")
+    narrow = tiny_llama(draft.config.vocab_size - 1, seed=9)
+    with pytest.raises(UserError, match="one vocabulary"):
+        greedy(target, PROMPTS[0], assistant_model=narrow, custom_generate=Assistant(narrow, policy="confidence_stop"))
     with pytest.raises(UserError, match="batch size 1"):
         target.generate(torch.tensor([PROMPTS[0], PROMPTS[0]]), max_new_tokens=4, do_sample=False, pad_token_id=2,
                         assistant_model=draft, custom_generate=Assistant(draft, head))

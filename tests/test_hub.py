@@ -50,7 +50,8 @@ def test_the_model_card_says_what_the_head_is(trained, tmp_path):
     assert card.startswith("---\nlibrary_name: specheads\n")
     assert meta["draft"]["fingerprint"] in card and meta["target"]["fingerprint"] in card
     data = meta["extra"]["training_data"]["data_sets"][0]
-    assert data["labels"] and str(data["prompts"]) in card and data["data_dir"] in card
+    assert data["labels"] and f"- `{data['data_dir']}`: {data['prompts']} prompts from `{data['prompts_file']}`" in card
+    assert f"{data['positive_tokens']} positive, {data['negative_tokens']} negative" in card
     assert "auroc" in card or "binary_kl" in card
     assert "Calibration" in card and "`0.35`" in card
 
@@ -62,9 +63,14 @@ def test_a_threshold_chosen_later_updates_the_directory(trained, tmp_path):
     assert load_head(hf).threshold == 0.25
     assert json.loads((hf / "config.json").read_text())["specheads"]["default_threshold"] == 0.25
     assert "heads-eval select=max_drop:0.01" in (hf / "README.md").read_text()
+    # named by its model.safetensors, the directory's config.json and card still follow
+    set_default_threshold(hf / "model.safetensors", 0.3, {"command": "by hand"})
+    assert load_head(hf).threshold == 0.3 and "by hand" in (hf / "README.md").read_text()
+    with pytest.raises(UserError, match="not a local file or directory"):
+        set_default_threshold("acme/smollm2-acceptance", 0.3, {})
 
 
-def test_an_edited_or_incomplete_directory_is_refused(trained, tmp_path):
+def test_an_edited_or_incomplete_directory_is_refused(trained, tmp_path, monkeypatch):
     hf = tmp_path / "hf"
     assert export([f"train_dir={trained}", f"output_dir={hf}", "format=hf"]) == 0
     bad = tmp_path / "edited"
@@ -79,6 +85,13 @@ def test_an_edited_or_incomplete_directory_is_refused(trained, tmp_path):
         load_head(bad)
     with pytest.raises(UserError, match="does not exist"):
         load_head(tmp_path / "nowhere" / "head.safetensors")
+    (tmp_path / "plain").mkdir()
+    shutil.copyfile(hf / "model.safetensors", tmp_path / "plain" / "head.safetensors")
+    with pytest.raises(UserError, match="pass that file"):
+        load_head(tmp_path / "plain")
+    monkeypatch.chdir(tmp_path)  # plain/missing reads as owner/name, but plain/ is a local directory
+    with pytest.raises(UserError, match="does not exist"):
+        load_head("plain/missing")
     assert export([f"train_dir={trained}", f"output_dir={tmp_path / 'x'}", "format=onnx"]) == 2
 
 

@@ -57,9 +57,10 @@ from .policies import POLICIES, Policy, Round
 from .policies.hetero import HeteroSettings
 from .sampling import SamplingConfig, probs_from_logits, sample
 from .stats import GenerationStats, count_tokens
+from .slrs_draft import slrs_round
 from .token_text import Side, VocabMap, common_prefix, spell
 
-METHODS = tuple(name for name, policy in POLICIES.items() if policy.bridge)  # tli, slem
+METHODS = tuple(name for name, policy in POLICIES.items() if policy.bridge)  # tli, slem, slrs
 
 
 class Bridge:
@@ -86,6 +87,9 @@ class Bridge:
         self.t_idx = d2t[self.d_idx]  # their target ids
         has_text = [i < len(self.vmap.draft_text) and self.vmap.draft_text[i] is not None for i in range(vd)]
         self.masks = {"tli": d2t >= 0, "slem": torch.tensor(has_text, device=dev)}
+        self.masks["slrs"] = self.masks["slem"]
+        self.slrs: dict[int, object] = {}  # SLRS processes by lookahead (.slrs.bridge_process)
+        self.n_max: int | None = None
 
     def draft_ids(self, target_ids: list[int]) -> list[int]:
         """The draft's ids of a prompt given as target ids: its text re-encoded."""
@@ -110,6 +114,7 @@ class _Crossing:
     def __init__(self, bridge: Bridge, policy: Policy, runner, t_ids: list[int], d_ids: list[int],
                  stats: GenerationStats, generator):
         self.bridge, self.mode, self.runner, self.stats, self.generator = bridge, policy.bridge, runner, stats, generator
+        self.policy = policy
         self.mask = bridge.masks[self.mode]
         self.tgt = Side(bridge.target_tokenizer, bridge.vmap.target_text, t_ids, policy.lookbehind)
         self.drf = Side(bridge.draft_tokenizer, bridge.vmap.draft_text, d_ids, policy.lookbehind)
@@ -127,6 +132,9 @@ class _Crossing:
     def draft(self, rnd: Round, seq: list[int], room: int) -> None:
         """Drafts ``rnd.limit`` draft tokens; the round's candidates are their target ids (TLI) or the
         target's tokens of their text, at most ``room`` (SLEM)."""
+        if self.mode == "slrs":
+            slrs_round(self, rnd)
+            return
         keep = min(common_prefix(self.held, self.drf.ids), len(self.drf.ids) - 1)  # the draft consumes >= 1 token
         self.runner.trim(keep)
         del self.held[keep:]

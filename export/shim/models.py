@@ -20,7 +20,7 @@ from .vocab import prune, read_ranking, subset_from_ranking, vocab_info
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-HETEROGENEOUS_POLICIES = ("tli", "slem")
+HETEROGENEOUS_POLICIES = ("tli", "slem", "slrs")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 
 

@@ -4,7 +4,7 @@
 acceptance rule; ``settings`` the settings machinery (:class:`Settings`, :class:`Check`, :class:`HeadSpec`);
 ``baselines`` the target or draft alone, standard SD, top-K verification and draft-confidence stopping
 (the cost rules and the draft gate they share with SpecDec++ are in :mod:`..cost_rules`); ``specdecpp``, ``sprinter``, ``judge`` and ``fsd`` one family
-each; ``hetero`` TLI and SLEM. :data:`POLICIES` maps every ``policy=`` name to its class.
+each; ``hetero`` TLI, SLEM and SLRS. :data:`POLICIES` maps every ``policy=`` name to its class.
 """
 
 from specheads.errors import UserError
@@ -12,14 +12,14 @@ from specheads.errors import UserError
 from .base import Policy, Round, Verdict, greedy_accept, residual, sd_accepts, speculative_accept, standard_verify
 from .baselines import STOPS, ConfidenceStop, DraftOnly, StandardSD, TargetOnly, TopKVerify
 from .fsd import FSD
-from .hetero import SLEM, TLI
+from .hetero import SLEM, SLRS, TLI
 from .judge import Judge
 from .settings import Check, HeadSpec, Settings
 from .specdecpp import SpecDecPP
 from .sprinter import Sprinter
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (StandardSD, SpecDecPP, Sprinter, Judge, TopKVerify, FSD,
-                                                           ConfidenceStop, TLI, SLEM, TargetOnly, DraftOnly)}
+                                                           ConfidenceStop, TLI, SLEM, SLRS, TargetOnly, DraftOnly)}
 
 
 def policy_class(name: str) -> type[Policy]:
@@ -35,6 +35,6 @@ def build_policy(name: str, **kwargs) -> Policy:
 
 
 __all__ = ["POLICIES", "STOPS", "Check", "ConfidenceStop", "DraftOnly", "FSD", "HeadSpec", "Judge", "Policy", "Round",
-           "SLEM", "Settings", "SpecDecPP", "Sprinter", "StandardSD", "TLI", "TargetOnly", "TopKVerify", "Verdict",
+           "SLEM", "SLRS", "Settings", "SpecDecPP", "Sprinter", "StandardSD", "TLI", "TargetOnly", "TopKVerify", "Verdict",
            "build_policy", "greedy_accept", "policy_class", "residual", "sd_accepts", "speculative_accept",
            "standard_verify"]

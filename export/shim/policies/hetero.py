@@ -66,3 +66,52 @@ class SLEM(TLI):
         draws = sample(probs_from_logits(logits, rnd.sampling), rnd.generator).tolist()  # the target's own tokens
         m = next((i for i, (c, d) in enumerate(zip(cand, draws)) if c != d), len(cand))
         return Verdict(m, draws[m])
+
+
+@dataclass
+class SLRSSettings(HeteroSettings):
+    k: int = 4  # most target tokens per round (steps chained while a step's draft string is exactly its token)
+    n: int = 0  # the lookahead limit in draft tokens per step; 0: the pair's n_max (never cuts the early stop)
+    budget: int = 64  # most draft forwards per step's psi; a larger tree falls back for that step
+    CHECKS = {**HeteroSettings.CHECKS,
+              "n": Check(lambda n: n >= 0, "{key}={value} must be >= 0 (0: the pair's n_max)"),
+              "budget": Check(lambda b: b >= 1, "{key}={value} must be >= 1 (draft forwards per step)")}
+
+
+class SLRS(TLI):
+    """String-level rejection sampling (:mod:`specheads.export.shim.slrs`): each step drafts draft tokens until
+    the first target token of their string is determined, proposes it, and the target accepts it with
+    ``min(1, p/psi)`` where ``psi`` is the exact probability that the drafting proposes it (else samples
+    ``norm(max(0, p - psi))``). Steps chain within a round while a step's string is exactly its target token.
+    Greedy: exact match, the target's own greedy output.
+
+    Args:
+        k: most target tokens per round.
+        lookbehind: committed tokens a re-tokenisation window may cover.
+        n: lookahead limit (draft tokens per step); 0 for the pair's ``n_max``.
+        budget: most draft forwards per step to compute ``psi``; above it the step falls back to the target's
+            own token (counted as ``slrs_fallbacks``).
+    """
+
+    name = "slrs"
+    bridge = "slrs"
+    Settings = SLRSSettings
+
+    def __init__(self, k: int = 4, lookbehind: int = 8, n: int = 0, budget: int = 64):
+        SLRSSettings(k, lookbehind, n, budget).check()
+        Policy.__init__(self, k)
+        self.lookbehind, self.n, self.budget = lookbehind, n, budget
+        self.reset()
+
+    @classmethod
+    def from_settings(cls, s, pair=None, head=None, costs=None) -> Policy:
+        return cls(s.k, s.lookbehind, s.n, s.budget)
+
+    def reset(self) -> None:
+        self.events = {"slrs_steps": 0, "slrs_fallbacks": 0, "slrs_psi_seconds": 0.0, "slrs_tree_forwards": 0}
+
+    def counters(self) -> dict[str, float]:
+        return dict(self.events)
+
+    def describe(self) -> dict:
+        return {"k": self.k, "n": self.n, "budget": self.budget}

@@ -1,0 +1,171 @@
+"""SLRS (export/shim/slrs.py): psi against a brute-force enumeration of the drafting process on hand-built
+vocabularies (the paper's hello_/world/wo/rld example and a target with longer tokens than the draft), n_max,
+the sampler against psi, and the lossless rule (chi-square; a planted q(d_1)-for-psi(t_1) bug fails it)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specheads.errors import UserError
+from specheads.export.shim.policies.base import speculative_accept
+from specheads.export.shim.slrs import Process, TargetStrings, n_max
+
+HELLO_D = [b"hello_", b"world", b"wo", b"rld"]
+HELLO_T = HELLO_D + [b"hello_world"]
+# A draft of single characters and a target whose tokens are longer (every character is a target token too,
+# so every drafted string has a first target token).
+CHARS_D = [b"a", b"b", b"c", b" "]
+CHARS_T = [b"a", b"b", b"c", b" ", b"ab", b"abc", b"abca", b"ca", b"cab", b" a", b" ab", b"bb", b"bba"]
+
+
+def _first(texts: list[bytes], s: bytes) -> int:
+    """Independent of the code under test: the longest target string that is a prefix of s."""
+    best = max((t for t in texts if s.startswith(t)), key=len, default=None)
+    return -1 if best is None else texts.index(best)
+
+
+def _open(texts: list[bytes], s: bytes) -> bool:
+    return any(t.startswith(s) and len(t) > len(s) for t in texts)
+
+
+def _brute_psi(draft: list[bytes], target: list[bytes], q_of, n: int) -> torch.Tensor:
+    """psi by enumerating every draft sequence of 1..n tokens and keeping those at which the process stops."""
+    psi = torch.zeros(len(target), dtype=torch.float64)
+    for i in range(1, n + 1):
+        for seq in itertools.product(range(len(draft)), repeat=i):
+            strings = [b"".join(draft[d] for d in seq[:j]) for j in range(1, i + 1)]
+            if any(not _open(target, s) for s in strings[:-1]):
+                continue  # the process stopped earlier
+            if i < n and _open(target, strings[-1]):
+                continue  # the process goes on
+            prob = 1.0
+            for j in range(i):
+                prob *= float(q_of([tuple(seq[:j])])[0][seq[j]])
+            f = _first(target, strings[-1])
+            if f >= 0:
+                psi[f] += prob
+    return psi
+
+
+def _q_of(vocab: int, seed: int, zero: tuple[int, ...] = ()):
+    """A draft whose distribution depends on the whole path (a fixed random softmax per path), some ids at 0."""
+    def q_of(paths):
+        out = []
+        for path in paths:
+            g = torch.Generator().manual_seed(hash((seed,) + tuple(path)) % (2 ** 31))
+            q = torch.softmax(torch.randn(vocab, generator=g) * 1.5, -1)
+            q[list(zero)] = 0.0
+            out.append(q / q.sum())
+        return out
+    return q_of
+
+
+def _process(draft, target, n):
+    return Process(draft, TargetStrings.from_texts(target), n)
+
+
+def test_n_max_is_the_longest_tiling_of_an_open_prefix():
+    assert n_max(HELLO_D, TargetStrings.from_texts(HELLO_T)) == 3  # the paper: hello_ + wo + rld
+    # chars: "abc" is open (abca extends it): three single characters, then a fourth decides
+    assert n_max(CHARS_D, TargetStrings.from_texts(CHARS_T)) == 4
+    strings = TargetStrings.from_texts(CHARS_T)
+    assert strings.open(b"") and strings.open(b"ab") and not strings.open(b"abca") and not strings.open(b"cc")
+    assert strings.first(b"abcab") == CHARS_T.index(b"abca") and strings.first(b"x") == -1
+
+
+@pytest.mark.parametrize("draft,target,n,zero", [
+    (HELLO_D, HELLO_T, 3, ()), (HELLO_D, HELLO_T, 2, ()), (HELLO_D, HELLO_T, 3, (2,)),
+    (CHARS_D, CHARS_T, 4, ()), (CHARS_D, CHARS_T, 2, ()), (CHARS_D, CHARS_T, 4, (2,)),
+])
+def test_psi_equals_brute_force_enumeration(draft, target, n, zero):
+    q_of = _q_of(len(draft), seed=n + len(zero), zero=zero)
+    psi, nodes = _process(draft, target, n).psi(q_of, len(target), budget=10_000)
+    expect = _brute_psi(draft, target, q_of, n)
+    assert torch.allclose(psi.double(), expect, atol=1e-6), (psi, expect)
+    assert abs(float(psi.sum()) - 1.0) < 1e-5  # every string has a first target token here
+    # a truncated draft (q = 0) is never expanded there: fewer nodes than the untruncated tree
+    if zero:
+        full = _process(draft, target, n).psi(_q_of(len(draft), seed=n + len(zero)), len(target), budget=10_000)[1]
+        assert len(nodes) < len(full)
+
+
+def test_the_dense_path_equals_the_sparse_one():
+    q_of = _q_of(len(CHARS_D), seed=5)
+    sparse = _process(CHARS_D, CHARS_T, 4).psi(q_of, len(CHARS_T), budget=10_000, dense_above=10_000)[0]
+    dense = _process(CHARS_D, CHARS_T, 4).psi(q_of, len(CHARS_T), budget=10_000, dense_above=0)[0]
+    assert torch.allclose(sparse, dense, atol=1e-7)
+
+
+def test_the_sampler_follows_psi():
+    q_of = _q_of(len(CHARS_D), seed=1)
+    proc = _process(CHARS_D, CHARS_T, 4)
+    psi, nodes = proc.psi(q_of, len(CHARS_T), budget=10_000)
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(len(CHARS_T))
+    for _ in range(3000):
+        path, token = proc.walk(nodes, gen)
+        counts[token] += 1
+        assert proc.strings.first(proc.spell(path)) == token
+    keep = psi * 3000 >= 5
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([psi[keep] * 3000, (psi[~keep] * 3000).sum()[None]])
+    assert chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3
+
+
+def test_a_tree_over_the_budget_is_not_expanded():
+    q_of = _q_of(len(CHARS_D), seed=2)
+    proc = _process(CHARS_D, CHARS_T, 4)
+    _, nodes = proc.psi(q_of, len(CHARS_T), budget=10_000)
+    assert proc.psi(q_of, len(CHARS_T), budget=len(nodes)) is not None
+    assert proc.psi(q_of, len(CHARS_T), budget=len(nodes) - 1) is None
+    assert proc.step(q_of, len(CHARS_T), 1, True, torch.Generator()) is None
+    with pytest.raises(UserError, match="n=0"):
+        _process(CHARS_D, CHARS_T, 0)
+
+
+def _slrs_outputs(draft, target, n, trials, p, bug=False, seed=0):
+    """One SLRS step ``trials`` times: the process proposes t_1, the standard rule with psi accepts it or draws
+    from norm(max(0, p - psi)). ``bug``: psi replaced by q(d_1) pushed onto d_1's own first target token."""
+    q_of = _q_of(len(draft), seed=3)
+    proc = _process(draft, target, n)
+    psi, nodes = proc.psi(q_of, len(target), budget=10_000)
+    if bug:
+        psi = torch.zeros(len(target))
+        for d, qd in enumerate(nodes[()].tolist()):
+            psi[proc.strings.first(draft[d])] += qd
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(len(target))
+    for _ in range(trials):
+        _, token = proc.walk(nodes, gen)
+        v = speculative_accept(torch.stack([p, p]), psi[None].float(), torch.tensor([token]), gen)
+        counts[token if v.accepted else v.token] += 1
+    return counts
+
+
+@pytest.mark.parametrize("draft,target,n", [(HELLO_D, HELLO_T, 3), (CHARS_D, CHARS_T, 4), (CHARS_D, CHARS_T, 2)])
+def test_slrs_output_follows_the_target_and_a_planted_bug_fails(draft, target, n):
+    p = torch.softmax(torch.randn(len(target), generator=torch.Generator().manual_seed(9)) * 1.2, -1)
+    trials = 4000
+    counts = _slrs_outputs(draft, target, n, trials, p)
+    assert chisquare(counts.numpy(), (p * trials).numpy()).pvalue > 1e-3
+    bad = _slrs_outputs(draft, target, n, trials, p, bug=True)
+    assert chisquare(bad.numpy(), (p * trials).numpy()).pvalue < 1e-6
+
+
+def test_greedy_is_the_argmax_path():
+    q_of = _q_of(len(HELLO_D), seed=4)
+    proc = _process(HELLO_D, HELLO_T, 3)
+    step = proc.step(q_of, len(HELLO_T), 64, False, None)
+    path, s = [], b""
+    while True:
+        d = int(q_of([tuple(path)])[0].argmax())
+        path.append(d)
+        s += HELLO_D[d]
+        if not _open(HELLO_T, s) or len(path) == 3:
+            break
+    assert step.path == path and step.token == _first(HELLO_T, s) and step.psi is None
+    assert step.aligned == (HELLO_T[step.token] == s)
