@@ -78,7 +78,7 @@ def _check(cfg: EvalConfig) -> None:
     if not (cfg.ks or cfg.head or cfg.verifier or cfg.judge or cfg.judges or cfg.topk or fsd or cfg.confidence
             or cfg.hetero):
         problems.append("nothing to sweep: set ks=[...], head=, verifier=, judge=, judges=, topk=[...], fsd_js=[...] "
-                        "(or fsd_tv, fsd_kl, fsd_kl_rev), confidence=[...] and/or hetero=[tli,slem]")
+                        "(or fsd_tv, fsd_kl, fsd_kl_rev), confidence=[...] and/or hetero=[tli,slem,slrs]")
     hetero = [name for name, policy in POLICIES.items() if policy.bridge]
     if any(m not in hetero for m in cfg.hetero) or len(set(cfg.hetero)) != len(cfg.hetero):
         problems.append(f"hetero={list(cfg.hetero)}: each of {hetero} at most once")
@@ -161,7 +161,7 @@ def run(cfg: EvalConfig) -> int:
     shared = same_vocabulary(pair.target.tokenizer, pair.draft.tokenizer)
     if not shared and same_vocab_rows(cfg):
         raise UserError(f"the draft's tokenizer differs from the target's: {', '.join(same_vocab_rows(cfg))} need "
-                        "one vocabulary; on this pair sweep only hetero=[tli,slem] (and pass ks=[])")
+                        "one vocabulary; on this pair sweep only hetero=[tli,slem,slrs] (and pass ks=[])")
     costs = pair_costs(pair, _max_pass(cfg), cfg.profile, cfg.fused_forward)
     log.info("%s", costs.describe())
     decoders = build_decoders(cfg, pair, costs)

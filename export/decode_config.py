@@ -14,8 +14,10 @@ class DecodeConfig:
 
     target: ModelSpec = field(default_factory=ModelSpec)
     draft: ModelSpec = field(default_factory=ModelSpec)
-    policy: str = field(default="sd", metadata={"help": "sd (fixed k), specdecpp (needs head=; h=), sprinter (needs a verifier head=; eta=), judge (needs a judge head=; delta=, k candidates), topk_verify (k candidates, verify_top_k), fsd (k candidates, T=, divergence ...), confidence_stop (tau=, k_max), tli / slem (a draft with another tokenizer; k draft tokens per round; lossless), ar (target alone), draft (draft alone)"})
-    k: int = field(default=4, metadata={"help": "candidates per round for policy=sd, judge, topk_verify and fsd; draft tokens per round for tli and slem"})
+    policy: str = field(default="sd", metadata={"help": "sd (fixed k), specdecpp (needs head=; h=), sprinter (needs a verifier head=; eta=), judge (needs a judge head=; delta=, k candidates), topk_verify (k candidates, verify_top_k), fsd (k candidates, T=, divergence ...), confidence_stop (tau=, k_max), tli / slem / slrs (a draft with another tokenizer; lossless; slrs: string-level rejection sampling, lookahead=, budget=), ar (target alone), draft (draft alone)"})
+    k: int = field(default=4, metadata={"help": "candidates per round for policy=sd, judge, topk_verify and fsd; draft tokens per round for tli and slem; most target tokens per round for slrs"})
+    lookahead: int = field(default=0, metadata={"help": "policy=slrs: most draft tokens per step (0: the pair's n_max, computed from the two vocabularies and cached)"})
+    budget: int = field(default=64, metadata={"help": "policy=slrs: most draft forwards per step to compute psi; a larger tree falls back to the target's own token for that step (lossless, counted as slrs_fallbacks)"})
     head: str | None = field(default=None, metadata={"help": "exported head (.safetensors) for policy=specdecpp, sprinter or judge; for fsd optionally an acceptance head trained on FSD labels that stops the drafting (k_min, k_max, its own threshold h)"})
     h: float | None = field(default=None, metadata={"help": "specdecpp: stop threshold in (0, 1) (default: the head's); not used with stop=cost"})
     eta: float | None = field(default=None, metadata={"help": "sprinter: approval threshold in [0, 1] (default: the head's)"})

@@ -68,10 +68,22 @@ def _process(draft, target, n):
     return Process(draft, TargetStrings.from_texts(target), n)
 
 
+def _brute_n_max(draft: list[bytes], target: list[bytes], longest: int = 7) -> int:
+    """1 + the most draft tokens after which the drafted string can still be open, by enumeration."""
+    most = 0
+    for i in range(1, longest + 1):
+        for seq in itertools.product(draft, repeat=i):
+            if all(_open(target, b"".join(seq[:j])) for j in range(1, i + 1)):
+                most = i
+    return most + 1
+
+
 def test_n_max_is_the_longest_tiling_of_an_open_prefix():
-    assert n_max(HELLO_D, TargetStrings.from_texts(HELLO_T)) == 3  # the paper: hello_ + wo + rld
+    assert n_max(HELLO_D, TargetStrings.from_texts(HELLO_T)) == 3 == _brute_n_max(HELLO_D, HELLO_T)  # the paper
     # chars: "abc" is open (abca extends it): three single characters, then a fourth decides
-    assert n_max(CHARS_D, TargetStrings.from_texts(CHARS_T)) == 4
+    assert n_max(CHARS_D, TargetStrings.from_texts(CHARS_T)) == 4 == _brute_n_max(CHARS_D, CHARS_T)
+    odd_d, odd_t = [b"x", b"xy", b"yx", b"y"], [b"x", b"y", b"xyxyx", b"yy", b"xxy"]
+    assert n_max(odd_d, TargetStrings.from_texts(odd_t)) == _brute_n_max(odd_d, odd_t)
     strings = TargetStrings.from_texts(CHARS_T)
     assert strings.open(b"") and strings.open(b"ab") and not strings.open(b"abca") and not strings.open(b"cc")
     assert strings.first(b"abcab") == CHARS_T.index(b"abca") and strings.first(b"x") == -1

@@ -1,4 +1,4 @@
-"""Speculative decoding across different vocabularies (ALGORITHMS.md section 5): TLI and SLEM.
+"""Speculative decoding across different vocabularies (ALGORITHMS.md section 5): TLI, SLEM and SLRS.
 
 Both methods are lossless and return the TARGET's token ids; the draft works in its own vocabulary.
 
@@ -12,6 +12,9 @@ The methods are policies (:mod:`.policies.hetero`: what each verifies with) run 
   intersection, kept while it equals the target's argmax.
 * SLEM (string-level exact match): the draft drafts freely; its text is re-tokenised with the target
   tokenizer and the target keeps the candidates while they equal its own greedy (or sampled) tokens.
+* SLRS (string-level rejection sampling): each step drafts until the first target token of the drafted
+  string is determined and proposes it with ``psi``, the exact probability of proposing it; the standard rule
+  with ``psi`` verifies (:mod:`.slrs`, :mod:`.slrs_draft`). The draft side commits as SLEM's does.
 
 Text. A token's text is its bytes: byte-level BPE pieces mapped back through the byte alphabet
 (``Ġ`` becomes a space), SentencePiece pieces with ``▁`` as a space and ``<0xNN>`` as that byte,
@@ -228,8 +231,9 @@ class HeteroEngine:
     def generate(self, prompt: str | list[int], method: str = "tli", k: int = 4, max_new_tokens: int = 64,
                  sampling: SamplingConfig | None = None, generator: torch.Generator | None = None,
                  draft_prompt_ids: list[int] | None = None) -> Generation:
-        """Speculative decoding of one prompt with ``method`` (``tli`` or ``slem``, ``k`` draft tokens per
-        round); the output is target ids. ``draft_prompt_ids``: the draft's prompt when ``prompt`` is target ids."""
+        """Speculative decoding of one prompt with ``method`` (``tli`` or ``slem``: ``k`` draft tokens per
+        round; ``slrs``: at most ``k`` target tokens per round, default lookahead and budget); the output is
+        target ids. ``draft_prompt_ids``: the draft's prompt when ``prompt`` is target ids."""
         if method not in METHODS:
             raise UserError(f"method={method!r}: expected one of {list(METHODS)}")
         if max_new_tokens < 1:

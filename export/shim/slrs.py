@@ -93,19 +93,25 @@ class TargetStrings:
 def n_max(draft_text: list[bytes | None], strings: TargetStrings) -> int:
     """The most draft tokens the lookahead can need before the first target token is determined: one more than
     the longest tiling, by draft token strings, of a proper prefix of a target token (the strings still open
-    after that many draft tokens)."""
-    words = {b for b in draft_text if b}
-    lengths = sorted({len(w) for w in words})
+    after that many draft tokens). Draft strings are walked in a byte trie from each reachable position."""
+    trie: dict = {}
+    for w in {b for b in draft_text if b}:
+        node = trie
+        for byte in w:
+            node = node.setdefault(byte, {})
+        node[None] = True  # a draft token ends here
     most = 0
     for u in strings.sorted:
         best = [0] + [-1] * len(u)  # best[j]: most draft tokens spelling u[:j] (-1: none)
-        for j in range(1, len(u)):
-            for n in lengths:
-                if n > j:
-                    break
-                if best[j - n] >= 0 and u[j - n:j] in words:
-                    best[j] = max(best[j], best[j - n] + 1)
-            most = max(most, best[j])
+        for i in range(len(u) - 1):
+            if best[i] < 0:
+                continue
+            node, j = trie, i
+            while j < len(u) - 1 and u[j] in node:  # words ending before the end of u: proper prefixes
+                node, j = node[u[j]], j + 1
+                if None in node and best[i] + 1 > best[j]:
+                    best[j] = best[i] + 1
+        most = max(most, max(best[1:len(u)], default=0))
     return most + 1
 
 

@@ -70,7 +70,7 @@ def slrs_round(crossing, rnd) -> None:
     if c.drf.pending:  # bytes of an unfinished character: the draft's text is behind; the target steps alone
         return
     policy = c.policy
-    proc, ev, base = bridge_process(c.bridge, policy.n), policy.events, list(c.drf.ids)
+    proc, ev, base = bridge_process(c.bridge, policy.lookahead), policy.events, list(c.drf.ids)
     for _ in range(rnd.limit):
         start, before = time.perf_counter(), c.runner.forwards
         step = proc.step(lambda paths: _q_after(c, base + c.drafted, paths, rnd.sampling), c.bridge.vt,

@@ -71,10 +71,10 @@ class SLEM(TLI):
 @dataclass
 class SLRSSettings(HeteroSettings):
     k: int = 4  # most target tokens per round (steps chained while a step's draft string is exactly its token)
-    n: int = 0  # the lookahead limit in draft tokens per step; 0: the pair's n_max (never cuts the early stop)
+    lookahead: int = 0  # the most draft tokens per step; 0: the pair's n_max (never cuts the early stop)
     budget: int = 64  # most draft forwards per step's psi; a larger tree falls back for that step
     CHECKS = {**HeteroSettings.CHECKS,
-              "n": Check(lambda n: n >= 0, "{key}={value} must be >= 0 (0: the pair's n_max)"),
+              "lookahead": Check(lambda n: n >= 0, "{key}={value} must be >= 0 (0: the pair's n_max)"),
               "budget": Check(lambda b: b >= 1, "{key}={value} must be >= 1 (draft forwards per step)")}
 
 
@@ -88,7 +88,7 @@ class SLRS(TLI):
     Args:
         k: most target tokens per round.
         lookbehind: committed tokens a re-tokenisation window may cover.
-        n: lookahead limit (draft tokens per step); 0 for the pair's ``n_max``.
+        lookahead: most draft tokens per step; 0 for the pair's ``n_max``.
         budget: most draft forwards per step to compute ``psi``; above it the step falls back to the target's
             own token (counted as ``slrs_fallbacks``).
     """
@@ -97,15 +97,15 @@ class SLRS(TLI):
     bridge = "slrs"
     Settings = SLRSSettings
 
-    def __init__(self, k: int = 4, lookbehind: int = 8, n: int = 0, budget: int = 64):
-        SLRSSettings(k, lookbehind, n, budget).check()
+    def __init__(self, k: int = 4, lookbehind: int = 8, lookahead: int = 0, budget: int = 64):
+        SLRSSettings(k, lookbehind, lookahead, budget).check()
         Policy.__init__(self, k)
-        self.lookbehind, self.n, self.budget = lookbehind, n, budget
+        self.lookbehind, self.lookahead, self.budget = lookbehind, lookahead, budget
         self.reset()
 
     @classmethod
     def from_settings(cls, s, pair=None, head=None, costs=None) -> Policy:
-        return cls(s.k, s.lookbehind, s.n, s.budget)
+        return cls(s.k, s.lookbehind, s.lookahead, s.budget)
 
     def reset(self) -> None:
         self.events = {"slrs_steps": 0, "slrs_fallbacks": 0, "slrs_psi_seconds": 0.0, "slrs_tree_forwards": 0}
@@ -114,4 +114,4 @@ class SLRS(TLI):
         return dict(self.events)
 
     def describe(self) -> dict:
-        return {"k": self.k, "n": self.n, "budget": self.budget}
+        return {"k": self.k, "lookahead": self.lookahead, "budget": self.budget}
