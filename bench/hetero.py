@@ -25,9 +25,11 @@ prompts with the same seeds, interleaved:
   ``--char-steps`` steps on Alpaca and GSM8K-train text (cached under ``runs/bench-char-draft``), against
   the shared SmolLM2-135M target (GGUF). Greedy exactness is checked there too.
 
-Per SLRS row: acceptance per step (accepted / proposed target tokens), draft forwards per emitted token,
-``psi`` time per step (the step's drafting and tree, draft forwards included), the budget fallback rate
-(steps whose tree would exceed the budget, decoded by the target alone), and ``n_max``. ``ratios``:
+Per SLRS row: acceptance per proposal (accepted / proposed target tokens, a step whose string has no first
+target token counted as a rejected proposal; budget fallbacks are counted apart), draft forwards per emitted
+token, tree nodes and draft forwards per step (one forward per tree level on the fused CPU forward), ``psi``
+time per step (the step's drafting and tree, draft forwards included), the budget fallback rate (steps whose
+tree would exceed the budget, decoded by the target alone), and ``n_max``. ``ratios``:
 ``slrs_vs_slem_acceptance`` on the Gemma pair's sampled prompts (the paper's Theorem 3.1: >= 1).
 """
 
@@ -81,9 +83,14 @@ def _row(name: str, stats: list, outputs: list, reference: list | None) -> dict:
     c = tot.counters
     if "slrs_steps" in c:
         steps = c["slrs_steps"]
+        # a step whose string has no first target token proposed nothing: a rejection in the theorem's terms
+        # (psi's mass there is never accepted); a budget fallback proposed nothing by the budget's choice
+        proposed = tot.drafted + int(c.get("slrs_empty", 0))
         row.update(slrs_steps=int(steps), fallback_rate=round(c["slrs_fallbacks"] / steps, 4) if steps else None,
+                   acceptance=round(tot.accepted / proposed, 4) if proposed else None,
                    psi_ms_per_step=round(1000 * c["slrs_psi_seconds"] / steps, 3) if steps else None,
-                   tree_forwards_per_step=round(c["slrs_tree_forwards"] / steps, 3) if steps else None)
+                   tree_forwards_per_step=round(c["slrs_tree_forwards"] / steps, 3) if steps else None,
+                   tree_nodes_per_step=round(c.get("slrs_tree_nodes", 0) / steps, 3) if steps else None)
     return row
 
 
@@ -173,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sampled", type=int, default=8, help="prompts of the sampled sections (the first ones)")
     ap.add_argument("--sampled-tokens", type=int, default=32, help="new tokens per sampled prompt")
     ap.add_argument("--top-k", type=int, default=8, help="sampled sections: top-k truncation (temperature 1)")
-    ap.add_argument("--slrs-budget", type=int, default=64, help="SLRS: most draft forwards per step")
+    ap.add_argument("--slrs-budget", type=int, default=64, help="SLRS: most prefix-tree nodes per step")
     ap.add_argument("--char-prompts", type=int, default=6, help="prompts of the short-token pair (0: skip it)")
     ap.add_argument("--char-steps", type=int, default=1500, help="training steps of the byte-level draft")
     ap.add_argument("--char-lookahead", type=int, default=6, help="SLRS lookahead on the byte-level draft (0: n_max)")
@@ -230,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         "sample_output": engine.target_tokenizer.decode(reference[0], skip_special_tokens=True),
         "note": "accepted_per_call = accepted draft tokens (in target tokens) / target calls; tokens_per_call = "
                 "emitted tokens / target calls; target_only makes one target call per token; acceptance = "
-                "accepted / proposed target tokens",
+                "accepted / proposed target tokens (SLRS: a step that proposed nothing counts as a rejected "
+                "proposal)",
     }
     slrs_settings = {"k": ks[0], "budget": args.slrs_budget, "lookahead": 0, "n_max": engine.bridge.n_max,
                      "n_max_s": round(nmax_s, 1)}
@@ -252,10 +260,12 @@ def main(argv: list[str] | None = None) -> int:
         s_row = sampled["slrs"]
         result["slrs"].update({k: s_row.get(k) for k in (
             "acceptance", "accepted_per_call", "draft_forwards_per_token", "tokens_per_s", "fallback_rate",
-            "psi_ms_per_step", "tree_forwards_per_step")}, measured_on="sampled")
+            "psi_ms_per_step", "tree_forwards_per_step", "tree_nodes_per_step")}, measured_on="sampled")
         slem_acc = sampled["slem"]["acceptance"]
         result["ratios"] = {"slrs_vs_slem_acceptance": round(s_row["acceptance"] / slem_acc, 4)
                             if slem_acc and s_row["acceptance"] is not None else None}
+    else:  # greedy SLRS is exact match: the theorem's comparison needs the sampled section
+        result["ratios"] = {"slrs_vs_slem_acceptance": None}
     if args.char_prompts:
         result["char_pair"] = _char_pair(args, texts[:args.char_prompts])
     print(json.dumps({key: result.get(key) for key in ("tli_greedy_identical", "slem_greedy_identical",

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from _common import eval_and_gated, eval_config, intervals, run_info
 from specheads.evaluate.cli import main as eval_main
+from specheads.evaluate.sweep import num
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.02  # "within 2 points" of SD's accuracy
@@ -125,8 +126,8 @@ def main(argv=None) -> int:
     by = {r["config"]: r for r in table}
     fsd_sweep: dict[str, list[dict]] = {}
     for div, thresholds in tf["settings"]["fsd"]["thresholds"].items():
-        fsd_sweep[div] = [{"threshold": t, **by[f"fsd-{div}-{t:g}"],
-                           "fuzzy_only_share": tf["rows"][f"fsd-{div}-{t:g}"].get("fuzzy_only_share")}
+        fsd_sweep[div] = [{"threshold": t, **by[f"fsd-{div}-{num(t)}"],
+                           "fuzzy_only_share": tf["rows"][f"fsd-{div}-{num(t)}"].get("fuzzy_only_share")}
                           for t in sorted(thresholds)]
     result = {
         **run_info(__file__, argv, f"fp32, batch {sweep.get('batch_size', 1)} decoding"),
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
         "accepted_per_call": "accepted draft tokens per target call (tokens per call = that + 1 per round)",
         "table": table, "fsd_sweep": fsd_sweep,
         "topk": [by[f"t{k}"] for k in tf["settings"]["topk"]["values"]],
-        "confidence": [by[f"c{t:g}"] for t in tf["settings"]["confidence"]["taus"]],
+        "confidence": [by[f"c{num(t)}"] for t in tf["settings"]["confidence"]["taus"]],
         "paper_claim": paper_claim(table, tf["sd_reference"]) if tf["sd_reference"] else None,
         **eval_and_gated(sweep),
     }

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from specheads.export.api import Decoder, make_policy
 from specheads.export.shim.divergence import DIVERGENCES
+from specheads.errors import UserError
 from specheads.export.shim.stats import COUNTS, GenerationStats
 from specheads.outputs import read_finished_rows
 
@@ -26,11 +27,17 @@ COST_ROWS = {"specdecpp": "h-cost", "confidence_stop": "c-cost"}
 BLOCK = 4  # a batched sweep's block of prompts per configuration, in batches: rows refill three times
 
 
+def num(x: float) -> str:
+    """A setting as it appears in a row name: ``:g`` for the usual values (``0.99``, ``1``), but every
+    significant digit up to 12, so that ``0.9999999`` is not written ``1`` (two settings, one name)."""
+    return f"{x:.12g}"
+
+
 def config_names(ks: list[int], thresholds: list[float], with_head: bool, etas: list[float] = (),
                  with_verifier: bool = False) -> list[str]:
     """Names of the sweep's configurations: baselines, fixed K, SpecDec++ thresholds, SPRINTER etas."""
-    return (["ar", "draft"] + [f"k{k}" for k in ks] + ([f"h{h:g}" for h in thresholds] if with_head else [])
-            + ([f"s{e:g}" for e in etas] if with_verifier else []))
+    return (["ar", "draft"] + [f"k{k}" for k in ks] + ([f"h{num(h)}" for h in thresholds] if with_head else [])
+            + ([f"s{num(e)}" for e in etas] if with_verifier else []))
 
 
 def hetero_row(method: str, k: int) -> str:
@@ -50,6 +57,16 @@ def same_vocab_rows(cfg) -> list[str]:
     return rows
 
 
+class _Rows(dict):
+    """The sweep's decoders by row name; a second setting under a name already taken is a user error (a
+    repeated threshold), never a silent overwrite."""
+
+    def __setitem__(self, name, decoder):
+        if name in self:
+            raise UserError(f"two configurations of the sweep are both named {name!r}: remove the repeated setting")
+        super().__setitem__(name, decoder)
+
+
 def build_decoders(cfg, pair, costs=None) -> dict[str, Decoder]:
     """A decoder per configuration, all on the one loaded pair, seed and sampling settings; with a cost
     table (``costs``) and ``cfg.cost_stop``, the cost-aware stop rules too (rows ``h-cost``, ``c-cost``)."""
@@ -58,12 +75,12 @@ def build_decoders(cfg, pair, costs=None) -> dict[str, Decoder]:
         d.budgets = dict(getattr(cfg, "max_new_tokens_by_source", {}) or {})
         return d
 
-    out = {"ar": dec("ar"), "draft": dec("draft")}
+    out = _Rows(ar=dec("ar"), draft=dec("draft"))
     for k in cfg.ks:
         out[f"k{k}"] = dec(make_policy("sd", pair, k=k))
     if cfg.head:
         for h in cfg.thresholds:
-            out[f"h{h:g}"] = dec(make_policy("specdecpp", pair, head=cfg.head, threshold=h, k_min=cfg.k_min,
+            out[f"h{num(h)}"] = dec(make_policy("specdecpp", pair, head=cfg.head, threshold=h, k_min=cfg.k_min,
                                              k_max=cfg.k_max, sampling=cfg.sampling))
         if costs is not None and cfg.cost_stop:
             out[COST_ROWS["specdecpp"]] = dec(make_policy("specdecpp", pair, head=cfg.head, k_min=cfg.k_min,
@@ -73,24 +90,24 @@ def build_decoders(cfg, pair, costs=None) -> dict[str, Decoder]:
         out[f"t{top_k}"] = dec(make_policy("topk_verify", pair, k=cfg.topk_k, top_k=top_k))
     for div in DIVERGENCES:
         for t in getattr(cfg, f"fsd_{div}", []):
-            out[f"fsd-{div}-{t:g}"] = dec(make_policy("fsd", pair, k=cfg.fsd_k, threshold=t, divergence=div,
+            out[f"fsd-{div}-{num(t)}"] = dec(make_policy("fsd", pair, k=cfg.fsd_k, threshold=t, divergence=div,
                                                       fsd_top_k=cfg.fsd_top_k, fsd_rule=cfg.fsd_rule,
                                                       fsd_dist=cfg.fsd_dist))
     for tau in getattr(cfg, "confidence", []):
-        out[f"c{tau:g}"] = dec(make_policy("confidence_stop", pair, threshold=tau, k_max=cfg.confidence_k_max))
+        out[f"c{num(tau)}"] = dec(make_policy("confidence_stop", pair, threshold=tau, k_max=cfg.confidence_k_max))
     if getattr(cfg, "confidence", None) and costs is not None and cfg.cost_stop:
         out[COST_ROWS["confidence_stop"]] = dec(make_policy("confidence_stop", pair, k_max=cfg.confidence_k_max,
                                                             stop="cost", costs=costs))
     judges = ({"": cfg.judge} if getattr(cfg, "judge", None) else {}) | dict(getattr(cfg, "judges", {}) or {})
     for name, head in judges.items():
         for delta in (getattr(cfg, "judge_deltas", {}) or {}).get(name, cfg.deltas):
-            out[f"j-{name}-{delta:g}" if name else f"j{delta:g}"] = dec(make_policy(
+            out[f"j-{name}-{num(delta)}" if name else f"j{num(delta)}"] = dec(make_policy(
                 "judge", pair, k=cfg.judge_k, head=head, threshold=delta, sampling=cfg.sampling))
     for method in getattr(cfg, "hetero", []):
         out[hetero_row(method, cfg.hetero_k)] = dec(make_policy(method, pair, k=cfg.hetero_k))
     if getattr(cfg, "verifier", None):
         for eta in cfg.etas:
-            out[f"s{eta:g}"] = dec(make_policy("sprinter", pair, head=cfg.verifier, threshold=eta,
+            out[f"s{num(eta)}"] = dec(make_policy("sprinter", pair, head=cfg.verifier, threshold=eta,
                                                sampling=cfg.sampling, max_run=cfg.max_run))
     return out
 

@@ -139,8 +139,11 @@ def model_card(meta: dict) -> str:
         if "prompts" in d:
             line += (f": {d['prompts']} prompts from `{d.get('prompts_file')}` (offset {d.get('offset', 0)}, "
                      f"labels={d.get('labels')}, max_new_tokens={d.get('max_new_tokens')}); "
-                     f"{d.get('labelled_tokens')} labelled tokens, {d.get('positive_tokens')} positive, "
-                     f"{d.get('negative_tokens')} negative")
+                     f"{d.get('labelled_tokens')} labelled tokens")
+            if d.get("positive_tokens") is not None:  # hard labels (judge, verifier)
+                line += f", {d['positive_tokens']} positive, {d.get('negative_tokens')} negative"
+            elif d.get("label_mean") is not None:  # soft labels (acceptance): the mean target
+                line += f", mean label {_fmt(d['label_mean'])}"
         if d.get("tuples") is not None:
             line += f"; {d['tuples']} tuples"
         mining = d.get("mining") or {}

@@ -29,17 +29,21 @@ tokens.
 
 Transformers hands a ``custom_generate`` callable only the arguments of its own signature: ``generate``'s
 ``streamer=`` does not reach it, so give the streamer to :class:`Assistant` (``Assistant(..., streamer=s)``).
+The same holds for ``assistant_model=``: the draft that drafts is the one given to :class:`Assistant`, so pass
+the same model to both (another ``assistant_model`` is ignored).
 While a call runs, the target's ``_get_candidate_generator`` is replaced (and restored afterwards, also on an
 error): one ``generate`` per target model at a time, not from several threads at once.
 
 Works with the Transformers versions in :data:`SUPPORTED` (the range ``pyproject.toml`` pins): it relies on
-``custom_generate`` callables and on ``AssistedCandidateGenerator``'s internals; another version is a one-line
+``custom_generate`` callables and on ``AssistedCandidateGenerator``'s internals (:data:`INTERNALS`, checked
+when an :class:`Assistant` is built); another version, or one inside the range without them, is a one-line
 error naming the range.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import types
@@ -66,6 +70,32 @@ def check_transformers(version: str | None = None) -> None:
     if not SpecifierSet(",".join(SUPPORTED)).contains(Version(version), prereleases=True):
         raise UserError(f"specheads.hf supports transformers {','.join(SUPPORTED)}; this environment has {version} "
                         f"(pip install 'transformers{','.join(SUPPORTED)}')")
+    missing = _missing_internals()
+    if missing:  # a release inside the range that moved what assisted generation is built from
+        raise UserError(f"specheads.hf needs Transformers' assisted-generation internals {missing}, absent from "
+                        f"transformers {version}; install a release specheads is tested on "
+                        f"(pip install 'transformers{','.join(SUPPORTED)}') and report the version")
+
+
+# What specheads.hf builds on inside Transformers (private API): checked up front, never failing mid-generate.
+INTERNALS = {"transformers.generation.utils:GenerationMixin": ("_assisted_decoding", "_get_candidate_generator"),
+             "transformers.generation.candidate_generator:AssistedCandidateGenerator": (
+                 "_prepare_generation_args", "get_candidates", "update_candidate_strategy")}
+
+
+def _missing_internals() -> list[str]:
+    import importlib
+
+    missing = []
+    for where, names in INTERNALS.items():
+        module, _, cls = where.partition(":")
+        try:
+            obj = getattr(importlib.import_module(module), cls)
+        except (ImportError, AttributeError):
+            missing.append(where)
+            continue
+        missing += [f"{cls}.{n}" for n in names if not callable(getattr(obj, n, None))]
+    return missing
 
 
 def prune_draft(draft, vocab_file: str, top_n: int | None, tokenizer=None) -> dict:
@@ -135,6 +165,7 @@ class _Round:
         return torch.full((input_ids.shape[0],), bool(stop), dtype=torch.bool, device=input_ids.device)
 
 
+@functools.cache
 def _generator_class():
     from transformers.generation.candidate_generator import AssistedCandidateGenerator
     from transformers.generation.stopping_criteria import StoppingCriteriaList

@@ -12,6 +12,7 @@ from specheads.evaluate.cli import main
 from specheads.evaluate.config import EvalConfig
 from specheads.evaluate.oracle import below_curve, draft_agreement, oracle_schedule, perfect_head_schedule
 from specheads.evaluate.report import summarize
+from specheads.evaluate.sweep import config_names, num
 from specheads.export import Engine, GenerationStats, ModelSpec, SamplingConfig, load_pair, save_head
 from specheads.export.shim.costs import CostTable
 from specheads.heads import AcceptanceHead
@@ -209,6 +210,15 @@ def test_eval_bad_input(tiny_pair_dirs, prompts_file, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "c", "thresholds=[1.2]", "ks=[]", "head=x")) == 2
     assert "every h must be in (0, 1)" in capsys.readouterr().err
+    # a repeated setting would name two rows alike: one line, never a silently dropped row
+    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "d", "ks=[]", "head=null", "fsd_kl=[0.3,0.3]")) == 2
+    assert "both named 'fsd-kl-0.3'" in capsys.readouterr().err
+
+
+def test_row_names_keep_every_digit_of_a_setting():
+    # ``:g`` wrote 0.9999999 as "1": a judge row named as if delta were 1 (SD), and a clash with delta = 1
+    assert [num(x) for x in (0.99, 1.0, 0.999999, 0.9999999, 0.3)] == ["0.99", "1", "0.999999", "0.9999999", "0.3"]
+    assert config_names([4], [0.9999999, 1.0], True) == ["ar", "draft", "k4", "h0.9999999", "h1"]
 
 
 def _stats_row(new: int, wall: float, drafts: int, sizes: dict[int, int]) -> dict:

@@ -397,4 +397,4 @@ def test_heads_decode_runs_tli_and_slem_and_refuses_same_vocab_policies(toks, tr
     narrow = [a for a in ev if not a.startswith(("hetero=", "ks="))]
     assert evaluate([*narrow, "hetero=[slem]", "ks=[2]", f"output_dir={tmp_path / 'ev2'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "ks=[2]" in err[0] and "hetero=[tli,slem]" in err[0]
+    assert len(err) == 1 and "ks=[2]" in err[0] and "hetero=[tli,slem,slrs]" in err[0]

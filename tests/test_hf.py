@@ -76,12 +76,15 @@ def test_generate_drafts_the_rounds_the_shim_drafts(models, head, policy):
     kw = dict(h=0.6, k_min=1) if policy == "specdecpp" else dict(policy="confidence_stop", tau=0.3)
     a = Assistant(draft, head if policy == "specdecpp" else None, k_max=6, **kw)
     engine = Engine(target, draft, (), fused=False)
+    # Transformers masks every occurrence of pad_token_id out of the draft's attention (a generated token
+    # equal to it changes what the draft sees there): a pad id these outputs never contain
+    pad = draft.config.vocab_size - 1
     for ids in PROMPTS:
-        out = target.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, pad_token_id=0,
+        out = target.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, pad_token_id=pad,
                               eos_token_id=None, assistant_model=draft, custom_generate=a)
         a.policy.reset()
         g = engine.generate(ids, a.policy, 16)
-        assert out[0, len(ids):].tolist() == g.tokens
+        assert out[0, len(ids):].tolist() == g.tokens and pad not in g.tokens
         assert (a.stats.rounds, a.stats.drafted, a.stats.accepted) == (g.stats.rounds, g.stats.drafted,
                                                                          g.stats.accepted), ids
 
@@ -178,6 +181,43 @@ def test_sampled_generate_follows_the_target_and_a_planted_bug_fails(monkeypatch
     bad, _, _ = _sample_counts(target, draft, Assistant(draft, policy="confidence_stop", tau=0.05, k_min=2, k_max=3),
                                prompt, vocab, 1500, seed=0)
     assert _chi2(bad, probs) < 1e-6
+
+
+@pytest.mark.slow  # 1,500 generate calls
+def test_sampled_generate_with_a_specdecpp_head_follows_the_target(tmp_path):
+    """The head's stop decisions (which depend on the draft's sampled path) leave sampled output exact: the
+    joint histogram of the first two tokens over a 6-token vocabulary matches the target's distribution."""
+    from specheads.export import SamplingConfig, save_head
+    from specheads.heads import AcceptanceHead
+    from specheads.hf import _loaded
+
+    vocab, prompt = 6, [1, 3]
+    target, draft = tiny_llama(vocab, seed=3, init=0.6), tiny_llama(vocab, seed=4, layers=1, init=0.6)
+    draft.save_pretrained(tmp_path / "draft")  # a local directory: the head is checked against its fingerprint
+    draft = AutoModelForCausalLM.from_pretrained(tmp_path / "draft", dtype=torch.float32).eval()
+    seen = _loaded(draft, None)
+    torch.manual_seed(1)
+    module = AcceptanceHead(draft.config.hidden_size, depth=1)
+    path = save_head(tmp_path / "acceptance.safetensors", module, "acceptance", {
+        "head_config": module.config(), "hidden_size": draft.config.hidden_size,
+        "feature": {"model": "draft", "state": "post", "layer": -1, "position": "own"},
+        "draft": {"name": seen.name, "fingerprint": seen.fingerprint, "vocab": None},
+        "target": {"name": "tiny-target", "fingerprint": "unknown"},
+        "sampling": SamplingConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0).to_dict(),
+        "default_threshold": 0.9})
+    a = Assistant(draft, path, k_min=1, k_max=3, strict=True)
+    counts, drafted, rounds = _sample_counts(target, draft, a, prompt, vocab, 1500, seed=0)
+    assert _chi2(counts, _joint(target, prompt, vocab)) > 1e-3
+    assert rounds < drafted < 3 * rounds  # the head stopped rounds at different lengths
+
+
+def test_transformers_without_the_internals_it_builds_on_is_a_one_line_error(monkeypatch):
+    from specheads import hf
+
+    monkeypatch.setitem(hf.INTERNALS, "transformers.generation.utils:GenerationMixin", ("_assisted_decoding_v9",))
+    with pytest.raises(UserError) as err:
+        check_transformers()
+    assert "GenerationMixin._assisted_decoding_v9" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_the_head_is_checked_against_the_draft(models, head, tiny_pair_dirs):

@@ -51,7 +51,8 @@ def test_the_model_card_says_what_the_head_is(trained, tmp_path):
     assert meta["draft"]["fingerprint"] in card and meta["target"]["fingerprint"] in card
     data = meta["extra"]["training_data"]["data_sets"][0]
     assert data["labels"] and f"- `{data['data_dir']}`: {data['prompts']} prompts from `{data['prompts_file']}`" in card
-    assert f"{data['positive_tokens']} positive, {data['negative_tokens']} negative" in card
+    # an acceptance head's labels are soft: the card gives their mean, never "None positive"
+    assert f"{data['labelled_tokens']} labelled tokens, mean label " in card and "None" not in card
     assert "auroc" in card or "binary_kl" in card
     assert "Calibration" in card and "`0.35`" in card
 

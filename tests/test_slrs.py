@@ -181,3 +181,60 @@ def test_greedy_is_the_argmax_path():
             break
     assert step.path == path and step.token == _first(HELLO_T, s) and step.psi is None
     assert step.aligned == (HELLO_T[step.token] == s)
+
+
+# ---- the tree forward: one draft forward per level, the same distributions as a forward per path ----------
+
+def test_each_tree_level_is_one_forward_with_the_distributions_of_a_forward_per_path():
+    """``_Tree`` on the fused runner: the root, then two levels of a prefix tree (siblings, and children of
+    different parents), each level one forward; every node's q equals a separate full forward of base + path."""
+    from types import SimpleNamespace
+
+    from conftest import tiny_llama
+
+    from specheads.export.shim.kv import FusedRunner
+    from specheads.export.shim.sampling import SamplingConfig, probs_from_logits
+    from specheads.export.shim.slrs_draft import _Tree
+    from specheads.export.shim.stats import GenerationStats
+
+    model, vocab = tiny_llama(40, seed=5, init=0.6), 40
+    base = [1, 5, 7, 9, 11]
+    c = SimpleNamespace(runner=FusedRunner(model, capacity=8), held=[1, 5, 30], stats=GenerationStats(),
+                        prompt_tokens=2, mask=torch.ones(vocab, dtype=torch.bool))
+    c.runner.forward(torch.tensor([[1, 5, 30]]))  # a stale suffix in the cache, as after a rejected round
+    sampling = SamplingConfig(do_sample=True, temperature=0.9, top_k=12)
+    tree = _Tree(c, base, sampling)
+    levels = [[()], [(3,), (4,), (8,)], [(3, 2), (4, 6), (4, 7), (8, 8)]]
+    got, forwards = {}, []
+    for paths in levels:
+        before = c.runner.forwards
+        got.update(zip(paths, tree.q_of(paths)))
+        forwards.append(c.runner.forwards - before)
+    tree.close()
+    assert forwards == [1, 1, 1] and tree.nodes == 8 and c.runner.length == len(base) and c.held == base
+    with torch.no_grad():
+        for path, q in got.items():
+            ref = probs_from_logits(model(torch.tensor([base + list(path)])).logits[0, -1], sampling)
+            assert torch.allclose(q, ref / ref.sum(), atol=1e-5), path
+
+
+def test_a_node_without_mass_on_text_proposes_nothing_in_psi_and_in_the_sampler():
+    """A draft whose (truncated) distribution after "wo" is all on a token without text: psi leaves that mass
+    unassigned (rejected at verification) and the sampler returns -1 there instead of failing."""
+    draft = HELLO_D + [None]  # id 4: a special token (no text)
+    proc = Process(draft, TargetStrings.from_texts(HELLO_T), n=3)
+    root = torch.tensor([0.0, 0.5, 0.5, 0.0, 0.0])
+    after_wo = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0])  # what the shim hands over: the text-only mass is zero
+
+    def q_of(paths):
+        return [root if p == () else after_wo for p in paths]
+
+    psi, nodes = proc.psi(q_of, len(HELLO_T), budget=16)
+    assert torch.allclose(psi.double(), torch.tensor([0.0, 0.5, 0.0, 0.0, 0.0], dtype=torch.float64))
+    seen = {tuple(proc.walk(nodes, torch.Generator().manual_seed(s))[1:]) for s in range(40)}
+    assert seen == {(1,), (-1,)}
+
+
+def test_added_target_ids_past_the_logit_width_are_never_proposed():
+    strings = TargetStrings.from_texts(HELLO_T + [b"zz"], width=len(HELLO_T))
+    assert strings.first(b"zz") == -1 and strings.first(b"hello_world") == 4

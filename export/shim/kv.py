@@ -234,6 +234,32 @@ class FusedRunner:
             logits = logits[..., : self.vocab_size]
         return logits, hid
 
+    def forward_tree(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Consumes ``ids`` ``[1, S]``, tokens of a tree of continuations of the cached sequence, in one forward:
+        token ``j`` sits at rotary position ``positions[j]`` and attends where ``mask[j]`` (``[S, length + S]``,
+        True = attend) says, i.e. the shared prefix and its own ancestors in the tree. Their keys and values
+        stay in the cache after the prefix (a later tree level attends to them; ``trim`` drops them).
+
+        Returns:
+            the logits of every fed token ``[S, V]``.
+        """
+        s = ids.shape[1]
+        start, end = self._length, self._length + s
+        if end > self.capacity:
+            cap = self.capacity
+            while cap < end:
+                cap *= 2
+            self._alloc(cap)
+        x = self.model.get_input_embeddings()(ids)
+        x = decoder_layers(self, x, self.cos[positions], self.sin[positions], self.keys, self.values, start, end,
+                           mask.to(self.device), False)
+        self._length = end
+        self.forwards += 1
+        logits = output_logits(self.weights, rms_norm(self.model.model.norm, x[0]))
+        if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
+            logits = logits[..., : self.vocab_size]
+        return logits
+
     def close(self) -> None:
         """Nothing to release (no hooks); kept for interface parity."""
 

@@ -21,7 +21,7 @@ Here (every choice is the process's definition, shared by the sampler and by ``p
   extends is expanded with one draft forward (its distribution ``q``), each stopping child adds its path's
   probability to ``psi`` of its target token. Sampling then walks the same tree. Children with ``q = 0``
   (top-k / top-p truncation) are never expanded, which is what makes the tree small enough; a tree that would
-  need more than ``budget`` draft forwards is not expanded at all: that step falls back (the caller proposes
+  need more than ``budget`` nodes (draft positions evaluated) is not expanded at all: that step falls back (the caller proposes
   nothing there, so the target samples the token itself: lossless) and is counted.
 
 Greedy decoding needs no ``psi``: the process is deterministic (argmax draft tokens) and the rule reduces to
@@ -60,14 +60,19 @@ class TargetStrings:
         self.max_len = max(len(s) for s in ids)
 
     @classmethod
-    def from_texts(cls, texts: list[bytes | None], canonical: dict[bytes, int] | None = None) -> "TargetStrings":
-        """From each target id's bytes (None: no text); duplicates go to ``canonical`` or the lowest id."""
+    def from_texts(cls, texts: list[bytes | None], canonical: dict[bytes, int] | None = None,
+                   width: int | None = None) -> "TargetStrings":
+        """From each target id's bytes (None: no text); duplicates go to ``canonical`` or the lowest id. With
+        ``width`` (the target's logit columns), ids at or past it (added tokens the model cannot emit) are left
+        out: SLRS never proposes a token the target has no probability for."""
         ids: dict[bytes, int] = {}
         for i, b in enumerate(texts):
-            if b:
+            if b and (width is None or i < width):
                 ids.setdefault(b, i)
         if canonical:
             ids = {b: canonical.get(b, i) for b, i in ids.items()}
+            if width is not None:
+                ids = {b: i for b, i in ids.items() if i < width}
         return cls(ids)
 
     def first(self, s: bytes) -> int:
@@ -180,8 +185,8 @@ class Process:
     def psi(self, q_of: Callable[[list[tuple[int, ...]]], list[torch.Tensor]], vt: int, budget: int,
             dense_above: int = 512) -> tuple[torch.Tensor, dict] | None:
         """``psi`` over the ``vt`` target ids and the tree's draft distributions (path -> q), or None when the
-        tree needs more than ``budget`` draft forwards. ``q_of(paths)`` returns the draft's warped
-        distribution after each path (one draft forward each)."""
+        tree needs more than ``budget`` nodes. ``q_of(paths)`` returns the draft's warped distribution after each
+        path; it is called with the root, then once per level with every node of that level (batchable)."""
         if budget < 1:
             return None
         psi = torch.zeros(vt, dtype=torch.float64)
@@ -223,6 +228,8 @@ class Process:
         path: tuple[int, ...] = ()
         while True:
             q = nodes[path]
+            if not q.sum() > 0:  # the (truncated) draft puts no mass on tokens with text here: psi counted this
+                return list(path), -1  # path's mass as proposing nothing, and so does the sampler
             d = int(torch.multinomial(q.float(), 1, generator=generator))
             f, stop = self.child(self.spell(path), d, len(path) + 1)
             path += (d,)
@@ -240,7 +247,7 @@ class Process:
                 return list(path), f
 
     def step(self, q_of, vt: int, budget: int, sampling: bool, generator) -> Step | None:
-        """One SLRS step's drafting; None when ``psi`` would exceed ``budget`` draft forwards (fall back)."""
+        """One SLRS step's drafting; None when ``psi`` would exceed ``budget`` tree nodes (fall back)."""
         if not sampling:
             calls = []
 

@@ -49,7 +49,7 @@ def bridge_process(bridge, n: int) -> Process:
 
     if bridge.n_max is None:
         canon = _canonical(_token_entries(bridge.target_tokenizer))
-        bridge.strings = TargetStrings.from_texts(bridge.vmap.target_text, canon)
+        bridge.strings = TargetStrings.from_texts(bridge.vmap.target_text, canon, bridge.vt)
         start = time.perf_counter()
         bridge.n_max, cached = cached_n_max(bridge.vmap.draft_text, bridge.strings, cache_dir("slrs"))
         log.info("SLRS: n_max = %d draft tokens (%s in %.1f s)", bridge.n_max, "cached" if cached else "computed",
@@ -73,17 +73,22 @@ def slrs_round(crossing, rnd) -> None:
     proc, ev, base = bridge_process(c.bridge, policy.lookahead), policy.events, list(c.drf.ids)
     for _ in range(rnd.limit):
         start, before = time.perf_counter(), c.runner.forwards
-        step = proc.step(lambda paths: _q_after(c, base + c.drafted, paths, rnd.sampling), c.bridge.vt,
-                         policy.budget, rnd.sampling.do_sample, c.generator)
+        tree = _Tree(c, base + c.drafted, rnd.sampling)
+        try:
+            step = proc.step(tree.q_of, c.bridge.vt, policy.budget, rnd.sampling.do_sample, c.generator)
+        finally:
+            tree.close()
         ev["slrs_steps"] += 1
         ev["slrs_psi_seconds"] += time.perf_counter() - start
         ev["slrs_tree_forwards"] += c.runner.forwards - before
+        ev["slrs_tree_nodes"] += tree.nodes
         if step is None:
             ev["slrs_fallbacks"] += 1
             break
         if step.psi is not None:
             rnd.q.append(step.psi.to(c.runner.device))
-        if step.token < 0:
+        if step.token < 0:  # the drafted string has no first target token: psi's row is still verified
+            ev["slrs_empty"] += 1
             break
         rnd.tokens.append(torch.tensor(step.token))
         c.drafted += step.path
@@ -91,9 +96,62 @@ def slrs_round(crossing, rnd) -> None:
             break
 
 
-def _q_after(c, base: list[int], paths, sampling) -> list[torch.Tensor]:
-    """The draft's distribution after ``base`` + each path (one forward each, its cache reused as far as it
-    agrees): warped probabilities over the tokens with text when sampling, masked logits when greedy."""
+class _Tree:
+    """The draft's distributions over one SLRS step's prefix tree (``q_of`` of :meth:`.slrs.Process.step`).
+
+    The root is the draft's state after ``base`` (its cache reused as far as it agrees). Sampled, on a runner
+    with a tree forward (the fused CPU forward), every later level of the tree is one draft forward: each new
+    node's token attends to ``base`` and its own ancestors (a tree attention mask), its keys and values kept in
+    scratch slots after ``base`` until :meth:`close` trims them. Otherwise (greedy: one path; the model's own
+    forward) one forward per path. ``nodes`` counts the draft positions evaluated.
+    """
+
+    def __init__(self, c, base: list[int], sampling):
+        self.c, self.base, self.sampling = c, base, sampling
+        self.batched = sampling.do_sample and hasattr(c.runner, "forward_tree")
+        self.slots: dict[tuple[int, ...], int] = {}
+        self.nodes = 0
+        self.scratch = False
+
+    def q_of(self, paths) -> list[torch.Tensor]:
+        self.nodes += len(paths)
+        if not self.batched or list(paths) == [()]:
+            return [self._q(logits) for logits in _logits_after(self.c, self.base, paths)]
+        return [self._q(row) for row in self._level(paths)]
+
+    def _level(self, paths) -> torch.Tensor:
+        c, n = self.c, len(self.base)
+        if not self.scratch:  # the root's forward left the runner holding exactly ``base``
+            assert c.runner.length == n == len(c.held)
+            self.scratch = True
+        start = c.runner.length
+        mask = torch.zeros(len(paths), start + len(paths), dtype=torch.bool)
+        mask[:, :n] = True
+        for row, path in enumerate(paths):
+            for depth in range(1, len(path)):
+                mask[row, self.slots[path[:depth]]] = True
+            mask[row, start + row] = True
+            self.slots[tuple(path)] = start + row
+        ids = torch.tensor([[path[-1] for path in paths]], device=c.runner.device)
+        positions = torch.tensor([n + len(path) - 1 for path in paths], device=c.runner.device)
+        count_tokens(c.stats, "draft", start, len(paths), c.prompt_tokens)
+        return c.runner.forward_tree(ids, positions, mask)
+
+    def _q(self, logits: torch.Tensor) -> torch.Tensor:
+        """Warped probabilities over the tokens with text when sampling, masked logits when greedy."""
+        if not self.sampling.do_sample:
+            return logits.masked_fill(~self.c.mask, float("-inf"))
+        q = probs_from_logits(logits, self.sampling) * self.c.mask
+        return q / q.sum() if q.sum() > 0 else q
+
+    def close(self) -> None:
+        """Drops the tree's scratch slots: the draft's cache holds ``base`` again."""
+        if self.scratch:
+            self.c.runner.trim(len(self.base))
+
+
+def _logits_after(c, base: list[int], paths) -> list[torch.Tensor]:
+    """The draft's logits after ``base`` + each path, one forward each, its cache reused as far as it agrees."""
     out = []
     for path in paths:
         seq = base + list(path)
@@ -104,9 +162,5 @@ def _q_after(c, base: list[int], paths, sampling) -> list[torch.Tensor]:
         count_tokens(c.stats, "draft", c.runner.length, len(feed), c.prompt_tokens)
         logits, _ = c.runner.forward(torch.tensor([feed], device=c.runner.device), n_logits=1)
         c.held.extend(feed)
-        if not sampling.do_sample:
-            out.append(logits[0].masked_fill(~c.mask, float("-inf")))
-            continue
-        q = probs_from_logits(logits[0], sampling) * c.mask
-        out.append(q / q.sum() if q.sum() > 0 else q)
+        out.append(logits[0])
     return out

@@ -72,10 +72,10 @@ class SLEM(TLI):
 class SLRSSettings(HeteroSettings):
     k: int = 4  # most target tokens per round (steps chained while a step's draft string is exactly its token)
     lookahead: int = 0  # the most draft tokens per step; 0: the pair's n_max (never cuts the early stop)
-    budget: int = 64  # most draft forwards per step's psi; a larger tree falls back for that step
+    budget: int = 64  # most prefix-tree nodes per step's psi; a larger tree falls back for that step
     CHECKS = {**HeteroSettings.CHECKS,
               "lookahead": Check(lambda n: n >= 0, "{key}={value} must be >= 0 (0: the pair's n_max)"),
-              "budget": Check(lambda b: b >= 1, "{key}={value} must be >= 1 (draft forwards per step)")}
+              "budget": Check(lambda b: b >= 1, "{key}={value} must be >= 1 (tree nodes per step)")}
 
 
 class SLRS(TLI):
@@ -89,8 +89,9 @@ class SLRS(TLI):
         k: most target tokens per round.
         lookbehind: committed tokens a re-tokenisation window may cover.
         lookahead: most draft tokens per step; 0 for the pair's ``n_max``.
-        budget: most draft forwards per step to compute ``psi``; above it the step falls back to the target's
-            own token (counted as ``slrs_fallbacks``).
+        budget: most prefix-tree nodes (draft positions evaluated) per step to compute ``psi`` (one draft
+            forward per tree level on the fused CPU forward, one per node otherwise); above it the step falls
+            back to the target's own token (counted as ``slrs_fallbacks``).
     """
 
     name = "slrs"
@@ -108,7 +109,8 @@ class SLRS(TLI):
         return cls(s.k, s.lookbehind, s.lookahead, s.budget)
 
     def reset(self) -> None:
-        self.events = {"slrs_steps": 0, "slrs_fallbacks": 0, "slrs_psi_seconds": 0.0, "slrs_tree_forwards": 0}
+        self.events = {"slrs_steps": 0, "slrs_fallbacks": 0, "slrs_psi_seconds": 0.0, "slrs_tree_forwards": 0,
+                       "slrs_tree_nodes": 0, "slrs_empty": 0}
 
     def counters(self) -> dict[str, float]:
         return dict(self.events)
