@@ -71,6 +71,12 @@ def slrs_round(crossing, rnd) -> None:
         return
     policy = c.policy
     proc, ev, base = bridge_process(c.bridge, policy.lookahead), policy.events, list(c.drf.ids)
+    smp = rnd.sampling
+    if smp.do_sample and not smp.top_k and smp.top_p >= 1 and not getattr(policy, "_warned_untruncated", False):
+        policy._warned_untruncated = True
+        log.warning("SLRS samples without top_k/top_p truncation: every draft token with text opens psi's prefix "
+                    "tree, so most steps exceed budget=%d and fall back to the target alone; set top_k (e.g. 8) "
+                    "or top_p", policy.budget)
     for _ in range(rnd.limit):
         start, before = time.perf_counter(), c.runner.forwards
         tree = _Tree(c, base + c.drafted, rnd.sampling)
