@@ -194,6 +194,16 @@ class FusedRunner:
         """Cached keys and values of ``layer``, ``[1, kv_heads, length, head_dim]`` (views)."""
         return self.keys[layer][:, :, : self._length], self.values[layer][:, :, : self._length]
 
+    def _reserve(self, s: int) -> tuple[int, int]:
+        """The cache slots ``start:end`` of ``s`` new tokens, capacity doubled until they fit."""
+        start, end = self._length, self._length + s
+        if end > self.capacity:
+            cap = self.capacity
+            while cap < end:
+                cap *= 2
+            self._alloc(cap)
+        return start, end
+
     def forward(self, ids: torch.Tensor, n_logits: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Consumes ``ids`` ``[1, S]`` after the cached prefix.
 
@@ -202,12 +212,7 @@ class FusedRunner:
             requested hidden state ``[S, d]`` (or None).
         """
         s = ids.shape[1]
-        start, end = self._length, self._length + s
-        if end > self.capacity:
-            cap = self.capacity
-            while cap < end:
-                cap *= 2
-            self._alloc(cap)
+        start, end = self._reserve(s)
         cos, sin = self.cos[start:end], self.sin[start:end]
         mask = None
         if s > 1 and start > 0:  # queries see the whole prefix and the causal part of the new block
@@ -244,12 +249,7 @@ class FusedRunner:
             the logits of every fed token ``[S, V]``.
         """
         s = ids.shape[1]
-        start, end = self._length, self._length + s
-        if end > self.capacity:
-            cap = self.capacity
-            while cap < end:
-                cap *= 2
-            self._alloc(cap)
+        start, end = self._reserve(s)
         x = self.model.get_input_embeddings()(ids)
         x = decoder_layers(self, x, self.cos[positions], self.sin[positions], self.keys, self.values, start, end,
                            mask.to(self.device), False)
