@@ -183,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slrs-budget", type=int, default=64, help="SLRS: most prefix-tree nodes per step")
     ap.add_argument("--char-prompts", type=int, default=6, help="prompts of the short-token pair (0: skip it)")
     ap.add_argument("--char-steps", type=int, default=1500, help="training steps of the byte-level draft")
-    ap.add_argument("--char-lookahead", type=int, default=6, help="SLRS lookahead on the byte-level draft (0: n_max)")
+    ap.add_argument("--char-lookahead", type=int, default=4, help="SLRS lookahead on the byte-level draft (0: n_max)")
+    ap.add_argument("--char-budget", type=int, default=1024,
+                    help="SLRS tree nodes per step on the byte-level draft: with top-k K and lookahead n the tree "
+                         "has at most 1 + K + ... + K^(n-1) nodes (585 at K=8, n=4), so 1024 never falls back")
     ap.add_argument("--out", default=str(ROOT / "bench/results/hetero.json"))
     args = ap.parse_args(argv)
     try:
@@ -276,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _char_pair(args, texts: list[str]) -> dict:
-    """The short-token pair: the shared SmolLM2-135M target and the byte-level draft built here."""
+    """The short-token pair: the shared SmolLM2-135M target and the byte-level draft built here (plain-text
+    prompts, as the draft was trained on plain text)."""
     from specheads.export.shim.policies import SLEM, SLRS
 
     model, tok, cached = _char_draft(args.char_steps)
@@ -290,19 +294,19 @@ def _char_pair(args, texts: list[str]) -> dict:
     k, mx, look = 2, args.sampled_tokens, args.char_lookahead
     configs = {"target_only": lambda t: engine.generate_ar(t, mx),
                "slem": lambda t: engine.generate(t, "slem", k=k, max_new_tokens=mx),
-               "slrs": lambda t: _slrs_greedy(engine, t, SLRS(k=k, lookahead=look, budget=args.slrs_budget), mx)}
+               "slrs": lambda t: _slrs_greedy(engine, t, SLRS(k=k, lookahead=look, budget=args.char_budget), mx)}
     stats, outputs = interleave(configs, texts, texts[0][:80])
     greedy = [_row(n, stats[n], outputs[n], outputs["target_only"]) for n in configs]
     _print("greedy, SmolLM2-135M target, byte-level draft", greedy)
     sampled = _sampled(engine, texts, {"slem": lambda: SLEM(k=k, lookbehind=args.lookbehind),
                                        "slrs": lambda: SLRS(k=k, lookbehind=args.lookbehind, lookahead=look,
-                                                            budget=args.slrs_budget)}, mx, args.top_k)
+                                                            budget=args.char_budget)}, mx, args.top_k)
     _print(f"sampled (temperature 1, top-k {args.top_k}), SmolLM2 target, byte-level draft", list(sampled.values()))
     slem_acc = sampled["slem"]["acceptance"]
     return {"target": target.name, "draft": f"byte-level 2-layer Llama trained here ({args.char_steps} steps, "
                                             f"{'cached' if cached else 'trained in this run'})",
             "prompts": len(texts), "max_new_tokens": mx, "k": k, "lookahead": look, "n_max": engine.bridge.n_max,
-            "n_max_s": round(nmax_s, 1), "budget": args.slrs_budget,
+            "n_max_s": round(nmax_s, 1), "budget": args.char_budget,
             "slrs_greedy_identical": outputs["slrs"] == outputs["target_only"],
             "slem_greedy_identical": outputs["slem"] == outputs["target_only"],
             "greedy": greedy, "sampled": list(sampled.values()),
