@@ -15,9 +15,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from specheads.errors import UserError
 from specheads.export.api import Decoder, make_policy
 from specheads.export.shim.divergence import DIVERGENCES
-from specheads.errors import UserError
 from specheads.export.shim.stats import COUNTS, GenerationStats
 from specheads.outputs import read_finished_rows
 

@@ -67,12 +67,12 @@ class TargetStrings:
         out: SLRS never proposes a token the target has no probability for."""
         ids: dict[bytes, int] = {}
         for i, b in enumerate(texts):
-            if b and (width is None or i < width):
+            if b:
                 ids.setdefault(b, i)
         if canonical:
             ids = {b: canonical.get(b, i) for b, i in ids.items()}
-            if width is not None:
-                ids = {b: i for b, i in ids.items() if i < width}
+        if width is not None:
+            ids = {b: i for b, i in ids.items() if i < width}
         return cls(ids)
 
     def first(self, s: bytes) -> int:

@@ -72,8 +72,8 @@ def slrs_round(crossing, rnd) -> None:
     policy = c.policy
     proc, ev, base = bridge_process(c.bridge, policy.lookahead), policy.events, list(c.drf.ids)
     smp = rnd.sampling
-    if smp.do_sample and not smp.top_k and smp.top_p >= 1 and not getattr(policy, "_warned_untruncated", False):
-        policy._warned_untruncated = True
+    if smp.do_sample and not smp.top_k and smp.top_p >= 1 and not policy.warned_untruncated:
+        policy.warned_untruncated = True
         log.warning("SLRS samples without top_k/top_p truncation: every draft token with text opens psi's prefix "
                     "tree, so most steps exceed budget=%d and fall back to the target alone; set top_k (e.g. 8) "
                     "or top_p", policy.budget)
@@ -122,8 +122,8 @@ class _Tree:
     def q_of(self, paths) -> list[torch.Tensor]:
         self.nodes += len(paths)
         if not self.batched or list(paths) == [()]:
-            return [self._q(logits) for logits in _logits_after(self.c, self.base, paths)]
-        return [self._q(row) for row in self._level(paths)]
+            return self._q(torch.stack(_logits_after(self.c, self.base, paths)))
+        return self._q(self._level(paths))
 
     def _level(self, paths) -> torch.Tensor:
         c, n = self.c, len(self.base)
@@ -143,12 +143,13 @@ class _Tree:
         count_tokens(c.stats, "draft", start, len(paths), c.prompt_tokens)
         return c.runner.forward_tree(ids, positions, mask)
 
-    def _q(self, logits: torch.Tensor) -> torch.Tensor:
-        """Warped probabilities over the tokens with text when sampling, masked logits when greedy."""
+    def _q(self, logits: torch.Tensor) -> list[torch.Tensor]:
+        """Per row of ``logits`` ``[m, V]``: warped probabilities over the tokens with text when sampling (a
+        row without such mass stays zero), masked logits when greedy; one warp for the whole level."""
         if not self.sampling.do_sample:
-            return logits.masked_fill(~self.c.mask, float("-inf"))
+            return list(logits.masked_fill(~self.c.mask, float("-inf")))
         q = probs_from_logits(logits, self.sampling) * self.c.mask
-        return q / q.sum() if q.sum() > 0 else q
+        return list(q / q.sum(-1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny))
 
     def close(self) -> None:
         """Drops the tree's scratch slots: the draft's cache holds ``base`` again."""

@@ -102,6 +102,7 @@ class SLRS(TLI):
         SLRSSettings(k, lookbehind, lookahead, budget).check()
         Policy.__init__(self, k)
         self.lookbehind, self.lookahead, self.budget = lookbehind, lookahead, budget
+        self.warned_untruncated = False  # untruncated sampling is warned about once per policy
         self.reset()
 
     @classmethod
