@@ -74,6 +74,10 @@ def _check(cfg: DatagenConfig) -> None:
     for key in ("max_new_tokens", "batch_size", "chunk_size"):
         if getattr(cfg, key) < 1:
             problems.append(f"{key}={getattr(cfg, key)} must be >= 1")
+    if cfg.num_prompts is not None and cfg.num_prompts < 1:
+        problems.append(f"num_prompts={cfg.num_prompts} must be >= 1 (or null: every prompt after offset)")
+    if cfg.offset < 0:
+        problems.append(f"offset={cfg.offset} must be >= 0")
     if cfg.threads is not None and cfg.threads < 1:
         problems.append(f"threads={cfg.threads} must be >= 1 (or null: torch's default)")
     if problems:
@@ -154,6 +158,8 @@ def _run(cfg: DatagenConfig) -> int:
     state = PartialState(cpu=not torch.cuda.is_available())
     out = _prepare(cfg, state.is_local_main_process)  # one per node: nodes need not share a filesystem
     n_items = family.count(cfg)
+    if not n_items:  # e.g. an offset past the end of a tuple file
+        raise UserError(f"nothing to label: offset={cfg.offset} skips every item; lower offset")
     state.wait_for_everyone()
     job = _load(cfg, family.needs_draft(cfg))
     total = shards.num_chunks(n_items, cfg.chunk_size)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import DATAGEN_PROMPTS, chunk_rows, datagen_args
 
 from specheads.datagen.cli import main
@@ -93,3 +94,20 @@ def test_manifest_records_numerics_and_a_resume_under_others_warns(tiny_pair_dir
     assert any("1 chunks (first: 1) were labelled with other numerics settings (threads" in m for m in warned)
     manifest = json.loads((again / "manifest.json").read_text())
     assert manifest["numerics"]["threads"] == 1 and manifest["numerics_otherwise"] == [1]
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    ("num_prompts=0", "num_prompts=0 must be >= 1 (or null"),
+    ("num_prompts=-3", "num_prompts=-3 must be >= 1"),
+    ("offset=-1", "offset=-1 must be >= 0"),
+    ("chunk_size=0", "chunk_size=0 must be >= 1"),
+    ("batch_size=-2", "batch_size=-2 must be >= 1"),
+    ("max_new_tokens=0", "max_new_tokens=0 must be >= 1"),
+])
+def test_zero_or_negative_counts_fail_before_any_model_loads(tmp_path, capsys, bad, fragment):
+    """The quickstart recipe as given, one count wrong: one line, exit code 2, nothing written or loaded."""
+    out = tmp_path / "o"
+    assert main(["recipe=quickstart", f"output_dir={out}", bad]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("heads-datagen: error: ") and fragment in err
+    assert "Traceback" not in err and not out.exists()

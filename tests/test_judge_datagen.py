@@ -293,3 +293,12 @@ def test_eval_named_judges_need_deltas_somewhere(tmp_path):
         _check(EvalConfig(**base, judge_deltas={"a": [0.5]}))
     with pytest.raises(UserError, match="judge is set but deltas is empty"):
         _check(EvalConfig(prompts=str(tmp_path / "p.jsonl"), judge="j.safetensors", deltas=[]))
+
+
+def test_an_offset_past_the_tuples_is_refused_before_any_model_loads(tiny_pair_dirs, tmp_path, capsys):
+    src = tmp_path / "t.jsonl"
+    src.write_text("".join(json.dumps(t) + "\n" for t in TUPLES))
+    out = tmp_path / "dg"
+    assert cli.main(_args(tiny_pair_dirs, out, f"tuples={src}", "prompts=''", "offset=3")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nothing to label: offset=3" in err and not (out / "data").exists()

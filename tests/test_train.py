@@ -351,3 +351,12 @@ def test_expected_label_features_come_from_the_targets_own_prefix():
     task.cfg = SimpleNamespace(label="soft", mix_ratio=0.0, seed=0)
     x, y, rows = task.features([ex], epoch=0)
     assert x[:, 0].tolist() == [20, 21, 22, 23]  # r = 0: every position holds the draft's token
+
+
+@pytest.mark.parametrize("bad", ["max_steps=0", "max_steps=-1", "epochs=0", "grad_accum=0", "batch_size=-1"])
+def test_zero_or_negative_counts_are_refused(tmp_path, capsys, bad):
+    """Checked before any data or model is read: one line, exit code 2, no output folder."""
+    out = tmp_path / "o"
+    assert main([f"data_dir={tmp_path / 'data'}", f"output_dir={out}", bad]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{bad} must be >= 1" in err and not out.exists()

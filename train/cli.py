@@ -65,6 +65,8 @@ def _check(cfg: TrainConfig) -> None:
     for key in ("epochs", "batch_size", "grad_accum", "patience"):
         if getattr(cfg, key) < 1:
             problems.append(f"{key}={getattr(cfg, key)} must be >= 1")
+    if cfg.max_steps is not None and cfg.max_steps < 1:
+        problems.append(f"max_steps={cfg.max_steps} must be >= 1 (or null: no limit)")
     if cfg.threads is not None and cfg.threads < 1:
         problems.append(f"threads={cfg.threads} must be >= 1 (or null: torch's default)")
     if cfg.checkpoint_every < 0:
