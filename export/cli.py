@@ -11,7 +11,10 @@ checks on load (head type and config, hidden size, feature, model names and fing
 sampling settings, default threshold, a summary of the training data), then reloads the file and
 checks that it reproduces the head's outputs bit for bit. ``format=hf`` writes the same file as
 ``model.safetensors`` with ``config.json`` and a generated model card (``export/hub.py``), a directory
-to upload as a Hub model repo; ``load_head`` takes the directory or the repo id. Also
+to upload as a Hub model repo; ``load_head`` takes the directory or the repo id. ``format=speculators``
+(EAGLE heads only) writes the directory vLLM loads as an Eagle-3 draft (``config.json`` with
+``speculators_config``, ``model.safetensors`` with ``d2t``/``t2d``; ``export/speculators.py``), read back with
+``specheads.export.speculators.read``. Also
 ``config.yaml``, ``manifest.json`` and ``metrics.jsonl``.
 """
 
@@ -29,7 +32,7 @@ from specheads.errors import UserError
 from specheads.outputs import MetricsWriter, prepare_output_dir, write_manifest
 
 from .export_config import ExportConfig
-from . import hub
+from . import hub, speculators
 from .package import load_head, read_metadata, save_head
 from .shim.models import DTYPES
 
@@ -99,12 +102,15 @@ def export_head(cfg: ExportConfig, out: Path) -> dict:
     (including the round-trip check)."""
     if cfg.dtype not in DTYPES:
         raise UserError(f"dtype={cfg.dtype!r}; choose one of {sorted(DTYPES)}")
-    if cfg.format not in ("safetensors", "hf"):
-        raise UserError(f"format={cfg.format!r}; choose safetensors or hf")
+    if cfg.format not in ("safetensors", "hf", "speculators"):
+        raise UserError(f"format={cfg.format!r}; choose safetensors, hf or speculators")
     if cfg.threshold is not None and not 0 < cfg.threshold < 1:
         raise UserError(f"threshold={cfg.threshold} must be in (0, 1)")
     best, ckpt = _source(cfg)
     loaded = load_head(best)
+    if cfg.format == "speculators" and loaded.metadata["head_type"] != "eagle":
+        raise UserError(f"format=speculators writes EAGLE heads (head_type=eagle) only; {best} holds a "
+                        f"{loaded.metadata['head_type']} head: use format=safetensors or format=hf")
     meta = {k: v for k, v in loaded.metadata.items() if k not in ("format_version", "head_type", "tensors_sha256")}
     head = loaded.module
     if ckpt is not None:
@@ -123,20 +129,30 @@ def export_head(cfg: ExportConfig, out: Path) -> dict:
     data = training_data(Path(cfg.train_dir))
     if data:
         meta["extra"]["training_data"] = data
-    hf = cfg.format == "hf"
-    path = save_head(out / (hub.WEIGHTS if hf else "head.safetensors"), head, loaded.metadata["head_type"], meta)
-    if hf:
-        hub.write(out, read_metadata(path))
-    # Round trip: the file (the directory, for format=hf) alone must rebuild a head with bit-identical outputs.
-    back = load_head(out if hf else path).module
-    g = torch.Generator().manual_seed(cfg.seed)
-    width = meta.get("head_config", {}).get("in_features", meta["hidden_size"])
-    x = torch.randn(64, width, generator=g).to(DTYPES[cfg.dtype])
-    with torch.no_grad():
-        identical = bool(torch.equal(head(x), back(x)))
+    hf, spec = cfg.format == "hf", cfg.format == "speculators"
+    if spec:
+        path = speculators.write(out, head, meta, verifier=cfg.verifier or None)
+        back = speculators.read(out).module
+    else:
+        path = save_head(out / (hub.WEIGHTS if hf else "head.safetensors"), head, loaded.metadata["head_type"], meta)
+        if hf:
+            hub.write(out, read_metadata(path))
+        back = load_head(out if hf else path).module
+    # Round trip: the file (the directory, for format=hf/speculators) alone must rebuild the head: bit-identical
+    # outputs on random inputs, or, for an EAGLE head (no single-input forward), bit-identical tensors.
+    if loaded.metadata["head_type"] == "eagle":
+        mine, theirs = head.state_dict(), back.state_dict()
+        identical = mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    else:
+        g = torch.Generator().manual_seed(cfg.seed)
+        width = meta.get("head_config", {}).get("in_features", meta["hidden_size"])
+        x = torch.randn(64, width, generator=g).to(DTYPES[cfg.dtype])
+        with torch.no_grad():
+            identical = bool(torch.equal(head(x), back(x)))
     if not identical:
         raise RuntimeError(f"{path} does not reproduce the head's outputs after reloading")
-    return {"head": str(out if hf else path), "format": cfg.format, "head_type": loaded.metadata["head_type"], "source": str(ckpt or best),
+    where = out if hf or spec else path
+    return {"head": str(where), "format": cfg.format, "head_type": loaded.metadata["head_type"], "source": str(ckpt or best),
             "default_threshold": meta.get("default_threshold"), "dtype": cfg.dtype,
             "round_trip_identical": identical, "parameters": sum(p.numel() for p in head.parameters())}
 
