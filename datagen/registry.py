@@ -5,6 +5,7 @@ from __future__ import annotations
 from specheads.errors import UserError
 
 from .acceptance import AcceptanceLabeller
+from .drafter import DrafterLabeller
 from .fsd import FsdLabeller
 from .judge import JudgeLabeller
 from .labelling import Labeller
@@ -15,6 +16,7 @@ LABELLERS: dict[str, Labeller] = {
     "fsd": FsdLabeller(),
     "sprinter": SprinterLabeller(),
     "judge": JudgeLabeller(),
+    "drafter": DrafterLabeller(),
 }
 
 

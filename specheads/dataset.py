@@ -10,7 +10,9 @@ files of :class:`JudgeChunkFiles`. The columns each ``labels=`` mode writes:
   per token (the manifest's ``fsd.divergence_columns`` and ``fsd.label_columns`` name them);
 * ``sprinter``: :data:`SPRINTER_COLUMNS`;
 * ``judge``: :data:`JUDGE_COLUMNS`, one row per tuple side, its features in
-  ``features/chunk-NNNNNN.safetensors``.
+  ``features/chunk-NNNNNN.safetensors``;
+* ``drafter``: :data:`DRAFTER_COLUMNS`, one row per prompt and the target's own response, its
+  states and next-token distributions in :class:`DrafterChunkFiles`.
 
 Readers take the files from :func:`shard_paths` and check their columns with
 :func:`require_columns`; ``heads-datagen verify`` checks a whole directory.
@@ -28,13 +30,14 @@ from specheads.errors import UserError
 SCHEMA_VERSION = 2
 FOOTER_KEY = b"specheads"
 # Every folder a run writes besides its top-level files (another run's must not mix with it).
-RUN_DIRS = ("data", "features", "tuples", "review", "mined")
+RUN_DIRS = ("data", "features", "tuples", "review", "mined", "states")
 
 ACCEPTANCE_COLUMNS = ("prompt_id", "prompt_index", "input_ids", "response_start", "draft_token", "label",
                       "expected_label")
 SPRINTER_COLUMNS = ("prompt_id", "prompt_index", "category", "input_ids", "positions", "draft_token", "q_token",
                     "p_token", "ratio", "tv")
 JUDGE_COLUMNS = ("tuple_id", "prompt_index", "side", "input_ids", "answer_start", "labels")
+DRAFTER_COLUMNS = ("prompt_id", "prompt_index", "input_ids", "response_start")
 
 
 def chunk_path(out_dir: Path, chunk: int) -> Path:
@@ -177,3 +180,36 @@ class JudgeChunkFiles:
         if not self.mined_path.is_file():
             return []
         return [x for x in self.mined_path.read_text(encoding="utf-8").splitlines() if x.strip()]
+
+
+class DrafterChunkFiles:
+    """The side file of one ``labels=drafter`` chunk, ``states/chunk-N.safetensors``, written before its
+    Parquet file (which marks it done). Rows are in Parquet order:
+
+    * ``states`` ``[sum T_i, len(layers) * d]`` fp16: the target's residual stream entering each of the
+      manifest's ``drafter.layers`` at every position of ``input_ids`` (prompt and response), joined;
+    * ``offsets`` ``[rows + 1]``: row ``i``'s positions are ``offsets[i]:offsets[i+1]``;
+    * ``top_ids`` ``[sum R_i, K]`` int32 and ``top_logp`` ``[sum R_i, K]`` fp32: at every response token,
+      the ``K`` most likely tokens of the target's (raw, temperature 1) distribution it was chosen from and
+      their log-probabilities (the rest's mass is ``1 - sum exp(top_logp)``);
+    * ``response_offsets`` ``[rows + 1]``: row ``i``'s response tokens are ``response_offsets[i]:...[i+1]``;
+    * ``layers``: the layer indices of ``states``, in order.
+    """
+
+    def __init__(self, out_dir: Path, chunk: int):
+        self.path = Path(out_dir) / "states" / f"chunk-{chunk:06d}.safetensors"
+
+    def write(self, tensors: dict) -> None:
+        from safetensors.torch import save_file
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        os.replace(tmp, self.path)
+
+    def load(self) -> dict:
+        from safetensors.torch import load_file
+
+        if not self.path.is_file():
+            raise UserError(f"{self.path} is missing; run heads-datagen verify on its output_dir")
+        return load_file(str(self.path))

@@ -13,9 +13,14 @@ class TrainConfig:
     ``labels=acceptance`` data, or on the FSD decisions of ``labels=fsd`` data) or the SPRINTER
     verifier (class-weighted BCE on ``labels=sprinter`` data)."""
 
-    data_dir: str = field(default="", metadata={"help": "output_dir of heads-datagen (head=judge: several comma-separated judge data sets of one target are mixed)"})
+    data_dir: str = field(default="", metadata={"help": "output_dir of heads-datagen (head=judge and head=eagle: several comma-separated data sets of one target are mixed)"})
     draft: ModelSpec = field(default_factory=ModelSpec)
-    head: str = field(default="acceptance", metadata={"help": "acceptance (SpecDec++; alias specdecpp) | verifier (SPRINTER; alias sprinter) | judge (Judge decoding, on labels=judge data; needs no model)"})
+    target: ModelSpec = field(default_factory=ModelSpec, metadata={"help": "head=eagle: the target whose states the head reads (its embeddings, final norm and output layer initialise the head)"})
+    head: str = field(default="acceptance", metadata={"help": "acceptance (SpecDec++; alias specdecpp) | verifier (SPRINTER; alias sprinter) | judge (Judge decoding, on labels=judge data; needs no model) | eagle (an EAGLE-3-style draft head on the target's states, on labels=drafter data)"})
+    ttt_steps: int = field(default=3, metadata={"help": "eagle: training-time test, draft steps unrolled on the head's own states (1: step 1 only)"})
+    ttt_decay: float = field(default=0.8, metadata={"help": "eagle: step j's loss weight is ttt_decay ** (j - 1)"})
+    vocab_file: str | None = field(default=None, metadata={"help": "eagle: a heads-vocab ranking for the pruned output layer (null: rank the training responses' tokens)"})
+    vocab_top_n: int = field(default=8192, metadata={"help": "eagle: rows of the pruned output layer (EOS always kept)"})
     depth: int = field(default=3, metadata={"help": "residual blocks D (0 = linear; the SPRINTER verifier is linear)"})
     lam: float = field(default=1.0, metadata={"help": "verifier: label 1 when q(x) <= lam * p(x)"})
     feature: str = field(default="previous", metadata={"help": "verifier: previous | current | previous+embedding (draft state before x, after x, or before x + x's input embedding)"})

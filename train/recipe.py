@@ -4,7 +4,8 @@ One loop serves every head; the run's task (``task.py``, chosen by ``head=`` in 
 says which examples, which features and labels, how to build, evaluate, select and describe the
 head, and what to report after training: the SpecDec++ acceptance head (``acceptance_task.py``),
 the SPRINTER verifier (``verifier_task.py``), the Judge head (``judge_task.py``). The loss is the
-weighted BCE with the task's class weights; the best epoch's head is ``head.safetensors``.
+weighted BCE with the task's class weights (a task with its own ``loss``, the EAGLE draft head
+(``eagle_task.py``), brings that instead); the best epoch's head is ``head.safetensors``.
 
 Data parallel under ``accelerate launch`` (DDP, DeepSpeed ZeRO 1-3, ``zero.py``): every process
 draws the same seeded epoch permutation and takes every ``world``-th micro-batch of it, so the
@@ -74,9 +75,10 @@ def data_manifest(cfg: TrainConfig) -> dict:
             raise UserError(f"{path} not found; data_dir must be a finished heads-datagen output_dir")
         manifests.append(json.loads(path.read_text()))
     if len(dirs) > 1:
-        if cfg.head != "judge" or any(m.get("labels") != "judge" for m in manifests):
-            raise UserError(f"data_dir={cfg.data_dir}: several data sets are mixed for head=judge on labels=judge data "
-                            "only")
+        mixable = {"judge": "judge", "eagle": "drafter"}
+        if cfg.head not in mixable or any(m.get("labels") != mixable[cfg.head] for m in manifests):
+            raise UserError(f"data_dir={cfg.data_dir}: several data sets are mixed only for head=judge (labels=judge) "
+                            "and head=eagle (labels=drafter)")
         first = manifests[0]
         for d, m in zip(dirs[1:], manifests[1:]):
             if ((m.get("target") or {}).get("fingerprint") != (first.get("target") or {}).get("fingerprint")
@@ -137,6 +139,7 @@ def _fit(cfg: TrainConfig, out: Path, acc, task: Task) -> tuple[dict, dict]:
     from transformers import get_cosine_schedule_with_warmup
 
     head = task.build_head()
+    own_loss = hasattr(task, "loss")
     train_ex = task.train_examples
     w_pos, w_neg = task.weights
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -194,7 +197,10 @@ def _fit(cfg: TrainConfig, out: Path, acc, task: Task) -> tuple[dict, dict]:
             for i in range(progress["position"], len(batches)):
                 x, y = task.batch([train_ex[j] for j in batches[i]], epoch)
                 with acc.autocast():  # a DeepSpeed bf16 engine holds bf16 weights: feed it its dtype
-                    loss = weighted_soft_bce(head(x.to(dtype)).float(), y, w_pos, w_neg)
+                    if own_loss:  # a draft head's loss is its own (against the target's distributions)
+                        loss = task.loss(head, x, y)
+                    else:
+                        loss = weighted_soft_bce(head(x.to(dtype)).float(), y, w_pos, w_neg)
                 if not ds:  # DeepSpeed divides by its gradient_accumulation_steps itself
                     loss = loss / cfg.grad_accum
                 last = (i + 1) % cfg.grad_accum == 0 or i + 1 == len(batches)

@@ -5,11 +5,13 @@ from __future__ import annotations
 from specheads.errors import UserError
 
 from .acceptance_task import AcceptanceTask
+from .eagle_task import EagleTask
 from .judge_task import JudgeTask
 from .task import Task
 from .verifier_task import VerifierTask
 
-TASKS: dict[str, type[Task]] = {"acceptance": AcceptanceTask, "verifier": VerifierTask, "judge": JudgeTask}
+TASKS: dict[str, type[Task]] = {"acceptance": AcceptanceTask, "verifier": VerifierTask, "judge": JudgeTask,
+                                 "eagle": EagleTask}
 # the algorithms' names, as heads-datagen labels= and heads-decode policy= spell them
 ALIASES = {"specdecpp": "acceptance", "sprinter": "verifier"}
 
@@ -23,5 +25,5 @@ def task_type(head: str) -> type[Task]:
     """The task ``head=`` names; UserError for an unknown name."""
     if canonical(head) not in TASKS:
         raise UserError(f"head={head!r}: choose acceptance (SpecDec++; alias specdecpp), verifier (SPRINTER; "
-                        "alias sprinter) or judge")
+                        "alias sprinter), judge or eagle")
     return TASKS[canonical(head)]

@@ -1,7 +1,8 @@
 """The one decoding loop, with exact counting: every method is a policy run here.
 
 A round: the policy may draft candidates (through a drafter: the draft model on the target's
-vocabulary, or :class:`~.hetero.Bridge`'s across vocabularies), the verifying model makes one pass
+vocabulary, an EAGLE head on the target's own states (:mod:`.eagle`), or :class:`~.hetero.Bridge`'s
+across vocabularies), the verifying model makes one pass
 over the uncached committed tokens and the candidates, the policy gives its verdict, and the round is
 committed: the accepted candidates and the verdict's token, cut after the first EOS and at the length
 limit. The target alone (``ar``) is a policy without candidates; the draft alone (``draft``) one whose
@@ -23,9 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .drafting import pick_token, take_candidate  # noqa: F401  (re-exported)
+from .eagle import EagleDrafter, check_head
 from .kv import make_runner
 from .policies import DraftOnly, Policy, Round, TargetOnly, Verdict
-from .sampling import SamplingConfig, probs_from_logits, sample
+from .sampling import SamplingConfig
 from .stats import GenerationStats, count_tokens
 
 
@@ -36,32 +39,6 @@ class Generation:
     tokens: list[int]
     stats: GenerationStats
     trace: dict = field(default_factory=dict)
-
-
-def pick_token(logits: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Next token (0-dim) from logits ``[V]`` and, when sampling, the warped distribution."""
-    if not sampling.do_sample:
-        return logits.argmax(-1), None
-    q = probs_from_logits(logits, sampling)
-    return sample(q, generator), q
-
-
-def take_candidate(rnd: Round, policy: Policy, logits: torch.Tensor, hidden: torch.Tensor | None, generator) -> bool:
-    """Draws the next candidate from the draft's logits ``[V]`` and adds it to the round (with its
-    distribution and the draft state returned with it); True while drafting goes on: below the round's
-    limit and until the policy stops."""
-    tok, q = pick_token(logits, rnd.sampling, generator)
-    rnd.tokens.append(tok)
-    rnd.draft_logits.append(logits)
-    if q is not None:
-        rnd.q.append(q)
-    if hidden is not None:
-        rnd.draft_hidden.append(hidden)
-    if rnd.n >= rnd.limit:
-        if policy.may_skip_target:  # it may still keep the last candidate without a target call
-            policy.stop_drafting(rnd)
-        return False
-    return not policy.stop_drafting(rnd)
 
 
 class _SameVocabulary:
@@ -123,13 +100,17 @@ class Engine:
             False uses each model's own forward. Outputs are the same either way.
         bridge: a :class:`~.hetero.Bridge` between the two vocabularies, for the policies that draft
             across them (TLI, SLEM).
+        eagle: an EAGLE head (:class:`specheads.heads.EagleHead`): same-vocabulary policies draft with it,
+            from the target's own states (:mod:`.eagle`), instead of with ``draft``.
     """
 
     def __init__(self, target, draft=None, eos_token_ids=(), vocab_size: int | None = None, fused: bool = True,
-                 bridge=None):
-        self.target, self.draft, self.fused, self.bridge = target, draft, fused, bridge
+                 bridge=None, eagle=None):
+        self.target, self.draft, self.fused, self.bridge, self.eagle = target, draft, fused, bridge, eagle
+        if eagle is not None:
+            check_head(eagle, target)
         self.eos = frozenset(int(i) for i in eos_token_ids)
-        if vocab_size is None and draft is not None and bridge is None:
+        if vocab_size is None and draft is not None and bridge is None and eagle is None:
             vt, vd = target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0]
             vocab_size = min(vt, vd) if vt != vd else None
         self.vocab_size = vocab_size
@@ -163,9 +144,14 @@ class Engine:
         # max_run=None: max_candidates 2**30) must not size them. The runners grow if ever exceeded.
         extra = max(0, min(policy.max_candidates(), policy.round_room(max_new_tokens), max_new_tokens))
         cap = len(prompt_ids) + max_new_tokens + extra + 2
-        drafter = self._drafter(policy, prompt_ids, draft_prompt_ids, cap, stats, d_gen) if extra else None
+        eagle = self.eagle is not None and policy.bridge is None and who == "target"
         verifier = make_runner(self.draft if who == "draft" else self.target, policy.target_hidden, self.vocab_size,
-                               cap, self.fused)
+                               cap, self.fused, aux=self.eagle.layer_ids if eagle else None)
+        try:
+            drafter = self._drafter(policy, prompt_ids, draft_prompt_ids, cap, stats, d_gen, verifier) if extra else None
+        except BaseException:
+            verifier.close()
+            raise
         policy.reset()
         seq = list(prompt_ids)
         gen = d_gen if who == "draft" else generator
@@ -215,7 +201,10 @@ class Engine:
         return self.generate(prompt_ids, DraftOnly() if use_draft else TargetOnly(), max_new_tokens, sampling,
                              generator, on_tokens)
 
-    def _drafter(self, policy: Policy, prompt_ids, draft_prompt_ids, cap: int, stats: GenerationStats, generator):
+    def _drafter(self, policy: Policy, prompt_ids, draft_prompt_ids, cap: int, stats: GenerationStats, generator,
+                 verifier):
+        if self.eagle is not None and policy.bridge is None:
+            return EagleDrafter(self.eagle, self.target, verifier, policy, stats, generator, cap)
         if self.draft is None:
             raise ValueError("speculative decoding needs a draft model")
         if policy.bridge is None:

@@ -203,7 +203,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def decoder_layers(shape, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
                    values: list[torch.Tensor], start: int, end: int, mask: torch.Tensor | None,
-                   causal: bool) -> torch.Tensor:
+                   causal: bool, aux: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
     """All decoder layers on the fused weights, for a batch ``x`` ``[B, S, d]`` at cache slots ``start:end``.
 
     Args:
@@ -212,6 +212,8 @@ def decoder_layers(shape, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         keys, values: per-layer ``[B, kv_heads, capacity, hd]`` buffers; slots ``start:end`` are written.
         mask: boolean attention mask broadcastable to ``[B, heads, S, end]`` (True = attend), or None.
         causal: plain causal attention over ``0:end`` (only with ``start == 0`` and no mask).
+        aux: layer index ``L`` -> filled with the residual stream entering layer ``L`` (Hugging Face's
+            ``hidden_states[L]``), ``[B, S, d]``: the states an EAGLE head reads.
 
     Returns:
         the last layer's output ``[B, S, d]`` (before the final norm).
@@ -219,6 +221,8 @@ def decoder_layers(shape, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     b, s = x.shape[:2]
     h, kv_h, hd = shape.heads, shape.kv_heads, shape.head_dim
     for i, (n1, qkv, qkv_b, wo, bo, n2, gu, wd) in enumerate(shape.weights.layers):
+        if aux is not None and i in aux:
+            aux[i] = x
         q, k, v = linear(rms_norm(n1, x), qkv, qkv_b).split(shape.sizes, dim=-1)
         q = _rotate(q.view(b, s, h, hd).transpose(1, 2), cos, sin)
         k = _rotate(k.view(b, s, kv_h, hd).transpose(1, 2), cos, sin)

@@ -42,3 +42,42 @@ class HiddenCapture:
 
     def __exit__(self, *exc):
         self.remove()
+
+
+def decoder_layer_list(model) -> torch.nn.ModuleList:
+    """The decoder layers of a causal LM (Llama family: ``model.model.layers``; GPT-2: ``transformer.h``)."""
+    base = getattr(model, "base_model", model)
+    for name in ("layers", "h", "blocks"):
+        mod = getattr(base, name, None)
+        if isinstance(mod, torch.nn.ModuleList):
+            return mod
+    raise UserError(f"cannot find the decoder layers of {type(model).__name__}; an EAGLE head needs them")
+
+
+class AuxCapture:
+    """Captures the residual stream entering chosen decoder layers (Hugging Face's ``hidden_states[L]``)
+    from the forward that runs anyway, by pre-hooks: ``states`` after a forward over ``[B, S]`` tokens is
+    ``[B, S, len(layers) * d]``, the layers' states joined in the order given."""
+
+    def __init__(self, model, layers: list[int]):
+        blocks = decoder_layer_list(model)
+        for i in layers:
+            if not 0 < i < len(blocks):
+                raise UserError(f"layer {i} is outside the target's decoder layers 1..{len(blocks) - 1}")
+        self.layers = [int(i) for i in layers]
+        self._seen: dict[int, torch.Tensor] = {}
+        self._handles = [blocks[i].register_forward_pre_hook(self._hook(i), with_kwargs=True) for i in self.layers]
+
+    def _hook(self, i: int):
+        def hook(module, args, kwargs):
+            self._seen[i] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    @property
+    def states(self) -> torch.Tensor:
+        return torch.cat([self._seen[i] for i in self.layers], dim=-1)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

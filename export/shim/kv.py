@@ -14,8 +14,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from specheads.errors import UserError
+
 from .fused import rms_norm, decoder_layers, fused_weights, output_logits, use_fused
-from .hidden import HiddenCapture
+from .hidden import AuxCapture, HiddenCapture
 from .kernels import route
 
 
@@ -28,10 +30,15 @@ class ModelRunner:
             returns alongside the logits (captured by a hook, no extra pass).
         vocab_size: logits are cut to this many columns when the model pads its vocabulary.
         capacity: initial cache length (prompt + new tokens + a round); it grows if exceeded.
+        aux: decoder-layer indices whose entering residual stream each forward keeps in ``aux_states``
+            (``[S, len(aux) * d]``: what an EAGLE head reads), or None.
     """
 
-    def __init__(self, model, hidden: str | None = None, vocab_size: int | None = None, capacity: int = 256):
+    def __init__(self, model, hidden: str | None = None, vocab_size: int | None = None, capacity: int = 256,
+                 aux: list[int] | None = None):
         self.model = route(model)  # its linears on the kernels measured fastest here (CPU)
+        self.aux_capture = AuxCapture(model, aux) if aux else None
+        self.aux_states: torch.Tensor | None = None
         self.device = model.get_input_embeddings().weight.device
         self.hidden = hidden
         self.capture = HiddenCapture(model) if hidden else None
@@ -58,6 +65,7 @@ class ModelRunner:
             and the requested hidden state ``[S, d]`` (or None).
         """
         kwargs = {"past_key_values": self.cache, "use_cache": True}
+        self.aux_start = self.length
         if self._keep_arg:
             kwargs["logits_to_keep"] = max(n_logits, 1)
         out = self.model(input_ids=ids, **kwargs)
@@ -68,6 +76,8 @@ class ModelRunner:
         hid = None
         if self.capture is not None:
             hid = (self.capture.pre if self.hidden == "pre" else self.capture.post)[0]
+        if self.aux_capture is not None:
+            self.aux_states = self.aux_capture.states[0]
         return logits, hid
 
     def trim(self, length: int) -> None:
@@ -77,10 +87,13 @@ class ModelRunner:
             self.cache.crop(-extra)
 
     def close(self) -> None:
-        """Removes the hidden-state hook."""
+        """Removes the hidden-state hooks."""
         if self.capture is not None:
             self.capture.remove()
             self.capture = None
+        if self.aux_capture is not None:
+            self.aux_capture.remove()
+            self.aux_capture = None
 
 
 class GrowableLayer(DynamicLayer):
@@ -144,11 +157,17 @@ class FusedRunner:
         hidden: ``None``, ``"pre"`` or ``"post"``: the final-norm state returned with the logits.
         vocab_size: logits are cut to this many columns when the model pads its vocabulary.
         capacity: initial cache length; doubles when exceeded.
+        aux: decoder-layer indices whose entering residual stream each forward keeps in ``aux_states``.
     """
 
-    def __init__(self, model, hidden: str | None = None, vocab_size: int | None = None, capacity: int = 256):
+    def __init__(self, model, hidden: str | None = None, vocab_size: int | None = None, capacity: int = 256,
+                 aux: list[int] | None = None):
         self.model = model
         self.weights = fused_weights(model)
+        if aux and not all(0 < i < len(self.weights.layers) for i in aux):
+            raise UserError(f"layers {list(aux)} must lie in the target's decoder layers 1..{len(self.weights.layers) - 1}")
+        self.aux = [int(i) for i in aux] if aux else None
+        self.aux_states: torch.Tensor | None = None
         cfg = model.config
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
@@ -219,7 +238,10 @@ class FusedRunner:
             mask = torch.ones(s, end, dtype=torch.bool, device=self.device).tril(start)
         causal = s > 1 and start == 0
         x = self.model.get_input_embeddings()(ids)
-        x = decoder_layers(self, x, cos, sin, self.keys, self.values, start, end, mask, causal)
+        seen = dict.fromkeys(self.aux) if self.aux else None
+        x = decoder_layers(self, x, cos, sin, self.keys, self.values, start, end, mask, causal, seen)
+        if seen is not None:
+            self.aux_states, self.aux_start = torch.cat([seen[i] for i in self.aux], dim=-1)[0], start
         self._length = end
         self.forwards += 1
         norm = self.model.model.norm
@@ -265,9 +287,9 @@ class FusedRunner:
 
 
 def make_runner(model, hidden: str | None = None, vocab_size: int | None = None, capacity: int = 256,
-                fused: bool = True):
+                fused: bool = True, aux: list[int] | None = None):
     """The fastest runner that computes ``model`` exactly: the fused forward where it applies and
     pays (:func:`specheads.export.shim.fused.use_fused`: CPU), else the model's own forward."""
     if fused and use_fused(model):
-        return FusedRunner(model, hidden, vocab_size, capacity)
-    return ModelRunner(model, hidden, vocab_size, capacity)
+        return FusedRunner(model, hidden, vocab_size, capacity, aux)
+    return ModelRunner(model, hidden, vocab_size, capacity, aux)

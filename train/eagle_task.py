@@ -1,0 +1,145 @@
+"""Training the EAGLE-3-style draft head (``head=eagle``) on ``labels=drafter`` data.
+
+The head (:class:`specheads.heads.EagleHead`) reads the target's states the datagen run stored; the
+target itself is loaded once for its token embeddings (frozen, never part of the head) and to
+initialise the head from its last layer, final norm and output layer. The loss is the soft
+cross-entropy against the target's distribution, unrolled ``ttt_steps`` steps on the head's own states
+(training-time test, ``eagle.py``). The best epoch has the longest mean greedy run of matching steps
+(``eval_accept_length``: tokens a round at ``k = ttt_steps`` would keep).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specheads.errors import UserError
+from specheads.export.shim.models import load_model
+from specheads.export.shim.vocab import subset_hash
+from specheads.heads import EagleHead
+from specheads.outputs import atomic_write_json
+
+from . import eagle as E
+from . import zero
+from .config import TrainConfig
+from .task import describe, split
+
+
+class EagleTask:
+    """The EAGLE draft head on the target's stored states."""
+
+    labels = ("drafter",)
+    head_type = "eagle"
+    weights = (1.0, 1.0)  # unused: the loss is its own
+
+    def __init__(self, cfg: TrainConfig, manifest: dict, seqs: list, layers: list[int], vocab_ids: list[int],
+                 target, device):
+        self.cfg, self.manifest, self.seqs, self.layers, self.device = cfg, manifest, seqs, layers, device
+        self.vocab_ids = vocab_ids
+        self.target = target
+        model = target.model
+        self.embed = model.get_input_embeddings().weight.detach().float().contiguous().to(device)
+        self.vocab_size = self.embed.shape[0]
+        self.index = torch.full((self.vocab_size,), -1, dtype=torch.long)
+        self.index[torch.tensor(vocab_ids)] = torch.arange(len(vocab_ids))
+        self.hidden = model.config.hidden_size
+        order = list(range(len(seqs)))
+        self.train_examples, self.eval_examples = split(order, cfg.eval_fraction, cfg.seed)
+
+    @classmethod
+    def check(cls, cfg: TrainConfig) -> list[str]:
+        out = []
+        if cfg.ttt_steps < 1:
+            out.append(f"ttt_steps={cfg.ttt_steps} must be >= 1")
+        if not 0 < cfg.ttt_decay <= 1:
+            out.append(f"ttt_decay={cfg.ttt_decay} must be in (0, 1]")
+        if cfg.vocab_top_n < 1:
+            out.append(f"vocab_top_n={cfg.vocab_top_n} must be >= 1")
+        if not cfg.target.path:
+            out.append("head=eagle needs the target (target.path): its embeddings and layers start the head")
+        return out
+
+    @classmethod
+    def setup(cls, cfg: TrainConfig, manifest: dict, acc) -> EagleTask:
+        dirs = manifest.get("data_dirs") or [cfg.data_dir]
+        seqs, layers = E.load_sequences(dirs)
+        cfg.target.device = str(acc.device) if cfg.target.device == "auto" else cfg.target.device
+        with zero.unpartitioned(acc):
+            target = load_model(cfg.target, "target")
+        if target.fingerprint != manifest["target"]["fingerprint"]:
+            raise UserError(f"target {target.name!r} (fingerprint {target.fingerprint}) is not the target the data was "
+                            f"written with ({manifest['target']['name']!r}); set target.path to that model")
+        n_layers = target.model.config.num_hidden_layers
+        if not all(0 < i < n_layers for i in layers):
+            raise UserError(f"the data's layers {layers} lie outside the target's decoder layers 1..{n_layers - 1}")
+        eos = [int(i) for i in ([target.model.config.eos_token_id] if isinstance(target.model.config.eos_token_id, int)
+                                else target.model.config.eos_token_id or [])]
+        vocab = E.vocabulary(cfg, seqs, eos, target.model.config.vocab_size)
+        return cls(cfg, manifest, seqs, layers, vocab, target, acc.device)
+
+    @staticmethod
+    def summary(cfg: TrainConfig, metrics: dict) -> str:
+        steps = ", ".join(f"{metrics.get(f'eval_acc_step{j}', 0):.3f}" for j in range(1, cfg.ttt_steps + 1))
+        return (f"eagle head: greedy agreement per step {steps}; accepted per round at k={cfg.ttt_steps}: "
+                f"{metrics.get('eval_accept_length', 0):.3f}")
+
+    def build_head(self) -> EagleHead:
+        torch.manual_seed(self.cfg.seed)
+        c = self.target.model.config
+        head = EagleHead(self.hidden, self.layers, len(self.vocab_ids), self.vocab_size, c.num_attention_heads,
+                         getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+                         getattr(c, "head_dim", None) or self.hidden // c.num_attention_heads, c.intermediate_size,
+                         c.rms_norm_eps, _rope_theta(c))
+        E.init_from_target(head, self.target.model, self.vocab_ids, self.cfg.seed)
+        return head
+
+    def batch(self, examples: list, epoch: int) -> tuple[dict, dict]:
+        return E.collate([self.seqs[i] for i in examples], self.index, self.device)
+
+    def loss(self, head, x: dict, y: dict) -> torch.Tensor:
+        return E.unrolled_loss(head, self.embed, x, y, self.cfg.ttt_steps, self.cfg.ttt_decay)
+
+    @torch.no_grad()
+    def evaluate(self, head: torch.nn.Module, examples: list) -> dict:
+        """Per step: greedy agreement with the target's top-1 and loss; the mean greedy run of matching steps."""
+        stats: dict = {}
+        for i in range(0, len(examples), self.cfg.batch_size):
+            x, y = self.batch(examples[i: i + self.cfg.batch_size], 0)
+            E.unrolled_loss(head, self.embed, x, y, self.cfg.ttt_steps, self.cfg.ttt_decay, stats)
+        runs, rows = E.run_lengths(stats.pop("hit_rows"))
+        out = {"eval_accept_length": runs, "eval_rows": rows}
+        for j, s in sorted(stats.items()):
+            out[f"eval_acc_step{j}"] = s["hits"] / max(s["rows"], 1)
+            out[f"eval_loss_step{j}"] = s["loss"] / max(s["kept"], 1)
+        out["eval_in_vocab_share"] = stats[1]["kept"] / max(stats[1]["rows"], 1)
+        return out
+
+    def score(self, metrics: dict) -> float:
+        return -metrics["eval_accept_length"]
+
+    def metadata(self, metrics: dict) -> dict:
+        ids = torch.tensor(self.vocab_ids)
+        return describe(self.cfg, self.manifest, self.hidden, metrics, label="drafter",
+                        feature={"model": "target", "state": "aux", "layers": self.layers},
+                        draft_vocab={"size": len(self.vocab_ids), "hash": subset_hash(ids)},
+                        ttt_steps=self.cfg.ttt_steps)
+
+    def models(self) -> dict[str, tuple]:
+        return {"target": (self.target.model.dtype, self.target.device)}
+
+    def companions(self, out: Path) -> list[tuple[str, TrainConfig]]:
+        return []
+
+    def report(self, out: Path, acc, best: dict) -> dict:
+        """``metrics.json``: the best epoch's held-out figures (without ``eval_``) and its epoch."""
+        if acc.is_main_process:
+            atomic_write_json(out / "metrics.json", {k[len("eval_"):]: v for k, v in best.items()
+                                                     if k.startswith("eval_")} | {"epoch": best.get("epoch")})
+        return {}
+
+
+def _rope_theta(config) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    return float(theta or getattr(config, "rope_theta", 10000.0))
