@@ -162,6 +162,7 @@ def _run(cfg: DatagenConfig) -> int:
         raise UserError(f"nothing to label: offset={cfg.offset} skips every item; lower offset")
     state.wait_for_everyone()
     job = _load(cfg, family.needs_draft(cfg))
+    family.check_models(job)
     total = shards.num_chunks(n_items, cfg.chunk_size)
     rank, world = state.process_index, state.num_processes
     _clean_temporaries(out, rank, world)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from specheads.dataset import DRAFTER_COLUMNS, DrafterChunkFiles, chunk_files
+from specheads.errors import UserError
 from specheads.export.shim.kv import make_runner
 
 from . import shards
@@ -151,6 +152,14 @@ class DrafterLabeller(Labeller):
 
     def needs_draft(self, cfg) -> bool:
         return False
+
+    def check_models(self, job: Job) -> None:
+        model = job.pair.target.model
+        n = model.config.num_hidden_layers
+        bad = [i for i in layers_for(job.cfg, model) if not 0 < i < n]
+        if bad:
+            raise UserError(f"drafter_layers={list(job.cfg.drafter_layers)}: layers {bad} lie outside the target's "
+                            f"decoder layers 1..{n - 1}")
 
     def label_chunk(self, job: Job, items: list, chunk: int) -> Labelled:
         return label_chunk(job, items, chunk)

@@ -76,6 +76,9 @@ class Labeller:
     def needs_draft(self, cfg: DatagenConfig) -> bool:
         return True
 
+    def check_models(self, job: Job) -> None:
+        """Raises UserError when a setting does not fit the loaded models (checked before any chunk)."""
+
     def items(self, cfg: DatagenConfig):
         """The run's items, one at a time: JSONL is streamed, never held whole."""
         return iter_prompt_files(cfg.prompts, limit=cfg.num_prompts, offset=cfg.offset)

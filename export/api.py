@@ -82,11 +82,13 @@ class Decoder:
         chat_template: format prompts with the target's chat template when it has one.
         fused_forward: run Llama-family models on the fused forward (same outputs, faster);
             False keeps each model's own forward.
+        eagle: an EAGLE head (an exported ``head_type=eagle`` file, or a :class:`LoadedHead` of one): the
+            same-vocabulary policies draft with it from the target's own states; no draft model is needed.
     """
 
     def __init__(self, pair: Pair, policy: str | Policy = "sd", max_new_tokens: int = 128, k: int = 4,
                  sampling: SamplingConfig | None = None, seed: int = 0, chat_template: bool = True,
-                 fused_forward: bool = True):
+                 fused_forward: bool = True, eagle=None):
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens={max_new_tokens} must be >= 1")
         self.sampling = sampling or SamplingConfig()
@@ -95,14 +97,18 @@ class Decoder:
             raise UserError("; ".join(bad))
         if isinstance(policy, str):
             policy = make_policy(policy, pair, k=k, sampling=self.sampling)
-        if "draft" in policy.models and pair.draft is None:
-            raise UserError(f"policy {policy.name!r} needs a draft model; set draft.path")
+        eagle = load_eagle(eagle, pair) if eagle is not None else None
+        if eagle is not None and (policy.bridge or policy.verifier == "draft"):
+            raise UserError(f"policy {policy.name!r} does not draft on the target's vocabulary: it cannot use an EAGLE head")
+        if "draft" in policy.models and pair.draft is None and eagle is None:
+            raise UserError(f"policy {policy.name!r} needs a draft model; set draft.path (or eagle=<an EAGLE head>)")
         self.pair, self.policy, self.max_new_tokens, self.chat_template = pair, policy, max_new_tokens, chat_template
         bridge = None
         if policy.bridge:  # the draft speaks another vocabulary
             bridge = Bridge(pair.target.model, pair.draft.model, pair.target.tokenizer, pair.draft.tokenizer)
         self.engine = Engine(pair.target.model, pair.draft.model if pair.draft else None, pair.eos_token_ids,
-                             fused=fused_forward, bridge=bridge)
+                             fused=fused_forward, bridge=bridge, eagle=eagle.module if eagle is not None else None)
+        self.eagle = eagle
         limits = [context_length(m.model) for m in (pair.target, pair.draft) if m is not None]
         self.context = min((x for x in limits if x), default=None)
         self.seed = seed
@@ -190,6 +196,8 @@ class Decoder:
 
     def batch_problem(self) -> str | None:
         """Why this decoder cannot decode in batches (None: it can)."""
+        if self.eagle is not None:
+            return "drafting with an EAGLE head runs at batch 1"
         if self.policy.bridge:
             return f"policy={self.policy.name} drafts across vocabularies and runs at batch 1 only"
         if self.draft_generator is not None:
@@ -201,6 +209,19 @@ class Decoder:
                 return (f"batched decoding runs on the fused forward (fused_forward=true, Llama-family models); "
                         f"{m.name}: {why or 'fused_forward=false'}")
         return None
+
+
+def load_eagle(head, pair: Pair):
+    """An EAGLE head (a path or a loaded head), checked against the pair's target."""
+    from .package import LoadedHead, check_head_against_pair, load_head
+
+    loaded = head if isinstance(head, LoadedHead) else load_head(head, device=pair.target.device)
+    if loaded.metadata.get("head_type") != "eagle":
+        raise UserError(f"eagle= needs an EAGLE head (heads-train head=eagle); this one is "
+                        f"head_type={loaded.metadata.get('head_type')!r}")
+    check_head_against_pair(loaded.metadata, pair)
+    loaded.module.to(pair.target.device)
+    return loaded
 
 
 def generate(pair: Pair, prompts, policy: str | Policy = "sd", max_new_tokens: int = 128, k: int = 4,

@@ -26,7 +26,7 @@ from specheads.errors import UserError
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, read_finished_rows, write_manifest
 from specheads.prompts import load_prompt_files
 
-from .api import Decoder, pair_costs, policy_from_config
+from .api import Decoder, load_eagle, pair_costs, policy_from_config
 from .decode_config import DecodeConfig
 from .shim.cost_rules import predict_ms_per_token
 from .shim.costs import PROFILES
@@ -106,18 +106,19 @@ def run(cfg: DecodeConfig) -> int:
         log.info("resuming: %d of %d prompts already done in %s", len(done), len(prompts), out_dir)
     family = POLICIES[cfg.policy]
     # TLI and SLEM bridge two vocabularies; the draft alone needs none of the target's.
-    pair = load_pair(cfg.target, cfg.draft if "draft" in family.models else None,
+    pair = load_pair(cfg.target, cfg.draft if "draft" in family.models and not cfg.eagle else None,
                      same_vocab=family.bridge is None and len(family.models) == 2)
+    eagle = load_eagle(cfg.eagle, pair) if cfg.eagle else None
     costs = None
     if cfg.stop == "cost":
         unused = [f"{k}={getattr(cfg, k)}" for k in ("threshold", "h", "tau") if getattr(cfg, k) is not None]
         if unused:
             log.warning("%s is not used with stop=cost", ", ".join(unused))
-        costs = pair_costs(pair, cfg.k_max + 1, cfg.profile, cfg.fused_forward)
+        costs = pair_costs(pair, cfg.k_max + 1, cfg.profile, cfg.fused_forward, eagle=eagle)
         log.info("%s", costs.describe())
     policy = policy_from_config(cfg.policy, cfg, pair, cfg.sampling, cfg.strict, costs)
     decoder = Decoder(pair, policy, cfg.max_new_tokens, cfg.k, cfg.sampling, cfg.seed, cfg.chat_template,
-                      cfg.fused_forward)
+                      cfg.fused_forward, eagle=eagle)
     problem = decoder.batch_problem() if cfg.batch_size > 1 else None
     if problem:
         raise UserError(f"batch_size={cfg.batch_size}: {problem}")

@@ -34,10 +34,14 @@ def _policy_head(cls: type[Policy], path: str | None, pair: Pair, sampling, stri
     return LoadedHead(loaded.module.to(model.model.dtype), meta)
 
 
-def pair_costs(pair: Pair, max_pass: int, profile: str = "auto", fused: bool = True) -> CostTable:
+def pair_costs(pair: Pair, max_pass: int, profile: str = "auto", fused: bool = True, eagle=None) -> CostTable:
     """The pair's profiled cost table (:func:`~.shim.costs.cost_table`): cached for this machine and
     settings, measured when absent (``profile="auto"``), re-measured (``"refresh"``) or read from a
-    JSON path. ``max_pass`` is the largest target pass needed: the most candidates per round + 1."""
+    JSON path. ``max_pass`` is the largest target pass needed: the most candidates per round + 1. ``eagle`` (a
+    loaded EAGLE head): the table of drafting with it instead of with the draft model."""
+    if eagle is not None:  # the EAGLE head's draft step is the draft forward
+        return cost_table(pair.target.model, eagle.module, max_pass, pair.target.fingerprint,
+                          eagle.metadata.get("tensors_sha256", ""), fused=fused, profile=profile)
     if pair.draft is None:
         raise UserError("a cost table needs a draft model; set draft.path")
     vt = pair.target.model.get_output_embeddings().weight.shape[0]

@@ -34,27 +34,29 @@ class Sequence:
     start: int
 
 
-def load_sequences(dirs: list[str]) -> tuple[list[Sequence], list[int]]:
+def load_sequences(dirs: list[str], states: bool = True) -> tuple[list[Sequence], list[int]]:
     """Every sequence of the ``labels=drafter`` runs in ``dirs`` and the layers their states are of (one
-    set of layers across them all)."""
+    set of layers across them all). ``states=False``: the states are not read (each sequence gets an
+    empty ``[0, 0]`` tensor) and runs of other layers mix: what a standalone draft trains on."""
     import pyarrow.parquet as pq
 
     seqs, layers = [], None
+    none = torch.zeros(0, 0, dtype=torch.float16)
     for d in dirs:
         manifest = json.loads((Path(d) / "manifest.json").read_text())
         got = (manifest.get("drafter") or {}).get("layers")
-        if layers is not None and got != layers:
+        if states and layers is not None and got != layers:
             raise UserError(f"{d} stores the target's states at layers {got}, {dirs[0]} at {layers}; mix only "
                             "drafter data of the same layers")
         layers = got
         for path in shard_paths(Path(d)):
             require_columns(path, DRAFTER_COLUMNS)
             table = pq.read_table(str(path), columns=["input_ids", "response_start"])
-            side = DrafterChunkFiles(Path(d), int(path.stem.split("-")[1])).load()
+            side = DrafterChunkFiles(Path(d), int(path.stem.split("-")[1])).load(() if states else ("states",))
             off, roff = side["offsets"].tolist(), side["response_offsets"].tolist()
             for i, (ids, start) in enumerate(zip(table.column("input_ids").to_pylist(),
                                                  table.column("response_start").to_pylist())):
-                seqs.append(Sequence(torch.tensor(ids), side["states"][off[i]:off[i + 1]],
+                seqs.append(Sequence(torch.tensor(ids), side["states"][off[i]:off[i + 1]] if states else none,
                                      side["top_ids"][roff[i]:roff[i + 1]].long(),
                                      side["top_logp"][roff[i]:roff[i + 1]], int(start)))
     if not seqs:
@@ -124,6 +126,7 @@ def unrolled_loss(head, embed: torch.Tensor, x: dict, y: dict, steps: int, decay
     dtype = next(head.parameters()).dtype
     out = head(x["states"].to(dtype), step_embeds(embed, x["ids"], steps).to(dtype), x["mask"], rows)
     total, weights = 0.0, 0.0
+    hits = []
     for j, (sel, logits) in enumerate(zip(rows, out)):
         logq = torch.log_softmax(logits.float(), dim=-1)
         tid, tp = _shift(y["tid"], j + 1, -1)[sel], _shift(y["tp"], j + 1, 0.0)[sel]
@@ -140,24 +143,29 @@ def unrolled_loss(head, embed: torch.Tensor, x: dict, y: dict, steps: int, decay
             s["kept"] += int(keep.sum())
             s["hits"] += int((logq.argmax(-1) == tid[:, 0]).sum())
             s["rows"] += int(sel.sum())
-            stats.setdefault("hit_rows", []).append((sel, logq.argmax(-1) == tid[:, 0]))
+            hits.append((sel, logq.argmax(-1) == tid[:, 0]))
+    if stats is not None:
+        stats.setdefault("hit_rows", []).append(hits)
     return total / max(weights, 1e-12)
 
 
-def run_lengths(hit_rows: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, int]:
+def run_lengths(batches: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> tuple[float, int]:
     """Mean number of leading steps whose top-1 matches the target's, over rows every step scores (the
-    greedy tokens accepted per round at a fixed ``k = steps``), and how many rows that is."""
-    full = hit_rows[0][0].clone()
-    for sel, _ in hit_rows[1:]:
-        full &= sel
-    run = torch.ones(int(full.sum()), dtype=torch.long)
-    total = torch.zeros_like(run)
-    for sel, hit in hit_rows:
-        per_row = torch.zeros_like(sel, dtype=torch.bool)
-        per_row[sel] = hit
-        run = run * per_row[full].long()
-        total += run
-    return (float(total.float().mean()) if total.numel() else 0.0), int(total.numel())
+    greedy tokens accepted per round at a fixed ``k = steps``), and how many rows that is. ``batches``: per
+    batch, per step, the scored rows and their hits."""
+    total, count = 0.0, 0
+    for steps in batches:
+        full = steps[0][0].clone()
+        for sel, _ in steps[1:]:
+            full &= sel
+        run = torch.ones(int(full.sum()), dtype=torch.long)
+        for sel, hit in steps:
+            per_row = torch.zeros_like(sel, dtype=torch.bool)
+            per_row[sel] = hit
+            run = run * per_row[full].long()
+            total += float(run.sum())
+        count += int(full.sum())
+    return (total / count if count else 0.0), count
 
 
 def init_from_target(head: EagleHead, target, vocab_ids: list[int], seed: int) -> None:

@@ -160,22 +160,23 @@ def _settings(target, draft, target_fingerprint: str, draft_fingerprint: str, fu
     """An empty table holding this machine's settings for the pair."""
     from .fused import use_fused
 
-    if draft_vocab_hash is None:  # a draft whose output layer was pruned to a vocabulary subset
+    eagle = not hasattr(draft, "get_input_embeddings")  # an EAGLE head drafts on the target's embeddings
+    if draft_vocab_hash is None and not eagle:  # a draft whose output layer was pruned to a vocabulary subset
         try:
             from .vocab import vocab_info
         except ImportError:
             vocab_info = None
         info = vocab_info(draft) if vocab_info is not None else None
         draft_vocab_hash = info.get("sha256") if info else None
-    devices = [m.get_input_embeddings().weight.device for m in (target, draft)]
+    devices = [m.get_input_embeddings().weight.device for m in (target, target if eagle else draft)]
     gpus = sorted({torch.cuda.get_device_name(d) for d in devices if d.type == "cuda"})
     return CostTable(
         t_draft_ms=0.0, t_target_ms=[], machine=" + ".join([cpu_model(), *gpus]), torch=torch.__version__,
         threads=torch.get_num_threads(), target_dtype=str(target.dtype).removeprefix("torch."),
-        draft_dtype=str(draft.dtype).removeprefix("torch."), target_device=str(devices[0]),
+        draft_dtype=str(next(draft.parameters()).dtype).removeprefix("torch."), target_device=str(devices[0]),
         draft_device=str(devices[1]), fused=fused,
         target_runner="fused" if fused and use_fused(target) else "model",
-        draft_runner="fused" if fused and use_fused(draft) else "model",
+        draft_runner="eagle" if eagle else "fused" if fused and use_fused(draft) else "model",
         target_fingerprint=target_fingerprint, draft_fingerprint=draft_fingerprint,
         draft_vocab_hash=draft_vocab_hash, kernels=_kernel_policy(), prefix_tokens=prefix_tokens, reps=reps)
 
@@ -187,14 +188,21 @@ def measure(target, draft, max_pass: int, fused: bool = True, vocab_size: int | 
     """``(t_d, [t_t(1) .. t_t(max_pass)])`` in ms on the decoding runners, medians of ``reps``.
 
     Both models first consume the same random ``prefix_tokens``-token prefix; each timed forward
-    is trimmed off again, so every pass sees that prefix.
+    is trimmed off again, so every pass sees that prefix. ``draft`` may be an EAGLE head
+    (:class:`specheads.heads.EagleHead`): ``t_d`` is then one of its draft steps.
     """
     if max_pass < 1 or prefix_tokens < 1 or reps < 1:
         raise UserError(f"need max_pass, prefix_tokens, reps >= 1, got {max_pass}, {prefix_tokens}, {reps}")
     cap = prefix_tokens + max_pass + 2
-    runners = [make_runner(m, None, vocab_size, cap, fused) for m in (target, draft)]
+    if hasattr(draft, "get_input_embeddings"):
+        runners = [make_runner(m, None, vocab_size, cap, fused) for m in (target, draft)]
+        vocab = min(m.get_input_embeddings().weight.shape[0] for m in (target, draft))
+    else:  # an EAGLE head: one draft step (its own cache, the target's embeddings)
+        from .eagle import EagleStepRunner
+
+        runners = [make_runner(target, None, vocab_size, cap, fused), EagleStepRunner(draft, target, cap)]
+        vocab = target.get_input_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(seed)
-    vocab = min(m.get_input_embeddings().weight.shape[0] for m in (target, draft))
     prefix = torch.randint(3, max(vocab, 4), (1, prefix_tokens), generator=gen)
     tokens = torch.randint(3, max(vocab, 4), (1, max_pass), generator=gen)
 

@@ -146,3 +146,38 @@ class EagleDrafter:
 
     def close(self) -> None:
         pass
+
+
+class EagleStepRunner:
+    """An EAGLE head's draft step behind the model runners' interface (``forward``/``trim``/``close``), so the
+    cost table times it as it times a draft model's forward: each fed token joins the previous step's state."""
+
+    def __init__(self, head, target, capacity: int = 256):
+        self.head, self.embed = head, target.get_input_embeddings()
+        self.device = self.embed.weight.device
+        self.cache = EagleCache(head, capacity, self.device, next(head.parameters()).dtype)
+        self.state = torch.zeros(1, 1, head.hidden_size, dtype=self.cache.dtype, device=self.device)
+        self.vocab = head.vocab_ids.to(self.device)
+        self.width = head.vocab_size
+        self.forwards = 0
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def forward(self, ids: torch.Tensor, n_logits: int = 1) -> tuple[torch.Tensor, None]:
+        emb = self.embed(ids).to(self.cache.dtype)
+        a = self.cache.forward(emb, self.state.expand(1, ids.shape[1], -1))
+        self.state = a[:, -1:]
+        self.forwards += 1
+        if not n_logits:
+            return a.new_zeros(0, self.width), None
+        small = self.head.lm_head(self.head.norm(a[0, -n_logits:])).float()
+        full = small.new_full((small.shape[0], self.width), float("-inf"))
+        return full.index_copy_(1, self.vocab, small), None
+
+    def trim(self, length: int) -> None:
+        self.cache.length = min(self.cache.length, max(int(length), 0))
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,224 @@
+"""Drafters side by side: the shared draft, a distilled draft and an EAGLE head, with the stop rules on the head.
+
+One process, one run, every configuration interleaved prompt by prompt (rotating order), greedy, fp32,
+batch 1, on three prompt sets: GSM8K-test, MT-Bench first turns, and Alpaca rows that no training run
+read (``--alpaca-offset``; the drafter recipes read rows below 2,000). Rows:
+
+* ``ar``: the target alone;
+* ``shared_k{K}``, ``distilled_k{K}``, ``eagle_k{K}``: standard SD at a fixed K with each drafter (the shared
+  draft's output layer pruned to the quickstart's 8,192 tokens, as every benchmark runs it);
+* ``eagle_confidence_cost``: the cost-aware confidence stop on the head (no threshold: drafts on while one
+  more candidate raises the round's expected tokens per ms of the head's own profiled cost table);
+* ``eagle_specdecpp`` / ``eagle_confidence_head`` (with ``--stop-head`` / ``--confidence-head``): learned stops.
+
+Per set and drafter, the greedy oracle (a stop that knows where the drafter's token will be wrong) is
+priced by the drafter's cost table. Prints a table per set and writes ``bench/results/draft_head.json``.
+
+    python bench/draft_head.py --eagle runs/eagle-smollm2-export/head.safetensors \\
+        --distilled runs/draft-distill/draft
+    python bench/draft_head.py --eagle HEAD --gsm8k-n 8 --mtbench-n 4 --alpaca-n 4 --out /tmp/d.json   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from _common import interleave, run_info, shared_pair
+from specheads.evaluate.oracle import draft_agreement, oracle_schedule, predicted_ms_per_token
+from specheads.export import format_prompt, load_pair
+from specheads.export.api import load_eagle, pair_costs
+from specheads.export.shim import kernels
+from specheads.export.shim.engine import Engine
+from specheads.export.shim.models import ModelSpec
+from specheads.export.shim.policies import ConfidenceStop, StandardSD
+from specheads.export.shim.stats import GenerationStats
+from specheads.prompts import load_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
+
+
+class Recording(StandardSD):
+    """Standard SD that records each round's accepted count (the greedy oracle's rounds)."""
+
+    def __init__(self, k: int, log: list):
+        super().__init__(k)
+        self.log = log
+
+    def end_round(self, drafted: int, accepted: int) -> None:
+        self.log.append(accepted)
+
+
+def eagle_oracle(engine: Engine, prompts: list[list[int]], mx: int, k_max: int) -> GenerationStats:
+    """The oracle for a drafter whose tokens depend on the round (an EAGLE head): SD at ``k_max`` keeps the
+    same rounds a perfect stop would (greedy: the same tokens), so the oracle drafts exactly each round's
+    accepted candidates and verifies them with one pass."""
+    total = GenerationStats(prompts=0)
+    for ids in prompts:
+        log: list[int] = []
+        out = engine.generate(ids, Recording(k_max, log), mx)
+        st = GenerationStats(new_tokens=out.stats.new_tokens, rounds=len(log), target_calls=len(log),
+                             draft_forwards=sum(log), drafted=sum(log), accepted=sum(log))
+        for m in log:  # as oracle_schedule counts: every round one pass over its candidates + 1
+            st.target_pass_sizes[m + 1] = st.target_pass_sizes.get(m + 1, 0) + 1
+        total = GenerationStats.total([total, st])
+    return total
+
+
+def model_oracle(draft, vocab_size, prompts, outputs, k_max: int) -> GenerationStats:
+    total = GenerationStats(prompts=0)
+    with torch.inference_mode():
+        for ids, out in zip(prompts, outputs):
+            total = GenerationStats.total([total, oracle_schedule(draft_agreement(draft, ids, out, True, vocab_size),
+                                                                  k_max)])
+    return total
+
+
+def row(name: str, tot: GenerationStats, identical: int, n: int, table) -> dict:
+    pred = predicted_ms_per_token(tot, table) if table is not None and name != "ar" else None
+    return {"config": name, "tokens": tot.new_tokens, "tokens_per_s": round(tot.tokens_per_s, 3),
+            "tokens_per_call": round(tot.tokens_per_call, 3),
+            "accepted_per_call": round(tot.accepted_per_call, 3) if name != "ar" else None,
+            "predicted_ms_per_token": round(pred, 3) if pred else None,
+            "identical_to_target": f"{identical}/{n}"}
+
+
+def run_set(label: str, prompts, configs: dict, tables: dict, oracles: dict) -> dict:
+    stats, outputs = interleave(configs, prompts, prompts[0][:32])
+    ref = outputs["ar"]
+    rows = []
+    for name in configs:
+        same = sum(a == b for a, b in zip(outputs[name], ref))
+        rows.append(row(name, GenerationStats.total(stats[name]), same, len(prompts), tables.get(name.split("_")[0])))
+    oracle_rows = {}
+    for drafter, fn in oracles.items():
+        o = fn(prompts, ref)
+        ms = predicted_ms_per_token(o, tables[drafter])
+        oracle_rows[drafter] = {"tokens_per_call": round(o.tokens_per_call, 3), "predicted_ms_per_token": round(ms, 3),
+                                "predicted_tokens_per_s": round(1000 / ms, 3)}
+    print(f"\n== {label} ({len(prompts)} prompts) ==")
+    cols = ["config", "tokens_per_s", "tokens_per_call", "accepted_per_call", "predicted_ms_per_token",
+            "identical_to_target"]
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join("-" if r[c] is None else str(r[c]) for c in cols))
+    for d, o in oracle_rows.items():
+        print(f"oracle {d} | {o['predicted_tokens_per_s']} (predicted) | {o['tokens_per_call']}")
+    lossless = [r for r in rows if r["config"] != "ar" and "specdecpp" not in r["config"]]
+    identical = all(r["identical_to_target"] == f"{len(prompts)}/{len(prompts)}" for r in lossless)
+    return {"table": rows, "oracle": oracle_rows, "greedy_identical": identical}
+
+
+def ratios(sets: dict) -> dict:
+    out: dict = {}
+    per_set = {}
+    for label, res in sets.items():
+        by = {r["config"]: r for r in res["table"]}
+        ar = by["ar"]["tokens_per_s"]
+        eagle = [r for r in res["table"] if r["config"].startswith("eagle_")]
+        fixed = [r for r in eagle if r["config"][len("eagle_k"):].isdigit() and r["config"].startswith("eagle_k")]
+        best = max(eagle, key=lambda r: r["tokens_per_s"]) if eagle else None
+        best_fixed = max(fixed, key=lambda r: r["tokens_per_s"]) if fixed else None
+        s = {}
+        if best:
+            s["eagle_best_lossless"] = best["config"]
+            s["eagle_best_lossless_vs_target"] = round(best["tokens_per_s"] / ar, 4)
+            s["eagle_tokens_per_call"] = best["tokens_per_call"]
+        if best_fixed:
+            s["eagle_best_fixed_k"] = best_fixed["config"]
+            for stop in ("eagle_specdecpp", "eagle_confidence_cost", "eagle_confidence_head"):
+                if stop in by:
+                    s[f"{stop[len('eagle_'):]}_vs_best_fixed_k"] = round(by[stop]["tokens_per_s"] /
+                                                                          best_fixed["tokens_per_s"], 4)
+            o = res["oracle"].get("eagle")
+            if o:  # share of the gain a perfect stop would add over the best fixed K that a stop rule realises
+                gap = o["predicted_tokens_per_s"] - best_fixed["tokens_per_s"]
+                for stop in ("eagle_specdecpp", "eagle_confidence_cost", "eagle_confidence_head"):
+                    if stop in by and gap > 0:
+                        s[f"share_of_perfect_head_gain_{stop[len('eagle_'):]}"] = round(
+                            (by[stop]["tokens_per_s"] - best_fixed["tokens_per_s"]) / gap, 4)
+        per_set[label] = s
+    for key in ("eagle_best_lossless_vs_target", "eagle_tokens_per_call"):
+        vals = [s[key] for s in per_set.values() if key in s]
+        if vals:
+            out[key] = min(vals)
+    out["per_set"] = per_set
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--eagle", required=True, help="exported EAGLE head (heads-export output or head.safetensors)")
+    ap.add_argument("--distilled", default="", help="a distilled draft's Hugging Face directory (heads-train head=draft)")
+    ap.add_argument("--stop-head", default="", help="a SpecDec++ head trained on the EAGLE head's rounds")
+    ap.add_argument("--confidence-head", default="", help="a linear confidence head on the EAGLE head's state")
+    ap.add_argument("--gsm8k-n", type=int, default=32)
+    ap.add_argument("--mtbench-n", type=int, default=16)
+    ap.add_argument("--alpaca-n", type=int, default=16)
+    ap.add_argument("--alpaca-offset", type=int, default=4000)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--ks", default="2,3,4,5", help="fixed K of the EAGLE rows")
+    ap.add_argument("--draft-ks", default="1,2,3", help="fixed K of the shared and distilled drafts' rows")
+    ap.add_argument("--oracle-k-max", type=int, default=8)
+    ap.add_argument("--vocab", default=str(ROOT / "runs/quickstart-vocab/vocab.json"))
+    ap.add_argument("--out", default=str(ROOT / "bench/results/draft_head.json"))
+    args = ap.parse_args(argv)
+    if not Path(args.eagle).exists():
+        ap.error(f"--eagle {args.eagle} does not exist; train and export one (README: Drafters)")
+    torch.manual_seed(0)
+    pair = shared_pair(SHARED, args.vocab, 8192)
+    eagle = load_eagle(args.eagle, pair)
+    mx, ks, dks = args.max_new_tokens, [int(k) for k in args.ks.split(",")], [int(k) for k in args.draft_ks.split(",")]
+    k_top = max(ks + dks + [args.oracle_k_max]) + 2
+    shared = Engine(pair.target.model, pair.draft.model, pair.eos_token_ids)
+    head = Engine(pair.target.model, eos_token_ids=pair.eos_token_ids, eagle=eagle.module)
+    tables = {"shared": pair_costs(pair, k_top), "eagle": pair_costs(pair, k_top, eagle=eagle)}
+    configs = {"ar": lambda ids: shared.generate_ar(ids, mx)}
+    configs.update({f"shared_k{k}": (lambda ids, k=k: shared.generate(ids, StandardSD(k), mx)) for k in dks})
+    oracles = {"shared": lambda ps, outs: model_oracle(pair.draft.model, shared.vocab_size, ps, outs, args.oracle_k_max),
+               "eagle": lambda ps, outs: eagle_oracle(head, ps, mx, args.oracle_k_max)}
+    if args.distilled:
+        dpair = load_pair(ModelSpec(path=str(SHARED / "models/smollm2-135m-instruct"),
+                                    gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", device="cpu"),
+                          ModelSpec(path=args.distilled, device="cpu"))
+        distilled = Engine(pair.target.model, dpair.draft.model, pair.eos_token_ids)
+        tables["distilled"] = pair_costs(dpair, k_top)
+        configs.update({f"distilled_k{k}": (lambda ids, k=k: distilled.generate(ids, StandardSD(k), mx)) for k in dks})
+        oracles["distilled"] = lambda ps, outs: model_oracle(dpair.draft.model, distilled.vocab_size, ps, outs,
+                                                             args.oracle_k_max)
+    configs.update({f"eagle_k{k}": (lambda ids, k=k: head.generate(ids, StandardSD(k), mx)) for k in ks})
+    cost_stop = ConfidenceStop(k_max=max(ks) + 2, stop="cost", costs=tables["eagle"])
+    configs["eagle_confidence_cost"] = lambda ids: head.generate(ids, cost_stop.fork(), mx)
+    print("cost tables (ms):", {d: (round(t.t_draft_ms, 2), [round(x, 1) for x in t.t_target_ms[:6]])
+                                for d, t in tables.items()}, file=sys.stderr)
+    tok = pair.tokenizer
+    sets = {"gsm8k": load_prompts(str(SHARED / "data/gsm8k/test.jsonl"), limit=args.gsm8k_n),
+            "mtbench": load_prompts(str(SHARED / "data/mt_bench/question.jsonl"), limit=args.mtbench_n),
+            "alpaca": load_prompts(str(SHARED / "data/alpaca/alpaca_5000.json"), limit=args.alpaca_n,
+                                   offset=args.alpaca_offset)}
+    results = {}
+    for label, ps in sets.items():
+        if ps:
+            results[label] = run_set(label, [format_prompt(tok, p) for p in ps], configs, tables, oracles)
+    result = {**run_info(__file__, argv, "fp32, batch 1, greedy"), "max_new_tokens": mx,
+              "prompts": {"gsm8k": f"test[0:{args.gsm8k_n}]", "mtbench": f"first turns [0:{args.mtbench_n}]",
+                          "alpaca": f"alpaca_5000[{args.alpaca_offset}:{args.alpaca_offset + args.alpaca_n}]"},
+              "eagle_head": {"path": args.eagle, **{k: eagle.metadata.get(k) for k in ("head_config", "ttt_steps",
+                                                                                          "draft_vocab")}},
+              "cost_tables": {d: t.to_dict() for d, t in tables.items()}, "kernels": kernels.describe(),
+              "sets": results, "greedy_identical": all(r["greedy_identical"] for r in results.values()),
+              "ratios": ratios(results)}
+    print(json.dumps(result["ratios"], indent=1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
