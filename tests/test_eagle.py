@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from specheads.errors import UserError
 from specheads.export.shim import policies as sd_rule
-from specheads.export.shim.eagle import EagleCache
+from specheads.export.shim.eagle_cache import EagleCache
 from specheads.export.shim.engine import Engine
 from specheads.export.shim.kv import FusedRunner, ModelRunner
 from specheads.export.shim.policies import ConfidenceStop, StandardSD, TopKVerify

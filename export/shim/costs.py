@@ -198,7 +198,7 @@ def measure(target, draft, max_pass: int, fused: bool = True, vocab_size: int | 
         runners = [make_runner(m, None, vocab_size, cap, fused) for m in (target, draft)]
         vocab = min(m.get_input_embeddings().weight.shape[0] for m in (target, draft))
     else:  # an EAGLE head: one draft step (its own cache, the target's embeddings)
-        from .eagle import EagleStepRunner
+        from .eagle_cache import EagleStepRunner
 
         runners = [make_runner(target, None, vocab_size, cap, fused), EagleStepRunner(draft, target, cap)]
         vocab = target.get_input_embeddings().weight.shape[0]

@@ -21,11 +21,11 @@ target states for its tokens: the next round drafts nothing, and its pass (one t
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from specheads.errors import UserError
 
 from .drafting import take_candidate
+from .eagle_cache import EagleCache, EagleStepRunner  # noqa: F401  (EagleStepRunner re-exported)
 from .stats import GenerationStats, count_tokens
 
 
@@ -41,39 +41,6 @@ def check_head(head, target) -> None:
     if head.vocab_size > target.get_input_embeddings().weight.shape[0]:
         raise UserError(f"the EAGLE head's vocabulary ({head.vocab_size}) exceeds the target's: a head for another "
                         "target")
-
-
-class EagleCache:
-    """The head's KV cache (one layer), its entries' count and the cached rotary table."""
-
-    def __init__(self, head, capacity: int, device, dtype):
-        self.head, self.device, self.dtype = head, device, dtype
-        self.length = 0
-        self._alloc(max(capacity, 8))
-
-    def _alloc(self, capacity: int) -> None:
-        shape = (1, self.head.num_kv_heads, capacity, self.head.head_dim)
-        keys, values = torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)
-        if self.length:
-            keys[:, :, : self.length] = self.keys[:, :, : self.length]
-            values[:, :, : self.length] = self.values[:, :, : self.length]
-        self.keys, self.values = keys.to(self.device), values.to(self.device)
-        self.cos, self.sin = self.head.rope(torch.arange(capacity, device=self.device))
-        self.capacity = capacity
-
-    def forward(self, emb: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """Feeds ``s`` entries ``[1, s, d]`` at the next positions; returns the head's states ``[1, s, d]``."""
-        s = emb.shape[1]
-        start, end = self.length, self.length + s
-        if end > self.capacity:
-            self._alloc(max(end, 2 * self.capacity))
-        q, k, v = self.head.qkv(emb, h, self.cos[start:end], self.sin[start:end])
-        self.keys[:, :, start:end], self.values[:, :, start:end] = k, v
-        mask = torch.ones(s, end, dtype=torch.bool, device=self.device).tril(start) if s > 1 else None
-        attn = F.scaled_dot_product_attention(q, self.keys[:, :, :end], self.values[:, :, :end], attn_mask=mask,
-                                              enable_gqa=self.head.num_kv_heads != self.head.num_heads)
-        self.length = end
-        return self.head.finish(attn, h)
 
 
 class EagleDrafter:
@@ -143,41 +110,6 @@ class EagleDrafter:
         usable = len(seq) - 1 - start
         if usable > 0:
             self.pending.append((start, states[:usable]))
-
-    def close(self) -> None:
-        pass
-
-
-class EagleStepRunner:
-    """An EAGLE head's draft step behind the model runners' interface (``forward``/``trim``/``close``), so the
-    cost table times it as it times a draft model's forward: each fed token joins the previous step's state."""
-
-    def __init__(self, head, target, capacity: int = 256):
-        self.head, self.embed = head, target.get_input_embeddings()
-        self.device = self.embed.weight.device
-        self.cache = EagleCache(head, capacity, self.device, next(head.parameters()).dtype)
-        self.state = torch.zeros(1, 1, head.hidden_size, dtype=self.cache.dtype, device=self.device)
-        self.vocab = head.vocab_ids.to(self.device)
-        self.width = head.vocab_size
-        self.forwards = 0
-
-    @property
-    def length(self) -> int:
-        return self.cache.length
-
-    def forward(self, ids: torch.Tensor, n_logits: int = 1) -> tuple[torch.Tensor, None]:
-        emb = self.embed(ids).to(self.cache.dtype)
-        a = self.cache.forward(emb, self.state.expand(1, ids.shape[1], -1))
-        self.state = a[:, -1:]
-        self.forwards += 1
-        if not n_logits:
-            return a.new_zeros(0, self.width), None
-        small = self.head.lm_head(self.head.norm(a[0, -n_logits:])).float()
-        full = small.new_full((small.shape[0], self.width), float("-inf"))
-        return full.index_copy_(1, self.vocab, small), None
-
-    def trim(self, length: int) -> None:
-        self.cache.length = min(self.cache.length, max(int(length), 0))
 
     def close(self) -> None:
         pass
