@@ -17,7 +17,10 @@ lengths), ``draft_token``, ``q_token``, ``p_token``, ``ratio``, ``tv``. ``labels
 question + answer, ``answer_start``, ``labels`` 1/0/-1), the target's features at the labelled
 tokens in ``features/chunk-*.safetensors`` (fp16), ``tuples.jsonl`` and ``review.jsonl``; with
 ``mining=swap`` (``mining.py``) the rows come from swapping the draft's mismatches in, and ``mined.jsonl``
-holds each searched prompt with its marked mismatches. Also ``manifest.json`` (counts, label statistics, models, fingerprints,
+holds each searched prompt with its marked mismatches. ``labels=eagle_rounds`` (``eagle_rounds.py``): one row per
+prompt decoded by SD with the EAGLE head ``eagle=`` at ``eagle_k`` candidates per round, per labelled candidate its
+round, step, token, ``q_token``, ``p_token``, ``label`` and ``outcome``, the head's states in
+``states/chunk-*.safetensors``. Also ``manifest.json`` (counts, label statistics, models, fingerprints,
 sampling settings, seed, schema version, ``numerics``: threads per process, process count, dtypes,
 devices, torch version, kernel path), ``metrics.jsonl`` (one line per chunk) and
 ``config.yaml``. Killed at any point and started again with the same command (any process

@@ -16,7 +16,7 @@ class DatagenConfig:
 
     target: ModelSpec = field(default_factory=ModelSpec)
     draft: ModelSpec = field(default_factory=ModelSpec)
-    labels: str = field(default="acceptance", metadata={"help": "acceptance (SpecDec++ soft labels) | fsd (acceptance data plus FSD divergences and Div < T decisions) | sprinter (ratio-threshold labels, four prefix categories) | judge (correct/wrong tuples, token labels, target features) | drafter (the target's responses, its states at chosen layers and top-k distributions: what heads-train head=eagle and head=draft learn from)"})
+    labels: str = field(default="acceptance", metadata={"help": "acceptance (SpecDec++ soft labels) | fsd (acceptance data plus FSD divergences and Div < T decisions) | sprinter (ratio-threshold labels, four prefix categories) | judge (correct/wrong tuples, token labels, target features) | drafter (the target's responses, its states at chosen layers and top-k distributions: what heads-train head=eagle and head=draft learn from) | eagle_rounds (SpecDec++ labels of an EAGLE head's candidates, from SD decoding with it: what heads-train head=eagle_stop learns from)"})
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prompts: str = field(default="", metadata={"help": "prompt file (JSONL, GSM8K, Alpaca, MT-Bench, ARC); several: comma-separated"})
     num_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts (after offset)"})
@@ -47,6 +47,8 @@ class DatagenConfig:
     mine_label_matches: bool = field(default=False, metadata={"help": "judge, mining=swap: also label every other token of the final response 1 (default: only the tried mismatches are labelled)"})
     drafter_layers: list[int] = field(default_factory=list, metadata={"help": "drafter: the target layers whose entering residual stream is stored (Hugging Face hidden_states indices; empty: 2, n/2, n-3 of n layers)"})
     drafter_top_k: int = field(default=20, metadata={"help": "drafter: most likely tokens of the target's distribution stored per response token"})
+    eagle: str = field(default="", metadata={"help": "eagle_rounds: the exported EAGLE head (heads-train head=eagle, then heads-export) that drafts"})
+    eagle_k: int = field(default=8, metadata={"help": "eagle_rounds: candidates per SD round (every one labelled but a round's last, which has no head state)"})
     threads: int | None = field(default=None, metadata={"help": "torch threads per process (torch.set_num_threads); null: torch's default. Results match bit for bit only between runs with the same count (see the manifest's numerics)"})
     seed: int = 0
     output_dir: str = "runs/datagen"

@@ -6,6 +6,7 @@ from specheads.errors import UserError
 
 from .acceptance import AcceptanceLabeller
 from .drafter import DrafterLabeller
+from .eagle_rounds import EagleRoundsLabeller
 from .fsd import FsdLabeller
 from .judge import JudgeLabeller
 from .labelling import Labeller
@@ -17,6 +18,7 @@ LABELLERS: dict[str, Labeller] = {
     "sprinter": SprinterLabeller(),
     "judge": JudgeLabeller(),
     "drafter": DrafterLabeller(),
+    "eagle_rounds": EagleRoundsLabeller(),
 }
 
 

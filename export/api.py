@@ -12,6 +12,7 @@ import torch
 
 from specheads.errors import UserError
 
+from .package import check_stop_drafter
 from .policy_factory import make_policy, pair_costs, policy_from_config
 from .shim.batch_engine import BatchEngine, BatchJob
 from .shim.engine import Engine
@@ -95,9 +96,11 @@ class Decoder:
         bad = self.sampling.problems()
         if bad:
             raise UserError("; ".join(bad))
-        if isinstance(policy, str):
-            policy = make_policy(policy, pair, k=k, sampling=self.sampling)
         eagle = load_eagle(eagle, pair) if eagle is not None else None
+        if isinstance(policy, str):
+            policy = make_policy(policy, pair, k=k, sampling=self.sampling, eagle=eagle)
+        if policy.head_feature is not None:  # a stop head reads the states of the drafter it was trained on
+            check_stop_drafter(policy.head_feature, eagle.metadata if eagle is not None else None)
         if eagle is not None and (policy.bridge or policy.verifier == "draft"):
             raise UserError(f"policy {policy.name!r} does not draft on the target's vocabulary: it cannot use an EAGLE head")
         if "draft" in policy.models and pair.draft is None and eagle is None:

@@ -116,7 +116,7 @@ def run(cfg: DecodeConfig) -> int:
             log.warning("%s is not used with stop=cost", ", ".join(unused))
         costs = pair_costs(pair, cfg.k_max + 1, cfg.profile, cfg.fused_forward, eagle=eagle)
         log.info("%s", costs.describe())
-    policy = policy_from_config(cfg.policy, cfg, pair, cfg.sampling, cfg.strict, costs)
+    policy = policy_from_config(cfg.policy, cfg, pair, cfg.sampling, cfg.strict, costs, eagle=eagle)
     decoder = Decoder(pair, policy, cfg.max_new_tokens, cfg.k, cfg.sampling, cfg.seed, cfg.chat_template,
                       cfg.fused_forward, eagle=eagle)
     problem = decoder.batch_problem() if cfg.batch_size > 1 else None

@@ -2,7 +2,8 @@
 
 Header metadata (``__metadata__["specheads"]``, JSON): ``format_version``, ``head_type``,
 ``head_config`` (constructor arguments), ``hidden_size``, ``feature`` (which model's state
-the head reads: ``{"model": "draft"|"target", "state": "pre"|"post", "layer": -1}``),
+the head reads: ``{"model": "draft"|"target"|"eagle", "state": "pre"|"post", "layer": -1}``; ``eagle``: an
+EAGLE head's own state, that head named by ``feature["eagle"]["tensors_sha256"]``),
 ``draft``/``target`` (``name``, ``fingerprint``), ``sampling``, ``default_threshold``,
 ``tensors_sha256`` (detects edits of the tensor bytes) and free-form ``extra``.
 """
@@ -90,7 +91,7 @@ def read_metadata(path: str | Path) -> dict:
 
 
 def load_head(path: str | Path, pair=None, sampling=None, strict: bool = False,
-              device: torch.device | str = "cpu") -> LoadedHead:
+              device: torch.device | str = "cpu", eagle: dict | None = None) -> LoadedHead:
     """Loads an exported head and checks it against the loaded pair and sampling settings.
 
     Args:
@@ -101,6 +102,8 @@ def load_head(path: str | Path, pair=None, sampling=None, strict: bool = False,
             a warning naming both, or a UserError with ``strict``.
         strict: turn the sampling mismatch warning into an error.
         device: where to put the head.
+        eagle: the metadata of the EAGLE head decoding drafts with; a head on an EAGLE head's states
+            (``feature.model == "eagle"``) must name that one (checked with ``pair``).
     """
     path = head_file(path)
     meta = read_metadata(path)
@@ -120,15 +123,19 @@ def load_head(path: str | Path, pair=None, sampling=None, strict: bool = False,
         raise UserError(f"head file {str(path)!r} does not fit head_type={meta['head_type']!r}: "
                         f"{str(err).splitlines()[0]}") from err
     if pair is not None:
-        check_head_against_pair(meta, pair)
+        check_head_against_pair(meta, pair, eagle)
     if sampling is not None:
         check_sampling(meta, sampling.to_dict(), strict)
     return LoadedHead(module.to(device).eval().requires_grad_(False), meta)
 
 
-def check_head_against_pair(meta: dict, pair) -> None:
-    """Raises UserError when the head was exported for another model (hidden size or fingerprint)."""
+def check_head_against_pair(meta: dict, pair, eagle: dict | None = None) -> None:
+    """Raises UserError when the head was exported for another model (hidden size or fingerprint); a head on
+    an EAGLE head's states also for another EAGLE head than ``eagle`` (the drafting head's metadata)."""
     role = meta.get("feature", {}).get("model", "draft")
+    if role == "eagle":  # as wide as the target, whose fingerprint it records; and one EAGLE head's
+        check_stop_drafter(meta.get("feature", {}), eagle)
+        role = "target"
     model = pair.draft if role == "draft" else pair.target
     if model is None:
         raise UserError(f"the head reads the {role}'s states but no {role} is loaded; set {role}.path")
@@ -141,6 +148,28 @@ def check_head_against_pair(meta: dict, pair) -> None:
                         f"{role} {model.name!r} has fingerprint {model.fingerprint}; load that {role} or retrain the head")
     if role == "draft":
         check_draft_vocab(meta, model.vocab)
+
+
+def check_stop_drafter(feature: dict, eagle: dict | None) -> None:
+    """UserError when a head on drafting states (``feature``) and the drafter disagree: a head on an EAGLE
+    head's states (``feature["model"] == "eagle"``) needs that EAGLE head (``eagle``: the metadata of the one
+    decoding drafts with, by ``tensors_sha256``); a head on the draft model's states needs no EAGLE head."""
+    reads = feature.get("model", "draft")
+    if reads == "draft" and eagle is not None:
+        raise UserError("the head reads the draft model's states but decoding drafts with an EAGLE head (eagle=); "
+                        "train one on that head's states (heads-datagen labels=eagle_rounds, heads-train "
+                        "head=eagle_stop) or drop eagle=")
+    if reads != "eagle":
+        return
+    own = feature.get("eagle") or {}
+    if eagle is None:
+        raise UserError(f"the head reads the states of the EAGLE head {own.get('file')!r}; decode with "
+                        "eagle=<that EAGLE head>")
+    if own.get("tensors_sha256") != eagle.get("tensors_sha256"):
+        raise UserError(f"the head was trained on the states of the EAGLE head {own.get('file')!r} (tensors_sha256 "
+                        f"{str(own.get('tensors_sha256'))[:12]}) but eagle= is another (tensors_sha256 "
+                        f"{str(eagle.get('tensors_sha256'))[:12]}); pass that EAGLE head or retrain the stop head "
+                        "(heads-datagen labels=eagle_rounds, heads-train head=eagle_stop)")
 
 
 def check_draft_vocab(meta: dict, loaded: dict | None) -> None:

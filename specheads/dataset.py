@@ -12,7 +12,10 @@ files of :class:`JudgeChunkFiles`. The columns each ``labels=`` mode writes:
 * ``judge``: :data:`JUDGE_COLUMNS`, one row per tuple side, its features in
   ``features/chunk-NNNNNN.safetensors``;
 * ``drafter``: :data:`DRAFTER_COLUMNS`, one row per prompt and the target's own response, its
-  states and next-token distributions in :class:`DrafterChunkFiles`.
+  states and next-token distributions in :class:`DrafterChunkFiles`;
+* ``eagle_rounds``: :data:`EAGLE_ROUNDS_COLUMNS`, one row per prompt decoded with an EAGLE head, lists
+  per labelled candidate; the head's states at those candidates (``states`` ``[M, d]`` fp16, ``offsets``
+  ``[rows + 1]``) in the same side file as ``drafter``'s, :class:`DrafterChunkFiles`.
 
 Readers take the files from :func:`shard_paths` and check their columns with
 :func:`require_columns`; ``heads-datagen verify`` checks a whole directory.
@@ -38,6 +41,8 @@ SPRINTER_COLUMNS = ("prompt_id", "prompt_index", "category", "input_ids", "posit
                     "p_token", "ratio", "tv")
 JUDGE_COLUMNS = ("tuple_id", "prompt_index", "side", "input_ids", "answer_start", "labels")
 DRAFTER_COLUMNS = ("prompt_id", "prompt_index", "input_ids", "response_start")
+EAGLE_ROUNDS_COLUMNS = ("prompt_id", "prompt_index", "input_ids", "response_start", "round_start", "step",
+                        "draft_token", "q_token", "p_token", "label", "outcome")
 
 
 def chunk_path(out_dir: Path, chunk: int) -> Path:
@@ -194,6 +199,9 @@ class DrafterChunkFiles:
       their log-probabilities (the rest's mass is ``1 - sum exp(top_logp)``);
     * ``response_offsets`` ``[rows + 1]``: row ``i``'s response tokens are ``response_offsets[i]:...[i+1]``;
     * ``layers``: the layer indices of ``states``, in order.
+
+    A ``labels=eagle_rounds`` chunk holds ``states`` ``[M, d]`` (the EAGLE head's post-norm state at each
+    labelled candidate, in the order of the Parquet lists) and ``offsets`` ``[rows + 1]`` only.
     """
 
     def __init__(self, out_dir: Path, chunk: int):

@@ -93,6 +93,8 @@ class Policy:
         models: the models decoding uses; verifier: the one whose pass ends each round.
         bridge: None (candidates in the target's vocabulary) or how they cross vocabularies.
         head_file: the exported head a policy built by ``from_settings`` reads (for the log).
+        head_feature: that head's ``feature`` metadata (whose states it reads: the draft model's, an EAGLE
+            head's), set by ``policy_from_config``; the decoder checks its drafter against it.
     """
 
     name = "base"
@@ -105,6 +107,7 @@ class Policy:
     verifier = "target"
     bridge: str | None = None
     head_file: str | None = None
+    head_feature: dict | None = None
 
     def __init__(self, k: int):
         self.k = k

@@ -1,0 +1,227 @@
+"""``labels=eagle_rounds``: SpecDec++ acceptance labels for an EAGLE drafter, on-policy from decoding.
+
+Per prompt, the target decodes with the EAGLE head ``eagle=`` (an exported ``head_type=eagle`` file,
+:class:`specheads.export.shim.eagle.EagleDrafter`) under standard SD with a fixed ``eagle_k``
+candidates per round and the run's sampling settings (ALGORITHMS.md sections 1 and 7). The policy
+that verifies each round (:class:`RecordingSD`) keeps, before the standard rule decides, the
+candidates, the distributions they were drawn from, the head's post-norm states and the target logits
+of the verification pass. A candidate ``y_j``'s label is SpecDec++'s, the acceptance of ``y_j`` given
+that ``y_1..y_{j-1}`` were accepted: ``min(1, p_j(y_j) / q_j(y_j))`` with ``p_j`` from the verification
+pass and ``q_j`` the distribution ``y_j`` was drawn from, both warped by the sampling settings; greedy
+(one-hot ``p`` and ``q``): 1 where ``y_j`` is the target's argmax, else 0. The verification pass scores
+every candidate, so the candidates after a round's first rejection are labelled too (the stop head met
+them while drafting); ``outcome`` says what the rule did with each (1 kept, 0 rejected, -1 not reached).
+
+The feature of ``y_j`` is the head's state at ``y_j``'s own position (after consuming ``y_j``): the state
+the drafter returns with ``y_{j+1}``, which ``policy=specdecpp`` (reference order) scores ``y_j`` with.
+A round's last candidate has none (the round stops before the step that consumes it; SpecDec++ never
+scores it either) and is not stored. ``q_token`` is ``q_j(y_j)`` (greedy: from the temperature-1 softmax,
+the draft confidence ``policy=confidence_stop`` reads), ``p_token`` the target's ``p_j(y_j)`` alike.
+
+Every prompt decodes at batch 1 (the drafter's), its draws seeded by ``(seed, prompt index)``: a chunk's
+bytes do not depend on which process labels it. The Parquet file holds
+:data:`~specheads.dataset.EAGLE_ROUNDS_COLUMNS` (one row per prompt, lists per stored candidate); the
+states (fp16) go to :class:`~specheads.dataset.DrafterChunkFiles` (``states``, ``offsets``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specheads.dataset import EAGLE_ROUNDS_COLUMNS, DrafterChunkFiles, chunk_files
+from specheads.export.shim.engine import Engine
+from specheads.export.shim.policies import Policy, Round, Verdict, standard_verify
+from specheads.export.shim.sampling import probs_from_logits
+
+from .labelling import Job, Labelled, Labeller, skip_record
+
+PER_CANDIDATE = ("round_start", "step", "draft_token", "q_token", "p_token", "label", "outcome")
+FEATURE = {"model": "eagle", "state": "post", "layer": -1, "position": "own"}
+
+
+@dataclass
+class RoundRecord:
+    """One verified round: where it started, its candidates' values and the head's states ``[n, d]``."""
+
+    start: int
+    tokens: list[int]
+    q: list[float]
+    p: list[float]
+    label: list[float]
+    states: torch.Tensor
+    accepted: int = 0
+
+
+class RecordingSD(Policy):
+    """Standard SD with ``k`` candidates per round that records each round before the standard rule decides."""
+
+    name = "eagle_rounds"
+    draft_hidden = "post"  # what policy=specdecpp reads
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.rounds: list[RoundRecord] = []
+        self.finite = True
+
+    def reset(self) -> None:
+        self.rounds, self.finite = [], True
+
+    def verify(self, rnd: Round, logits: torch.Tensor, hidden: torch.Tensor | None) -> Verdict:
+        record = record_round(rnd, logits) if rnd.n else None
+        if record is not None:
+            self.finite &= bool(torch.isfinite(logits[: rnd.n].float()).all() and torch.isfinite(record.states).all())
+        verdict = standard_verify(rnd, logits)  # the same draws as policy=sd: the record takes none
+        if record is not None:
+            record.accepted = verdict.accepted
+            self.rounds.append(record)
+        return verdict
+
+
+def record_round(rnd: Round, logits: torch.Tensor) -> RoundRecord:
+    """The round's candidates with ``q_j(y_j)``, ``p_j(y_j)`` and their label (module docstring), from the
+    target logits ``[n+1, V]`` of its verification pass."""
+    n = rnd.n
+    cand = rnd.candidates(logits.device)
+    idx = torch.arange(n, device=logits.device)
+    target = logits[:n].float()
+    if rnd.sampling.do_sample:
+        p = probs_from_logits(target, rnd.sampling)[idx, cand]
+        q = torch.stack(rnd.q).to(logits.device).float()[idx, cand]
+        label = torch.where(q > 0, (p / q.clamp_min(1e-30)).clamp(max=1.0), torch.ones_like(p))
+    else:
+        draft = torch.stack(rnd.draft_logits).to(logits.device).float()
+        p, q = target.softmax(-1)[idx, cand], draft.softmax(-1)[idx, cand]
+        label = (target.argmax(-1) == cand).float()
+    states = torch.stack(rnd.draft_hidden).to(torch.float16).cpu()
+    return RoundRecord(rnd.position, cand.tolist(), q.tolist(), p.tolist(), label.tolist(), states)
+
+
+def prompt_rows(rounds: list[RoundRecord], width: int) -> tuple[dict[str, list], torch.Tensor]:
+    """A prompt's stored candidates (those with an own-position state: every one but a round's last) and
+    their states ``[M, width]``."""
+    out: dict[str, list] = {k: [] for k in PER_CANDIDATE}
+    states = []
+    for r in rounds:
+        for j in range(len(r.tokens) - 1):  # y_{j+1}'s own state came with y_{j+2}
+            out["round_start"].append(r.start)
+            out["step"].append(j + 1)
+            out["draft_token"].append(r.tokens[j])
+            out["q_token"].append(r.q[j])
+            out["p_token"].append(r.p[j])
+            out["label"].append(r.label[j])
+            out["outcome"].append(1 if j < r.accepted else 0 if j == r.accepted else -1)
+        states.append(r.states[1:])
+    return out, torch.cat(states) if states else torch.zeros(0, width, dtype=torch.float16)
+
+
+def stream(seed: int, index: int) -> int:
+    """The RNG seed of prompt ``index`` (run-wide, ``offset`` included): hashed, because the CPU generator
+    (mt19937) keeps only a seed's low 32 bits, so ``seed`` must reach them."""
+    return int.from_bytes(hashlib.sha256(f"eagle_rounds:{seed}:{index}".encode()).digest()[:8], "little") >> 1
+
+
+class EagleRoundsLabeller(Labeller):
+    """``labels=eagle_rounds``: per prompt, SD with the EAGLE head at ``k = eagle_k``; every candidate's label,
+    draft and target probabilities, and the head's state at its position."""
+
+    def problems(self, cfg) -> list[str]:
+        out = super().problems(cfg)
+        if not cfg.eagle:
+            out.append("labels=eagle_rounds needs eagle=<an exported EAGLE head> (heads-train head=eagle, then "
+                       "heads-export)")
+        if cfg.eagle_k < 2:
+            out.append(f"eagle_k={cfg.eagle_k} must be >= 2 (a round's last candidate has no head state to label)")
+        return out
+
+    def needs_draft(self, cfg) -> bool:
+        return False
+
+    def check_models(self, job: Job) -> None:
+        self.head(job)  # an EAGLE head for another target fails here, before any chunk
+
+    @staticmethod
+    def head(job: Job):
+        """The run's EAGLE head, checked against the target; loaded once per process (kept on the job)."""
+        from specheads.export.api import load_eagle
+
+        if getattr(job, "eagle_head", None) is None:
+            job.eagle_head = load_eagle(job.cfg.eagle, job.pair)
+        return job.eagle_head
+
+    def label_chunk(self, job: Job, items: list, chunk: int) -> Labelled:
+        cfg, target = job.cfg, job.pair.target
+        head = self.head(job)
+        engine = Engine(target.model, None, job.eos, eagle=head.module)
+        policy = RecordingSD(cfg.eagle_k)
+        gen = torch.Generator(device=target.device)
+        cols: dict[str, list] = {k: [] for k in EAGLE_ROUNDS_COLUMNS}
+        states, lengths, skipped = [], [], []
+        labelled = 0
+        first = job.first_index(chunk)
+        for i, (prompt, ids) in enumerate(zip(items, job.prompt_ids(items))):
+            gen.manual_seed(stream(cfg.seed, first + i))
+            out = engine.generate(ids, policy, cfg.max_new_tokens, cfg.sampling, gen)
+            if not policy.finite:
+                skipped.append(skip_record(prompt, first + i, "non-finite logits or head states"))
+                continue
+            rows, st = prompt_rows(policy.rounds, head.module.hidden_size)
+            cols["prompt_id"].append(prompt.id)
+            cols["prompt_index"].append(first + i)
+            cols["input_ids"].append(ids + out.tokens)
+            cols["response_start"].append(len(ids))
+            for k, v in rows.items():
+                cols[k].append(v)
+            states.append(st)
+            lengths.append(st.shape[0])
+            labelled += st.shape[0]
+        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+        if lengths:
+            offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+        width = head.module.hidden_size
+        DrafterChunkFiles(cfg.output_dir, chunk).write(
+            {"states": torch.cat(states) if states else torch.zeros(0, width, dtype=torch.float16), "offsets": offsets})
+        return Labelled(cols, labelled, skipped)
+
+    def side_files(self, out: Path, chunk: int) -> tuple[Path, ...]:
+        return (DrafterChunkFiles(out, chunk).path,)
+
+    def shard_entry(self, out: Path, chunk: int) -> dict:
+        from specheads.outputs import file_sha256
+
+        path = DrafterChunkFiles(out, chunk).path
+        return {"states": {"file": f"states/{path.name}", "bytes": path.stat().st_size, "sha256": file_sha256(path)}}
+
+    def summarise(self, cfg, out: Path, models: dict) -> tuple[dict, dict]:
+        from specheads.export.package import read_metadata
+
+        stats = summarise(out, cfg.eagle_k)
+        meta = read_metadata(cfg.eagle)
+        eagle = {"file": Path(cfg.eagle).name, "tensors_sha256": meta.get("tensors_sha256"),
+                 "target": meta.get("target")}
+        return stats, {"hidden_size": models["hidden_size"],
+                       "eagle_rounds": {"k": cfg.eagle_k, "eagle": eagle, "feature": FEATURE}}
+
+
+def summarise(out: Path, k: int) -> dict:
+    """Counts, the mean label, the mean label and the share kept per step, streamed from the chunk files."""
+    import pyarrow.parquet as pq
+
+    prompts = tokens = 0
+    total = 0.0
+    per_step = {j: [0, 0.0, 0] for j in range(1, k)}  # step -> candidates, label sum, kept
+    for path in chunk_files(out):
+        table = pq.read_table(str(path), columns=["step", "label", "outcome"])
+        prompts += table.num_rows
+        for steps, labels, outcomes in zip(*(table.column(c).to_pylist() for c in ("step", "label", "outcome"))):
+            for j, y, o in zip(steps, labels, outcomes):
+                s = per_step.setdefault(j, [0, 0.0, 0])
+                s[0], s[1], s[2] = s[0] + 1, s[1] + y, s[2] + (o == 1)
+                tokens, total = tokens + 1, total + y
+    return {"prompts": prompts, "labelled_tokens": tokens, "label_mean": total / tokens if tokens else None,
+            "per_step": {str(j): {"candidates": n, "label_mean": round(t / n, 6) if n else None,
+                                  "kept_share": round(kept / n, 6) if n else None}
+                         for j, (n, t, kept) in sorted(per_step.items())}}

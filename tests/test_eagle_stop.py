@@ -1,0 +1,274 @@
+"""Stop heads on the EAGLE drafter: labels=eagle_rounds (on-policy SD rounds with the head), heads-train
+head=eagle_stop on the stored states, and policy=specdecpp / stop=cost drafting with it (lossless, checked
+against the EAGLE head it was trained on)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import chunk_rows
+from specheads.datagen.cli import main as datagen_main
+from specheads.errors import UserError
+from specheads.export import Decoder, ModelSpec, load_pair, read_metadata, save_head
+from specheads.export.api import load_eagle, make_policy
+from specheads.export.decode_cli import main as decode_main
+from specheads.export.shim.engine import Engine
+from specheads.export.shim.policies import SpecDecPP
+from specheads.heads import AcceptanceHead, EagleHead
+from specheads.train.cli import main as train_main
+from specheads.train.eagle import init_from_target
+
+PROMPTS = ["the cat sat", "a dog ran up", "one two three", "why is the sun red", "big moon", "yes no up down",
+           "left right", "the red sun"]
+K = 4
+
+
+def eagle_file(pair, path, seed: int, fingerprint: str | None = None):
+    """An EAGLE head for the tiny target (layer 1 of 2), started from the target as heads-train does."""
+    model = pair.target.model
+    vocab = model.config.vocab_size
+    head = EagleHead(32, [1], vocab, vocab, 4, 2, 8, 64, model.config.rms_norm_eps, 10000.0)
+    init_from_target(head, model, list(range(vocab)), seed)
+    save_head(path, head, "eagle", {"head_config": head.config(), "hidden_size": 32,
+                                    "target": {"name": pair.target.name,
+                                               "fingerprint": fingerprint or pair.target.fingerprint},
+                                    "feature": {"model": "target", "state": "aux", "layers": [1]}})
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_pair_dirs):
+    """The tiny target alone, two EAGLE heads for it, a prompt file."""
+    root = tmp_path_factory.mktemp("eagle_stop")
+    pair = load_pair(ModelSpec(path=str(tiny_pair_dirs[0]), device="cpu"), None)
+    prompts = root / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in PROMPTS))
+    return {"root": root, "pair": pair, "prompts": prompts, "target": tiny_pair_dirs[0],
+            "eagle": eagle_file(pair, root / "eagle.safetensors", 0),
+            "other": eagle_file(pair, root / "other.safetensors", 1)}
+
+
+def rounds_args(s, out, *extra):
+    return [f"target.path={s['target']}", "target.gguf_file=null", "target.device=cpu", "draft.path=''",
+            f"prompts={s['prompts']}", f"output_dir={out}", "labels=eagle_rounds", f"eagle={s['eagle']}",
+            f"eagle_k={K}", "max_new_tokens=14", "chunk_size=3", "threads=1", *extra]
+
+
+@pytest.fixture(scope="module")
+def greedy_rounds(setup):
+    out = setup["root"] / "greedy"
+    assert datagen_main(rounds_args(setup, out, "sampling.do_sample=false")) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def sampled_rounds(setup):
+    out = setup["root"] / "sampled"
+    assert datagen_main(rounds_args(setup, out, "sampling.do_sample=true", "seed=3")) == 0
+    return out
+
+
+def candidates(out):
+    """Per stored candidate: (row, its index within the row, prefix, candidate, label, outcome, step)."""
+    for r, row in enumerate(chunk_rows(out)):
+        for i, (start, step, tok) in enumerate(zip(row["round_start"], row["step"], row["draft_token"])):
+            earlier = row["draft_token"][i - step + 1: i]  # the round's candidates before this one
+            yield r, i, row["input_ids"][:start] + earlier, tok, row["label"][i], row["outcome"][i], step
+
+
+@torch.no_grad()
+def test_greedy_labels_are_the_targets_argmax_agreement(greedy_rounds, setup):
+    target = setup["pair"].target.model
+    seen = {1: 0, 0: 0}
+    for _, _, prefix, tok, label, outcome, step in candidates(greedy_rounds):
+        agree = int(target(torch.tensor([prefix])).logits[0, -1].argmax()) == tok
+        assert label == float(agree)
+        assert 1 <= step < K
+        seen[int(agree)] += 1
+    assert seen[0] and seen[1]  # both classes occur
+    rows = chunk_rows(greedy_rounds)
+    for row in rows:  # the SD rule's outcome: kept while every label so far is 1, then one rejection
+        for i, (step, label, outcome) in enumerate(zip(row["step"], row["label"], row["outcome"])):
+            first = i - step + 1
+            before = row["label"][first:i]
+            want = (1 if label else 0) if all(before) else -1
+            assert outcome == want
+    manifest = json.loads((greedy_rounds / "manifest.json").read_text())
+    assert manifest["eagle_rounds"]["eagle"]["tensors_sha256"] == read_metadata(setup["eagle"])["tensors_sha256"]
+    assert manifest["eagle_rounds"]["feature"]["model"] == "eagle" and manifest["draft"] is None
+    assert manifest["labelled_tokens"] == sum(len(r["label"]) for r in rows)
+    side = load_file(str(greedy_rounds / "states" / "chunk-000000.safetensors"))
+    assert side["states"].dtype == torch.float16 and side["states"].shape[1] == 32
+    assert datagen_main(["verify", f"output_dir={greedy_rounds}"]) == 0
+
+
+def test_sampled_labels_are_min_one_p_over_q_and_reproducible(sampled_rounds, setup, tmp_path):
+    labels = [(row["label"], row["p_token"], row["q_token"]) for row in chunk_rows(sampled_rounds)]
+    for ys, ps, qs in labels:
+        for y, p, q in zip(ys, ps, qs):
+            assert y == pytest.approx(min(1.0, p / q), rel=1e-5)
+    assert 0 < sum(sum(ys) for ys, _, _ in labels) < sum(len(ys) for ys, _, _ in labels)
+    again = tmp_path / "again"
+    assert datagen_main(rounds_args(setup, again, "sampling.do_sample=true", "seed=3")) == 0
+    for name in ("data/chunk-000000.parquet", "states/chunk-000001.safetensors"):
+        assert (sampled_rounds / name).read_bytes() == (again / name).read_bytes()
+    other = tmp_path / "other"
+    assert datagen_main(rounds_args(setup, other, "sampling.do_sample=true", "seed=4", "num_prompts=3")) == 0
+    assert [r["draft_token"] for r in chunk_rows(other)] != [r["draft_token"] for r in chunk_rows(sampled_rounds)[:3]]
+
+
+class Recorder(torch.nn.Module):
+    """A stop head that records every state it scores and never stops the round."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(x.detach().clone())
+        return torch.tensor(10.0)
+
+
+def test_the_stored_states_are_what_specdecpp_reads(greedy_rounds, setup):
+    """SpecDec++ at k_min = k_max = K drafts the datagen run's rounds; it scores y_1..y_{n-2} of a round of n
+    (the newest unscored, reference order; y_n never) from the drafter's post-norm states: the stored rows."""
+    pair = setup["pair"]
+    eagle = load_eagle(str(setup["eagle"]), pair)
+    engine = Engine(pair.target.model, None, pair.eos_token_ids, eagle=eagle.module)
+    side = [load_file(str(greedy_rounds / "states" / f"chunk-{c:06d}.safetensors")) for c in range(3)]
+    states = torch.cat([s["states"] for s in side])
+    offsets, base = [], 0
+    for s in side:
+        offsets += [base + int(x) for x in s["offsets"][:-1]]
+        base += int(s["offsets"][-1])
+    for r, row in enumerate(chunk_rows(greedy_rounds)):
+        head = Recorder()
+        out = engine.generate(row["input_ids"][: row["response_start"]], SpecDecPP(head, 0.5, K, K), 14)
+        assert out.tokens == row["input_ids"][row["response_start"]:]
+        drafted = {}  # round -> its candidates (one more than it stored)
+        for start in row["round_start"]:
+            drafted[start] = drafted.get(start, 1) + 1
+        keep = [offsets[r] + i for i, (start, step) in enumerate(zip(row["round_start"], row["step"]))
+                if step <= drafted[start] - 2]
+        assert len(head.seen) == len(keep)
+        torch.testing.assert_close(torch.stack(head.seen), states[keep].float(), atol=2e-3, rtol=2e-3)
+
+
+def stop_args(data, out, *extra):
+    return [f"data_dir={data}", "head=eagle_stop", "draft.path=''", f"output_dir={out}", "batch_size=2",
+            "grad_accum=1", "epochs=3", "lr=1e-2", "eval_fraction=0.25", "patience=3", "threads=1", *extra]
+
+
+@pytest.fixture(scope="module")
+def stop_head(greedy_rounds, setup):
+    out = setup["root"] / "stop"
+    assert train_main(stop_args(greedy_rounds, out, "depth=1")) == 0
+    return out / "head.safetensors"
+
+
+def test_the_stop_head_trains_and_exports_for_its_eagle_head(stop_head, setup):
+    metrics = json.loads((stop_head.parent / "best_metrics.json").read_text())
+    for key in ("eval_binary_kl", "eval_auroc", "eval_auroc_confidence", "eval_ece", "eval_brier", "eval_calibration"):
+        assert key in metrics
+    meta = read_metadata(stop_head)
+    assert meta["head_type"] == "acceptance" and meta["head_config"] == {"hidden_size": 32, "depth": 1}
+    feature = meta["feature"]
+    assert feature["model"] == "eagle" and feature["state"] == "post" and feature["position"] == "own"
+    assert feature["eagle"]["tensors_sha256"] == read_metadata(setup["eagle"])["tensors_sha256"]
+    assert meta["target"]["fingerprint"] == setup["pair"].target.fingerprint
+
+
+def test_a_linear_stop_head_is_depth_0(greedy_rounds, tmp_path):
+    assert train_main(stop_args(greedy_rounds, tmp_path / "lin", "depth=0", "w_rej=1")) == 0
+    assert read_metadata(tmp_path / "lin" / "head.safetensors")["head_config"]["depth"] == 0
+
+
+def test_eagle_stop_needs_eagle_rounds_data(tmp_path, capsys):
+    data = tmp_path / "acceptance"
+    data.mkdir()
+    (data / "manifest.json").write_text(json.dumps({"labels": "acceptance"}))
+    assert train_main(stop_args(data, tmp_path / "x")) == 2
+    assert "labels=eagle_rounds" in capsys.readouterr().err
+
+
+def decode_args(s, out, *extra):
+    return [f"target.path={s['target']}", "target.gguf_file=null", "target.device=cpu", f"prompts={s['prompts']}",
+            "max_new_tokens=12", "num_prompts=4", f"output_dir={out}", *extra]
+
+
+def outputs(out):
+    return [json.loads(x)["tokens"] for x in (out / "outputs.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def target_alone(setup):
+    out = setup["root"] / "ar"
+    assert decode_main(decode_args(setup, out, "policy=ar")) == 0
+    return outputs(out)
+
+
+@pytest.mark.parametrize("extra", [["policy=specdecpp", "h=0.5"], ["policy=specdecpp", "stop=cost", "k_max=6"],
+                                   ["policy=confidence_stop", "stop=cost", "k_max=6"]],
+                         ids=["specdecpp", "specdecpp-cost", "confidence-cost"])
+def test_heads_decode_with_the_stop_head_equals_the_target_alone(extra, stop_head, setup, target_alone, tmp_path):
+    out = tmp_path / "d"
+    head = [f"head={stop_head}"] if "policy=specdecpp" in extra else []
+    assert decode_main(decode_args(setup, out, *extra, *head, f"eagle={setup['eagle']}")) == 0
+    assert outputs(out) == target_alone
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["drafted"] > 0 and metrics["draft_forwards"] > 0
+
+
+def test_the_python_api_decodes_with_the_stop_head(stop_head, setup):
+    pair = setup["pair"]
+    eagle = load_eagle(str(setup["eagle"]), pair)
+    policy = make_policy("specdecpp", pair, head=str(stop_head), threshold=0.5, eagle=eagle)
+    got = Decoder(pair, policy, max_new_tokens=12, eagle=eagle).decode("the cat sat")
+    assert got.tokens == Decoder(pair, "ar", max_new_tokens=12).decode("the cat sat").tokens
+    assert got.stats.drafted > 0
+    other = load_eagle(str(setup["other"]), pair)
+    with pytest.raises(UserError, match="another"):
+        Decoder(pair, policy, max_new_tokens=12, eagle=other)
+    with pytest.raises(UserError, match="eagle="):
+        Decoder(pair, policy, max_new_tokens=12)
+    with pytest.raises(UserError, match="another"):
+        make_policy("specdecpp", pair, head=str(stop_head), eagle=other)
+
+
+def test_a_head_for_another_drafter_is_a_one_line_error(stop_head, setup, tiny_pair_dirs, tmp_path, capsys):
+    def fails(*extra):
+        out = tmp_path / str(len(list(tmp_path.iterdir())))
+        assert decode_main(decode_args(setup, out, "policy=specdecpp", *extra)) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1
+        return err
+
+    assert "another" in fails(f"head={stop_head}", f"eagle={setup['other']}")
+    assert "eagle=" in fails(f"head={stop_head}", f"draft.path={tiny_pair_dirs[1]}")
+    on_draft = tmp_path / "draft_head.safetensors"
+    draft = load_pair(ModelSpec(path=str(tiny_pair_dirs[0]), device="cpu"),
+                      ModelSpec(path=str(tiny_pair_dirs[1]), device="cpu")).draft
+    save_head(on_draft, AcceptanceHead(32, 0), "acceptance",
+              {"head_config": {"hidden_size": 32, "depth": 0}, "hidden_size": 32,
+               "draft": {"name": draft.name, "fingerprint": draft.fingerprint},
+               "feature": {"model": "draft", "state": "post", "layer": -1, "position": "own"}})
+    assert "draft model's states" in fails(f"head={on_draft}", f"eagle={setup['eagle']}")
+
+
+@pytest.mark.parametrize("bad, message", [("eagle=''", "eagle="), ("eagle_k=1", "eagle_k")])
+def test_bad_eagle_rounds_settings_are_one_line_errors(bad, message, setup, tmp_path, capsys):
+    assert datagen_main(rounds_args(setup, tmp_path / "x", bad)) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_an_eagle_head_for_another_target_is_a_one_line_error(setup, tmp_path, capsys):
+    alien = eagle_file(setup["pair"], tmp_path / "alien.safetensors", 0, fingerprint="sha256:another")
+    assert datagen_main(rounds_args(setup, tmp_path / "x", f"eagle={alien}")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "fingerprint" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "x" / "data").exists()

@@ -1,0 +1,152 @@
+"""Training a SpecDec++ stop head for an EAGLE drafter (``head=eagle_stop``) on ``labels=eagle_rounds`` data.
+
+No model is loaded: the datagen run decoded with the EAGLE head and stored its post-norm state at every
+labelled candidate (fp16), with the soft label ``min(1, p/q)`` (greedy: 1/0 agreement). The head is an
+:class:`~specheads.heads.AcceptanceHead` (``depth`` residual blocks; ``depth=0``: a linear confidence
+head, DSpark's, the comparison) fitted with the weighted soft BCE (``w_acc``, ``w_rej``; ``w_rej=1``:
+plain BCE). The best epoch has the lowest held-out binary KL; the held-out metrics add AUROC against the
+binarised label, ECE and Brier, and ``eval_auroc_confidence``, the AUROC of the drafter's own
+confidence ``q(y)`` (what ``policy=confidence_stop`` reads). It exports as ``head_type=acceptance``, so
+``heads-decode policy=specdecpp head=... eagle=...`` reads it; its ``feature`` names the EAGLE head it
+reads (``model: eagle`` and that head's ``tensors_sha256``), and decoding with another is an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specheads.dataset import EAGLE_ROUNDS_COLUMNS, DrafterChunkFiles, require_columns, shard_paths
+from specheads.errors import UserError
+from specheads.heads import AcceptanceHead
+
+from .config import TrainConfig
+from .loss import binary_kl, weighted_soft_bce
+from .task import calibration_metrics, describe, predict, split
+
+
+@dataclass
+class StopExample:
+    """One prompt's labelled candidates: rows ``start:end`` of the store."""
+
+    index: int
+    start: int
+    end: int
+
+
+class StopStore:
+    """Every chunk's states, labels and draft confidences in memory, and one example per prompt."""
+
+    def __init__(self, data_dir: str | Path):
+        import pyarrow.parquet as pq
+
+        root = Path(data_dir)
+        states, labels, conf, self.examples = [], [], [], []
+        base = 0
+        for path in shard_paths(root):
+            require_columns(path, EAGLE_ROUNDS_COLUMNS)
+            table = pq.read_table(str(path), columns=["label", "q_token"])
+            side = DrafterChunkFiles(root, int(path.stem.split("-")[1]))
+            t = side.load()
+            off = t["offsets"].tolist()
+            rows = table.column("label").to_pylist()
+            if len(off) != len(rows) + 1 or any(len(y) != off[i + 1] - off[i] for i, y in enumerate(rows)):
+                raise UserError(f"{side.path} does not match {path}; run heads-datagen verify output_dir={root} "
+                                "and relabel")
+            for i, y in enumerate(rows):
+                if y:
+                    self.examples.append(StopExample(len(self.examples), base + off[i], base + off[i + 1]))
+                labels += y
+            conf += [q for qs in table.column("q_token").to_pylist() for q in qs]
+            states.append(t["states"])
+            base += int(off[-1])
+        if not self.examples:
+            raise UserError(f"{data_dir} holds no labelled candidates; decode longer responses (max_new_tokens) or "
+                            "more prompts")
+        self.states = torch.cat(states)
+        self.labels = torch.tensor(labels, dtype=torch.float32)
+        self.confidence = torch.tensor(conf, dtype=torch.float32)
+
+    def rows(self, examples: list[StopExample]) -> torch.Tensor:
+        return torch.cat([torch.arange(e.start, e.end) for e in examples])
+
+    def batch(self, examples: list[StopExample], device) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self.rows(examples)
+        return self.states[idx].float().to(device), self.labels[idx].to(device)
+
+
+def _auroc(hard, scores) -> float | None:
+    from sklearn.metrics import roc_auc_score
+
+    return float(roc_auc_score(hard, scores)) if 0 < hard.sum() < len(hard) else None
+
+
+class EagleStopTask:
+    """The SpecDec++ acceptance head on an EAGLE head's stored states, from ``labels=eagle_rounds`` data."""
+
+    labels = ("eagle_rounds",)
+    head_type = "acceptance"  # policy=specdecpp reads it
+
+    def __init__(self, cfg: TrainConfig, manifest: dict, store: StopStore, device):
+        self.cfg, self.manifest, self.store, self.device = cfg, manifest, store, device
+        self.train_examples, self.eval_examples = split(store.examples, cfg.eval_fraction, cfg.seed)
+        self.weights, self.hidden = (cfg.w_acc, cfg.w_rej), int(manifest["hidden_size"])
+
+    @classmethod
+    def check(cls, cfg: TrainConfig) -> list[str]:
+        if cfg.label != "soft":
+            return [f"label={cfg.label}: head=eagle_stop trains on the stored soft labels (label=soft); expected "
+                    "and fsd labels are head=acceptance's"]
+        return []
+
+    @classmethod
+    def setup(cls, cfg: TrainConfig, manifest: dict, acc) -> EagleStopTask:
+        if "eagle_rounds" not in manifest:
+            raise UserError(f"{cfg.data_dir}/manifest.json has no eagle_rounds section; relabel with heads-datagen "
+                            "labels=eagle_rounds")
+        return cls(cfg, manifest, StopStore(cfg.data_dir), acc.device)
+
+    @staticmethod
+    def summary(cfg: TrainConfig, metrics: dict) -> str:
+        return (f"eval binary KL {metrics.get('eval_binary_kl', float('nan')):.4f}, AUROC {metrics.get('eval_auroc')} "
+                f"(the drafter's confidence q(y): {metrics.get('eval_auroc_confidence')})")
+
+    def build_head(self) -> AcceptanceHead:
+        torch.manual_seed(self.cfg.seed)
+        return AcceptanceHead(self.hidden, self.cfg.depth)
+
+    def batch(self, examples: list, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.store.batch(examples, self.device)
+
+    @torch.no_grad()
+    def evaluate(self, head: torch.nn.Module, examples: list) -> dict:
+        """Unweighted binary KL, weighted loss, AUROC (the head's and the draft confidence's) and calibration."""
+        cfg = self.cfg
+        x, y = predict(head, examples, cfg.batch_size, lambda batch: self.batch(batch, 0))
+        hard = (y >= 0.5).cpu().numpy()
+        conf = self.store.confidence[self.store.rows(examples)].numpy()
+        return {"eval_binary_kl": float(binary_kl(y, x)),
+                "eval_weighted_loss": float(weighted_soft_bce(x, y, cfg.w_acc, cfg.w_rej)),
+                "eval_auroc": _auroc(hard, x.cpu().numpy()), "eval_auroc_confidence": _auroc(hard, conf),
+                "eval_tokens": int(y.numel()), "eval_label_mean": float(y.mean()), **calibration_metrics(x, y)}
+
+    def score(self, metrics: dict) -> float:
+        return metrics["eval_binary_kl"]
+
+    def metadata(self, metrics: dict) -> dict:
+        rounds = self.manifest["eagle_rounds"]
+        eagle = rounds["eagle"]
+        feature = {**rounds["feature"], "eagle": {"file": eagle.get("file"), "tensors_sha256": eagle["tensors_sha256"]}}
+        return describe(self.cfg, self.manifest, self.hidden, metrics, label="soft", feature=feature,
+                        eagle_rounds={"k": rounds["k"]})
+
+    def models(self) -> dict[str, tuple]:
+        return {}  # the states were stored by the datagen run
+
+    def companions(self, out: Path) -> list[tuple[str, TrainConfig]]:
+        return []
+
+    def report(self, out: Path, acc, best: dict) -> dict:
+        return {}
