@@ -5,6 +5,7 @@ pair's cost table (:func:`pair_costs`) live in :mod:`.policy_factory` and are re
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
 
@@ -123,7 +124,11 @@ class Decoder:
             self.draft_generator = torch.Generator(device=pair.draft.device)
 
     def _stream(self, index: int) -> int:
-        return ((self.seed & 0xFFFFFFFF) << 32) | (index & 0x7FFFFFFF)
+        """The seed of prompt ``index``'s draws: a hash of ``(seed, index)`` in 31 bits (a CPU generator keeps only
+        a seed's low 32 bits, so packing the run's seed into the high ones would leave every seed the same
+        stream; bit 31 stays free for the draft's own stream)."""
+        digest = hashlib.blake2b(f"{self.seed}:{index}".encode(), digest_size=4).digest()
+        return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
     def _tokenizer(self):
         # The draft alone speaks its own tokenizer; every other policy emits the target's tokens.

@@ -73,6 +73,16 @@ def test_sampled_decode_is_seeded(tiny_pair_dirs, prompts_file, tmp_path):
     assert runs[0] == runs[1]
 
 
+def test_another_seed_gives_other_draws(tiny_pair_dirs, prompts_file, tmp_path):
+    """The run's seed reaches the draws (a CPU generator keeps only a seed's low 32 bits)."""
+    runs = []
+    for seed in (1, 2):
+        out = tmp_path / f"s{seed}"
+        assert main(_args(tiny_pair_dirs, prompts_file, out, "sampling.do_sample=true", f"seed={seed}")) == 0
+        runs.append([json.loads(x)["tokens"] for x in (out / "outputs.jsonl").read_text().splitlines()])
+    assert runs[0] != runs[1]
+
+
 def test_python_api(tiny_pair_dirs):
     t, d = tiny_pair_dirs
     pair = load_pair(ModelSpec(path=str(t), device="cpu"), ModelSpec(path=str(d), device="cpu"))
