@@ -15,7 +15,7 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import BigramLM, bigram, perturbed_copy, tiny_llama
-from specheads.export.shim import engine as engine_mod
+from specheads.export.shim import drafting as engine_mod  # where every drafter draws its candidates
 from specheads.export.shim.batch_engine import BatchEngine, BatchJob
 from specheads.export.shim.batch_kv import BatchRunner
 from specheads.export.shim.costs import CostTable

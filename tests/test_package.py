@@ -44,6 +44,8 @@ def test_every_head_type_has_the_exported_parameter_names():
     want = {"blocks.0.linear.weight", "blocks.0.linear.bias", "blocks.1.linear.weight", "blocks.1.linear.bias",
             "out.weight", "out.bias"}
     for name, cls in HEADS.items():
+        if name == "eagle":  # a draft head, not a residual MLP: tests/test_speculators.py covers its layout
+            continue
         head = cls(8, depth=2)
         assert set(head.state_dict()) == want, name
         assert cls(**head.config()).config() == head.config()

@@ -102,8 +102,8 @@ def test_uncapped_run_sizes_caches_from_the_round(tiny_pair, monkeypatch, logit,
     made = []
     make_runner = engine_module.make_runner
 
-    def recording(model, hidden, vocab_size, capacity, fused):
-        runner = make_runner(model, hidden, vocab_size, capacity, fused)
+    def recording(model, hidden, vocab_size, capacity, fused, **kwargs):
+        runner = make_runner(model, hidden, vocab_size, capacity, fused, **kwargs)
         made.append((capacity, runner))
         return runner
 

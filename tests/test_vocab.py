@@ -13,7 +13,7 @@ from specheads.datagen import vocab as vocab_cli
 from specheads.datagen.cli import main as datagen_main
 from specheads.errors import UserError
 from specheads.export.package import check_draft_vocab, check_head_against_pair
-from specheads.export.shim import engine as engine_mod
+from specheads.export.shim import drafting as engine_mod  # where every drafter draws its candidates
 from specheads.export.shim.engine import Engine
 from specheads.export.shim.fused import unfuse
 from specheads.export.shim.kv import make_runner
