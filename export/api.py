@@ -220,7 +220,8 @@ class Decoder:
 
 
 def load_eagle(head, pair: Pair):
-    """An EAGLE head (a path or a loaded head), checked against the pair's target."""
+    """An EAGLE head (a path or a loaded head), checked against the pair's target, on its device and in its dtype
+    (a head exported in bf16 to keep the file small drafts in the target's precision)."""
     from .package import LoadedHead, check_head_against_pair, load_head
 
     loaded = head if isinstance(head, LoadedHead) else load_head(head, device=pair.target.device)
@@ -228,7 +229,7 @@ def load_eagle(head, pair: Pair):
         raise UserError(f"eagle= needs an EAGLE head (heads-train head=eagle); this one is "
                         f"head_type={loaded.metadata.get('head_type')!r}")
     check_head_against_pair(loaded.metadata, pair)
-    loaded.module.to(pair.target.device)
+    loaded.module.to(device=pair.target.device, dtype=pair.target.model.dtype)
     return loaded
 
 
