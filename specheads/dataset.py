@@ -215,9 +215,11 @@ class DrafterChunkFiles:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
         os.replace(tmp, self.path)
 
-    def load(self) -> dict:
-        from safetensors.torch import load_file
+    def load(self, skip: tuple[str, ...] = ()) -> dict:
+        """Every tensor but those named in ``skip`` (``skip=("states",)``: what a standalone draft reads)."""
+        from safetensors import safe_open
 
         if not self.path.is_file():
             raise UserError(f"{self.path} is missing; run heads-datagen verify on its output_dir")
-        return load_file(str(self.path))
+        with safe_open(str(self.path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys() if k not in skip}

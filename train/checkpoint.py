@@ -72,7 +72,12 @@ def save(out_dir: Path, step: int, model: torch.nn.Module, optimizer, scheduler,
     its full weights (gathered under ZeRO-3).
     """
     out_dir = Path(out_dir)
-    tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    tensors, seen = {}, set()
+    for k, v in model.state_dict().items():
+        v = v.detach().cpu().contiguous()
+        shared = v.numel() > 0 and v.untyped_storage().data_ptr() in seen  # a tied weight (a draft's output layer)
+        seen.add(v.untyped_storage().data_ptr())
+        tensors[f"model.{k}"] = v.clone() if shared else v  # safetensors refuses tensors that share memory
     opt = optimizer.state_dict() if optimizer is not None else {"state": {}, "param_groups": []}
     scalars = {}
     split_state(opt["state"], "optim.", tensors, scalars)

@@ -3,13 +3,16 @@
     heads-train recipe=quickstart
     heads-train recipe=fsd_head_quickstart fsd_label=js@0.4     # an FSD acceptance head (label=fsd)
     heads-train recipe=sprinter_quickstart                      # head=verifier (alias sprinter)
+    heads-train head=draft data_dir=runs/drafter draft_init=truncate:4 lr=1e-3   # a distilled draft model
     accelerate launch --multi_gpu --num_processes 2 -m specheads.train.cli recipe=quickstart
 
 Writes ``head.safetensors`` (the best epoch's head with its metadata, ready for
 ``heads-decode policy=specdecpp head=...`` or ``policy=sprinter``), ``best_metrics.json``,
 ``metrics.jsonl`` (each epoch's held-out figures, calibration included: ``eval_ece``, ``eval_brier``,
 the reliability bins), ``reliability.png`` (the best epoch's reliability diagram), for the verifier also ``metrics.json`` (ROC, AUROC, TPR/FPR at eta, alpha) and
-``roc.png`` (one curve per ``roc_lambdas`` value, each from its own head in ``lambda-<x>/``),
+``roc.png`` (one curve per ``roc_lambdas`` value, each from its own head in ``lambda-<x>/``); head=draft
+writes ``draft/`` instead of the head file (a Hugging Face model directory with ``specheads.json``) and
+``metrics.json`` (held-out agreement and expected acceptance before and after training),
 ``checkpoint-<step>/`` + ``latest`` (at epoch ends and, with ``checkpoint_every=N``, every N
 optimizer steps; resume by running the same command again, with as many processes),
 ``config.yaml`` and ``manifest.json`` (with the run's ``numerics``: threads per process, process
@@ -88,8 +91,9 @@ def run(cfg: TrainConfig) -> int:
     out = prepare_output_dir(cfg.output_dir, to_yaml(cfg), overwrite=cfg.overwrite)
     with use_threads(cfg.threads):  # before any model work: the thread count changes the last bits
         metrics = train(cfg, Path(out), fresh=fresh)
-    write_manifest(out, command=PROG, data_dir=cfg.data_dir, head="head.safetensors", **metrics)
-    log.info("%s -> %s", task_type(cfg.head).summary(cfg, metrics), Path(out) / "head.safetensors")
+    artifact = getattr(task_type(cfg.head), "artifact", "head.safetensors")  # head=draft: a model directory
+    write_manifest(out, command=PROG, data_dir=cfg.data_dir, head=artifact, **metrics)
+    log.info("%s -> %s", task_type(cfg.head).summary(cfg, metrics), Path(out) / artifact)
     return 0
 
 

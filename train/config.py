@@ -10,17 +10,21 @@ from specheads.export.shim.models import ModelSpec
 @dataclass
 class TrainConfig:
     """Fit a head on ``heads-datagen`` output: the SpecDec++ acceptance head (weighted soft BCE on
-    ``labels=acceptance`` data, or on the FSD decisions of ``labels=fsd`` data) or the SPRINTER
-    verifier (class-weighted BCE on ``labels=sprinter`` data)."""
+    ``labels=acceptance`` data, or on the FSD decisions of ``labels=fsd`` data), the SPRINTER
+    verifier (class-weighted BCE on ``labels=sprinter`` data), the Judge head, an EAGLE-3-style draft
+    head or a standalone draft model distilled on the target's own responses (``labels=drafter``)."""
 
-    data_dir: str = field(default="", metadata={"help": "output_dir of heads-datagen (head=judge and head=eagle: several comma-separated data sets of one target are mixed)"})
+    data_dir: str = field(default="", metadata={"help": "output_dir of heads-datagen (head=judge, eagle and draft: several comma-separated data sets of one target are mixed)"})
     draft: ModelSpec = field(default_factory=ModelSpec)
-    target: ModelSpec = field(default_factory=ModelSpec, metadata={"help": "head=eagle: the target whose states the head reads (its embeddings, final norm and output layer initialise the head)"})
-    head: str = field(default="acceptance", metadata={"help": "acceptance (SpecDec++; alias specdecpp) | verifier (SPRINTER; alias sprinter) | judge (Judge decoding, on labels=judge data; needs no model) | eagle (an EAGLE-3-style draft head on the target's states, on labels=drafter data) | eagle_stop (a SpecDec++ stop head on an EAGLE head's stored states, on labels=eagle_rounds data; needs no model; exports head_type=acceptance for policy=specdecpp eagle=...)"})
+    target: ModelSpec = field(default_factory=ModelSpec, metadata={"help": "head=eagle: the target whose states the head reads (its embeddings, final norm and output layer initialise the head); head=draft: the target the data was written with (draft_init=truncate:N copies its layers)"})
+    head: str = field(default="acceptance", metadata={"help": "acceptance (SpecDec++; alias specdecpp) | verifier (SPRINTER; alias sprinter) | judge (Judge decoding, on labels=judge data; needs no model) | eagle (an EAGLE-3-style draft head on the target's states, on labels=drafter data) | draft (a standalone draft model distilled on the target's top-k distributions along its own responses, DistillSpec; on labels=drafter data; writes a Hugging Face model directory draft/) | eagle_stop (a SpecDec++ stop head on an EAGLE head's stored states, on labels=eagle_rounds data; needs no model; exports head_type=acceptance for policy=specdecpp eagle=...)"})
     ttt_steps: int = field(default=3, metadata={"help": "eagle: training-time test, draft steps unrolled on the head's own states (1: step 1 only)"})
     ttt_decay: float = field(default=0.8, metadata={"help": "eagle: step j's loss weight is ttt_decay ** (j - 1)"})
-    vocab_file: str | None = field(default=None, metadata={"help": "eagle: a heads-vocab ranking for the pruned output layer (null: rank the training responses' tokens)"})
-    vocab_top_n: int = field(default=8192, metadata={"help": "eagle: rows of the pruned output layer (EOS always kept)"})
+    vocab_file: str | None = field(default=None, metadata={"help": "eagle: a heads-vocab ranking for the pruned output layer (null: rank the training responses' tokens); draft: train the draft as it decodes with draft.vocab_file=<this> (FR-Spec; null: the full vocabulary)"})
+    vocab_top_n: int = field(default=8192, metadata={"help": "eagle, draft (with vocab_file): rows of the pruned output layer (EOS always kept)"})
+    draft_init: str | None = field(default=None, metadata={"help": "draft: where the draft starts: truncate:N (the target's embeddings, first N decoder layers, final norm and output layer) | a Hugging Face model directory to continue from | null: draft.path"})
+    divergence: str = field(default="fkl", metadata={"help": "draft: fkl (KL(p||q)) | rkl (KL(q||p)) | js (Jensen-Shannon) | tvd (total variation), between target p and draft q over the target's top-k tokens plus one bucket for every other token"})
+    freeze_embeddings: bool = field(default=False, metadata={"help": "draft: keep the input embeddings and the output layer (one matrix when tied) as initialised"})
     depth: int = field(default=3, metadata={"help": "residual blocks D (0 = linear; the SPRINTER verifier is linear; eagle_stop with 0: DSpark's linear confidence head)"})
     lam: float = field(default=1.0, metadata={"help": "verifier: label 1 when q(x) <= lam * p(x)"})
     feature: str = field(default="previous", metadata={"help": "verifier: previous | current | previous+embedding (draft state before x, after x, or before x + x's input embedding)"})

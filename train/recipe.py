@@ -5,7 +5,8 @@ says which examples, which features and labels, how to build, evaluate, select a
 head, and what to report after training: the SpecDec++ acceptance head (``acceptance_task.py``),
 the SPRINTER verifier (``verifier_task.py``), the Judge head (``judge_task.py``). The loss is the
 weighted BCE with the task's class weights (a task with its own ``loss``, the EAGLE draft head
-(``eagle_task.py``), brings that instead); the best epoch's head is ``head.safetensors``.
+(``eagle_task.py``), brings that instead); the best epoch's head is ``head.safetensors``, or what the
+task's own ``save`` writes (the standalone draft, ``distill_task.py``: a model directory ``draft/``).
 
 Data parallel under ``accelerate launch`` (DDP, DeepSpeed ZeRO 1-3, ``zero.py``): every process
 draws the same seeded epoch permutation and takes every ``world``-th micro-batch of it, so the
@@ -25,6 +26,7 @@ import logging
 import math
 import os
 import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -75,10 +77,10 @@ def data_manifest(cfg: TrainConfig) -> dict:
             raise UserError(f"{path} not found; data_dir must be a finished heads-datagen output_dir")
         manifests.append(json.loads(path.read_text()))
     if len(dirs) > 1:
-        mixable = {"judge": "judge", "eagle": "drafter"}
+        mixable = {"judge": "judge", "eagle": "drafter", "draft": "drafter"}
         if cfg.head not in mixable or any(m.get("labels") != mixable[cfg.head] for m in manifests):
             raise UserError(f"data_dir={cfg.data_dir}: several data sets are mixed only for head=judge (labels=judge) "
-                            "and head=eagle (labels=drafter)")
+                            "and head=eagle or draft (labels=drafter)")
         first = manifests[0]
         for d, m in zip(dirs[1:], manifests[1:]):
             if ((m.get("target") or {}).get("fingerprint") != (first.get("target") or {}).get("fingerprint")
@@ -109,8 +111,8 @@ def train(cfg: TrainConfig, out: Path, fresh: bool = False) -> dict:
     if _any_rank(acc, fresh):
         if acc.is_main_process:
             checkpoint.clear(out)
-            for name in ("head.safetensors", "best_metrics.json"):
-                (out / name).unlink(missing_ok=True)
+            for name in (getattr(kind, "artifact", "head.safetensors"), "head.safetensors", "best_metrics.json"):
+                shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink(missing_ok=True)
         acc.wait_for_everyone()
     task = kind.setup(cfg, manifest, acc)
     best, numerics = _fit(cfg, out, acc, task)
@@ -234,8 +236,11 @@ def _fit(cfg: TrainConfig, out: Path, acc, task: Task) -> tuple[dict, dict]:
                 progress["bad_epochs"] += 1
             with zero.full_weights(raw, zero3):
                 if improved and acc.is_main_process:
-                    save_head(out / "head.safetensors", raw, task.head_type,
-                              {"head_config": raw.config(), **task.metadata(final)})
+                    if hasattr(task, "save"):  # a task that writes something else (head=draft: a model directory)
+                        task.save(out, raw, final)
+                    else:
+                        save_head(out / "head.safetensors", raw, task.head_type,
+                                  {"head_config": raw.config(), **task.metadata(final)})
                     atomic_write_json(out / "best_metrics.json", final)
             progress["epoch"] += 1
             progress["position"] = 0

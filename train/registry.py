@@ -5,6 +5,7 @@ from __future__ import annotations
 from specheads.errors import UserError
 
 from .acceptance_task import AcceptanceTask
+from .distill_task import DraftTask
 from .eagle_stop_task import EagleStopTask
 from .eagle_task import EagleTask
 from .judge_task import JudgeTask
@@ -12,7 +13,7 @@ from .task import Task
 from .verifier_task import VerifierTask
 
 TASKS: dict[str, type[Task]] = {"acceptance": AcceptanceTask, "verifier": VerifierTask, "judge": JudgeTask,
-                                 "eagle": EagleTask, "eagle_stop": EagleStopTask}
+                                 "eagle": EagleTask, "draft": DraftTask, "eagle_stop": EagleStopTask}
 # the algorithms' names, as heads-datagen labels= and heads-decode policy= spell them
 ALIASES = {"specdecpp": "acceptance", "sprinter": "verifier"}
 
@@ -26,5 +27,5 @@ def task_type(head: str) -> type[Task]:
     """The task ``head=`` names; UserError for an unknown name."""
     if canonical(head) not in TASKS:
         raise UserError(f"head={head!r}: choose acceptance (SpecDec++; alias specdecpp), verifier (SPRINTER; "
-                        "alias sprinter), judge, eagle or eagle_stop")
+                        "alias sprinter), judge, eagle, draft or eagle_stop")
     return TASKS[canonical(head)]
