@@ -156,6 +156,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--eagle", required=True, help="exported EAGLE head (heads-export output or head.safetensors)")
     ap.add_argument("--distilled", default="", help="a distilled draft's Hugging Face directory (heads-train head=draft)")
+    ap.add_argument("--distilled-vocab", default="", help="the heads-vocab ranking a distilled draft was trained pruned "
+                                                         "with (its draft/vocab.json or the run's vocab_file); top 8192")
     ap.add_argument("--stop-head", default="", help="a SpecDec++ head trained on the EAGLE head's rounds")
     ap.add_argument("--confidence-head", default="", help="a linear confidence head on the EAGLE head's state")
     ap.add_argument("--gsm8k-n", type=int, default=32)
@@ -186,7 +188,8 @@ def main(argv=None) -> int:
     if args.distilled:
         dpair = load_pair(ModelSpec(path=str(SHARED / "models/smollm2-135m-instruct"),
                                     gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", device="cpu"),
-                          ModelSpec(path=args.distilled, device="cpu"))
+                          ModelSpec(path=args.distilled, device="cpu", vocab_file=args.distilled_vocab or None,
+                                    vocab_top_n=8192 if args.distilled_vocab else None))
         distilled = Engine(pair.target.model, dpair.draft.model, pair.eos_token_ids)
         tables["distilled"] = pair_costs(dpair, k_top)
         configs.update({f"distilled_k{k}": (lambda ids, k=k: distilled.generate(ids, StandardSD(k), mx)) for k in dks})
