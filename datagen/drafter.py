@@ -136,7 +136,20 @@ def summarise(out: Path) -> dict:
             "disk_mb_per_100k_tokens": round(disk / tokens * 1e5 / 2**20, 1) if tokens else None}
 
 
-class DrafterLabeller(Labeller):
+class StatesLabeller(Labeller):
+    """A family whose chunks keep their tensors in a :class:`~specheads.dataset.DrafterChunkFiles` side file."""
+
+    def side_files(self, out: Path, chunk: int) -> tuple[Path, ...]:
+        return (DrafterChunkFiles(out, chunk).path,)
+
+    def shard_entry(self, out: Path, chunk: int) -> dict:
+        from specheads.outputs import file_sha256
+
+        path = DrafterChunkFiles(out, chunk).path
+        return {"states": {"file": f"states/{path.name}", "bytes": path.stat().st_size, "sha256": file_sha256(path)}}
+
+
+class DrafterLabeller(StatesLabeller):
     """``labels=drafter``: the target's responses, its states at chosen layers and its top-k distributions."""
 
     def problems(self, cfg) -> list[str]:
@@ -163,15 +176,6 @@ class DrafterLabeller(Labeller):
 
     def label_chunk(self, job: Job, items: list, chunk: int) -> Labelled:
         return label_chunk(job, items, chunk)
-
-    def side_files(self, out: Path, chunk: int) -> tuple[Path, ...]:
-        return (DrafterChunkFiles(out, chunk).path,)
-
-    def shard_entry(self, out: Path, chunk: int) -> dict:
-        from specheads.outputs import file_sha256
-
-        path = DrafterChunkFiles(out, chunk).path
-        return {"states": {"file": f"states/{path.name}", "bytes": path.stat().st_size, "sha256": file_sha256(path)}}
 
     def summarise(self, cfg, out: Path, models: dict) -> tuple[dict, dict]:
         stats = summarise(out)

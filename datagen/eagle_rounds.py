@@ -37,7 +37,8 @@ from specheads.export.shim.engine import Engine
 from specheads.export.shim.policies import Policy, Round, Verdict, standard_verify
 from specheads.export.shim.sampling import probs_from_logits
 
-from .labelling import Job, Labelled, Labeller, skip_record
+from .drafter import StatesLabeller
+from .labelling import Job, Labelled, skip_record
 
 PER_CANDIDATE = ("round_start", "step", "draft_token", "q_token", "p_token", "label", "outcome")
 FEATURE = {"model": "eagle", "state": "post", "layer": -1, "position": "own"}
@@ -124,7 +125,7 @@ def stream(seed: int, index: int) -> int:
     return int.from_bytes(hashlib.sha256(f"eagle_rounds:{seed}:{index}".encode()).digest()[:8], "little") >> 1
 
 
-class EagleRoundsLabeller(Labeller):
+class EagleRoundsLabeller(StatesLabeller):
     """``labels=eagle_rounds``: per prompt, SD with the EAGLE head at ``k = eagle_k``; every candidate's label,
     draft and target probabilities, and the head's state at its position."""
 
@@ -185,15 +186,6 @@ class EagleRoundsLabeller(Labeller):
         DrafterChunkFiles(cfg.output_dir, chunk).write(
             {"states": torch.cat(states) if states else torch.zeros(0, width, dtype=torch.float16), "offsets": offsets})
         return Labelled(cols, labelled, skipped)
-
-    def side_files(self, out: Path, chunk: int) -> tuple[Path, ...]:
-        return (DrafterChunkFiles(out, chunk).path,)
-
-    def shard_entry(self, out: Path, chunk: int) -> dict:
-        from specheads.outputs import file_sha256
-
-        path = DrafterChunkFiles(out, chunk).path
-        return {"states": {"file": f"states/{path.name}", "bytes": path.stat().st_size, "sha256": file_sha256(path)}}
 
     def summarise(self, cfg, out: Path, models: dict) -> tuple[dict, dict]:
         from specheads.export.package import read_metadata

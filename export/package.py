@@ -90,6 +90,19 @@ def read_metadata(path: str | Path) -> dict:
     return read_header(head_file(path))
 
 
+def fill(module: torch.nn.Module, tensors: dict[str, torch.Tensor], misfit: str) -> torch.nn.Module:
+    """``module`` holding ``tensors``, in the precision they were exported in; UserError ``misfit: <reason>`` when
+    they do not fit it."""
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(dtypes) == 1:
+        module = module.to(dtypes.pop())
+    try:
+        module.load_state_dict(tensors)
+    except RuntimeError as err:
+        raise UserError(f"{misfit}: {str(err).splitlines()[0]}") from err
+    return module
+
+
 def load_head(path: str | Path, pair=None, sampling=None, strict: bool = False,
               device: torch.device | str = "cpu", eagle: dict | None = None) -> LoadedHead:
     """Loads an exported head and checks it against the loaded pair and sampling settings.
@@ -113,15 +126,8 @@ def load_head(path: str | Path, pair=None, sampling=None, strict: bool = False,
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     if _digest(tensors) != meta.get("tensors_sha256"):
         raise UserError(f"head file {str(path)!r} was modified after export (tensor checksum differs); re-export it")
-    module = HEADS[meta["head_type"]](**meta.get("head_config", {}))
-    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
-    if len(dtypes) == 1:  # keep the precision it was exported in
-        module = module.to(dtypes.pop())
-    try:
-        module.load_state_dict(tensors)
-    except RuntimeError as err:
-        raise UserError(f"head file {str(path)!r} does not fit head_type={meta['head_type']!r}: "
-                        f"{str(err).splitlines()[0]}") from err
+    module = fill(HEADS[meta["head_type"]](**meta.get("head_config", {})), tensors,
+                  f"head file {str(path)!r} does not fit head_type={meta['head_type']!r}")
     if pair is not None:
         check_head_against_pair(meta, pair, eagle)
     if sampling is not None:

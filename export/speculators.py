@@ -61,7 +61,7 @@ from specheads.errors import UserError
 from specheads.heads.eagle import EagleHead
 
 from .header import FORMAT_VERSION
-from .package import LoadedHead, _digest
+from .package import LoadedHead, _digest, fill
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
@@ -221,14 +221,7 @@ def read(directory: str | Path, device: torch.device | str = "cpu") -> LoadedHea
         if t2d is not None and not torch.equal(t2d.nonzero().flatten(), ids.sort().values):
             raise UserError(f"{d}: t2d and d2t name different target tokens; re-export the head")
     loaded["vocab_ids"] = ids
-    dtypes = {t.dtype for t in loaded.values() if t.is_floating_point()}
-    if len(dtypes) == 1:
-        module = module.to(dtypes.pop())
-    try:
-        module.load_state_dict(loaded)
-    except RuntimeError as err:
-        raise UserError(f"{d / WEIGHTS} does not fit an EAGLE head of its config.json: "
-                        f"{str(err).splitlines()[0]}") from err
+    module = fill(module, loaded, f"{d / WEIGHTS} does not fit an EAGLE head of its config.json")
     meta = dict(cfg.get("specheads") or {"format_version": FORMAT_VERSION, "head_type": "eagle",
                                           "hidden_size": args["hidden_size"]})
     want = meta.get("tensors_sha256")
