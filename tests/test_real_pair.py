@@ -69,9 +69,9 @@ def test_sprinter_without_run_cap_decodes(real_pair, tmp_path, monkeypatch):
     caps = []
     make_runner = engine_module.make_runner
 
-    def recording(model, hidden, vocab_size, capacity, fused):
+    def recording(model, hidden, vocab_size, capacity, fused, **kwargs):
         caps.append(capacity)
-        return make_runner(model, hidden, vocab_size, capacity, fused)
+        return make_runner(model, hidden, vocab_size, capacity, fused, **kwargs)
 
     monkeypatch.setattr(engine_module, "make_runner", recording)
     monkeypatch.setenv("SPECHEADS_SHARED", str(SHARED))
