@@ -25,7 +25,7 @@ import torch
 from specheads.errors import UserError
 
 from .drafting import take_candidate
-from .eagle_cache import EagleCache, EagleStepRunner  # noqa: F401  (EagleStepRunner re-exported)
+from .eagle_cache import EagleCache, EagleStepRunner, full_scores  # noqa: F401  (EagleStepRunner re-exported)
 from .stats import GenerationStats, count_tokens
 
 
@@ -64,6 +64,7 @@ class EagleDrafter:
         self.width = verifier.vocab_size or target.get_output_embeddings().weight.shape[0]
         self.fed = 0  # entries fed with the target's states (positions 0..fed-1)
         self.pending: list[tuple[int, torch.Tensor]] = []  # (first position, states) not fed yet
+        self.passes = verifier.forwards  # the verifier's passes whose states were taken
         self.forwards = 0
 
     def draft(self, rnd, seq: list[int], room: int) -> None:
@@ -94,19 +95,16 @@ class EagleDrafter:
     def _logits(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The candidate's scores over the whole vocabulary (``-inf`` outside the head's) and its state."""
         post = self.head.norm(a)
-        small = self.head.lm_head(post).float()
-        full = small.new_full((self.width,), float("-inf"))
-        full.index_copy_(0, self.vocab, small)
         hidden = {"pre": a, "post": post}.get(self.policy.draft_hidden)
-        return full, hidden
+        return full_scores(self.head, self.vocab, post, self.width), hidden
 
     def commit(self, seq: list[int], new: list[int], kept: int) -> None:
         """Keeps the target states of the pass that just ran (positions up to ``len(seq) - 2``)."""
         v = self.verifier
-        states, start = getattr(v, "aux_states", None), getattr(v, "aux_start", None)
-        if states is None or start is None or getattr(v, "_eagle_seen", None) == v.forwards:
+        if v.forwards == self.passes or v.aux_states is None:
             return  # no new pass this round
-        v._eagle_seen = v.forwards
+        self.passes = v.forwards
+        states, start = v.aux_states, v.aux_start
         usable = len(seq) - 1 - start
         if usable > 0:
             self.pending.append((start, states[:usable]))

@@ -40,6 +40,14 @@ class EagleCache:
         return self.head.finish(attn, h)
 
 
+def full_scores(head, vocab: torch.Tensor, post: torch.Tensor, width: int) -> torch.Tensor:
+    """The head's scores for final-norm states ``post`` ``[..., d]`` over the whole vocabulary ``[..., width]``
+    (fp32; ``-inf`` outside the head's rows ``vocab``, as a pruned draft's)."""
+    small = head.lm_head(post).float()
+    full = small.new_full((*small.shape[:-1], width), float("-inf"))
+    return full.index_copy_(full.dim() - 1, vocab, small)
+
+
 class EagleStepRunner:
     """An EAGLE head's draft step behind the model runners' interface (``forward``/``trim``/``close``), so the
     cost table times it as it times a draft model's forward: each fed token joins the previous step's state."""
@@ -64,9 +72,7 @@ class EagleStepRunner:
         self.forwards += 1
         if not n_logits:
             return a.new_zeros(0, self.width), None
-        small = self.head.lm_head(self.head.norm(a[0, -n_logits:])).float()
-        full = small.new_full((small.shape[0], self.width), float("-inf"))
-        return full.index_copy_(1, self.vocab, small), None
+        return full_scores(self.head, self.vocab, self.head.norm(a[0, -n_logits:]), self.width), None
 
     def trim(self, length: int) -> None:
         self.cache.length = min(self.cache.length, max(int(length), 0))
