@@ -93,11 +93,30 @@ def test_same_seed_same_head(trained, drafter_data, tiny_pair_dirs, tmp_path):
 
 
 @pytest.mark.parametrize("bad, message", [("ttt_steps=0", "ttt_steps"), ("vocab_top_n=0", "vocab_top_n"),
-                                          ("target.path=", "target.path")])
+                                          ("target.path=", "target.path"),
+                                          ("init_head=/no/such/head.safetensors", "init_head")])
 def test_bad_settings_are_one_line_errors(bad, message, drafter_data, tiny_pair_dirs, tmp_path, capsys):
     assert train_main(eagle_args(tiny_pair_dirs, drafter_data[1], tmp_path / "x", bad)) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_init_head_continues_from_a_trained_head(trained, drafter_data, tiny_pair_dirs, tmp_path):
+    """With a vanishing learning rate the run's head is the head it started from (weights and vocabulary subset),
+    not the head the target's own layers start."""
+    start = trained / "head.safetensors"
+    out = tmp_path / "more"
+    assert train_main(eagle_args(tiny_pair_dirs, drafter_data[1], out, f"init_head={start}", "lr=1e-12", "epochs=1")) == 0
+    a, b = load_file(str(start)), load_file(str(out / "head.safetensors"))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k].float(), b[k].float(), atol=1e-6) for k in a)
+    fresh = load_file(str(_fresh_head(tiny_pair_dirs, drafter_data, tmp_path)))  # the same run without init_head
+    assert not torch.allclose(fresh["fc.weight"].float(), a["fc.weight"].float(), atol=1e-3)
+
+
+def _fresh_head(tiny_pair_dirs, drafter_data, tmp_path):
+    out = tmp_path / "fresh"
+    assert train_main(eagle_args(tiny_pair_dirs, drafter_data[1], out, "lr=1e-12", "epochs=1")) == 0
+    return out / "head.safetensors"
 
 
 def test_heads_decode_with_the_head_equals_the_target_alone(trained, tiny_pair_dirs, drafter_data, tmp_path):

@@ -22,6 +22,7 @@ class TrainConfig:
     ttt_decay: float = field(default=0.8, metadata={"help": "eagle: step j's loss weight is ttt_decay ** (j - 1)"})
     vocab_file: str | None = field(default=None, metadata={"help": "eagle: a heads-vocab ranking for the pruned output layer (null: rank the training responses' tokens); draft: train the draft as it decodes with draft.vocab_file=<this> (FR-Spec; null: the full vocabulary)"})
     vocab_top_n: int = field(default=8192, metadata={"help": "eagle, draft (with vocab_file): rows of the pruned output layer (EOS always kept)"})
+    init_head: str | None = field(default=None, metadata={"help": "eagle: start from this EAGLE head (a heads-train or heads-export head.safetensors of the same target and layers; its vocabulary subset is kept) instead of the target's last layer: continue training on more data"})
     draft_init: str | None = field(default=None, metadata={"help": "draft: where the draft starts: truncate:N (the target's embeddings, first N decoder layers, final norm and output layer) | a Hugging Face model directory to continue from | null: draft.path"})
     divergence: str = field(default="fkl", metadata={"help": "draft: fkl (KL(p||q)) | rkl (KL(q||p)) | js (Jensen-Shannon) | tvd (total variation), between target p and draft q over the target's top-k tokens plus one bucket for every other token"})
     freeze_embeddings: bool = field(default=False, metadata={"help": "draft: keep the input embeddings and the output layer (one matrix when tied) as initialised"})

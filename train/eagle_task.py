@@ -34,9 +34,10 @@ class EagleTask:
     weights = (1.0, 1.0)  # unused: the loss is its own
 
     def __init__(self, cfg: TrainConfig, manifest: dict, seqs: list, layers: list[int], vocab_ids: list[int],
-                 target, device):
+                 target, device, init: dict[str, torch.Tensor] | None = None):
         self.cfg, self.manifest, self.seqs, self.layers, self.device = cfg, manifest, seqs, layers, device
         self.vocab_ids = vocab_ids
+        self.init = init
         self.target = target
         model = target.model
         self.embed = model.get_input_embeddings().weight.detach().float().contiguous().to(device)
@@ -58,6 +59,10 @@ class EagleTask:
             out.append(f"vocab_top_n={cfg.vocab_top_n} must be >= 1")
         if not cfg.target.path:
             out.append("head=eagle needs the target (target.path): its embeddings and layers start the head")
+        if cfg.init_head and cfg.vocab_file:
+            out.append("init_head keeps the vocabulary subset of the head it starts from; drop vocab_file")
+        if cfg.init_head and not Path(cfg.init_head).is_file():
+            out.append(f"init_head={cfg.init_head!r} is not a file (an EAGLE head.safetensors)")
         return out
 
     @classmethod
@@ -75,8 +80,12 @@ class EagleTask:
             raise UserError(f"the data's layers {layers} lie outside the target's decoder layers 1..{n_layers - 1}")
         eos = [int(i) for i in ([target.model.config.eos_token_id] if isinstance(target.model.config.eos_token_id, int)
                                 else target.model.config.eos_token_id or [])]
-        vocab = E.vocabulary(cfg, seqs, eos, target.model.config.vocab_size)
-        return cls(cfg, manifest, seqs, layers, vocab, target, acc.device)
+        init = None
+        if cfg.init_head:
+            init, vocab = start_from(cfg.init_head, manifest, layers)
+        else:
+            vocab = E.vocabulary(cfg, seqs, eos, target.model.config.vocab_size)
+        return cls(cfg, manifest, seqs, layers, vocab, target, acc.device, init)
 
     @staticmethod
     def summary(cfg: TrainConfig, metrics: dict) -> str:
@@ -91,7 +100,10 @@ class EagleTask:
                          getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
                          getattr(c, "head_dim", None) or self.hidden // c.num_attention_heads, c.intermediate_size,
                          c.rms_norm_eps, _rope_theta(c))
-        E.init_from_target(head, self.target.model, self.vocab_ids, self.cfg.seed)
+        if self.init is not None:
+            head.load_state_dict(self.init)
+        else:
+            E.init_from_target(head, self.target.model, self.vocab_ids, self.cfg.seed)
         return head
 
     def batch(self, examples: list, epoch: int) -> tuple[dict, dict]:
@@ -137,6 +149,26 @@ class EagleTask:
             atomic_write_json(out / "metrics.json", {k[len("eval_"):]: v for k, v in best.items()
                                                      if k.startswith("eval_")} | {"epoch": best.get("epoch")})
         return {}
+
+
+def start_from(path: str, manifest: dict, layers: list[int]) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """An exported EAGLE head's weights (fp32) and vocabulary subset, checked against the data: the same target
+    (fingerprint) and the same target layers."""
+    from specheads.export.package import load_head
+
+    loaded = load_head(path)
+    meta = loaded.metadata
+    if meta.get("head_type") != "eagle":
+        raise UserError(f"init_head={path!r} is head_type={meta.get('head_type')!r}; it must be an EAGLE head")
+    want = manifest["target"]["fingerprint"]
+    if meta.get("target", {}).get("fingerprint") != want:
+        raise UserError(f"init_head={path!r} was trained on target {meta.get('target', {}).get('name')!r}, not the "
+                        f"target the data was written with ({manifest['target']['name']!r})")
+    if list(meta.get("feature", {}).get("layers", [])) != list(layers):
+        raise UserError(f"init_head={path!r} reads target layers {meta.get('feature', {}).get('layers')} but the "
+                        f"data holds layers {layers}")
+    state = {k: v.float() if v.is_floating_point() else v for k, v in loaded.module.state_dict().items()}
+    return state, state["vocab_ids"].tolist()
 
 
 def _rope_theta(config) -> float:
