@@ -2,7 +2,7 @@
 
 One process, one run, every configuration interleaved prompt by prompt (rotating order), greedy, fp32,
 batch 1, on three prompt sets: GSM8K-test, MT-Bench first turns, and Alpaca rows that no training run
-read (``--alpaca-offset``; the drafter recipes read rows below 2,000). Rows:
+read (``--alpaca-offset``; the drafter recipes read rows below 4,000). Rows:
 
 * ``ar``: the target alone;
 * ``shared_k{K}``, ``distilled_k{K}``, ``eagle_k{K}``: standard SD at a fixed K with each drafter (the shared
@@ -33,6 +33,7 @@ from _common import interleave, run_info, shared_pair
 from specheads.evaluate.oracle import draft_agreement, oracle_schedule, predicted_ms_per_token
 from specheads.export import format_prompt, load_pair
 from specheads.export.api import load_eagle, pair_costs
+from specheads.export.policy_factory import make_policy
 from specheads.export.shim import kernels
 from specheads.export.shim.engine import Engine
 from specheads.export.shim.models import ModelSpec
@@ -110,7 +111,7 @@ def run_set(label: str, prompts, configs: dict, tables: dict, oracles: dict) -> 
         print(" | ".join("-" if r[c] is None else str(r[c]) for c in cols))
     for d, o in oracle_rows.items():
         print(f"oracle {d} | {o['predicted_tokens_per_s']} (predicted) | {o['tokens_per_call']}")
-    lossless = [r for r in rows if r["config"] != "ar" and "specdecpp" not in r["config"]]
+    lossless = [r for r in rows if r["config"] != "ar"]  # every row verifies with the target: all lossless
     identical = all(r["identical_to_target"] == f"{len(prompts)}/{len(prompts)}" for r in lossless)
     return {"table": rows, "oracle": oracle_rows, "greedy_identical": identical}
 
@@ -160,6 +161,8 @@ def main(argv=None) -> int:
                                                          "with (its draft/vocab.json or the run's vocab_file); top 8192")
     ap.add_argument("--stop-head", default="", help="a SpecDec++ head trained on the EAGLE head's rounds")
     ap.add_argument("--confidence-head", default="", help="a linear confidence head on the EAGLE head's state")
+    ap.add_argument("--stop-k-max", type=int, default=8, help="k_max of the learned stops (at most the eagle_k "
+                                                                  "their eagle_rounds data was written with)")
     ap.add_argument("--gsm8k-n", type=int, default=32)
     ap.add_argument("--mtbench-n", type=int, default=16)
     ap.add_argument("--alpaca-n", type=int, default=16)
@@ -198,6 +201,11 @@ def main(argv=None) -> int:
     configs.update({f"eagle_k{k}": (lambda ids, k=k: head.generate(ids, StandardSD(k), mx)) for k in ks})
     cost_stop = ConfidenceStop(k_max=max(ks) + 2, stop="cost", costs=tables["eagle"])
     configs["eagle_confidence_cost"] = lambda ids: head.generate(ids, cost_stop.fork(), mx)
+    for name, path in (("eagle_specdecpp", args.stop_head), ("eagle_confidence_head", args.confidence_head)):
+        if path:  # a stop head on the EAGLE head's states, priced by its cost table (stop=cost)
+            stop = make_policy("specdecpp", pair, head=path, k_min=1, k_max=args.stop_k_max, stop="cost",
+                               costs=tables["eagle"], eagle=eagle)
+            configs[name] = lambda ids, stop=stop: head.generate(ids, stop.fork(), mx)
     print("cost tables (ms):", {d: (round(t.t_draft_ms, 2), [round(x, 1) for x in t.t_target_ms[:6]])
                                 for d, t in tables.items()}, file=sys.stderr)
     tok = pair.tokenizer

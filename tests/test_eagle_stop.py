@@ -122,11 +122,13 @@ def test_sampled_labels_are_min_one_p_over_q_and_reproducible(sampled_rounds, se
 
 
 class Recorder(torch.nn.Module):
-    """A stop head that records every state it scores and never stops the round."""
+    """A stop head that records every feature it scores and never stops the round."""
 
-    def __init__(self):
+    features = staticmethod(AcceptanceHead.features)
+
+    def __init__(self, confidence: bool = False):
         super().__init__()
-        self.seen = []
+        self.seen, self.confidence = [], confidence
 
     def forward(self, x):
         self.seen.append(x.detach().clone())
@@ -175,7 +177,7 @@ def test_the_stop_head_trains_and_exports_for_its_eagle_head(stop_head, setup):
     for key in ("eval_binary_kl", "eval_auroc", "eval_auroc_confidence", "eval_ece", "eval_brier", "eval_calibration"):
         assert key in metrics
     meta = read_metadata(stop_head)
-    assert meta["head_type"] == "acceptance" and meta["head_config"] == {"hidden_size": 32, "depth": 1}
+    assert meta["head_type"] == "acceptance" and meta["head_config"] == {"hidden_size": 32, "depth": 1, "confidence": True}
     feature = meta["feature"]
     assert feature["model"] == "eagle" and feature["state"] == "post" and feature["position"] == "own"
     assert feature["eagle"]["tensors_sha256"] == read_metadata(setup["eagle"])["tensors_sha256"]
@@ -183,8 +185,28 @@ def test_the_stop_head_trains_and_exports_for_its_eagle_head(stop_head, setup):
 
 
 def test_a_linear_stop_head_is_depth_0(greedy_rounds, tmp_path):
-    assert train_main(stop_args(greedy_rounds, tmp_path / "lin", "depth=0", "w_rej=1")) == 0
-    assert read_metadata(tmp_path / "lin" / "head.safetensors")["head_config"]["depth"] == 0
+    """DSpark's comparison: linear, on the state alone, plain BCE."""
+    assert train_main(stop_args(greedy_rounds, tmp_path / "lin", "depth=0", "w_rej=1", "stop_confidence=false")) == 0
+    assert read_metadata(tmp_path / "lin" / "head.safetensors")["head_config"] == {"hidden_size": 32, "depth": 0}
+
+
+def test_specdecpp_feeds_the_confidence_head_the_stored_log_q(greedy_rounds, setup):
+    """A head with the confidence feature gets, beside each scored state, log q(y) of the scored candidate:
+    the stored q_token of the same rows."""
+    pair = setup["pair"]
+    eagle = load_eagle(str(setup["eagle"]), pair)
+    engine = Engine(pair.target.model, None, pair.eos_token_ids, eagle=eagle.module)
+    row = chunk_rows(greedy_rounds)[0]
+    head = Recorder(confidence=True)
+    out = engine.generate(row["input_ids"][: row["response_start"]], SpecDecPP(head, 0.5, K, K), 14)
+    assert out.tokens == row["input_ids"][row["response_start"]:]
+    drafted = {}
+    for start in row["round_start"]:
+        drafted[start] = drafted.get(start, 1) + 1
+    want = [q for q, start, step in zip(row["q_token"], row["round_start"], row["step"]) if step <= drafted[start] - 2]
+    got = [float(x[-1]) for x in head.seen]
+    assert len(got) == len(want) > 0
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want).log(), atol=1e-4, rtol=1e-4)
 
 
 def test_eagle_stop_needs_eagle_rounds_data(tmp_path, capsys):

@@ -2,8 +2,9 @@
 
 No model is loaded: the datagen run decoded with the EAGLE head and stored its post-norm state at every
 labelled candidate (fp16), with the soft label ``min(1, p/q)`` (greedy: 1/0 agreement). The head is an
-:class:`~specheads.heads.AcceptanceHead` (``depth`` residual blocks; ``depth=0``: a linear confidence
-head, DSpark's, the comparison) fitted with the weighted soft BCE (``w_acc``, ``w_rej``; ``w_rej=1``:
+:class:`~specheads.heads.AcceptanceHead` (``depth`` residual blocks) on the state and, with
+``stop_confidence`` (the default), the drafter's ``log q(y)`` of the candidate: SpecDec++'s features.
+``depth=0 stop_confidence=false w_rej=1`` is DSpark's linear confidence head on the state, the comparison fitted with the weighted soft BCE (``w_acc``, ``w_rej``; ``w_rej=1``:
 plain BCE). The best epoch has the lowest held-out binary KL; the held-out metrics add AUROC against the
 binarised label, ECE and Brier, and ``eval_auroc_confidence``, the AUROC of the drafter's own
 confidence ``q(y)`` (what ``policy=confidence_stop`` reads). It exports as ``head_type=acceptance``, so
@@ -72,9 +73,13 @@ class StopStore:
     def rows(self, examples: list[StopExample]) -> torch.Tensor:
         return torch.cat([torch.arange(e.start, e.end) for e in examples])
 
-    def batch(self, examples: list[StopExample], device) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, examples: list[StopExample], device, confidence: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features ``[N, d]`` (``confidence``: ``[N, d + 1]``, ``log q(y)`` last) and soft labels ``[N]``."""
         idx = self.rows(examples)
-        return self.states[idx].float().to(device), self.labels[idx].to(device)
+        x = self.states[idx].float()
+        if confidence:
+            x = AcceptanceHead.features(x, self.confidence[idx].log())
+        return x.to(device), self.labels[idx].to(device)
 
 
 def _auroc(hard, scores) -> float | None:
@@ -115,10 +120,10 @@ class EagleStopTask:
 
     def build_head(self) -> AcceptanceHead:
         torch.manual_seed(self.cfg.seed)
-        return AcceptanceHead(self.hidden, self.cfg.depth)
+        return AcceptanceHead(self.hidden, self.cfg.depth, confidence=self.cfg.stop_confidence)
 
     def batch(self, examples: list, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.store.batch(examples, self.device)
+        return self.store.batch(examples, self.device, self.cfg.stop_confidence)
 
     @torch.no_grad()
     def evaluate(self, head: torch.nn.Module, examples: list) -> dict:

@@ -90,6 +90,7 @@ class SpecDecPP(_Gated):
         super().__init__(k_max)
         self.gate = DraftGate(costs) if gate else None
         self.head, self.threshold, self.k_min = head, threshold, k_min
+        self.with_confidence = bool(getattr(head, "confidence", False))  # the head also reads log q(y)
         self.stop, self.costs = stop, costs
         self.lag = 1 if position == "own" else 0  # how many candidates behind the newest the scored one is
         self._prompt_betas = [0.0, 0]  # this prompt's scores: sum, count (stop="cost")
@@ -136,7 +137,10 @@ class SpecDecPP(_Gated):
             return True
         s = rnd.state
         if n > self.lag:  # own: the state returned with y_n belongs to y_{n-1}; the head has the draft's dtype
-            logit = self.head(rnd.draft_hidden[n - 1])
+            state = rnd.draft_hidden[n - 1]
+            if self.with_confidence:
+                state = self.head.features(state, _log_q(rnd, n - self.lag - 1))
+            logit = self.head(state)
             log_beta = float(torch.nn.functional.logsigmoid(logit.float()))
             s.scores.append((n - self.lag, math.exp(log_beta)))
             s.log_keep += log_beta
@@ -153,3 +157,13 @@ class SpecDecPP(_Gated):
             beta = s.beta if s.beta is not None else (total / count if count else 1.0)
             return not draft_more(self.costs, n, n - self.lag, math.exp(s.log_keep), s.total, beta)
         return 1.0 - math.exp(s.log_keep) > self.threshold
+
+
+def _log_q(rnd: Round, j: int) -> torch.Tensor:
+    """``log q_j(y_j)`` of candidate ``j`` (0-based): from the distribution it was drawn from when sampling
+    (warped), else from the softmax of the raw draft logits, as ``labels=eagle_rounds`` stores it."""
+    token = rnd.tokens[j]
+    if rnd.q:
+        return rnd.q[j][token].float().log()
+    logits = rnd.draft_logits[j].float()
+    return logits[token] - logits.logsumexp(-1)
