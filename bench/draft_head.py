@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from _common import interleave, run_info, shared_pair
-from specheads.evaluate.oracle import draft_agreement, oracle_schedule, predicted_ms_per_token
+from specheads.evaluate.oracle import draft_agreement, eagle_oracle, oracle_schedule, predicted_ms_per_token
 from specheads.export import format_prompt, load_pair
 from specheads.export.api import load_eagle, pair_costs
 from specheads.export.policy_factory import make_policy
@@ -43,33 +43,6 @@ from specheads.prompts import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
-
-
-class Recording(StandardSD):
-    """Standard SD that records each round's accepted count (the greedy oracle's rounds)."""
-
-    def __init__(self, k: int, log: list):
-        super().__init__(k)
-        self.log = log
-
-    def end_round(self, drafted: int, accepted: int) -> None:
-        self.log.append(accepted)
-
-
-def eagle_oracle(engine: Engine, prompts: list[list[int]], mx: int, k_max: int) -> GenerationStats:
-    """The oracle for a drafter whose tokens depend on the round (an EAGLE head): SD at ``k_max`` keeps the
-    same rounds a perfect stop would (greedy: the same tokens), so the oracle drafts exactly each round's
-    accepted candidates and verifies them with one pass."""
-    total = GenerationStats(prompts=0)
-    for ids in prompts:
-        log: list[int] = []
-        out = engine.generate(ids, Recording(k_max, log), mx)
-        st = GenerationStats(new_tokens=out.stats.new_tokens, rounds=len(log), target_calls=len(log),
-                             draft_forwards=sum(log), drafted=sum(log), accepted=sum(log))
-        for m in log:  # as oracle_schedule counts: every round one pass over its candidates + 1
-            st.target_pass_sizes[m + 1] = st.target_pass_sizes.get(m + 1, 0) + 1
-        total = GenerationStats.total([total, st])
-    return total
 
 
 def model_oracle(draft, vocab_size, prompts, outputs, k_max: int) -> GenerationStats:

@@ -36,6 +36,13 @@ ratios, Pareto check, ``accuracy``, ``sprinter``, ``judge``, ``training_free``),
 ``metrics.jsonl`` (one line per configuration), ``metrics.json``, ``config.yaml`` and
 ``manifest.json``. This module reads the arguments and runs the sweep; ``report.py`` builds the
 summary, the sections and the files from the decoded rows.
+
+With ``eagle=<an exported EAGLE head>`` the same-vocabulary rows (``k``, ``h``, ``h-cost``, ``c``, ``c-cost``,
+``t``) draft with that head from the target's own states (``head=``: a stop head trained on them), priced by
+the head's cost table; no draft model is needed (without ``draft.path`` there is no ``draft`` row), and the
+greedy oracle and perfect head come from the rounds of SD at ``k_max`` on the head
+(:func:`~.oracle.rounds_oracle`). The rows that read a draft model (``verifier=``, ``judge=``, ``judges=``,
+``fsd_*=``, ``hetero=``) are refused with it.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ from transformers.utils import logging as hf_logging
 
 from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError
-from specheads.export.api import fit_context, format_prompt, pair_costs
+from specheads.export.api import fit_context, format_prompt, load_eagle, pair_costs
 from specheads.export.package import read_metadata, set_default_threshold
 from specheads.export.shim.costs import PROFILES
 from specheads.export.shim.engine import GenerationStats
@@ -62,9 +69,11 @@ from specheads.prompts import budget_problems, load_prompt_files
 
 from . import report
 from .config import EvalConfig
-from .oracle import draft_agreement, oracle_schedule, perfect_head_schedule
+from .oracle import (RoundRecorder, draft_agreement, oracle_schedule, perfect_head_schedule, rounds_oracle,
+                     rounds_perfect_head)
+from .printout import print_summary
 from .select import parse as parse_select
-from .sweep import build_decoders, run_sweep, same_vocab_rows
+from .sweep import build_decoders, decoder, run_sweep, same_vocab_rows
 
 log = logging.getLogger(__name__)
 PROG = "heads-eval"
@@ -128,12 +137,46 @@ def _check(cfg: EvalConfig) -> None:
     if cfg.write_default and not cfg.select:
         problems.append("write_default=true writes what select= chooses: set select=max_drop:X")
     problems += budget_problems("max_new_tokens_by_source", cfg.max_new_tokens_by_source)
+    if cfg.eagle:
+        drafting = eagle_conflicts(cfg)
+        if drafting:
+            problems.append(f"eagle= drafts with an EAGLE head, but {', '.join(drafting)} read the draft model "
+                            "(its states or vocabulary): sweep them in a run without eagle=")
+        if cfg.batch_size > 1:
+            problems.append(f"batch_size={cfg.batch_size}: drafting with an EAGLE head (eagle=) runs at batch 1")
     if cfg.batch_size < 1:
         problems.append(f"batch_size={cfg.batch_size} must be >= 1")
     elif cfg.batch_size > 1 and not cfg.fused_forward:
         problems.append(f"batch_size={cfg.batch_size} runs on the fused forward: set fused_forward=true")
     if problems:
         raise UserError("; ".join(problems))
+
+
+def eagle_conflicts(cfg: EvalConfig) -> list[str]:
+    """The configured settings whose rows need a draft model's states or vocabulary, which an EAGLE head lacks:
+    SPRINTER's verifier, the judges, FSD and the heterogeneous-vocabulary methods."""
+    keys = ["verifier", "judge", "judges", *(f"fsd_{d}" for d in DIVERGENCES), "hetero"]
+    return [f"{k}=" for k in keys if getattr(cfg, k)]
+
+
+def _eagle_oracle(cfg: EvalConfig, pair, eagle, prompts, ar_rows: list[dict], lag: int | None):
+    """The greedy oracle and perfect head of an EAGLE drafter: every prompt decoded with SD at ``k_max`` on the
+    head (:class:`~.oracle.RoundRecorder`), its rounds turned into the oracle's and the perfect head's."""
+    dec = decoder(cfg, pair, RoundRecorder(cfg.k_max), eagle)
+    oracle = GenerationStats(prompts=0)
+    perfect = GenerationStats(prompts=0) if lag is not None else None
+    differ = 0
+    for i, (prompt, row) in enumerate(zip(prompts, ar_rows)):
+        res = dec.decode(prompt, i, name=f"prompt {prompt.id}")
+        differ += res.tokens != row["tokens"]
+        rounds = dec.policy.rounds
+        oracle = GenerationStats.total([oracle, rounds_oracle(rounds, res.stats.new_tokens)])
+        if perfect is not None:
+            perfect = GenerationStats.total([perfect, rounds_perfect_head(rounds, res.stats.new_tokens, cfg.k_min,
+                                                                          lag)])
+    if differ:  # greedy SD is lossless: only numerics (a tie in the target's argmax) can part them
+        log.warning("the oracle's SD decode differs from the target alone on %d of %d prompts", differ, len(prompts))
+    return oracle, perfect
 
 
 def _max_pass(cfg: EvalConfig) -> int:
@@ -149,6 +192,8 @@ def _max_pass(cfg: EvalConfig) -> int:
 
 def run(cfg: EvalConfig) -> int:
     _check(cfg)
+    if not cfg.eagle and not cfg.draft.path:
+        raise UserError("draft.path is not set; pass draft.path=<the draft model> (or eagle=<an EAGLE head>)")
     hf_logging.disable_progress_bar()
     head_meta = read_metadata(cfg.head) if cfg.head else None
     prompts = load_prompt_files(cfg.prompts, limit=cfg.num_prompts, offset=cfg.offset)
@@ -157,19 +202,23 @@ def run(cfg: EvalConfig) -> int:
     if fresh:  # another run's rows share config names with this one's, not its settings: never resume from them
         (out / "rows.jsonl").unlink(missing_ok=True)
     started = time.time()
+    # With an EAGLE head the draft model only drafts the draft row (none without draft.path).
     pair = load_pair(cfg.target, cfg.draft, same_vocab=not cfg.hetero)
-    shared = same_vocabulary(pair.target.tokenizer, pair.draft.tokenizer)
+    eagle = load_eagle(cfg.eagle, pair) if cfg.eagle else None
+    shared = eagle is not None or same_vocabulary(pair.target.tokenizer, pair.draft.tokenizer)
     if not shared and same_vocab_rows(cfg):
         raise UserError(f"the draft's tokenizer differs from the target's: {', '.join(same_vocab_rows(cfg))} need "
                         "one vocabulary; on this pair sweep only hetero=[tli,slem,slrs] (and pass ks=[])")
-    costs = pair_costs(pair, _max_pass(cfg), cfg.profile, cfg.fused_forward)
+    costs = pair_costs(pair, _max_pass(cfg), cfg.profile, cfg.fused_forward, eagle=eagle)
     log.info("%s", costs.describe())
-    decoders = build_decoders(cfg, pair, costs)
+    decoders = build_decoders(cfg, pair, costs, eagle)
     grouped = run_sweep(decoders, prompts, out / "rows.jsonl", batch_size=cfg.batch_size)
     oracle = perfect = None
     lag = next((d.policy.lag for d in decoders.values() if isinstance(d.policy, SpecDecPP)), None)
     if cfg.oracle and not shared:
         log.info("the oracle needs one vocabulary; skipped for this heterogeneous pair")
+    elif cfg.oracle and not cfg.sampling.do_sample and eagle is not None:
+        oracle, perfect = _eagle_oracle(cfg, pair, eagle, prompts, grouped["ar"], lag)
     elif cfg.oracle and not cfg.sampling.do_sample:
         oracle = GenerationStats(prompts=0)
         perfect = GenerationStats(prompts=0) if lag is not None else None
@@ -183,15 +232,18 @@ def run(cfg: EvalConfig) -> int:
                 perfect = GenerationStats.total([perfect, perfect_head_schedule(agree, cfg.k_min, cfg.k_max, lag)])
     elif cfg.oracle:
         log.warning("the oracle is defined for greedy decoding only (sampling.do_sample=false); skipped")
-    summary = report.build(cfg, pair, prompts, grouped, decoders, oracle, perfect, head_meta, costs, out)
+    eagle_info = report.eagle_section(cfg.eagle, eagle.metadata) if eagle is not None else None
+    summary = report.build(cfg, pair, prompts, grouped, decoders, oracle, perfect, head_meta, costs, out,
+                           eagle=eagle_info)
     if cfg.write_default:
         _write_defaults(cfg, summary, out)
     report.write(out, summary)
     write_manifest(out, command=PROG, prompts_file=cfg.prompts, num_prompts=len(prompts),
                    target={"name": pair.target.name, "fingerprint": pair.target.fingerprint},
-                   draft={"name": pair.draft.name, "fingerprint": pair.draft.fingerprint}, head=cfg.head,
-                   sampling=cfg.sampling.to_dict(), seed=cfg.seed, wall_time_s=round(time.time() - started, 3))
-    report.print_summary(summary)
+                   draft=({"name": pair.draft.name, "fingerprint": pair.draft.fingerprint} if pair.draft else None),
+                   eagle=eagle_info, head=cfg.head, sampling=cfg.sampling.to_dict(), seed=cfg.seed,
+                   wall_time_s=round(time.time() - started, 3))
+    print_summary(summary)
     return 0
 
 

@@ -1,5 +1,11 @@
 """The greedy oracle (SpecDec++ Theorem 4.1) and the cost model of ALGORITHMS.md section 0 (at the
-profiled prices of :mod:`specheads.export.shim.costs`)."""
+profiled prices of :mod:`specheads.export.shim.costs`).
+
+Two ways to the oracle: for a draft model, whose greedy token at a position depends on the prefix alone,
+one teacher-forced pass over the target's output (:func:`draft_agreement`, then :func:`oracle_schedule` and
+:func:`perfect_head_schedule`); for a drafter whose tokens depend on where the round starts (an EAGLE head,
+whose first step reads the target's states), the rounds of standard SD at ``k_max`` recorded while decoding
+(:class:`RoundRecorder`, then :func:`rounds_oracle` and :func:`rounds_perfect_head`)."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from specheads.export.shim.cost_rules import predict_ms_per_token
 from specheads.export.shim.costs import CostTable
 from specheads.export.shim.engine import GenerationStats
 from specheads.export.shim.kv import make_runner
+from specheads.export.shim.policies import StandardSD
 
 
 def oracle_schedule(agree: list[bool], k_max: int) -> GenerationStats:
@@ -63,6 +70,65 @@ def perfect_head_schedule(agree: list[bool], k_min: int, k_max: int, lag: int) -
         pos += run + 1
     return GenerationStats(new_tokens=n, target_calls=calls, draft_forwards=drafts, discarded=drafts - accepted,
                            target_pass_sizes=sizes)
+
+
+class RoundRecorder(StandardSD):
+    """Standard SD at a fixed ``k`` that records each round's ``(drafted, accepted)`` in ``rounds`` (the
+    prompt's rounds: :meth:`reset` clears them before every prompt)."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.rounds: list[tuple[int, int]] = []
+
+    def reset(self) -> None:
+        self.rounds = []
+
+    def end_round(self, drafted: int, accepted: int) -> None:
+        self.rounds.append((drafted, accepted))
+
+
+def rounds_oracle(rounds: list[tuple[int, int]], new_tokens: int) -> GenerationStats:
+    """The greedy oracle from the rounds of SD at ``k_max`` (:class:`RoundRecorder`), for a drafter whose tokens
+    depend on the round (an EAGLE head). A stop that knows where the drafter's token will be wrong drafts
+    exactly each round's accepted candidates; greedy, its rounds then start where SD's do, so it drafts what SD
+    drafted up to there and emits the same tokens: per round ``accepted`` draft forwards, nothing discarded,
+    and one target pass over ``accepted + 1`` (as :func:`oracle_schedule` counts)."""
+    sizes: dict[int, int] = {}
+    for _, accepted in rounds:
+        sizes[accepted + 1] = sizes.get(accepted + 1, 0) + 1
+    drafts = sum(a for _, a in rounds)
+    return GenerationStats(new_tokens=new_tokens, rounds=len(rounds), target_calls=len(rounds), draft_forwards=drafts,
+                           drafted=drafts, accepted=drafts, target_pass_sizes=sizes)
+
+
+def rounds_perfect_head(rounds: list[tuple[int, int]], new_tokens: int, k_min: int, lag: int) -> GenerationStats:
+    """:func:`perfect_head_schedule` from the rounds of SD at ``k_max`` (:class:`RoundRecorder`): a perfect
+    SpecDec++ head stops as soon as it has scored the first rejected candidate, which it sees ``lag`` drafts
+    after drawing it and never before ``k_min``; a round whose candidates were all accepted runs to its end
+    (``k_max``, or the engine's room at the end of the budget), as SD's did. Greedy, the rounds keep SD's
+    boundaries (each still emits its accepted candidates + the target's token), so the perfect head's round
+    drafts ``min(drafted, max(k_min, accepted + 1 + lag))`` candidates, the first ``accepted`` kept."""
+    sizes: dict[int, int] = {}
+    drafts = accepted_total = 0
+    for drafted, accepted in rounds:
+        drawn = min(drafted, max(k_min, accepted + 1 + lag)) if accepted < drafted else drafted
+        drafts += drawn
+        accepted_total += accepted
+        sizes[drawn + 1] = sizes.get(drawn + 1, 0) + 1
+    return GenerationStats(new_tokens=new_tokens, rounds=len(rounds), target_calls=len(rounds), draft_forwards=drafts,
+                           drafted=drafts, accepted=accepted_total, discarded=drafts - accepted_total,
+                           target_pass_sizes=sizes)
+
+
+def eagle_oracle(engine, prompts: list[list[int]], max_new_tokens: int, k_max: int) -> GenerationStats:
+    """The greedy oracle of an engine drafting with an EAGLE head over ``prompts`` (token ids): each prompt
+    decoded with SD at ``k_max`` (:class:`RoundRecorder`), its rounds turned into :func:`rounds_oracle`'s."""
+    total = GenerationStats(prompts=0)
+    for ids in prompts:
+        rec = RoundRecorder(k_max)
+        out = engine.generate(ids, rec, max_new_tokens)
+        total = GenerationStats.total([total, rounds_oracle(rec.rounds, out.stats.new_tokens)])
+    return total
 
 
 @torch.inference_mode()

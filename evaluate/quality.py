@@ -36,15 +36,20 @@ def rouge(candidates: list[str], references: list[str | None]) -> dict | None:
 
 
 def matmul_parameters(model) -> int:
-    """Parameters a forward multiplies with: all of them but an untied input embedding."""
+    """Parameters a forward multiplies with: all of them but an untied input embedding (an EAGLE head has
+    none of its own: it reads the target's)."""
     total = sum(p.numel() for p in model.parameters())
+    if not hasattr(model, "get_input_embeddings"):
+        return total
     emb, out = model.get_input_embeddings(), model.get_output_embeddings()
     tied = out is not None and out.weight.data_ptr() == emb.weight.data_ptr()
     return total if tied else total - emb.weight.numel()
 
 
 def attention_width(model) -> tuple[int, int]:
-    """``(n_layer, d_attn)`` from a Hugging Face config."""
+    """``(n_layer, d_attn)`` from a Hugging Face config, or an EAGLE head's own shape (one decoder layer)."""
+    if hasattr(model, "layer_ids"):  # heads.EagleHead
+        return len(model.layers), int(model.num_heads * model.head_dim)
     cfg = model.config
     layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer")
     heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head")

@@ -7,7 +7,7 @@ times, the oracle and perfect-head bounds, the ratios and the Pareto check (:fun
 verifier calls and ROUGE per row with the ``sprinter`` section (:func:`add_quality`), accuracy per
 prompt source with the ``judge`` section (:func:`~.accuracy.add_accuracy`), the ``training_free`` section and
 the plots. :func:`write` writes ``sweep.json``, ``metrics.json`` and ``metrics.jsonl``;
-:func:`print_summary` prints it.
+:func:`~.printout.print_summary` prints it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from . import quality, training_free
 from .accuracy import add_accuracy, output_text
 from .head_calibration import add_calibration
 from .intervals import speed_intervals
-from .select import describe as describe_gated
 from .oracle import below_curve, cost_figures, ideal_figures
 from .plot import pareto_plot, quality_speed_plot
 from .sweep import COST_ROWS, total
@@ -52,6 +51,24 @@ def _row(name: str, rows: list[dict], t_d: float, t_t: float, table: CostTable |
     }
 
 
+def _r(x: float, digits: int) -> float | None:
+    """``x`` rounded; None for NaN (no such forward timed: no draft row)."""
+    return None if x != x else round(x, digits)
+
+
+def eagle_section(path: str, metadata: dict) -> dict:
+    """What the summary and the manifest record of the EAGLE head the rows drafted with."""
+    cfg = metadata.get("head_config", {})
+    return {"path": path, "tensors_sha256": metadata.get("tensors_sha256"),
+            "layers": cfg.get("layers"), "draft_vocab_size": cfg.get("draft_vocab_size"),
+            "ttt_steps": metadata.get("ttt_steps")}
+
+
+def drafter_name(pair, eagle: dict | None = None) -> str:
+    """The drafter in plot titles: the EAGLE head's file, else the draft model's name."""
+    return f"EAGLE {eagle['path']}" if eagle else pair.draft.name if pair.draft is not None else "no drafter"
+
+
 def _gain(x: float | None, base: float | None) -> float | None:
     """``x / base - 1``; None when either is missing or zero."""
     return x / base - 1 if x and base else None
@@ -62,16 +79,24 @@ def summarize(cfg, grouped: dict[str, list[dict]], oracle: GenerationStats | Non
     """The sweep table, measured forward times, oracle, perfect-head bound, ratios and Pareto check;
     every cost-model figure at the cost table ``costs`` (without one, the scalar model at the baselines'
     per-forward times)."""
-    ar, dr = total(grouped["ar"]), total(grouped["draft"])
+    ar = total(grouped["ar"])
     t_t = ar.wall_time / ar.target_calls if ar.target_calls else float("nan")
-    t_d = dr.wall_time / dr.draft_forwards if dr.draft_forwards else float("nan")
+    t_d, t_draft_source = float("nan"), None
+    if getattr(cfg, "eagle", None):  # the rows draft with the EAGLE head: its profiled step, not a draft row's
+        if costs is not None:
+            t_d, t_draft_source = costs.t_draft_ms / 1000, "cost table: the EAGLE head's draft step"
+    elif "draft" in grouped:
+        dr = total(grouped["draft"])
+        t_d = dr.wall_time / dr.draft_forwards if dr.draft_forwards else float("nan")
     table = [_row(n, rows, t_d, t_t, costs) for n, rows in grouped.items()]
     by = {r["config"]: r for r in table}
     fixed = [r for r in table if r["config"].startswith("k")]
     adaptive = [r for r in table if r["config"].startswith("h") and r["config"] not in COST_ROWS.values()]
     cost_aware = by.get(COST_ROWS["specdecpp"])
-    out = {"t_target_ms": round(1000 * t_t, 3), "t_draft_ms": round(1000 * t_d, 3),
-           "t_draft_over_t_target": round(t_d / t_t, 4), "table": table}
+    out = {"t_target_ms": _r(1000 * t_t, 3), "t_draft_ms": _r(1000 * t_d, 3),
+           "t_draft_over_t_target": _r(t_d / t_t, 4), "table": table}
+    if t_draft_source:
+        out["t_draft_source"] = t_draft_source
     if costs is not None:
         out["cost_table"] = costs.to_dict()
     if oracle is not None:
@@ -145,7 +170,9 @@ def add_quality(cfg, pair, prompts, grouped: dict[str, list[dict]], decoders, su
     for row in summary["table"]:
         n = row["config"]
         tot = total(grouped[n])
-        f = quality.flops_per_token(tot, pair.target.model, pair.draft.model, v_params.get(n, 0))
+        own = getattr(decoders[n], "eagle", None)  # the row's drafter: the EAGLE head, else the draft model
+        drafter = own.module if own is not None else pair.draft.model if pair.draft is not None else None
+        f = quality.flops_per_token(tot, pair.target.model, drafter, v_params.get(n, 0))
         row["gflops_per_token"] = round(f / 1e9, 5) if f is not None else None
         row["verifier_calls_per_token"] = round(tot.verifier_calls / tot.new_tokens, 4) if tot.new_tokens else None
         row["rouge_vs_target"] = quality.rouge(texts[n], texts["ar"]) if n != "ar" else None
@@ -188,9 +215,13 @@ def add_quality(cfg, pair, prompts, grouped: dict[str, list[dict]], decoders, su
 
 
 def build(cfg, pair, prompts, grouped: dict[str, list[dict]], decoders, oracle: GenerationStats | None,
-          perfect: GenerationStats | None, head_meta: dict | None, costs: CostTable | None, out: Path) -> dict:
-    """The whole summary of a sweep (``sweep.json``), with its plots drawn into ``out``."""
+          perfect: GenerationStats | None, head_meta: dict | None, costs: CostTable | None, out: Path,
+          eagle: dict | None = None) -> dict:
+    """The whole summary of a sweep (``sweep.json``), with its plots drawn into ``out``; ``eagle``: the EAGLE
+    head the rows drafted with (:func:`eagle_section`), recorded as ``eagle``."""
     summary = summarize(cfg, grouped, oracle, head_meta, perfect, costs)
+    if eagle is not None:
+        summary["eagle"] = eagle
     for r in summary["table"]:
         r.update(speed_intervals(grouped[r["config"]]))
     if getattr(cfg, "batch_size", 1) > 1:  # the cost table prices batch-1 forwards: no prediction for a batch
@@ -203,11 +234,11 @@ def build(cfg, pair, prompts, grouped: dict[str, list[dict]], decoders, oracle: 
         add_quality(cfg, pair, prompts, grouped, decoders, summary)
     if cfg.accuracy:
         add_accuracy(cfg, pair, prompts, grouped, summary)
-    add_calibration(summary, grouped, out, f"{pair.draft.name} -> {pair.target.name}")
+    add_calibration(summary, grouped, out, f"{drafter_name(pair, eagle)} -> {pair.target.name}")
     tf = training_free.section(cfg, summary, grouped)
     if tf is not None:
         summary["training_free"] = tf
-    title = f"{pair.draft.name} -> {pair.target.name}, {len(prompts)} prompts"
+    title = f"{drafter_name(pair, eagle)} -> {pair.target.name}, {len(prompts)} prompts"
     label, points = training_free.plot_points(summary)
     if label is not None:
         summary["quality_png"] = str(quality_speed_plot(out / "quality.png", points, label, title))
@@ -243,55 +274,3 @@ def write(out: Path, summary: dict) -> None:
     with MetricsWriter(out) as metrics:
         for r in summary["table"]:
             metrics.write(r)
-
-
-def print_summary(summary: dict) -> None:
-    """The cost table, the sweep table, the bounds, ratios and sections, as text on stdout."""
-    if "cost_table" in summary:
-        print(CostTable.from_dict(summary["cost_table"]).describe())
-    print(" | ".join(COLUMNS))
-    for r in summary["table"]:
-        print(" | ".join("-" if r.get(c) is None else str(r[c]) for c in COLUMNS))
-    for name, key in (("oracle", "oracle"), ("perfect head", "perfect_head")):
-        if key in summary:
-            o = summary[key]
-            print(f"{name}: {o['tokens']} tokens, verification rate {o['verification_rate']}, discard rate "
-                  f"{o['discard_rate']}, predicted {o['model_cost_ms_per_token']} ms/token "
-                  f"({o['predicted_tokens_per_s']} tokens/s)")
-    if "best_lossless" in summary:
-        b = summary["best_lossless"]
-        print(f"best lossless row {b['config']}: {b['tokens_per_s']} tokens/s measured, "
-              f"{b['predicted_tokens_per_s']} predicted")
-    print(f"baselines: t_target {summary['t_target_ms']} ms, t_draft {summary['t_draft_ms']} ms per forward (wall); "
-          f"ratios {summary['ratios']}"
-          + (f"; pareto_dominates {summary['pareto_dominates']}" if "pareto_dominates" in summary else ""))
-    if "gflops_per_token" in summary["table"][0]:
-        print("config | gflops_per_token | verifier_calls_per_token | rougeL_vs_target | rougeL_vs_reference")
-        for r in summary["table"]:
-            rt, rr = r.get("rouge_vs_target"), r.get("rouge_vs_reference")
-            print(f"{r['config']} | {r['gflops_per_token']} | {r['verifier_calls_per_token']} | "
-                  f"{rt['rougeL'] if rt else '-'} | {rr['rougeL'] if rr else '-'}")
-    if summary.get("accuracy"):
-        for name, per in summary["accuracy"].items():
-            if per:
-                print(f"accuracy {name}: " + ", ".join(
-                    f"{src} {v['accuracy']} [{v['accuracy_low']}, {v['accuracy_high']}] ({v['correct']}/{v['prompts']})"
-                    + (f", drop vs target {v['acc_drop']} [{v['acc_drop_low']}, {v['acc_drop_high']}]"
-                       if "acc_drop" in v else "") for src, v in per.items()))
-    if "gated" in summary:
-        print("\n".join(describe_gated(summary["gated"])))
-    for name, c in summary.get("calibration", {}).items():
-        o = c["overall"]
-        print(f"calibration {name}: ECE {o['ece']:.4f}, Brier {o['brier']:.4f}, AUROC {o['auroc']}, {o['n']} candidates; "
-              "ECE by position " + ", ".join(f"{k}: {v['ece']:.3f}" for k, v in c["by_position"].items()))
-    if "sprinter" in summary:
-        sp = summary["sprinter"]
-        print(f"sprinter {sp['main']}: alpha {sp['alpha']}, vs {sp.get('best_sd')}: {sp.get('ratios')}")
-    if "training_free" in summary:
-        tf = summary["training_free"]
-        print(f"training-free vs {tf['sd_reference']} (quality: {tf['quality_metric']}, SD {tf['sd_quality']}, "
-              f"target {tf['target_quality']})")
-        print("config | quality | tokens_per_s | accepted_per_call | vs_sd_tokens_per_s")
-        for name, r in tf["rows"].items():
-            print(" | ".join(str(x) for x in (name, r["quality"], r["tokens_per_s"], r["accepted_per_call"],
-                                              r.get("vs_sd_tokens_per_s"))))

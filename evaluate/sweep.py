@@ -67,25 +67,38 @@ class _Rows(dict):
         super().__setitem__(name, decoder)
 
 
-def build_decoders(cfg, pair, costs=None) -> dict[str, Decoder]:
-    """A decoder per configuration, all on the one loaded pair, seed and sampling settings; with a cost
-    table (``costs``) and ``cfg.cost_stop``, the cost-aware stop rules too (rows ``h-cost``, ``c-cost``)."""
-    def dec(policy):
-        d = Decoder(pair, policy, cfg.max_new_tokens, 1, cfg.sampling, cfg.seed, cfg.chat_template, cfg.fused_forward)
-        d.budgets = dict(getattr(cfg, "max_new_tokens_by_source", {}) or {})
-        return d
+def decoder(cfg, pair, policy, eagle=None) -> Decoder:
+    """A decoder of the sweep: ``policy`` on the loaded pair with the sweep's budget, seed and sampling settings
+    (drafting with the EAGLE head ``eagle`` when given)."""
+    d = Decoder(pair, policy, cfg.max_new_tokens, 1, cfg.sampling, cfg.seed, cfg.chat_template, cfg.fused_forward,
+                eagle=eagle)
+    d.budgets = dict(getattr(cfg, "max_new_tokens_by_source", {}) or {})
+    return d
 
-    out = _Rows(ar=dec("ar"), draft=dec("draft"))
+
+def build_decoders(cfg, pair, costs=None, eagle=None) -> dict[str, Decoder]:
+    """A decoder per configuration, all on the one loaded pair, seed and sampling settings; with a cost
+    table (``costs``) and ``cfg.cost_stop``, the cost-aware stop rules too (rows ``h-cost``, ``c-cost``).
+
+    ``eagle`` (a loaded EAGLE head, ``load_eagle``): the same-vocabulary rows draft with it (the cost table is
+    then the head's, ``pair_costs(..., eagle=)``, and ``cfg.head`` a stop head on its states); ``ar`` is the
+    target alone, and the ``draft`` row runs only when the pair has a draft model."""
+    def dec(policy, own_drafter: bool = True):
+        return decoder(cfg, pair, policy, eagle if own_drafter else None)
+
+    out = _Rows(ar=dec("ar", False))
+    if pair.draft is not None:
+        out["draft"] = dec("draft", False)
     for k in cfg.ks:
         out[f"k{k}"] = dec(make_policy("sd", pair, k=k))
     if cfg.head:
         for h in cfg.thresholds:
             out[f"h{num(h)}"] = dec(make_policy("specdecpp", pair, head=cfg.head, threshold=h, k_min=cfg.k_min,
-                                             k_max=cfg.k_max, sampling=cfg.sampling))
+                                             k_max=cfg.k_max, sampling=cfg.sampling, eagle=eagle))
         if costs is not None and cfg.cost_stop:
             out[COST_ROWS["specdecpp"]] = dec(make_policy("specdecpp", pair, head=cfg.head, k_min=cfg.k_min,
                                                           k_max=cfg.k_max, sampling=cfg.sampling, stop="cost",
-                                                          costs=costs))
+                                                          costs=costs, eagle=eagle))
     for top_k in getattr(cfg, "topk", []):
         out[f"t{top_k}"] = dec(make_policy("topk_verify", pair, k=cfg.topk_k, top_k=top_k))
     for div in DIVERGENCES:

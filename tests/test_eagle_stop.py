@@ -13,9 +13,11 @@ from safetensors.torch import load_file
 from conftest import chunk_rows
 from specheads.datagen.cli import main as datagen_main
 from specheads.errors import UserError
+from specheads.evaluate.cli import main as eval_main
 from specheads.export import Decoder, ModelSpec, load_pair, read_metadata, save_head
 from specheads.export.api import load_eagle, make_policy
 from specheads.export.decode_cli import main as decode_main
+from specheads.export.shim.costs import CostTable
 from specheads.export.shim.engine import Engine
 from specheads.export.shim.policies import SpecDecPP
 from specheads.heads import AcceptanceHead, EagleHead
@@ -294,3 +296,70 @@ def test_an_eagle_head_for_another_target_is_a_one_line_error(setup, tmp_path, c
     err = capsys.readouterr().err.strip()
     assert "fingerprint" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "x" / "data").exists()
+
+
+# --- heads-eval eagle=: the sweep's same-vocabulary rows on the EAGLE head ----------------------------------
+
+def eval_args(s, out, *extra):
+    table = s["root"] / "costs.json"  # a synthetic cost table: no timing decides a test
+    if not table.exists():
+        table.write_text(json.dumps(CostTable(t_draft_ms=0.5, t_target_ms=[4 + 0.5 * k for k in range(1, 12)])
+                                    .to_dict()))
+    return [f"target.path={s['target']}", "target.gguf_file=null", "target.device=cpu", "draft.path=''",
+            f"prompts={s['prompts']}", "offset=0", "num_prompts=4", "max_new_tokens=12", f"output_dir={out}",
+            f"profile={table}", "ks=[1,2,4]", "k_min=1", f"k_max={K}", "head=null", *extra]
+
+
+def test_heads_eval_sweeps_the_eagle_head(stop_head, setup, tmp_path, capsys):
+    out = tmp_path / "ev"
+    assert eval_main(eval_args(setup, out, f"eagle={setup['eagle']}", f"head={stop_head}", "thresholds=[0.5]",
+                               "confidence=[0.5]")) == 0
+    printed = capsys.readouterr().out
+    s = json.loads((out / "sweep.json").read_text())
+    by = {r["config"]: r for r in s["table"]}
+    assert list(by) == ["ar", "k1", "k2", "k4", "h0.5", "h-cost", "c0.5", "c-cost"]  # no draft model: no draft row
+    rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+    ar = {r["index"]: r["tokens"] for r in rows if r["config"] == "ar"}
+    assert len(rows) == 4 * len(by) and all(r["tokens"] == ar[r["index"]] for r in rows)  # greedy, lossless
+    for name in by:
+        if name != "ar":
+            assert sum(r["drafted"] for r in rows if r["config"] == name) > 0, name
+    sha = read_metadata(setup["eagle"])["tensors_sha256"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert s["eagle"]["tensors_sha256"] == manifest["eagle"]["tensors_sha256"] == sha
+    assert s["eagle"]["path"] == str(setup["eagle"]) and manifest["draft"] is None and "EAGLE head" in printed
+    assert s["t_draft_ms"] == 0.5 and "EAGLE" in s["t_draft_source"]  # the head's step, from the cost table
+    assert by["k4"]["gflops_per_token"] > by["ar"]["gflops_per_token"]  # the head's forwards are counted
+    # the oracle: SD at k_max's rounds with only their accepted candidates drafted
+    k4 = [r for r in rows if r["config"] == "k4"]
+    o, p = s["oracle"], s["perfect_head"]
+    assert o["tokens"] == by["ar"]["tokens"] and o["discard_rate"] == 0
+    assert o["target_calls"] == p["target_calls"] == sum(r["target_calls"] for r in k4)
+    assert o["draft_forwards"] == sum(r["accepted"] for r in k4) <= p["draft_forwards"]
+    best = max(by[k]["tokens_per_call"] for k in ("k1", "k2", "k4"))  # rounded to 4 decimals
+    assert o["tokens"] / o["target_calls"] >= best - 5e-5 and o["target_calls"] < o["tokens"]
+    assert "oracle_gain_fraction" in s["ratios"] and "share_of_perfect_head_gain" in s["ratios"]
+    assert set(s["calibration"]) == {"h0.5", "h-cost"}
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["verifier=v.safetensors"], "verifier="), (["judge=j.safetensors"], "judge="), (["fsd_js=[0.1]"], "fsd_js="),
+    (["hetero=[tli]"], "hetero="), (["batch_size=2"], "batch 1")])
+def test_heads_eval_eagle_with_draft_model_rows_is_a_one_line_error(extra, message, setup, tmp_path, capsys):
+    assert eval_main(eval_args(setup, tmp_path / "x", f"eagle={setup['eagle']}", *extra)) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "eagle=" in err and len(err.splitlines()) == 1
+
+
+def test_heads_eval_eagle_for_another_target_or_stop_head_is_a_one_line_error(stop_head, setup, tmp_path, capsys):
+    def fails(*extra):
+        out = tmp_path / str(len(list(tmp_path.iterdir())))
+        assert eval_main(eval_args(setup, out, *extra)) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1
+        return err
+
+    alien = eagle_file(setup["pair"], tmp_path / "alien.safetensors", 0, fingerprint="sha256:another")
+    assert "fingerprint" in fails(f"eagle={alien}")
+    assert "another" in fails(f"eagle={setup['other']}", f"head={stop_head}", "thresholds=[0.5]")
+    assert "draft.path" in fails()  # neither a draft model nor an EAGLE head

@@ -10,7 +10,8 @@ from conftest import perturbed_copy
 
 from specheads.evaluate.cli import main
 from specheads.evaluate.config import EvalConfig
-from specheads.evaluate.oracle import below_curve, draft_agreement, oracle_schedule, perfect_head_schedule
+from specheads.evaluate.oracle import (RoundRecorder, below_curve, draft_agreement, oracle_schedule,
+                                      perfect_head_schedule, rounds_oracle, rounds_perfect_head)
 from specheads.evaluate.report import summarize
 from specheads.evaluate.sweep import config_names, num
 from specheads.export import Engine, GenerationStats, ModelSpec, SamplingConfig, load_pair, save_head
@@ -41,6 +42,39 @@ def test_perfect_head_schedule_hand_cases(agree, k_min, k_max, lag, calls, draft
     o = perfect_head_schedule(agree, k_min, k_max, lag)
     assert (o.new_tokens, o.target_calls, o.draft_forwards, o.discarded) == (len(agree), calls, drafts, discarded)
     assert o.target_calls >= oracle_schedule(agree, k_max).target_calls
+
+
+@pytest.mark.parametrize("rounds, k_min, lag, drafts, discarded", [
+    ([(4, 2), (4, 4), (4, 0), (1, 1)], 1, 0, 3 + 4 + 1 + 1, 2),  # stop on the drawn rejection; full rounds run out
+    ([(4, 2), (4, 4), (4, 0), (1, 1)], 1, 1, 4 + 4 + 2 + 1, 4),  # reference order: one more each
+    ([(4, 0), (2, 0), (0, 0)], 3, 0, 3 + 2 + 0, 5),  # k_min, capped by the round's room; a round without room
+])
+def test_rounds_oracle_and_perfect_head_hand_cases(rounds, k_min, lag, drafts, discarded):
+    n = sum(a + 1 for _, a in rounds)
+    o = rounds_oracle(rounds, n)
+    assert (o.target_calls, o.draft_forwards, o.discarded) == (len(rounds), sum(a for _, a in rounds), 0)
+    assert o.target_pass_sizes == {a + 1: sum(x == a for _, x in rounds) for _, a in rounds}
+    p = rounds_perfect_head(rounds, n, k_min, lag)
+    assert (p.target_calls, p.draft_forwards, p.discarded, p.new_tokens) == (len(rounds), drafts, discarded, n)
+    assert sum(p.target_pass_sizes.values()) == len(rounds)
+
+
+@pytest.mark.parametrize("k_max, k_min, lag", [(3, 1, 0), (6, 2, 1)])
+def test_recorded_rounds_give_the_agreement_schedules_for_a_draft_model(tiny_pair, k_max, k_min, lag):
+    """For a draft model (its greedy token depends on the prefix alone) the rounds of SD at k_max give the same
+    oracle and perfect head as the teacher-forced agreement: the recorded-rounds path the EAGLE drafter takes."""
+    target, draft = tiny_pair
+    engine = Engine(target, draft)
+    for prompt in ([1, 5, 9, 4], [3, 7, 2], [8, 8, 1, 6, 2]):
+        rec = RoundRecorder(k_max)
+        out = engine.generate(prompt, rec, 20).tokens
+        assert len(out) == 20  # no EOS: the recorded rounds' room is the schedules' room
+        agree = draft_agreement(draft, prompt, out)
+        for got, want in ((rounds_oracle(rec.rounds, len(out)), oracle_schedule(agree, k_max)),
+                          (rounds_perfect_head(rec.rounds, len(out), k_min, lag),
+                           perfect_head_schedule(agree, k_min, k_max, lag))):
+            assert (got.new_tokens, got.target_calls, got.draft_forwards, got.discarded, got.target_pass_sizes) == \
+                (want.new_tokens, want.target_calls, want.draft_forwards, want.discarded, want.target_pass_sizes)
 
 
 def test_below_curve():
