@@ -145,7 +145,9 @@ def export_head(cfg: ExportConfig, out: Path) -> dict:
         identical = mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     else:
         g = torch.Generator().manual_seed(cfg.seed)
-        width = meta.get("head_config", {}).get("in_features", meta["hidden_size"])
+        # the module's own input width: a confidence head (SpecDec++ on an EAGLE head) reads d + 1 numbers
+        width = getattr(head, "in_features", None) or meta.get("head_config", {}).get("in_features",
+                                                                                      meta["hidden_size"])
         x = torch.randn(64, width, generator=g).to(DTYPES[cfg.dtype])
         with torch.no_grad():
             identical = bool(torch.equal(head(x), back(x)))
