@@ -107,7 +107,7 @@ def interleave(configs: dict, items: list, warmup) -> tuple[dict[str, list], dic
 def shared_pair(shared: Path, vocab: str, draft_top_n: int):
     """The shared pair on CPU (SmolLM2-135M-Instruct GGUF target, the 4-layer draft), the draft's output
     layer pruned to the ``draft_top_n`` most frequent tokens of the ``heads-vocab`` ranking ``vocab``
-    (written by ``heads-vocab recipe=quickstart`` when absent; 0: not pruned)."""
+    (written by ``heads-vocab recipe=specdecpp_draft_quickstart`` when absent; 0: not pruned)."""
     from specheads.export import load_pair
     from specheads.export.shim.models import ModelSpec
     from specheads.export.shim.vocab import prune, read_ranking, subset_from_ranking
@@ -118,7 +118,7 @@ def shared_pair(shared: Path, vocab: str, draft_top_n: int):
     if draft_top_n:
         if not Path(vocab).is_file():
             from specheads.datagen.vocab import main as vocab_main
-            vocab_main(["recipe=quickstart", f"output={vocab}"])
+            vocab_main(["recipe=specdecpp_draft_quickstart", f"output={vocab}"])
         full = pair.draft.model.get_output_embeddings().weight.shape[0]
         prune(pair.draft.model, subset_from_ranking(read_ranking(vocab), draft_top_n, pair.eos_token_ids, full),
               Path(vocab).name)

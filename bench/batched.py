@@ -1,8 +1,8 @@
 """Batched decoding on the shared pair: prompts per hour at B = 1, 4, 8, 16 for AR and SD, one run.
 
 Every configuration decodes the same held-out prompts (GSM8K-test and MT-Bench first turns, greedy,
-fp32, the draft pruned as the quickstart pipeline prunes it) through ``Decoder.decode_many``: B = 1 is
-the batch-1 engine, B > 1 the batched engine (a finished prompt's row is taken by the next). The
+fp32, the draft pruned as recipe ``specdecpp_draft_quickstart`` prunes it) through ``Decoder.decode_many``:
+B = 1 is the batch-1 engine, B > 1 the batched engine (a finished prompt's row is taken by the next). The
 configurations run one after another in rotating order over ``--repeats`` passes, each figure the
 median over passes, so that drift hits every batch size alike. Aggregate tokens/s is all new tokens
 over the wall clock of the whole set; per-row latency is a prompt's own wall time from joining to
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=3, help="SD candidates per round")
     ap.add_argument("--repeats", type=int, default=2, help="passes over every configuration")
-    ap.add_argument("--vocab", default=str(ROOT / "runs/quickstart-vocab/vocab.json"))
+    ap.add_argument("--vocab", default=str(ROOT / "runs/specdecpp_draft_quickstart-vocab/vocab.json"))
     ap.add_argument("--draft-top-n", type=int, default=8192)
     ap.add_argument("--out", default=str(ROOT / "bench/results/batched.json"))
     args = ap.parse_args(argv)

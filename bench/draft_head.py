@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ks", default="2,3,4,5", help="fixed K of the EAGLE rows")
     ap.add_argument("--draft-ks", default="1,2,3", help="fixed K of the shared and distilled drafts' rows")
     ap.add_argument("--oracle-k-max", type=int, default=8)
-    ap.add_argument("--vocab", default=str(ROOT / "runs/quickstart-vocab/vocab.json"))
+    ap.add_argument("--vocab", default=str(ROOT / "runs/specdecpp_draft_quickstart-vocab/vocab.json"))
     ap.add_argument("--out", default=str(ROOT / "bench/results/draft_head.json"))
     args = ap.parse_args(argv)
     if not Path(args.eagle).exists():

@@ -122,9 +122,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mtbench-n", type=int, default=16)
     ap.add_argument("--mtbench-offset", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--vocab", default=str(ROOT / "runs/quickstart-vocab/vocab.json"),
-                    help="heads-vocab ranking for the pruned draft of our rows (written by heads-vocab recipe=quickstart "
-                         "when absent)")
+    ap.add_argument("--vocab", default=str(ROOT / "runs/specdecpp_draft_quickstart-vocab/vocab.json"),
+                    help="heads-vocab ranking for the pruned draft of our rows (written by heads-vocab "
+                         "recipe=specdecpp_draft_quickstart when absent)")
     ap.add_argument("--draft-top-n", type=int, default=8192, help="our rows' draft keeps this many tokens; 0: full")
     ap.add_argument("--oracle-k-max", type=int, default=8)
     ap.add_argument("--out", default=str(ROOT / "bench/results/engine.json"))
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     if args.draft_top_n:
         if not Path(args.vocab).is_file():
             from specheads.datagen.vocab import main as vocab_main
-            vocab_main(["recipe=quickstart", f"output={args.vocab}"])
+            vocab_main(["recipe=specdecpp_draft_quickstart", f"output={args.vocab}"])
         prune(pair.draft.model, subset_from_ranking(read_ranking(args.vocab), args.draft_top_n, pair.eos_token_ids,
                                                     full_head.weight.shape[0]), Path(args.vocab).name)
         pruned_head = pair.draft.model.get_output_embeddings()

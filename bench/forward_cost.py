@@ -127,14 +127,14 @@ def pruned_draft(draft, ranking_path: str, tops: list[int], reps: int) -> list[d
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--vocab", default=str(ROOT / "runs/quickstart-vocab/vocab.json"),
-                    help="heads-vocab ranking (heads-vocab recipe=quickstart writes it)")
+    ap.add_argument("--vocab", default=str(ROOT / "runs/specdecpp_draft_quickstart-vocab/vocab.json"),
+                    help="heads-vocab ranking (heads-vocab recipe=specdecpp_draft_quickstart writes it)")
     ap.add_argument("--tops", default="8192,16384")
     ap.add_argument("--out", default=str(ROOT / "bench/results/forward_cost.json"))
     args = ap.parse_args(argv)
     if not Path(args.vocab).is_file():
         from specheads.datagen.vocab import main as vocab_main
-        vocab_main(["recipe=quickstart", f"output={args.vocab}"])
+        vocab_main(["recipe=specdecpp_draft_quickstart", f"output={args.vocab}"])
     specs = {"target": ModelSpec(path=str(SHARED / "models/smollm2-135m-instruct"),
                                  gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype="float32", device="cpu"),
              "draft": ModelSpec(path=str(SHARED / "models/smollm2-draft-4l"), dtype="float32", device="cpu")}

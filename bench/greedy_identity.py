@@ -1,7 +1,7 @@
 """Greedy outputs of every decoding policy on the shared pair, to check a refactor changed nothing.
 
 Runs ``heads-decode`` in this process once per configuration (greedy, fp32, the draft pruned as
-the quickstart pipeline prunes it) over held-out prompts and records every completion's tokens.
+recipe ``specdecpp_draft_quickstart`` prunes it) over held-out prompts and records every completion's tokens.
 With ``--reference FILE`` (the same script run on an older checkout) it compares token for token
 and fails (exit 1) on any difference.
 
@@ -9,7 +9,8 @@ and fails (exit 1) on any difference.
     python bench/greedy_identity.py --reference /tmp/ref.json                          # after
 
 The SpecDec++ rows need an exported acceptance head for the pruned draft (``--head``, default the
-quickstart pipeline's ``runs/quickstart-export/head.safetensors``); without one they are skipped.
+draft-based quickstart pipeline's ``runs/specdecpp_draft_quickstart-export/head.safetensors``); without one
+they are skipped.
 Lossy policies (top-K verification, FSD) are included: greedy, their decisions do not depend on
 timing, so their outputs must not change either. Writes ``bench/results/greedy_identity.json``.
 """
@@ -45,10 +46,10 @@ def configs(head: str | None) -> dict[str, list[str]]:
 def run(head: str | None, max_new: int) -> dict[str, list[list[int]]]:
     from specheads.export.decode_cli import main
 
-    vocab = ROOT / "runs/quickstart-vocab/vocab.json"
+    vocab = ROOT / "runs/specdecpp_draft_quickstart-vocab/vocab.json"
     if not vocab.is_file():
         from specheads.datagen.vocab import main as vocab_main
-        vocab_main(["recipe=quickstart", f"output={vocab}"])
+        vocab_main(["recipe=specdecpp_draft_quickstart", f"output={vocab}"])
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in configs(head).items():
@@ -71,7 +72,7 @@ def run(head: str | None, max_new: int) -> dict[str, list[list[int]]]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--head", default=str(ROOT / "runs/quickstart-export/head.safetensors"))
+    ap.add_argument("--head", default=str(ROOT / "runs/specdecpp_draft_quickstart-export/head.safetensors"))
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--reference", default="", help="outputs of an older checkout to compare with")
     ap.add_argument("--out", default=str(ROOT / "bench/results/greedy_identity.json"))

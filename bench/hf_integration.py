@@ -3,11 +3,11 @@
     python bench/hf_integration.py                 # 16 held-out prompts x 96 tokens, greedy, one interleaved run
     python bench/hf_integration.py --n 4 --max-new-tokens 32 --out /tmp/h.json
 
-The SpecDec++ head of recipe ``quickstart``, the README's first command (its vocab, datagen, train and
-export stages are run first when ``runs/quickstart-export/head.safetensors`` is absent; the draft's output
-layer pruned as that recipe prunes it) decodes held-out prompts (GSM8K-test and MT-Bench first turns, greedy, fp32, batch 1)
-five ways, one prompt at a time, the configurations in rotating order per prompt so that drift hits each
-alike:
+The SpecDec++ head of recipe ``specdecpp_draft_quickstart``, the draft-based quickstart (its vocab, datagen,
+train and export stages are run first when ``runs/specdecpp_draft_quickstart-export/head.safetensors`` is
+absent; the draft's output layer pruned as that recipe prunes it) decodes held-out prompts (GSM8K-test
+and MT-Bench first turns, greedy, fp32, batch 1) five ways, one prompt at a time, the configurations in
+rotating order per prompt so that drift hits each alike:
 
 * ``hf_target``: ``target.generate`` alone (the reference output);
 * ``hf_dynamic``: ``generate(assistant_model=draft)`` with Transformers' defaults (dynamic speculation:
@@ -43,7 +43,7 @@ from specheads.prompts import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
-RECIPE = "quickstart"
+RECIPE = "specdecpp_draft_quickstart"
 CONFIGS = ("hf_target", "hf_dynamic", "hf_constant_k", "hf_head", "shim_head")
 
 

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=16, help="prompts per set")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--vocab", default=str(ROOT / "runs/quickstart-vocab/vocab.json"))
+    ap.add_argument("--vocab", default=str(ROOT / "runs/specdecpp_draft_quickstart-vocab/vocab.json"))
     ap.add_argument("--draft-top-n", type=int, default=8192)
     ap.add_argument("--out", default=str(ROOT / "bench/results/predraft_signal.json"))
     args = ap.parse_args(argv)

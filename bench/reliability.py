@@ -48,8 +48,8 @@ LAUNCH2 = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "-
 
 
 def _datagen_args(out: Path, n: int) -> list[str]:
-    return ["recipe=quickstart", f"prompts={SHARED}/data/gsm8k/train.jsonl", f"num_prompts={n}", "max_new_tokens=8",
-            "batch_size=4", "chunk_size=4", "sampling.do_sample=true", f"output_dir={out}"]
+    return ["recipe=specdecpp_draft_quickstart", f"prompts={SHARED}/data/gsm8k/train.jsonl", f"num_prompts={n}",
+            "max_new_tokens=8", "batch_size=4", "chunk_size=4", "sampling.do_sample=true", f"output_dir={out}"]
 
 
 def _cmd(args: list[str], procs: int, module: str = "specheads.datagen.cli") -> list[str]:
@@ -177,7 +177,7 @@ def _train_args(data: Path, out: Path, n: int, *extra: str) -> list[str]:
     # epoch is padded to a multiple of batch_size x processes, so 1 and 2 processes then see the same
     # examples at every step
     n_eval = 8 + n % 8
-    return ["recipe=quickstart", f"data_dir={data}", "epochs=3", "patience=10", "batch_size=4",
+    return ["recipe=specdecpp_draft_quickstart", f"data_dir={data}", "epochs=3", "patience=10", "batch_size=4",
             f"eval_fraction={n_eval / n!r}", f"output_dir={out}", *extra]
 
 
@@ -246,7 +246,7 @@ def part_rss(work: Path, n: int) -> dict:
     per_file = gsm if n <= gsm else n // 2
     if per_file * (2 if n > gsm else 1) != n:
         raise SystemExit("--rss-prompts: use up to 7473, or an even number up to 10000")
-    args = ["recipe=quickstart", f"prompts={prompts}", f"num_prompts={per_file}", "max_new_tokens=1",
+    args = ["recipe=specdecpp_draft_quickstart", f"prompts={prompts}", f"num_prompts={per_file}", "max_new_tokens=1",
             "batch_size=32", "chunk_size=64", f"output_dir={out}"]
     cmd = _cmd(args, 1)
     t0 = time.perf_counter()
@@ -273,7 +273,8 @@ def part_rss(work: Path, n: int) -> dict:
         "rss_first_10pct_chunks_mib": round(early / 1024, 1), "rss_last_chunks_mib": round(late / 1024, 1),
         "chunks": manifest["chunks"], "seconds": round(time.perf_counter() - t0, 1),
         "command": f"python bench/reliability.py --parts rss --rss-prompts {n}",
-        "setting": f"heads-datagen recipe=quickstart, {'GSM8K-train + Alpaca' if n > gsm else 'GSM8K-train'} prompts, "
+        "setting": f"heads-datagen recipe=specdecpp_draft_quickstart, "
+                   f"{'GSM8K-train + Alpaca' if n > gsm else 'GSM8K-train'} prompts, "
                    "max_new_tokens=1, batch_size=32, chunk_size=64, 1 process, fp32 on CPU"}}
 
 

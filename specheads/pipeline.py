@@ -1,20 +1,23 @@
 """``heads-pipeline``: the main job end to end: vocab -> datagen -> train -> export -> eval.
 
-    heads-pipeline                                  # recipe=quickstart: the shared pair on CPU
-    heads-pipeline recipe=quickstart datagen.num_prompts=128 train.depth=2 seed=1
+    heads-pipeline                                  # recipe=quickstart: the shared target and its EAGLE head, CPU
+    heads-pipeline recipe=quickstart datagen.num_prompts=128 train.depth=1 seed=1
+    heads-pipeline recipe=specdecpp_draft_quickstart   # SpecDec++ on the shared 4-layer draft
 
 Each stage reads its own section of the one recipe, chained so that every stage consumes what
 the previous one wrote (with ``vocab.top_n`` set, every stage that loads the draft gets
 ``draft.vocab_file`` = ``vocab.output`` and ``draft.vocab_top_n`` = ``vocab.top_n``: the draft's
-output layer pruned to the most frequent tokens; a recipe without a ``vocab`` section skips that
-stage; ``train.data_dir`` = ``datagen.output_dir``, ``export.train_dir`` =
-``train.output_dir``, ``eval.head`` = the exported file, or ``eval.verifier`` for a SPRINTER
-verifier: ``heads-pipeline recipe=sprinter_quickstart``). Overrides are ``section.key=value``
-for one stage, or ``key=value`` for every stage that has that key (``seed=1``). All four configs
-are checked before anything runs. Every stage resumes, so running the same command again after
-a crash continues where it stopped. At the end a summary table is printed and written, with the
-stage timings, to ``pipeline.output_dir`` (``summary.json``, ``metrics.jsonl``, ``config.yaml``,
-``manifest.json``).
+output layer pruned to the most frequent tokens; a recipe without a ``vocab`` section, or whose
+later stages load no draft model (an EAGLE head drafting: ``eagle=``), skips that stage;
+``train.data_dir`` = ``datagen.output_dir``, ``export.train_dir`` = ``train.output_dir``,
+``eval.head`` = the exported file, or ``eval.verifier`` for a SPRINTER verifier:
+``heads-pipeline recipe=sprinter_quickstart``). Overrides are ``section.key=value`` for one stage,
+or ``key=value`` for every stage that has that key (``seed=1``). All four configs are checked
+before anything runs. Every stage resumes, so running the same command again after a crash
+continues where it stopped. At the end a summary table is printed, with the two gains the main job
+shows (the drafter's: the fastest lossless row against the target alone; the stop rules': each
+stop-head and confidence row against the fastest fixed K), and written, with the stage timings, to
+``pipeline.output_dir`` (``summary.json``, ``metrics.jsonl``, ``config.yaml``, ``manifest.json``).
 """
 
 from __future__ import annotations
@@ -117,7 +120,15 @@ def load_configs(argv: list[str]) -> tuple[PipelineConfig, dict]:
             chained.setdefault("eval", []).append(f"{key}={out if cfgs[stage].format == 'hf' else out / 'head.safetensors'}")
     if problems:
         raise UserError("; ".join(problems))
+    if "vocab" in pipe.stages and not _loads_a_draft(pipe, cfgs):  # nothing to prune (e.g. an EAGLE drafter)
+        log.info("no later stage loads a draft model (draft.path): the vocab stage is skipped")
+        pipe.stages = [s for s in pipe.stages if s != "vocab"]
     return pipe, cfgs
+
+
+def _loads_a_draft(pipe: PipelineConfig, cfgs: dict) -> bool:
+    """Whether a stage after ``vocab`` loads a draft model whose output layer the ranking would prune."""
+    return any(getattr(getattr(cfgs.get(s), "draft", None), "path", "") for s in pipe.stages if s != "vocab")
 
 
 # the install extra each stage needs (heads-export needs only the base install)
@@ -143,21 +154,64 @@ def summarize(cfgs: dict, times: dict) -> dict:
     dg = Path(cfgs["datagen"].output_dir) / "manifest.json"
     if dg.is_file():
         m = json.loads(dg.read_text())
-        out["datagen"] = {k: m.get(k) for k in ("prompts", "labelled_tokens", "label_mean", "expected_label_mean",
-                                                "category_shares", "label_mean_by_lambda")}
+        out["datagen"] = {k: m.get(k) for k in ("labels", "prompts", "labelled_tokens", "label_mean",
+                                                "expected_label_mean", "category_shares", "label_mean_by_lambda")}
     best = Path(cfgs["train"].output_dir) / "best_metrics.json"
     if best.is_file():
         b = json.loads(best.read_text())
-        out["train"] = {k: b.get(k) for k in ("eval_binary_kl", "eval_auroc", "eval_weighted_loss", "epoch",
-                                              "eval_tpr_at_eta", "eval_fpr_at_eta", "eval_wrong_accepted_share")}
+        out["train"] = {k: b.get(k) for k in ("eval_binary_kl", "eval_auroc", "eval_auroc_confidence",
+                                              "eval_weighted_loss", "epoch", "eval_tpr_at_eta", "eval_fpr_at_eta",
+                                              "eval_wrong_accepted_share")}
     sweep = Path(cfgs["eval"].output_dir) / "sweep.json"
     if sweep.is_file():
         s = json.loads(sweep.read_text())
         out["eval"] = {k: s.get(k) for k in ("table", "oracle", "perfect_head", "ratios", "best_fixed_k",
                                              "best_threshold", "best_stop_rule", "best_lossless", "pareto_dominates",
                                              "pareto_png", "t_target_ms", "t_draft_ms", "cost_table", "sprinter",
-                                             "judge", "accuracy")}
+                                             "judge", "accuracy", "eagle")}
+        ev = cfgs["eval"]
+        out["eval"]["drafter"] = (f"EAGLE head {ev.eagle}" if getattr(ev, "eagle", None)
+                                  else f"draft {Path(ev.draft.path).name}" if ev.draft.path else None)
     return out
+
+
+def _row(table: list[dict], name: str | None) -> dict | None:
+    return next((r for r in table if r["config"] == name), None)
+
+
+def _x(a: float | None, b: float | None) -> str:
+    return f"{a / b:.3f}x" if a and b else "-"
+
+
+LOSSLESS_DRAFTING = ("k", "h", "c", "v-")  # rows that draft and stay lossless: SD, SpecDec++, confidence, TLI/SLEM
+
+
+def gains(ev: dict) -> list[str]:
+    """The two gains the main job shows, as lines: the drafter's (its fastest lossless row against the target
+    alone) and the stop rules' (each stop-head and confidence row against the fastest fixed K)."""
+    table, lines = ev["table"], []
+    ar, k = _row(table, "ar"), _row(table, ev.get("best_fixed_k"))
+    drafting = [r for r in table if r["config"].startswith(LOSSLESS_DRAFTING)]
+    if ar and drafting:
+        best = max(drafting, key=lambda r: r["tokens_per_s"])
+        lines.append(f"drafter gain ({ev.get('drafter') or 'drafter'}): its fastest lossless row {best['config']} "
+                     f"{best['tokens_per_s']} tokens/s = {_x(best['tokens_per_s'], ar['tokens_per_s'])} the target "
+                     f"alone ({ar['tokens_per_s']} tokens/s)"
+                     + (f"; best fixed K {k['config']} {_x(k['tokens_per_s'], ar['tokens_per_s'])}" if k else ""))
+    heads = [r for r in table if r["config"].startswith("h")]
+    free = [r for r in table if r["config"].startswith("c")]
+    if k and (heads or free):
+        line = (f"stop head gain over the best fixed K ({k['config']}, {k['tokens_per_s']} tokens/s): "
+                + (", ".join(f"{r['config']} {r['tokens_per_s']} tokens/s = {_x(r['tokens_per_s'], k['tokens_per_s'])}"
+                             for r in heads) or "no stop-head row"))
+        if free:
+            line += "; training-free " + ", ".join(f"{r['config']} {_x(r['tokens_per_s'], k['tokens_per_s'])}"
+                                                   for r in free)
+        bound = (ev.get("ratios") or {}).get("perfect_head_cost_gain_vs_best_fixed_k")
+        if bound:
+            line += f"; a perfect stop head: {bound:.3f}x (cost model)"
+        lines.append(line)
+    return lines
 
 
 def print_summary(summary: dict, file=None) -> None:
@@ -167,14 +221,17 @@ def print_summary(summary: dict, file=None) -> None:
     p("stage seconds: " + ", ".join(f"{k} {v}" for k, v in summary["stage_seconds"].items()))
     if "datagen" in summary:
         d = summary["datagen"]
-        p(f"datagen: {d['prompts']} prompts, {d['labelled_tokens']} labelled tokens, mean label {d['label_mean']}")
+        p(f"datagen: {d['prompts']} prompts, {d['labelled_tokens']} labelled tokens, mean label {d['label_mean']}"
+          + (f" (labels={d['labels']})" if d.get("labels") else ""))
     if "train" in summary:
         t = summary["train"]
         if t.get("eval_wrong_accepted_share") is not None:
             p(f"judge: eval AUROC {t['eval_auroc']}, wrong tokens accepted at delta {t['eval_wrong_accepted_share']} "
               f"(epoch {t['epoch']})")
         elif t.get("eval_binary_kl") is not None:
-            p(f"head: eval binary KL {t['eval_binary_kl']}, AUROC {t['eval_auroc']} (epoch {t['epoch']})")
+            p(f"head: eval binary KL {t['eval_binary_kl']}, AUROC {t['eval_auroc']} (epoch {t['epoch']})"
+              + (f"; AUROC of the drafter's own q(y): {t['eval_auroc_confidence']}"
+                 if t.get("eval_auroc_confidence") is not None else ""))
         else:
             p(f"verifier: eval AUROC {t['eval_auroc']}, TPR {t['eval_tpr_at_eta']} / FPR {t['eval_fpr_at_eta']} "
               f"at eta (epoch {t['epoch']})")
@@ -189,6 +246,10 @@ def print_summary(summary: dict, file=None) -> None:
             o = ev["oracle"]
             p(f"oracle | {o.get('predicted_tokens_per_s', '-')} (predicted) | - | {o['verification_rate']} | 0.0 | "
               f"{o['model_cost_ms_per_token']} | -")
+        if ev.get("perfect_head"):
+            o = ev["perfect_head"]
+            p(f"perfect head | {o.get('predicted_tokens_per_s', '-')} (predicted) | - | {o['verification_rate']} | "
+              f"{o['discard_rate']} | {o['model_cost_ms_per_token']} | -")
         if ev.get("oracle") and ev.get("best_lossless"):
             b = ev["best_lossless"]
             p(f"oracle predicted {ev['oracle'].get('predicted_tokens_per_s')} tokens/s vs best lossless row "
@@ -196,6 +257,8 @@ def print_summary(summary: dict, file=None) -> None:
         p(f"best fixed K: {ev.get('best_fixed_k')}, best SpecDec++ threshold: {ev.get('best_threshold')}, "
           f"best stop rule: {ev.get('best_stop_rule')}, ratios: {ev.get('ratios')}, "
           f"pareto_dominates: {ev.get('pareto_dominates')}")
+        for line in gains(ev):
+            p(line)
         p(f"Pareto plot: {ev.get('pareto_png')}")
         if ev.get("judge"):
             p(f"judge vs {ev['judge']['sd_reference']}: " + ", ".join(

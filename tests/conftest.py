@@ -26,6 +26,11 @@ from specheads.export.shim.sampling import SamplingConfig, probs_from_logits
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
+# The tests call the CLIs without recipe= on tiny models and read their other settings from the default
+# recipe: pin the draft-based SpecDec++ one (the old quickstart), not the main job's recipe=quickstart
+# (an EAGLE head on the real target), here and in every child process the tests start.
+os.environ["SPECHEADS_RECIPE"] = "specdecpp_draft_quickstart"
+
 # The folders installed under the import root (pyproject's package-dir: specheads.<folder>).
 PACKAGE_FOLDERS = ("specheads", "heads", "export", "datagen", "train", "evaluate", "recipes")
 WORDS = ("the cat dog sat on a mat and ran to big red blue sun moon one two three four five six seven eight "

@@ -163,6 +163,7 @@ def test_unresolvable_interpolation(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_unknown_recipe_suggests(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("SPECHEADS_RECIPE", raising=False)  # conftest pins another default
     (tmp_path / "judge_405b.yaml").write_text("description: Judge.\ntrain: {}\n")
     (tmp_path / "quickstart.yaml").write_text("train: {steps: 2}\n")
     (tmp_path / "decode_only.yaml").write_text("decode: {}\n")
@@ -179,6 +180,17 @@ def test_unknown_recipe_suggests(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     )
     assert list(config.list_recipes("decode")) == ["decode_only"]
     assert config.recipe_description(tmp_path / "judge_405b.yaml") == "Judge."
+
+
+def test_specheads_recipe_names_the_default_recipe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (tmp_path / "quickstart.yaml").write_text("train: {steps: 2}\n")
+    (tmp_path / "other.yaml").write_text("train: {steps: 3}\n")
+    monkeypatch.setattr(config, "_recipes_root", lambda: tmp_path)
+    monkeypatch.setenv("SPECHEADS_RECIPE", "other")
+    assert load_config(TrainCfg, "train", []).steps == 3
+    assert load_config(TrainCfg, "train", ["recipe=quickstart"]).steps == 2
+    monkeypatch.delenv("SPECHEADS_RECIPE")
+    assert load_config(TrainCfg, "train", []).steps == 2
 
 
 def test_recipe_path_form(tmp_path: Path) -> None:

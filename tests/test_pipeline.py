@@ -107,12 +107,83 @@ def test_a_judge_recipe_chains_the_export_into_eval_judge():
 def test_the_vocab_stage_prunes_the_draft_of_every_later_stage():
     from specheads.pipeline import load_configs
 
-    pipe, cfgs = load_configs(["recipe=quickstart", "vocab.top_n=4096"])
+    pipe, cfgs = load_configs(["recipe=specdecpp_draft_quickstart", "vocab.top_n=4096"])
     assert pipe.stages[0] == "vocab"
     for stage in ("datagen", "train", "eval"):
         assert cfgs[stage].draft.vocab_file == cfgs["vocab"].output
         assert cfgs[stage].draft.vocab_top_n == 4096
-    _, cfgs = load_configs(["recipe=quickstart", "vocab.top_n=null"])
+    _, cfgs = load_configs(["recipe=specdecpp_draft_quickstart", "vocab.top_n=null"])
     assert cfgs["datagen"].draft.vocab_file is None and cfgs["eval"].draft.vocab_top_n is None
     pipe, cfgs = load_configs(["recipe=judge_quickstart"])  # no vocab section: no vocab stage, no pruning
     assert "vocab" not in pipe.stages and "vocab" not in cfgs
+    pipe, _ = load_configs(["recipe=specdecpp_draft_quickstart", "draft.path=''"])  # no draft model: nothing to prune
+    assert "vocab" not in pipe.stages
+
+
+def test_the_quickstart_runs_on_the_committed_eagle_head():
+    """recipe=quickstart: no draft model and no vocab stage; the committed EAGLE head drafts in datagen
+    (labels=eagle_rounds, on GSM8K-train prompts past those it trained on) and in eval, which gets the exported
+    stop head; heads-decode keeps the 4-layer draft."""
+    from pathlib import Path
+
+    from specheads.config import load_config, schema_for
+    from specheads.pipeline import load_configs
+
+    pipe, cfgs = load_configs(["recipe=quickstart", "export.output_dir=/tmp/q-export"])
+    assert pipe.stages == ["datagen", "train", "export", "eval"]
+    dg, ev = cfgs["datagen"], cfgs["eval"]
+    assert dg.labels == "eagle_rounds" and cfgs["train"].head == "eagle_stop"
+    assert dg.eagle == ev.eagle and (Path(__file__).parents[1] / dg.eagle).is_file() and dg.eagle_k >= ev.k_max
+    assert dg.offset >= 320 and "gsm8k/train" in dg.prompts  # the head's training read GSM8K-train rows 0-319
+    assert not dg.draft.path and not ev.draft.path and ev.head == "/tmp/q-export/head.safetensors"
+    assert cfgs["train"].data_dir == dg.output_dir and ev.ks and ev.cost_stop and ev.confidence
+    assert load_config(schema_for("decode"), "decode", ["recipe=quickstart"]).draft.path
+
+
+def _eagle_head(target_dir, path):
+    """An EAGLE head for the tiny target (layer 1 of 2), started from the target as heads-train does."""
+    from specheads.export import ModelSpec, load_pair, save_head
+    from specheads.heads import EagleHead
+    from specheads.train.eagle import init_from_target
+
+    pair = load_pair(ModelSpec(path=str(target_dir), device="cpu"), None)
+    model = pair.target.model
+    vocab = model.config.vocab_size
+    head = EagleHead(32, [1], vocab, vocab, 4, 2, 8, 64, model.config.rms_norm_eps, 10000.0)
+    init_from_target(head, model, list(range(vocab)), 0)
+    save_head(path, head, "eagle", {"head_config": head.config(), "hidden_size": 32,
+                                    "target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
+                                    "feature": {"model": "target", "state": "aux", "layers": [1]}})
+    return path
+
+
+def test_an_eagle_pipeline_labels_trains_exports_and_sweeps_on_the_head(tiny_pair_dirs, tmp_path, capsys):
+    """The quickstart's shape on tiny models: labels=eagle_rounds -> head=eagle_stop (a confidence head, d + 1
+    inputs) -> export -> heads-eval eagle=; the vocab section is skipped (no draft model), and the summary
+    prints the drafter's gain over the target alone and the stop rules' over the best fixed K."""
+    from specheads.export.shim.costs import CostTable
+
+    path, runs = _recipe(tmp_path, tiny_pair_dirs)
+    recipe = yaml.safe_load(path.read_text())
+    eagle = str(_eagle_head(tiny_pair_dirs[0], tmp_path / "eagle.safetensors"))
+    table = tmp_path / "costs.json"  # a synthetic cost table: no timing decides the test
+    table.write_text(json.dumps(CostTable(t_draft_ms=0.5, t_target_ms=[4 + 0.5 * k for k in range(1, 12)]).to_dict()))
+    del recipe["draft"]
+    recipe["vocab"] = {"corpus": recipe["datagen"]["prompts"], "output": str(runs / "vocab.json"), "top_n": 8}
+    recipe["datagen"].update(labels="eagle_rounds", eagle=eagle, eagle_k=4, threads=1)
+    recipe["train"].update(head="eagle_stop", depth=1, eval_fraction=0.25, threads=1)
+    recipe["eval"].update(eagle=eagle, thresholds=[0.5], confidence=[0.5], confidence_k_max=4, k_min=1, k_max=4,
+                          profile=str(table))
+    path.write_text(yaml.safe_dump(recipe))
+    assert main([f"recipe={path}"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((runs / "pipe" / "summary.json").read_text())
+    assert list(summary["stage_seconds"]) == ["datagen", "train", "export", "eval"]
+    assert not (runs / "vocab.json").exists()
+    assert summary["datagen"]["labels"] == "eagle_rounds" and summary["train"]["eval_auroc_confidence"] is not None
+    assert [r["config"] for r in summary["eval"]["table"]] == ["ar", "k1", "k2", "h0.5", "h-cost", "c0.5", "c-cost"]
+    assert summary["eval"]["eagle"]["path"] == eagle and summary["eval"]["drafter"] == f"EAGLE head {eagle}"
+    ev_cfg = yaml.safe_load((runs / "ev" / "config.yaml").read_text())
+    assert ev_cfg["head"] == str(runs / "ex" / "head.safetensors") and ev_cfg["eagle"] == eagle
+    assert f"drafter gain (EAGLE head {eagle}): its fastest lossless row" in out
+    assert "stop head gain over the best fixed K" in out and "h-cost" in out and "training-free c0.5" in out
