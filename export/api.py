@@ -23,6 +23,7 @@ from .shim.models import Pair, context_length
 from .shim.policies import Policy
 from .shim.sampling import SamplingConfig
 from .shim.stats import GenerationStats
+from .shim.tree import tree_problems
 
 log = logging.getLogger(__name__)
 __all__ = ["Decoder", "Result", "fit_context", "format_prompt", "generate", "make_policy", "pair_costs",
@@ -102,6 +103,8 @@ class Decoder:
             policy = make_policy(policy, pair, k=k, sampling=self.sampling, eagle=eagle)
         if policy.head_feature is not None:  # a stop head reads the states of the drafter it was trained on
             check_stop_drafter(policy.head_feature, eagle.metadata if eagle is not None else None)
+        if getattr(policy, "tree", False) and (bad := tree_problems(eagle is not None, self.sampling, fused_forward)):
+            raise UserError("; ".join(bad))
         if eagle is not None and (policy.bridge or policy.verifier == "draft"):
             raise UserError(f"policy {policy.name!r} does not draft on the target's vocabulary: it cannot use an EAGLE head")
         if "draft" in policy.models and pair.draft is None and eagle is None:
@@ -206,6 +209,8 @@ class Decoder:
         """Why this decoder cannot decode in batches (None: it can)."""
         if self.eagle is not None:
             return "drafting with an EAGLE head runs at batch 1"
+        if getattr(self.policy, "tree", False):
+            return "policy=tree runs at batch 1"
         if self.policy.bridge:
             return f"policy={self.policy.name} drafts across vocabularies and runs at batch 1 only"
         if self.draft_generator is not None:

@@ -33,6 +33,7 @@ from .shim.costs import PROFILES
 from .shim.models import load_pair
 from .shim.policies import POLICIES, STOPS, StandardSD
 from .shim.stats import COUNTS, GenerationStats
+from .shim.tree import tree_problems
 
 log = logging.getLogger(__name__)
 PROG = "heads-decode"
@@ -48,6 +49,8 @@ def _check(cfg: DecodeConfig) -> None:
     problems += (cls or StandardSD).Settings.config_problems(cfg)
     if cls is not None and cfg.policy not in COST_STOP and (cfg.stop == "cost" or cfg.stop not in STOPS):
         problems.append(f"stop={cfg.stop} applies to policy={' or '.join(COST_STOP)}, not policy={cfg.policy}")
+    if getattr(cls, "tree", False):
+        problems += tree_problems(bool(cfg.eagle), cfg.sampling, cfg.fused_forward)
     if cfg.stop == "cost" and cfg.profile not in PROFILES and not Path(cfg.profile).is_file():
         problems.append(f"profile={cfg.profile!r} is not auto, refresh or an existing cost-table JSON file")
     if cfg.max_new_tokens < 1:

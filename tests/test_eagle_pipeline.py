@@ -126,8 +126,10 @@ def test_heads_decode_with_the_head_equals_the_target_alone(trained, tiny_pair_d
     assert decode_main([*common, "policy=ar", f"output_dir={tmp_path / 'ar'}"]) == 0
     assert decode_main([*common, "policy=sd", "k=3", f"eagle={trained / 'head.safetensors'}",
                         f"output_dir={tmp_path / 'eagle'}"]) == 0
+    assert decode_main([*common, "policy=tree", "k=3", "tree_width=2", "tree_nodes=5",
+                        f"eagle={trained / 'head.safetensors'}", f"output_dir={tmp_path / 'tree'}"]) == 0
     read = lambda d: [json.loads(x)["tokens"] for x in (tmp_path / d / "outputs.jsonl").read_text().splitlines()]  # noqa: E731
-    assert read("eagle") == read("ar")
+    assert read("eagle") == read("ar") == read("tree")
     metrics = json.loads((tmp_path / "eagle" / "metrics.json").read_text())
     assert metrics.get("drafted", metrics.get("totals", {}).get("drafted", 1)) > 0
 
@@ -138,3 +140,15 @@ def test_a_drafter_layer_past_the_targets_depth_is_a_one_line_error(tiny_pair_di
     assert datagen_main(drafter_args(tiny_pair_dirs, prompts, tmp_path / "x", "drafter_layers=[5]")) == 2
     err = capsys.readouterr().err.strip()
     assert "layer" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("extra,message", [([], "EAGLE head"), (["sampling.do_sample=true", "eagle=X"], "greedy only"),
+                                           (["tree_nodes=0", "eagle=X"], "tree_nodes=0")])
+def test_tree_settings_are_one_line_errors(extra, message, tiny_pair_dirs, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the cat"}) + "\n")
+    argv = [f"target.path={tiny_pair_dirs[0]}", "target.gguf_file=null", f"prompts={prompts}", "policy=tree",
+            f"output_dir={tmp_path / 'out'}", *extra]
+    assert decode_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1

@@ -68,21 +68,10 @@ class EagleDrafter:
         self.forwards = 0
 
     def draft(self, rnd, seq: list[int], room: int) -> None:
-        n = len(seq)
-        self.cache.length = self.fed
-        first = self.fed
-        rows = [s[max(0, first - p):] for p, s in self.pending if p + s.shape[0] > first]
-        self.pending = []
-        states = torch.cat(rows) if rows else None
-        if states is None or first + states.shape[0] < n - 1:  # no target states for the newest tokens
+        a = self.feed(seq)
+        if a is None:
             return
-        states = states[: n - 1 - first]
         dtype = self.cache.dtype
-        emb = self.embed(torch.tensor([seq[first + 1: n]], device=self.device)).to(dtype)
-        count_tokens(self.stats, "draft", first, emb.shape[1])
-        a = self.cache.forward(emb, self.head.fuse(states.to(dtype))[None])
-        self.fed = self.cache.length
-        self.forwards += 1
         while True:
             last = a[:, -1:]
             logits, hidden = self._logits(last[0, 0])
@@ -91,6 +80,27 @@ class EagleDrafter:
             count_tokens(self.stats, "draft", self.cache.length, 1)
             a = self.cache.forward(self.embed(rnd.tokens[-1].view(1, 1)).to(dtype), last)
             self.forwards += 1
+
+    def feed(self, seq: list[int]) -> torch.Tensor | None:
+        """Cuts the cache back to the target-fed entries and feeds the target states the last pass added;
+        returns the head's states ``[1, s, d]`` of the fed entries (the last one scores ``x_N``), or None
+        when the newest tokens have no target states yet (nothing to draft from)."""
+        n = len(seq)
+        self.cache.length = self.fed
+        first = self.fed
+        rows = [s[max(0, first - p):] for p, s in self.pending if p + s.shape[0] > first]
+        self.pending = []
+        states = torch.cat(rows) if rows else None
+        if states is None or first + states.shape[0] < n - 1:  # no target states for the newest tokens
+            return None
+        states = states[: n - 1 - first]
+        dtype = self.cache.dtype
+        emb = self.embed(torch.tensor([seq[first + 1: n]], device=self.device)).to(dtype)
+        count_tokens(self.stats, "draft", first, emb.shape[1])
+        a = self.cache.forward(emb, self.head.fuse(states.to(dtype))[None])
+        self.fed = self.cache.length
+        self.forwards += 1
+        return a
 
     def _logits(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The candidate's scores over the whole vocabulary (``-inf`` outside the head's) and its state."""

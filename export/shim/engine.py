@@ -30,6 +30,7 @@ from .kv import make_runner
 from .policies import DraftOnly, Policy, Round, TargetOnly, Verdict
 from .sampling import SamplingConfig
 from .stats import GenerationStats, count_tokens
+from .tree import generate_tree
 
 
 @dataclass
@@ -135,6 +136,8 @@ class Engine:
                 default: the prompt's text re-encoded).
         """
         sampling = sampling or SamplingConfig()
+        if getattr(policy, "tree", False):  # a draft tree, not a chain: its own loop
+            return generate_tree(self, prompt_ids, policy, max_new_tokens, sampling, on_tokens)
         start = time.perf_counter()
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         d_gen = draft_generator or generator

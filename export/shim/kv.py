@@ -273,14 +273,29 @@ class FusedRunner:
         s = ids.shape[1]
         start, end = self._reserve(s)
         x = self.model.get_input_embeddings()(ids)
+        seen = dict.fromkeys(self.aux) if self.aux else None
         x = decoder_layers(self, x, self.cos[positions], self.sin[positions], self.keys, self.values, start, end,
-                           mask.to(self.device), False)
+                           mask.to(self.device), False, seen)
+        if seen is not None:
+            self.aux_states, self.aux_start = torch.cat([seen[i] for i in self.aux], dim=-1)[0], start
         self._length = end
         self.forwards += 1
         logits = output_logits(self.weights, rms_norm(self.model.model.norm, x[0]))
         if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
             logits = logits[..., : self.vocab_size]
         return logits
+
+    def keep(self, start: int, rows: list[int]) -> None:
+        """After the first ``start`` cached positions keeps only the entries at slots ``start + rows`` (in that
+        order; a tree pass's accepted path), moved to ``start, start + 1, ...``; the ``aux_states`` of a pass
+        that began at ``start`` follow."""
+        if rows != list(range(len(rows))):
+            idx = torch.tensor(rows, device=self.device) + start
+            for buf in self.keys + self.values:
+                buf[:, :, start: start + len(rows)] = buf[:, :, idx]
+        self._length = start + len(rows)
+        if self.aux_states is not None and self.aux_start == start:
+            self.aux_states = self.aux_states[rows]
 
     def close(self) -> None:
         """Nothing to release (no hooks); kept for interface parity."""

@@ -4,7 +4,7 @@
 acceptance rule; ``settings`` the settings machinery (:class:`Settings`, :class:`Check`, :class:`HeadSpec`);
 ``baselines`` the target or draft alone, standard SD, top-K verification and draft-confidence stopping
 (the cost rules and the draft gate they share with SpecDec++ are in :mod:`..cost_rules`); ``specdecpp``, ``sprinter``, ``judge`` and ``fsd`` one family
-each; ``hetero`` TLI, SLEM and SLRS. :data:`POLICIES` maps every ``policy=`` name to its class.
+each; ``hetero`` TLI, SLEM and SLRS; ``tree`` tree drafting with an EAGLE head. :data:`POLICIES` maps every ``policy=`` name to its class.
 """
 
 from specheads.errors import UserError
@@ -17,9 +17,11 @@ from .judge import Judge
 from .settings import Check, HeadSpec, Settings
 from .specdecpp import SpecDecPP
 from .sprinter import Sprinter
+from .tree import EagleTree
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (StandardSD, SpecDecPP, Sprinter, Judge, TopKVerify, FSD,
-                                                           ConfidenceStop, TLI, SLEM, SLRS, TargetOnly, DraftOnly)}
+                                                           ConfidenceStop, EagleTree, TLI, SLEM, SLRS, TargetOnly,
+                                                           DraftOnly)}
 
 
 def policy_class(name: str) -> type[Policy]:
@@ -34,7 +36,7 @@ def build_policy(name: str, **kwargs) -> Policy:
     return policy_class(name)(**kwargs)
 
 
-__all__ = ["POLICIES", "STOPS", "Check", "ConfidenceStop", "DraftOnly", "FSD", "HeadSpec", "Judge", "Policy", "Round",
+__all__ = ["POLICIES", "STOPS", "Check", "ConfidenceStop", "DraftOnly", "EagleTree", "FSD", "HeadSpec", "Judge", "Policy", "Round",
            "SLEM", "SLRS", "Settings", "SpecDecPP", "Sprinter", "StandardSD", "TLI", "TargetOnly", "TopKVerify", "Verdict",
            "build_policy", "greedy_accept", "policy_class", "residual", "sd_accepts", "speculative_accept",
            "standard_verify"]
