@@ -73,7 +73,7 @@ from .oracle import (RoundRecorder, draft_agreement, oracle_schedule, perfect_he
                      rounds_perfect_head)
 from .printout import print_summary
 from .select import parse as parse_select
-from .sweep import build_decoders, decoder, run_sweep, same_vocab_rows
+from .sweep import build_decoders, decoder, parse_tree, run_sweep, same_vocab_rows
 
 log = logging.getLogger(__name__)
 PROG = "heads-eval"
@@ -85,7 +85,7 @@ def _check(cfg: EvalConfig) -> None:
         problems.append("prompts is not set; pass prompts=<held-out prompt file>")
     fsd = {d: list(getattr(cfg, f"fsd_{d}")) for d in DIVERGENCES if getattr(cfg, f"fsd_{d}")}
     if not (cfg.ks or cfg.head or cfg.verifier or cfg.judge or cfg.judges or cfg.topk or fsd or cfg.confidence
-            or cfg.hetero):
+            or cfg.hetero or cfg.trees):
         problems.append("nothing to sweep: set ks=[...], head=, verifier=, judge=, judges=, topk=[...], fsd_js=[...] "
                         "(or fsd_tv, fsd_kl, fsd_kl_rev), confidence=[...] and/or hetero=[tli,slem,slrs]")
     hetero = [name for name, policy in POLICIES.items() if policy.bridge]
@@ -137,6 +137,14 @@ def _check(cfg: EvalConfig) -> None:
     if cfg.write_default and not cfg.select:
         problems.append("write_default=true writes what select= chooses: set select=max_drop:X")
     problems += budget_problems("max_new_tokens_by_source", cfg.max_new_tokens_by_source)
+    for spec in cfg.trees:
+        try:
+            parse_tree(spec)
+        except UserError as exc:
+            problems.append(str(exc))
+    if cfg.trees and (not cfg.eagle or cfg.sampling.do_sample):
+        problems.append("trees= are drafted by an EAGLE head and verified greedily: set eagle= and keep "
+                        "sampling.do_sample=false")
     if cfg.eagle:
         drafting = eagle_conflicts(cfg)
         if drafting:
@@ -186,6 +194,7 @@ def _max_pass(cfg: EvalConfig) -> int:
     most = [1, *cfg.ks, cfg.k_max if cfg.head or cfg.oracle else 1, cfg.topk_k if cfg.topk else 1,
             cfg.fsd_k if fsd else 1, cfg.confidence_k_max if cfg.confidence else 1,
             cfg.judge_k if cfg.judge or cfg.judges else 1,
+            *(parse_tree(t)[2] for t in cfg.trees),
             (cfg.max_run if cfg.max_run is not None else 20) + 1 if cfg.verifier else 1]
     return min(max(most), 63) + 1
 

@@ -31,7 +31,7 @@ from .sweep import COST_ROWS, total
 COLUMNS = ("config", "tokens", "wall_s", "tokens_per_s", "tokens_per_call", "accepted_per_call",
            "verification_rate", "discard_rate", "draft_forwards_per_token", "predicted_ms_per_token",
            "measured_ms_per_token", "predicted_over_measured")
-LOSSLESS = ("k", "h", "c", "v-")  # row prefixes of the lossless rules (SD, SpecDec++, confidence stop, TLI / SLEM)
+LOSSLESS = ("k", "h", "c", "v-", "tree-")  # row prefixes of the lossless rules (SD, SpecDec++, confidence stop, TLI / SLEM, trees)
 HEADLINE = ("t_target_ms", "t_draft_ms", "best_fixed_k", "best_threshold", "best_stop_rule", "best_lossless",
             "pareto_dominates")  # the summary keys metrics.json repeats
 

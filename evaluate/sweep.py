@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -51,10 +52,19 @@ def same_vocab_rows(cfg) -> list[str]:
     for key in ("head", "verifier", "judge", "judges"):
         if getattr(cfg, key, None):
             rows.append(f"{key}=")
-    for key in ("topk", "confidence", *(f"fsd_{d}" for d in DIVERGENCES)):
+    for key in ("topk", "trees", "confidence", *(f"fsd_{d}" for d in DIVERGENCES)):
         if getattr(cfg, key, None):
             rows.append(f"{key}={list(getattr(cfg, key))}")
     return rows
+
+
+def parse_tree(spec: str) -> tuple[int, int, int]:
+    """``DEPTHxWIDTHxNODES`` (``4x3x8``) -> ``(4, 3, 8)``; UserError for anything else."""
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)", str(spec))
+    if not m or min(map(int, m.groups())) < 1:
+        raise UserError(f"trees: {spec!r} is not DEPTHxWIDTHxNODES with each >= 1 (e.g. 4x3x8)")
+    depth, width, nodes = map(int, m.groups())
+    return depth, width, nodes
 
 
 class _Rows(dict):
@@ -99,6 +109,9 @@ def build_decoders(cfg, pair, costs=None, eagle=None) -> dict[str, Decoder]:
             out[COST_ROWS["specdecpp"]] = dec(make_policy("specdecpp", pair, head=cfg.head, k_min=cfg.k_min,
                                                           k_max=cfg.k_max, sampling=cfg.sampling, stop="cost",
                                                           costs=costs, eagle=eagle))
+    for spec in getattr(cfg, "trees", []):
+        depth, width, nodes = parse_tree(spec)
+        out[f"tree-{spec}"] = dec(make_policy("tree", pair, k=depth, tree_width=width, tree_nodes=nodes))
     for top_k in getattr(cfg, "topk", []):
         out[f"t{top_k}"] = dec(make_policy("topk_verify", pair, k=cfg.topk_k, top_k=top_k))
     for div in DIVERGENCES:

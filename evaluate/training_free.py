@@ -13,7 +13,7 @@ from .sweep import total
 
 FAMILIES = {"ar": "target alone", "draft": "draft alone", "k": "SD (fixed K)", "h": "SpecDec++",
             "t": "top-K verification", "c": "confidence stop", "j": "judge", "s": "SPRINTER",
-            "v": "TLI / SLEM"}
+            "v": "TLI / SLEM", "tree": "draft tree (EAGLE)"}
 TRAINING_FREE = ("t", "fsd", "c")
 
 
@@ -21,11 +21,13 @@ def family(config: str) -> str:
     """The plot legend's family of a sweep row name (``fsd-js-0.1`` -> ``FSD js``, ``k4`` -> ``SD (fixed K)``)."""
     if config.startswith("fsd-"):
         return "FSD " + config.split("-")[1]
+    if config.startswith("tree-"):
+        return FAMILIES["tree"]
     return FAMILIES.get(config, FAMILIES.get(config[0], config))
 
 
 def _kind(config: str) -> str:
-    return "fsd" if config.startswith("fsd-") else config[0]
+    return config.split("-")[0] if config.startswith(("fsd-", "tree-")) else config[0]
 
 
 def quality_by_config(summary: dict) -> tuple[str | None, dict[str, float | None]]:
