@@ -7,6 +7,8 @@ read (``--alpaca-offset``; the drafter recipes read rows below 4,000). Rows:
 * ``ar``: the target alone;
 * ``shared_k{K}``, ``distilled_k{K}``, ``eagle_k{K}``: standard SD at a fixed K with each drafter (the shared
   draft's output layer pruned to the quickstart's 8,192 tokens, as every benchmark runs it);
+* ``eagle_tree_{D}x{W}x{N}`` (``--trees``): greedy tree drafting on the head (``policy=tree``: EAGLE-2's dynamic
+  tree of depth D, width W, N tokens verified per target pass);
 * ``eagle_confidence_cost``: the cost-aware confidence stop on the head (no threshold: drafts on while one
   more candidate raises the round's expected tokens per ms of the head's own profiled cost table);
 * ``eagle_specdecpp`` / ``eagle_confidence_head`` (with ``--stop-head`` / ``--confidence-head``): learned stops.
@@ -37,7 +39,8 @@ from specheads.export.policy_factory import make_policy
 from specheads.export.shim import kernels
 from specheads.export.shim.engine import Engine
 from specheads.export.shim.models import ModelSpec
-from specheads.export.shim.policies import ConfidenceStop, StandardSD
+from specheads.evaluate.sweep import parse_tree
+from specheads.export.shim.policies import ConfidenceStop, EagleTree, StandardSD
 from specheads.export.shim.stats import GenerationStats
 from specheads.prompts import load_prompts
 
@@ -143,6 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--ks", default="2,3,4,5", help="fixed K of the EAGLE rows")
     ap.add_argument("--draft-ks", default="1,2,3", help="fixed K of the shared and distilled drafts' rows")
+    ap.add_argument("--trees", default="4x3x8", help="draft trees on the EAGLE head, DEPTHxWIDTHxNODES, comma-separated "
+                                                    "(rows eagle_tree_DxWxN; empty: none)")
     ap.add_argument("--oracle-k-max", type=int, default=8)
     ap.add_argument("--vocab", default=str(ROOT / "runs/specdecpp_draft_quickstart-vocab/vocab.json"))
     ap.add_argument("--out", default=str(ROOT / "bench/results/draft_head.json"))
@@ -153,7 +158,8 @@ def main(argv=None) -> int:
     pair = shared_pair(SHARED, args.vocab, 8192)
     eagle = load_eagle(args.eagle, pair)
     mx, ks, dks = args.max_new_tokens, [int(k) for k in args.ks.split(",")], [int(k) for k in args.draft_ks.split(",")]
-    k_top = max(ks + dks + [args.oracle_k_max]) + 2
+    trees = [parse_tree(t) for t in filter(None, args.trees.split(","))]
+    k_top = max(ks + dks + [args.oracle_k_max] + [n for _, _, n in trees]) + 2
     shared = Engine(pair.target.model, pair.draft.model, pair.eos_token_ids)
     head = Engine(pair.target.model, eos_token_ids=pair.eos_token_ids, eagle=eagle.module)
     tables = {"shared": pair_costs(pair, k_top), "eagle": pair_costs(pair, k_top, eagle=eagle)}
@@ -172,6 +178,9 @@ def main(argv=None) -> int:
         oracles["distilled"] = lambda ps, outs: model_oracle(dpair.draft.model, distilled.vocab_size, ps, outs,
                                                              args.oracle_k_max)
     configs.update({f"eagle_k{k}": (lambda ids, k=k: head.generate(ids, StandardSD(k), mx)) for k in ks})
+    for spec in filter(None, args.trees.split(",")):
+        depth, width, nodes = parse_tree(spec)
+        configs[f"eagle_tree_{spec}"] = lambda ids, t=EagleTree(depth, width, nodes): head.generate(ids, t, mx)
     cost_stop = ConfidenceStop(k_max=max(ks) + 2, stop="cost", costs=tables["eagle"])
     configs["eagle_confidence_cost"] = lambda ids: head.generate(ids, cost_stop.fork(), mx)
     for name, path in (("eagle_specdecpp", args.stop_head), ("eagle_confidence_head", args.confidence_head)):
