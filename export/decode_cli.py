@@ -117,7 +117,8 @@ def run(cfg: DecodeConfig) -> int:
         unused = [f"{k}={getattr(cfg, k)}" for k in ("threshold", "h", "tau") if getattr(cfg, k) is not None]
         if unused:
             log.warning("%s is not used with stop=cost", ", ".join(unused))
-        costs = pair_costs(pair, cfg.k_max + 1, cfg.profile, cfg.fused_forward, eagle=eagle)
+        most = max(cfg.k_max, cfg.tree_nodes if getattr(family, "tree", False) else 0)
+        costs = pair_costs(pair, most + 1, cfg.profile, cfg.fused_forward, eagle=eagle)
         log.info("%s", costs.describe())
     policy = policy_from_config(cfg.policy, cfg, pair, cfg.sampling, cfg.strict, costs, eagle=eagle)
     decoder = Decoder(pair, policy, cfg.max_new_tokens, cfg.k, cfg.sampling, cfg.seed, cfg.chat_template,

@@ -9,6 +9,7 @@ import torch
 from specheads.errors import UserError
 from specheads.export.shim import kv
 from specheads.export.shim.eagle_cache import EagleCache
+from specheads.export.shim.costs import CostTable
 from specheads.export.shim.engine import Engine
 from specheads.export.shim.kv import FusedRunner
 from specheads.export.shim.policies import EagleTree, StandardSD
@@ -180,3 +181,15 @@ def test_tree_settings_and_limits_are_user_errors():
     engine = Engine(target, eagle=eagle_head())
     with pytest.raises(UserError, match="greedy only"):
         engine.generate([1, 4], EagleTree(), 8, SamplingConfig(do_sample=True, temperature=1.0))
+
+
+def test_the_cost_aware_size_maximises_expected_tokens_per_ms():
+    table = CostTable(t_draft_ms=1.0, t_target_ms=[10.0, 10.5, 11.0, 11.5, 14.0, 20.0, 30.0, 40.0, 50.0])
+    tree = EagleTree(4, 3, 8, stop="cost", costs=table)
+    probs = [0.9, 0.8, 0.5, 0.3, 0.2, 0.1, 0.05, 0.01]
+    rates = [(1 + sum(probs[:n])) / (3.0 + table.t_target(n + 1)) for n in range(1, 9)]
+    assert tree.tree_size(probs, 3) == 1 + max(range(8), key=rates.__getitem__) == 3
+    assert tree.tree_size([0.01] * 8, 3) == 1  # at least one token
+    assert EagleTree(4, 3, 8).tree_size(probs, 3) == 8 and EagleTree(4, 3, 8).tree_size(probs[:5], 3) == 5
+    with pytest.raises(UserError, match="cost table"):
+        EagleTree(4, 3, 8, stop="cost")

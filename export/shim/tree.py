@@ -19,6 +19,7 @@ The first round (no target states yet) and a round with one token left are a pla
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -71,7 +72,7 @@ class DraftTree:
         return path, top[1 + cur]
 
 
-def grow_tree(drafter: EagleDrafter, root: torch.Tensor, n: int, depth: int, width: int, nodes: int,
+def grow_tree(drafter: EagleDrafter, root: torch.Tensor, n: int, depth: int, width: int, nodes,
               stats: GenerationStats) -> DraftTree:
     """EAGLE-2's dynamic tree from the head's state ``root`` ``[d]`` (the one that scores ``x_N``; ``n = |S|``).
 
@@ -79,7 +80,9 @@ def grow_tree(drafter: EagleDrafter, root: torch.Tensor, n: int, depth: int, wid
     top ``width`` at the root; each further level (up to ``depth``) feeds the ``width`` best tokens of the level
     before (one forward: each entry attends to the fed prefix, its ancestors and itself) and drafts their top
     ``width`` children. The ``nodes`` best tokens of all levels form the tree (a parent scores at least as high
-    as its children and wins ties, so every chosen token's ancestors are chosen).
+    as its children and wins ties, so every chosen token's ancestors are chosen). ``nodes`` may be a callable:
+    given the path probabilities of all drafted tokens, best first, and the levels drafted, it returns how many
+    to keep (:meth:`~.policies.tree.EagleTree.tree_size`).
     """
     head, cache, vocab = drafter.head, drafter.cache, drafter.vocab
     dtype = cache.dtype
@@ -122,8 +125,10 @@ def grow_tree(drafter: EagleDrafter, root: torch.Tensor, n: int, depth: int, wid
                 toks.append(t)
                 parents.append(j)
                 depths.append(d)
-    keep = sorted(sorted(range(len(toks)), key=lambda j: (-scores[j], depths[j]))[:nodes],
-                  key=lambda j: (depths[j], -scores[j]))
+    best = sorted(range(len(toks)), key=lambda j: (-scores[j], depths[j]))
+    if callable(nodes):
+        nodes = nodes([math.exp(scores[j]) for j in best], max(depths))
+    keep = sorted(best[:nodes], key=lambda j: (depths[j], -scores[j]))
     new = {j: i for i, j in enumerate(keep)}
     ids = vocab[torch.tensor([toks[j] for j in keep])].tolist()
     return DraftTree(ids, [new[parents[j]] if parents[j] >= 0 else -1 for j in keep], [depths[j] for j in keep])
@@ -165,7 +170,7 @@ def generate_tree(engine, prompt_ids: list[int], policy, max_new_tokens: int, sa
             remaining = max_new_tokens - len(out)
             a = drafter.feed(seq) if remaining > 1 else None
             depth = min(policy.k, remaining - 1)
-            tree = grow_tree(drafter, a[0, -1], len(seq), depth, policy.width, policy.nodes, stats) \
+            tree = grow_tree(drafter, a[0, -1], len(seq), depth, policy.width, policy.tree_size, stats) \
                 if a is not None else None
             length = runner.length
             if tree is None:

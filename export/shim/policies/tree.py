@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..costs import CostTable
 from .base import Policy
+from .baselines import STOP, STOPS, cost_problems
 from .settings import Check, K, Settings
 
 
@@ -22,9 +24,11 @@ class TreeSettings(Settings):
     k: int = 4
     tree_width: int = 3
     tree_nodes: int = 8
+    stop: str = "threshold"
     CHECKS = {"k": K,
               "tree_width": Check(lambda w: w >= 1, "{key}={value} must be >= 1 (children per expanded node)"),
-              "tree_nodes": Check(lambda n: n >= 1, "{key}={value} must be >= 1 (draft tokens the target verifies)")}
+              "tree_nodes": Check(lambda n: n >= 1, "{key}={value} must be >= 1 (draft tokens the target verifies)"),
+              "stop": STOP}
 
 
 class EagleTree(Policy):
@@ -33,7 +37,11 @@ class EagleTree(Policy):
     Args:
         k: the tree's depth (longest path, candidates).
         width: children per expanded node and leaves expanded per level.
-        nodes: draft tokens per round the target verifies (the tree's size).
+        nodes: draft tokens per round the target verifies (the tree's size; with ``stop="cost"`` the most).
+        stop: ``threshold``: always ``nodes`` tokens (EAGLE-2); ``cost``: per round, the size that maximises
+            the expected tokens per ms, ``(1 + sum of the kept tokens' path probabilities) / (the round's draft
+            steps + t_t(1 + size))``, from the head's probabilities and the cost table ``costs``.
+        costs: the pair's :class:`~..costs.CostTable` with the EAGLE head's step (``stop="cost"``).
     """
 
     name = "tree"
@@ -41,17 +49,34 @@ class EagleTree(Policy):
     tree = True
     models = ("target",)
 
-    def __init__(self, k: int = 4, width: int = 3, nodes: int = 8):
-        TreeSettings(k, width, nodes).check(keys={"tree_width": "width", "tree_nodes": "nodes"})
+    def __init__(self, k: int = 4, width: int = 3, nodes: int = 8, stop: str = "threshold",
+                 costs: CostTable | None = None):
+        TreeSettings(k, width, nodes, stop).check(*cost_problems(stop, costs),
+                                                  keys={"tree_width": "width", "tree_nodes": "nodes"})
         super().__init__(k)
-        self.width, self.nodes = width, nodes
+        self.width, self.nodes, self.stop, self.costs = width, nodes, stop, costs
 
     @classmethod
     def from_settings(cls, s, pair=None, head=None, costs=None) -> Policy:
-        return cls(s.k, s.tree_width, s.tree_nodes)
+        return cls(s.k, s.tree_width, s.tree_nodes, s.stop, costs)
 
     def describe(self) -> dict:
-        return {"k": self.k, "tree_width": self.width, "tree_nodes": self.nodes}
+        return {"k": self.k, "tree_width": self.width, "tree_nodes": self.nodes, "stop": self.stop}
 
     def max_candidates(self) -> int:
         return self.nodes
+
+    def tree_size(self, probs: list[float], levels: int) -> int:
+        """How many of the drafted tokens (path probabilities ``probs``, best first; ``levels`` draft forwards
+        this round) the target verifies."""
+        most = min(self.nodes, len(probs))
+        if self.stop != "cost":
+            return most
+        drafted = levels * self.costs.t_draft_ms
+        best, size, expected = 0.0, 1, 1.0
+        for n in range(1, most + 1):
+            expected += probs[n - 1]
+            rate = expected / (drafted + self.costs.t_target(n + 1))
+            if rate > best:
+                best, size = rate, n
+        return size
