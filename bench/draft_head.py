@@ -146,8 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--ks", default="2,3,4,5", help="fixed K of the EAGLE rows")
     ap.add_argument("--draft-ks", default="1,2,3", help="fixed K of the shared and distilled drafts' rows")
-    ap.add_argument("--trees", default="4x3x8", help="draft trees on the EAGLE head, DEPTHxWIDTHxNODES, comma-separated "
-                                                    "(rows eagle_tree_DxWxN; empty: none)")
+    ap.add_argument("--trees", default="4x3x8", help="draft trees on the EAGLE head, DEPTHxWIDTHxNODES[-cost], "
+                    "comma-separated (rows eagle_tree_DxWxN; -cost: sized per round by the cost table; empty: none)")
     ap.add_argument("--oracle-k-max", type=int, default=8)
     ap.add_argument("--vocab", default=str(ROOT / "runs/specdecpp_draft_quickstart-vocab/vocab.json"))
     ap.add_argument("--out", default=str(ROOT / "bench/results/draft_head.json"))
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
     eagle = load_eagle(args.eagle, pair)
     mx, ks, dks = args.max_new_tokens, [int(k) for k in args.ks.split(",")], [int(k) for k in args.draft_ks.split(",")]
     trees = [parse_tree(t) for t in filter(None, args.trees.split(","))]
-    k_top = max(ks + dks + [args.oracle_k_max] + [n for _, _, n in trees]) + 2
+    k_top = max(ks + dks + [args.oracle_k_max] + [t[2] for t in trees]) + 2
     shared = Engine(pair.target.model, pair.draft.model, pair.eos_token_ids)
     head = Engine(pair.target.model, eos_token_ids=pair.eos_token_ids, eagle=eagle.module)
     tables = {"shared": pair_costs(pair, k_top), "eagle": pair_costs(pair, k_top, eagle=eagle)}
@@ -179,8 +179,9 @@ def main(argv=None) -> int:
                                                              args.oracle_k_max)
     configs.update({f"eagle_k{k}": (lambda ids, k=k: head.generate(ids, StandardSD(k), mx)) for k in ks})
     for spec in filter(None, args.trees.split(",")):
-        depth, width, nodes = parse_tree(spec)
-        configs[f"eagle_tree_{spec}"] = lambda ids, t=EagleTree(depth, width, nodes): head.generate(ids, t, mx)
+        depth, width, nodes, stop = parse_tree(spec)
+        tree = EagleTree(depth, width, nodes, stop, tables["eagle"])
+        configs[f"eagle_tree_{spec}"] = lambda ids, t=tree: head.generate(ids, t, mx)
     cost_stop = ConfidenceStop(k_max=max(ks) + 2, stop="cost", costs=tables["eagle"])
     configs["eagle_confidence_cost"] = lambda ids: head.generate(ids, cost_stop.fork(), mx)
     for name, path in (("eagle_specdecpp", args.stop_head), ("eagle_confidence_head", args.confidence_head)):

@@ -32,7 +32,7 @@ class EvalConfig:
     deltas: list[float] = field(default_factory=lambda: [0.5], metadata={"help": "judge thresholds delta to sweep (every judge)"})
     judge_deltas: dict[str, list[float]] = field(default_factory=dict, metadata={"help": "per named judge (judges=), its own deltas instead of deltas= (heads trained on other labels sit on other scales)"})
     judge_k: int = field(default=10, metadata={"help": "judge: candidates per round"})
-    trees: list[str] = field(default_factory=list, metadata={"help": "with eagle= (greedy): draft trees on the EAGLE head as DEPTHxWIDTHxNODES, e.g. 4x3x8 (rows tree-4x3x8; policy=tree: the head's best paths, EAGLE-2's dynamic tree, verified in one target pass)"})
+    trees: list[str] = field(default_factory=list, metadata={"help": "with eagle= (greedy): draft trees on the EAGLE head as DEPTHxWIDTHxNODES, e.g. 4x3x8 (rows tree-4x3x8; policy=tree: the head's best paths, EAGLE-2's dynamic tree, verified in one target pass); DxWxN-cost sizes each round's tree by the cost table (stop=cost, at most D levels and N tokens)"})
     topk: list[int] = field(default_factory=list, metadata={"help": "top-K verification baselines: the K values (target top-K tokens accepted)"})
     topk_k: int = field(default=4, metadata={"help": "top-K verification: candidates per round"})
     fsd_js: list[float] = field(default_factory=list, metadata={"help": "FSD thresholds T for the Jensen-Shannon divergence (rows fsd-js-<T>; at most ln 2)"})

@@ -58,13 +58,16 @@ def same_vocab_rows(cfg) -> list[str]:
     return rows
 
 
-def parse_tree(spec: str) -> tuple[int, int, int]:
-    """``DEPTHxWIDTHxNODES`` (``4x3x8``) -> ``(4, 3, 8)``; UserError for anything else."""
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)", str(spec))
-    if not m or min(map(int, m.groups())) < 1:
-        raise UserError(f"trees: {spec!r} is not DEPTHxWIDTHxNODES with each >= 1 (e.g. 4x3x8)")
-    depth, width, nodes = map(int, m.groups())
-    return depth, width, nodes
+def parse_tree(spec: str) -> tuple[int, int, int, str]:
+    """``DEPTHxWIDTHxNODES`` (``4x3x8``) -> ``(4, 3, 8, "threshold")``; with ``-cost`` (``5x3x12-cost``) the
+    tree is sized per round by the cost table (``stop="cost"``: at most that depth and size); UserError for
+    anything else."""
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(-cost)?", str(spec))
+    if not m or min(map(int, m.groups()[:3])) < 1:
+        raise UserError(f"trees: {spec!r} is not DEPTHxWIDTHxNODES (each >= 1), optionally with -cost (e.g. 4x3x8, "
+                        "5x3x12-cost)")
+    depth, width, nodes = map(int, m.groups()[:3])
+    return depth, width, nodes, "cost" if m[4] else "threshold"
 
 
 class _Rows(dict):
@@ -110,8 +113,11 @@ def build_decoders(cfg, pair, costs=None, eagle=None) -> dict[str, Decoder]:
                                                           k_max=cfg.k_max, sampling=cfg.sampling, stop="cost",
                                                           costs=costs, eagle=eagle))
     for spec in getattr(cfg, "trees", []):
-        depth, width, nodes = parse_tree(spec)
-        out[f"tree-{spec}"] = dec(make_policy("tree", pair, k=depth, tree_width=width, tree_nodes=nodes))
+        depth, width, nodes, stop = parse_tree(spec)
+        if stop == "cost" and costs is None:
+            raise UserError(f"trees: {spec} needs the cost table")
+        out[f"tree-{spec}"] = dec(make_policy("tree", pair, k=depth, tree_width=width, tree_nodes=nodes, stop=stop,
+                                              costs=costs))
     for top_k in getattr(cfg, "topk", []):
         out[f"t{top_k}"] = dec(make_policy("topk_verify", pair, k=cfg.topk_k, top_k=top_k))
     for div in DIVERGENCES:

@@ -313,11 +313,12 @@ def eval_args(s, out, *extra):
 def test_heads_eval_sweeps_the_eagle_head(stop_head, setup, tmp_path, capsys):
     out = tmp_path / "ev"
     assert eval_main(eval_args(setup, out, f"eagle={setup['eagle']}", f"head={stop_head}", "thresholds=[0.5]",
-                               "confidence=[0.5]", "trees=[3x2x5]")) == 0
+                               "confidence=[0.5]", "trees=[3x2x5,4x2x6-cost]")) == 0
     printed = capsys.readouterr().out
     s = json.loads((out / "sweep.json").read_text())
     by = {r["config"]: r for r in s["table"]}
-    assert list(by) == ["ar", "k1", "k2", "k4", "h0.5", "h-cost", "tree-3x2x5", "c0.5", "c-cost"]  # no draft row
+    assert list(by) == ["ar", "k1", "k2", "k4", "h0.5", "h-cost", "tree-3x2x5", "tree-4x2x6-cost", "c0.5",
+                        "c-cost"]  # no draft model: no draft row
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     ar = {r["index"]: r["tokens"] for r in rows if r["config"] == "ar"}
     assert len(rows) == 4 * len(by) and all(r["tokens"] == ar[r["index"]] for r in rows)  # greedy, lossless
@@ -352,6 +353,7 @@ def test_heads_eval_eagle_with_draft_model_rows_is_a_one_line_error(extra, messa
 
 
 @pytest.mark.parametrize("extra, message", [(["trees=[3x2]"], "DEPTHxWIDTHxNODES"), (["trees=[3x0x5]"], ">= 1"),
+                                            (["trees=[3x2x5-fast]"], "-cost"),
                                             (["trees=[3x2x5]", "sampling.do_sample=true"], "greedily")])
 def test_bad_trees_are_one_line_errors(extra, message, setup, tmp_path, capsys):
     assert eval_main(eval_args(setup, tmp_path / "x", f"eagle={setup['eagle']}", *extra)) == 2

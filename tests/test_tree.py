@@ -146,7 +146,7 @@ def test_kept_paths_off_the_first_branch_stay_exact(monkeypatch):
     for prompt, mx in (([1, 4, 9], 24), ([1, 17, 3, 8, 22, 5], 31)):
         want = engine.generate_ar(prompt, mx).tokens
 
-        def grow(drafter, root, n, depth, width, nodes, stats, want=want, start=len(prompt)):
+        def grow(drafter, root, n, depth, width, nodes, stats, grow_on=None, want=want, start=len(prompt)):
             tokens, parents, depths, parent = [], [], [], -1
             for d, t in enumerate(want[n - start: n - start + depth], 1):
                 tokens += [(t + 1) % 40, t]
@@ -193,3 +193,19 @@ def test_the_cost_aware_size_maximises_expected_tokens_per_ms():
     assert EagleTree(4, 3, 8).tree_size(probs, 3) == 8 and EagleTree(4, 3, 8).tree_size(probs[:5], 3) == 5
     with pytest.raises(UserError, match="cost table"):
         EagleTree(4, 3, 8, stop="cost")
+    # a level is drafted while what it can add (the frontier's path probabilities) pays for its step
+    ms = (3.0 + table.t_target(4)) / (1 + sum(probs[:3]))
+    assert tree.grow_on(probs, [0.5, 0.3], 3) == ((0.5 + 0.3) * ms > 1.0) is True
+    assert tree.grow_on(probs, [0.01, 0.005], 3) is False
+    assert EagleTree(4, 3, 8).grow_on(probs, [0.0], 3) is True
+
+
+def test_cost_sized_trees_are_the_targets_greedy_output():
+    table = CostTable(t_draft_ms=0.5, t_target_ms=[4 + 0.5 * k for k in range(1, 12)])
+    engine = Engine(target_model(), eagle=eagle_head(ids=list(range(0, 40, 2)) + [2, 3]), eos_token_ids=[2])
+    sizes = set()
+    for prompt in ([1, 4, 9], [1, 17, 3, 8, 22, 5]):
+        got = engine.generate(prompt, EagleTree(4, 3, 10, stop="cost", costs=table), 24)
+        assert got.tokens == engine.generate_ar(prompt, 24).tokens
+        sizes |= set(got.stats.target_pass_sizes)
+    assert len(sizes) > 2  # the rounds' trees differ in size

@@ -6,12 +6,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .kernels import route
+
 
 class EagleCache:
     """The head's KV cache (one layer), its entries' count and the cached rotary table."""
 
     def __init__(self, head, capacity: int, device, dtype):
-        self.head, self.device, self.dtype = head, device, dtype
+        self.head, self.device, self.dtype = route(head), device, dtype  # linears on the kernels measured fastest
         self.length = 0
         self._alloc(max(capacity, 8))
 

@@ -73,7 +73,7 @@ class DraftTree:
 
 
 def grow_tree(drafter: EagleDrafter, root: torch.Tensor, n: int, depth: int, width: int, nodes,
-              stats: GenerationStats) -> DraftTree:
+              stats: GenerationStats, grow_on=None) -> DraftTree:
     """EAGLE-2's dynamic tree from the head's state ``root`` ``[d]`` (the one that scores ``x_N``; ``n = |S|``).
 
     Every drafted token scores the sum of the head's log-probabilities along its path. Level 1 is the head's
@@ -82,7 +82,9 @@ def grow_tree(drafter: EagleDrafter, root: torch.Tensor, n: int, depth: int, wid
     ``width`` children. The ``nodes`` best tokens of all levels form the tree (a parent scores at least as high
     as its children and wins ties, so every chosen token's ancestors are chosen). ``nodes`` may be a callable:
     given the path probabilities of all drafted tokens, best first, and the levels drafted, it returns how many
-    to keep (:meth:`~.policies.tree.EagleTree.tree_size`).
+    to keep (:meth:`~.policies.tree.EagleTree.tree_size`). ``grow_on`` (optional), given those and the path
+    probabilities of the tokens the next level would expand, says whether to draft it
+    (:meth:`~.policies.tree.EagleTree.grow_on`).
     """
     head, cache, vocab = drafter.head, drafter.cache, drafter.vocab
     dtype = cache.dtype
@@ -96,6 +98,9 @@ def grow_tree(drafter: EagleDrafter, root: torch.Tensor, n: int, depth: int, wid
     fed = cache.length
     for d in range(2, depth + 1):
         grow = sorted(level, key=lambda j: -scores[j])[:width]
+        if grow_on is not None and not grow_on(sorted((math.exp(x) for x in scores), reverse=True),
+                                               [math.exp(scores[j]) for j in grow], d - 1):
+            break
         base = cache.length
         mask = torch.zeros(len(grow), base + len(grow), dtype=torch.bool)
         mask[:, :fed] = True
@@ -170,8 +175,8 @@ def generate_tree(engine, prompt_ids: list[int], policy, max_new_tokens: int, sa
             remaining = max_new_tokens - len(out)
             a = drafter.feed(seq) if remaining > 1 else None
             depth = min(policy.k, remaining - 1)
-            tree = grow_tree(drafter, a[0, -1], len(seq), depth, policy.width, policy.tree_size, stats) \
-                if a is not None else None
+            tree = grow_tree(drafter, a[0, -1], len(seq), depth, policy.width, policy.tree_size, stats,
+                             policy.grow_on) if a is not None else None
             length = runner.length
             if tree is None:
                 ids = torch.tensor([seq[length:]], device=runner.device)

@@ -38,9 +38,10 @@ class EagleTree(Policy):
         k: the tree's depth (longest path, candidates).
         width: children per expanded node and leaves expanded per level.
         nodes: draft tokens per round the target verifies (the tree's size; with ``stop="cost"`` the most).
-        stop: ``threshold``: always ``nodes`` tokens (EAGLE-2); ``cost``: per round, the size that maximises
-            the expected tokens per ms, ``(1 + sum of the kept tokens' path probabilities) / (the round's draft
-            steps + t_t(1 + size))``, from the head's probabilities and the cost table ``costs``.
+        stop: ``threshold``: ``k`` levels and ``nodes`` tokens every round (EAGLE-2); ``cost``: per round, the
+            size that maximises the expected tokens per ms, ``(1 + sum of the kept tokens' path probabilities) /
+            (the round's draft steps + t_t(1 + size))``, from the head's probabilities and the cost table
+            ``costs``, and a further level only while it can pay for its step (:meth:`grow_on`).
         costs: the pair's :class:`~..costs.CostTable` with the EAGLE head's step (``stop="cost"``).
     """
 
@@ -80,3 +81,15 @@ class EagleTree(Policy):
             if rate > best:
                 best, size = rate, n
         return size
+
+    def grow_on(self, probs: list[float], frontier: list[float], levels: int) -> bool:
+        """Whether to draft one more level (``stop="cost"``): the tokens it could add, at most the path
+        probabilities of the ``frontier`` it expands (a node's children share its probability), must be worth
+        more than its step at the round's current ms per expected token (best size so far, ``probs`` best
+        first, ``levels`` drafted)."""
+        if self.stop != "cost":
+            return True
+        n = self.tree_size(probs, levels)
+        expected = 1 + sum(probs[:n])
+        ms_per_token = (levels * self.costs.t_draft_ms + self.costs.t_target(n + 1)) / expected
+        return sum(frontier) * ms_per_token > self.costs.t_draft_ms
