@@ -183,7 +183,7 @@ def _x(a: float | None, b: float | None) -> str:
     return f"{a / b:.3f}x" if a and b else "-"
 
 
-LOSSLESS_DRAFTING = ("k", "h", "c", "v-")  # rows that draft and stay lossless: SD, SpecDec++, confidence, TLI/SLEM
+LOSSLESS_DRAFTING = ("k", "h", "c", "v-", "tree-")  # rows that draft, lossless: SD, SpecDec++, confidence, TLI/SLEM, trees
 
 
 def gains(ev: dict) -> list[str]:

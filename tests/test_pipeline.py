@@ -187,3 +187,13 @@ def test_an_eagle_pipeline_labels_trains_exports_and_sweeps_on_the_head(tiny_pai
     assert ev_cfg["head"] == str(runs / "ex" / "head.safetensors") and ev_cfg["eagle"] == eagle
     assert f"drafter gain (EAGLE head {eagle}): its fastest lossless row" in out
     assert "stop head gain over the best fixed K" in out and "h-cost" in out and "training-free c0.5" in out
+
+
+def test_the_drafter_gain_counts_every_lossless_row_and_the_stop_gain_the_stop_rules():
+    from specheads.pipeline import gains
+    table = [{"config": "ar", "tokens_per_s": 20.0}, {"config": "k2", "tokens_per_s": 25.0},
+             {"config": "tree-3x2x4", "tokens_per_s": 30.0}, {"config": "t2", "tokens_per_s": 40.0},
+             {"config": "h-cost", "tokens_per_s": 24.0}]
+    drafter, stop = gains({"table": table, "best_fixed_k": "k2", "drafter": "EAGLE head"})
+    assert "tree-3x2x4 30.0 tokens/s = 1.500x" in drafter  # top-K verification (t2) is lossy: not counted
+    assert "h-cost 24.0 tokens/s = 0.960x" in stop
