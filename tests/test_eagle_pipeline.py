@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from conftest import chunk_rows, datagen_args, same_heads
 from specheads.datagen.cli import main as datagen_main
 from specheads.export.decode_cli import main as decode_main
+from specheads.export.shim.costs import CostTable
 from specheads.train.cli import main as train_main
 
 PROMPTS = ["the cat sat", "a dog ran up", "one two three", "why is the sun red", "big moon", "yes no up down",
@@ -152,3 +153,16 @@ def test_tree_settings_are_one_line_errors(extra, message, tiny_pair_dirs, tmp_p
     assert decode_main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_heads_decode_sizes_trees_by_the_cost_table(trained, tiny_pair_dirs, drafter_data, tmp_path):
+    table = tmp_path / "costs.json"  # synthetic: no timing decides a test
+    table.write_text(json.dumps(CostTable(t_draft_ms=0.5, t_target_ms=[4 + 0.5 * k for k in range(1, 14)]).to_dict()))
+    common = [f"target.path={tiny_pair_dirs[0]}", "target.gguf_file=null", f"prompts={drafter_data[0]}",
+              "max_new_tokens=12", "num_prompts=4"]
+    assert decode_main([*common, "policy=ar", f"output_dir={tmp_path / 'ar'}"]) == 0
+    assert decode_main([*common, "policy=tree", "k=4", "tree_width=3", "tree_nodes=12", "stop=cost",
+                        f"profile={table}", f"eagle={trained / 'head.safetensors'}", f"output_dir={tmp_path / 't'}"]) == 0
+    read = lambda d: [json.loads(x)["tokens"] for x in (tmp_path / d / "outputs.jsonl").read_text().splitlines()]  # noqa: E731
+    assert read("t") == read("ar")
+    assert json.loads((tmp_path / "t" / "metrics.json").read_text())["stop"] == "cost"

@@ -183,7 +183,6 @@ def generate_tree(engine, prompt_ids: list[int], policy, max_new_tokens: int, sa
                 _pass_counts(stats, runner, ids.shape[1])
                 logits, _ = runner.forward(ids, n_logits=1)
                 path, token = [], int(logits[0].argmax())
-                stats.undrafted_rounds += 1
             else:
                 ids = torch.tensor([[seq[-1], *tree.tokens]], device=runner.device)
                 positions = torch.tensor([length, *(length + d for d in tree.depths)], device=runner.device)
