@@ -43,15 +43,21 @@ def chain_logits(target, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return logits[0], runner.aux_states[-1]
 
 
-@torch.no_grad()
-def test_a_tree_pass_scores_every_path_as_its_chain():
-    target = target_model()
+def tree_pass(target) -> tuple[FusedRunner, int, torch.Tensor]:
+    """A runner holding ``PREFIX[:-1]`` after one tree pass over ``PREFIX[-1]`` and ``TREE``: (runner, the
+    prefix length, the pass's logits)."""
     runner = FusedRunner(target, aux=LAYERS)
     runner.forward(torch.tensor([PREFIX[:-1]]), n_logits=0)
     length = runner.length
     ids = torch.tensor([[PREFIX[-1], *TREE.tokens]])
     positions = torch.tensor([length, *(length + d for d in TREE.depths)])
-    logits = runner.forward_tree(ids, positions, TREE.mask(length))
+    return runner, length, runner.forward_tree(ids, positions, TREE.mask(length))
+
+
+@torch.no_grad()
+def test_a_tree_pass_scores_every_path_as_its_chain():
+    target = target_model()
+    runner, _, logits = tree_pass(target)
     want, state = chain_logits(target, PREFIX)
     torch.testing.assert_close(logits[0], want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(runner.aux_states[0], state, atol=1e-4, rtol=1e-4)
@@ -64,12 +70,7 @@ def test_a_tree_pass_scores_every_path_as_its_chain():
 @torch.no_grad()
 def test_keeping_a_path_leaves_the_cache_of_that_chain():
     target = target_model()
-    runner = FusedRunner(target, aux=LAYERS)
-    runner.forward(torch.tensor([PREFIX[:-1]]), n_logits=0)
-    length = runner.length
-    ids = torch.tensor([[PREFIX[-1], *TREE.tokens]])
-    positions = torch.tensor([length, *(length + d for d in TREE.depths)])
-    runner.forward_tree(ids, positions, TREE.mask(length))
+    runner, length, _ = tree_pass(target)
     runner.keep(length, [0, 1, 4, 6])  # S[-1], 4, 11, 2
     assert runner.length == length + 4 and runner.aux_states.shape[0] == 4
     logits, _ = runner.forward(torch.tensor([[5]]), n_logits=1)

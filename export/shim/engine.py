@@ -90,6 +90,14 @@ def commit_round(stats: GenerationStats, eos: frozenset[int], cand: torch.Tensor
     return new
 
 
+def emit(seq: list[int], out: list[int], new: list[int], on_tokens) -> None:
+    """Adds a round's new tokens to the sequence and the output, and streams them to ``on_tokens``."""
+    seq.extend(new)
+    out.extend(new)
+    if on_tokens is not None:
+        on_tokens(new)
+
+
 class Engine:
     """Decoding with a target and a draft: the one loop every policy runs in.
 
@@ -178,10 +186,7 @@ class Engine:
                     verdict = policy.verify(rnd, *self._pass(verifier, who, seq, cand, stats))
                 new = commit_round(stats, self.eos, cand, verdict, remaining)
                 policy.end_round(n, verdict.accepted)
-                seq.extend(new)
-                out.extend(new)
-                if on_tokens is not None:
-                    on_tokens(new)
+                emit(seq, out, new, on_tokens)
                 if stats.eos:
                     break
                 verifier.trim(len(seq) - 1)

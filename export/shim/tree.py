@@ -155,7 +155,7 @@ def tree_problems(has_eagle: bool, sampling: SamplingConfig, fused: bool = True)
 def generate_tree(engine, prompt_ids: list[int], policy, max_new_tokens: int, sampling: SamplingConfig,
                   on_tokens=None):
     """:meth:`.engine.Engine.generate` for a tree policy (see the module's docstring)."""
-    from .engine import Generation, commit_round
+    from .engine import Generation, commit_round, emit
 
     problems = tree_problems(engine.eagle is not None, sampling, engine.fused)
     if problems:
@@ -196,10 +196,7 @@ def generate_tree(engine, prompt_ids: list[int], policy, max_new_tokens: int, sa
                 stats.drafted += len(tree) - len(path)
                 stats.discarded += len(tree) - len(path)
             policy.end_round(len(tree) if tree is not None else 0, len(path))
-            seq.extend(new)
-            out.extend(new)
-            if on_tokens is not None:
-                on_tokens(new)
+            emit(seq, out, new, on_tokens)
             if stats.eos:
                 break
             runner.trim(len(seq) - 1)
