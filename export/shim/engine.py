@@ -20,26 +20,16 @@ Rejected positions are trimmed from the caches, never recomputed.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-
 import torch
 
 from .drafting import pick_token, take_candidate  # noqa: F401  (re-exported)
 from .eagle import EagleDrafter, check_head
 from .kv import make_runner
 from .policies import DraftOnly, Policy, Round, TargetOnly, Verdict
+from .rounds import Generation, commit_round, emit  # noqa: F401  (re-exported)
 from .sampling import SamplingConfig
 from .stats import GenerationStats, count_tokens
 from .tree import generate_tree
-
-
-@dataclass
-class Generation:
-    """Output of one prompt: the new token ids, their stats and the policy's trace (:meth:`Policy.trace`)."""
-
-    tokens: list[int]
-    stats: GenerationStats
-    trace: dict = field(default_factory=dict)
 
 
 class _SameVocabulary:
@@ -68,34 +58,6 @@ class _SameVocabulary:
 
     def close(self) -> None:
         self.runner.close()
-
-
-def commit_round(stats: GenerationStats, eos: frozenset[int], cand: torch.Tensor, verdict: Verdict,
-            remaining: int) -> list[int]:
-    """The round's new tokens (kept candidates, then the verdict's token) up to the first EOS and at most
-    ``remaining``; counts the round."""
-    m, n = verdict.accepted, cand.shape[0]
-    new = (cand[:m].tolist() if m else []) + ([verdict.token] if verdict.token is not None else [])
-    for i, t in enumerate(new):  # stop after the first EOS
-        if t in eos:
-            new = new[: i + 1]
-            stats.eos = 1
-            break
-    new = new[:remaining]
-    kept = min(m, len(new))
-    stats.rounds += 1
-    stats.drafted += n
-    stats.accepted += kept
-    stats.discarded += n - kept
-    return new
-
-
-def emit(seq: list[int], out: list[int], new: list[int], on_tokens) -> None:
-    """Adds a round's new tokens to the sequence and the output, and streams them to ``on_tokens``."""
-    seq.extend(new)
-    out.extend(new)
-    if on_tokens is not None:
-        on_tokens(new)
 
 
 class Engine:

@@ -1,6 +1,6 @@
 """A model plus its KV cache: forward over new tokens, trim on rejection.
 
-The cache lives across rounds. A rejected suffix is cut off (``trim``), never recomputed;
+The cache lives across rounds (the Hugging Face cache :class:`ModelRunner` runs on: :mod:`.hf_cache`). A rejected suffix is cut off (``trim``), never recomputed;
 the next forward appends after the kept prefix. Two runners share one interface:
 :class:`ModelRunner` (the model's own forward) and :class:`FusedRunner` (the fused forward of
 :mod:`.fused`); :func:`make_runner` picks one.
@@ -11,12 +11,11 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from specheads.errors import UserError
 
 from .fused import rms_norm, decoder_layers, fused_weights, output_logits, use_fused
+from .hf_cache import new_cache
 from .hidden import AuxCapture, HiddenCapture
 from .kernels import route
 
@@ -45,7 +44,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.capacity = capacity
-        self.cache = _new_cache(model, capacity)
+        self.cache = new_cache(model, capacity)
         self.forwards = 0
 
     @property
@@ -55,7 +54,7 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Empties the cache (a new prompt)."""
-        self.cache = _new_cache(self.model, self.capacity)
+        self.cache = new_cache(self.model, self.capacity)
 
     def forward(self, ids: torch.Tensor, n_logits: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Consumes ``ids`` ``[1, S]`` after the cached prefix.
@@ -94,59 +93,6 @@ class ModelRunner:
         if self.aux_capture is not None:
             self.aux_capture.remove()
             self.aux_capture = None
-
-
-class GrowableLayer(DynamicLayer):
-    """A full-attention cache layer that writes in place into a preallocated buffer.
-
-    ``DynamicLayer`` concatenates on every forward (a new allocation and a copy of the whole
-    layer cache per token); here new keys/values are copied into spare capacity and
-    ``keys``/``values`` are views of the filled part. ``crop`` (inherited) shrinks the view,
-    so a rejected suffix is simply overwritten by the next round. Capacity doubles when full.
-    """
-
-    def __init__(self, capacity: int = 256):
-        super().__init__()
-        self.capacity = max(int(capacity), 1)
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        self._kbuf = self._vbuf = None
-
-    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, need: int) -> None:
-        cap = max(self.capacity, need)
-        while cap < need:
-            cap *= 2
-        n = self.keys.shape[-2] if self.keys.numel() else 0
-        kb = key_states.new_empty(*key_states.shape[:-2], cap, key_states.shape[-1])
-        vb = value_states.new_empty(*value_states.shape[:-2], cap, value_states.shape[-1])
-        if n:
-            kb[..., :n, :] = self.keys
-            vb[..., :n, :] = self.values
-        self._kbuf, self._vbuf, self.capacity = kb, vb, cap * 2
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        n = self.keys.shape[-2] if self.keys.numel() else 0
-        end = n + key_states.shape[-2]
-        if self._kbuf is None or end > self._kbuf.shape[-2]:
-            self._grow(key_states, value_states, end)
-        self._kbuf[..., n:end, :] = key_states
-        self._vbuf[..., n:end, :] = value_states
-        self.keys = self._kbuf[..., :end, :]
-        self.values = self._vbuf[..., :end, :]
-        return self.keys, self.values
-
-
-def _new_cache(model, capacity: int = 256) -> DynamicCache:
-    try:
-        cache = DynamicCache(config=model.config)  # per-layer types (sliding windows) from the config
-    except TypeError:  # older transformers
-        return DynamicCache()
-    # Plain full-attention layers get the in-place layer; sliding-window and other layer types keep theirs.
-    cache.layers = [GrowableLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
-    return cache
 
 
 class FusedRunner:

@@ -30,6 +30,7 @@ from specheads.errors import UserError
 from .eagle import EagleDrafter
 from .kv import make_runner
 from .policies import Verdict
+from .rounds import Generation, commit_round, emit
 from .sampling import SamplingConfig
 from .stats import GenerationStats, count_tokens
 
@@ -155,8 +156,6 @@ def tree_problems(has_eagle: bool, sampling: SamplingConfig, fused: bool = True)
 def generate_tree(engine, prompt_ids: list[int], policy, max_new_tokens: int, sampling: SamplingConfig,
                   on_tokens=None):
     """:meth:`.engine.Engine.generate` for a tree policy (see the module's docstring)."""
-    from .engine import Generation, commit_round, emit
-
     problems = tree_problems(engine.eagle is not None, sampling, engine.fused)
     if problems:
         raise UserError("; ".join(problems))
