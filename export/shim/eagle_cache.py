@@ -31,33 +31,28 @@ class EagleCache:
         """Feeds ``s`` entries ``[1, s, d]`` at the next positions; returns the head's states ``[1, s, d]``."""
         s = emb.shape[1]
         start, end = self.length, self.length + s
-        if end > self.capacity:
-            self._alloc(max(end, 2 * self.capacity))
-        q, k, v = self.head.qkv(emb, h, self.cos[start:end], self.sin[start:end])
-        self.keys[:, :, start:end], self.values[:, :, start:end] = k, v
         mask = torch.ones(s, end, dtype=torch.bool, device=self.device).tril(start) if s > 1 else None
-        attn = F.scaled_dot_product_attention(q, self.keys[:, :, :end], self.values[:, :, :end], attn_mask=mask,
-                                              enable_gqa=self.head.num_kv_heads != self.head.num_heads)
-        self.length = end
-        return self.head.finish(attn, h)
+        return self._feed(emb, h, slice(start, end), mask)
 
     def forward_tree(self, emb: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
                      mask: torch.Tensor) -> torch.Tensor:
         """Feeds ``s`` entries ``[1, s, d]`` of a draft tree into the next slots: entry ``j`` sits at rotary
         position ``positions[j]`` and attends where ``mask[j]`` (``[s, length + s]``, True = attend) says (the
         fed prefix, its ancestors, itself). Returns the head's states ``[1, s, d]``."""
-        s = emb.shape[1]
-        start, end = self.length, self.length + s
+        return self._feed(emb, h, positions, mask.to(self.device))
+
+    def _feed(self, emb: torch.Tensor, h: torch.Tensor, positions, mask: torch.Tensor | None) -> torch.Tensor:
+        """Writes the entries' keys and values into the next slots and attends under ``mask`` (None: the one
+        entry sees every slot); ``positions`` index the rotary table (a slice or a tensor)."""
+        start, end = self.length, self.length + emb.shape[1]
         if end > self.capacity:
             self._alloc(max(end, 2 * self.capacity))
         q, k, v = self.head.qkv(emb, h, self.cos[positions], self.sin[positions])
         self.keys[:, :, start:end], self.values[:, :, start:end] = k, v
-        attn = F.scaled_dot_product_attention(q, self.keys[:, :, :end], self.values[:, :, :end],
-                                              attn_mask=mask.to(self.device),
+        attn = F.scaled_dot_product_attention(q, self.keys[:, :, :end], self.values[:, :, :end], attn_mask=mask,
                                               enable_gqa=self.head.num_kv_heads != self.head.num_heads)
         self.length = end
         return self.head.finish(attn, h)
-
 
 def full_scores(head, vocab: torch.Tensor, post: torch.Tensor, width: int) -> torch.Tensor:
     """The head's scores for final-norm states ``post`` ``[..., d]`` over the whole vocabulary ``[..., width]``
