@@ -150,8 +150,6 @@ def _check(cfg: EvalConfig) -> None:
         if drafting:
             problems.append(f"eagle= drafts with an EAGLE head, but {', '.join(drafting)} read the draft model "
                             "(its states or vocabulary): sweep them in a run without eagle=")
-        if cfg.batch_size > 1:
-            problems.append(f"batch_size={cfg.batch_size}: drafting with an EAGLE head (eagle=) runs at batch 1")
     if cfg.batch_size < 1:
         problems.append(f"batch_size={cfg.batch_size} must be >= 1")
     elif cfg.batch_size > 1 and not cfg.fused_forward:

@@ -18,7 +18,7 @@ class EvalConfig:
     target: ModelSpec = field(default_factory=ModelSpec)
     draft: ModelSpec = field(default_factory=ModelSpec)
     head: str | None = field(default=None, metadata={"help": "exported acceptance head; none: fixed K only"})
-    eagle: str | None = field(default=None, metadata={"help": "an exported EAGLE head (heads-train head=eagle): the same-vocabulary rows (k, h, h-cost, c, c-cost, t) draft with it from the target's own states instead of with the draft model (batch 1; head= then needs a stop head trained on its states, heads-train head=eagle_stop); no draft model needed (without draft.path no draft row); not with verifier=, judge=, judges=, fsd_*= or hetero="})
+    eagle: str | None = field(default=None, metadata={"help": "an exported EAGLE head (heads-train head=eagle): the same-vocabulary rows (k, h, h-cost, c, c-cost, t) draft with it from the target's own states instead of with the draft model (tree rows at batch 1; head= then needs a stop head trained on its states, heads-train head=eagle_stop); no draft model needed (without draft.path no draft row); not with verifier=, judge=, judges=, fsd_*= or hetero="})
     thresholds: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9],
                                     metadata={"help": "SpecDec++ stop thresholds h to sweep"})
     cost_stop: bool = field(default=True, metadata={"help": "also sweep the cost-aware stop rules (no threshold; draft on while one more candidate raises expected tokens per ms of the cost table): row h-cost with head=, row c-cost with confidence=[...]"})

@@ -207,8 +207,6 @@ class Decoder:
 
     def batch_problem(self) -> str | None:
         """Why this decoder cannot decode in batches (None: it can)."""
-        if self.eagle is not None:
-            return "drafting with an EAGLE head runs at batch 1"
         if getattr(self.policy, "tree", False):
             return "policy=tree runs at batch 1"
         if self.policy.bridge:

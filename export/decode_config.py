@@ -18,7 +18,7 @@ class DecodeConfig:
     k: int = field(default=4, metadata={"help": "candidates per round for policy=sd, judge, topk_verify and fsd; the draft tree's depth for tree; draft tokens per round for tli and slem; most target tokens per round for slrs"})
     lookahead: int = field(default=0, metadata={"help": "policy=slrs: most draft tokens per step (0: the pair's n_max, computed from the two vocabularies and cached)"})
     budget: int = field(default=64, metadata={"help": "policy=slrs: most prefix-tree nodes (draft positions evaluated; one draft forward per tree level on the CPU's fused forward) per step to compute psi; a larger tree falls back to the target's own token for that step (lossless, counted as slrs_fallbacks)"})
-    eagle: str | None = field(default=None, metadata={"help": "an exported EAGLE head (heads-train head=eagle): the same-vocabulary policies draft with it from the target's own states instead of with the draft model (batch 1)"})
+    eagle: str | None = field(default=None, metadata={"help": "an exported EAGLE head (heads-train head=eagle): the same-vocabulary policies draft with it from the target's own states instead of with the draft model (batched too; policy=tree at batch 1)"})
     head: str | None = field(default=None, metadata={"help": "exported head (.safetensors) for policy=specdecpp, sprinter or judge; for fsd optionally an acceptance head trained on FSD labels that stops the drafting (k_min, k_max, its own threshold h)"})
     h: float | None = field(default=None, metadata={"help": "specdecpp: stop threshold in (0, 1) (default: the head's); not used with stop=cost"})
     eta: float | None = field(default=None, metadata={"help": "sprinter: approval threshold in [0, 1] (default: the head's)"})

@@ -129,8 +129,11 @@ def test_heads_decode_with_the_head_equals_the_target_alone(trained, tiny_pair_d
                         f"output_dir={tmp_path / 'eagle'}"]) == 0
     assert decode_main([*common, "policy=tree", "k=3", "tree_width=2", "tree_nodes=5",
                         f"eagle={trained / 'head.safetensors'}", f"output_dir={tmp_path / 'tree'}"]) == 0
-    read = lambda d: [json.loads(x)["tokens"] for x in (tmp_path / d / "outputs.jsonl").read_text().splitlines()]  # noqa: E731
-    assert read("eagle") == read("ar") == read("tree")
+    assert decode_main([*common, "policy=sd", "k=3", "batch_size=3", f"eagle={trained / 'head.safetensors'}",
+                        f"output_dir={tmp_path / 'batched'}"]) == 0
+    rows = lambda d: [json.loads(x) for x in (tmp_path / d / "outputs.jsonl").read_text().splitlines()]  # noqa: E731
+    read = lambda d: [r["tokens"] for r in sorted(rows(d), key=lambda r: r["index"])]  # noqa: E731
+    assert read("eagle") == read("ar") == read("tree") == read("batched")
     metrics = json.loads((tmp_path / "eagle" / "metrics.json").read_text())
     assert metrics.get("drafted", metrics.get("totals", {}).get("drafted", 1)) > 0
 

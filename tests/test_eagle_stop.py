@@ -343,9 +343,23 @@ def test_heads_eval_sweeps_the_eagle_head(stop_head, setup, tmp_path, capsys):
     assert set(s["calibration"]) == {"h0.5", "h-cost"}
 
 
+def test_heads_eval_eagle_rows_run_batched(stop_head, setup, tmp_path):
+    """batch_size=2: the chain rows (the stop head's included) decode in batches, trees at batch 1; all lossless."""
+    out = tmp_path / "ev"
+    assert eval_main(eval_args(setup, out, f"eagle={setup['eagle']}", f"head={stop_head}", "thresholds=[0.5]",
+                               "ks=[2]", "trees=[3x2x5]", "batch_size=2")) == 0
+    rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+    ar = {r["index"]: r["tokens"] for r in rows if r["config"] == "ar"}
+    assert {r["config"] for r in rows} == {"ar", "k2", "h0.5", "h-cost", "tree-3x2x5"}
+    assert all(r["tokens"] == ar[r["index"]] for r in rows)
+    assert sum(r["drafted"] for r in rows if r["config"] == "k2") > 0
+    batched = {r["config"] for r in rows if "latency_s" in r}  # a batched row's own time in its batch
+    assert batched == {"ar", "k2", "h0.5", "h-cost"}
+
+
 @pytest.mark.parametrize("extra, message", [
     (["verifier=v.safetensors"], "verifier="), (["judge=j.safetensors"], "judge="), (["fsd_js=[0.1]"], "fsd_js="),
-    (["hetero=[tli]"], "hetero="), (["batch_size=2"], "batch 1")])
+    (["hetero=[tli]"], "hetero=")])
 def test_heads_eval_eagle_with_draft_model_rows_is_a_one_line_error(extra, message, setup, tmp_path, capsys):
     assert eval_main(eval_args(setup, tmp_path / "x", f"eagle={setup['eagle']}", *extra)) == 2
     err = capsys.readouterr().err.strip()

@@ -14,7 +14,11 @@ the same order (draft samples, then the verdict's uniforms and correction), the 
 counts as the prefill's, and ``draft_forwards`` counts the draft steps the row took part in. The
 logits differ from batch 1 only by floating-point rounding (batched products, masked attention).
 
-Same-vocabulary policies only; TLI and SLEM (drafting across vocabularies) run at batch 1.
+With an EAGLE head on the engine, same-vocabulary policies draft with it (:mod:`.batch_eagle`: one head
+forward per step over the rows drafting, on the target states each row's passes captured).
+
+Same-vocabulary policies only; TLI and SLEM (drafting across vocabularies) run at batch 1, and so do
+draft trees.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .batch_eagle import BatchEagleDrafter
 from .batch_kv import BatchRunner
 from .engine import Engine, Generation, commit_round, take_candidate
 from .policies import Policy, Round, Verdict
@@ -84,15 +89,20 @@ class BatchEngine:
         smaller budget); yields ``(job position, Generation)`` as rows finish (not in job order)."""
         if policy.bridge is not None:
             raise ValueError(f"policy {policy.name} drafts across vocabularies and runs at batch 1 only")
+        if getattr(policy, "tree", False):
+            raise ValueError("draft trees run at batch 1")
         sampling = sampling or SamplingConfig()
         eng, who = self.engine, policy.verifier
         drafts = policy.max_candidates() > 0 and "draft" in policy.models and who == "target"
-        if (drafts or who == "draft") and eng.draft is None:
+        eagle = eng.eagle is not None and drafts
+        if (drafts and not eagle or who == "draft") and eng.draft is None:
             raise ValueError("speculative decoding needs a draft model")
         capacity = self.capacity or 2 * max_new_tokens + 256
         verifier = BatchRunner(eng.draft if who == "draft" else eng.target, self.rows, policy.target_hidden,
-                               eng.vocab_size, capacity)
-        drafter = BatchRunner(eng.draft, self.rows, policy.draft_hidden, eng.vocab_size, capacity) if drafts else None
+                               eng.vocab_size, capacity, aux=eng.eagle.layer_ids if eagle else None)
+        drafter = (BatchEagleDrafter(eng.eagle, eng.target, verifier, self.rows, capacity) if eagle
+                   else BatchRunner(eng.draft, self.rows, policy.draft_hidden, eng.vocab_size, capacity) if drafts
+                   else None)
         waiting = iter(enumerate(jobs))
         rows: list[_Row | None] = [None] * self.rows
         while True:
@@ -101,7 +111,9 @@ class BatchEngine:
             if not active:
                 return
             drafting = [r for r in active if self._start_round(rows[r], sampling)]
-            if drafter is not None:
+            if isinstance(drafter, BatchEagleDrafter):
+                drafter.draft(rows, drafting)
+            elif drafter is not None:
                 self._draft(rows, drafting, drafter)
             verdicts, cands = self._verify(rows, active, verifier, who)
             for r in active:
@@ -114,11 +126,13 @@ class BatchEngine:
                         drafter.clear(r)
                     continue
                 verifier.trim(r, len(row.seq) - 1)
-                if drafter is not None:
+                if isinstance(drafter, BatchEagleDrafter):
+                    drafter.take(r, row.seq)
+                elif drafter is not None:
                     drafter.trim(r, min(drafter.length(r), len(row.seq) - 1))
 
-    def _fill(self, rows, waiting, policy: Policy, verifier: BatchRunner, drafter: BatchRunner | None,
-              max_new_tokens: int) -> None:
+    def _fill(self, rows, waiting, policy: Policy, verifier: BatchRunner,
+              drafter: BatchRunner | BatchEagleDrafter | None, max_new_tokens: int) -> None:
         """Free rows take the next waiting prompts; their prompts (all but the last token) are prefilled."""
         joins: dict[int, list[int]] = {}
         for r in range(self.rows):
@@ -138,7 +152,10 @@ class BatchEngine:
             joins[r] = row.seq[:-1]
         if joins:
             verifier.prefill(joins)
-            if drafter is not None:
+            if isinstance(drafter, BatchEagleDrafter):
+                for r in joins:
+                    drafter.join(r, rows[r].seq)
+            elif drafter is not None:
                 drafter.prefill(joins)
 
     def _start_round(self, row: _Row, sampling: SamplingConfig) -> bool:

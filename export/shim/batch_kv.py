@@ -33,10 +33,12 @@ class BatchRunner:
         hidden: ``None``, ``"pre"`` or ``"post"``: the final-norm state returned with the logits.
         vocab_size: logits are cut to this many columns when the model pads its vocabulary.
         capacity: initial slots per row; grows when compaction is not enough.
+        aux: decoder-layer indices whose entering residual stream each forward keeps, per row fed, in
+            ``aux_states`` (``row -> (first position, [n, len(aux) * d])``: what an EAGLE head reads), or None.
     """
 
     def __init__(self, model, rows: int, hidden: str | None = None, vocab_size: int | None = None,
-                 capacity: int = 256):
+                 capacity: int = 256, aux: list[int] | None = None):
         why = supports(model)
         if why is not None:
             raise ValueError(f"batched decoding runs on the fused forward, which does not cover this model: {why}")
@@ -47,6 +49,8 @@ class BatchRunner:
         self.slots: list[list[int]] = [[] for _ in range(rows)]
         self.end = 0
         self.forwards = 0  # forwards with at least one row, prefills included
+        self.aux = [int(i) for i in aux] if aux else None
+        self.aux_states: dict[int, tuple[int, torch.Tensor]] = {}
         self.capacity = 0
         self._grow(max(int(capacity), 8))
 
@@ -115,6 +119,7 @@ class BatchRunner:
 
     def prefill(self, tokens: dict[int, list[int]]) -> None:
         """Feeds each empty row in ``tokens`` its prompt (no logits): one forward of those rows alone."""
+        self.aux_states = {}
         rows = [r for r, t in tokens.items() if t]
         if not rows:
             return
@@ -134,8 +139,10 @@ class BatchRunner:
         causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
         mask = (causal[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
         cos, sin = self.cos[:width], self.sin[:width]  # right-padded: row positions are 0, 1, ...
+        seen = dict.fromkeys(self.aux) if self.aux else None
         decoder_layers(s, self.model.get_input_embeddings()(ids), cos, sin, keys, values, 0, width,
-                       mask[:, None], False)
+                       mask[:, None], False, seen)
+        self._keep_aux(seen, {r: (i, 0, len(tokens[r])) for i, r in enumerate(rows)})
         at = torch.tensor(rows, device=self.device)
         for big, small in zip(self.keys + self.values, keys + values):
             big[at, :, self.end: self.end + width] = small
@@ -154,6 +161,7 @@ class BatchRunner:
         Returns, per row with ``n_logits[row] > 0``: logits ``[n, V]`` at its last ``n`` new tokens and
         the requested hidden state there ``[n, d]`` (or None).
         """
+        self.aux_states = {}
         rows = [r for r, t in tokens.items() if len(t)]
         if not rows:
             return {}
@@ -176,8 +184,10 @@ class BatchRunner:
         mask = torch.cat([self.valid[:, None, :start].expand(-1, width, -1),
                           (block[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool,
                                                                        device=self.device)[None]], dim=2)
+        seen = dict.fromkeys(self.aux) if self.aux else None
         x = decoder_layers(self.shape, self.model.get_input_embeddings()(ids), self.cos[pos][:, None],
-                           self.sin[pos][:, None], self.keys, self.values, start, end, mask[:, None], False)
+                           self.sin[pos][:, None], self.keys, self.values, start, end, mask[:, None], False, seen)
+        self._keep_aux(seen, {r: (r, len(self.slots[r]), len(tokens[r])) for r in rows})
         for r in rows:
             self.slots[r].extend(range(start, start + len(tokens[r])))
         self.end = end
@@ -196,6 +206,14 @@ class BatchRunner:
             out[r] = (logits[at: at + k], hid[at: at + k] if hid is not None else None)
             at += k
         return out
+
+    def _keep_aux(self, seen, fed: dict[int, tuple[int, int, int]]) -> None:
+        """``aux_states`` of the forward that just ran: per row ``r`` in ``fed`` (``(batch index, first position,
+        tokens)``), its states at those positions."""
+        if seen is None:
+            return
+        states = torch.cat([seen[i] for i in self.aux], dim=-1)
+        self.aux_states = {r: (first, states[i, :n]) for r, (i, first, n) in fed.items()}
 
     def close(self) -> None:
         """Nothing to release; kept for interface parity with the batch-1 runners."""

@@ -128,6 +128,8 @@ class Sprinter(Policy):
 
     def verify(self, rnd: Round, logits: torch.Tensor, hidden: torch.Tensor | None) -> Verdict:
         j = rnd.state  # the first candidate the verifier did not approve: the target judges it
+        if rnd.n == 0:  # nothing drafted (an EAGLE head without target states yet): the target's own token
+            return standard_verify(rnd, logits)
         if j >= rnd.n:
             raise RuntimeError("verify called on a round whose candidates were all approved")
         one = dataclasses.replace(rnd, tokens=rnd.tokens[j:j + 1], q=rnd.q[j:j + 1],
