@@ -156,7 +156,8 @@ class BatchRunner:
     def forward(self, tokens: dict[int, list[int] | torch.Tensor], n_logits: dict[int, int]
                 ) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
         """Feeds each row in ``tokens`` its new tokens (ids, or a 1-D tensor: no host sync) after what it
-        holds; one forward over every row.
+        holds; one forward over the rows up to the last one fed (the buffers' leading rows, as views: rows
+        past it cost nothing).
 
         Returns, per row with ``n_logits[row] > 0``: logits ``[n, V]`` at its last ``n`` new tokens and
         the requested hidden state there ``[n, d]`` (or None).
@@ -185,8 +186,10 @@ class BatchRunner:
                           (block[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool,
                                                                        device=self.device)[None]], dim=2)
         seen = dict.fromkeys(self.aux) if self.aux else None
-        x = decoder_layers(self.shape, self.model.get_input_embeddings()(ids), self.cos[pos][:, None],
-                           self.sin[pos][:, None], self.keys, self.values, start, end, mask[:, None], False, seen)
+        top = max(rows) + 1
+        x = decoder_layers(self.shape, self.model.get_input_embeddings()(ids[:top]), self.cos[pos[:top]][:, None],
+                           self.sin[pos[:top]][:, None], [k[:top] for k in self.keys], [v[:top] for v in self.values],
+                           start, end, mask[:top, None], False, seen)
         self._keep_aux(seen, {r: (r, len(self.slots[r]), len(tokens[r])) for r in rows})
         for r in rows:
             self.slots[r].extend(range(start, start + len(tokens[r])))

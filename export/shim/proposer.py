@@ -1,0 +1,166 @@
+"""Drafting for a serving engine that hands over token ids only (vLLM's ``custom_class`` proposer).
+
+The engine calls :meth:`RowProposer.propose` once per step with each running request's whole sequence
+(prompt and output so far) under its batch row, and takes back each row's candidates. It does not say
+which request a row holds: rows are reordered, requests finish, join and are preempted, and the batch
+row index follows none of that. So the draft's KV cache is kept by content: each cache slot of a
+:class:`~.batch_kv.BatchRunner` remembers the tokens it holds, and each call matches every row to the
+slot holding the longest prefix of its sequence (one slot per row; a row with no match takes a slot no
+row matched, the one idle longest, its cache emptied). The slot is cut back to that prefix and fed the
+rest. Whatever the engine does with its rows, a slot's cache is never used past the tokens it matched,
+so a wrong match costs time (a re-prefill), never correctness; and the target verifies every candidate.
+
+Each slot has its own fork of the policy (its stop rule and head); its last round is closed with
+``end_round`` when the slot's request comes back, with the number of its candidates that the sequence
+now starts with. Drafting is greedy (the engine's verification keeps the output exact) and ends at an
+EOS candidate; each draft step is one forward over every row still drafting, the rows' pending tokens
+fed in the first one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from .batch_kv import BatchRunner
+from .drafting import take_candidate
+from .policies import Policy, Round
+from .sampling import SamplingConfig
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two 1-D integer arrays."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+class RowProposer:
+    """Candidates per batch row from token ids alone (see the module docstring).
+
+    Args:
+        draft: the draft model (Llama family: the fused forward), eval mode.
+        policy: the stop rule (a same-vocabulary policy that drafts: ``sd``, ``specdecpp``,
+            ``confidence_stop``); each slot runs its own fork.
+        slots: draft cache slots (at least the engine's most concurrent requests).
+        eos: EOS ids (a candidate EOS ends the round, as in the engine).
+        vocab_size: the draft's logits are cut to this many columns (a padded output layer).
+        capacity: initial cache slots per row.
+    """
+
+    def __init__(self, draft, policy: Policy, slots: int, eos: Sequence[int] = (), vocab_size: int | None = None,
+                 capacity: int = 512):
+        if policy.bridge is not None or "draft" not in policy.models or policy.verifier != "target":
+            raise ValueError(f"policy {policy.name} does not draft on the target's vocabulary")
+        self.runner = BatchRunner(draft, slots, policy.draft_hidden, vocab_size, capacity)
+        self.policies = [policy.fork() for _ in range(slots)]
+        self.held = [np.zeros(0, dtype=np.int64) for _ in range(slots)]  # the tokens each slot's cache holds
+        self.offered: list[tuple[int, list[int]] | None] = [None] * slots  # (sequence length, candidates) last call
+        self.used = [-1] * slots  # the call that last matched the slot
+        self.calls = 0
+        self.eos = frozenset(int(e) for e in eos)
+        self.sampling = SamplingConfig()
+        self.stats = {"calls": 0, "rows": 0, "candidates": 0, "draft_forwards": 0, "prefills": 0,
+                      "matched_tokens": 0, "seconds": 0.0}
+
+    @torch.inference_mode()
+    def propose(self, seqs: Mapping[int, Sequence[int]], limits: Mapping[int, int] | None = None
+                ) -> dict[int, list[int]]:
+        """Candidates for each row of ``seqs`` (row -> its token ids, prompt and output so far), at most
+        ``limits[row]`` (default: the policy's most) for each."""
+        start = time.perf_counter()
+        self.calls += 1
+        rows = {i: np.asarray(s, dtype=np.int64) for i, s in seqs.items() if len(s)}
+        slot_of = self._assign(rows)
+        rounds: dict[int, Round] = {}
+        for i, slot in slot_of.items():
+            seq, policy = rows[i], self.policies[slot]
+            limit = policy.max_candidates() if limits is None else min(policy.max_candidates(), limits.get(i, 0))
+            rnd = Round(self.sampling, None, limit=max(limit, 0), position=len(seq), eos=self.eos)
+            policy.start_round(rnd)
+            if rnd.limit > 0 and policy.draft_round():
+                rounds[slot] = rnd
+        self._prefill({s: rows[i] for i, s in slot_of.items() if s in rounds})
+        feed = {s: rows[i][len(self.held[s]):] for i, s in slot_of.items() if s in rounds}
+        while feed:
+            out = self.runner.forward({s: t.tolist() if isinstance(t, np.ndarray) else t for s, t in feed.items()},
+                                      {s: 1 for s in feed})
+            self.stats["draft_forwards"] += 1
+            nxt = {}
+            for s, fed in feed.items():
+                self.held[s] = np.concatenate([self.held[s], np.asarray(fed if isinstance(fed, np.ndarray)
+                                                                        else [int(fed[0])], dtype=np.int64)])
+                logits, hid = out[s]
+                rnd = rounds[s]
+                going = take_candidate(rnd, self.policies[s], logits[0], hid[-1] if hid is not None else None, None)
+                if going and int(rnd.tokens[-1]) not in self.eos:  # nothing after an EOS is ever kept
+                    nxt[s] = rnd.tokens[-1].view(1)
+            feed = nxt
+        result = {}
+        for i, slot in slot_of.items():
+            cand = [int(t) for t in rounds[slot].tokens] if slot in rounds else []
+            self.offered[slot] = (len(rows[i]), cand)
+            result[i] = cand
+        self.stats["calls"] += 1
+        self.stats["rows"] += len(rows)
+        self.stats["candidates"] += sum(len(c) for c in result.values())
+        self.stats["seconds"] += time.perf_counter() - start
+        return result
+
+    def _assign(self, rows: dict[int, np.ndarray]) -> dict[int, int]:
+        """Each row's slot: the longest held prefix first; rows without one take the slot idle longest
+        (lowest index first, so that the forwards run over few leading slots). Slots are cut back to the
+        matched prefix (and the sequence's last token, which the next forward feeds)."""
+        n_slots = len(self.held)
+        if len(rows) > n_slots:
+            raise ValueError(f"{len(rows)} rows but {n_slots} draft cache slots: raise the slots "
+                             "(vLLM: max_num_seqs)")
+        pairs = sorted(((common_prefix(seq, self.held[s]), i, s) for i, seq in rows.items() for s in range(n_slots)
+                        if len(self.held[s])), reverse=True)
+        slot_of, taken, prefix = {}, set(), {}
+        for lcp, i, s in pairs:
+            if lcp == 0 or i in slot_of or s in taken:
+                continue
+            slot_of[i], prefix[i] = s, lcp
+            taken.add(s)
+        free = sorted((s for s in range(n_slots) if s not in taken), key=lambda s: (self.used[s], s))
+        for i in rows:
+            if i not in slot_of:
+                slot_of[i], prefix[i] = free.pop(0), 0
+        for i, s in slot_of.items():
+            seq, keep = rows[i], min(prefix[i], len(rows[i]) - 1)
+            if prefix[i] == 0:  # another request: a fresh policy and an empty cache
+                self.policies[s].reset()
+                self.offered[s] = None
+            else:
+                self._close_round(s, seq)
+            self.runner.trim(s, keep)
+            self.held[s] = self.held[s][:keep]
+            self.used[s] = self.calls
+            self.stats["matched_tokens"] += keep
+        return slot_of
+
+    def _close_round(self, s: int, seq: np.ndarray) -> None:
+        """Ends the slot's last round: how many of its candidates the sequence went on with."""
+        if self.offered[s] is None:
+            return
+        base, cand = self.offered[s]
+        self.offered[s] = None
+        kept = seq[base: base + len(cand)]
+        accepted = common_prefix(kept, np.asarray(cand, dtype=np.int64))
+        self.policies[s].end_round(len(cand), accepted)
+
+    def _prefill(self, fresh: dict[int, np.ndarray]) -> None:
+        """Empty slots with long sequences get all but the last token in one prefill forward."""
+        todo = {s: seq[:-1].tolist() for s, seq in fresh.items() if not len(self.held[s]) and len(seq) > 1}
+        if not todo:
+            return
+        self.runner.prefill(todo)
+        for s, t in todo.items():
+            self.held[s] = np.asarray(t, dtype=np.int64)
+        self.stats["prefills"] += 1

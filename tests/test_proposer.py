@@ -1,0 +1,129 @@
+"""The proposer a serving engine calls with token ids only (``export/shim/proposer.py``; vLLM's custom_class).
+
+A simulated engine drives it as vLLM does: every step each running request's whole sequence under a
+batch row, rows reordered, requests joining, finishing and preempted (absent for a while, then back);
+it verifies greedily with the target. What must hold: every proposal equals the draft's own greedy
+continuation computed from scratch on the whole sequence (the content-kept caches change nothing), the
+outputs equal the target alone's, and each slot's policy sees its own request's rounds.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import perturbed_copy, tiny_llama
+from specheads.export.shim.policies import ConfidenceStop, SpecDecPP, StandardSD
+from specheads.export.shim.proposer import RowProposer, common_prefix
+from specheads.heads import AcceptanceHead
+
+VOCAB, EOS = 48, 2
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(VOCAB, seed=0)
+    return target, perturbed_copy(target, scale=0.3)
+
+
+@torch.no_grad()
+def greedy(model, seq: list[int], n: int, stop_at_eos: bool = True) -> list[int]:
+    """``model``'s greedy continuation of ``seq``, ``n`` tokens, recomputed from scratch (no cache)."""
+    out = []
+    for _ in range(n):
+        tok = int(model(torch.tensor([seq + out])).logits[0, -1].argmax())
+        out.append(tok)
+        if stop_at_eos and tok == EOS:
+            break
+    return out
+
+
+def confidence_reference(draft, seq: list[int], tau: float, k: int) -> list[int]:
+    """ConfidenceStop's candidates from scratch: greedy, stop after one whose probability is below tau."""
+    out = []
+    with torch.no_grad():
+        for _ in range(k):
+            p = draft(torch.tensor([seq + out])).logits[0, -1].softmax(-1)
+            tok = int(p.argmax())
+            out.append(tok)
+            if tok == EOS or float(p[tok]) < tau:
+                break
+    return out
+
+
+def simulate(target, proposer, prompts, new_tokens, reference, seed=0, slots_check=None):
+    """vLLM-like steps: rows shuffled each step, requests join at staggered steps, finish at their length,
+    and one is preempted for two steps; returns each request's output and the number of proposals checked."""
+    rng = random.Random(seed)
+    seqs = {j: list(p) for j, p in enumerate(prompts)}
+    done, checked, step = {}, 0, 0
+    while len(done) < len(prompts):
+        step += 1
+        live = [j for j in seqs if j not in done and j <= step // 2 and not (j == 1 and step in (5, 6))]
+        rng.shuffle(live)
+        rows = {row: seqs[j] for row, j in enumerate(live)}
+        limits = {row: max(0, len(prompts[j]) + new_tokens[j] - len(seqs[j]) - 1) for row, j in enumerate(live)}
+        got = proposer.propose(rows, limits)
+        for row, j in enumerate(live):
+            cand = got[row]
+            want = reference(seqs[j])[: limits[row]]
+            assert cand == want, (step, j)
+            checked += 1
+            ok = greedy(target, seqs[j] + [], len(cand) + 1, stop_at_eos=False)
+            n = common_prefix(np.array(cand), np.array(ok))
+            seqs[j] += ok[: n + 1]
+            end = len(prompts[j]) + new_tokens[j]
+            if EOS in seqs[j][len(prompts[j]):] or len(seqs[j]) >= end:
+                cut = seqs[j][len(prompts[j]):]
+                cut = cut[: cut.index(EOS) + 1] if EOS in cut else cut
+                done[j] = cut[: new_tokens[j]]
+    return [done[j] for j in range(len(prompts))], checked
+
+
+PROMPTS = [[1, 5, 9, 13], [1, 7], [1, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30], [1, 5, 9, 13], [1], [1, 44, 3]]
+NEW = [14, 9, 16, 11, 6, 12]
+
+
+@pytest.mark.parametrize("slots", [6, 8])
+def test_proposals_equal_the_drafts_own_from_scratch_through_joins_finishes_and_preemption(pair, slots):
+    target, draft = pair
+    proposer = RowProposer(draft, StandardSD(3), slots, eos=[EOS], capacity=8)  # small: the caches grow
+    outs, checked = simulate(target, proposer, PROMPTS, NEW, lambda s: greedy(draft, s, 3))
+    assert outs == [greedy(target, p, n)[:n] for p, n in zip(PROMPTS, NEW)]
+    assert checked > 30 and proposer.stats["matched_tokens"] > 0 and proposer.stats["candidates"] > 0
+
+
+def test_a_stop_rule_runs_per_slot(pair):
+    target, draft = pair
+    proposer = RowProposer(draft, ConfidenceStop(tau=0.6, k_max=5), 6, eos=[EOS])
+    outs, _ = simulate(target, proposer, PROMPTS, NEW, lambda s: confidence_reference(draft, s, 0.6, 5), seed=3)
+    assert outs == [greedy(target, p, n)[:n] for p, n in zip(PROMPTS, NEW)]
+
+
+def test_each_slots_policy_gets_its_own_requests_rounds(pair):
+    """SpecDec++ closes each round with the number of its candidates the sequence went on with."""
+    target, draft = pair
+    torch.manual_seed(0)
+    policy = SpecDecPP(AcceptanceHead(32, depth=1).eval(), threshold=0.9, k_min=1, k_max=4)
+    proposer = RowProposer(draft, policy, 2, eos=[EOS])
+    seq = [1, 5, 9]
+    first = proposer.propose({0: seq})[0]
+    kept = first[:1] + [(first[1] + 1) % VOCAB] if len(first) > 1 else first + [3]
+    closed = []
+    slot_policy = next(p for p, h in zip(proposer.policies, proposer.held) if len(h))
+    slot_policy.end_round = lambda n, accepted: closed.append((n, accepted))
+    proposer.propose({1: seq + kept})  # the same request, now under another row
+    assert closed == [(len(first), 1 if len(first) > 1 else len(first))]
+
+
+def test_more_rows_than_slots_is_an_error(pair):
+    with pytest.raises(ValueError, match="slots"):
+        RowProposer(pair[1], StandardSD(2), 1).propose({0: [1, 2], 1: [1, 3]})
+
+
+def test_common_prefix():
+    assert common_prefix(np.array([1, 2, 3]), np.array([1, 2, 4, 5])) == 2
+    assert common_prefix(np.array([1, 2]), np.array([1, 2, 3])) == 2 and common_prefix(np.array([]), np.array([1])) == 0

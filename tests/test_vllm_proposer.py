@@ -1,0 +1,101 @@
+"""``specheads.vllm``: the settings' checks and the proposer behind vLLM's interface, without vLLM (a stand-in
+for its config; the run inside vLLM itself is tests/vllm/, in vLLM's own virtualenv)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_tokenizer, perturbed_copy, tiny_llama
+from specheads import vllm as sv
+from specheads.errors import UserError
+from specheads.export import save_head
+from specheads.export.shim.models import ModelSpec, load_model
+from specheads.export.shim.sampling import SamplingConfig
+from specheads.heads import AcceptanceHead
+
+VOCAB = len(make_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_pair")
+    tok = make_tokenizer()
+    target = tiny_llama(len(tok), seed=0)
+    models = {"draft": perturbed_copy(target, scale=0.2), "other": tiny_llama(len(tok), seed=5),
+              "wide": tiny_llama(len(tok) + 8, seed=6)}
+    for name, model in models.items():
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    return root
+
+
+def head_for(root, draft: str):
+    loaded = load_model(ModelSpec(path=str(root / draft), device="cpu"), "draft")
+    torch.manual_seed(0)
+    head = AcceptanceHead(32, depth=1)
+    return str(save_head(root / f"head-{draft}.safetensors", head, "acceptance", {
+        "head_config": head.config(), "hidden_size": 32, "feature": {"model": "draft", "state": "post", "layer": -1},
+        "draft": {"name": loaded.name, "fingerprint": loaded.fingerprint},
+        "target": {"name": "tiny", "fingerprint": "unknown"}, "sampling": SamplingConfig().to_dict(),
+        "default_threshold": 0.6}))
+
+
+def vllm_config(k: int = 4, vocab: int = VOCAB, seqs: int = 3, max_len: int = 64):
+    return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
+                           device_config=SimpleNamespace(device="cpu"),
+                           model_config=SimpleNamespace(get_vocab_size=lambda: vocab, max_model_len=max_len),
+                           scheduler_config=SimpleNamespace(max_num_seqs=seqs))
+
+
+def test_speculative_config_hands_the_settings_to_the_worker(dirs, monkeypatch):
+    monkeypatch.delenv(sv.ENV, raising=False)
+    spec = sv.speculative_config(str(dirs / "draft"), policy="specdecpp", head=head_for(dirs, "draft"), k_max=5)
+    assert spec == {"method": "custom_class", "model": "specheads.vllm.Proposer", "num_speculative_tokens": 5}
+    assert json.loads(__import__("os").environ[sv.ENV])["head"].endswith("head-draft.safetensors")
+    proposer = sv.Proposer(vllm_config(k=5))
+    assert proposer.core.policies[0].name == "specdecpp" and proposer.core.policies[0].threshold == 0.6
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"policy": "specdecpp"}, "needs head="), ({"policy": "tli"}, "choose one of"), ({"k_max": 0}, "k_max=0"),
+    ({"stop": "cost"}, "needs costs="), ({"threshold": 1.5}, "in [0, 1]"), ({"draft": "/nowhere"}, "not a local"),
+    ({"head": "x.safetensors"}, "does not exist")])
+def test_bad_settings_are_one_line_errors(dirs, kwargs, message):
+    with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")) as err:
+        sv.speculative_config(**{"draft": str(dirs / "draft"), **kwargs})
+    assert len(str(err.value).splitlines()) == 1
+
+
+def test_start_up_mistakes_are_one_line_errors(dirs, monkeypatch):
+    monkeypatch.delenv(sv.ENV, raising=False)
+    with pytest.raises(UserError, match="SPECHEADS_VLLM"):
+        sv.Proposer(vllm_config())
+    sv.speculative_config(str(dirs / "draft"), policy="specdecpp", head=head_for(dirs, "other"), k_max=4)
+    with pytest.raises(UserError, match="fingerprint"):  # a head trained on another draft
+        sv.Proposer(vllm_config())
+    sv.speculative_config(str(dirs / "wide"), k_max=4)
+    with pytest.raises(UserError, match="vocabulary"):
+        sv.Proposer(vllm_config())
+    sv.speculative_config(str(dirs / "draft"), k_max=4)
+    with pytest.raises(UserError, match="num_speculative_tokens=3"):
+        sv.Proposer(vllm_config(k=3))
+
+
+def test_propose_reads_vllms_rows(dirs):
+    """Rows without sampled tokens (a prefill in progress) or at the length limit get no candidates; the
+    others are cut to the room left; the sequence is ``token_ids_cpu[row, :num_tokens_no_spec[row]]``."""
+    sv.speculative_config(str(dirs / "draft"), policy="sd", k_max=4)
+    proposer = sv.Proposer(vllm_config(max_len=12))
+    ids = np.zeros((3, 12), dtype=np.int64)
+    ids[0, :5], ids[1, :3], ids[2, :12] = [1, 5, 9, 13, 7], [1, 4, 8], np.arange(1, 13)
+    out = proposer.propose([[7], [], [12]], np.array([5, 3, 12]), ids)
+    assert [len(c) for c in out] == [4, 0, 0]
+    ids[0, 5:] = np.arange(20, 27)
+    out = proposer.propose([[26]], np.array([11]), ids[:1])
+    assert len(out[0]) == 0  # 11 tokens of 12: no room for a candidate and the target's own token
+    assert proposer.stats["calls"] == 2 and proposer.stats["rows"] == 2

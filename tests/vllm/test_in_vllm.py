@@ -1,0 +1,87 @@
+"""The proposer inside vLLM itself (its CPU build, in its own virtualenv; skipped where vLLM is not installed).
+
+Run as ``.ci/run`` does: ``python -m pytest tests/vllm --confcutdir=tests/vllm`` with vLLM's venv, which has
+this package installed with ``--no-deps``. A tiny Llama target and a perturbed copy as the draft (saved with a
+word-level tokenizer; vLLM gets token ids), greedy: vLLM with the proposer gives the target alone's outputs
+token for token, with six requests through three batch rows (requests finish at different lengths and
+waiting ones join), and vLLM's spec-decode counters show drafts verified and accepted.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast  # noqa: E402
+
+from specheads.vllm import speculative_config  # noqa: E402
+
+WORDS = "the cat dog sat on a mat and ran to big red blue sun moon one two three four five six".split()
+PROMPTS = [[1, 5, 9, 13], [1, 7], [1, 20, 21, 22, 3, 4, 5, 6, 7, 8], [1, 5, 9, 13], [1], [1, 14, 3]]
+MAX_NEW = [24, 9, 30, 17, 12, 20]
+
+
+def _save_pair(root):
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=2, initializer_range=0.3, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    draft = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    draft.load_state_dict(target.state_dict())
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.15 * p.std().clamp_min(1e-3))
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    return root / "target", root / "draft"
+
+
+def _run(target, spec=None):
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=str(target), skip_tokenizer_init=True, dtype="float32", max_model_len=256, max_num_seqs=3,
+              enforce_eager=True, seed=0, disable_log_stats=False, speculative_config=spec)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, detokenize=False) for n in MAX_NEW]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    counters = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")}
+    if spec is not None:  # the proposer's own counts, from the worker that holds it
+        counters["proposer"] = llm.collective_rpc(_proposer_stats)[0]
+    del llm
+    gc.collect()
+    return tokens, counters
+
+
+def _proposer_stats(worker):
+    return worker.model_runner.drafter.stats
+
+
+def test_greedy_through_the_proposer_equals_vllms_target_alone(tmp_path):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    target, draft = _save_pair(tmp_path)
+    alone, _ = _run(target)
+    spec = speculative_config(str(draft), policy="confidence_stop", threshold=0.3, k_max=4)
+    got, counters = _run(target, spec)
+    assert got == alone
+    assert sum(len(t) for t in alone) > 60
+    drafted = counters.get("vllm:spec_decode_num_draft_tokens") or 0
+    accepted = counters.get("vllm:spec_decode_num_accepted_tokens") or 0
+    assert drafted > 0 and accepted > 0, counters
+    mine = counters["proposer"]
+    assert mine["candidates"] >= drafted and mine["draft_forwards"] > 0  # vLLM drops a finished request's
+    assert mine["matched_tokens"] > sum(map(len, PROMPTS))  # the caches were kept from step to step
+    assert mine["prefills"] <= len(PROMPTS)  # one per request at most: none lost to reordering
