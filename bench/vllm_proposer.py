@@ -1,7 +1,7 @@
 """Stop rules inside vLLM (``specheads.vllm``'s custom_class proposer) against vLLM's own ``draft_model`` and its
 target alone, at batch 1 and batch 16.
 
-    python bench/vllm.py --head runs/specdecpp_draft_quickstart-export/head.safetensors \\
+    python bench/vllm_proposer.py --head runs/specdecpp_draft_quickstart-export/head.safetensors \\
         --vocab-file runs/specdecpp_draft_quickstart-vocab/vocab.json --vocab-top-n 8192
 
 Run with the project's Python. It prepares, under ``--work`` (default ``runs/vllm_bench``), the GGUF target as a
