@@ -26,6 +26,7 @@ from specheads.errors import UserError
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, read_finished_rows, write_manifest
 from specheads.prompts import load_prompt_files
 
+from . import vllm_engine
 from .api import Decoder, load_eagle, pair_costs, policy_from_config
 from .decode_config import DecodeConfig
 from .shim.cost_rules import predict_ms_per_token
@@ -64,6 +65,10 @@ def _check(cfg: DecodeConfig) -> None:
     elif cfg.batch_size > 1 and cls is not None and cls.bridge is not None:
         problems.append(f"batch_size={cfg.batch_size}: policy={cfg.policy} drafts across vocabularies and runs at "
                         "batch 1 only")
+    if cfg.engine not in ("specheads", "vllm"):
+        problems.append(f"engine={cfg.engine!r}; choose specheads or vllm")
+    elif cfg.engine == "vllm":
+        problems += vllm_engine.problems(cfg)
     if cfg.batch_size > 1 and cfg.stream:
         problems.append("stream=true prints one completion at a time: use batch_size=1")
     if problems:
@@ -105,6 +110,8 @@ def run(cfg: DecodeConfig) -> int:
     if not same_run:
         (out_dir / "outputs.jsonl").unlink(missing_ok=True)
     done = {row["index"]: row for row in read_finished_rows(out_dir / "outputs.jsonl")}
+    if cfg.engine == "vllm":  # vLLM decodes every prompt in a child process of its own Python
+        return vllm_engine.run(cfg, prompts, out_dir, PROG)
     if done:
         log.info("resuming: %d of %d prompts already done in %s", len(done), len(prompts), out_dir)
     family = POLICIES[cfg.policy]

@@ -50,4 +50,7 @@ class DecodeConfig:
     fused_forward: bool = field(default=True, metadata={"help": "Llama-family models run a fused forward (same outputs, faster); false: the model's own"})
     output_dir: str = field(default="runs/decode", metadata={"help": "outputs.jsonl, metrics.json, config.yaml, manifest.json"})
     overwrite: bool = field(default=False, metadata={"help": "allow writing into an output_dir that holds another run"})
+    engine: str = field(default="specheads", metadata={"help": "specheads (this package's engine) | vllm (vLLM decodes: policy ar = its target alone, sd = its draft_model at k, specdecpp and confidence_stop = the specheads.vllm proposer at k_max; the GGUF target converted once to a cached Hugging Face directory)"})
+    vllm_python: str | None = field(default=None, metadata={"help": "engine=vllm: the python of vLLM's virtualenv (default: this one, when it has vLLM)"})
+    vllm_threads: int | None = field(default=None, metadata={"help": "engine=vllm: OMP_NUM_THREADS for vLLM on a CPU (default: the machine's cores)"})
     stream: bool = field(default=False, metadata={"help": "print each completion to stdout as it is generated"})

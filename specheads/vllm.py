@@ -176,3 +176,54 @@ class Proposer:
     def stats(self) -> dict:
         """Calls, rows, candidates, draft forwards, prefills, matched cache tokens and seconds in ``propose``."""
         return dict(self.core.stats)
+
+
+# ---- the child process of ``heads-decode engine=vllm`` (export/vllm_engine.py): ``python -m specheads.vllm JOB`` --
+
+def _proposer_stats(worker) -> dict:
+    return dict(worker.model_runner.drafter.stats)
+
+
+def run_job(path: str) -> int:
+    """Decodes a job file's prompts (token ids) with vLLM and writes the result file it names."""
+    import time
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    job = json.loads(open(path, encoding="utf-8").read())
+    spec = job["speculative"]
+    proposer = bool(spec and "specheads" in spec)
+    if proposer:
+        spec = speculative_config(**spec["specheads"])
+    longest = max(len(p) for p in job["prompts"]) + job["max_new_tokens"]
+    t = time.perf_counter()
+    llm = LLM(model=job["target"], dtype="float32", max_model_len=max(longest, 256), max_num_seqs=job["batch_size"],
+              seed=job["seed"], enforce_eager=True, disable_log_stats=False, speculative_config=spec or None)
+    startup = time.perf_counter() - t
+    sampling = job["sampling"]
+    params = [SamplingParams(max_tokens=job["max_new_tokens"], seed=job["seed"] + i, **sampling)
+              for i in range(len(job["prompts"]))]
+
+    def counters() -> dict:
+        return {m.name: m.value for m in llm.get_metrics()
+                if m.name.startswith("vllm:spec_decode") and isinstance(getattr(m, "value", None), (int, float))}
+
+    before = counters()
+    t = time.perf_counter()
+    res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
+    seconds = time.perf_counter() - t
+    out = {"outputs": [list(r.outputs[0].token_ids) for r in res], "seconds": seconds, "startup_seconds": startup,
+           "counters": {k: v - before.get(k, 0) for k, v in counters().items()}}
+    if proposer:
+        out["proposer"] = llm.collective_rpc(_proposer_stats)[0]
+    with open(job["out"], "w", encoding="utf-8") as fh:
+        json.dump(out, fh)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(run_job(sys.argv[1]))
+

