@@ -30,7 +30,7 @@ from pathlib import Path
 
 from specheads.errors import UserError
 
-from .shim.models import ModelSpec
+from .shim.models import ModelSpec, file_digest
 
 POLICIES = ("ar", "sd", "specdecpp", "confidence_stop")
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
@@ -65,17 +65,6 @@ def vllm_python(given: str | None) -> str:
     return sys.executable
 
 
-def _content_hash(path: Path) -> str:
-    h, chunk, size = hashlib.sha256(), 4 << 20, path.stat().st_size
-    h.update(f"{path.name}:{size}".encode())
-    with open(path, "rb") as fh:
-        h.update(fh.read(chunk))
-        if size > chunk:
-            fh.seek(max(chunk, size - chunk))
-            h.update(fh.read(chunk))
-    return h.hexdigest()[:24]
-
-
 def target_dir(spec: ModelSpec) -> Path:
     """The target as a Hugging Face directory vLLM reads (a GGUF file: converted once, cached by content)."""
     if not spec.gguf_file:
@@ -84,7 +73,7 @@ def target_dir(spec: ModelSpec) -> Path:
     if not gguf.is_file():
         raise UserError(f"target.gguf_file: {str(gguf)!r} does not exist")
     root = Path(os.environ.get("SPECHEADS_CACHE", Path.home() / ".cache/specheads")) / "vllm"
-    out = root / f"{gguf.stem}-{_content_hash(gguf)}"
+    out = root / f"{gguf.stem}-{file_digest(hashlib.sha256(), gguf).hexdigest()[:24]}"
     if (out / "config.json").is_file():
         return out
     import torch

@@ -10,10 +10,9 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
-from conftest import SHARED, make_tokenizer
+from conftest import SHARED
+from in_vllm.pair import save_pair
 from specheads.export.decode_cli import main as decode_main
 
 VLLM_PYTHON = os.environ.get("SPECHEADS_VLLM_PYTHON")
@@ -22,22 +21,8 @@ needs_vllm = pytest.mark.skipif(not VLLM_PYTHON, reason="SPECHEADS_VLLM_PYTHON (
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """A Llama pair vLLM's CPU attention takes (head_dim 64), with a word-level tokenizer."""
     root = tmp_path_factory.mktemp("vllm_decode")
-    tok = make_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
-                      eos_token_id=2, pad_token_id=2, initializer_range=0.3, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    target = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    draft = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    draft.load_state_dict(target.state_dict())
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn_like(p) * 0.15 * p.std().clamp_min(1e-3))
-    for name, model in (("target", target), ("draft", draft)):
-        model.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
+    save_pair(root)
     prompts = root / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in
                                ["the cat sat on", "one two three", "why is the sun", "a big red dog ran"]))

@@ -1,5 +1,5 @@
 """``specheads.vllm``: the settings' checks and the proposer behind vLLM's interface, without vLLM (a stand-in
-for its config; the run inside vLLM itself is tests/vllm/, in vLLM's own virtualenv)."""
+for its config; the run inside vLLM itself is tests/in_vllm/, in vLLM's own virtualenv)."""
 
 from __future__ import annotations
 

@@ -135,16 +135,21 @@ def fingerprint(path: str, gguf: str | None, is_local: bool, model) -> str:
     h.update(repr(sorted((k, repr(v)) for k, v in cfg.items())).encode())
     root = Path(path)
     files = [root / gguf] if gguf else sorted(p for ext in ("*.safetensors", "*.bin", "*.pt") for p in root.glob(ext))
-    chunk = 4 << 20
     for f in files:
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(chunk))
-            if size > chunk:
-                fh.seek(max(chunk, size - chunk))
-                h.update(fh.read(chunk))
+        file_digest(h, f)
     return "sha256:" + h.hexdigest()[:24]
+
+
+def file_digest(h, path: Path, chunk: int = 4 << 20):
+    """Feeds ``h`` (a hashlib object) a weight file's name, size and first and last ``chunk`` bytes."""
+    size = path.stat().st_size
+    h.update(f"{path.name}:{size}".encode())
+    with open(path, "rb") as fh:
+        h.update(fh.read(chunk))
+        if size > chunk:
+            fh.seek(max(chunk, size - chunk))
+            h.update(fh.read(chunk))
+    return h
 
 
 def load_model(spec: ModelSpec, role: str = "model") -> LoadedModel:

@@ -1,6 +1,6 @@
 """The proposer inside vLLM itself (its CPU build, in its own virtualenv; skipped where vLLM is not installed).
 
-Run as ``.ci/run`` does: ``python -m pytest tests/vllm --confcutdir=tests/vllm`` with vLLM's venv, which has
+Run as ``.ci/run`` does: ``python -m pytest tests/in_vllm --confcutdir=tests/in_vllm`` with vLLM's venv, which has
 this package installed with ``--no-deps``. A tiny Llama target and a perturbed copy as the draft (saved with a
 word-level tokenizer; vLLM gets token ids), greedy: vLLM with the proposer gives the target alone's outputs
 token for token, with six requests through three batch rows (requests finish at different lengths and
@@ -16,37 +16,11 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-import torch  # noqa: E402
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast  # noqa: E402
-
+from pair import save_pair  # noqa: E402
 from specheads.vllm import speculative_config  # noqa: E402
 
-WORDS = "the cat dog sat on a mat and ran to big red blue sun moon one two three four five six".split()
 PROMPTS = [[1, 5, 9, 13], [1, 7], [1, 20, 21, 22, 3, 4, 5, 6, 7, 8], [1, 5, 9, 13], [1], [1, 14, 3]]
 MAX_NEW = [24, 9, 30, 17, 12, 20]
-
-
-def _save_pair(root):
-    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *WORDS])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
-                      eos_token_id=2, pad_token_id=2, initializer_range=0.3, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    target = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    draft = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    draft.load_state_dict(target.state_dict())
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.15 * p.std().clamp_min(1e-3))
-    for name, model in (("target", target), ("draft", draft)):
-        model.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
-    return root / "target", root / "draft"
 
 
 def _run(target, spec=None):
@@ -72,7 +46,7 @@ def _proposer_stats(worker):
 
 def test_greedy_through_the_proposer_equals_vllms_target_alone(tmp_path):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    target, draft = _save_pair(tmp_path)
+    target, draft = save_pair(tmp_path)
     alone, _ = _run(target)
     spec = speculative_config(str(draft), policy="confidence_stop", threshold=0.3, k_max=4)
     got, counters = _run(target, spec)
