@@ -4,8 +4,9 @@ vLLM runs in its own Python (``vllm_python``: its virtualenv; on a CPU machine v
 this package's environment), in a child process that this module prepares and starts:
 
 * the target as vLLM reads it: a Hugging Face directory as given, or a GGUF file converted once (weights
-  dequantised into a plain ``LlamaForCausalLM``, tokenizer beside it) into a cache directory named by the
-  GGUF file's content hash (``$SPECHEADS_CACHE/vllm``, default ``~/.cache/specheads/vllm``), reused while the
+  dequantised into a plain ``LlamaForCausalLM``, tokenizer beside it) into a cache directory named by a
+  digest of the GGUF file as the fingerprint takes it (name, size, first and last 4 MiB;
+  ``$SPECHEADS_CACHE/vllm``, default ``~/.cache/specheads/vllm``), reused while the
   file is the same;
 * the prompts as token ids (the target's chat template, as the shim formats them);
 * the policy: ``ar`` (the target alone), ``sd`` (vLLM's own ``draft_model`` at ``k``), ``specdecpp`` and
@@ -66,7 +67,7 @@ def vllm_python(given: str | None) -> str:
 
 
 def target_dir(spec: ModelSpec) -> Path:
-    """The target as a Hugging Face directory vLLM reads (a GGUF file: converted once, cached by content)."""
+    """The target as a Hugging Face directory vLLM reads (a GGUF file: converted once, cached by its digest)."""
     if not spec.gguf_file:
         return Path(spec.path).resolve()
     gguf = Path(spec.path) / spec.gguf_file
@@ -104,7 +105,8 @@ def speculative(cfg) -> dict | None:
     if cfg.policy == "sd":
         return {"method": "draft_model", "model": str(Path(cfg.draft.path).resolve()), "num_speculative_tokens": cfg.k}
     threshold = cfg.h if cfg.policy == "specdecpp" else cfg.tau
-    return {"specheads": {"draft": str(Path(cfg.draft.path).resolve()), "policy": cfg.policy, "head": cfg.head,
+    head = cfg.head if cfg.policy == "specdecpp" else None
+    return {"specheads": {"draft": str(Path(cfg.draft.path).resolve()), "policy": cfg.policy, "head": head,
                           "k_max": cfg.k_max, "k_min": cfg.k_min if cfg.policy == "specdecpp" else 1,
                           "threshold": cfg.threshold if threshold is None else threshold,
                           "vocab_file": cfg.draft.vocab_file, "vocab_top_n": cfg.draft.vocab_top_n}}
@@ -112,7 +114,7 @@ def speculative(cfg) -> dict | None:
 
 def environment(python: str, threads: int | None) -> dict:
     """vLLM's CPU settings for the child process."""
-    venv = Path(python).resolve().parent.parent
+    venv = Path(python).absolute().parent.parent  # not resolve(): a venv's python links out of the venv
     preload = [p for p in (TCMALLOC, str(venv / "lib/libiomp5.so")) if Path(p).exists()]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads or os.cpu_count() or 1),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
@@ -151,7 +153,7 @@ def run(cfg, prompts, out_dir: Path, prog: str) -> int:
 
     from .api import format_prompt
 
-    bad = problems(cfg)
+    bad = problems(cfg) + ([] if prompts else ["no prompts to decode (check prompts=, offset=, num_prompts=)"])
     if bad:
         raise UserError("; ".join(bad))
     python = vllm_python(cfg.vllm_python)  # before any conversion: a missing vLLM is the first thing to say

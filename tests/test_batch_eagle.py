@@ -22,6 +22,7 @@ from specheads.heads import AcceptanceHead, JudgeHead, VerifierHead
 
 LENGTHS, NEW = (3, 30, 1, 7, 18, 2, 11), 18
 COSTS = CostTable(t_draft_ms=1.0, t_target_ms=[10.0 + 0.5 * k for k in range(1, 24)])
+GATED = CostTable(t_draft_ms=4.0, t_target_ms=[10.0 + 3.0 * k for k in range(1, 24)])  # drafting barely pays
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,7 @@ def _policies():
     acc, ver, judge = AcceptanceHead(32, depth=1).eval(), VerifierHead(32).eval(), JudgeHead(32).eval()
     return {"sd1": StandardSD(1), "sd4": StandardSD(4), "confidence": ConfidenceStop(tau=0.3, k_max=5),
             "confidence_cost": ConfidenceStop(k_max=6, stop="cost", costs=COSTS),
+            "confidence_gated": ConfidenceStop(k_max=6, stop="cost", costs=GATED, gate=True),
             "specdecpp": SpecDecPP(acc, threshold=0.5, k_min=1, k_max=5),
             "topk": TopKVerify(3, 2), "fsd": FSD(0.4, "js", k=3), "sprinter": Sprinter(ver, eta=0.5, max_run=4),
             "judge": Judge(judge, delta=0.5, k=3)}
@@ -54,7 +56,7 @@ def _run(engine, prompts, policy, sampling, rows):
     return [out[i] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("name", ["sd1", "sd4", "confidence", "confidence_cost", "specdecpp"])
+@pytest.mark.parametrize("name", ["sd1", "sd4", "confidence", "confidence_cost", "confidence_gated", "specdecpp"])
 def test_greedy_batched_eagle_equals_batch_one_and_the_target(engine, prompts, name):
     policy = _policies()[name]
     alone = _run(engine, prompts, policy, SamplingConfig(), 1)

@@ -119,6 +119,20 @@ def test_each_slots_policy_gets_its_own_requests_rounds(pair):
     assert closed == [(len(first), 1 if len(first) > 1 else len(first))]
 
 
+def test_a_new_request_sharing_a_short_prefix_gets_a_fresh_slot_and_policy(pair):
+    """Every prompt starts alike (BOS, a chat header): a new request must not be taken for a finished one."""
+    proposer = RowProposer(pair[1], StandardSD(2), 1, eos=[EOS])  # one slot: the new request must reuse it
+    proposer.propose({0: [1, 5, 9, 13, 7]})
+    used = 0
+    closed = []
+    proposer.policies[used].end_round = lambda n, accepted: closed.append((n, accepted))
+    resets = []
+    proposer.policies[used].reset = lambda: resets.append(used)
+    proposer.propose({0: [1, 5, 20, 21, 22, 23]})  # shares [1, 5] only: another request
+    assert closed == [] and resets == [used]
+    assert proposer.stats["prefills"] == 2  # its prompt went through a prefill, not the batched step
+
+
 def test_more_rows_than_slots_is_an_error(pair):
     with pytest.raises(ValueError, match="slots"):
         RowProposer(pair[1], StandardSD(2), 1).propose({0: [1, 2], 1: [1, 3]})

@@ -112,6 +112,7 @@ class BatchEagleDrafter:
     def take(self, r: int, seq: list[int]) -> None:
         """Keeps the target states row ``r`` got from the verifier's last forward (positions up to
         ``len(seq) - 2``); nothing when the row was not in it."""
+        self.hold[r] = False  # its first round is over, drafted or not
         got = self.verifier.aux_states.get(r)
         if got is None:
             return
@@ -126,7 +127,6 @@ class BatchEagleDrafter:
         feeds = {}
         for r in drafting:
             if self.hold[r]:
-                self.hold[r] = False
                 continue
             feed = self._feed(r, rows[r].seq, rows[r].stats)
             if feed is not None:

@@ -4,15 +4,16 @@ The engine calls :meth:`RowProposer.propose` once per step with each running req
 (prompt and output so far) under its batch row, and takes back each row's candidates. It does not say
 which request a row holds: rows are reordered, requests finish, join and are preempted, and the batch
 row index follows none of that. So the draft's KV cache is kept by content: each cache slot of a
-:class:`~.batch_kv.BatchRunner` remembers the tokens it holds, and each call matches every row to the
-slot holding the longest prefix of its sequence (one slot per row; a row with no match takes a slot no
-row matched, the one idle longest, its cache emptied). The slot is cut back to that prefix and fed the
-rest. Whatever the engine does with its rows, a slot's cache is never used past the tokens it matched,
+:class:`~.batch_kv.BatchRunner` remembers the tokens it holds, and each call matches every row to a slot
+(:meth:`RowProposer._assign`): the slot whose request it continues, else one sharing at least half of
+its sequence, else the slot idle longest, emptied. The slot is cut back to the shared prefix and fed
+the rest. Whatever the engine does with its rows, a slot's cache is never used past the tokens it matched,
 so a wrong match costs time (a re-prefill), never correctness; and the target verifies every candidate.
 
 Each slot has its own fork of the policy (its stop rule and head); its last round is closed with
 ``end_round`` when the slot's request comes back, with the number of its candidates that the sequence
-now starts with. Drafting is greedy (the engine's verification keeps the output exact) and ends at an
+now starts with (counted by content: a target token that happens to equal a candidate vLLM did not
+verify counts as accepted, which only skews the policy's feedback). Drafting is greedy (the engine's verification keeps the output exact) and ends at an
 EOS candidate; each draft step is one forward over every row still drafting, the rows' pending tokens
 fed in the first one.
 """
@@ -113,32 +114,35 @@ class RowProposer:
         return result
 
     def _assign(self, rows: dict[int, np.ndarray]) -> dict[int, int]:
-        """Each row's slot: the longest held prefix first; rows without one take the slot idle longest
-        (lowest index first, so that the forwards run over few leading slots). Slots are cut back to the
-        matched prefix (and the sequence's last token, which the next forward feeds)."""
+        """Each row's slot, in three passes: a row that continues a slot's request (its sequence starts with
+        the whole sequence that slot last proposed for) takes it, longest first; a row whose sequence shares
+        at least half its length with a slot's cache (a long common prompt) takes that one as a new request;
+        any other row takes the slot idle longest (lowest index first, so that the forwards run over few
+        leading rows) with its cache emptied (its prompt then goes through one prefill). Slots are cut back
+        to the matched prefix, and always before the sequence's last token (the next forward feeds it)."""
         n_slots = len(self.held)
         if len(rows) > n_slots:
             raise ValueError(f"{len(rows)} rows but {n_slots} draft cache slots: raise the slots "
                              "(vLLM: max_num_seqs)")
-        pairs = sorted(((common_prefix(seq, self.held[s]), i, s) for i, seq in rows.items() for s in range(n_slots)
-                        if len(self.held[s])), reverse=True)
-        slot_of, taken, prefix = {}, set(), {}
-        for lcp, i, s in pairs:
-            if lcp == 0 or i in slot_of or s in taken:
-                continue
-            slot_of[i], prefix[i] = s, lcp
-            taken.add(s)
-        free = sorted((s for s in range(n_slots) if s not in taken), key=lambda s: (self.used[s], s))
+        lcp = {(i, s): common_prefix(seq, self.held[s]) for i, seq in rows.items() for s in range(n_slots)
+               if len(self.held[s])}
+        same = {(i, s) for (i, s), n in lcp.items() if self.offered[s] is not None and n >= self.offered[s][0]}
+        slot_of, prefix = {}, {}
+        for keep in (lambda i, s: (i, s) in same, lambda i, s: 2 * lcp[(i, s)] >= len(rows[i])):
+            for (i, s) in sorted((k for k in lcp if keep(*k)), key=lambda k: -lcp[k]):
+                if i not in slot_of and s not in slot_of.values():
+                    slot_of[i], prefix[i] = s, lcp[(i, s)]
+        free = sorted((s for s in range(n_slots) if s not in slot_of.values()), key=lambda s: (self.used[s], s))
         for i in rows:
             if i not in slot_of:
                 slot_of[i], prefix[i] = free.pop(0), 0
         for i, s in slot_of.items():
             seq, keep = rows[i], min(prefix[i], len(rows[i]) - 1)
-            if prefix[i] == 0:  # another request: a fresh policy and an empty cache
+            if (i, s) in same:
+                self._close_round(s, seq)
+            else:  # another request: a fresh policy
                 self.policies[s].reset()
                 self.offered[s] = None
-            else:
-                self._close_round(s, seq)
             self.runner.trim(s, keep)
             self.held[s] = self.held[s][:keep]
             self.used[s] = self.calls
