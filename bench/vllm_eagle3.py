@@ -42,32 +42,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", str(ROOT.parent / "shared")))
 GGUF_DIR, GGUF = SHARED / "models/smollm2-135m-instruct", "SmolLM2-135M-Instruct.Q4_1.gguf"
-TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 
 # ---- stage 1: the project's Python ------------------------------------------------------------------------
 
 def write_target(out: Path) -> None:
     """The GGUF target, dequantised to fp32, as a plain Hugging Face directory (+ tokenizer)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from specheads.export.vllm_engine import convert_gguf
 
     if (out / "config.json").is_file():
         return
-    tok = AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF)
-    src = AutoModelForCausalLM.from_pretrained(GGUF_DIR, gguf_file=GGUF, dtype=torch.float32)
-    cfg = src.config
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config
-    cfg.dtype = torch.float32
-    fresh = LlamaForCausalLM(cfg).to(torch.float32)
-    missing, unexpected = fresh.load_state_dict(src.state_dict(), strict=False)
-    if unexpected or [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]:
-        raise SystemExit(f"target copy: missing {missing}, unexpected {unexpected}")
-    fresh.tie_weights()
     tmp = out.with_name(out.name + ".tmp")
-    fresh.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
+    convert_gguf(str(GGUF_DIR), GGUF, tmp)
     tmp.rename(out)
 
 
@@ -172,11 +158,11 @@ def check_drafts(hd: Path, target_dir: Path, prompts: list[dict], outputs: list[
 
 
 def run_vllm(args, mode: str, work: Path, hd: Path) -> dict:
-    venv = Path(args.vllm_python).parent.parent
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": "4",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "LD_PRELOAD": args.ld_preload or ":".join(p for p in (TCMALLOC, str(venv / "lib/libiomp5.so"))
-                                                     if Path(p).exists())}
+    from specheads.export.vllm_engine import environment
+
+    env = environment(args.vllm_python, args.threads)
+    if args.ld_preload:
+        env["LD_PRELOAD"] = args.ld_preload
     out = work / f"out-{mode}.json"
     out.unlink(missing_ok=True)
     cmd = [args.vllm_python, __file__, "--stage", "vllm", "--mode", mode, "--work", str(work), "--head-dir", str(hd),

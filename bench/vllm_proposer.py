@@ -33,7 +33,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", str(ROOT.parent / "shared")))
-TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 
 def prepare(args, work: Path) -> list[dict]:
@@ -68,10 +67,9 @@ def configs(args) -> dict[str, dict]:
 
 
 def run_one(args, work: Path, name: str, spec: dict, batch: int, block: int) -> dict:
-    venv = Path(args.vllm_python).parent.parent
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_KVCACHE_SPACE": "4",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "LD_PRELOAD": ":".join(p for p in (TCMALLOC, str(venv / "lib/libiomp5.so")) if Path(p).exists())}
+    from specheads.export.vllm_engine import environment
+
+    env = environment(args.vllm_python, args.threads)
     out = work / f"out-{name}-b{batch}-{block}.json"
     out.unlink(missing_ok=True)
     job = work / "job.json"
@@ -85,32 +83,19 @@ def run_one(args, work: Path, name: str, spec: dict, batch: int, block: int) -> 
 
 
 def summarise(name: str, parts: list[dict], base: list[dict] | None, n_prompts: int) -> dict:
+    from specheads.export.vllm_engine import speed
+
     tokens = sum(p["tokens"] for p in parts)
     seconds = sum(p["seconds"] for p in parts)
     outputs = [o for p in sorted(parts, key=lambda p: p["block"]) for o in p["outputs"]]
-    row = {"tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 3)}
-    counters = {}
+    counters, prop = {}, {}
     for p in parts:
         for k, v in p.get("counters", {}).items():
             counters[k] = counters.get(k, 0) + (v or 0)
-    prop = {}
-    for p in parts:
         for k, v in (p.get("proposer") or {}).items():
             prop[k] = prop.get(k, 0) + v
-    if name == "target":
-        calls = tokens
-    elif prop:
-        calls = prop["rows"]  # vLLM asks for candidates after every target pass of a request (its prefill's too)
-        row["proposer"] = {k: round(v, 3) for k, v in prop.items()}
-        row["propose_share_of_wall_time"] = round(prop["seconds"] / seconds, 4)
-    else:
-        calls = counters.get("vllm:spec_decode_num_drafts", 0) + n_prompts
-    row["tokens_per_call"] = round(tokens / calls, 4) if calls else None
-    if counters:
-        row["spec_decode"] = counters
-        drafted = counters.get("vllm:spec_decode_num_draft_tokens", 0)
-        row["acceptance_rate"] = round(counters.get("vllm:spec_decode_num_accepted_tokens", 0) / drafted, 4) \
-            if drafted else None
+    row = {"tokens": tokens, "seconds": round(seconds, 2),
+           **speed(name == "target", tokens, seconds, counters, prop or None, n_prompts)}
     row["greedy_identical"] = base is None or outputs == base
     row["outputs"] = outputs
     return row
@@ -192,13 +177,11 @@ def main(argv: list[str] | None = None) -> int:
 
 # ---- a vLLM process: one configuration, one batch size, one block of prompts -------------------------------
 
-def _proposer_stats(worker):
-    return dict(worker.model_runner.drafter.stats)
-
-
 def vllm_stage(work: Path) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from specheads.vllm import _proposer_stats
 
     job = json.loads((work / "job.json").read_text())
     spec = job["spec"]

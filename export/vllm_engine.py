@@ -77,25 +77,32 @@ def target_dir(spec: ModelSpec) -> Path:
     out = root / f"{gguf.stem}-{file_digest(hashlib.sha256(), gguf).hexdigest()[:24]}"
     if (out / "config.json").is_file():
         return out
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root))
+    convert_gguf(spec.path, spec.gguf_file, tmp / "model")
+    (tmp / "model").rename(out)  # whole or not at all: a crash leaves only the temporary folder
+    tmp.rmdir()
+    return out
+
+
+def convert_gguf(path: str, gguf_file: str, out: Path) -> None:
+    """Writes a GGUF model, dequantised to fp32, as a plain Hugging Face directory ``out`` (with its tokenizer):
+    ``save_pretrained`` refuses a GGUF-loaded model, so its weights are copied into a fresh one of its class."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(spec.path, gguf_file=spec.gguf_file)
-    src = AutoModelForCausalLM.from_pretrained(spec.path, gguf_file=spec.gguf_file, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+    src = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch.float32)
     cfg = src.config
-    if hasattr(cfg, "quantization_config"):  # save_pretrained refuses a GGUF-loaded model: copy into a fresh one
+    if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
     fresh = type(src)(cfg).to(torch.float32)
     missing, unexpected = fresh.load_state_dict(src.state_dict(), strict=False)
     if unexpected or [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]:
         raise UserError(f"could not copy the GGUF target into a plain model: missing {missing}, unexpected {unexpected}")
     fresh.tie_weights()
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root))
-    fresh.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    tmp.rename(out)
-    return out
+    fresh.save_pretrained(out)
+    tok.save_pretrained(out)
 
 
 def speculative(cfg) -> dict | None:
@@ -142,6 +149,23 @@ def decode(cfg, prompts: list[list[int]], target: Path, work: Path) -> dict:
     return json.loads(result.read_text())
 
 
+def speed(alone: bool, tokens: int, seconds: float, counters: dict, proposer: dict | None, requests: int) -> dict:
+    """Tokens/s, tokens per target call, acceptance and the proposer's share of the wall time of a vLLM run.
+
+    Target calls: every token (the target alone); the proposer's rows (vLLM asks it after every target
+    pass of a request, the prefill's included); else vLLM's drafts plus one prefill per request."""
+    calls = tokens if alone else proposer["rows"] if proposer else counters.get("vllm:spec_decode_num_drafts", 0) + requests
+    drafted = counters.get("vllm:spec_decode_num_draft_tokens", 0)
+    out = {"tokens_per_s": round(tokens / seconds, 4) if seconds else None,
+           "tokens_per_call": round(tokens / calls, 4) if calls else None,
+           "acceptance_rate": round(counters.get("vllm:spec_decode_num_accepted_tokens", 0) / drafted, 4)
+           if drafted else None, "spec_decode": counters}
+    if proposer:
+        out["proposer"] = proposer
+        out["propose_share_of_wall_time"] = round(proposer["seconds"] / seconds, 4) if seconds else None
+    return out
+
+
 def run(cfg, prompts, out_dir: Path, prog: str) -> int:
     """``heads-decode engine=vllm``: every prompt decoded by vLLM; the files of an ``engine=specheads`` run
     (``outputs.jsonl`` in prompt order, ``metrics.jsonl``, ``metrics.json``, ``manifest.json``)."""
@@ -173,19 +197,10 @@ def run(cfg, prompts, out_dir: Path, prog: str) -> int:
                    "tokens": out, "reference": p.reference, "truncated_prompt_tokens": 0, "stats": stats}
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
             metrics.write({"index": cfg.offset + i, "id": p.id, **stats})
-    counters, prop = res.get("counters", {}), res.get("proposer")
-    calls = (tokens if cfg.policy == "ar" else prop["rows"] if prop
-             else counters.get("vllm:spec_decode_num_drafts", 0) + len(ids))
-    drafted = counters.get("vllm:spec_decode_num_draft_tokens", 0)
     summary = {"policy": cfg.policy, "engine": "vllm", "batch_size": cfg.batch_size, "speculative": speculative(cfg),
                "sampling": cfg.sampling.to_dict(), "prompts": len(ids), "new_tokens": tokens,
-               "elapsed_s": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 4) if seconds else None,
-               "tokens_per_call": round(tokens / calls, 4) if calls else None,
-               "acceptance_rate": round(counters.get("vllm:spec_decode_num_accepted_tokens", 0) / drafted, 4)
-               if drafted else None, "spec_decode": counters, "startup_s": round(res["startup_seconds"], 1)}
-    if prop:
-        summary["proposer"] = prop
-        summary["propose_share_of_wall_time"] = round(prop["seconds"] / seconds, 4) if seconds else None
+               "elapsed_s": round(seconds, 3), "startup_s": round(res["startup_seconds"], 1),
+               **speed(cfg.policy == "ar", tokens, seconds, res.get("counters", {}), res.get("proposer"), len(ids))}
     atomic_write_json(out_dir / "metrics.json", summary)
     write_manifest(out_dir, command=prog, engine="vllm", prompts_file=cfg.prompts, num_prompts=len(ids),
                    target={"name": str(target), "vllm_dir": str(target)},
