@@ -216,7 +216,8 @@ def run(cfg: EvalConfig) -> int:
     if not shared and same_vocab_rows(cfg):
         raise UserError(f"the draft's tokenizer differs from the target's: {', '.join(same_vocab_rows(cfg))} need "
                         "one vocabulary; on this pair sweep only hetero=[tli,slem,slrs] (and pass ks=[])")
-    costs = pair_costs(pair, _max_pass(cfg), cfg.profile, cfg.fused_forward, eagle=eagle)
+    costs = pair_costs(pair, _max_pass(cfg), cfg.profile, cfg.fused_forward, eagle=eagle,
+                       batch_size=cfg.batch_size)
     log.info("%s", costs.describe())
     decoders = build_decoders(cfg, pair, costs, eagle)
     grouped = run_sweep(decoders, prompts, out / "rows.jsonl", batch_size=cfg.batch_size)

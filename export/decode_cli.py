@@ -125,7 +125,8 @@ def run(cfg: DecodeConfig) -> int:
         if unused:
             log.warning("%s is not used with stop=cost", ", ".join(unused))
         most = max(cfg.k_max, cfg.tree_nodes if getattr(family, "tree", False) else 0)
-        costs = pair_costs(pair, most + 1, cfg.profile, cfg.fused_forward, eagle=eagle)
+        costs = pair_costs(pair, most + 1, cfg.profile, cfg.fused_forward, eagle=eagle,
+                           batch_size=cfg.batch_size)
         log.info("%s", costs.describe())
     policy = policy_from_config(cfg.policy, cfg, pair, cfg.sampling, cfg.strict, costs, eagle=eagle)
     decoder = Decoder(pair, policy, cfg.max_new_tokens, cfg.k, cfg.sampling, cfg.seed, cfg.chat_template,

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from specheads.errors import UserError
 
 from .package import LoadedHead, check_stop_drafter, load_head, read_metadata
+from .shim.cost_profile import batch_sizes
 from .shim.costs import CostTable, cost_table
 from .shim.models import Pair
 from .shim.policies import Policy, policy_class
@@ -43,20 +44,24 @@ def _policy_head(cls: type[Policy], path: str | None, pair: Pair, sampling, stri
     return LoadedHead(loaded.module.to(dtype), loaded.metadata)
 
 
-def pair_costs(pair: Pair, max_pass: int, profile: str = "auto", fused: bool = True, eagle=None) -> CostTable:
+def pair_costs(pair: Pair, max_pass: int, profile: str = "auto", fused: bool = True, eagle=None,
+               batch_size: int = 1) -> CostTable:
     """The pair's profiled cost table (:func:`~.shim.costs.cost_table`): cached for this machine and
     settings, measured when absent (``profile="auto"``), re-measured (``"refresh"``) or read from a
     JSON path. ``max_pass`` is the largest target pass needed: the most candidates per round + 1. ``eagle`` (a
-    loaded EAGLE head): the table of drafting with it instead of with the draft model."""
+    loaded EAGLE head): the table of drafting with it instead of with the draft model. ``batch_size`` > 1 (the
+    batched engine's rows): batch sizes up to it are priced too (:func:`~.shim.cost_profile.batch_sizes`)."""
+    batches = batch_sizes(batch_size) if fused else ()
     if eagle is not None:  # the EAGLE head's draft step is the draft forward
         return cost_table(pair.target.model, eagle.module, max_pass, pair.target.fingerprint,
-                          eagle.metadata.get("tensors_sha256", ""), fused=fused, profile=profile)
+                          eagle.metadata.get("tensors_sha256", ""), fused=fused, profile=profile,
+                          batches=batches)
     if pair.draft is None:
         raise UserError("a cost table needs a draft model; set draft.path")
     vt = pair.target.model.get_output_embeddings().weight.shape[0]
     vd = pair.draft.model.get_output_embeddings().weight.shape[0]
     return cost_table(pair.target.model, pair.draft.model, max_pass, pair.target.fingerprint, pair.draft.fingerprint,
-                      fused=fused, vocab_size=min(vt, vd) if vt != vd else None, profile=profile)
+                      fused=fused, vocab_size=min(vt, vd) if vt != vd else None, profile=profile, batches=batches)
 
 
 def policy_from_config(name: str, cfg, pair: Pair, sampling: SamplingConfig | None = None, strict: bool = False,

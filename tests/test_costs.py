@@ -307,11 +307,11 @@ def test_gate_closes_on_losing_rounds_probes_with_backoff_and_reopens():
     assert waits[:4] == [4, 8, 16, 16]  # doubling up to max_probe_every
     for _ in range(3):  # probes that win: the estimate climbs back above zero, the gate opens on its own
         gate.observe(1, 1)
-    assert gate.estimate > 0 and gate.open() and gate.open()
+    assert gate.estimate() > 0 and gate.open() and gate.open()
     gate.reset()
-    assert gate.estimate == pytest.approx(0.5)
+    assert gate.estimate() == pytest.approx(0.5)
     gate.observe(0, 0)  # a round without candidates says nothing
-    assert gate.estimate == pytest.approx(0.5)
+    assert gate.estimate() == pytest.approx(0.5)
     with pytest.raises(UserError, match="probe_every"):
         DraftGate(linear_table(1.0, 10.0), probe_every=0)
 

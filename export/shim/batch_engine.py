@@ -110,7 +110,7 @@ class BatchEngine:
             active = [r for r in range(self.rows) if rows[r] is not None]
             if not active:
                 return
-            drafting = [r for r in active if self._start_round(rows[r], sampling)]
+            drafting = [r for r in active if self._start_round(rows[r], sampling, len(active))]
             if isinstance(drafter, BatchEagleDrafter):
                 drafter.draft(rows, drafting)
             elif drafter is not None:
@@ -158,9 +158,10 @@ class BatchEngine:
             elif drafter is not None:
                 drafter.prefill(joins)
 
-    def _start_round(self, row: _Row, sampling: SamplingConfig) -> bool:
-        """Opens the row's round; True when it drafts."""
+    def _start_round(self, row: _Row, sampling: SamplingConfig, batch: int) -> bool:
+        """Opens the row's round in a batch of ``batch`` rows (the cost rules price at it); True when it drafts."""
         policy = row.policy
+        policy.batch = batch
         remaining = row.budget - row.produced
         room = policy.round_room(remaining)
         rnd = Round(sampling, row.generator, limit=min(policy.max_candidates(), room), position=len(row.seq),

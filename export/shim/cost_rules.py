@@ -36,12 +36,14 @@ def predict_ms_per_token(table: CostTable, draft_forwards: int, rounds_by_size: 
     return (table.t_draft_ms * draft_forwards + target) / new_tokens
 
 
-def draft_more(table: CostTable, n: int, scored: int, survival: float, survival_sum: float, beta: float) -> bool:
+def draft_more(table: CostTable, n: int, scored: int, survival: float, survival_sum: float, beta: float,
+               batch: int = 1) -> bool:
     """Whether drafting candidate ``n + 1`` raises the round's expected tokens per unit of cost.
 
     With ``S_i = prod_{j<=i} beta_j`` the chance that ``y_1..y_i`` are all accepted, a round with
     ``n`` candidates yields ``E(n) = 1 + sum_{i<=n} S_i`` tokens and costs
-    ``C(n) = n * t_d + t_t(n + 1)``; draft on iff ``E(n+1) / C(n+1) > E(n) / C(n)``.
+    ``C(n) = n * t_d(B) + t_t(B, n + 1)`` at the round's batch size ``B`` (as if every row of the batch drafted
+    alike); draft on iff ``E(n+1) / C(n+1) > E(n) / C(n)``.
     ``E`` is concave in ``n`` (``S_i`` never grows), so where ``t_t`` is convex this stops at the
     argmax of ``E / C``.
 
@@ -52,13 +54,14 @@ def draft_more(table: CostTable, n: int, scored: int, survival: float, survival_
         survival: ``S_scored`` (1 when none is scored).
         survival_sum: ``sum_{i<=scored} S_i``.
         beta: the estimate for every candidate without one (the unscored newest and the next).
+        batch: the rows the engine runs this round (prices at that batch size).
     """
     e_n, s = 1.0 + survival_sum, survival
     for _ in range(n - scored):
         s *= beta
         e_n += s
     gain = s * beta  # S_{n+1}
-    return (e_n + gain) * table.round_ms(n) > e_n * table.round_ms(n + 1)
+    return (e_n + gain) * table.round_ms(n, batch) > e_n * table.round_ms(n + 1, batch)
 
 
 class DraftGate:
@@ -66,15 +69,17 @@ class DraftGate:
 
     Before the draft runs nothing it will say is known, so the gate judges by the prompt's recent
     rounds. A drafted round that kept ``m`` of ``n`` candidates emitted ``m + 1`` tokens for
-    ``C(n) = n t_d + t_t(n + 1)``, where the target alone would have emitted ``C(n) / t_t(1)``: its
-    surplus is ``m + 1 - C(n) / t_t(1)`` tokens. The estimate is the mean surplus of the drafted
-    rounds, each weighing ``(1 - 1/memory)`` less per newer one, from a prior of ``prior`` worth
-    ``prior_weight`` rounds. A round drafts while the estimate is positive; otherwise the target
-    steps alone (one token, no draft forward; the draft catches up on its next forward). So that an
-    estimate which fell can rise again, a round drafts anyway (a probe) after ``probe_every`` skipped
-    rounds in a row; each probe that leaves the gate closed doubles that wait (up to
-    ``max_probe_every``), and the gate opening on its own resets it. The surplus measures the whole
-    round as the policy's own stop rule shaped it, so the gate needs no model of that rule.
+    ``C_B(n) = n t_d(B) + t_t(B, n + 1)`` at batch size ``B``, where the target alone would have emitted
+    ``C_B(n) / t_t(B, 1)``: its surplus is ``m + 1 - C_B(n) / t_t(B, 1)`` tokens. The estimate is the mean
+    surplus of the drafted rounds, each weighing ``(1 - 1/memory)`` less per newer one, from a prior of
+    ``prior`` worth ``prior_weight`` rounds, priced at the batch size of the round about to run (the gate
+    keeps the rounds' tokens and sizes, not their surpluses, so a batch that grows closes it and one that
+    shrinks opens it again). A round drafts while the estimate is positive; otherwise the target steps
+    alone (one token, no draft forward; the draft catches up on its next forward). So that an estimate
+    which fell can rise again, a round drafts anyway (a probe) after ``probe_every`` skipped rounds in a
+    row; each probe that leaves the gate closed doubles that wait (up to ``max_probe_every``), and the gate
+    opening on its own resets it. The surplus measures the whole round as the policy's own stop rule shaped
+    it, so the gate needs no model of that rule.
 
     Args:
         table: the pair's cost table.
@@ -96,17 +101,18 @@ class DraftGate:
 
     def reset(self) -> None:
         """A new prompt: back to the prior."""
-        self._total, self._weight = self.prior * self.prior_weight, self.prior_weight
+        self._prior_w, self._tokens, self._sizes, self._weight = self.prior_weight, 0.0, {}, 0.0
         self._idle, self._wait = 0, self.probe_every
 
-    @property
-    def estimate(self) -> float:
-        """Recent drafted rounds' mean surplus in tokens over the target alone at the same cost."""
-        return self._total / self._weight
+    def estimate(self, batch: int = 1) -> float:
+        """Recent drafted rounds' mean surplus in tokens over the target alone at the same cost, at ``batch``."""
+        alone = self.table.round_ms(0, batch)
+        cost = sum(w * self.table.round_ms(n, batch) / alone for n, w in self._sizes.items())
+        return (self.prior * self._prior_w + self._tokens - cost) / (self._prior_w + self._weight)
 
-    def open(self) -> bool:
-        """True to draft this round; False: the target steps alone."""
-        if self.estimate > 0:
+    def open(self, batch: int = 1) -> bool:
+        """True to draft this round (run at batch size ``batch``); False: the target steps alone."""
+        if self.estimate(batch) > 0:
             self._idle, self._wait = 0, self.probe_every
             return True
         if self._idle >= self._wait:  # a probe
@@ -119,7 +125,9 @@ class DraftGate:
         """A verified round: ``accepted`` of ``drafted`` candidates kept (none drafted: nothing learnt)."""
         if drafted <= 0:
             return
-        surplus = accepted + 1 - self.table.round_ms(drafted) / self.table.round_ms(0)
         keep = 1.0 - 1.0 / self.memory
-        self._total = self._total * keep + surplus
+        self._prior_w *= keep
+        self._tokens = self._tokens * keep + accepted + 1
+        self._sizes = {n: w * keep for n, w in self._sizes.items()}
+        self._sizes[drafted] = self._sizes.get(drafted, 0.0) + 1.0
         self._weight = self._weight * keep + 1.0

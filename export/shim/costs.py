@@ -9,6 +9,11 @@ the engine's counting, ``heads-eval`` and the cost-aware stop rules alike:
 * ``t_t(k)``: one target forward over ``k`` tokens after the same prefix, returning ``k`` logit
   rows: the verification pass of ``k - 1`` candidates (``[last, y_1..y_{k-1}]``); ``k = 1`` is an
   autoregressive step. A round with ``n`` candidates costs ``n * t_d + t_t(n + 1)``.
+* ``t_d(B)``, ``t_t(B, k)``: the same forwards over a batch of ``B`` rows, each row ``1`` (``k``) tokens
+  after its own prefix (the batched engine's runner, :class:`~.batch_kv.BatchRunner`), measured for the
+  sizes in ``batches`` (:mod:`.cost_profile`); between them prices are interpolated in ``B``, beyond the
+  largest extended along the last two. The cost rules price a round at the batch it runs in: a batch
+  that is compute-bound makes every extra candidate dearer, so drafting shrinks or stops there.
 * The prompt's prefill is in neither: the engine counts every target pass as its candidates + 1
   (``GenerationStats.target_pass_sizes``), so predictions leave the prefill out, while measured
   ms/token (wall time / new tokens) includes it, and the loop's own overhead (sampling, syncs).
@@ -25,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,14 +41,11 @@ from specheads.errors import UserError
 from specheads.machine import cache_dir, cpu_model, locked, read_json, settings_key
 from specheads.outputs import atomic_write_json
 
-from .kv import make_runner
+from .cost_profile import PREFIX_TOKENS, REPS, measure, measure_batches
 
 log = logging.getLogger(__name__)
 
 PROFILES = ("auto", "refresh")  # or a path to a cost-table JSON
-PREFIX_TOKENS = 100
-REPS = 15
-WARMUP = 2
 
 
 @dataclass
@@ -72,12 +73,15 @@ class CostTable:
     kernels: str | None = None
     prefix_tokens: int = PREFIX_TOKENS
     reps: int = REPS
+    batches: list[int] = field(default_factory=list)  # batch sizes > 1 measured (empty: batch 1 only)
+    t_draft_batch_ms: list[float] = field(default_factory=list)  # t_d(B) for B in batches
+    t_target_batch_ms: list[list[float]] = field(default_factory=list)  # [t_t(B, 1..)] for B in batches
     source: str = field(default="", compare=False)  # measured / a cache file / a given file; not a setting
 
     def settings(self) -> dict:
         """Every field the prices depend on (all but the prices and ``source``)."""
         out = dataclasses.asdict(self)
-        for k in ("t_draft_ms", "t_target_ms", "source"):
+        for k in ("t_draft_ms", "t_target_ms", "t_draft_batch_ms", "t_target_batch_ms", "source"):
             out.pop(k)
         return out
 
@@ -91,19 +95,25 @@ class CostTable:
         """The largest pass size measured."""
         return len(self.t_target_ms)
 
-    def t_target(self, k: int) -> float:
-        """``t_t(k)`` in ms; beyond the measured sizes, the line through the last two."""
+    def t_target(self, k: int, batch: int = 1) -> float:
+        """``t_t(B, k)`` in ms; beyond the measured sizes, the line through the last two."""
         if k < 1:
             raise ValueError(f"a target pass has at least 1 token, got {k}")
-        t = self.t_target_ms
-        if k <= len(t):
-            return t[k - 1]
-        slope = t[-1] - t[-2] if len(t) > 1 else 0.0
-        return t[-1] + max(slope, 0.0) * (k - len(t))
+        return self._at_batch(batch, [_along(t, k) for t in (self.t_target_ms, *self.t_target_batch_ms)])
 
-    def round_ms(self, n: int) -> float:
-        """Cost of a round with ``n`` candidates: ``n * t_d + t_t(n + 1)``."""
-        return n * self.t_draft_ms + self.t_target(n + 1)
+    def t_draft(self, batch: int = 1) -> float:
+        """``t_d(B)`` in ms."""
+        return self._at_batch(batch, [self.t_draft_ms, *self.t_draft_batch_ms])
+
+    def round_ms(self, n: int, batch: int = 1) -> float:
+        """Cost of a round with ``n`` candidates at batch ``B``: ``n * t_d(B) + t_t(B, n + 1)``."""
+        return n * self.t_draft(batch) + self.t_target(n + 1, batch)
+
+    def _at_batch(self, batch: int, prices: list[float]) -> float:
+        """The price at ``batch`` from ``prices`` at ``[1, *batches]``: interpolated, extended past the end."""
+        if batch <= 1 or len(prices) < 2:
+            return prices[0]
+        return _along(prices, batch, [1, *self.batches])
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "key": self.key}
@@ -117,9 +127,24 @@ class CostTable:
         """One line: ``t_d`` and the first ``sizes`` target prices, the machine and where it came from."""
         shown = ", ".join(f"{k}:{t:.3g}" for k, t in enumerate(self.t_target_ms[:sizes], start=1))
         more = f", ... {self.max_pass}:{self.t_target_ms[-1]:.3g}" if self.max_pass > sizes else ""
+        more += "".join(f"; B={b}: t_d {d:.3g}, t_t(1) {t[0]:.3g}"
+                        for b, d, t in zip(self.batches, self.t_draft_batch_ms, self.t_target_batch_ms))
         return (f"cost table t_d {self.t_draft_ms:.3g} ms, t_t(k) ms {{{shown}{more}}} "
                 f"[{self.machine}; {self.target_device}/{self.draft_device}, {self.target_dtype}/{self.draft_dtype}, "
                 f"{self.threads} threads; {self.source or 'given'}]")
+
+
+def _along(values: list[float], x: float, at: list[int] | None = None) -> float:
+    """``values`` (at ``at``, default ``1, 2, ...``) at ``x``: interpolated; past the end, the line through the
+    last two (never falling)."""
+    at = at or list(range(1, len(values) + 1))
+    for i, a in enumerate(at):
+        if x <= a:
+            if i == 0:
+                return values[0]
+            return values[i - 1] + (values[i] - values[i - 1]) * (x - at[i - 1]) / (a - at[i - 1])
+    slope = (values[-1] - values[-2]) / (at[-1] - at[-2]) if len(values) > 1 else 0.0
+    return values[-1] + max(slope, 0.0) * (x - at[-1])
 
 
 def load_table(path: str | Path) -> CostTable:
@@ -134,16 +159,15 @@ def load_table(path: str | Path) -> CostTable:
     t = data.get("t_target_ms")
     if not isinstance(t, list) or not t or not all(isinstance(x, (int, float)) and x > 0 for x in t):
         problems.append(f"t_target_ms={t!r} must be a non-empty list of times > 0 (t_t(1), t_t(2), ...)")
+    b, bd, bt = (data.get(k) or [] for k in ("batches", "t_draft_batch_ms", "t_target_batch_ms"))
+    if not (len(b) == len(bd) == len(bt)) or sorted(set(b)) != list(b) or any(x < 2 for x in b):
+        problems.append("batches (increasing sizes >= 2), t_draft_batch_ms and t_target_batch_ms must have one "
+                        "entry per batch size")
     if problems:
         raise UserError(f"cost table {str(path)!r}: " + "; ".join(problems))
     table = CostTable.from_dict(data)
     table.source = str(path)
     return table
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _kernel_policy() -> str | None:
@@ -181,66 +205,11 @@ def _settings(target, draft, target_fingerprint: str, draft_fingerprint: str, fu
         draft_vocab_hash=draft_vocab_hash, kernels=_kernel_policy(), prefix_tokens=prefix_tokens, reps=reps)
 
 
-@torch.inference_mode()
-def measure(target, draft, max_pass: int, fused: bool = True, vocab_size: int | None = None,
-            prefix_tokens: int = PREFIX_TOKENS, reps: int = REPS, warmup: int = WARMUP,
-            seed: int = 0) -> tuple[float, list[float]]:
-    """``(t_d, [t_t(1) .. t_t(max_pass)])`` in ms on the decoding runners, medians of ``reps``.
-
-    Both models first consume the same random ``prefix_tokens``-token prefix; each timed forward
-    is trimmed off again, so every pass sees that prefix. ``draft`` may be an EAGLE head
-    (:class:`specheads.heads.EagleHead`): ``t_d`` is then one of its draft steps.
-    """
-    if max_pass < 1 or prefix_tokens < 1 or reps < 1:
-        raise UserError(f"need max_pass, prefix_tokens, reps >= 1, got {max_pass}, {prefix_tokens}, {reps}")
-    cap = prefix_tokens + max_pass + 2
-    if hasattr(draft, "get_input_embeddings"):
-        runners = [make_runner(m, None, vocab_size, cap, fused) for m in (target, draft)]
-        vocab = min(m.get_input_embeddings().weight.shape[0] for m in (target, draft))
-    else:  # an EAGLE head: one draft step (its own cache, the target's embeddings)
-        from .eagle_cache import EagleStepRunner
-
-        runners = [make_runner(target, None, vocab_size, cap, fused), EagleStepRunner(draft, target, cap)]
-        vocab = target.get_input_embeddings().weight.shape[0]
-    gen = torch.Generator().manual_seed(seed)
-    prefix = torch.randint(3, max(vocab, 4), (1, prefix_tokens), generator=gen)
-    tokens = torch.randint(3, max(vocab, 4), (1, max_pass), generator=gen)
-
-    def once(runner, k: int) -> float:
-        ids = tokens[:, :k].to(runner.device)
-        _sync(runner.device)
-        start = time.perf_counter()
-        logits, _ = runner.forward(ids, n_logits=k)
-        _sync(logits.device)  # the last shard's device, for a model split over several
-        elapsed = time.perf_counter() - start
-        runner.trim(prefix_tokens)
-        return 1000 * elapsed
-
-    try:
-        for r in runners:
-            r.forward(prefix.to(r.device), n_logits=0)
-        t_run, d_run = runners
-        sizes = list(range(1, max_pass + 1))
-        for _ in range(warmup):  # first-use costs (allocations, kernel choices, weight copies) stay out
-            once(d_run, 1)
-            for k in sizes:
-                once(t_run, k)
-        draft_ms, target_ms = [], {k: [] for k in sizes}
-        for rep in range(reps):  # interleaved, the order rotating: drifts hit every size alike
-            order = sizes[rep % max_pass:] + sizes[: rep % max_pass]
-            for k in order:
-                draft_ms.append(once(d_run, 1))
-                target_ms[k].append(once(t_run, k))
-    finally:
-        for r in runners:
-            r.close()
-    return statistics.median(draft_ms), [statistics.median(target_ms[k]) for k in sizes]
-
-
 def cost_table(target, draft, max_pass: int, target_fingerprint: str = "", draft_fingerprint: str = "",
                fused: bool = True, vocab_size: int | None = None, profile: str = "auto",
-               draft_vocab_hash: str | None = None, prefix_tokens: int = PREFIX_TOKENS, reps: int = REPS) -> CostTable:
-    """The pair's cost table for pass sizes ``1..max_pass`` (at least).
+               draft_vocab_hash: str | None = None, prefix_tokens: int = PREFIX_TOKENS, reps: int = REPS,
+               batches: tuple[int, ...] = ()) -> CostTable:
+    """The pair's cost table for pass sizes ``1..max_pass`` (at least), and batch sizes ``batches``.
 
     Args:
         target, draft: the models (as loaded for decoding).
@@ -253,6 +222,7 @@ def cost_table(target, draft, max_pass: int, target_fingerprint: str = "", draft
         draft_vocab_hash: a hash of the draft's vocabulary subset when it is pruned (default: read from
             the draft's pruned output layer, :func:`~.vocab.vocab_info`).
         prefix_tokens, reps: measurement settings (part of the key).
+        batches: batch sizes > 1 to price too (:func:`~.cost_profile.batch_sizes`; part of the key).
     """
     if profile not in PROFILES:
         table = load_table(profile)
@@ -262,6 +232,7 @@ def cost_table(target, draft, max_pass: int, target_fingerprint: str = "", draft
         return table
     table = _settings(target, draft, target_fingerprint, draft_fingerprint, fused, draft_vocab_hash,
                       prefix_tokens, reps)
+    table.batches = sorted({int(b) for b in batches if int(b) > 1})
     path = cache_dir("costs") / f"{table.key}.json"
     with locked(path):
         cached = read_json(path) if profile == "auto" else None
@@ -272,6 +243,10 @@ def cost_table(target, draft, max_pass: int, target_fingerprint: str = "", draft
         log.info("profiling per-forward costs (draft 1 token, target 1..%d tokens) -> %s", max_pass, path)
         table.t_draft_ms, table.t_target_ms = measure(target, draft, max_pass, fused, vocab_size,
                                                       prefix_tokens, reps)
+        if table.batches:
+            drafts, table.t_target_batch_ms = measure_batches(target, draft, max_pass, table.batches, vocab_size,
+                                                              prefix_tokens, max(3, reps // 2))
+            table.t_draft_batch_ms = [table.t_draft_ms if d is None else d for d in drafts]
         table.source = "measured"
         atomic_write_json(path, {**table.to_dict(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
     return table

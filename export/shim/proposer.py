@@ -83,6 +83,7 @@ class RowProposer:
             seq, policy = rows[i], self.policies[slot]
             limit = policy.max_candidates() if limits is None else min(policy.max_candidates(), limits.get(i, 0))
             rnd = Round(self.sampling, None, limit=max(limit, 0), position=len(seq), eos=self.eos)
+            policy.batch = len(rows)
             policy.start_round(rnd)
             if rnd.limit > 0 and policy.draft_round():
                 rounds[slot] = rnd

@@ -95,9 +95,12 @@ class Policy:
         head_file: the exported head a policy built by ``from_settings`` reads (for the log).
         head_feature: that head's ``feature`` metadata (whose states it reads: the draft model's, an EAGLE
             head's), set by ``policy_from_config``; the decoder checks its drafter against it.
+        batch: the rows the engine runs in the round about to start (1 at batch 1; set by the batched
+            engine and the vLLM proposer before ``start_round``): the cost-aware rules price at it.
     """
 
     name = "base"
+    batch = 1
     Settings: ClassVar[type[Settings]] = Settings
     HEAD: ClassVar[HeadSpec | None] = None
     draft_hidden: str | None = None

@@ -40,7 +40,7 @@ class _Gated(Policy):
             self.gate.reset()
 
     def draft_round(self) -> bool:
-        return self.gate is None or self.gate.open()
+        return self.gate is None or self.gate.open(self.batch)
 
     def end_round(self, drafted: int, accepted: int) -> None:
         if self.gate is not None:
@@ -228,5 +228,5 @@ class ConfidenceStop(_Gated):
             s = rnd.state
             s.keep *= confidence
             s.total += s.keep
-            return n >= self.k_min and not draft_more(self.costs, n, n, s.keep, s.total, confidence)
+            return n >= self.k_min and not draft_more(self.costs, n, n, s.keep, s.total, confidence, self.batch)
         return n >= self.k_min and confidence < self.tau

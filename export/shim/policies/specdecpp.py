@@ -155,7 +155,7 @@ class SpecDecPP(_Gated):
         if self.stop == "cost":
             total, count = self._prompt_betas
             beta = s.beta if s.beta is not None else (total / count if count else 1.0)
-            return not draft_more(self.costs, n, n - self.lag, math.exp(s.log_keep), s.total, beta)
+            return not draft_more(self.costs, n, n - self.lag, math.exp(s.log_keep), s.total, beta, self.batch)
         return 1.0 - math.exp(s.log_keep) > self.threshold
 
 
