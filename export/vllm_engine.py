@@ -47,8 +47,8 @@ def problems(cfg) -> list[str]:
                    "it to vLLM as method eagle3 (README, Drafters)")
     if cfg.stream:
         out.append("engine=vllm does not stream: set stream=false")
-    if cfg.stop == "cost":
-        out.append("engine=vllm: stop=cost needs a cost table measured in vLLM, not built yet; use stop=threshold")
+    if cfg.stop == "cost" and cfg.policy not in ("specdecpp", "confidence_stop"):
+        out.append(f"engine=vllm: stop=cost is for specdecpp and confidence_stop, not policy={cfg.policy}")
     return out
 
 
@@ -105,8 +105,9 @@ def convert_gguf(path: str, gguf_file: str, out: Path) -> None:
     tok.save_pretrained(out)
 
 
-def speculative(cfg) -> dict | None:
-    """The ``speculative_config`` of the policy (None: the target alone; a proposer's: its settings)."""
+def speculative(cfg, costs: str | None = None) -> dict | None:
+    """The ``speculative_config`` of the policy (None: the target alone; a proposer's: its settings; ``costs``: the
+    vLLM cost table of ``stop=cost``)."""
     if cfg.policy == "ar":
         return None
     if cfg.policy == "sd":
@@ -116,7 +117,8 @@ def speculative(cfg) -> dict | None:
     return {"specheads": {"draft": str(Path(cfg.draft.path).resolve()), "policy": cfg.policy, "head": head,
                           "k_max": cfg.k_max, "k_min": cfg.k_min if cfg.policy == "specdecpp" else 1,
                           "threshold": cfg.threshold if threshold is None else threshold,
-                          "vocab_file": cfg.draft.vocab_file, "vocab_top_n": cfg.draft.vocab_top_n}}
+                          "vocab_file": cfg.draft.vocab_file, "vocab_top_n": cfg.draft.vocab_top_n,
+                          "stop": cfg.stop, "costs": costs if cfg.stop == "cost" else None}}
 
 
 def environment(python: str, threads: int | None) -> dict:
@@ -130,7 +132,19 @@ def environment(python: str, threads: int | None) -> dict:
     return env
 
 
-def decode(cfg, prompts: list[list[int]], target: Path, work: Path) -> dict:
+def costs_for(cfg, target: Path) -> str | None:
+    """``stop=cost``: the cost table of vLLM's steps for this proposer and batch size (:mod:`.vllm_costs`)."""
+    if cfg.stop != "cost":
+        return None
+    from .shim.cost_profile import batch_sizes
+    from .vllm_costs import vllm_cost_table
+
+    python = vllm_python(cfg.vllm_python)
+    return vllm_cost_table(speculative(cfg)["specheads"], target, python, environment(python, cfg.vllm_threads),
+                           list(batch_sizes(cfg.batch_size)), cfg.profile)
+
+
+def decode(cfg, prompts: list[list[int]], target: Path, work: Path, costs: str | None = None) -> dict:
     """Runs the job in vLLM's Python; returns its result (``outputs``, ``seconds``, counters)."""
     python = vllm_python(cfg.vllm_python)
     work.mkdir(parents=True, exist_ok=True)
@@ -140,7 +154,7 @@ def decode(cfg, prompts: list[list[int]], target: Path, work: Path) -> dict:
     s = cfg.sampling
     job.write_text(json.dumps({
         "target": str(target), "prompts": prompts, "max_new_tokens": cfg.max_new_tokens, "batch_size": cfg.batch_size,
-        "speculative": speculative(cfg), "seed": cfg.seed, "out": str(result),
+        "speculative": speculative(cfg, costs), "seed": cfg.seed, "out": str(result),
         "sampling": {"temperature": s.temperature if s.do_sample else 0.0, "top_k": s.top_k or 0,
                      "top_p": s.top_p if s.do_sample else 1.0}}))
     code = subprocess.call([python, "-m", "specheads.vllm", str(job)], env=environment(python, cfg.vllm_threads))
@@ -186,7 +200,8 @@ def run(cfg, prompts, out_dir: Path, prog: str) -> int:
     tok = AutoTokenizer.from_pretrained(target)
     ids = [format_prompt(tok, p, cfg.chat_template) for p in prompts]
     cfg.vllm_python = python
-    res = decode(cfg, ids, target, out_dir)
+    costs = costs_for(cfg, target)
+    res = decode(cfg, ids, target, out_dir, costs)
     tokens = sum(len(o) for o in res["outputs"])
     seconds = res["seconds"]
     with open(out_dir / "outputs.jsonl", "w", encoding="utf-8") as fh, MetricsWriter(out_dir) as metrics:
@@ -197,7 +212,8 @@ def run(cfg, prompts, out_dir: Path, prog: str) -> int:
                    "tokens": out, "reference": p.reference, "truncated_prompt_tokens": 0, "stats": stats}
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
             metrics.write({"index": cfg.offset + i, "id": p.id, **stats})
-    summary = {"policy": cfg.policy, "engine": "vllm", "batch_size": cfg.batch_size, "speculative": speculative(cfg),
+    summary = {"policy": cfg.policy, "engine": "vllm", "batch_size": cfg.batch_size,
+               "speculative": speculative(cfg, costs),
                "sampling": cfg.sampling.to_dict(), "prompts": len(ids), "new_tokens": tokens,
                "elapsed_s": round(seconds, 3), "startup_s": round(res["startup_seconds"], 1),
                **speed(cfg.policy == "ar", tokens, seconds, res.get("counters", {}), res.get("proposer"), len(ids))}

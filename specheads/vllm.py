@@ -58,6 +58,7 @@ class ProposerSettings:
     costs: str | None = None
     vocab_file: str | None = None
     vocab_top_n: int | None = None
+    gate: bool | None = None
 
     def problems(self) -> list[str]:
         out = []
@@ -79,6 +80,8 @@ class ProposerSettings:
             out.append("stop='cost' needs costs=<a cost-table JSON> (the engine's pass times by size)")
         if self.stop == "cost" and self.policy == "sd":
             out.append("policy=sd drafts k_max every round; stop='cost' is for specdecpp and confidence_stop")
+        if self.gate and self.stop != "cost":
+            out.append("gate=True skips drafting by the cost table: it needs stop='cost'")
         if self.threshold is not None and not 0 <= self.threshold <= 1:
             out.append(f"threshold={self.threshold} must be in [0, 1]")
         return out
@@ -87,7 +90,7 @@ class ProposerSettings:
 def speculative_config(draft: str, policy: str = "confidence_stop", head: str | None = None, k_max: int = 6,
                        k_min: int = 1, threshold: float | None = None, stop: str = "threshold",
                        costs: str | None = None, vocab_file: str | None = None,
-                       vocab_top_n: int | None = None) -> dict:
+                       vocab_top_n: int | None = None, gate: bool | None = None) -> dict:
     """Checks the proposer's settings, hands them to vLLM's worker (``SPECHEADS_VLLM``) and returns the
     ``speculative_config`` for ``vllm.LLM``.
 
@@ -98,11 +101,16 @@ def speculative_config(draft: str, policy: str = "confidence_stop", head: str | 
         k_max, k_min: most and fewest candidates per round (``k_max`` is vLLM's ``num_speculative_tokens``).
         threshold: SpecDec++'s ``h`` (default: the head's own) or ``confidence_stop``'s ``tau``.
         stop: ``threshold`` or ``cost`` (the cost-aware rule; needs ``costs``).
-        costs: a cost-table JSON (``CostTable.to_dict``: the draft step and the target pass by size).
+        costs: a cost-table JSON (``CostTable.to_dict``: the draft step and the target pass by size and batch),
+            measured in vLLM: :func:`specheads.export.vllm_costs.vllm_cost_table` (``heads-decode engine=vllm
+            stop=cost`` makes and caches it).
         vocab_file, vocab_top_n: prune the draft's output layer to a ``heads-vocab`` ranking.
+        gate: with ``stop="cost"`` (its default there), a round may draft nothing: the draft gate
+            (:class:`~specheads.export.shim.cost_rules.DraftGate`) prices the request's recent rounds at the
+            batch about to run, so drafting stops where verification no longer pays (a large batch).
     """
     settings = ProposerSettings(os.path.abspath(draft) if draft else "", policy, head, int(k_max), int(k_min),
-                                threshold, stop, costs, vocab_file, vocab_top_n)
+                                threshold, stop, costs, vocab_file, vocab_top_n, gate)
     bad = settings.problems()
     if bad:
         raise UserError("; ".join(bad))
@@ -151,6 +159,8 @@ class Proposer:
         costs = load_table(settings.costs) if settings.stop == "cost" else None
         own = {"h": settings.threshold} if settings.policy == "specdecpp" else (
             {"tau": settings.threshold} if settings.policy == "confidence_stop" else {})
+        if settings.policy != "sd":
+            own["gate"] = settings.stop == "cost" if settings.gate is None else settings.gate
         policy = make_policy(settings.policy, pair, k=k, head=settings.head, k_min=settings.k_min, k_max=k,
                              stop=settings.stop, costs=costs,
                              **{key: v for key, v in own.items() if v is not None})

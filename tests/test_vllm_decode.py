@@ -89,3 +89,41 @@ def test_the_gguf_target_is_converted_once(tmp_path, monkeypatch):
     assert decode_main([*common, "engine=vllm", f"vllm_python={VLLM_PYTHON}", f"output_dir={tmp_path / 'v2'}"]) == 0
     assert (converted[0] / "config.json").stat().st_mtime == stamp  # reused, not converted again
     assert tokens(tmp_path / "v1") == tokens(tmp_path / "v2") == tokens(tmp_path / "ours")
+
+
+def test_vllm_cost_table_from_the_profilers_samples():
+    from specheads.errors import UserError
+    from specheads.export.shim.costs import CostTable
+    from specheads.export.vllm_costs import table_from_samples
+
+    samples = {"t_t 1 1": [30.0, 31.0, 29.0], "t_t 1 2": [33.0], "t_t 1 4": [40.0], "t_d 1": [2.0, 2.2],
+               "t_t 2 1": [35.0], "t_t 2 2": [45.0], "t_t 2 3": [50.0], "t_t 2 4": [60.0]}
+    fields = table_from_samples(samples, [2], k_max=3)
+    assert fields["t_target_ms"] == [30.0, 33.0, 33.0, 40.0]  # k = 3 untimed: its neighbour's price
+    assert fields["t_draft_ms"] == pytest.approx(2.1) and fields["t_draft_batch_ms"] == [pytest.approx(2.1)]
+    table = CostTable.from_dict(fields)
+    assert table.t_target(2, batch=2) == 45.0 and table.round_ms(1, batch=2) == pytest.approx(2.1 + 45.0)
+    with pytest.raises(UserError, match="batch 4"):
+        table_from_samples(samples, [2, 4], k_max=3)
+
+
+@needs_vllm
+def test_stop_cost_in_vllm_prices_vllms_steps_once(pair, tmp_path, monkeypatch):
+    """stop=cost: the proposer's cost table is measured in vLLM (batch 1 and 2), cached, reused; output lossless."""
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    root, prompts = pair
+    assert decode_main(args(root, prompts, tmp_path / "ar", "policy=ar")) == 0
+    run = ["engine=vllm", f"vllm_python={VLLM_PYTHON}", "batch_size=2", "policy=confidence_stop", "stop=cost",
+           "k_max=3"]
+    assert decode_main(args(root, prompts, tmp_path / "c1", *run)) == 0
+    tables = list((tmp_path / "cache" / "costs").glob("vllm-*.json"))
+    assert len(tables) == 1
+    table = json.loads(tables[0].read_text())
+    assert table["batches"] == [2] and len(table["t_target_ms"]) == 4 and len(table["t_target_batch_ms"][0]) == 4
+    assert all(t > 0 for t in table["t_target_ms"]) and table["target_runner"].startswith("vllm")
+    stamp = tables[0].stat().st_mtime
+    assert decode_main(args(root, prompts, tmp_path / "c2", *run)) == 0
+    assert tables[0].stat().st_mtime == stamp
+    assert tokens(tmp_path / "c1") == tokens(tmp_path / "c2") == tokens(tmp_path / "ar")
+    metrics = json.loads((tmp_path / "c1" / "metrics.json").read_text())
+    assert metrics["speculative"]["specheads"]["costs"] == str(tables[0])
