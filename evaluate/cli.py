@@ -198,6 +198,10 @@ def _max_pass(cfg: EvalConfig) -> int:
 
 
 def run(cfg: EvalConfig) -> int:
+    if cfg.engine not in ("specheads", "vllm"):
+        raise UserError(f"engine={cfg.engine!r}; choose specheads or vllm")
+    if cfg.engine == "vllm":
+        return _run_vllm(cfg)
     _check(cfg)
     if not cfg.eagle and not cfg.draft.path:
         raise UserError("draft.path is not set; pass draft.path=<the draft model> (or eagle=<an EAGLE head>)")
@@ -268,6 +272,20 @@ def _write_defaults(cfg: EvalConfig, summary: dict, out: Path) -> None:
             "tokens_per_s_vs_target": entry["tokens_per_s_vs_target"]})
         entry["written_to"] = path
         log.info("%s: default_threshold %g written to %s", family, entry["threshold"], path)
+
+
+def _run_vllm(cfg: EvalConfig) -> int:
+    """``engine=vllm``: the rows vLLM can decode, side by side (:mod:`.vllm_sweep`)."""
+    from . import vllm_sweep
+
+    bad = vllm_sweep.problems(cfg)
+    if bad:
+        raise UserError("; ".join(bad))
+    prompts = load_prompt_files(cfg.prompts, limit=cfg.num_prompts, offset=cfg.offset)
+    if not prompts:
+        raise UserError("no prompts to decode (check prompts=, offset=, num_prompts=)")
+    out = prepare_output_dir(cfg.output_dir, to_yaml(cfg), overwrite=cfg.overwrite)
+    return vllm_sweep.run(cfg, prompts, out, PROG)
 
 
 def main(argv: list[str] | None = None) -> int:

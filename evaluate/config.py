@@ -64,5 +64,8 @@ class EvalConfig:
     fused_forward: bool = True
     seed: int = 0
     batch_size: int = field(default=1, metadata={"help": "prompts each configuration decodes together (heads-decode batch_size); > 1: configurations take turns block by block (4 x batch_size prompts), a row's wall_time is its share of the block's time (tokens/s = throughput) and latency_s its own; tli/slem rows stay at batch 1"})
+    engine: str = field(default="specheads", metadata={"help": "specheads (this package's engine) | vllm (vLLM decodes each row: ar = its target alone, k<K> = its draft_model, h<h>/h-cost/c<tau>/c-cost = the specheads.vllm proposer; see evaluate/vllm_sweep.py)"})
+    vllm_python: str | None = field(default=None, metadata={"help": "engine=vllm: the python of vLLM's virtualenv (default: this one, when it has vLLM)"})
+    vllm_threads: int | None = field(default=None, metadata={"help": "engine=vllm: OMP_NUM_THREADS for vLLM on a CPU (default: the machine's cores)"})
     output_dir: str = field(default="runs/eval", metadata={"help": "sweep.json, pareto.png, rows.jsonl, metrics.jsonl ..."})
     overwrite: bool = False

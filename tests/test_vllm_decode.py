@@ -127,3 +127,40 @@ def test_stop_cost_in_vllm_prices_vllms_steps_once(pair, tmp_path, monkeypatch):
     assert tokens(tmp_path / "c1") == tokens(tmp_path / "c2") == tokens(tmp_path / "ar")
     metrics = json.loads((tmp_path / "c1" / "metrics.json").read_text())
     assert metrics["speculative"]["specheads"]["costs"] == str(tables[0])
+
+
+def eval_args(root, prompts, out, *extra):
+    return [f"target.path={root / 'target'}", "target.gguf_file=null", f"draft.path={root / 'draft'}",
+            "target.device=cpu", "draft.device=cpu", f"prompts={prompts}", "max_new_tokens=16", "chat_template=false",
+            f"output_dir={out}", "engine=vllm", "offset=0", *extra]
+
+
+def test_heads_eval_engine_vllm_settings_are_one_line_errors(pair, tmp_path, capsys):
+    from specheads.evaluate.cli import main as eval_main
+
+    root, prompts = pair
+    assert eval_main(eval_args(root, prompts, tmp_path / "x", "judge=j.safetensors")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "engine=vllm sweeps" in err and "judge" in err and len(err.splitlines()) == 1
+
+
+@needs_vllm
+def test_heads_eval_engine_vllm_rows_side_by_side(pair, tmp_path, monkeypatch, capsys):
+    """ar, fixed K through draft_model, confidence through the proposer (threshold and cost), batch 2: every row's
+    greedy tokens are the target alone's; a second run resumes from rows.jsonl without decoding again."""
+    from specheads.evaluate.cli import main as eval_main
+
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    root, prompts = pair
+    common = eval_args(root, prompts, tmp_path / "eval", f"vllm_python={VLLM_PYTHON}", "ks=[2]", "confidence=[0.3]",
+                       "confidence_k_max=3", "batch_size=2", "head=null")
+    assert eval_main(common) == 0
+    sweep = json.loads((tmp_path / "eval" / "sweep.json").read_text())
+    assert list(sweep["rows"]) == ["ar", "k2", "c0.3", "c-cost"]
+    assert all(r["greedy_identical"] for r in sweep["rows"].values())
+    assert sweep["rows"]["k2"]["tokens_per_call"] > 1 and sweep["rows"]["c0.3"]["propose_share_of_wall_time"] > 0
+    printed = capsys.readouterr().out
+    assert "c-cost" in printed and "tokens/s" in printed
+    stamp = (tmp_path / "eval" / "rows.jsonl").stat().st_mtime
+    assert eval_main(common) == 0  # resumed: every row already there
+    assert (tmp_path / "eval" / "rows.jsonl").stat().st_mtime == stamp
