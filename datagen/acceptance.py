@@ -33,7 +33,8 @@ def acceptance_labels(p_logits: torch.Tensor, q_logits: torch.Tensor, sampling: 
 
     Args:
         p_logits, q_logits: ``[N, V]`` target and draft logits at the same positions
-            (the distributions of the token after each prefix ``c, x_<i``).
+            (the distributions of the token after each prefix ``c, x_<i``). Greedy only: ``p_logits`` may
+            be the target's argmax ``[N]`` itself (token ids: ``engine=vllm``'s greedy response tokens).
         sampling: the deployment sampling settings.
         generator: RNG for the draws.
 
@@ -43,7 +44,7 @@ def acceptance_labels(p_logits: torch.Tensor, q_logits: torch.Tensor, sampling: 
     """
     if not sampling.do_sample:
         y = q_logits.argmax(-1)
-        agree = (p_logits.argmax(-1) == y).float()
+        agree = ((p_logits if p_logits.dim() == 1 else p_logits.argmax(-1)) == y).float()
         return {"draft_token": y, "label": agree, "expected_label": agree.clone()}
     p, q = probs_from_logits(p_logits, sampling), probs_from_logits(q_logits, sampling)
     y = sample(q, generator)
@@ -111,7 +112,8 @@ def teacher_forced_pair(target, draft, prompts: list[list[int]], responses: list
     """Target and draft logits at every response position of a batch, one teacher-forced pass per model.
 
     Row ``i`` of a response (token ``x_i``) holds the logits of ``p(.|c, x_<i)`` and
-    ``q(.|c, x_<i)``. ``target_logits`` (from :func:`generate_responses`) replaces the target pass.
+    ``q(.|c, x_<i)``. ``target_logits`` (from :func:`generate_responses`; or greedy target token ids
+    per response, see :func:`acceptance_labels`) replaces the target pass.
 
     Returns:
         ``p_logits`` ``[N, V]``, ``q_logits`` ``[N, V]`` (on the target's device, cut to the
@@ -122,6 +124,8 @@ def teacher_forced_pair(target, draft, prompts: list[list[int]], responses: list
     q_logits = response_logits(draft, prompts, responses, pad)
     p = torch.cat(target_logits)
     q = torch.cat(q_logits).to(p.device)
+    if p.dim() == 1:  # the target's tokens themselves
+        return p, q, [len(r) for r in responses]
     vocab = min(p.shape[-1], q.shape[-1])
     return p[:, :vocab], q[:, :vocab], [len(r) for r in responses]
 
@@ -147,8 +151,9 @@ def label_batch(target, draft, prompts: list[list[int]], responses: list[list[in
 
 def finite_rows(p_all: torch.Tensor, q_all: torch.Tensor, rows: list[int]) -> list[bool]:
     """Per response, whether every target logit at its positions is finite and the draft's are usable
-    (:func:`~specheads.export.shim.sampling.usable_logits`)."""
-    finite = (torch.isfinite(p_all).all(-1) & usable_logits(q_all)).cpu()  # a pruned draft's -inf is fine
+    (:func:`~specheads.export.shim.sampling.usable_logits`); target token ids ``[N]``: the draft's only."""
+    target_ok = torch.isfinite(p_all).all(-1) if p_all.dim() > 1 else torch.ones_like(p_all, dtype=torch.bool)
+    finite = (target_ok & usable_logits(q_all)).cpu()  # a pruned draft's -inf is fine
     return [bool(f.all()) for f in finite.split(rows)]
 
 
@@ -172,11 +177,18 @@ def label_responses(job: Job, items: list, chunk: int, extra_columns: tuple[str,
     for b in range(0, len(items), cfg.batch_size):
         batch = items[b: b + cfg.batch_size]
         ids = job.prompt_ids(batch)
-        responses, p_logits = generate_responses(pair.target.model, ids, cfg.max_new_tokens, cfg.sampling,
-                                                 seed + b, job.pad, job.eos)
+        if job.pregenerated is None:
+            responses, p_logits = generate_responses(pair.target.model, ids, cfg.max_new_tokens, cfg.sampling,
+                                                     seed + b, job.pad, job.eos)
+            vllm_ok = [True] * len(batch)
+        else:  # engine=vllm: greedy acceptance needs no target pass (p's argmax is the response token)
+            responses, vllm_ok = map(list, zip(*(job.response(str(job.first_index(chunk) + b + i))
+                                                 for i in range(len(batch)))))
+            greedy = not cfg.sampling.do_sample and extra_labels is None
+            p_logits = [torch.tensor(r, device=pair.target.device) for r in responses] if greedy else None
         p_all, q_all, rows = teacher_forced_pair(pair.target.model, pair.draft.model, ids, responses, job.pad,
                                                  p_logits)
-        ok = finite_rows(p_all, q_all, rows)
+        ok = [a and v for a, v in zip(finite_rows(p_all, q_all, rows), vllm_ok)]
         if not all(ok):  # a sample with NaN/Inf logits is counted, never written
             keep = torch.tensor(ok).repeat_interleave(torch.tensor(rows)).to(p_all.device)
             p_all, q_all = p_all[keep], q_all[keep]

@@ -33,7 +33,8 @@ manifest), never written. Prompts are streamed: host memory does not grow with t
 This module is the dispatcher: arguments, run setup, this process's share of the chunks, resumption
 and progress. Each ``labels=`` family is a labeller (``registry.py``: ``acceptance.py``, ``fsd.py``,
 ``sprinter.py``, ``judge.py``); ``manifest.py`` finishes the run; the layout every reader relies on
-is :mod:`specheads.dataset`.
+is :mod:`specheads.dataset`. ``engine=vllm`` (``vllm_responses.py``): before the models load, one vLLM run
+generates the target's responses for every chunk still to write, and the labellers take them from there.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from specheads.export.shim.models import context_length
 from specheads.numerics import check_resume, numerics_settings, use_threads, without
 from specheads.outputs import MetricsWriter, holds_other_run, prepare_output_dir
 
-from . import shards
+from . import shards, vllm_responses
 from .config import PROG, DatagenConfig
 from .labelling import Job
 from .manifest import chunk_metrics, finish
@@ -83,6 +84,7 @@ def _check(cfg: DatagenConfig) -> None:
         problems.append(f"offset={cfg.offset} must be >= 0")
     if cfg.threads is not None and cfg.threads < 1:
         problems.append(f"threads={cfg.threads} must be >= 1 (or null: torch's default)")
+    problems += vllm_responses.problems(cfg)
     if problems:
         raise UserError("; ".join(problems))
 
@@ -94,7 +96,7 @@ def _prepare(cfg: DatagenConfig, is_main: bool) -> Path:
         same = (out / "config.yaml").is_file() and not holds_other_run(out, config_yaml)
         prepare_output_dir(out, config_yaml, overwrite=cfg.overwrite)
         if not same:  # another run's files (and feature caches built on them) must not mix with this one's
-            for sub in RUN_DIRS:
+            for sub in (*RUN_DIRS, vllm_responses.SIDE):
                 shutil.rmtree(out / sub, ignore_errors=True)
     return out
 
@@ -164,12 +166,15 @@ def _run(cfg: DatagenConfig) -> int:
     if not n_items:  # e.g. an offset past the end of a tuple file
         raise UserError(f"nothing to label: offset={cfg.offset} skips every item; lower offset")
     state.wait_for_everyone()
-    job = _load(cfg, family.needs_draft(cfg))
-    family.check_models(job)
     total = shards.num_chunks(n_items, cfg.chunk_size)
     rank, world = state.process_index, state.num_processes
     _clean_temporaries(out, rank, world)
     mine = set(shards.my_chunks(out, total, rank, world))
+    if cfg.engine == "vllm":  # before the models load: vLLM gets the GPUs first, once for every chunk left
+        chunks = ((c, items) for c, items in _chunks_of(family.items(cfg), cfg.chunk_size) if c in mine)
+        vllm_responses.generate_up_front(cfg, out, chunks, state.local_process_index)
+    job = _load(cfg, family.needs_draft(cfg))
+    family.check_models(job)
     numerics = _numerics(job.pair, world)
     if state.is_main_process:
         done = total - len(shards.pending_chunks(out, n_items, cfg.chunk_size))
@@ -185,16 +190,21 @@ def _run(cfg: DatagenConfig) -> int:
             if chunk not in mine:
                 continue
             t0 = time.perf_counter()
+            job.pregenerated = vllm_responses.take(job, items, chunk) if cfg.engine == "vllm" else None
             result = family.label_chunk(job, items, chunk)
             rows = len(next(iter(result.columns.values())))
             info = {"first_prompt": job.first_index(chunk), "prompts": len(items), "rows": rows,
                     "labelled_tokens": result.tokens, "skipped": result.skipped, **models}
             shards.write_chunk(out, chunk, result.columns, info)  # killed after this: finish() rebuilds the line
+            if cfg.engine == "vllm":
+                vllm_responses.finish(out, chunk)  # landed: its responses are in the chunk now
             labelled += result.tokens
             metrics.write(chunk_metrics(chunk, info), rank=rank, seconds=round(time.perf_counter() - t0, 3))
             bar.update()
             bar.set_postfix(labelled_tok_s=f"{labelled / (time.perf_counter() - started):.1f}")
     state.wait_for_everyone()
+    if cfg.engine == "vllm" and state.is_local_main_process:
+        vllm_responses.finish(out)
     if state.is_main_process:
         finish(cfg, out, total, processes=world)
     return 0

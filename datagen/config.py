@@ -49,6 +49,10 @@ class DatagenConfig:
     drafter_top_k: int = field(default=20, metadata={"help": "drafter: most likely tokens of the target's distribution stored per response token"})
     eagle: str = field(default="", metadata={"help": "eagle_rounds: the exported EAGLE head (heads-train head=eagle, then heads-export) that drafts"})
     eagle_k: int = field(default=8, metadata={"help": "eagle_rounds: candidates per SD round (every one labelled but a round's last, which has no head state)"})
+    engine: str = field(default="specheads", metadata={"help": "specheads (this package generates the target's responses with Transformers) | vllm (vLLM generates every response the run needs, all chunks in one offline run up front; labels=acceptance, fsd, sprinter, drafter, judge with mining=arith; greedy responses are the specheads engine's, sampled ones are seeded per prompt and differ)"})
+    vllm_python: str | None = field(default=None, metadata={"help": "engine=vllm: the python of vLLM's virtualenv (default: this one, when it has vLLM)"})
+    vllm_threads: int | None = field(default=None, metadata={"help": "engine=vllm: OMP_NUM_THREADS for vLLM on a CPU (default: the machine's cores)"})
+    vllm_tensor_parallel: int = field(default=1, metadata={"help": "engine=vllm: GPUs vLLM splits the target over (its tensor_parallel_size); under accelerate launch each process is one data-parallel vLLM on its own vllm_tensor_parallel GPUs"})
     threads: int | None = field(default=None, metadata={"help": "torch threads per process (torch.set_num_threads); null: torch's default. Results match bit for bit only between runs with the same count (see the manifest's numerics)"})
     seed: int = 0
     output_dir: str = "runs/datagen"

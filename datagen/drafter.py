@@ -38,20 +38,24 @@ def layers_for(cfg, model) -> list[int]:
 
 
 @torch.inference_mode()
-def sequence_states(model, seqs: list[list[int]], layers: list[int]) -> list[torch.Tensor]:
+def sequence_states(model, seqs: list[list[int]], layers: list[int], responses: list[int] | None = None):
     """Per sequence, the residual stream entering ``layers`` at every position, ``[T, len(layers) * d]`` fp16
-    (one teacher-forced forward each, no output layer)."""
+    (one teacher-forced forward each, no output layer). With ``responses`` (each sequence's response length
+    ``n``), also the logits ``[n, V]`` its response tokens were chosen from, from the same forward: returns
+    ``(states, logits)``."""
     device = model.get_input_embeddings().weight.device
     runner = make_runner(model, capacity=max(len(s) for s in seqs), aux=layers)
-    out = []
+    out, logits = [], []
     try:
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
             runner.reset()
-            runner.forward(torch.tensor([seq], device=device), n_logits=0)
+            n = responses[i] + 1 if responses else 0  # the last prompt position predicts the first response token
+            got = runner.forward(torch.tensor([seq], device=device), n_logits=n)[0]
             out.append(runner.aux_states.to(torch.float16).cpu())
+            logits.append(got[:-1] if n else None)
     finally:
         runner.close()
-    return out
+    return (out, logits) if responses else out
 
 
 def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,17 +76,28 @@ def label_chunk(job: Job, items: list, chunk: int) -> Labelled:
     for b in range(0, len(items), cfg.batch_size):
         batch = items[b: b + cfg.batch_size]
         ids = job.prompt_ids(batch)
-        responses, logits = generate_responses(model, ids, cfg.max_new_tokens, cfg.sampling, seed + b, job.pad,
-                                               job.eos)
-        if logits is None:  # a model off the fused path: one teacher-forced pass gives them
-            logits = response_logits(model, ids, responses, job.pad)
-        keep = [i for i, (r, lg) in enumerate(zip(responses, logits)) if r and bool(torch.isfinite(lg).all())]
+        if job.pregenerated is None:
+            responses, logits = generate_responses(model, ids, cfg.max_new_tokens, cfg.sampling, seed + b,
+                                                   job.pad, job.eos)
+            if logits is None:  # a model off the fused path: one teacher-forced pass gives them
+                logits = response_logits(model, ids, responses, job.pad)
+            keep = [i for i, (r, lg) in enumerate(zip(responses, logits)) if r and bool(torch.isfinite(lg).all())]
+            seqs = [ids[i] + responses[i] for i in keep]
+            got = sequence_states(model, seqs, layers) if seqs else []
+        else:  # engine=vllm: the responses from vLLM; states and distributions from one pass here
+            responses, ok = map(list, zip(*(job.response(str(job.first_index(chunk) + b + i))
+                                            for i in range(len(batch)))))
+            live = [i for i, r in enumerate(responses) if r and ok[i]]
+            got, lgs = sequence_states(model, [ids[i] + responses[i] for i in live], layers,
+                                       [len(responses[i]) for i in live]) if live else ([], [])
+            logits = dict(zip(live, lgs))
+            keep = [i for i in live if bool(torch.isfinite(logits[i]).all())]
+            got = [st for i, st in zip(live, got) if i in keep]
         for i, p in enumerate(batch):
             if i not in keep:
                 skipped.append(skip_record(p, job.first_index(chunk) + b + i,
                                            "empty response" if not responses[i] else "non-finite logits"))
-        seqs = [ids[i] + responses[i] for i in keep]
-        for i, st in zip(keep, sequence_states(model, seqs, layers) if seqs else []):
+        for i, st in zip(keep, got):
             t_ids, t_logp = top_k(logits[i], cfg.drafter_top_k)
             states.append(st)
             tops.append(t_ids)

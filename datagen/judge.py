@@ -60,15 +60,12 @@ def build_tuples(prompt, answers: list[Answer], counts: dict) -> tuple[list[Judg
     tuples, review = [], []
     wrong = [a for a, ok in graded if not ok]
     for i, a in enumerate(wrong):
-        base = {"question": question, "wrong": a.text, "wrong_model": a.model, "setting": a.setting,
-                "prompt_id": prompt.id}
+        base = {"question": question, "wrong": a.text, "wrong_model": a.model, "setting": a.setting, "prompt_id": prompt.id}
         span = None if prompt.source == "arc" else arith.check(a.text).error_span  # a letter has no steps
         if span is None:
             review.append({**base, "reason": "no false arithmetic step found (the grader cannot localise the error)"})
-            counts["review"] += 1
         elif pair is None:
             review.append({**base, "reason": "no correct answer to pair with"})
-            counts["review"] += 1
         else:
             counts["localised"] += 1
             tuples.append(JudgeTuple(question, pair.text, a.text, span,
@@ -79,6 +76,7 @@ def build_tuples(prompt, answers: list[Answer], counts: dict) -> tuple[list[Judg
         tuples.append(JudgeTuple(question, correct[0].text, "", None,
                                  {"correct_model": correct[0].model, "annotator": "grader"}, f"{prompt.id}-c"))
     counts["tuples"] += len(tuples)
+    counts["review"] += len(review)
     return tuples, review
 
 
@@ -131,8 +129,8 @@ def target_features(model, rows: list[dict], pad: int, batch_size: int
     return torch.cat(feats), torch.cat(labels), counts, bad
 
 
-def _answers(cfg, pair, batch, ids, seed: int, pad: int, eos: list[int]) -> list[list[Answer]]:
-    """Every model's greedy answer and ``answer_samples`` sampled ones, per prompt of a batch."""
+def _answers(cfg, pair, batch, ids, seed: int, pad: int, eos: list[int], given=None) -> list[list[Answer]]:
+    """Each model's greedy and ``answer_samples`` sampled answers per prompt (``given``: the target's, vLLM's)."""
     from specheads.export.shim import batched
     from specheads.export.shim.sampling import SamplingConfig
 
@@ -141,11 +139,12 @@ def _answers(cfg, pair, batch, ids, seed: int, pad: int, eos: list[int]) -> list
         model = (pair.target if name == "target" else pair.draft).model
         device = model.get_input_embeddings().weight.device
         for si in range(1 + cfg.answer_samples):
+            setting = "greedy" if si == 0 else f"sample-{si}"
             sampling = SamplingConfig() if si == 0 else SamplingConfig(do_sample=True, temperature=cfg.answer_temperature)
             g = torch.Generator(device=device).manual_seed(seed * 64 + mi * 16 + si) if si else None
-            for i, o in enumerate(batched.generate(model, ids, cfg.max_new_tokens, sampling, g, eos, pad)):
-                text = pair.tokenizer.decode(o, skip_special_tokens=True)
-                out[i].append(Answer(text, name, "greedy" if si == 0 else f"sample-{si}"))
+            for i, o in enumerate(given(setting) if given and name == "target" else
+                                  batched.generate(model, ids, cfg.max_new_tokens, sampling, g, eos, pad)):
+                out[i].append(Answer(pair.tokenizer.decode(o, skip_special_tokens=True), name, setting))
     return out
 
 
@@ -160,7 +159,10 @@ def _tuples(job: Job, items: list, chunk: int, counts: dict) -> tuple[list[Judge
     for b in range(0, len(items), cfg.batch_size):
         batch = items[b: b + cfg.batch_size]
         ids = job.prompt_ids(batch)
-        for i, (p, answers) in enumerate(zip(batch, _answers(cfg, job.pair, batch, ids, seed + b, job.pad, job.eos))):
+        given = () if job.pregenerated is None else (  # engine=vllm: the target's answers from vLLM
+            lambda setting, at=lo + b, n=len(batch): [job.response(f"{at + i}/{setting}")[0] for i in range(n)],)
+        for i, (p, answers) in enumerate(zip(batch, _answers(cfg, job.pair, batch, ids, seed + b, job.pad, job.eos,
+                                                            *given))):
             t, r = build_tuples(p, answers, counts)
             tuples += t
             review += r
@@ -293,8 +295,6 @@ class JudgeLabeller(Labeller):
                                **stats["mining"]}
         else:
             stats["mining"] = {"method": cfg.mining}
-        return stats, {"answer_models": list(cfg.answer_models),
-                                "answer_samples": cfg.answer_samples,
-                                "answer_temperature": cfg.answer_temperature, "tuples_imported_from": cfg.tuples,
-                                "hidden_size": models["hidden_size"],
-                                "feature": {"model": "target", "state": "pre", "layer": -1}}
+        return stats, {"answer_models": list(cfg.answer_models), "answer_samples": cfg.answer_samples,
+                       "answer_temperature": cfg.answer_temperature, "tuples_imported_from": cfg.tuples,
+                       "hidden_size": models["hidden_size"], "feature": {"model": "target", "state": "pre", "layer": -1}}

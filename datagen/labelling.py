@@ -32,6 +32,8 @@ class Job:
         pad: the padding token id.
         eos: the token ids that end a response.
         limit: the shortest context length of the loaded models.
+        pregenerated: ``engine=vllm``: the chunk's side file (the target's responses vLLM generated, by key:
+            ``vllm_responses.requests_for``); None: the labeller generates them.
     """
 
     cfg: DatagenConfig
@@ -39,6 +41,11 @@ class Job:
     pad: int
     eos: list[int]
     limit: int
+    pregenerated: dict | None = None
+
+    def response(self, key: str) -> tuple[list[int], bool]:
+        """A pre-generated target response (``engine=vllm``) and whether its log-probabilities were finite."""
+        return list(self.pregenerated["responses"][key]), bool(self.pregenerated["finite"][key])
 
     def prompt_ids(self, prompts) -> list[list[int]]:
         """Each prompt's token ids (chat template per ``chat_template``), cut to leave room for the response."""

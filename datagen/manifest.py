@@ -83,6 +83,8 @@ def finish(cfg: DatagenConfig, out: Path, total: int, processes: int | None = No
                     "byte-identical to a run with one setting", len(otherwise), first,
                     ", ".join(differences(numerics or {}, otherwise[first])), out)
         extra["numerics_otherwise"] = list(otherwise)[:1000]
+    if cfg.engine == "vllm":  # who generated the target's responses (engine=specheads: this package)
+        extra["engine"] = "vllm"
     write_manifest(out, command=PROG, labels=cfg.labels, schema_version=SCHEMA_VERSION, **extra,
                    prompts_file=cfg.prompts, offset=cfg.offset, chunk_size=cfg.chunk_size, chunks=total,
                    target=models["target"], draft=models["draft"],

