@@ -18,6 +18,12 @@ Per configuration and batch size: tokens/s (tokens over the ``generate`` calls' 
 call (target alone: 1; ``draft_model``: tokens over vLLM's drafts plus one prefill per request; the proposer:
 tokens over the rows it was asked for, one per target pass of a request), vLLM's spec-decode counters, the proposer's own
 counters and its share of the wall time, and ``greedy_identical`` against the target alone at that batch size.
+With ``--cost`` (default) the proposer also runs its cost-aware rule (``confidence_stop`` and, with ``--head``,
+SpecDec++; the draft gate on) on a cost table of vLLM's own steps at batch 1 and powers of two up to the largest
+batch size (``specheads.export.vllm_costs``: measured once in vLLM, cached). ``--ours-batch B`` (default 8) also
+decodes the same prompts in our own batched engine (target alone, SD, the batch-priced cost rule, and on the
+``--eagle`` head), and ``--datagen`` copies ``bench/vllm_datagen.py``'s generation ratio into the ratios.
+
 Writes ``bench/results/vllm.json``.
 """
 
@@ -63,7 +69,70 @@ def configs(args) -> dict[str, dict]:
                                                             "threshold": args.tau}}
     if args.head:
         out["proposer_specdecpp"] = {"specheads": {**common, "policy": "specdecpp", "head": args.head}}
+    if args.costs:  # the cost-aware rule on vLLM's measured steps, with the draft gate (its default)
+        out["proposer_confidence_cost"] = {"specheads": {**common, "policy": "confidence_stop", "stop": "cost",
+                                                         "costs": args.costs}}
+        if args.head:
+            out["proposer_specdecpp_cost"] = {"specheads": {**common, "policy": "specdecpp", "head": args.head,
+                                                            "stop": "cost", "costs": args.costs}}
     return out
+
+
+def ours(args) -> dict:
+    """Our own batched engine on the same prompts at ``--ours-batch`` rows: the target alone, SD at K = 1, 2, the
+    cost-aware confidence rule with the draft gate priced at the batch (cost table with batch sizes), and with
+    ``--eagle`` SD and that rule on the EAGLE head; one pass each, in turn, in this process."""
+    import time as clock
+
+    from _common import shared_pair
+    from specheads.export.api import Decoder, load_eagle, pair_costs
+    from specheads.export.shim.policies import ConfidenceStop, StandardSD, TargetOnly
+    from specheads.prompts import load_prompts
+
+    pair = shared_pair(SHARED, args.vocab_file, args.vocab_top_n or 0)
+    prompts = (load_prompts(str(SHARED / "data/gsm8k/test.jsonl"), limit=args.gsm8k, offset=args.offset)
+               + load_prompts(str(SHARED / "data/mt_bench/question.jsonl"), limit=args.mt_bench, offset=args.offset))
+    items, b = list(enumerate(prompts)), args.ours_batch
+    costs = pair_costs(pair, args.k_max + 2, batch_size=b)
+    policies = {"ar": (TargetOnly(), None), "sd_k1": (StandardSD(1), None), "sd_k2": (StandardSD(2), None),
+                "confidence_cost": (ConfidenceStop(k_max=args.k_max, stop="cost", costs=costs, gate=True), None)}
+    if args.eagle:
+        eagle = load_eagle(args.eagle, pair)
+        ecosts = pair_costs(pair, args.k_max + 2, eagle=eagle, batch_size=b)
+        policies.update({"eagle_k2": (StandardSD(2), eagle), "eagle_k3": (StandardSD(3), eagle),
+                         "eagle_confidence_cost": (ConfidenceStop(k_max=args.k_max, stop="cost", costs=ecosts,
+                                                                  gate=True), eagle)})
+    decoders = {n: Decoder(pair, p, args.max_new, eagle=e) for n, (p, e) in policies.items()}
+    for d in decoders.values():  # warm-up: kernel choice for each row count, allocations
+        dict(d.decode_many(items[:b], b))
+    rows, outputs = {}, {}
+    for name, d in decoders.items():
+        start = clock.perf_counter()
+        res = dict(d.decode_many(items, b))
+        seconds = clock.perf_counter() - start
+        tokens = sum(len(r.tokens) for r in res.values())
+        outputs[name] = [res[i].tokens for i in range(len(items))]
+        rows[name] = {"tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 3),
+                      "tokens_per_call": round(tokens / sum(r.stats.target_calls for r in res.values()), 4),
+                      "undrafted_rounds": sum(r.stats.undrafted_rounds for r in res.values())}
+        print(f"[ours b{b}] {name}: {rows[name]['tokens_per_s']} tokens/s", flush=True)
+    for name in rows:
+        rows[name]["greedy_identical"] = outputs[name] == outputs["ar"]
+    return {"batch_size": b, "cost_table": costs.describe(), "rows": rows}
+
+
+def vllm_costs(args, work: Path) -> str:
+    """The cost table of vLLM's steps for the proposer's draft, vocabulary and k_max, at batch 1 and the powers of
+    two up to the largest batch size (measured once, cached: ``specheads.export.vllm_costs``)."""
+    from specheads.export.shim.cost_profile import batch_sizes
+    from specheads.export.vllm_costs import vllm_cost_table
+    from specheads.export.vllm_engine import environment
+
+    settings = {"draft": args.draft, "k_max": args.k_max, "vocab_file": args.vocab_file,
+                "vocab_top_n": args.vocab_top_n}
+    top = max(int(b) for b in args.batch_sizes.split(","))
+    return vllm_cost_table(settings, work / "target_hf", args.vllm_python, environment(args.vllm_python, args.threads),
+                           list(batch_sizes(top)), args.profile)
 
 
 def run_one(args, work: Path, name: str, spec: dict, batch: int, block: int) -> dict:
@@ -111,6 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k-max", type=int, default=4, help="the proposer's most candidates per round")
     ap.add_argument("--tau", type=float, default=0.5, help="confidence_stop's threshold")
     ap.add_argument("--batch-sizes", default="1,16")
+    ap.add_argument("--no-cost", dest="cost", action="store_false",
+                    help="leave out the cost-aware proposer rows (and the cost profile of vLLM's steps)")
+    ap.add_argument("--profile", default="auto", help="vLLM cost table: auto (cached), refresh, or a JSON path")
+    ap.add_argument("--ours-batch", type=int, default=8, help="our own batched engine's rows (0: skip that part)")
+    ap.add_argument("--eagle", default=str(ROOT / "recipes/heads/eagle_smollm2.safetensors"),
+                    help="an EAGLE head for our engine's rows ('' : none)")
+    ap.add_argument("--datagen", default=str(ROOT / "bench/results/vllm_datagen.json"),
+                    help="bench/vllm_datagen.py's result: its ratio is copied into the ratios")
     ap.add_argument("--gsm8k", type=int, default=32)
     ap.add_argument("--mt-bench", type=int, default=16)
     ap.add_argument("--offset", type=int, default=0)
@@ -125,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work).resolve()
     if args.stage == "vllm":
         return vllm_stage(work)
+    sys.path.insert(0, str(ROOT / "bench"))
     args.ks = [int(k) for k in args.ks.split(",") if k]
     args.draft = str(Path(args.draft).resolve())
     args.head = str(Path(args.head).resolve()) if args.head else None
@@ -132,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     prompts = prepare(args, work)
     (work / "prompts.json").write_text(json.dumps(prompts))
+    args.costs = vllm_costs(args, work) if args.cost else None
     table = configs(args)
     names = list(table)
     results = {}
@@ -146,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows.values():
             r.pop("outputs")
         results[f"b{batch}"] = rows
+    engine_rows = ours(args) if args.ours_batch else None
     ratios = {}
     for key, rows in results.items():
         best_k = max((n for n in rows if n.startswith("draft_model")), key=lambda n: rows[n]["tokens_per_s"])
@@ -156,14 +236,24 @@ def main(argv: list[str] | None = None) -> int:
         ratios[f"best_lossless_vs_vllm_target_{key}"] = round(max(rows[best]["tokens_per_s"], 0) /
                                                               rows["target"]["tokens_per_s"], 4)
         ratios[f"best_{key}"] = best
-    sys.path.insert(0, str(ROOT / "bench"))
+    if engine_rows:
+        r = engine_rows["rows"]
+        best = max((n for n in r if n != "ar" and r[n]["greedy_identical"]), key=lambda n: r[n]["tokens_per_s"])
+        ratios[f"ours_batched_best_lossless_vs_ours_batched_ar_b{args.ours_batch}"] = round(
+            r[best]["tokens_per_s"] / r["ar"]["tokens_per_s"], 4)
+        ratios[f"ours_batched_best_b{args.ours_batch}"] = best
+    if args.datagen and Path(args.datagen).is_file():
+        dg = json.loads(Path(args.datagen).read_text())
+        key = "datagen_generation_vllm_vs_hf_tokens_per_s"
+        ratios[key] = dg.get(key, dg.get("ratios", {}).get(key))
     from _common import run_info
 
     result = {**run_info(__file__, argv, f"vLLM CPU, fp32, greedy, enforce_eager, {args.threads} threads"),
               "prompts": {"gsm8k": args.gsm8k, "mt_bench": args.mt_bench, "offset": args.offset},
               "max_new_tokens": args.max_new, "blocks": args.blocks, "configs": table, "results": results,
-              "greedy_identical": all(r["greedy_identical"] for rows in results.values() for r in rows.values()),
-              "ratios": ratios}
+              "greedy_identical": all(r["greedy_identical"] for rows in results.values() for r in rows.values())
+              and all(r["greedy_identical"] for r in (engine_rows or {"rows": {}})["rows"].values()),
+              "ours_batched": engine_rows, "vllm_cost_table": args.costs, "ratios": ratios}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print("batch | config | tokens/s | tokens/call | acceptance | propose share | greedy identical")
@@ -171,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         for n, r in rows.items():
             print(f"{key} | {n} | {r['tokens_per_s']} | {r['tokens_per_call']} | {r.get('acceptance_rate')} | "
                   f"{r.get('propose_share_of_wall_time')} | {r['greedy_identical']}")
+    for n, r in (engine_rows or {"rows": {}})["rows"].items():
+        print(f"ours b{args.ours_batch} | {n} | {r['tokens_per_s']} | {r['tokens_per_call']} | - | - | "
+              f"{r['greedy_identical']}")
     print(json.dumps(ratios, indent=1))
     return 0 if result["greedy_identical"] else 1
 
