@@ -62,7 +62,7 @@ def vllm_stage(cfg, job, ids: list[list[int]], args) -> dict:
     from specheads.export.shim.sampling import SamplingConfig
 
     reqs = [Request(str(i), x, SamplingConfig().to_dict(), 0, args.max_new).__dict__ for i, x in enumerate(ids)]
-    header = {"batch_size": args.batch, "tensor_parallel": 1, "eos": job.eos, "seed": 0}
+    header = {"batch_size": args.vllm_batch, "tensor_parallel": 1, "eos": job.eos, "seed": 0}
     with tempfile.TemporaryDirectory() as work:
         t = time.perf_counter()
         run = run_vllm(cfg, header, [{"chunk": 0, "digest": "bench", "requests": reqs}], Path(work), 0)
@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--vllm-batch", type=int, default=256,
+                    help="vLLM's max_num_seqs (heads-datagen engine=vllm's vllm_max_num_seqs)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     ap.add_argument("--out", default=str(ROOT / "bench/results/vllm_datagen.json"))

@@ -52,6 +52,7 @@ class DatagenConfig:
     engine: str = field(default="specheads", metadata={"help": "specheads (this package generates the target's responses with Transformers) | vllm (vLLM generates every response the run needs, all chunks in one offline run up front; labels=acceptance, fsd, sprinter, drafter, judge with mining=arith; greedy responses are the specheads engine's, sampled ones are seeded per prompt and differ)"})
     vllm_python: str | None = field(default=None, metadata={"help": "engine=vllm: the python of vLLM's virtualenv (default: this one, when it has vLLM)"})
     vllm_threads: int | None = field(default=None, metadata={"help": "engine=vllm: OMP_NUM_THREADS for vLLM on a CPU (default: the machine's cores)"})
+    vllm_max_num_seqs: int = field(default=256, metadata={"help": "engine=vllm: requests vLLM runs at once (its max_num_seqs; vLLM schedules them, batch_size does not apply to its generation)"})
     vllm_tensor_parallel: int = field(default=1, metadata={"help": "engine=vllm: GPUs vLLM splits the target over (its tensor_parallel_size); under accelerate launch each process is one data-parallel vLLM on its own vllm_tensor_parallel GPUs"})
     threads: int | None = field(default=None, metadata={"help": "torch threads per process (torch.set_num_threads); null: torch's default. Results match bit for bit only between runs with the same count (see the manifest's numerics)"})
     seed: int = 0

@@ -86,6 +86,8 @@ def problems(cfg) -> list[str]:
                    "use engine=specheads (or mining=arith)")
     if cfg.vllm_tensor_parallel < 1:
         out.append(f"vllm_tensor_parallel={cfg.vllm_tensor_parallel} must be >= 1")
+    if cfg.vllm_max_num_seqs < 1:
+        out.append(f"vllm_max_num_seqs={cfg.vllm_max_num_seqs} must be >= 1")
     if cfg.vllm_threads is not None and cfg.vllm_threads < 1:
         out.append(f"vllm_threads={cfg.vllm_threads} must be >= 1 (or null: the machine's cores)")
     if cfg.vllm_python and not Path(cfg.vllm_python).is_file():
@@ -235,7 +237,7 @@ def generate_up_front(cfg, out: Path, chunks, local_rank: int = 0, generate=None
             lines.append({"chunk": chunk, "digest": d, "requests": [asdict(r) for r in reqs]})
     if not lines:
         return None
-    header = {"batch_size": cfg.batch_size, "tensor_parallel": cfg.vllm_tensor_parallel, "eos": light.eos,
+    header = {"batch_size": cfg.vllm_max_num_seqs, "tensor_parallel": cfg.vllm_tensor_parallel, "eos": light.eos,
               "seed": cfg.seed}
     return (generate or run_vllm)(cfg, header, lines, work, local_rank)
 
