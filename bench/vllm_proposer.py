@@ -64,6 +64,12 @@ def configs(args) -> dict[str, dict]:
     out = {"target": {}}
     for k in args.ks:
         out[f"draft_model_k{k}"] = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": k}
+    if args.schedule:  # the anchor: vLLM's own K by batch size (inclusive ranges), e.g. "1-2:2,3-8:1,9-256:0"
+        sched = [[int(r.split("-")[0]), int(r.split("-")[1].split(":")[0]), int(r.split(":")[1])]
+                 for r in args.schedule.split(",")]
+        out["draft_model_schedule"] = {"method": "draft_model", "model": args.draft,
+                                       "num_speculative_tokens": max(e[2] for e in sched),
+                                       "num_speculative_tokens_per_batch_size": sched}
     common = {"draft": args.draft, "k_max": args.k_max, "vocab_file": args.vocab_file, "vocab_top_n": args.vocab_top_n}
     out[f"proposer_confidence_{args.tau}"] = {"specheads": {**common, "policy": "confidence_stop",
                                                             "threshold": args.tau}}
@@ -180,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k-max", type=int, default=4, help="the proposer's most candidates per round")
     ap.add_argument("--tau", type=float, default=0.5, help="confidence_stop's threshold")
     ap.add_argument("--batch-sizes", default="1,16")
+    ap.add_argument("--schedule", default="1-2:2,3-8:1,9-256:0",
+                    help="draft_model with vLLM's num_speculative_tokens_per_batch_size, as START-END:K,... ('': none)")
     ap.add_argument("--no-cost", dest="cost", action="store_false",
                     help="leave out the cost-aware proposer rows (and the cost profile of vLLM's steps)")
     ap.add_argument("--profile", default="auto", help="vLLM cost table: auto (cached), refresh, or a JSON path")
@@ -219,16 +227,24 @@ def main(argv: list[str] | None = None) -> int:
         for block in range(args.blocks):
             order = names[block % len(names):] + names[: block % len(names)]
             for name in order:
-                parts[name].append(run_one(args, work, name, table[name], batch, block))
+                try:
+                    parts[name].append(run_one(args, work, name, table[name], batch, block))
+                except SystemExit as err:  # the anchor row is vLLM's feature: its failure is reported, not fatal
+                    if name != "draft_model_schedule":
+                        raise
+                    print(f"[vllm bench] {name} failed: {err}", flush=True)
+        failed = [n for n in names if not parts[n]]
+        for n in failed:
+            parts.pop(n)
         base = summarise("target", parts["target"], None, len(prompts))
-        rows = {n: summarise(n, parts[n], base["outputs"], len(prompts)) for n in names}
+        rows = {n: summarise(n, parts[n], base["outputs"], len(prompts)) for n in parts}
         for r in rows.values():
             r.pop("outputs")
         results[f"b{batch}"] = rows
     engine_rows = ours(args) if args.ours_batch else None
     ratios = {}
     for key, rows in results.items():
-        best_k = max((n for n in rows if n.startswith("draft_model")), key=lambda n: rows[n]["tokens_per_s"])
+        best_k = max((n for n in rows if n.startswith("draft_model_k")), key=lambda n: rows[n]["tokens_per_s"])
         best_p = max((n for n in rows if n.startswith("proposer")), key=lambda n: rows[n]["tokens_per_s"])
         best = max((n for n in rows if n != "target"), key=lambda n: rows[n]["tokens_per_s"])
         ratios[f"proposer_vs_vllm_best_fixed_k_{key}"] = round(rows[best_p]["tokens_per_s"] /

@@ -144,3 +144,23 @@ def test_measure_batches_shape():
     assert [len(t) for t in targets] == [3, 3] and all(x > 0 for t in targets for x in t)
     with pytest.raises(UserError, match="batch sizes"):
         measure_batches(target, target, 3, [1])
+
+
+def test_proposer_keeps_a_closed_gate_closed_across_calls(engine):
+    """Two requests at batch 2 on a table where drafting loses there: once the gate closes, each row's policy stays
+    the same across calls (its cache lags, its request continues), so it drafts only on its probes; a cache far
+    behind catches up through a prefill of its row alone. A planted reset of the policy on every call drafts far
+    more."""
+    t = batched_table(steep=40.0)
+    core = RowProposer(engine.draft, ConfidenceStop(k_max=3, stop="cost", costs=t, gate=True), slots=2)
+    g = torch.Generator().manual_seed(1)
+    seqs = {r: torch.randint(3, VOCAB, (12,), generator=g).tolist() for r in (0, 1)}
+    drafted = []
+    for step in range(60):
+        out = core.propose(seqs)
+        drafted.append(sum(map(len, out.values())))
+        for r in seqs:  # the target keeps none of the candidates and emits a token of its own
+            seqs[r] = seqs[r] + [int(torch.randint(3, VOCAB, (1,), generator=g))]
+    assert sum(drafted[20:]) <= 2 * 3 * 3  # probes only: at most 3 per row after step 20 (waits 8, 16, 32)
+    assert core.stats["prefills"] >= 2  # the probes' caches caught up through a prefill
+    assert core.policies[0].gate.estimate(2) < 0 and core.policies[0].gate.estimate(1) > core.policies[0].gate.estimate(2)

@@ -5,10 +5,14 @@ The engine calls :meth:`RowProposer.propose` once per step with each running req
 which request a row holds: rows are reordered, requests finish, join and are preempted, and the batch
 row index follows none of that. So the draft's KV cache is kept by content: each cache slot of a
 :class:`~.batch_kv.BatchRunner` remembers the tokens it holds, and each call matches every row to a slot
-(:meth:`RowProposer._assign`): the slot whose request it continues, else one sharing at least half of
-its sequence, else the slot idle longest, emptied. The slot is cut back to the shared prefix and fed
+(:meth:`RowProposer._assign`): the slot whose request it continues (its sequence extends the one that slot's
+request had at its last call), else one sharing at least half of its sequence, else the slot idle longest,
+emptied. The slot is cut back to the shared prefix and fed
 the rest. Whatever the engine does with its rows, a slot's cache is never used past the tokens it matched,
-so a wrong match costs time (a re-prefill), never correctness; and the target verifies every candidate.
+so a wrong match costs time (a re-prefill), never correctness; and the target verifies every candidate. A
+request whose rounds drafted nothing (its draft gate closed) keeps its slot and policy while its cache falls
+behind; when it drafts again, a cache more than ``CATCH_UP`` tokens behind is refilled by a prefill of its row
+alone rather than fed through a batched forward as wide as its gap.
 
 Each slot has its own fork of the policy (its stop rule and head); its last round is closed with
 ``end_round`` when the slot's request comes back, with the number of its candidates that the sequence
@@ -30,6 +34,8 @@ from .batch_kv import BatchRunner
 from .drafting import take_candidate
 from .policies import Policy, Round
 from .sampling import SamplingConfig
+
+CATCH_UP = 16  # a cache more tokens behind than this is refilled by a prefill of its row alone
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -62,6 +68,7 @@ class RowProposer:
         self.policies = [policy.fork() for _ in range(slots)]
         self.held = [np.zeros(0, dtype=np.int64) for _ in range(slots)]  # the tokens each slot's cache holds
         self.offered: list[tuple[int, list[int]] | None] = [None] * slots  # (sequence length, candidates) last call
+        self.seen: list[np.ndarray | None] = [None] * slots  # the sequence the slot's request had at its last call
         self.used = [-1] * slots  # the call that last matched the slot
         self.calls = 0
         self.eos = frozenset(int(e) for e in eos)
@@ -87,6 +94,10 @@ class RowProposer:
             policy.start_round(rnd)
             if rnd.limit > 0 and policy.draft_round():
                 rounds[slot] = rnd
+        for i, s in slot_of.items():  # a cache far behind (rounds that drafted nothing) catches up in the prefill
+            if s in rounds and len(rows[i]) - len(self.held[s]) > CATCH_UP:
+                self.runner.trim(s, 0)
+                self.held[s] = self.held[s][:0]
         self._prefill({s: rows[i] for i, s in slot_of.items() if s in rounds})
         feed = {s: rows[i][len(self.held[s]):] for i, s in slot_of.items() if s in rounds}
         while feed:
@@ -106,7 +117,7 @@ class RowProposer:
         result = {}
         for i, slot in slot_of.items():
             cand = [int(t) for t in rounds[slot].tokens] if slot in rounds else []
-            self.offered[slot] = (len(rows[i]), cand)
+            self.offered[slot], self.seen[slot] = (len(rows[i]), cand), rows[i]
             result[i] = cand
         self.stats["calls"] += 1
         self.stats["rows"] += len(rows)
@@ -127,12 +138,14 @@ class RowProposer:
                              "(vLLM: max_num_seqs)")
         lcp = {(i, s): common_prefix(seq, self.held[s]) for i, seq in rows.items() for s in range(n_slots)
                if len(self.held[s])}
-        same = {(i, s) for (i, s), n in lcp.items() if self.offered[s] is not None and n >= self.offered[s][0]}
+        seen = {s: v for s in range(n_slots) if (v := self.seen[s]) is not None}
+        same = {(i, s): len(v) for i, seq in rows.items() for s, v in seen.items()
+                if len(seq) >= len(v) and common_prefix(seq, v) == len(v)}
         slot_of, prefix = {}, {}
-        for keep in (lambda i, s: (i, s) in same, lambda i, s: 2 * lcp[(i, s)] >= len(rows[i])):
-            for (i, s) in sorted((k for k in lcp if keep(*k)), key=lambda k: -lcp[k]):
+        for pairs in (same, {k: n for k, n in lcp.items() if 2 * n >= len(rows[k[0]])}):
+            for (i, s) in sorted(pairs, key=lambda k: -pairs[k]):
                 if i not in slot_of and s not in slot_of.values():
-                    slot_of[i], prefix[i] = s, lcp[(i, s)]
+                    slot_of[i], prefix[i] = s, lcp.get((i, s), 0)
         free = sorted((s for s in range(n_slots) if s not in slot_of.values()), key=lambda s: (self.used[s], s))
         for i in rows:
             if i not in slot_of:
@@ -143,7 +156,7 @@ class RowProposer:
                 self._close_round(s, seq)
             else:  # another request: a fresh policy
                 self.policies[s].reset()
-                self.offered[s] = None
+                self.offered[s] = self.seen[s] = None
             self.runner.trim(s, keep)
             self.held[s] = self.held[s][:keep]
             self.used[s] = self.calls
