@@ -108,7 +108,8 @@ def ours(args) -> dict:
         policies.update({"eagle_k2": (StandardSD(2), eagle), "eagle_k3": (StandardSD(3), eagle),
                          "eagle_confidence_cost": (ConfidenceStop(k_max=args.k_max, stop="cost", costs=ecosts,
                                                                   gate=True), eagle)})
-    decoders = {n: Decoder(pair, p, args.max_new, eagle=e) for n, (p, e) in policies.items()}
+    skip = set(args.ours_skip.split(","))
+    decoders = {n: Decoder(pair, p, args.max_new, eagle=e) for n, (p, e) in policies.items() if n not in skip}
     for d in decoders.values():  # warm-up: kernel choice for each row count, allocations
         dict(d.decode_many(items[:b], b))
     rows, outputs = {}, {}
@@ -188,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", default="1,16")
     ap.add_argument("--schedule", default="1-2:2,3-8:1,9-256:0",
                     help="draft_model with vLLM's num_speculative_tokens_per_batch_size, as START-END:K,... ('': none)")
+    ap.add_argument("--skip", default="", help="configurations to leave out, comma-separated names")
+    ap.add_argument("--ours-skip", default="", help="our engine's rows to leave out, comma-separated names")
     ap.add_argument("--no-cost", dest="cost", action="store_false",
                     help="leave out the cost-aware proposer rows (and the cost profile of vLLM's steps)")
     ap.add_argument("--profile", default="auto", help="vLLM cost table: auto (cached), refresh, or a JSON path")
@@ -220,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     (work / "prompts.json").write_text(json.dumps(prompts))
     args.costs = vllm_costs(args, work) if args.cost else None
     table = configs(args)
+    if args.skip:
+        table = {n: c for n, c in table.items() if n not in args.skip.split(",")}
     names = list(table)
     results = {}
     for batch in (int(b) for b in args.batch_sizes.split(",")):
