@@ -1,4 +1,4 @@
-"""``labels=acceptance``: SpecDec++ acceptance labels from teacher-forced target and draft logits (ALGORITHMS.md section 1).
+"""``labels=acceptance``: SpecDec++ acceptance labels from teacher-forced target and draft logits (docs/algorithms/specdecpp.md).
 
 Per prompt, the target's response ``x`` and at every response position ``i`` the draft's token
 ``y_i ~ q(.|c, x_<i)``, its label ``min(1, p(y_i)/q(y_i))`` and the expected label ``1 - TV(p, q)``

@@ -1,4 +1,4 @@
-"""Automatic error localisation for GSM8K-style answers (ALGORITHMS.md section 3, issue: Judge tuples).
+"""Automatic error localisation for GSM8K-style answers (docs/algorithms/judge.md, issue: Judge tuples).
 
 Every arithmetic step in the text is checked: calculator annotations ``<<48/2=24>>`` and inline
 equations ``a op b (op c ...) = r``. The first false step gives the error span: the characters of

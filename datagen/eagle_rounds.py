@@ -2,7 +2,7 @@
 
 Per prompt, the target decodes with the EAGLE head ``eagle=`` (an exported ``head_type=eagle`` file,
 :class:`specheads.export.shim.eagle.EagleDrafter`) under standard SD with a fixed ``eagle_k``
-candidates per round and the run's sampling settings (ALGORITHMS.md sections 1 and 7). The policy
+candidates per round and the run's sampling settings (docs/algorithms/specdecpp.md and eagle.md). The policy
 that verifies each round (:class:`RecordingSD`) keeps, before the standard rule decides, the
 candidates, the distributions they were drawn from, the head's post-norm states and the target logits
 of the verification pass. A candidate ``y_j``'s label is SpecDec++'s, the acceptance of ``y_j`` given

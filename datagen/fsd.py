@@ -1,4 +1,4 @@
-"""FSD labels: the divergence between target and draft at every drafted token (ALGORITHMS.md section 4).
+"""FSD labels: the divergence between target and draft at every drafted token (docs/algorithms/fsd.md).
 
 Fuzzy speculative decoding accepts candidate ``y_i`` iff ``Div(p_i, q_i) < T``. The decision
 depends only on the two next-token distributions at the candidate's prefix, so it is a

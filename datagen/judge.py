@@ -1,4 +1,4 @@
-"""``labels=judge`` (ALGORITHMS.md section 3): graded answers -> correct/wrong tuples -> token labels -> target features.
+"""``labels=judge`` (docs/algorithms/judge.md): graded answers -> correct/wrong tuples -> token labels -> target features.
 
 Answers to each prompt come from the loaded models (``answer_models``: target and/or draft), greedy
 and ``answer_samples`` sampled ones each; ``tuples=FILE`` imports annotated tuples instead. A

@@ -1,6 +1,6 @@
 """Swap mining (``heads-datagen labels=judge mining=swap``): which of the draft's mismatches change the answer.
 
-AutoJudge's semi-greedy search (ALGORITHMS.md section 3), per prompt:
+AutoJudge's semi-greedy search (docs/algorithms/judge.md), per prompt:
 
 1. The target answers greedily: the running response ``R`` and its final answer (``checkers.py``).
 2. The draft predicts its greedy token at every position of ``R``, teacher-forced along ``R``. A position

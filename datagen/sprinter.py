@@ -1,4 +1,4 @@
-"""``labels=sprinter``: SPRINTER ratio-threshold labels (ALGORITHMS.md section 2).
+"""``labels=sprinter``: SPRINTER ratio-threshold labels (docs/algorithms/sprinter.md).
 
 A labelled example is a prefix ``s[:t]`` and a draft token ``x ~ q(.|s[:t])``; it is acceptable
 at threshold ``lambda`` when ``q(x) <= lambda * p(x)`` (:mod:`specheads.ratio`, which also says

@@ -10,7 +10,7 @@ standard SD at each fixed ``K`` and SpecDec++ at each threshold ``h``, interleav
 prompt. It reports for each configuration tokens/s, tokens and accepted drafts per target call,
 verification rate, discard rate and draft forwards per token; the per-forward times ``t_t``
 and ``t_d`` measured by the two baselines (wall time per forward, loop overhead included); the
-cost model ``T/N`` of ALGORITHMS.md section 0 at the profiled cost table
+cost model ``T/N`` of docs/algorithms/cost-model.md at the profiled cost table
 (:mod:`specheads.export.shim.costs`: ``t_d`` and ``t_t(k)`` per target pass size ``k``, cached per
 machine; ``profile=``) over the pass sizes each row actually used (``predicted_ms_per_token``),
 beside the measured ms/token (wall time / new tokens, prefill included) and their ratio; with

@@ -60,7 +60,7 @@ class EvalConfig:
     max_new_tokens: int = 128
     max_new_tokens_by_source: dict[str, int] = field(default_factory=dict, metadata={"help": "a smaller budget per prompt source (arc, gsm8k, mt_bench, alpaca, prompt, messages), e.g. {arc: 16}: ARC needs only the letter"})
     chat_template: bool = True
-    oracle: bool = field(default=True, metadata={"help": "greedy oracle (ALGORITHMS.md section 0); greedy decoding only"})
+    oracle: bool = field(default=True, metadata={"help": "greedy oracle (docs/algorithms/cost-model.md); greedy decoding only"})
     fused_forward: bool = True
     seed: int = 0
     batch_size: int = field(default=1, metadata={"help": "prompts each configuration decodes together (heads-decode batch_size); > 1: configurations take turns block by block (4 x batch_size prompts), a row's wall_time is its share of the block's time (tokens/s = throughput) and latency_s its own; tli/slem rows stay at batch 1"})

@@ -1,4 +1,4 @@
-"""The greedy oracle (SpecDec++ Theorem 4.1) and the cost model of ALGORITHMS.md section 0 (at the
+"""The greedy oracle (SpecDec++ Theorem 4.1) and the cost model of docs/algorithms/cost-model.md (at the
 profiled prices of :mod:`specheads.export.shim.costs`).
 
 Two ways to the oracle: for a draft model, whose greedy token at a position depends on the prefix alone,

@@ -8,7 +8,7 @@
   verifier call costs ``2 N_verifier``. The prompt's prefill, the same for every method, is left out.
 * ``alpha``: the share of the verifier's decisions on truly unacceptable tokens (``q(x) > p(x)``,
   the ``lambda = 1`` ground truth) that approved the token, measured on the decoded outputs, and the
-  per-step total-variation bound ``alpha * TV(p, q)`` it implies (ALGORITHMS.md section 2).
+  per-step total-variation bound ``alpha * TV(p, q)`` it implies (docs/algorithms/sprinter.md).
 """
 
 from __future__ import annotations

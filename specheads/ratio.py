@@ -1,4 +1,4 @@
-"""SPRINTER's ratio measure of a draft token against the target (ALGORITHMS.md section 2), shared by the stages.
+"""SPRINTER's ratio measure of a draft token against the target (docs/algorithms/sprinter.md), shared by the stages.
 
 A draft token ``x`` drawn from ``q`` at a prefix is acceptable at threshold ``lambda`` when
 ``q(x) <= lambda * p(x)`` (no division: ``p(x)`` may be 0). ``heads-datagen labels=sprinter``

@@ -1,4 +1,4 @@
-"""SPRINTER policy: sequential approximate verification (ALGORITHMS.md section 2)."""
+"""SPRINTER policy: sequential approximate verification (docs/algorithms/sprinter.md)."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ def load_examples(data_dir: str | Path, label_column: str = "label") -> list[Exa
 
 
 def mix(example: Example, ratio: float, seed: int) -> tuple[list[int], list[bool]]:
-    """Token mixing (ALGORITHMS.md section 1): ``z_i = x_i`` where ``m_i ~ Bernoulli(ratio)``, else ``y_i``.
+    """Token mixing (docs/algorithms/specdecpp.md): ``z_i = x_i`` where ``m_i ~ Bernoulli(ratio)``, else ``y_i``.
 
     Returns the mixed sequence (prompt + z) and the loss mask over response positions
     (``m_i = 0``: decided by the draw, not by token equality). The draw depends only on

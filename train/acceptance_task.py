@@ -1,7 +1,7 @@
 """Training the SpecDec++ acceptance head (``head=acceptance``, alias ``specdecpp``).
 
 Three labels (``label=``): ``soft``, ``min(1, p/q)`` of the drawn token, on the draft's state at
-that token with token mixing (weighted soft BCE; ALGORITHMS.md section 1); ``expected``,
+that token with token mixing (weighted soft BCE; docs/algorithms/specdecpp.md); ``expected``,
 ``1 - TV(p, q)``, and ``fsd``, the stored FSD decision ``Div(p, q) < T`` of ``labels=fsd`` data
 (``fsd.py``), both functions of ``(p_i, q_i)`` alone and so on the state that produced ``q_i``,
 without mixing. The best epoch has the lowest held-out binary KL.

@@ -1,4 +1,4 @@
-"""Weighted soft binary cross-entropy (SpecDec++, ALGORITHMS.md section 1)."""
+"""Weighted soft binary cross-entropy (SpecDec++, docs/algorithms/specdecpp.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SPRINTER verifier training data, features, evaluation and ROC plot (ALGORITHMS.md section 2).
+"""SPRINTER verifier training data, features, evaluation and ROC plot (docs/algorithms/sprinter.md).
 
 Examples come from ``heads-datagen labels=sprinter``: per prompt a context, labelled prefix
 lengths ``t``, draft tokens ``x`` and their raw ``q(x)``/``p(x)``. Features and stored labels do not
@@ -102,7 +102,7 @@ def roc_metrics(scores: torch.Tensor, ratio: torch.Tensor, lam: float, eta: floa
     """AUROC, TPR/FPR/accuracy at ``eta`` and a thinned ROC curve against labels ``ratio <= lam``.
 
     Also ``alpha``: the share of truly unacceptable tokens (``q(x) > p(x)``, the ``lambda = 1``
-    ground truth of ALGORITHMS.md section 2) that the verifier approves at ``eta``.
+    ground truth of docs/algorithms/sprinter.md) that the verifier approves at ``eta``.
     """
     from sklearn.metrics import roc_auc_score, roc_curve
 

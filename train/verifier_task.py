@@ -1,4 +1,4 @@
-"""Training the SPRINTER verifier (``head=verifier``, alias ``sprinter``; ALGORITHMS.md section 2).
+"""Training the SPRINTER verifier (``head=verifier``, alias ``sprinter``; docs/algorithms/sprinter.md).
 
 Hard labels ``q(x) <= lambda * p(x)`` taken at batch time from the stored ratios (so heads for
 several ``lambda`` share one feature cache), class-weighted BCE, the best epoch by held-out AUROC.

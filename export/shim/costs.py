@@ -1,6 +1,6 @@
 """A profiled cost table: what one draft forward and one target pass of ``k`` tokens cost here.
 
-The cost model of ALGORITHMS.md section 0 prices a run at ``T = t_d * N_draft + t_t * N_target``.
+The cost model of docs/algorithms/cost-model.md prices a run at ``T = t_d * N_draft + t_t * N_target``.
 A target pass over more tokens costs more (on a CPU a 5-token verification pass can cost far more
 than a 1-token step), so the table keeps one target price per pass size. Definitions, used by
 the engine's counting, ``heads-eval`` and the cost-aware stop rules alike:

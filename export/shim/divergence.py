@@ -1,4 +1,4 @@
-"""Divergences between the target's and the draft's next-token distributions (FSD, ALGORITHMS.md section 4).
+"""Divergences between the target's and the draft's next-token distributions (FSD, docs/algorithms/fsd.md).
 
 All are computed in fp32 with the natural log over the last dimension of ``p`` (target) and
 ``q`` (draft), batched over the leading dimensions:

@@ -1,4 +1,4 @@
-"""Speculative decoding across different vocabularies (ALGORITHMS.md section 5): TLI, SLEM and SLRS.
+"""Speculative decoding across different vocabularies (docs/algorithms/hetero.md): TLI, SLEM and SLRS.
 
 Both methods are lossless and return the TARGET's token ids; the draft works in its own vocabulary.
 

@@ -1,7 +1,7 @@
 """Sampling settings and the logit warping shared by draft and target.
 
 Speculative sampling is lossless relative to the *warped* target distribution, so the
-same temperature / top-k / top-p must be applied to both models (ALGORITHMS.md section 0).
+same temperature / top-k / top-p must be applied to both models (docs/algorithms/cost-model.md).
 """
 
 from __future__ import annotations

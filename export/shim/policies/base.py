@@ -184,7 +184,7 @@ class Policy:
         return {}
 
 
-# ---- standard speculative decoding (ALGORITHMS.md section 0) ----------------------------------
+# ---- standard speculative decoding (docs/algorithms/cost-model.md) ----------------------------------
 
 def standard_verify(rnd: Round, logits: torch.Tensor) -> Verdict:
     """The SD acceptance rule (greedy or lossless rejection sampling) on one round."""
@@ -206,7 +206,7 @@ def greedy_accept(cand: torch.Tensor, logits: torch.Tensor) -> Verdict:
 
 
 def speculative_accept(p: torch.Tensor, q: torch.Tensor, cand: torch.Tensor, generator) -> Verdict:
-    """Lossless rejection sampling (ALGORITHMS.md section 0), all in fp32.
+    """Lossless rejection sampling (docs/algorithms/cost-model.md), all in fp32.
 
     Args:
         p: ``[n+1, V]`` warped target probabilities (row ``n`` is the bonus distribution).

@@ -1,4 +1,4 @@
-"""The baselines: one model alone, standard SD, and the training-free rules (ALGORITHMS.md section 4):
+"""The baselines: one model alone, standard SD, and the training-free rules (docs/algorithms/topk.md, confidence.md):
 top-K verification and draft-confidence stopping; and the draft gate the cost-aware stop rules share."""
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class TopKSettings(Settings):
 
 
 class TopKVerify(Policy):
-    """Top-K verification (ALGORITHMS.md section 4), a training-free baseline, not lossless: accept
+    """Top-K verification (docs/algorithms/topk.md), a training-free baseline, not lossless: accept
     candidate ``y_i`` while it is among the target's ``top_k`` most likely tokens at its position; at
     the first candidate that is not, emit the target's token there (greedy: argmax; sampling: a draw
     from ``p_i``); after ``k`` accepted candidates the bonus from ``p_{k+1}``. ``top_k = 1`` is greedy SD.
@@ -177,7 +177,7 @@ class _Survival:
 
 
 class ConfidenceStop(_Gated):
-    """Draft-confidence stopping (ALGORITHMS.md section 4; Hugging Face's
+    """Draft-confidence stopping (docs/algorithms/confidence.md; Hugging Face's
     ``assistant_confidence_threshold``), a training-free baseline: stop drafting after a candidate
     whose probability under the draft, ``q_i(y_i)`` from the softmax of the raw draft logits, is
     below ``tau``, and after ``k_max`` candidates at most. Verification is the standard SD rule,

@@ -1,4 +1,4 @@
-"""Fuzzy speculative decoding (ALGORITHMS.md section 4): accept while the distributions are close."""
+"""Fuzzy speculative decoding (docs/algorithms/fsd.md): accept while the distributions are close."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class FSDSettings(Settings):
 
 
 class FSD(Policy):
-    """Fuzzy speculative decoding (ALGORITHMS.md section 4), training-free, not lossless.
+    """Fuzzy speculative decoding (docs/algorithms/fsd.md), training-free, not lossless.
 
     ``k`` candidates are verified in one target pass. Paper rule (default): accept candidate ``y_i``
     while ``Div(p_i, q_i) < T``; at the first rejection emit a token from ``p_i`` itself (greedy: its

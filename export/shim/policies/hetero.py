@@ -1,4 +1,4 @@
-"""TLI and SLEM (ALGORITHMS.md section 5): speculative decoding with a draft in another vocabulary.
+"""TLI and SLEM (docs/algorithms/hetero.md): speculative decoding with a draft in another vocabulary.
 
 Both are lossless and emit the target's token ids. What crosses the vocabularies (the draft's tokens
 mapped by string, or its text re-tokenised) is the drafting side, :mod:`specheads.export.shim.hetero`;

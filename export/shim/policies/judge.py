@@ -1,4 +1,4 @@
-"""Judge decoding (ALGORITHMS.md section 3): a head on the target's states accepts candidates SD rejects."""
+"""Judge decoding (docs/algorithms/judge.md): a head on the target's states accepts candidates SD rejects."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class JudgeSettings(Settings):
 
 
 class Judge(Policy):
-    """Judge decoding (ALGORITHMS.md section 3), not lossless: verify ``k`` candidates in one
+    """Judge decoding (docs/algorithms/judge.md), not lossless: verify ``k`` candidates in one
     target pass and accept the longest prefix on which the judge mask ``sigmoid(head(h_j)) > delta``
     OR the SD rule holds; at the first candidate both reject, emit the target's token there
     (greedy: its argmax; sampling: a token from ``norm(max(0, p - q))``, as SD does).

@@ -1,4 +1,4 @@
-"""SpecDec++ (ALGORITHMS.md section 1): an acceptance head decides when to stop drafting."""
+"""SpecDec++ (docs/algorithms/specdecpp.md): an acceptance head decides when to stop drafting."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class _Scores:
 
 
 class SpecDecPP(_Gated):
-    """SpecDec++ adaptive candidate length (ALGORITHMS.md section 1): stop drafting when
+    """SpecDec++ adaptive candidate length (docs/algorithms/specdecpp.md): stop drafting when
     ``1 - prod_j beta_hat_j > h``, with ``beta_hat_j = sigmoid(head(h^D_j))`` from the draft
     state at candidate ``y_j``'s own position; never before ``k_min``, always at ``k_max``.
 

@@ -1,4 +1,4 @@
-"""SPRINTER (ALGORITHMS.md section 2): a learned verifier approves candidates one at a time."""
+"""SPRINTER (docs/algorithms/sprinter.md): a learned verifier approves candidates one at a time."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class SprinterSettings(Settings):
 
 
 class Sprinter(Policy):
-    """SPRINTER approximate verification (ALGORITHMS.md section 2), not lossless.
+    """SPRINTER approximate verification (docs/algorithms/sprinter.md), not lossless.
 
     One candidate at a time: the verifier scores the newest candidate ``y_n`` from the draft state
     that produced ``q_n`` (``feature="previous"``), that state concatenated with ``y_n``'s input

@@ -1,4 +1,4 @@
-"""Tree drafting with an EAGLE head (EAGLE-2's dynamic draft tree; ALGORITHMS.md section 0, greedy SD).
+"""Tree drafting with an EAGLE head (EAGLE-2's dynamic draft tree; docs/algorithms/trees.md).
 
 A round grows a tree of continuations instead of one chain: the head's top ``width`` tokens at the root,
 then, ``k - 1`` times, the head one forward over the ``width`` best leaves so far (best = largest product of
