@@ -67,7 +67,7 @@ class RowProposer:
         self.runner = BatchRunner(draft, slots, policy.draft_hidden, vocab_size, capacity)
         self.policies = [policy.fork() for _ in range(slots)]
         self.held = [np.zeros(0, dtype=np.int64) for _ in range(slots)]  # the tokens each slot's cache holds
-        self.offered: list[tuple[int, list[int]] | None] = [None] * slots  # (sequence length, candidates) last call
+        self.offered: list[list[int] | None] = [None] * slots  # the candidates offered at the last call
         self.seen: list[np.ndarray | None] = [None] * slots  # the sequence the slot's request had at its last call
         self.used = [-1] * slots  # the call that last matched the slot
         self.calls = 0
@@ -117,7 +117,7 @@ class RowProposer:
         result = {}
         for i, slot in slot_of.items():
             cand = [int(t) for t in rounds[slot].tokens] if slot in rounds else []
-            self.offered[slot], self.seen[slot] = (len(rows[i]), cand), rows[i]
+            self.offered[slot], self.seen[slot] = cand, rows[i]
             result[i] = cand
         self.stats["calls"] += 1
         self.stats["rows"] += len(rows)
@@ -167,7 +167,7 @@ class RowProposer:
         """Ends the slot's last round: how many of its candidates the sequence went on with."""
         if self.offered[s] is None:
             return
-        base, cand = self.offered[s]
+        base, cand = len(self.seen[s]), self.offered[s]
         self.offered[s] = None
         kept = seq[base: base + len(cand)]
         accepted = common_prefix(kept, np.asarray(cand, dtype=np.int64))
