@@ -10,10 +10,15 @@ from conftest import module_imports, package_modules
 STAGES = ("heads", "export", "datagen", "train", "evaluate")
 # The project modules each part may import, by part (a stage folder, "root" for the neutral modules under
 # specheads/ and "recipes"). export/ is the decoding library every other stage builds on; heads/ the models.
-ALLOWED = {"heads": {"heads", "root"}, "export": {"export", "heads", "root"},
-           "datagen": {"datagen", "export", "heads", "root"}, "train": {"train", "export", "heads", "root"},
-           "evaluate": {"evaluate", "export", "heads", "root"}, "root": {"root", "export", "heads"},
-           "recipes": {"recipes", "root"}}
+ALLOWED = {
+    "heads": {"heads", "root"},
+    "export": {"export", "heads", "root"},
+    "datagen": {"datagen", "export", "heads", "root"},
+    "train": {"train", "export", "heads", "root"},
+    "evaluate": {"evaluate", "export", "heads", "root"},
+    "root": {"root", "export", "heads"},
+    "recipes": {"recipes", "root"},
+}
 MAX_LINES = 300
 
 
@@ -30,8 +35,13 @@ def _graph() -> dict[str, set[str]]:
 def test_each_stage_imports_only_what_it_may():
     """datagen, train and evaluate never import each other; export and heads import no later stage; the
     neutral modules (contracts, states, grading, config) import no stage but the decoding library."""
-    wrong = sorted((n, o) for n, deps in _graph().items() if n != "specheads.pipeline"
-                   for o in deps if _part(o) not in ALLOWED[_part(n)])
+    wrong = sorted(
+        (n, o)
+        for n, deps in _graph().items()
+        if n != "specheads.pipeline"
+        for o in deps
+        if _part(o) not in ALLOWED[_part(n)]
+    )
     assert wrong == []
 
 
@@ -43,7 +53,7 @@ def test_no_import_circle():
         state[node] = "open"
         for dep in sorted(graph.get(node, ())):
             if state.get(dep) == "open":
-                cycles.append(path[path.index(dep):] + [dep])
+                cycles.append(path[path.index(dep) :] + [dep])
             elif dep not in state:
                 visit(dep, path + [dep])
         state[node] = "done"
@@ -63,14 +73,44 @@ def test_pipeline_calls_only_each_stages_entry_point():
     module that is that stage's CLI (it defines ``main``)."""
     modules = package_modules()
     tree = ast.parse(modules["specheads.pipeline"].read_text(encoding="utf-8"))
-    from_stages = {(node.module, a.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                   and node.module and _part(node.module) in STAGES for a in node.names}
+    from_stages = {
+        (node.module, a.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module and _part(node.module) in STAGES
+        for a in node.names
+    }
     assert {_part(m) for m, _ in from_stages} == {"datagen", "train", "export", "evaluate"}
     assert {name for _, name in from_stages} == {"run"}, from_stages
     assert all(_defines(modules[m], "main") and _defines(modules[m], "run") for m, _ in from_stages)
 
 
-def test_no_stage_module_runs_long():
-    long = {n: lines for n, p in package_modules().items() if _part(n) in STAGES
-            and (lines := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+def test_no_module_runs_long():
+    """No module of the package (the stages, the runtime and the root modules under specheads/) is longer than
+    MAX_LINES."""
+    long = {
+        n: lines
+        for n, p in package_modules().items()
+        if (lines := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
     assert long == {}
+
+
+SHIM = "specheads.export.shim"
+
+
+def test_only_the_shim_reaches_into_the_shim():
+    """Outside ``export/shim/``, modules of the package use the decoding runtime through its public
+    interface (``specheads.export.shim``'s ``__init__``), never through a module inside it."""
+    inside = {
+        n: sorted(o for o in deps if o.startswith(SHIM + "."))
+        for n, deps in _graph().items()
+        if not (n == SHIM or n.startswith(SHIM + "."))
+    }
+    assert {n: o for n, o in inside.items() if o} == {}
+
+
+def test_the_shims_interface_exports_what_it_imports():
+    import specheads.export.shim as shim
+
+    assert sorted(shim.__all__) == sorted(set(shim.__all__))
+    assert all(hasattr(shim, name) for name in shim.__all__)

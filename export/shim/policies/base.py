@@ -14,7 +14,7 @@ counting; a policy owns its decisions. The engine calls, in this order:
 
 What the engine sets up from the policy: ``max_candidates()`` and ``round_room(remaining)`` size
 each round; ``draft_hidden`` / ``target_hidden`` name the final-norm states it captures; ``models``
-are the models used, ``verifier`` the one that emits each round's token (``draft`` for the draft
+are the models used, ``emitter`` the one that emits each round's token (``draft`` for the draft
 alone) and ``bridge`` how candidates cross vocabularies (None: one vocabulary; TLI, SLEM).
 
 Per-round state lives on the :class:`Round` (``rnd.state``), per-prompt state on the policy instance:
@@ -28,14 +28,15 @@ is built from settings and a head (``from_settings``) and how it reads in a log 
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-from ..costs import CostTable
-from ..sampling import SamplingConfig, probs_from_logits, sample
-from .settings import HeadSpec, Settings
+from specheads.export.shim.costs.cost_table import CostTable
+from specheads.export.shim.loop.sampling import SamplingConfig, probs_from_logits, sample
+from specheads.export.shim.policies.settings import HeadSpec, Settings
 
 
 @dataclass
@@ -90,11 +91,12 @@ class Policy:
         draft_hidden / target_hidden: ``None``, ``"pre"`` or ``"post"``: which final-norm
             state the engine captures for ``stop_drafting`` / ``verify``.
         may_skip_target: a round may end without a target call (see ``needs_target``).
-        models: the models decoding uses; verifier: the one whose pass ends each round.
+        models: the models decoding uses; emitter: the one whose pass ends each round and emits its
+            token (``"target"`` or ``"draft"``; spelled ``verifier`` before 0.2, which still works with a warning).
         bridge: None (candidates in the target's vocabulary) or how they cross vocabularies.
         head_file: the exported head a policy built by ``from_settings`` reads (for the log).
         head_feature: that head's ``feature`` metadata (whose states it reads: the draft model's, an EAGLE
-            head's), set by ``policy_from_config``; the decoder checks its drafter against it.
+            head's), set by ``make_policy``; the decoder checks its drafter against it.
         batch: the rows the engine runs in the round about to start (1 at batch 1; set by the batched
             engine and the vLLM proposer before ``start_round``): the cost-aware rules price at it.
     """
@@ -107,13 +109,50 @@ class Policy:
     target_hidden: str | None = None
     may_skip_target = False
     models: tuple[str, ...] = ("target", "draft")
-    verifier = "target"
+    emitter = "target"
     bridge: str | None = None
     head_file: str | None = None
     head_feature: dict | None = None
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "verifier" in cls.__dict__:  # the spelling before 0.2
+            warnings.warn(
+                f"{cls.__name__}.verifier is renamed; write emitter = {cls.__dict__['verifier']!r}",
+                FutureWarning,
+                stacklevel=2,
+            )
+            cls.emitter = cls.__dict__["verifier"]
+
+    #: What a policy must define: its registered ``name`` and ``from_settings`` (how its settings build it).
+    REQUIRED_HOOKS: ClassVar[tuple[str, ...]] = ("name", "from_settings")
+    #: What a policy may override; the defaults are standard SD with a fixed ``k``.
+    OPTIONAL_HOOKS: ClassVar[tuple[str, ...]] = (
+        "Settings",
+        "HEAD",
+        "describe",
+        "reset",
+        "start_round",
+        "draft_round",
+        "stop_drafting",
+        "needs_target",
+        "verify",
+        "end_round",
+        "counters",
+        "trace",
+        "max_candidates",
+        "round_room",
+        "fork",
+    )
+
     def __init__(self, k: int):
         self.k = k
+
+    @classmethod
+    def missing_hooks(cls) -> list[str]:
+        """The required hooks this class leaves at the base's (an empty list: it can be registered)."""
+        own = cls.__mro__[: cls.__mro__.index(Policy)]  # the classes between this one and Policy
+        return [h for h in cls.REQUIRED_HOOKS if not any(h in c.__dict__ for c in own)]
 
     @classmethod
     def from_settings(cls, s, pair=None, head=None, costs=None) -> "Policy":
@@ -185,6 +224,7 @@ class Policy:
 
 
 # ---- standard speculative decoding (docs/algorithms/cost-model.md) ----------------------------------
+
 
 def standard_verify(rnd: Round, logits: torch.Tensor) -> Verdict:
     """The SD acceptance rule (greedy or lossless rejection sampling) on one round."""

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cost_rules import DraftGate, draft_more
-from ..costs import CostTable
-from ..sampling import probs_from_logits, sample
-from .base import Policy, Round, Verdict
-from .settings import K, Check, Settings, bounds
+from specheads.export.shim.costs.cost_rules import DraftGate, draft_more
+from specheads.export.shim.costs.cost_table import CostTable
+from specheads.export.shim.loop.sampling import probs_from_logits, sample
+from specheads.export.shim.policies.base import Policy, Round, Verdict
+from specheads.export.shim.policies.settings import Check, K, Settings, bounds
 
 STOPS = ("threshold", "cost")  # how SpecDecPP and ConfidenceStop decide to stop drafting
 STOP = Check(lambda s: s in STOPS, "{key}={value!r}: expected threshold or cost")
@@ -20,7 +20,7 @@ STOP = Check(lambda s: s in STOPS, "{key}={value!r}: expected threshold or cost"
 def cost_problems(stop: str, costs: CostTable | None) -> list[str]:
     """The rule between ``stop`` and the cost table handed to a cost-aware policy."""
     if stop == "cost" and costs is None:
-        return ["stop=cost needs a cost table (costs=...; see specheads.export.shim.costs.cost_table)"]
+        return ["stop=cost needs a cost table (costs=...; see specheads.export.shim.costs.cost_table.cost_table)"]
     return []
 
 
@@ -72,7 +72,7 @@ class DraftOnly(TargetOnly):
 
     name = "draft"
     models = ("draft",)
-    verifier = "draft"
+    emitter = "draft"
 
 
 @dataclass
@@ -157,9 +157,14 @@ class ConfidenceSettings(Settings):
     k_min: int = 1
     gate: bool = False
     THRESHOLD = "tau"
-    API_ONLY = ("k_min",)
-    CHECKS = {"tau": Check(lambda t: 0 <= t <= 1, "confidence threshold {key}={value} must be in [0, 1]",
-                           "{key}={values}: every tau must be in [0, 1]"), "stop": STOP}
+    CHECKS = {
+        "tau": Check(
+            lambda t: 0 <= t <= 1,
+            "confidence threshold {key}={value} must be in [0, 1]",
+            "{key}={values}: every tau must be in [0, 1]",
+        ),
+        "stop": STOP,
+    }
 
     def relations(self) -> list[str]:
         return bounds(self.k_min, self.k_max) + gate_problems(self.stop, self.gate)
@@ -199,8 +204,15 @@ class ConfidenceStop(_Gated):
     name = "confidence_stop"
     Settings = ConfidenceSettings
 
-    def __init__(self, tau: float = DEFAULT_TAU, k_max: int = 20, stop: str = "threshold",
-                 costs: CostTable | None = None, k_min: int = 1, gate: bool = False):
+    def __init__(
+        self,
+        tau: float = DEFAULT_TAU,
+        k_max: int = 20,
+        stop: str = "threshold",
+        costs: CostTable | None = None,
+        k_min: int = 1,
+        gate: bool = False,
+    ):
         ConfidenceSettings(tau, k_max, stop, k_min, gate).check(*cost_problems(stop, costs))
         super().__init__(k_max)
         self.tau, self.k_min, self.stop, self.costs = float(tau), k_min, stop, costs
@@ -211,8 +223,12 @@ class ConfidenceStop(_Gated):
         return cls(DEFAULT_TAU if s.tau is None else s.tau, s.k_max, s.stop, costs, s.k_min, s.gate)
 
     def describe(self) -> dict:
-        return {"stop": self.stop, "tau": self.tau if self.stop == "threshold" else None, "k_max": self.k,
-                "gate": self.gate is not None}
+        return {
+            "stop": self.stop,
+            "tau": self.tau if self.stop == "threshold" else None,
+            "k_max": self.k,
+            "gate": self.gate is not None,
+        }
 
     def start_round(self, rnd: Round) -> None:
         if self.stop == "cost":

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping
 
 from specheads.errors import UserError
@@ -40,35 +40,55 @@ def bounds(k_min: int, k_max: int) -> list[str]:
 K = Check(lambda k: k >= 1, "{key}={value} must be >= 1 (candidates per round)", "{key}={values}: every K must be >= 1")
 
 
+#: What each setting means, shown by ``heads-decode --help`` under ``<policy>.<setting>`` (a policy's own
+#: ``HELP`` overrides a line).
+HELP = {
+    "k": "candidates per round (tree: the draft tree's depth; tli, slem: draft tokens per round; slrs: most "
+    "target tokens per round)",
+    "head": "the exported head (.safetensors) the policy reads",
+    "h": "stop threshold in (0, 1) (default: the head's); not used with stop=cost",
+    "eta": "approval threshold in [0, 1] (default: the head's)",
+    "delta": "judge threshold in [0, 1] (default: the head's; 1 is SD)",
+    "T": "divergence threshold >= 0 (required)",
+    "tau": "draft-confidence threshold in [0, 1] (default 0.4); not used with stop=cost",
+    "stop": "threshold (stop at the threshold) | cost (no threshold: draft on while one more candidate raises "
+    "the round's expected tokens per ms of the profiled cost table, see profile)",
+    "gate": "with stop=cost: skip drafting in a round when the recent rounds say the draft does not pay",
+    "k_min": "fewest candidates per round",
+    "k_max": "most candidates per round",
+    "max_run": "most verifier-approved tokens in a row before the target is called (null: no cap)",
+    "tree_width": "children per expanded node and leaves expanded per level of the draft tree",
+    "tree_nodes": "draft tokens the target verifies per round (the tree's size; k is its depth)",
+    "verify_top_k": "a candidate is accepted while it is among the target's verify_top_k most likely tokens",
+    "divergence": "kl (KL(p||q)) | kl_rev (KL(q||p)) | js | tv, natural log, p target, q draft",
+    "fsd_top_k": "0 = divergence over the whole vocabulary, else over the target's top fsd_top_k tokens plus one "
+    "bucket for the rest",
+    "fsd_rule": "paper (accept while Div < T, else a token from p) | or (accept when SD accepts or Div < T, else "
+    "the SD residual; T=0 is SD)",
+    "fsd_dist": "raw (softmax of the unwarped logits) | warped (after sampling.temperature/top_k/top_p)",
+    "lookbehind": "committed tokens a re-tokenisation window may cover",
+    "lookahead": "most draft tokens per step (0: the pair's n_max, computed from the two vocabularies and cached)",
+    "budget": "most prefix-tree nodes per step to compute psi; a larger tree falls back to the target's own "
+    "token for that step (lossless, counted as slrs_fallbacks)",
+}
+
+
 @dataclass
 class Settings:
     """Base of a policy's settings: ``CHECKS`` (field -> rule) and ``relations()`` (rules between fields).
 
-    ``THRESHOLD`` names the field that ``threshold=`` stands for on the command lines; ``API_ONLY`` the
-    fields a config does not set (Python-API knobs that keep their defaults there).
+    ``THRESHOLD`` names the field that ``threshold=`` stands for (the policy's threshold under one name);
+    ``HELP`` the policy's own help lines (else :data:`HELP`'s).
     """
 
     CHECKS: ClassVar[dict[str, Check]] = {}
     THRESHOLD: ClassVar[str | None] = None
-    API_ONLY: ClassVar[tuple[str, ...]] = ()
+    HELP: ClassVar[dict[str, str]] = {}
 
     @classmethod
-    def from_config(cls, cfg) -> "Settings":
-        """The settings a flat config (``DecodeConfig``, or any object with these names) gives."""
-        values = {f.name: getattr(cfg, f.name) for f in fields(cls)
-                  if f.name not in cls.API_ONLY and hasattr(cfg, f.name)}
-        alias = getattr(cfg, "threshold", None)
-        if cls.THRESHOLD and values.get(cls.THRESHOLD) is None and alias is not None:
-            values[cls.THRESHOLD] = alias
-        return cls(**values)
-
-    @classmethod
-    def config_problems(cls, cfg) -> list[str]:
-        """Every problem of the settings a config gives, ``threshold=`` against the policy's own name included."""
-        own, alias = getattr(cfg, cls.THRESHOLD or "", None), getattr(cfg, "threshold", None)
-        clash = ([f"threshold={alias} and {cls.THRESHOLD}={own} disagree; set only {cls.THRESHOLD} "
-                  f"(threshold is its other name)"] if None not in (own, alias) and own != alias else [])
-        return clash + cls.from_config(cfg).problems()
+    def help(cls, name: str) -> str:
+        """The help line of setting ``name``."""
+        return cls.HELP.get(name) or HELP.get(name, "")
 
     @classmethod
     def sweep(cls, name: str, key: str, values) -> list[str]:
@@ -78,8 +98,11 @@ class Settings:
     def problems(self, keys: Mapping[str, str] | None = None) -> list[str]:
         """One line per invalid setting; ``keys`` renames settings as the caller's config spells them."""
         keys = keys or {}
-        out = [line for name, check in self.CHECKS.items()
-               for line in check.problems(getattr(self, name), keys.get(name, name))]
+        out = [
+            line
+            for name, check in self.CHECKS.items()
+            for line in check.problems(getattr(self, name), keys.get(name, name))
+        ]
         return out + self.relations()
 
     def relations(self) -> list[str]:

@@ -1,0 +1,104 @@
+"""Judge decoding (docs/algorithms/judge.md): a head on the target's states accepts candidates SD rejects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specheads.export.shim.loop.sampling import probs_from_logits
+from specheads.export.shim.policies.base import Policy, Round, Verdict, sd_accepts, sd_token, standard_verify
+from specheads.export.shim.policies.settings import Check, HeadSpec, K, Settings
+
+
+@dataclass
+class JudgeSettings(Settings):
+    head: str | None = None  # the exported judge head
+    delta: float | None = None  # None: the head's default_threshold, else 0.5
+    k: int = 4
+    THRESHOLD = "delta"
+    CHECKS = {
+        "delta": Check(
+            lambda d: 0 <= d <= 1, "{key}={value} must be in [0, 1]", "{key}={values}: every delta must be in [0, 1]"
+        ),
+        "k": K,
+    }
+
+
+class Judge(Policy):
+    """Judge decoding (docs/algorithms/judge.md), not lossless: verify ``k`` candidates in one
+    target pass and accept the longest prefix on which the judge mask ``sigmoid(head(h_j)) > delta``
+    OR the SD rule holds; at the first candidate both reject, emit the target's token there
+    (greedy: its argmax; sampling: a token from ``norm(max(0, p - q))``, as SD does).
+
+    The head reads the target's last hidden state before the final norm at each candidate's own
+    position, from the verification pass itself (no extra forward). When every candidate is
+    accepted, the target's bonus token follows as in SD, unless the judge accepted the last
+    candidate: then the round ends there (its verdict has no token of its own) and the draft
+    continues from it. So ``delta = 1`` (the judge never accepts) is SD, draw for draw, and a judge
+    that accepts everything is draft-only decoding. ``judge_only`` counts this prompt's accepted
+    candidates that the SD rule rejected.
+
+    Args:
+        head: module mapping a target state ``[n, d]`` to logits ``[n]``.
+        delta: judge threshold in [0, 1]; larger accepts less.
+        k: candidates per round.
+    """
+
+    name = "judge"
+    Settings = JudgeSettings
+    HEAD = HeadSpec("judge", "target", 0.5)
+    target_hidden = "pre"
+
+    def __init__(self, head: torch.nn.Module, delta: float = 0.5, k: int = 10):
+        JudgeSettings(None, delta, k).check()
+        super().__init__(k)
+        self.head, self.delta = head, delta
+        self._dtype = next(head.parameters()).dtype
+        self.judge_only = 0
+
+    @classmethod
+    def from_settings(cls, s, pair=None, head=None, costs=None) -> Policy:
+        policy = cls(head.module, cls.HEAD.threshold_for(s.delta, head), s.k)
+        policy.head_file = s.head
+        return policy
+
+    def describe(self) -> dict:
+        return {"head": self.head_file, "delta": self.delta, "k": self.k}
+
+    def reset(self) -> None:
+        self.judge_only = 0
+
+    def counters(self) -> dict[str, float]:
+        return {"judge_only": self.judge_only}
+
+    def round_room(self, remaining: int) -> int:
+        # A judge that can accept may fill the last slot with a candidate; delta = 1 keeps SD's room.
+        return remaining if self.delta < 1 else remaining - 1
+
+    def verify(self, rnd: Round, logits: torch.Tensor, hidden: torch.Tensor | None) -> Verdict:
+        n = rnd.n
+        if n == 0:
+            return standard_verify(rnd, logits)
+        cand = rnd.candidates(logits.device)
+        assert hidden is not None  # target_hidden is set: the engine passes the target's states
+        judge = self.head(hidden[1 : n + 1].to(self._dtype)).float().reshape(n).sigmoid().to(logits.device) > self.delta
+        if rnd.sampling.do_sample:
+            p = probs_from_logits(logits, rnd.sampling)
+            q = torch.stack(rnd.q).to(p.device)
+            sd = sd_accepts(p, q, cand, rnd.generator)
+        else:
+            top = logits.argmax(-1)
+            sd = cand == top[:n]
+        kept = (judge | sd).long().cumprod(0)
+        counts = torch.stack([kept.sum(), ((judge & ~sd).long() * kept).sum(), judge[n - 1].long()])
+        if rnd.sampling.do_sample:
+            m, judge_only, judged_last = counts.tolist()  # the one sync of the round
+        else:
+            m, judge_only, judged_last, *tokens = torch.cat([counts, top]).tolist()
+        self.judge_only += judge_only
+        if m == n and judged_last:
+            return Verdict(n, None)
+        if not rnd.sampling.do_sample:
+            return Verdict(m, tokens[m])
+        return Verdict(m, sd_token(p, q, m, rnd.generator))

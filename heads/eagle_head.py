@@ -1,0 +1,243 @@
+"""An EAGLE-3-style draft head: one decoder layer over the target's own states (Li et al. 2025).
+
+The head drafts from what the target computed anyway. At position ``t`` it reads the target's
+residual stream at three depths (low, middle, high: ``layers``, counted as Hugging Face's
+``hidden_states`` index, i.e. the input of that decoder layer), fuses them with one linear layer
+(``fc``: ``3d -> d``) into ``g_t`` and runs one Llama decoder layer whose attention reads the
+next token's embedding joined to that state: ``[norm(e(x_{t+1})); norm(g_t)]`` (``2d`` wide). The
+layer's output before the final norm, ``a_t``, is the head's own state; after ``norm`` and
+``lm_head`` (a pruned output layer over ``vocab_ids``, the FR-Spec subset) it scores ``x_{t+2}``.
+The next draft step feeds ``a_t`` in place of ``g`` (no ``fc``: it is already ``d`` wide), so the
+head rolls its own state forward for as many steps as it drafts.
+
+The layout is the speculators / vLLM ``Eagle3`` one (``layers.0.*``, ``fc``, ``norm``, ``lm_head``),
+so ``heads-export format=speculators`` only renames the vocabulary mapping. The token embedding is
+the target's (never stored here); attention and its cache live with the caller (training unrolls
+the steps with :meth:`EagleHead.qkv` and :meth:`EagleHead.finish`; decoding keeps a KV cache).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm (computed in fp32)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int):
+        super().__init__()
+        self.q_proj = nn.Linear(2 * hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """The one decoder layer; attention ``2d -> d`` over the joined embedding and state."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.hidden_norm = RMSNorm(hidden, eps)
+        self.self_attn = Attention(hidden, heads, kv_heads, head_dim)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = MLP(hidden, intermediate)
+
+
+class EagleHead(nn.Module):
+    """The draft head; its constructor arguments are its exported ``head_config``.
+
+    Args:
+        hidden_size: the target's width ``d`` (the head's too).
+        layers: the target's ``hidden_states`` indices it reads (low, middle, high).
+        draft_vocab_size: rows of the pruned output layer.
+        vocab_size: the target's vocabulary size.
+        num_heads, num_kv_heads, head_dim, intermediate_size: the decoder layer's shape.
+        rms_norm_eps, rope_theta: as the target's.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        layers: list[int],
+        draft_vocab_size: int,
+        vocab_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        intermediate_size: int,
+        rms_norm_eps: float = 1e-5,
+        rope_theta: float = 10000.0,
+    ):
+        super().__init__()
+        self.hidden_size, self.layer_ids = hidden_size, [int(i) for i in layers]
+        self.draft_vocab_size, self.vocab_size = draft_vocab_size, vocab_size
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.intermediate_size, self.rms_norm_eps, self.rope_theta = intermediate_size, rms_norm_eps, rope_theta
+        self.fc = nn.Linear(len(self.layer_ids) * hidden_size, hidden_size, bias=False)
+        self.layers = nn.ModuleList(
+            [DecoderLayer(hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, rms_norm_eps)]
+        )
+        self.norm = RMSNorm(hidden_size, rms_norm_eps)
+        self.lm_head = nn.Linear(hidden_size, draft_vocab_size, bias=False)
+        # vocab_ids[i]: the target id of output row i (sorted, so the mapping is monotone)
+        self.register_buffer("vocab_ids", torch.arange(draft_vocab_size, dtype=torch.long))
+
+    def config(self) -> dict:
+        """Constructor arguments, stored in exported metadata (``head_config``)."""
+        return {
+            "hidden_size": self.hidden_size,
+            "layers": self.layer_ids,
+            "draft_vocab_size": self.draft_vocab_size,
+            "vocab_size": self.vocab_size,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+        }
+
+    @property
+    def layer(self) -> DecoderLayer:
+        return self.layers[0]
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary ``cos, sin`` ``[*positions.shape, head_dim]`` (default rope, ``rope_theta``)."""
+        half = self.head_dim // 2
+        inv = 1.0 / (self.rope_theta ** (torch.arange(half, device=positions.device, dtype=torch.float32) / half))
+        ang = positions.float()[..., None] * inv
+        ang = torch.cat([ang, ang], dim=-1)
+        dtype = self.fc.weight.dtype
+        return ang.cos().to(dtype), ang.sin().to(dtype)
+
+    def fuse(self, states: torch.Tensor) -> torch.Tensor:
+        """``g``: the target's states at the head's layers, ``[..., len(layers) * d]`` -> ``[..., d]``."""
+        return self.fc(states)
+
+    def qkv(self, emb: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Queries ``[B, heads, S, hd]`` and keys/values ``[B, kv_heads, S, hd]`` (rotated) for the token
+        embeddings ``emb`` and states ``h`` ``[B, S, d]``; ``cos``/``sin`` ``[S, hd]`` or ``[B, S, hd]``."""
+        ly, a = self.layer, self.layer.self_attn
+        x = torch.cat([ly.input_layernorm(emb), ly.hidden_norm(h)], dim=-1)
+        b, s = x.shape[:2]
+        q = a.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        k = a.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = a.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if cos.dim() == 3:
+            cos, sin = cos[:, None], sin[:, None]
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def finish(self, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The head's state ``a`` ``[B, S, d]`` (before the final norm) from the attention output
+        ``[B, heads, S, hd]`` and the input state ``h`` (the residual stream starts at ``h``)."""
+        ly = self.layer
+        b, _, s, _ = attn.shape
+        x = h + ly.self_attn.o_proj(attn.transpose(1, 2).reshape(b, s, -1))
+        return x + ly.mlp(ly.post_attention_layernorm(x))
+
+    def logits(self, a: torch.Tensor) -> torch.Tensor:
+        """Scores over the pruned vocabulary ``[..., draft_vocab_size]`` from states ``a``."""
+        return self.lm_head(self.norm(a))
+
+    def forward(
+        self, states: torch.Tensor, embeds: torch.Tensor, key_mask: torch.Tensor | None, rows: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Training's forward (through the data-parallel wrapper): :func:`unrolled_forward`."""
+        return unrolled_forward(self, states, embeds, key_mask, rows)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def unrolled_attention(
+    qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor], key_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Training-time test attention of step ``j = len(qs)`` (EAGLE-3): row ``t``'s query sees the first
+    step's keys at positions ``<= t`` (the states the target fed) and, of every later step, only its own
+    row's key (what it drafted itself on the way), as it does while decoding.
+
+    Args:
+        qs, ks, vs: per step so far, ``[B, heads, T, hd]`` queries (only the last is used) and
+            ``[B, kv_heads, T, hd]`` keys/values.
+        key_mask: ``[B, T]`` bool, False at padding (None: no padding).
+
+    Returns:
+        ``[B, heads, T, hd]``.
+    """
+    q = qs[-1]
+    b, h, t, hd = q.shape
+    rep = h // ks[0].shape[1]
+    k1, v1 = ks[0].repeat_interleave(rep, 1), vs[0].repeat_interleave(rep, 1)
+    scale = hd**-0.5
+    main = (q @ k1.transpose(-1, -2)) * scale  # [B, h, T, T]
+    allowed = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    if key_mask is not None:
+        allowed = allowed[None, None] & key_mask[:, None, None, :]
+    main = main.masked_fill(~allowed, float("-inf"))
+    diag_k = [k.repeat_interleave(rep, 1) for k in ks[1:]]
+    diag_v = [v.repeat_interleave(rep, 1) for v in vs[1:]]
+    diag = [((q * k).sum(-1, keepdim=True) * scale) for k in diag_k]  # [B, h, T, 1] each
+    weights = torch.softmax(torch.cat([main, *diag], dim=-1).float(), dim=-1).to(q.dtype)
+    out = weights[..., :t] @ v1
+    for i, v in enumerate(diag_v):
+        out = out + weights[..., t + i : t + i + 1] * v
+    return out
+
+
+def unrolled_forward(
+    head: EagleHead, states: torch.Tensor, embeds: torch.Tensor, key_mask: torch.Tensor | None, rows: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The head unrolled for ``len(rows)`` draft steps over whole sequences (training-time test).
+
+    Step ``j`` (from 0) reads, at row ``t``, the embedding of token ``x_{t+j+1}`` (``embeds[j]``) and the
+    state of the step before (step 0: the fused target states), sits at rotary position ``t + j`` and
+    scores ``x_{t+j+2}``; its attention is :func:`unrolled_attention`.
+
+    Args:
+        states: the target's joined states ``[B, T, len(layers) * d]``.
+        embeds: ``[steps, B, T, d]`` token embeddings per step.
+        key_mask: ``[B, T]`` bool, False at padding (or None).
+        rows: per step, ``[B, T]`` bool: the rows whose scores are returned.
+
+    Returns:
+        per step, the scores ``[rows[j].sum(), draft_vocab_size]`` of the selected rows.
+    """
+    h = head.fuse(states)
+    positions = torch.arange(states.shape[1], device=states.device)
+    qs, ks, vs, out = [], [], [], []
+    for j, sel in enumerate(rows):
+        cos, sin = head.rope(positions + j)
+        q, k, v = head.qkv(embeds[j], h, cos, sin)
+        qs.append(q)
+        ks.append(k)
+        vs.append(v)
+        h = head.finish(unrolled_attention(qs, ks, vs, key_mask), h)
+        out.append(head.logits(h[sel]))
+    return out

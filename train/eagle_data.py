@@ -1,0 +1,208 @@
+"""The EAGLE head's data and loss: ``labels=drafter`` sequences, the pruned vocabulary, the unrolled loss.
+
+A sequence is one prompt and the target's own response with the target's states at every position
+and, at every response token, the target's top-k distribution it was chosen from. Step ``j`` (from
+1) of the unrolled head at row ``t`` scores ``x_{t+j+1}``: its target is the distribution produced at
+position ``t + j``, restricted to the pruned vocabulary and renormalised (EAGLE-3's choice; a position
+whose top-k holds no token of the subset is left out of the loss, and counts as a miss in accuracy).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specheads.dataset import DRAFTER_COLUMNS, DrafterChunkFiles, require_columns, shard_paths
+from specheads.errors import UserError
+from specheads.export.shim import read_ranking, subset_from_ranking
+from specheads.heads.eagle_head import EagleHead
+
+
+@dataclass
+class Sequence:
+    """One prompt + response: ``ids`` ``[T]``, ``states`` ``[T, k*d]`` fp16, ``top_ids``/``top_logp``
+    ``[R, K]`` for the response's ``R`` tokens, which start at position ``start``."""
+
+    ids: torch.Tensor
+    states: torch.Tensor
+    top_ids: torch.Tensor
+    top_logp: torch.Tensor
+    start: int
+
+
+def load_sequences(dirs: list[str], states: bool = True) -> tuple[list[Sequence], list[int]]:
+    """Every sequence of the ``labels=drafter`` runs in ``dirs`` and the layers their states are of (one
+    set of layers across them all). ``states=False``: the states are not read (each sequence gets an
+    empty ``[0, 0]`` tensor) and runs of other layers mix: what a standalone draft trains on."""
+    import pyarrow.parquet as pq
+
+    seqs, layers = [], None
+    none = torch.zeros(0, 0, dtype=torch.float16)
+    for d in dirs:
+        manifest = json.loads((Path(d) / "manifest.json").read_text())
+        got = (manifest.get("drafter") or {}).get("layers")
+        if states and layers is not None and got != layers:
+            raise UserError(
+                f"{d} stores the target's states at layers {got}, {dirs[0]} at {layers}; mix only "
+                "drafter data of the same layers"
+            )
+        layers = got
+        for path in shard_paths(Path(d)):
+            require_columns(path, DRAFTER_COLUMNS)
+            table = pq.read_table(str(path), columns=["input_ids", "response_start"])
+            side = DrafterChunkFiles(Path(d), int(path.stem.split("-")[1])).load(() if states else ("states",))
+            off, roff = side["offsets"].tolist(), side["response_offsets"].tolist()
+            for i, (ids, start) in enumerate(
+                zip(table.column("input_ids").to_pylist(), table.column("response_start").to_pylist())
+            ):
+                seqs.append(
+                    Sequence(
+                        torch.tensor(ids),
+                        side["states"][off[i] : off[i + 1]] if states else none,
+                        side["top_ids"][roff[i] : roff[i + 1]].long(),
+                        side["top_logp"][roff[i] : roff[i + 1]],
+                        int(start),
+                    )
+                )
+    if not seqs:
+        raise UserError(f"{', '.join(dirs)} holds no sequences; run heads-datagen labels=drafter with more prompts")
+    return seqs, layers
+
+
+def vocabulary(cfg, seqs: list[Sequence], eos: list[int], vocab_size: int) -> list[int]:
+    """The pruned output layer's target ids, sorted: ``vocab_top_n`` of ``vocab_file``'s ranking, or of the
+    training responses' tokens when no file is given (EOS always kept)."""
+    if cfg.vocab_file:
+        ranking = read_ranking(cfg.vocab_file)
+    else:
+        counts = Counter()
+        for s in seqs:
+            counts.update(s.ids[s.start :].tolist())
+            counts.update(s.top_ids[:, 0].tolist())
+        ranking = {"ranking": [t for t, _ in counts.most_common()], "vocab_size": vocab_size}
+    return sorted(subset_from_ranking(ranking, min(cfg.vocab_top_n, vocab_size), eos, vocab_size))
+
+
+def _shift(x: torch.Tensor, j: int, fill) -> torch.Tensor:
+    """``out[:, t] = x[:, t + j]`` (``fill`` past the end)."""
+    out = torch.full_like(x, fill)
+    if j < x.shape[1]:
+        out[:, : x.shape[1] - j] = x[:, j:]
+    return out
+
+
+def collate(seqs: list[Sequence], index: torch.Tensor, device) -> tuple[dict, dict]:
+    """A padded batch: inputs ``ids`` ``[B, T]``, ``states`` ``[B, T, k*d]`` (fp32), ``mask`` ``[B, T]``; targets
+    at every position ``p`` (the distribution of ``x_{p+1}``): ``tid`` ``[B, T, K]`` (draft-vocabulary rows,
+    -1 outside the subset), ``tp`` (probabilities) and ``valid`` ``[B, T]``. ``index`` maps target ids to rows."""
+    b, t = len(seqs), max(len(s.ids) for s in seqs)
+    k = seqs[0].top_ids.shape[1]
+    ids = torch.zeros(b, t, dtype=torch.long)
+    states = torch.zeros(b, t, seqs[0].states.shape[1])
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    tid = torch.full((b, t, k), -1, dtype=torch.long)
+    tp = torch.zeros(b, t, k)
+    valid = torch.zeros(b, t, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        n, r = len(s.ids), s.top_ids.shape[0]
+        ids[i, :n], states[i, :n], mask[i, :n] = s.ids, s.states.float(), True
+        tid[i, s.start - 1 : s.start - 1 + r] = index[s.top_ids]
+        tp[i, s.start - 1 : s.start - 1 + r] = s.top_logp.exp()
+        valid[i, s.start - 1 : s.start - 1 + r] = True
+    put = lambda d: {key: v.to(device) for key, v in d.items()}  # noqa: E731
+    return put({"ids": ids, "states": states, "mask": mask}), put({"tid": tid, "tp": tp, "valid": valid})
+
+
+def step_rows(x: dict, y: dict, steps: int) -> list[torch.Tensor]:
+    """Per step ``j`` (1..steps), the rows ``t`` that have a target: the distribution at ``t + j`` exists."""
+    return [_shift(y["valid"], j, False) & _shift(x["mask"], j, False) for j in range(1, steps + 1)]
+
+
+def step_embeds(embed: torch.Tensor, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """``[steps, B, T, d]``: at step ``j``, row ``t`` reads token ``x_{t+j}``."""
+    return torch.stack([embed[_shift(ids, j, 0)] for j in range(1, steps + 1)])
+
+
+def unrolled_loss(
+    head, embed: torch.Tensor, x: dict, y: dict, steps: int, decay: float, stats: dict | None = None
+) -> torch.Tensor:
+    """The weighted soft cross-entropy over the unrolled steps (step ``j`` weighs ``decay ** (j - 1)``);
+    ``stats`` (when given) gets per step the summed loss, hits of the target's top-1 and row counts."""
+    rows = step_rows(x, y, steps)
+    dtype = next(head.parameters()).dtype
+    out = head(x["states"].to(dtype), step_embeds(embed, x["ids"], steps).to(dtype), x["mask"], rows)
+    total, weights = 0.0, 0.0
+    hits = []
+    for j, (sel, logits) in enumerate(zip(rows, out)):
+        logq = torch.log_softmax(logits.float(), dim=-1)
+        tid, tp = _shift(y["tid"], j + 1, -1)[sel], _shift(y["tp"], j + 1, 0.0)[sel]
+        p = tp * (tid >= 0)
+        mass = p.sum(-1)
+        keep = mass > 0
+        ce = -(p[keep] / mass[keep, None] * logq[keep].gather(-1, tid[keep].clamp_min(0))).sum(-1)
+        if keep.any():
+            total = total + decay**j * ce.mean()
+            weights += decay**j
+        if stats is not None:
+            s = stats.setdefault(j + 1, {"loss": 0.0, "kept": 0, "hits": 0, "rows": 0})
+            s["loss"] += float(ce.sum())
+            s["kept"] += int(keep.sum())
+            s["hits"] += int((logq.argmax(-1) == tid[:, 0]).sum())
+            s["rows"] += int(sel.sum())
+            hits.append((sel, logq.argmax(-1) == tid[:, 0]))
+    if stats is not None:
+        stats.setdefault("hit_rows", []).append(hits)
+    return total / max(weights, 1e-12)
+
+
+def run_lengths(batches: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> tuple[float, int]:
+    """Mean number of leading steps whose top-1 matches the target's, over rows every step scores (the
+    greedy tokens accepted per round at a fixed ``k = steps``), and how many rows that is. ``batches``: per
+    batch, per step, the scored rows and their hits."""
+    total, count = 0.0, 0
+    for steps in batches:
+        full = steps[0][0].clone()
+        for sel, _ in steps[1:]:
+            full &= sel
+        run = torch.ones(int(full.sum()), dtype=torch.long)
+        for sel, hit in steps:
+            per_row = torch.zeros_like(sel, dtype=torch.bool)
+            per_row[sel] = hit
+            run = run * per_row[full].long()
+            total += float(run.sum())
+        count += int(full.sum())
+    return (total / count if count else 0.0), count
+
+
+def init_from_target(head: EagleHead, target, vocab_ids: list[int], seed: int) -> None:
+    """Starts the head from the target: its last decoder layer (the state half of the attention inputs;
+    the embedding half small and random), final norm and output-layer rows; ``fc`` passes the highest
+    layer's state through."""
+    gen = torch.Generator().manual_seed(seed)
+    last, ly = target.model.layers[-1], head.layer
+    d, parts = head.hidden_size, len(head.layer_ids)
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            w = getattr(last.self_attn, name).weight.detach().float()
+            noise = torch.randn(w.shape, generator=gen) * 0.02
+            getattr(ly.self_attn, name).weight.copy_(torch.cat([noise, w], dim=1))
+        ly.self_attn.o_proj.weight.copy_(last.self_attn.o_proj.weight.float())
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(ly.mlp, name).weight.copy_(getattr(last.mlp, name).weight.float())
+        for mine, theirs in (
+            (ly.input_layernorm, last.input_layernorm),
+            (ly.hidden_norm, last.input_layernorm),
+            (ly.post_attention_layernorm, last.post_attention_layernorm),
+            (head.norm, target.model.norm),
+        ):
+            mine.weight.copy_(theirs.weight.float())
+        fc = torch.randn(d, parts * d, generator=gen) * 0.01
+        fc[:, (parts - 1) * d :] += torch.eye(d)
+        head.fc.weight.copy_(fc)
+        ids = torch.tensor(vocab_ids, dtype=torch.long)
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight.detach().float()[ids])
+        head.vocab_ids.copy_(ids)

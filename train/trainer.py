@@ -1,0 +1,260 @@
+"""The head training run: setup, epochs, evaluation, early stopping, checkpoints, export.
+
+One loop serves every head; the run's task (``task.py``, chosen by ``head=`` in ``registry.py``)
+says which examples, which features and labels, how to build, evaluate, select and describe the
+head, and what to report after training: the SpecDec++ acceptance head (``acceptance_task.py``),
+the SPRINTER verifier (``verifier_task.py``), the Judge head (``judge_task.py``). The loss is the
+weighted BCE with the task's class weights (a task with its own ``loss``, the EAGLE draft head
+(``eagle_task.py``), brings that instead); the best epoch's head is ``head.safetensors``, or what the
+task's own ``save`` writes (the standalone draft, ``distill_task.py``: a model directory ``draft/``).
+
+Data parallel under ``accelerate launch`` (DDP, DeepSpeed ZeRO 1-3, ``zero.py``): every process
+draws the same seeded epoch permutation and takes every ``world``-th micro-batch of it, so the
+examples a step sees do not depend on timing. Checkpoints (``checkpoint.py``) are written at epoch
+ends and, with ``checkpoint_every``, every that many optimizer steps; a rerun of the same command
+(same number of processes) continues at the saved data position with the saved optimizer,
+scheduler and RNG state, and ends with the head an uninterrupted run ends with, bit for bit (under
+the same numerics settings, which checkpoints record: a resume under others warns, see
+``specheads.numerics``). Its ``metrics.jsonl`` is first cut back to the rows written up to that
+checkpoint, so no step appears twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specheads.config import to_yaml
+from specheads.errors import UserError
+from specheads.export import save_head
+from specheads.numerics import check_resume, numerics_settings
+from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir
+from specheads.train import checkpoint, zero
+from specheads.train.config import TrainConfig
+from specheads.train.loss import weighted_soft_bce
+from specheads.train.registry import task_type
+from specheads.train.run_data import _epoch_batches, data_manifest, overwrites_another_run  # noqa: F401
+from specheads.train.task import Task, param_dtype
+
+log = logging.getLogger(__name__)
+
+
+def train(cfg: TrainConfig, out: Path, fresh: bool = False) -> dict:
+    """Runs the whole training; returns the final metrics and the run's ``numerics``. Resumes from the
+    newest checkpoint in ``out``, if any, unless ``fresh`` (``out`` held another run, overwritten: its
+    state is removed)."""
+    from accelerate import Accelerator
+
+    cuda = torch.cuda.is_available()
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"  # set by accelerate launch
+    # Under DeepSpeed the engine owns accumulation (and scales the loss); elsewhere this loop does.
+    acc = Accelerator(
+        cpu=not cuda and not deepspeed,
+        gradient_accumulation_steps=cfg.grad_accum if deepspeed else 1,
+        mixed_precision="bf16" if cfg.bf16 and cuda and torch.cuda.is_bf16_supported() else "no",
+    )
+    manifest = data_manifest(cfg)
+    kind = task_type(cfg.head)
+    held = manifest.get("labels", "acceptance")
+    if held not in kind.labels:
+        raise UserError(
+            f"{cfg.data_dir} holds labels={held!r} data; head={cfg.head} needs heads-datagen labels={kind.labels[0]}"
+        )
+    if _any_rank(acc, fresh):
+        if acc.is_main_process:
+            checkpoint.clear(out)
+            for name in (getattr(kind, "artifact", "head.safetensors"), "head.safetensors", "best_metrics.json"):
+                shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink(missing_ok=True)
+        acc.wait_for_everyone()
+    task = kind.setup(cfg, manifest, acc)
+    best, numerics = _fit(cfg, out, acc, task)
+    for note, sub in task.companions(out):
+        fresh = overwrites_another_run(sub)
+        if acc.is_main_process:
+            prepare_output_dir(sub.output_dir, to_yaml(sub), overwrite=sub.overwrite)
+        acc.wait_for_everyone()
+        log.info("%s in %s", note, sub.output_dir)
+        train(sub, Path(sub.output_dir), fresh=fresh)
+    best.update(task.report(out, acc, best))
+    if acc.is_main_process and best.get("eval_calibration"):
+        from specheads.calibration import reliability_png
+
+        curve = {"ece": best["eval_ece"], "brier": best["eval_brier"], "bins": best["eval_calibration"]}
+        best["reliability_png"] = str(
+            reliability_png(
+                out / "reliability.png",
+                {f"{task.head_type} head, epoch {best.get('epoch')}": curve},
+                f"{cfg.head} head: held-out calibration ({best.get('eval_tokens')} examples)",
+            )
+        )
+    best["numerics"] = numerics
+    return best
+
+
+def _fit(cfg: TrainConfig, out: Path, acc, task: Task) -> tuple[dict, dict]:
+    """Epochs, evaluation, early stopping, checkpoints and the best head's export; returns the best
+    epoch's metrics and the run's numerics."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    head = task.build_head()
+    own_loss = hasattr(task, "loss")
+    train_ex = task.train_examples
+    w_pos, w_neg = task.weights
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    world = acc.num_processes
+    micro = len(_epoch_batches(len(train_ex), cfg.batch_size, world, cfg.seed, 0)) // world
+    steps_per_epoch = math.ceil(micro / cfg.grad_accum)
+    total = min(steps_per_epoch * cfg.epochs, cfg.max_steps or 1 << 62)
+    sched = get_cosine_schedule_with_warmup(opt, math.ceil(cfg.warmup_ratio * total), total)
+    ds = zero.enabled(acc)
+    zero3 = ds and zero.configure(acc, cfg.batch_size, cfg.grad_accum, task.hidden)
+    # position: the next micro-batch of this process's share of the epoch (at an optimizer step)
+    progress = {"epoch": 0, "step": 0, "position": 0, "best": None, "bad_epochs": 0, "done": False, "world": world}
+    ckpt = checkpoint.find(out, world, acc.process_index, zero=ds, any_rank=lambda bad: _any_rank(acc, bad))
+    if ckpt is not None:  # under DeepSpeed the optimizer state is per-rank partitions, loaded after prepare
+        progress.update(checkpoint.restore(ckpt, head, None if ds else opt, sched))
+        log.info(
+            "resumed from %s (epoch %d, step %d, micro-batch %d)",
+            ckpt.path,
+            progress["epoch"],
+            progress["step"],
+            progress["position"],
+        )
+        if acc.is_main_process:
+            _cut_metrics(out, progress.get("metrics_bytes"))
+    head, opt = acc.prepare(head, opt)
+    raw = acc.unwrap_model(head)
+    dtype = param_dtype(raw)
+    if ds and ckpt is not None:
+        zero.load_partition(ckpt, opt, acc.process_index, world)
+    dtypes, devices = {"head": dtype, "autocast": acc.mixed_precision}, {"head": acc.device}
+    for role, (model_dtype, device) in task.models().items():  # the frozen models the task runs
+        dtypes[role], devices[role] = model_dtype, device
+    numerics = numerics_settings(world, dtypes, devices)
+    if ckpt is not None and acc.is_main_process:
+        check_resume(ckpt.progress.get("numerics"), numerics, str(ckpt.path))
+    progress["numerics"] = numerics  # what the next checkpoints record
+    ckpt = None
+    final = {}
+    with (
+        MetricsWriter(out) if acc.is_main_process else _Null() as metrics,
+        tqdm(
+            total=total, initial=progress["step"], unit="step", desc="heads-train", disable=not acc.is_main_process
+        ) as bar,
+    ):
+
+        def save_checkpoint():
+            parts = []
+            if ds:  # every rank writes its optimizer partition; the main process files them in
+                zero.save_partition(out, progress["step"], opt, acc.process_index, world)
+                parts = [checkpoint.zero_partition_path(out, progress["step"], r) for r in range(world)]
+                acc.wait_for_everyone()
+            with zero.full_weights(raw, zero3):
+                if acc.is_main_process:
+                    progress["metrics_bytes"] = metrics.path.stat().st_size  # what a resumed run keeps
+                    checkpoint.save(
+                        out, progress["step"], raw, None if ds else opt, sched, dict(progress), extra_files=parts
+                    )
+            acc.wait_for_everyone()
+
+        while not progress["done"] and progress["epoch"] < cfg.epochs:
+            epoch = progress["epoch"]
+            batches = _epoch_batches(len(train_ex), cfg.batch_size, world, cfg.seed, epoch)[acc.process_index :: world]
+            head.train()
+            for i in range(progress["position"], len(batches)):
+                x, y = task.batch([train_ex[j] for j in batches[i]], epoch)
+                with acc.autocast():  # a DeepSpeed bf16 engine holds bf16 weights: feed it its dtype
+                    if own_loss:  # a draft head's loss is its own (against the target's distributions)
+                        loss = task.loss(head, x, y)
+                    else:
+                        loss = weighted_soft_bce(head(x.to(dtype)).float(), y, w_pos, w_neg)
+                if not ds:  # DeepSpeed divides by its gradient_accumulation_steps itself
+                    loss = loss / cfg.grad_accum
+                last = (i + 1) % cfg.grad_accum == 0 or i + 1 == len(batches)
+                if ds:  # where DeepSpeed's accumulation boundary is
+                    acc.gradient_state._set_sync_gradients(last)
+                if last:
+                    acc.backward(loss)
+                    opt.step()
+                    sched.step()
+                    opt.zero_grad()
+                    progress["step"] += 1
+                    progress["position"] = i + 1
+                    bar.update()
+                    metrics.write(
+                        step=progress["step"],
+                        epoch=epoch,
+                        loss=float(loss.detach()) * (1 if ds else cfg.grad_accum),
+                        lr=sched.get_last_lr()[0],
+                    )
+                    if progress["step"] >= total:
+                        break
+                    if cfg.checkpoint_every and progress["step"] % cfg.checkpoint_every == 0 and i + 1 < len(batches):
+                        save_checkpoint()  # mid-epoch (the epoch's last step is checkpointed after its eval)
+                else:
+                    with acc.no_sync(head):
+                        acc.backward(loss)
+            head.eval()
+            final = {"epoch": epoch, "step": progress["step"], **task.evaluate(raw, task.eval_examples)}
+            metrics.write(final)
+            score = task.score(final)
+            improved = progress["best"] is None or score < progress["best"]
+            if improved:
+                progress["best"], progress["bad_epochs"] = score, 0
+            else:
+                progress["bad_epochs"] += 1
+            with zero.full_weights(raw, zero3):
+                if improved and acc.is_main_process:
+                    if hasattr(task, "save"):  # a task that writes something else (head=draft: a model directory)
+                        task.save(out, raw, final)
+                    else:
+                        save_head(
+                            out / "head.safetensors",
+                            raw,
+                            task.head_type,
+                            {"head_config": raw.config(), **task.metadata(final)},
+                        )
+                    atomic_write_json(out / "best_metrics.json", final)
+            progress["epoch"] += 1
+            progress["position"] = 0
+            progress["done"] = progress["bad_epochs"] >= cfg.patience or progress["step"] >= total
+            save_checkpoint()
+    best = json.loads((out / "best_metrics.json").read_text()) if (out / "best_metrics.json").exists() else final
+    return best, numerics
+
+
+def _any_rank(acc, bad: bool) -> bool:
+    """Whether any process says ``bad`` (every process must call it)."""
+    if acc.num_processes == 1:
+        return bad
+    flag = torch.tensor([1.0 if bad else 0.0], device=acc.device)
+    return bool(acc.reduce(flag, reduction="sum").item() > 0)
+
+
+def _cut_metrics(out: Path, size: int | None) -> None:
+    """Drops the rows a killed run wrote after the checkpoint it resumes from (the rerun writes them again)."""
+    path = out / "metrics.jsonl"
+    if size is not None and path.is_file() and path.stat().st_size > size:
+        with open(path, "r+b") as f:
+            f.truncate(size)
+        log.info("metrics.jsonl cut back to the checkpoint's rows (%d bytes)", size)
+
+
+class _Null:
+    path = None
+
+    def write(self, *a, **k):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
