@@ -5,8 +5,13 @@ recipe ``specdecpp_draft_quickstart`` prunes it) over held-out prompts and recor
 With ``--reference FILE`` (the same script run on an older checkout) it compares token for token
 and fails (exit 1) on any difference.
 
-    PYTHONPATH=/path/to/old/tree python bench/greedy_identity.py --out /tmp/ref.json   # before
-    python bench/greedy_identity.py --reference /tmp/ref.json                          # after
+    git worktree add /tmp/old OLD_COMMIT && pip install --no-deps --target /tmp/oldpkg /tmp/old
+    cd /tmp/old && PYTHONPATH=/tmp/oldpkg python bench/greedy_identity.py --out /tmp/ref.json   # before
+    python bench/greedy_identity.py --reference /tmp/ref.json                                  # after
+
+(an editable install maps the folders to ``specheads.*``: the old tree is installed as a plain package beside
+it and put first on the path). The configurations are written in the spelling of 0.2; ``--old-spelling``
+passes them as the flat settings an older ``heads-decode`` reads.
 
 The SpecDec++ rows need an exported acceptance head for the pruned draft (``--head``, default the
 draft-based quickstart pipeline's ``runs/specdecpp_draft_quickstart-export/head.safetensors``); without one
@@ -31,24 +36,41 @@ PROMPTS = [(f"{SHARED}/data/gsm8k/test.jsonl", 900, 4), (f"{SHARED}/data/mt_benc
 
 
 def configs(head: str | None) -> dict[str, list[str]]:
-    out = {"ar": ["policy=ar"], "sd_k1": ["policy=sd", "k=1"], "sd_k3": ["policy=sd", "k=3"],
-           "confidence_stop": ["policy=confidence_stop", "k_max=6"],
-           "confidence_stop_cost": ["policy=confidence_stop", "stop=cost", "k_max=6"],
-           "topk_verify": ["policy=topk_verify", "k=3", "verify_top_k=2"],
-           "fsd_js": ["policy=fsd", "k=3", "threshold=0.3", "divergence=js"],
-           "fsd_kl_or": ["policy=fsd", "k=3", "threshold=0.5", "divergence=kl", "fsd_rule=or"]}
+    """Each configuration's heads-decode arguments, in the spelling of 0.2 (``<policy>.<setting>=``); an older
+    checkout that lacks it reads the same settings with :func:`old_spelling`."""
+    out = {
+        "ar": ["policy=ar"],
+        "sd_k1": ["policy=sd", "sd.k=1"],
+        "sd_k3": ["policy=sd", "sd.k=3"],
+        "confidence_stop": ["policy=confidence_stop", "confidence_stop.k_max=6"],
+        "confidence_stop_cost": ["policy=confidence_stop", "confidence_stop.stop=cost", "confidence_stop.k_max=6"],
+        "topk_verify": ["policy=topk_verify", "topk_verify.k=3", "topk_verify.verify_top_k=2"],
+        "fsd_js": ["policy=fsd", "fsd.k=3", "fsd.T=0.3", "fsd.divergence=js"],
+        "fsd_kl_or": ["policy=fsd", "fsd.k=3", "fsd.T=0.5", "fsd.divergence=kl", "fsd.fsd_rule=or"],
+    }
     if head:
-        out.update({"specdecpp": ["policy=specdecpp", f"head={head}", "k_min=1", "k_max=6"],
-                    "specdecpp_cost": ["policy=specdecpp", f"head={head}", "stop=cost", "k_min=1", "k_max=6"]})
+        own = ["specdecpp.k_min=1", "specdecpp.k_max=6"]
+        out.update(
+            {
+                "specdecpp": ["policy=specdecpp", f"specdecpp.head={head}", *own],
+                "specdecpp_cost": ["policy=specdecpp", f"specdecpp.head={head}", "specdecpp.stop=cost", *own],
+            }
+        )
     return out
 
 
-def run(head: str | None, max_new: int) -> dict[str, list[list[int]]]:
+def old_spelling(args: list[str]) -> list[str]:
+    """The flat spelling before 0.2 of the same arguments (``sd.k=1`` -> ``k=1``)."""
+    return [a.split(".", 1)[1] if not a.startswith("policy=") and "." in a.split("=", 1)[0] else a for a in args]
+
+
+def run(head: str | None, max_new: int, old: bool = False) -> dict[str, list[list[int]]]:
     from specheads.export.decode_cli import main
 
     vocab = ROOT / "runs/specdecpp_draft_quickstart-vocab/vocab.json"
     if not vocab.is_file():
-        from specheads.datagen.vocab import main as vocab_main
+        from specheads.datagen.vocab_ranking import main as vocab_main
+
         vocab_main(["recipe=specdecpp_draft_quickstart", f"output={vocab}"])
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -56,9 +78,17 @@ def run(head: str | None, max_new: int) -> dict[str, list[list[int]]]:
             tokens = []
             for i, (path, offset, n) in enumerate(PROMPTS):
                 out = Path(tmp) / f"{name}-{i}"
-                argv = ["recipe=quickstart", f"prompts={path}", f"offset={offset}", f"num_prompts={n}",
-                        f"max_new_tokens={max_new}", f"output_dir={out}", f"draft.vocab_file={vocab}",
-                        "draft.vocab_top_n=8192", *extra]
+                argv = [
+                    "recipe=quickstart",
+                    f"prompts={path}",
+                    f"offset={offset}",
+                    f"num_prompts={n}",
+                    f"max_new_tokens={max_new}",
+                    f"output_dir={out}",
+                    f"draft.vocab_file={vocab}",
+                    "draft.vocab_top_n=8192",
+                    *(old_spelling(extra) if old else extra),
+                ]
                 start = time.perf_counter()
                 rc = main(argv)
                 if rc:
@@ -76,14 +106,18 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--reference", default="", help="outputs of an older checkout to compare with")
     ap.add_argument("--out", default=str(ROOT / "bench/results/greedy_identity.json"))
+    ap.add_argument("--old-spelling", action="store_true", help="the flat settings before 0.2 (an older checkout)")
     args = ap.parse_args(argv)
     head = args.head if args.head and Path(args.head).is_file() else None
     if head is None:
         print(f"no head at {args.head}: SpecDec++ rows skipped", file=sys.stderr)
-    outputs = run(head, args.max_new_tokens)
-    report = {"command": "python bench/greedy_identity.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "prompts": [f"{p} [{o}:{o + n}]" for p, o, n in PROMPTS], "max_new_tokens": args.max_new_tokens,
-              "outputs": outputs}
+    outputs = run(head, args.max_new_tokens, args.old_spelling)
+    report = {
+        "command": "python bench/greedy_identity.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "prompts": [f"{p} [{o}:{o + n}]" for p, o, n in PROMPTS],
+        "max_new_tokens": args.max_new_tokens,
+        "outputs": outputs,
+    }
     status = 0
     if args.reference:
         ref = json.loads(Path(args.reference).read_text())

@@ -23,36 +23,42 @@ from transformers.utils import logging as hf_logging
 
 from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError
+from specheads.export import vllm_engine
+from specheads.export.api import Decoder, load_eagle, make_policy, pair_costs
+from specheads.export.decode_config import DecodeConfig, decode_schema, normalize
+from specheads.export.shim import (
+    COUNTS,
+    POLICIES,
+    PROFILES,
+    GenerationStats,
+    load_pair,
+    predict_ms_per_token,
+    tree_problems,
+)
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, read_finished_rows, write_manifest
 from specheads.prompts import load_prompt_files
 
-from . import vllm_engine
-from .api import Decoder, load_eagle, pair_costs, policy_from_config
-from .decode_config import DecodeConfig
-from .shim.cost_rules import predict_ms_per_token
-from .shim.costs import PROFILES
-from .shim.models import load_pair
-from .shim.policies import POLICIES, STOPS, StandardSD
-from .shim.stats import COUNTS, GenerationStats
-from .shim.tree import tree_problems
-
 log = logging.getLogger(__name__)
 PROG = "heads-decode"
-COST_STOP = tuple(n for n, p in POLICIES.items() if "stop" in p.Settings.__dataclass_fields__)  # stop=cost
 
 
-def _check(cfg: DecodeConfig) -> None:
+def _check(cfg: DecodeConfig):
+    """Every problem of the config in one UserError; returns the chosen policy's settings (old flat spellings
+    moved into its section, :func:`~.decode_config.normalize`)."""
     problems = list(cfg.sampling.problems())
     cls = POLICIES.get(cfg.policy)
+    settings = None
     if cls is None:
         problems.append(f"policy={cfg.policy!r} is not one of {list(POLICIES)}")
-    # The policy checks its own settings; an unknown one still gets k checked, so one run reports every problem.
-    problems += (cls or StandardSD).Settings.config_problems(cfg)
-    if cls is not None and cfg.policy not in COST_STOP and (cfg.stop == "cost" or cfg.stop not in STOPS):
-        problems.append(f"stop={cfg.stop} applies to policy={' or '.join(COST_STOP)}, not policy={cfg.policy}")
+    else:
+        try:  # the policy checks its own settings
+            settings = normalize(cfg)
+        except UserError as exc:
+            problems.append(str(exc))
+    stop = getattr(settings, "stop", None) if settings is not None else getattr(cfg, "stop", None)
     if getattr(cls, "tree", False):
         problems += tree_problems(bool(cfg.eagle), cfg.sampling, cfg.fused_forward)
-    if cfg.stop == "cost" and cfg.profile not in PROFILES and not Path(cfg.profile).is_file():
+    if stop == "cost" and cfg.profile not in PROFILES and not Path(cfg.profile).is_file():
         problems.append(f"profile={cfg.profile!r} is not auto, refresh or an existing cost-table JSON file")
     if cfg.max_new_tokens < 1:
         problems.append(f"max_new_tokens={cfg.max_new_tokens} must be >= 1")
@@ -63,16 +69,18 @@ def _check(cfg: DecodeConfig) -> None:
     if cfg.batch_size < 1:
         problems.append(f"batch_size={cfg.batch_size} must be >= 1")
     elif cfg.batch_size > 1 and cls is not None and cls.bridge is not None:
-        problems.append(f"batch_size={cfg.batch_size}: policy={cfg.policy} drafts across vocabularies and runs at "
-                        "batch 1 only")
+        problems.append(
+            f"batch_size={cfg.batch_size}: policy={cfg.policy} drafts across vocabularies and runs at batch 1 only"
+        )
     if cfg.engine not in ("specheads", "vllm"):
         problems.append(f"engine={cfg.engine!r}; choose specheads or vllm")
     elif cfg.engine == "vllm":
-        problems += vllm_engine.problems(cfg)
+        problems += vllm_engine.problems(cfg, settings)
     if cfg.batch_size > 1 and cfg.stream:
         problems.append("stream=true prints one completion at a time: use batch_size=1")
     if problems:
         raise UserError("; ".join(problems))
+    return settings
 
 
 class _Streamer:
@@ -87,7 +95,7 @@ class _Streamer:
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more tokens
             return
-        sys.stdout.write(text[self.printed:])
+        sys.stdout.write(text[self.printed :])
         sys.stdout.flush()
         self.printed = len(text)
 
@@ -100,7 +108,7 @@ def _stats(row: dict) -> GenerationStats:
 
 def run(cfg: DecodeConfig) -> int:
     """Loads the pair, decodes every prompt, writes outputs and metrics."""
-    _check(cfg)
+    settings = _check(cfg)
     hf_logging.disable_progress_bar()  # our own bar is the one to watch; errors stay one line
     prompts = load_prompt_files(cfg.prompts, limit=cfg.num_prompts, offset=cfg.offset)
     config_yaml = to_yaml(cfg)
@@ -111,26 +119,38 @@ def run(cfg: DecodeConfig) -> int:
         (out_dir / "outputs.jsonl").unlink(missing_ok=True)
     done = {row["index"]: row for row in read_finished_rows(out_dir / "outputs.jsonl")}
     if cfg.engine == "vllm":  # vLLM decodes every prompt in a child process of its own Python
-        return vllm_engine.run(cfg, prompts, out_dir, PROG)
+        return vllm_engine.run(cfg, settings, prompts, out_dir, PROG)
     if done:
         log.info("resuming: %d of %d prompts already done in %s", len(done), len(prompts), out_dir)
     family = POLICIES[cfg.policy]
     # TLI and SLEM bridge two vocabularies; the draft alone needs none of the target's.
-    pair = load_pair(cfg.target, cfg.draft if "draft" in family.models and not cfg.eagle else None,
-                     same_vocab=family.bridge is None and len(family.models) == 2)
+    pair = load_pair(
+        cfg.target,
+        cfg.draft if "draft" in family.models and not cfg.eagle else None,
+        same_vocab=family.bridge is None and len(family.models) == 2,
+    )
     eagle = load_eagle(cfg.eagle, pair) if cfg.eagle else None
     costs = None
-    if cfg.stop == "cost":
-        unused = [f"{k}={getattr(cfg, k)}" for k in ("threshold", "h", "tau") if getattr(cfg, k) is not None]
-        if unused:
-            log.warning("%s is not used with stop=cost", ", ".join(unused))
-        most = max(cfg.k_max, cfg.tree_nodes if getattr(family, "tree", False) else 0)
-        costs = pair_costs(pair, most + 1, cfg.profile, cfg.fused_forward, eagle=eagle,
-                           batch_size=cfg.batch_size)
+    if getattr(settings, "stop", None) == "cost":
+        own = family.Settings.THRESHOLD
+        if own and getattr(settings, own) is not None:
+            log.warning("%s.%s=%s is not used with stop=cost", cfg.policy, own, getattr(settings, own))
+        most = max(getattr(settings, "k_max", 20), getattr(settings, "tree_nodes", 0))
+        costs = pair_costs(pair, most + 1, cfg.profile, cfg.fused_forward, eagle=eagle, batch_size=cfg.batch_size)
         log.info("%s", costs.describe())
-    policy = policy_from_config(cfg.policy, cfg, pair, cfg.sampling, cfg.strict, costs, eagle=eagle)
-    decoder = Decoder(pair, policy, cfg.max_new_tokens, cfg.k, cfg.sampling, cfg.seed, cfg.chat_template,
-                      cfg.fused_forward, eagle=eagle)
+    policy = make_policy(
+        cfg.policy, pair, settings=settings, sampling=cfg.sampling, strict=cfg.strict, costs=costs, eagle=eagle
+    )
+    decoder = Decoder(
+        pair,
+        policy,
+        cfg.max_new_tokens,
+        sampling=cfg.sampling,
+        seed=cfg.seed,
+        chat_template=cfg.chat_template,
+        fused_forward=cfg.fused_forward,
+        eagle=eagle,
+    )
     problem = decoder.batch_problem() if cfg.batch_size > 1 else None
     if problem:
         raise UserError(f"batch_size={cfg.batch_size}: {problem}")
@@ -140,8 +160,11 @@ def run(cfg: DecodeConfig) -> int:
     # metrics.jsonl mirrors outputs.jsonl: rebuilt from the finished rows, then appended to.
     (out_dir / "metrics.jsonl").unlink(missing_ok=True)
     started = time.time()
-    with open(out_dir / "outputs.jsonl", "a", encoding="utf-8") as outputs, MetricsWriter(out_dir) as metrics, \
-            tqdm(total=len(prompts), desc=f"{PROG} {cfg.policy}", unit="prompt", disable=cfg.stream) as bar:
+    with (
+        open(out_dir / "outputs.jsonl", "a", encoding="utf-8") as outputs,
+        MetricsWriter(out_dir) as metrics,
+        tqdm(total=len(prompts), desc=f"{PROG} {cfg.policy}", unit="prompt", disable=cfg.stream) as bar,
+    ):
         total, truncated, counted = GenerationStats(prompts=0), 0, dict.fromkeys(own, 0.0)
         todo = [(i, p) for i, p in enumerate(prompts, start=cfg.offset) if i not in done]
         ids = {i: p.id for i, p in enumerate(prompts, start=cfg.offset)}
@@ -161,10 +184,16 @@ def run(cfg: DecodeConfig) -> int:
         for index, res in results():
             row = res
             if not isinstance(res, dict):  # decoded now (a dict: a finished row of an earlier attempt)
-                row = {"index": index, "id": ids[index], "completion": res.text, "tokens": res.tokens,
-                       "reference": prompts[index - cfg.offset].reference,
-                       "truncated_prompt_tokens": res.truncated_prompt_tokens, "stats": res.stats.to_dict(),
-                       **{k: round(v, 4) for k, v in res.stats.counters.items()}}
+                row = {
+                    "index": index,
+                    "id": ids[index],
+                    "completion": res.text,
+                    "tokens": res.tokens,
+                    "reference": prompts[index - cfg.offset].reference,
+                    "truncated_prompt_tokens": res.truncated_prompt_tokens,
+                    "stats": res.stats.to_dict(),
+                    **{k: round(v, 4) for k, v in res.stats.counters.items()},
+                }
                 outputs.write(json.dumps(row, ensure_ascii=False) + "\n")
                 outputs.flush()
             metrics.write({"index": index, "id": ids[index], **row["stats"]})
@@ -175,32 +204,56 @@ def run(cfg: DecodeConfig) -> int:
             bar.update()
             bar.set_postfix(tok_s=f"{total.tokens_per_s:.1f}", per_call=f"{total.tokens_per_call:.2f}")
         elapsed = time.perf_counter() - decode_started
-    summary = {"policy": cfg.policy, **settings,
-               "sampling": cfg.sampling.to_dict(), "truncated_prompts": truncated, **total.to_dict()}
+    summary = {
+        "policy": cfg.policy,
+        **settings,
+        "sampling": cfg.sampling.to_dict(),
+        "truncated_prompts": truncated,
+        **total.to_dict(),
+    }
     if todo and not done:  # every prompt decoded in this run: its throughput over the wall clock
-        summary.update(batch_size=cfg.batch_size, elapsed_s=round(elapsed, 3),
-                       aggregate_tokens_per_s=round(total.new_tokens / elapsed, 4) if elapsed > 0 else None)
+        summary.update(
+            batch_size=cfg.batch_size,
+            elapsed_s=round(elapsed, 3),
+            aggregate_tokens_per_s=round(total.new_tokens / elapsed, 4) if elapsed > 0 else None,
+        )
     summary.update({k: round(v, 4) for k, v in counted.items()})
     if costs is not None and total.new_tokens:
         predicted = predict_ms_per_token(costs, total.draft_forwards, total.target_pass_sizes, total.new_tokens)
         measured = 1000 * total.wall_time / total.new_tokens
-        summary.update(cost_table=costs.to_dict(), predicted_ms_per_token=round(predicted, 4),
-                       measured_ms_per_token=round(measured, 4),
-                       predicted_over_measured=round(predicted / measured, 4) if measured else None)
+        summary.update(
+            cost_table=costs.to_dict(),
+            predicted_ms_per_token=round(predicted, 4),
+            measured_ms_per_token=round(measured, 4),
+            predicted_over_measured=round(predicted / measured, 4) if measured else None,
+        )
     atomic_write_json(out_dir / "metrics.json", summary)
-    write_manifest(out_dir, command=PROG, prompts_file=cfg.prompts, num_prompts=len(prompts),
-                   target={"name": pair.target.name, "fingerprint": pair.target.fingerprint},
-                   draft=({"name": pair.draft.name, "fingerprint": pair.draft.fingerprint} if pair.draft else None),
-                   sampling=cfg.sampling.to_dict(), seed=cfg.seed, wall_time_s=round(time.time() - started, 3))
-    log.info("%d tokens, %.2f tokens/s, %.3f tokens per target call, verification rate %.3f, discard rate %.3f -> %s",
-             total.new_tokens, total.tokens_per_s, total.tokens_per_call, total.verification_rate,
-             total.discard_rate, out_dir)
+    write_manifest(
+        out_dir,
+        command=PROG,
+        prompts_file=cfg.prompts,
+        num_prompts=len(prompts),
+        target={"name": pair.target.name, "fingerprint": pair.target.fingerprint},
+        draft=({"name": pair.draft.name, "fingerprint": pair.draft.fingerprint} if pair.draft else None),
+        sampling=cfg.sampling.to_dict(),
+        seed=cfg.seed,
+        wall_time_s=round(time.time() - started, 3),
+    )
+    log.info(
+        "%d tokens, %.2f tokens/s, %.3f tokens per target call, verification rate %.3f, discard rate %.3f -> %s",
+        total.new_tokens,
+        total.tokens_per_s,
+        total.tokens_per_call,
+        total.verification_rate,
+        total.discard_rate,
+        out_dir,
+    )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``heads-decode``."""
-    return cli_main(PROG, DecodeConfig, "decode", argv, run)
+    return cli_main(PROG, decode_schema(), "decode", argv, run)
 
 
 if __name__ == "__main__":

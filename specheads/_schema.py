@@ -17,11 +17,7 @@ import typing
 from typing import Any, Literal, Union
 
 from omegaconf import OmegaConf
-from omegaconf.errors import (
-    ConfigKeyError,
-    InterpolationResolutionError,
-    MissingMandatoryValue,
-)
+from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, MissingMandatoryValue
 
 NOTHING = object()  # "no raw value known" marker
 
@@ -77,8 +73,10 @@ def flat_fields(schema: type) -> list[FieldInfo]:
                 out.append(FieldInfo(f"{prefix}{f.name}", tp, value, f.metadata.get("help", "")))
                 sub_defaults = OmegaConf.to_container(OmegaConf.structured(sub), resolve=False)
                 walk(sub, sub_defaults, f"{prefix}{f.name}.")
-            else:
-                out.append(FieldInfo(f"{prefix}{f.name}", tp, value, f.metadata.get("help", "")))
+            elif not f.metadata.get("old"):  # the spellings before 0.2 stay out of --help
+                helper = getattr(cls, "help", None)  # a policy's Settings: its help lines
+                text = f.metadata.get("help", "") or (helper(f.name) if callable(helper) else "")
+                out.append(FieldInfo(f"{prefix}{f.name}", tp, value, text))
 
     walk(schema, defaults, "")
     return out
@@ -180,13 +178,15 @@ def describe(exc: Exception, schema: type, prog: str, key: str, raw: Any = NOTHI
     if isinstance(exc, InterpolationResolutionError):
         shown = "" if raw is NOTHING else f" = {_show(raw)}"
         why = re.sub(r"^\w+ raised while resolving interpolation: ", "", _first_line(exc))
-        fix = ("set the variable or give a default: ${oc.env:NAME,default}"
-               if "oc.env" in str(raw) else "fix the interpolation")
+        fix = (
+            "set the variable or give a default: ${oc.env:NAME,default}"
+            if "oc.env" in str(raw)
+            else "fix the interpolation"
+        )
         return f"cannot resolve {full_key}{shown}: {why.strip(chr(34))}; {fix}"
     tp = field_type(schema, full_key)
     if key.startswith(full_key + ".") and tp is not NOTHING and _nested_dataclass(tp) is None:
-        return (f"unknown key {key!r} for {prog}: {full_key!r} holds {_expected(tp)}, "
-                "not a group of settings")
+        return f"unknown key {key!r} for {prog}: {full_key!r} holds {_expected(tp)}, not a group of settings"
     group = None if tp is NOTHING else _nested_dataclass(tp)
     if group is not None and full_key == key and not isinstance(raw, dict):
         first = dataclasses.fields(group)[0].name
@@ -214,7 +214,11 @@ def missing_message(schema: type, key: str) -> str:
 def plain(value: Any) -> Any:
     """A dataclass (or container) as plain YAML-safe types: paths as str, enums by name."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {
+            f.name: plain(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if not (f.metadata.get("old") and getattr(value, f.name) is None)
+        }  # an unused old spelling
     if isinstance(value, dict):
         return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

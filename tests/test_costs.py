@@ -12,10 +12,10 @@ from conftest import bigram
 
 from specheads.errors import UserError
 from specheads.evaluate.oracle import oracle_schedule, perfect_head_schedule
-from specheads.export.shim import costs as costs_mod
-from specheads.export.shim.cost_rules import DraftGate, draft_more, predict_ms_per_token
-from specheads.export.shim.costs import CostTable, cost_table, load_table
-from specheads.export.shim.engine import Engine, GenerationStats
+from specheads.export.shim.costs import cost_table as costs_mod
+from specheads.export.shim.costs.cost_rules import DraftGate, draft_more, predict_ms_per_token
+from specheads.export.shim.costs.cost_table import CostTable, cost_table, load_table
+from specheads.export.shim.loop.engine import Engine, GenerationStats
 from specheads.export.shim.policies import ConfidenceStop, SpecDecPP, StandardSD
 from specheads.heads import AcceptanceHead
 
@@ -33,6 +33,7 @@ def ratio(table: CostTable, survivals: list[float], n: int) -> float:
 
 
 # ---- the table ---------------------------------------------------------------------------------
+
 
 def test_table_prices_extrapolation_and_round_cost():
     t = CostTable(t_draft_ms=2.0, t_target_ms=[10.0, 11.0, 13.0])
@@ -55,8 +56,14 @@ def test_key_covers_the_settings_and_the_json_round_trip(tmp_path):
     a = CostTable(t_draft_ms=1.0, t_target_ms=[2.0], machine="cpu x", threads=2, target_fingerprint="f")
     b = CostTable(t_draft_ms=9.0, t_target_ms=[5.0, 6.0], machine="cpu x", threads=2, target_fingerprint="f")
     assert a.key == b.key  # the prices are not settings
-    for change in ({"threads": 4}, {"target_fingerprint": "g"}, {"draft_vocab_hash": "h"}, {"fused": False},
-                   {"target_dtype": "bfloat16"}, {"draft_device": "cuda:0"}):
+    for change in (
+        {"threads": 4},
+        {"target_fingerprint": "g"},
+        {"draft_vocab_hash": "h"},
+        {"fused": False},
+        {"target_dtype": "bfloat16"},
+        {"draft_device": "cuda:0"},
+    ):
         assert CostTable(**{**a.settings(), "t_draft_ms": 1.0, "t_target_ms": [2.0], **change}).key != a.key
     path = tmp_path / "t.json"
     path.write_text(json.dumps(b.to_dict()))
@@ -64,11 +71,14 @@ def test_key_covers_the_settings_and_the_json_round_trip(tmp_path):
     assert back == b and back.source == str(path)
 
 
-@pytest.mark.parametrize("data, match", [
-    ({"t_draft_ms": 1.0}, "t_target_ms"),
-    ({"t_draft_ms": -1, "t_target_ms": [1.0]}, "t_draft_ms"),
-    ({"t_draft_ms": 1.0, "t_target_ms": [1.0, 0]}, "t_target_ms"),
-])
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ({"t_draft_ms": 1.0}, "t_target_ms"),
+        ({"t_draft_ms": -1, "t_target_ms": [1.0]}, "t_draft_ms"),
+        ({"t_draft_ms": 1.0, "t_target_ms": [1.0, 0]}, "t_target_ms"),
+    ],
+)
 def test_bad_table_files(tmp_path, data, match):
     path = tmp_path / "t.json"
     path.write_text(json.dumps(data))
@@ -113,6 +123,7 @@ def test_measure_runs_on_the_decoding_runners(tiny_pair):
 
 # ---- counting pass sizes -------------------------------------------------------------------------
 
+
 def _cycle(v: int) -> list[list[float]]:
     return [[0.9 if j == (last + 1) % v else 0.1 / (v - 1) for j in range(v)] for last in range(v)]
 
@@ -142,11 +153,14 @@ def test_pass_sizes_sum_and_survive_json(tiny_pair):
     assert back.target_pass_sizes == tot.target_pass_sizes  # int keys again
 
 
-@pytest.mark.parametrize("agree, k_max, sizes", [
-    ([True] * 10, 3, {4: 2, 2: 1}),  # 3 drafts + 1, 3 + 1, then 1 draft + the final token
-    ([False] * 4, 20, {1: 4}),
-    ([True, False, True, True], 20, {2: 2}),  # one draft + the correction; one draft + the final token
-])
+@pytest.mark.parametrize(
+    "agree, k_max, sizes",
+    [
+        ([True] * 10, 3, {4: 2, 2: 1}),  # 3 drafts + 1, 3 + 1, then 1 draft + the final token
+        ([False] * 4, 20, {1: 4}),
+        ([True, False, True, True], 20, {2: 2}),  # one draft + the correction; one draft + the final token
+    ],
+)
 def test_oracle_pass_sizes(agree, k_max, sizes):
     o = oracle_schedule(agree, k_max)
     assert o.target_pass_sizes == sizes and sum(sizes.values()) == o.target_calls
@@ -159,6 +173,7 @@ def test_perfect_head_pass_sizes():
 
 
 # ---- the rule ----------------------------------------------------------------------------------
+
 
 def test_draft_more_is_the_ratio_comparison():
     table = linear_table(1.0, lambda k: 4 + k)
@@ -205,7 +220,7 @@ def test_specdecpp_cost_stops_at_the_argmax_of_expected_tokens_per_cost(beta, t_
     length must be the argmax over [k_min, k_max] of E(n) / C(n), computed by hand here."""
     table = linear_table(1.0, t_t)
     k_min, k_max = 2, 20
-    survivals = [beta ** i for i in range(1, k_max + 2)]
+    survivals = [beta**i for i in range(1, k_max + 2)]
     want = max(range(k_min, k_max + 1), key=lambda n: ratio(table, survivals, n))
     policy = SpecDecPP(_beta_head([beta] * 24), k_min=k_min, k_max=k_max, stop="cost", costs=table)
     assert _first_round(policy) == want
@@ -245,20 +260,23 @@ def test_confidence_cost_hand_case():
     engine.generate([0], policy, 9, on_tokens=chunks.append)
     assert chunks[0] == [1, 2, 3]
     chunks.clear()  # with a far dearer target pass, drafting longer pays
-    engine.generate([0], ConfidenceStop(k_max=10, stop="cost", costs=linear_table(1.0, 100.0)), 9,
-                    on_tokens=chunks.append)
+    engine.generate(
+        [0], ConfidenceStop(k_max=10, stop="cost", costs=linear_table(1.0, 100.0)), 9, on_tokens=chunks.append
+    )
     assert len(chunks[0]) > 3
 
 
 def test_confidence_cost_bounds():
     engine = Engine(bigram(_cycle(12)), bigram(_cycle(12)), eos_token_ids=[], fused=False)
     chunks = []
-    engine.generate([0], ConfidenceStop(k_max=6, stop="cost", costs=linear_table(0.001, 10.0)), 11,
-                    on_tokens=chunks.append)
+    engine.generate(
+        [0], ConfidenceStop(k_max=6, stop="cost", costs=linear_table(0.001, 10.0)), 11, on_tokens=chunks.append
+    )
     assert len(chunks[0]) == 7  # q = 0.9 everywhere, drafts nearly free: k_max + bonus
     chunks.clear()
-    engine.generate([0], ConfidenceStop(k_max=6, stop="cost", costs=linear_table(1000.0, 1.0), k_min=2), 11,
-                    on_tokens=chunks.append)
+    engine.generate(
+        [0], ConfidenceStop(k_max=6, stop="cost", costs=linear_table(1000.0, 1.0), k_min=2), 11, on_tokens=chunks.append
+    )
     assert len(chunks[0]) == 3  # k_min + bonus
 
 
@@ -280,8 +298,10 @@ def test_cost_aware_rules_are_lossless_on_a_tiny_pair(tiny_pair, position):
     table = linear_table(0.3, lambda k: 2 + 0.1 * k)
     for prompt in PROMPTS:
         ref = engine.generate_ar(prompt, 30).tokens
-        for policy in (SpecDecPP(head, k_min=1, k_max=8, position=position, stop="cost", costs=table),
-                       ConfidenceStop(k_max=8, stop="cost", costs=table)):
+        for policy in (
+            SpecDecPP(head, k_min=1, k_max=8, position=position, stop="cost", costs=table),
+            ConfidenceStop(k_max=8, stop="cost", costs=table),
+        ):
             g = engine.generate(prompt, policy, 30)
             assert g.tokens == ref
             assert sum(g.stats.target_pass_sizes.values()) == g.stats.target_calls
@@ -289,6 +309,7 @@ def test_cost_aware_rules_are_lossless_on_a_tiny_pair(tiny_pair, position):
 
 
 # ---- the draft gate: rounds without a draft -----------------------------------------------------
+
 
 def test_gate_closes_on_losing_rounds_probes_with_backoff_and_reopens():
     """t_d = 1, flat t_t = 10: a round with one rejected candidate has surplus 1 - 11/10 = -0.1, one with
@@ -322,9 +343,13 @@ def _disagreeing_pair(v: int = 12):
     return bigram(_cycle(v)), bigram(shifted)
 
 
-@pytest.mark.parametrize("make", [lambda t: ConfidenceStop(k_max=4, stop="cost", costs=t, gate=True),
-                                  lambda t: SpecDecPP(_beta_head([0.9] * 12), k_min=1, k_max=4, stop="cost", costs=t,
-                                                      gate=True)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda t: ConfidenceStop(k_max=4, stop="cost", costs=t, gate=True),
+        lambda t: SpecDecPP(_beta_head([0.9] * 12), k_min=1, k_max=4, stop="cost", costs=t, gate=True),
+    ],
+)
 def test_gated_rules_stop_drafting_where_it_loses_and_stay_lossless(make):
     target, draft = _disagreeing_pair()
     engine = Engine(target, draft, eos_token_ids=[], fused=False)
@@ -345,8 +370,9 @@ def test_gated_rules_stop_drafting_where_it_loses_and_stay_lossless(make):
 
 def test_gate_stays_open_where_drafting_pays():
     engine = Engine(bigram(_cycle(12)), bigram(_cycle(12)), eos_token_ids=[], fused=False)
-    g = engine.generate([0], ConfidenceStop(k_max=4, stop="cost", costs=linear_table(1.0, lambda k: 10 + k), gate=True),
-                        60)
+    g = engine.generate(
+        [0], ConfidenceStop(k_max=4, stop="cost", costs=linear_table(1.0, lambda k: 10 + k), gate=True), 60
+    )
     assert g.stats.undrafted_rounds == 0 and g.stats.accepted > 30
 
 
@@ -360,6 +386,7 @@ def test_gate_needs_the_cost_rule():
 
 # ---- heads-decode ------------------------------------------------------------------------------
 
+
 def test_heads_decode_stop_cost(tiny_pair_dirs, tmp_path, capsys, caplog):
     from specheads.export.decode_cli import main
 
@@ -370,25 +397,48 @@ def test_heads_decode_stop_cost(tiny_pair_dirs, tmp_path, capsys, caplog):
     table.write_text(json.dumps(linear_table(0.5, lambda k: 4 + 0.5 * k).to_dict()))
 
     def args(out, *extra):
-        return [f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu",
-                "draft.device=cpu", f"prompts={prompts}", f"output_dir={tmp_path / out}", "max_new_tokens=12",
-                "num_prompts=null", *extra]
+        return [
+            f"target.path={t}",
+            "target.gguf_file=null",
+            f"draft.path={d}",
+            "target.device=cpu",
+            "draft.device=cpu",
+            f"prompts={prompts}",
+            f"output_dir={tmp_path / out}",
+            "max_new_tokens=12",
+            "num_prompts=null",
+            *extra,
+        ]
 
     assert main(args("ar", "policy=ar")) == 0
     with caplog.at_level("INFO"):
-        assert main(args("cost", "policy=confidence_stop", "stop=cost", "k_max=6", f"profile={table}")) == 0
+        assert (
+            main(
+                args(
+                    "cost",
+                    "policy=confidence_stop",
+                    "confidence_stop.stop=cost",
+                    "confidence_stop.k_max=6",
+                    f"profile={table}",
+                )
+            )
+            == 0
+        )
     assert "cost table t_d 0.5 ms" in caplog.text
-    tokens = {n: [json.loads(x)["tokens"] for x in (tmp_path / n / "outputs.jsonl").read_text().splitlines()]
-              for n in ("ar", "cost")}
+    tokens = {
+        n: [json.loads(x)["tokens"] for x in (tmp_path / n / "outputs.jsonl").read_text().splitlines()]
+        for n in ("ar", "cost")
+    }
     assert tokens["cost"] == tokens["ar"]  # lossless
     m = json.loads((tmp_path / "cost" / "metrics.json").read_text())
     assert m["stop"] == "cost" and m["tau"] is None and m["cost_table"]["t_draft_ms"] == 0.5
-    want = predict_ms_per_token(linear_table(0.5, lambda k: 4 + 0.5 * k), m["draft_forwards"],
-                                m["target_pass_sizes"], m["new_tokens"])
+    want = predict_ms_per_token(
+        linear_table(0.5, lambda k: 4 + 0.5 * k), m["draft_forwards"], m["target_pass_sizes"], m["new_tokens"]
+    )
     assert m["predicted_ms_per_token"] == pytest.approx(want, abs=1e-4) and m["measured_ms_per_token"] > 0
     capsys.readouterr()
-    assert main(args("bad", "policy=sd", "stop=cost", "profile=/nope.json")) == 2
+    assert main(args("bad", "policy=sd", "stop=cost", "profile=/nope.json")) == 2  # stop= (before 0.2) on sd
     err = capsys.readouterr().err
     assert "stop=cost applies to policy=specdecpp or confidence_stop" in err and "'/nope.json'" in err
-    assert main(args("bad2", "policy=confidence_stop", "stop=later")) == 2
+    assert main(args("bad2", "policy=confidence_stop", "confidence_stop.stop=later")) == 2
     assert "stop='later'" in capsys.readouterr().err

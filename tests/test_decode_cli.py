@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 
 import pytest
 import yaml
@@ -16,16 +17,29 @@ from specheads.export.decode_cli import main
 @pytest.fixture()
 def prompts_file(tmp_path):
     path = tmp_path / "prompts.jsonl"
-    rows = [{"prompt": "the cat sat on a mat"}, {"messages": [{"role": "user", "content": "why is the sun red"}]},
-            {"id": "q3", "prompt": "one two three"}]
+    rows = [
+        {"prompt": "the cat sat on a mat"},
+        {"messages": [{"role": "user", "content": "why is the sun red"}]},
+        {"id": "q3", "prompt": "one two three"},
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
 def _args(pair_dirs, prompts, out, *extra):
     t, d = pair_dirs
-    return [f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu", "draft.device=cpu", f"prompts={prompts}",
-            f"output_dir={out}", "max_new_tokens=12", "num_prompts=null", *extra]
+    return [
+        f"target.path={t}",
+        "target.gguf_file=null",
+        f"draft.path={d}",
+        "target.device=cpu",
+        "draft.device=cpu",
+        f"prompts={prompts}",
+        f"output_dir={out}",
+        "max_new_tokens=12",
+        "num_prompts=null",
+        *extra,
+    ]
 
 
 def _one_error_line(capsys) -> str:
@@ -36,23 +50,33 @@ def _one_error_line(capsys) -> str:
 
 def test_decode_end_to_end_writes_outputs(tiny_pair_dirs, prompts_file, tmp_path):
     sd_dir, ar_dir = tmp_path / "sd", tmp_path / "ar"
-    assert main(_args(tiny_pair_dirs, prompts_file, sd_dir, "k=3")) == 0
+    assert main(_args(tiny_pair_dirs, prompts_file, sd_dir, "sd.k=3")) == 0
     assert main(_args(tiny_pair_dirs, prompts_file, ar_dir, "policy=ar")) == 0
     for d in (sd_dir, ar_dir):
         assert {"outputs.jsonl", "metrics.jsonl", "metrics.json", "config.yaml", "manifest.json"} <= {
-            p.name for p in d.iterdir()}
+            p.name for p in d.iterdir()
+        }
     sd = [json.loads(x) for x in (sd_dir / "outputs.jsonl").read_text().splitlines()]
     ar = [json.loads(x) for x in (ar_dir / "outputs.jsonl").read_text().splitlines()]
     assert [r["id"] for r in sd] == ["prompts-0", "prompts-1", "q3"]
     assert [r["tokens"] for r in sd] == [r["tokens"] for r in ar]  # greedy SD is exact
     summary = json.loads((sd_dir / "metrics.json").read_text())
-    for key in ("new_tokens", "target_calls", "draft_forwards", "accepted_per_call", "tokens_per_call",
-                "discard_rate", "verification_rate", "wall_time", "tokens_per_s"):
+    for key in (
+        "new_tokens",
+        "target_calls",
+        "draft_forwards",
+        "accepted_per_call",
+        "tokens_per_call",
+        "discard_rate",
+        "verification_rate",
+        "wall_time",
+        "tokens_per_s",
+    ):
         assert key in summary
     assert summary["prompts"] == 3 and summary["k"] == 3
     assert len((sd_dir / "metrics.jsonl").read_text().splitlines()) == 3
     cfg = yaml.safe_load((sd_dir / "config.yaml").read_text())
-    assert cfg["k"] == 3 and cfg["target"]["path"] == str(tiny_pair_dirs[0])
+    assert cfg["sd"]["k"] == 3 and cfg["target"]["path"] == str(tiny_pair_dirs[0])
     manifest = json.loads((sd_dir / "manifest.json").read_text())
     assert manifest["target"]["fingerprint"].startswith("sha256:")
 
@@ -67,8 +91,19 @@ def test_stream_prints_completions(tiny_pair_dirs, prompts_file, tmp_path, capsy
 def test_sampled_decode_is_seeded(tiny_pair_dirs, prompts_file, tmp_path):
     runs = []
     for name in ("a", "b"):
-        assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / name, "sampling.do_sample=true",
-                          "sampling.top_p=0.9", "seed=5")) == 0
+        assert (
+            main(
+                _args(
+                    tiny_pair_dirs,
+                    prompts_file,
+                    tmp_path / name,
+                    "sampling.do_sample=true",
+                    "sampling.top_p=0.9",
+                    "seed=5",
+                )
+            )
+            == 0
+        )
         runs.append([json.loads(x)["tokens"] for x in (tmp_path / name / "outputs.jsonl").read_text().splitlines()])
     assert runs[0] == runs[1]
 
@@ -117,17 +152,24 @@ def test_unknown_key(tiny_pair_dirs, prompts_file, tmp_path, capsys):
 
 
 def test_bad_values_reported_together(capsys):
-    assert main(["k=abc", "sampling.top_p=x"]) == 2
+    assert main(["sd.k=abc", "sampling.top_p=x"]) == 2
     line = _one_error_line(capsys)
-    assert "'k'" in line and "sampling.top_p" in line
+    assert "sd.k" in line and "sampling.top_p" in line
 
 
 def test_invalid_settings(tiny_pair_dirs, prompts_file, tmp_path, capsys):
-    args = _args(tiny_pair_dirs, prompts_file, tmp_path / "o", "k=0", "sampling.do_sample=true",
-                 "sampling.temperature=0", "policy=nope")
+    args = _args(
+        tiny_pair_dirs, prompts_file, tmp_path / "o", "sampling.do_sample=true", "sampling.temperature=0", "policy=nope"
+    )
     assert main(args) == 2
     line = _one_error_line(capsys)
-    assert "k=0" in line and "temperature" in line and "policy='nope'" in line
+    assert "temperature" in line and "policy='nope'" in line
+    args = _args(
+        tiny_pair_dirs, prompts_file, tmp_path / "o", "sd.k=0", "sampling.do_sample=true", "sampling.temperature=0"
+    )
+    assert main(args) == 2
+    line = _one_error_line(capsys)
+    assert "sd.k=0 must be >= 1" in line and "temperature" in line
 
 
 def test_mismatched_tokenizers(tiny_pair_dirs, prompts_file, tmp_path, capsys):
@@ -170,9 +212,9 @@ def test_output_dir_with_another_run_is_refused(tiny_pair_dirs, prompts_file, tm
     out = tmp_path / "o"
     assert main(_args(tiny_pair_dirs, prompts_file, out, "num_prompts=1")) == 0
     capsys.readouterr()
-    assert main(_args(tiny_pair_dirs, prompts_file, out, "num_prompts=1", "k=2")) == 2
+    assert main(_args(tiny_pair_dirs, prompts_file, out, "num_prompts=1", "sd.k=2")) == 2
     assert "overwrite=true" in _one_error_line(capsys)
-    assert main(_args(tiny_pair_dirs, prompts_file, out, "num_prompts=1", "k=2", "overwrite=true")) == 0
+    assert main(_args(tiny_pair_dirs, prompts_file, out, "num_prompts=1", "sd.k=2", "overwrite=true")) == 0
 
 
 def test_specdecpp_policy_with_exported_head(tiny_pair_dirs, prompts_file, tmp_path, capsys):
@@ -185,15 +227,26 @@ def test_specdecpp_policy_with_exported_head(tiny_pair_dirs, prompts_file, tmp_p
     pair = load_pair(ModelSpec(path=str(t), device="cpu"), ModelSpec(path=str(d), device="cpu"))
     torch.manual_seed(0)
     head = AcceptanceHead(32, depth=1)
-    path = save_head(tmp_path / "h.safetensors", head, "acceptance", {
-        "head_config": head.config(), "hidden_size": 32, "feature": {"model": "draft", "state": "post", "layer": -1},
-        "draft": {"name": pair.draft.name, "fingerprint": pair.draft.fingerprint},
-        "target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
-        "sampling": SamplingConfig().to_dict(), "default_threshold": 0.6})
-    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "pp", "policy=specdecpp", f"head={path}")) == 0
+    path = save_head(
+        tmp_path / "h.safetensors",
+        head,
+        "acceptance",
+        {
+            "head_config": head.config(),
+            "hidden_size": 32,
+            "feature": {"model": "draft", "state": "post", "layer": -1},
+            "draft": {"name": pair.draft.name, "fingerprint": pair.draft.fingerprint},
+            "target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
+            "sampling": SamplingConfig().to_dict(),
+            "default_threshold": 0.6,
+        },
+    )
+    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "pp", "policy=specdecpp", f"specdecpp.head={path}")) == 0
     assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "ar", "policy=ar")) == 0
-    rows = [[json.loads(x)["tokens"] for x in (tmp_path / n / "outputs.jsonl").read_text().splitlines()]
-            for n in ("pp", "ar")]
+    rows = [
+        [json.loads(x)["tokens"] for x in (tmp_path / n / "outputs.jsonl").read_text().splitlines()]
+        for n in ("pp", "ar")
+    ]
     assert rows[0] == rows[1]
     summary = json.loads((tmp_path / "pp" / "metrics.json").read_text())
     assert summary["threshold"] == 0.6 and summary["k_max"] == 20
@@ -212,28 +265,70 @@ def test_interrupted_run_resumes_to_the_same_outputs(tiny_pair_dirs, prompts_fil
     with caplog.at_level(logging.INFO):
         assert main(_args(tiny_pair_dirs, prompts_file, cut, *sampled)) == 0
     assert any("resuming: 1 of 3" in r.getMessage() for r in caplog.records)
-    rows = {n: [json.loads(x) for x in (d / "outputs.jsonl").read_text().splitlines()] for n, d in
-            (("full", full), ("cut", cut))}
+    rows = {
+        n: [json.loads(x) for x in (d / "outputs.jsonl").read_text().splitlines()]
+        for n, d in (("full", full), ("cut", cut))
+    }
     assert [(r["id"], r["tokens"]) for r in rows["cut"]] == [(r["id"], r["tokens"]) for r in rows["full"]]
     assert len((cut / "metrics.jsonl").read_text().splitlines()) == 3
     assert json.loads((cut / "metrics.json").read_text())["new_tokens"] == sum(len(r["tokens"]) for r in rows["full"])
 
 
 def test_policy_threshold_names_and_the_threshold_alias(tiny_pair_dirs, prompts_file, tmp_path, capsys):
-    """Each policy's threshold has its own name (h, eta, delta, T, tau); ``threshold=`` stays its other name."""
-    runs = {"own": ["policy=fsd", "T=0.3", "k=3"], "alias": ["policy=fsd", "threshold=0.3", "k=3"],
-            "both": ["policy=fsd", "T=0.3", "threshold=0.3", "k=3"]}
+    """Each policy's threshold has its own name (h, eta, delta, T, tau) in its section; the flat ``threshold=``
+    and ``T=`` of before 0.2 still work, with a warning that shows the new spelling."""
+    runs = {
+        "own": ["policy=fsd", "fsd.T=0.3", "fsd.k=3"],
+        "alias": ["policy=fsd", "threshold=0.3", "fsd.k=3"],
+        "both": ["policy=fsd", "T=0.3", "threshold=0.3", "fsd.k=3"],
+    }
     outs = {}
     for name, extra in runs.items():
-        assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / name, *extra)) == 0
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / name, *extra)) == 0
+        old = [str(w.message) for w in seen if issubclass(w.category, FutureWarning)]
+        assert (name == "own") == (old == []) and all("write fsd.T=0.3" in m for m in old)
         outs[name] = [json.loads(x)["tokens"] for x in (tmp_path / name / "outputs.jsonl").read_text().splitlines()]
         assert json.loads((tmp_path / name / "metrics.json").read_text())["threshold"] == 0.3
+        assert yaml.safe_load((tmp_path / name / "config.yaml").read_text())["fsd"]["T"] == 0.3
     assert outs["own"] == outs["alias"] == outs["both"]
     capsys.readouterr()
-    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "clash", "policy=fsd", "T=0.3", "threshold=0.5")) == 2
+    with pytest.warns(FutureWarning):
+        assert (
+            main(_args(tiny_pair_dirs, prompts_file, tmp_path / "clash", "policy=fsd", "fsd.T=0.3", "threshold=0.5"))
+            == 2
+        )
     assert "disagree" in _one_error_line(capsys)
-    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "tau", "policy=confidence_stop", "tau=1.5")) == 2
-    assert "tau=1.5 must be in [0, 1]" in _one_error_line(capsys)
+    assert (
+        main(_args(tiny_pair_dirs, prompts_file, tmp_path / "tau", "policy=confidence_stop", "confidence_stop.tau=1.5"))
+        == 2
+    )
+    assert "confidence_stop.tau=1.5 must be in [0, 1]" in _one_error_line(capsys)
+
+
+def test_old_flat_settings_warn_and_decode_as_the_nested_ones(tiny_pair_dirs, prompts_file, tmp_path):
+    """``k=3`` (before 0.2) decodes as ``sd.k=3`` and says so; the run's config.yaml holds only the new
+    spelling; a flat setting the policy lacks is ignored with a warning, as it was ignored before."""
+    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "new", "sd.k=3")) == 0
+    with pytest.warns(FutureWarning, match=r"k=3 is the spelling before 0.2: write sd.k=3"):
+        assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "old", "k=3")) == 0
+    read = {
+        n: [json.loads(x)["tokens"] for x in (tmp_path / n / "outputs.jsonl").read_text().splitlines()]
+        for n in ("new", "old")
+    }
+    assert read["new"] == read["old"]
+    saved = yaml.safe_load((tmp_path / "old" / "config.yaml").read_text())
+    assert saved["sd"] == {"k": 3} and "k" not in saved
+    with pytest.warns(FutureWarning, match="delta=0.5 is not a setting of policy=sd"):
+        assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "other", "delta=0.5")) == 0
+
+
+def test_help_lists_each_policys_settings(capsys):
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for key in ("judge.delta", "specdecpp.h", "fsd.T", "confidence_stop.tau", "sprinter.eta", "slrs.budget"):
+        assert f"  {key}: " in text, key
 
 
 def test_one_rule_per_setting_for_both_command_lines():
@@ -251,13 +346,14 @@ def test_one_rule_per_setting_for_both_command_lines():
 def test_batched_decode_writes_what_batch_one_writes(tiny_pair_dirs, prompts_file, tmp_path):
     """batch_size=2 over 3 prompts (one row joins later): each prompt's tokens and counts are batch 1's,
     sampled too (each prompt draws from its own seeded stream); a resumed batched run keeps what was done."""
+
     def rows(out):
         return {r["index"]: r for r in map(json.loads, (out / "outputs.jsonl").read_text().splitlines())}
 
     for extra in ([], ["sampling.do_sample=true"]):
         one, two = tmp_path / f"b1{len(extra)}", tmp_path / f"b2{len(extra)}"
-        assert main(_args(tiny_pair_dirs, prompts_file, one, "k=3", *extra)) == 0
-        assert main(_args(tiny_pair_dirs, prompts_file, two, "k=3", "batch_size=2", *extra)) == 0
+        assert main(_args(tiny_pair_dirs, prompts_file, one, "sd.k=3", *extra)) == 0
+        assert main(_args(tiny_pair_dirs, prompts_file, two, "sd.k=3", "batch_size=2", *extra)) == 0
         a, b = rows(one), rows(two)
         assert sorted(b) == [0, 1, 2]
         for i in a:
@@ -269,17 +365,21 @@ def test_batched_decode_writes_what_batch_one_writes(tiny_pair_dirs, prompts_fil
         assert summary["batch_size"] == 2 and summary["aggregate_tokens_per_s"] > 0
     lines = (two / "outputs.jsonl").read_text().splitlines()
     (two / "outputs.jsonl").write_text(lines[0] + "\n")  # as if killed after the first finished prompt
-    assert main(_args(tiny_pair_dirs, prompts_file, two, "k=3", "batch_size=2", "sampling.do_sample=true")) == 0
-    assert rows(two) == {i: r for i, r in rows(tmp_path / "b21").items()} | {json.loads(lines[0])["index"]:
-                                                                             json.loads(lines[0])}
+    assert main(_args(tiny_pair_dirs, prompts_file, two, "sd.k=3", "batch_size=2", "sampling.do_sample=true")) == 0
+    assert rows(two) == {i: r for i, r in rows(tmp_path / "b21").items()} | {
+        json.loads(lines[0])["index"]: json.loads(lines[0])
+    }
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["batch_size=0"], "batch_size=0 must be >= 1"),
-    (["batch_size=2", "stream=true"], "stream=true prints one completion at a time"),
-    (["batch_size=2", "policy=slem"], "runs at batch 1 only"),
-    (["batch_size=2", "fused_forward=false"], "fused forward"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["batch_size=0"], "batch_size=0 must be >= 1"),
+        (["batch_size=2", "stream=true"], "stream=true prints one completion at a time"),
+        (["batch_size=2", "policy=slem"], "runs at batch 1 only"),
+        (["batch_size=2", "fused_forward=false"], "fused forward"),
+    ],
+)
 def test_batched_decode_refusals(tiny_pair_dirs, prompts_file, tmp_path, capsys, extra, message):
     assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "out", *extra)) == 2
     assert message in _one_error_line(capsys)
