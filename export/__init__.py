@@ -1,23 +1,73 @@
 """Export and the decoding shim.
 
-Public API::
+The public API is at the top of the package (``import specheads``; docs/python-api.md)::
 
-    from specheads.export import load_pair, generate, ModelSpec, SamplingConfig
-    pair = load_pair(ModelSpec(path="target_dir"), ModelSpec(path="draft_dir"))
-    results = generate(pair, "What is 2 + 3?", policy="sd", k=4, max_new_tokens=64)
-    head = load_head("head.safetensors", pair=pair)   # checked against the pair
+    import specheads
+    pair = specheads.load_pair(specheads.ModelSpec(path="target_dir"), specheads.ModelSpec(path="draft_dir"))
+    results = specheads.generate(pair, "What is 2 + 3?", policy="sd", k=4, max_new_tokens=64)
+
+This module keeps the same names under ``specheads.export``; the names in ``_OLD`` are the ones before 0.2.
 """
 
-from .package import LoadedHead, load_head, read_metadata, save_head
-from .api import Decoder, Result, fit_context, format_prompt, generate
-from .shim.engine import Engine, Generation, GenerationStats
-from .shim.hidden import HiddenCapture
-from .shim.models import ModelSpec, Pair, load_model, load_pair
-from .shim.policies import POLICIES, Policy, Round, StandardSD, Verdict, build_policy
-from .shim.sampling import SamplingConfig
+import warnings
+
+from specheads.export.api import Decoder, generate, make_policy
+from specheads.export.package import LoadedHead, load_head, read_metadata, save_head
+from specheads.export.shim import (
+    POLICIES,
+    Engine,
+    GenerationStats,
+    HiddenCapture,
+    ModelSpec,
+    Pair,
+    Policy,
+    Result,
+    Round,
+    SamplingConfig,
+    Settings,
+    StandardSD,
+    Verdict,
+    load_model,
+    load_pair,
+    register_policy,
+)
 
 __all__ = [
-    "Decoder", "Engine", "LoadedHead", "load_head", "read_metadata", "save_head", "Generation", "GenerationStats", "HiddenCapture", "ModelSpec", "Pair", "POLICIES", "Policy",
-    "Result", "Round", "SamplingConfig", "StandardSD", "Verdict", "build_policy", "fit_context",
-    "format_prompt", "generate", "load_model", "load_pair",
+    "Decoder",
+    "LoadedHead",
+    "ModelSpec",
+    "POLICIES",
+    "Policy",
+    "Result",
+    "Round",
+    "SamplingConfig",
+    "Settings",
+    "Verdict",
+    "generate",
+    "load_head",
+    "load_pair",
+    "make_policy",
+    "register_policy",
 ]
+# Importable but not part of the interface (left out of __all__): the engine and the head file helpers.
+_INTERNAL = (Engine, GenerationStats, HiddenCapture, Pair, StandardSD, load_model, read_metadata, save_head)
+_OLD = {
+    "Generation": ("Result", lambda: Result),
+    "build_policy": ("make_policy", lambda: make_policy),
+    "fit_context": ("specheads.export.api.fit_context", None),
+    "format_prompt": ("specheads.export.api.format_prompt", None),
+}
+
+
+def __getattr__(name: str):
+    if name in _OLD:
+        new, get = _OLD[name]
+        warnings.warn(
+            f"specheads.export.{name} is renamed or private since 0.2; use {new}", FutureWarning, stacklevel=2
+        )
+        if get is None:
+            from specheads.export import api
+
+            return getattr(api, name)
+        return get()
+    raise AttributeError(f"module 'specheads.export' has no attribute {name!r}")

@@ -1,33 +1,36 @@
 """The Python API of the decoding shim: load a pair, format prompts, build a policy, generate.
 
-Building a policy by name or from a config (:func:`make_policy`, :func:`policy_from_config`) and the
-pair's cost table (:func:`pair_costs`) live in :mod:`.policy_factory` and are re-exported here."""
+Building a policy (:func:`make_policy`, the one builder) and the pair's cost table (:func:`pair_costs`) live
+in :mod:`.policy_factory` and are re-exported here."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import fields
 
 import torch
 
 from specheads.errors import UserError
-
-from .package import check_stop_drafter
-from .policy_factory import make_policy, pair_costs, policy_from_config
-from .shim.batch_engine import BatchEngine, BatchJob
-from .shim.engine import Engine
-from .shim.fused import supports
-from .shim.hetero import Bridge
-from .shim.models import Pair, context_length
-from .shim.policies import Policy
-from .shim.sampling import SamplingConfig
-from .shim.stats import GenerationStats
-from .shim.tree import tree_problems
+from specheads.export.package import check_stop_drafter
+from specheads.export.policy_factory import make_policy, pair_costs
+from specheads.export.shim import (
+    BatchEngine,
+    BatchJob,
+    Bridge,
+    Engine,
+    Pair,
+    Policy,
+    Result,
+    SamplingConfig,
+    context_length,
+    policy_class,
+    supports,
+    tree_problems,
+)
 
 log = logging.getLogger(__name__)
-__all__ = ["Decoder", "Result", "fit_context", "format_prompt", "generate", "make_policy", "pair_costs",
-           "policy_from_config"]
+__all__ = ["Decoder", "Result", "fit_context", "format_prompt", "generate", "make_policy", "pair_costs"]
 
 
 def format_prompt(tokenizer, prompt, chat_template: bool = True) -> list[int]:
@@ -55,20 +58,11 @@ def fit_context(ids: list[int], max_new_tokens: int, limit: int | None) -> tuple
         return ids, 0
     keep = limit - max_new_tokens
     if keep < 1:
-        raise UserError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
-                        f"context of {limit} tokens; lower max_new_tokens")
+        raise UserError(
+            f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
+            f"context of {limit} tokens; lower max_new_tokens"
+        )
     return ids[-keep:], len(ids) - keep
-
-
-@dataclass
-class Result:
-    """One prompt's completion (``trace``: the policy's record of its decisions, :meth:`Policy.trace`)."""
-
-    text: str
-    tokens: list[int]
-    stats: GenerationStats
-    truncated_prompt_tokens: int = 0
-    trace: dict = field(default_factory=dict)
 
 
 class Decoder:
@@ -89,9 +83,18 @@ class Decoder:
             same-vocabulary policies draft with it from the target's own states; no draft model is needed.
     """
 
-    def __init__(self, pair: Pair, policy: str | Policy = "sd", max_new_tokens: int = 128, k: int = 4,
-                 sampling: SamplingConfig | None = None, seed: int = 0, chat_template: bool = True,
-                 fused_forward: bool = True, eagle=None):
+    def __init__(
+        self,
+        pair: Pair,
+        policy: str | Policy = "sd",
+        max_new_tokens: int = 128,
+        k: int = 4,
+        sampling: SamplingConfig | None = None,
+        seed: int = 0,
+        chat_template: bool = True,
+        fused_forward: bool = True,
+        eagle=None,
+    ):
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens={max_new_tokens} must be >= 1")
         self.sampling = sampling or SamplingConfig()
@@ -100,21 +103,30 @@ class Decoder:
             raise UserError("; ".join(bad))
         eagle = load_eagle(eagle, pair) if eagle is not None else None
         if isinstance(policy, str):
-            policy = make_policy(policy, pair, k=k, sampling=self.sampling, eagle=eagle)
+            own = {"k": k} if "k" in {f.name for f in fields(policy_class(policy).Settings)} else {}
+            policy = make_policy(policy, pair, sampling=self.sampling, eagle=eagle, **own)
         if policy.head_feature is not None:  # a stop head reads the states of the drafter it was trained on
             check_stop_drafter(policy.head_feature, eagle.metadata if eagle is not None else None)
         if getattr(policy, "tree", False) and (bad := tree_problems(eagle is not None, self.sampling, fused_forward)):
             raise UserError("; ".join(bad))
-        if eagle is not None and (policy.bridge or policy.verifier == "draft"):
-            raise UserError(f"policy {policy.name!r} does not draft on the target's vocabulary: it cannot use an EAGLE head")
+        if eagle is not None and (policy.bridge or policy.emitter == "draft"):
+            raise UserError(
+                (f"policy {policy.name!r} does not draft on the target's vocabulary: it cannot use an EAGLE head")
+            )
         if "draft" in policy.models and pair.draft is None and eagle is None:
             raise UserError(f"policy {policy.name!r} needs a draft model; set draft.path (or eagle=<an EAGLE head>)")
         self.pair, self.policy, self.max_new_tokens, self.chat_template = pair, policy, max_new_tokens, chat_template
         bridge = None
         if policy.bridge:  # the draft speaks another vocabulary
             bridge = Bridge(pair.target.model, pair.draft.model, pair.target.tokenizer, pair.draft.tokenizer)
-        self.engine = Engine(pair.target.model, pair.draft.model if pair.draft else None, pair.eos_token_ids,
-                             fused=fused_forward, bridge=bridge, eagle=eagle.module if eagle is not None else None)
+        self.engine = Engine(
+            pair.target.model,
+            pair.draft.model if pair.draft else None,
+            pair.eos_token_ids,
+            fused=fused_forward,
+            bridge=bridge,
+            eagle=eagle.module if eagle is not None else None,
+        )
         self.eagle = eagle
         limits = [context_length(m.model) for m in (pair.target, pair.draft) if m is not None]
         self.context = min((x for x in limits if x), default=None)
@@ -135,7 +147,7 @@ class Decoder:
 
     def _tokenizer(self):
         # The draft alone speaks its own tokenizer; every other policy emits the target's tokens.
-        return self.pair.draft.tokenizer if self.policy.verifier == "draft" else self.pair.tokenizer
+        return self.pair.draft.tokenizer if self.policy.emitter == "draft" else self.pair.tokenizer
 
     def _budget(self, prompt) -> int:
         """New tokens at most for ``prompt``: ``max_new_tokens``, or its source's smaller budget."""
@@ -151,12 +163,19 @@ class Decoder:
         budget = self._budget(prompt)
         ids, dropped = fit_context(ids, budget, self.context)
         if dropped:
-            log.warning("%s: %d prompt tokens + max_new_tokens=%d exceed the context of %d; kept the last %d tokens",
-                        name, len(ids) + dropped, budget, self.context, len(ids))
+            log.warning(
+                "%s: %d prompt tokens + max_new_tokens=%d exceed the context of %d; kept the last %d tokens",
+                name,
+                len(ids) + dropped,
+                budget,
+                self.context,
+                len(ids),
+            )
         draft_ids = None
         if self.policy.bridge:  # each model reads the prompt in its own tokenizer and chat template
-            draft_ids, _ = fit_context(format_prompt(self.pair.draft.tokenizer, prompt, self.chat_template),
-                                       budget, self.context)
+            draft_ids, _ = fit_context(
+                format_prompt(self.pair.draft.tokenizer, prompt, self.chat_template), budget, self.context
+            )
         return ids, dropped, draft_ids
 
     def decode(self, prompt, index: int = 0, on_tokens=None, name: str = "prompt") -> Result:
@@ -170,10 +189,18 @@ class Decoder:
         if self.draft_generator is not None:
             self.draft_generator.manual_seed(stream | (1 << 31))
         ids, dropped, draft_ids = self._prompt_ids(prompt, name)
-        g = self.engine.generate(ids, self.policy, self._budget(prompt), self.sampling, self.generator, on_tokens,
-                                 self.draft_generator, draft_ids)
-        return Result(self._tokenizer().decode(g.tokens, skip_special_tokens=True), g.tokens, g.stats, dropped,
-                      g.trace)
+        g = self.engine.generate(
+            ids,
+            self.policy,
+            self._budget(prompt),
+            self.sampling,
+            self.generator,
+            on_tokens,
+            self.draft_generator,
+            draft_ids,
+        )
+        g.text, g.truncated_prompt_tokens = self._tokenizer().decode(g.tokens, skip_special_tokens=True), dropped
+        return g
 
     def decode_many(self, prompts, batch_size: int = 1, names=None):
         """Completions of ``prompts`` (``(index, prompt)`` pairs), yielded as ``(index, Result)``.
@@ -200,10 +227,11 @@ class Decoder:
             jobs.append(BatchJob(ids, gen, max_new_tokens=self._budget(prompt)))
             dropped.append(cut)
         tok = self._tokenizer()
-        for j, g in BatchEngine(self.engine, batch_size).generate(jobs, self.policy, self.max_new_tokens,
-                                                                  self.sampling):
-            yield items[j][0], Result(tok.decode(g.tokens, skip_special_tokens=True), g.tokens, g.stats,
-                                      dropped[j], g.trace)
+        for j, g in BatchEngine(self.engine, batch_size).generate(
+            jobs, self.policy, self.max_new_tokens, self.sampling
+        ):
+            g.text, g.truncated_prompt_tokens = tok.decode(g.tokens, skip_special_tokens=True), dropped[j]
+            yield items[j][0], g
 
     def batch_problem(self) -> str | None:
         """Why this decoder cannot decode in batches (None: it can)."""
@@ -217,28 +245,40 @@ class Decoder:
         for m in models:
             why = supports(m.model)
             if why is not None or not self.engine.fused:
-                return (f"batched decoding runs on the fused forward (fused_forward=true, Llama-family models); "
-                        f"{m.name}: {why or 'fused_forward=false'}")
+                return (
+                    f"batched decoding runs on the fused forward (fused_forward=true, Llama-family models); "
+                    f"{m.name}: {why or 'fused_forward=false'}"
+                )
         return None
 
 
 def load_eagle(head, pair: Pair):
     """An EAGLE head (a path or a loaded head), checked against the pair's target, on its device and in its dtype
     (a head exported in bf16 to keep the file small drafts in the target's precision)."""
-    from .package import LoadedHead, check_head_against_pair, load_head
+    from specheads.export.package import LoadedHead, check_head_against_pair, load_head
 
     loaded = head if isinstance(head, LoadedHead) else load_head(head, device=pair.target.device)
     if loaded.metadata.get("head_type") != "eagle":
-        raise UserError(f"eagle= needs an EAGLE head (heads-train head=eagle); this one is "
-                        f"head_type={loaded.metadata.get('head_type')!r}")
+        raise UserError(
+            f"eagle= needs an EAGLE head (heads-train head=eagle); this one is "
+            f"head_type={loaded.metadata.get('head_type')!r}"
+        )
     check_head_against_pair(loaded.metadata, pair)
     loaded.module.to(device=pair.target.device, dtype=pair.target.model.dtype)
     return loaded
 
 
-def generate(pair: Pair, prompts, policy: str | Policy = "sd", max_new_tokens: int = 128, k: int = 4,
-             sampling: SamplingConfig | None = None, seed: int = 0, chat_template: bool = True,
-             batch_size: int = 1) -> list[Result]:
+def generate(
+    pair: Pair,
+    prompts,
+    policy: str | Policy = "sd",
+    max_new_tokens: int = 128,
+    k: int = 4,
+    sampling: SamplingConfig | None = None,
+    seed: int = 0,
+    chat_template: bool = True,
+    batch_size: int = 1,
+) -> list[Result]:
     """Completions for a prompt or a list of prompts (strings, message lists or ``Prompt`` objects).
 
     See ``Decoder`` for the arguments; ``batch_size`` as in :meth:`Decoder.decode_many`. Returns one

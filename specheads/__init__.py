@@ -1,15 +1,57 @@
 """specheads: training toolkit for the learned heads of speculative decoding.
 
-``specheads.load_head(path_or_repo_id, pair=None)`` loads an exported head (a ``.safetensors`` file, a
-``heads-export format=hf`` directory or a Hub repo id); the rest lives in ``specheads.export``.
+The public Python API (docs/python-api.md) is these names, imported on first use so that
+``import specheads`` stays light::
+
+    import specheads
+
+    pair = specheads.load_pair(specheads.ModelSpec(path="target"), specheads.ModelSpec(path="draft"))
+    head = "runs/specdecpp_draft_quickstart-export/head.safetensors"
+    print(specheads.load_head(head, pair=pair).metadata["head_type"])     # checked against the pair
+    policy = specheads.make_policy("specdecpp", pair, head=head, h=0.7)
+    for result in specheads.generate(pair, ["What is 2 + 3?"], policy=policy, max_new_tokens=64):
+        print(result.text, result.stats.tokens_per_call)
+
+- loading: :func:`load_pair`, :class:`ModelSpec`, :func:`load_head`, :class:`SamplingConfig`;
+- decoding: :func:`generate`, :class:`Decoder`, :class:`Result`, :func:`make_policy` (the one way to build
+  a policy) and :data:`POLICIES`;
+- writing a policy: :class:`Policy` (its required and optional hooks: ``Policy.REQUIRED_HOOKS``,
+  ``Policy.OPTIONAL_HOOKS``), :class:`Round`, :class:`Verdict`, :class:`Settings`, :func:`register_policy`;
+- Hugging Face ``generate``: :class:`Assistant`.
+
+Everything else is internal: the stages' modules and the runtime under ``specheads.export.shim``.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+_API = {
+    "load_pair": "specheads.export.shim:load_pair",
+    "ModelSpec": "specheads.export.shim:ModelSpec",
+    "SamplingConfig": "specheads.export.shim:SamplingConfig",
+    "load_head": "specheads.export.package:load_head",
+    "generate": "specheads.export.api:generate",
+    "Decoder": "specheads.export.api:Decoder",
+    "Result": "specheads.export.shim:Result",
+    "make_policy": "specheads.export.policy_factory:make_policy",
+    "POLICIES": "specheads.export.shim:POLICIES",
+    "Policy": "specheads.export.shim:Policy",
+    "Round": "specheads.export.shim:Round",
+    "Verdict": "specheads.export.shim:Verdict",
+    "Settings": "specheads.export.shim:Settings",
+    "register_policy": "specheads.export.shim:register_policy",
+    "Assistant": "specheads.hf:Assistant",
+}
+__all__ = sorted(_API)
 
 
 def __getattr__(name: str):
-    if name == "load_head":  # imported on first use: ``import specheads`` stays light
-        from specheads.export.package import load_head
+    if name in _API:  # imported on first use: ``import specheads`` stays light
+        import importlib
 
-        return load_head
+        module, _, attr = _API[name].partition(":")
+        return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'specheads' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_API])

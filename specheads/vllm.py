@@ -14,7 +14,7 @@ the target alone's, sampled output follows it). The proposer drafts with the dra
 request's drafting by its policy: ``specdecpp`` (an exported SpecDec++ acceptance head on the draft's
 states; ``stop="threshold"`` at ``threshold``, or ``stop="cost"`` with a cost table), ``confidence_stop``
 (training-free: the draft's probability of its own candidate below ``threshold``, or the cost rule) or
-``sd`` (always ``k_max``). The work is :class:`~specheads.export.shim.proposer.RowProposer`: one batched
+``sd`` (always ``k_max``). The work is :class:`~specheads.export.shim.batching.row_proposer.RowProposer`: one batched
 draft forward per step over the rows still drafting, and draft KV caches kept by content, since vLLM
 gives the proposer neither request ids nor notice of joins, finishes or preemption.
 
@@ -87,10 +87,19 @@ class ProposerSettings:
         return out
 
 
-def speculative_config(draft: str, policy: str = "confidence_stop", head: str | None = None, k_max: int = 6,
-                       k_min: int = 1, threshold: float | None = None, stop: str = "threshold",
-                       costs: str | None = None, vocab_file: str | None = None,
-                       vocab_top_n: int | None = None, gate: bool | None = None) -> dict:
+def speculative_config(
+    draft: str,
+    policy: str = "confidence_stop",
+    head: str | None = None,
+    k_max: int = 6,
+    k_min: int = 1,
+    threshold: float | None = None,
+    stop: str = "threshold",
+    costs: str | None = None,
+    vocab_file: str | None = None,
+    vocab_top_n: int | None = None,
+    gate: bool | None = None,
+) -> dict:
     """Checks the proposer's settings, hands them to vLLM's worker (``SPECHEADS_VLLM``) and returns the
     ``speculative_config`` for ``vllm.LLM``.
 
@@ -106,11 +115,22 @@ def speculative_config(draft: str, policy: str = "confidence_stop", head: str | 
             stop=cost`` makes and caches it).
         vocab_file, vocab_top_n: prune the draft's output layer to a ``heads-vocab`` ranking.
         gate: with ``stop="cost"`` (its default there), a round may draft nothing: the draft gate
-            (:class:`~specheads.export.shim.cost_rules.DraftGate`) prices the request's recent rounds at the
+            (:class:`~specheads.export.shim.costs.cost_rules.DraftGate`) prices the request's recent rounds at the
             batch about to run, so drafting stops where verification no longer pays (a large batch).
     """
-    settings = ProposerSettings(os.path.abspath(draft) if draft else "", policy, head, int(k_max), int(k_min),
-                                threshold, stop, costs, vocab_file, vocab_top_n, gate)
+    settings = ProposerSettings(
+        os.path.abspath(draft) if draft else "",
+        policy,
+        head,
+        int(k_max),
+        int(k_min),
+        threshold,
+        stop,
+        costs,
+        vocab_file,
+        vocab_top_n,
+        gate,
+    )
     bad = settings.problems()
     if bad:
         raise UserError("; ".join(bad))
@@ -121,8 +141,10 @@ def speculative_config(draft: str, policy: str = "confidence_stop", head: str | 
 def _read_settings() -> ProposerSettings:
     raw = os.environ.get(ENV)
     if not raw:
-        raise UserError(f"{CLASS_PATH} reads its settings from ${ENV}: build speculative_config with "
-                        "specheads.vllm.speculative_config(draft=..., ...)")
+        raise UserError(
+            f"{CLASS_PATH} reads its settings from ${ENV}: build speculative_config with "
+            "specheads.vllm.speculative_config(draft=..., ...)"
+        )
     try:
         settings = ProposerSettings(**json.loads(raw))
     except (TypeError, ValueError) as err:
@@ -138,35 +160,48 @@ class Proposer:
 
     def __init__(self, vllm_config):
         from specheads.export.policy_factory import make_policy
-        from specheads.export.shim.costs import load_table
-        from specheads.export.shim.models import ModelSpec, Pair, eos_ids, load_model
-        from specheads.export.shim.proposer import RowProposer
+        from specheads.export.shim import ModelSpec, Pair, RowProposer, eos_ids, load_model, load_table
 
         settings = _read_settings()
         k = int(vllm_config.speculative_config.num_speculative_tokens)
         if k != settings.k_max:
-            raise UserError(f"num_speculative_tokens={k} but the proposer's k_max={settings.k_max}: build "
-                            "speculative_config with specheads.vllm.speculative_config")
+            raise UserError(
+                f"num_speculative_tokens={k} but the proposer's k_max={settings.k_max}: build "
+                "speculative_config with specheads.vllm.speculative_config"
+            )
         device = str(getattr(vllm_config.device_config, "device", "cpu") or "cpu")
-        draft = load_model(ModelSpec(path=settings.draft, device=device, vocab_file=settings.vocab_file,
-                                     vocab_top_n=settings.vocab_top_n), "draft")
+        draft = load_model(
+            ModelSpec(
+                path=settings.draft, device=device, vocab_file=settings.vocab_file, vocab_top_n=settings.vocab_top_n
+            ),
+            "draft",
+        )
         target_vocab = int(vllm_config.model_config.get_vocab_size())
         rows = draft.model.config.vocab_size
         if rows != target_vocab:
-            raise UserError(f"the draft's vocabulary has {rows} tokens and the target's {target_vocab}: the "
-                            "proposer drafts on the target's vocabulary (same tokenizer)")
+            raise UserError(
+                f"the draft's vocabulary has {rows} tokens and the target's {target_vocab}: the "
+                "proposer drafts on the target's vocabulary (same tokenizer)"
+            )
         pair = Pair(target=draft, draft=draft)  # the head reads the draft's states: checked against the draft
         costs = load_table(settings.costs) if settings.stop == "cost" else None
-        own = {"h": settings.threshold} if settings.policy == "specdecpp" else (
-            {"tau": settings.threshold} if settings.policy == "confidence_stop" else {})
-        if settings.policy != "sd":
-            own["gate"] = settings.stop == "cost" if settings.gate is None else settings.gate
-        policy = make_policy(settings.policy, pair, k=k, head=settings.head, k_min=settings.k_min, k_max=k,
-                             stop=settings.stop, costs=costs,
-                             **{key: v for key, v in own.items() if v is not None})
+        if settings.policy == "sd":
+            own = {"k": k}
+        else:
+            own = {
+                "k_min": settings.k_min,
+                "k_max": k,
+                "stop": settings.stop,
+                "threshold": settings.threshold,
+                "gate": settings.stop == "cost" if settings.gate is None else settings.gate,
+            }
+            if settings.policy == "specdecpp":
+                own["head"] = settings.head
+        policy = make_policy(settings.policy, pair, costs=costs, **own)
         self.settings, self.max_len = settings, int(vllm_config.model_config.max_model_len)
-        self.core = RowProposer(draft.model, policy, int(vllm_config.scheduler_config.max_num_seqs),
-                                eos_ids(draft.model, draft.tokenizer))
+        self.core = RowProposer(
+            draft.model, policy, int(vllm_config.scheduler_config.max_num_seqs), eos_ids(draft.model, draft.tokenizer)
+        )
 
     def load_model(self, *args, **kwargs) -> None:
         """The draft was loaded when the proposer was built (nothing of the target's is needed)."""
@@ -190,6 +225,7 @@ class Proposer:
 
 # ---- the child process of ``heads-decode engine=vllm`` (export/vllm_engine.py): ``python -m specheads.vllm JOB`` --
 
+
 def _proposer_stats(worker) -> dict:
     return dict(worker.model_runner.drafter.stats)
 
@@ -208,23 +244,40 @@ def run_job(path: str) -> int:
         spec = speculative_config(**spec["specheads"])
     longest = max(len(p) for p in job["prompts"]) + job["max_new_tokens"]
     t = time.perf_counter()
-    llm = LLM(model=job["target"], dtype="float32", max_model_len=max(longest, 256), max_num_seqs=job["batch_size"],
-              seed=job["seed"], enforce_eager=True, disable_log_stats=False, speculative_config=spec or None)
+    llm = LLM(
+        model=job["target"],
+        dtype="float32",
+        max_model_len=max(longest, 256),
+        max_num_seqs=job["batch_size"],
+        seed=job["seed"],
+        enforce_eager=True,
+        disable_log_stats=False,
+        speculative_config=spec or None,
+    )
     startup = time.perf_counter() - t
     sampling = job["sampling"]
-    params = [SamplingParams(max_tokens=job["max_new_tokens"], seed=job["seed"] + i, **sampling)
-              for i in range(len(job["prompts"]))]
+    params = [
+        SamplingParams(max_tokens=job["max_new_tokens"], seed=job["seed"] + i, **sampling)
+        for i in range(len(job["prompts"]))
+    ]
 
     def counters() -> dict:
-        return {m.name: m.value for m in llm.get_metrics()
-                if m.name.startswith("vllm:spec_decode") and isinstance(getattr(m, "value", None), (int, float))}
+        return {
+            m.name: m.value
+            for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode") and isinstance(getattr(m, "value", None), (int, float))
+        }
 
     before = counters()
     t = time.perf_counter()
     res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
     seconds = time.perf_counter() - t
-    out = {"outputs": [list(r.outputs[0].token_ids) for r in res], "seconds": seconds, "startup_seconds": startup,
-           "counters": {k: v - before.get(k, 0) for k, v in counters().items()}}
+    out = {
+        "outputs": [list(r.outputs[0].token_ids) for r in res],
+        "seconds": seconds,
+        "startup_seconds": startup,
+        "counters": {k: v - before.get(k, 0) for k, v in counters().items()},
+    }
     if proposer:
         out["proposer"] = llm.collective_rpc(_proposer_stats)[0]
     with open(job["out"], "w", encoding="utf-8") as fh:
@@ -236,4 +289,3 @@ if __name__ == "__main__":
     import sys
 
     raise SystemExit(run_job(sys.argv[1]))
-
