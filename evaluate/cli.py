@@ -11,7 +11,7 @@ prompt. It reports for each configuration tokens/s, tokens and accepted drafts p
 verification rate, discard rate and draft forwards per token; the per-forward times ``t_t``
 and ``t_d`` measured by the two baselines (wall time per forward, loop overhead included); the
 cost model ``T/N`` of docs/algorithms/cost-model.md at the profiled cost table
-(:mod:`specheads.export.shim.costs`: ``t_d`` and ``t_t(k)`` per target pass size ``k``, cached per
+(:mod:`specheads.export.shim.costs.cost_table`: ``t_d`` and ``t_t(k)`` per target pass size ``k``, cached per
 machine; ``profile=``) over the pass sizes each row actually used (``predicted_ms_per_token``),
 beside the measured ms/token (wall time / new tokens, prefill included) and their ratio; with
 ``cost_stop`` the cost-aware stop rules (rows ``h-cost``, ``c-cost``: no threshold, stop where the
@@ -48,7 +48,6 @@ greedy oracle and perfect head come from the rounds of SD at ``k_max`` on the he
 from __future__ import annotations
 
 import logging
-import re
 import time
 from pathlib import Path
 
@@ -56,113 +55,27 @@ from transformers.utils import logging as hf_logging
 
 from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError
+from specheads.evaluate import report
+from specheads.evaluate.checks import _check, _max_pass, eagle_conflicts  # noqa: F401
+from specheads.evaluate.config import EvalConfig
+from specheads.evaluate.oracle import (
+    RoundRecorder,
+    draft_agreement,
+    oracle_schedule,
+    perfect_head_schedule,
+    rounds_oracle,
+    rounds_perfect_head,
+)
+from specheads.evaluate.printout import print_summary
+from specheads.evaluate.sweep import build_decoders, decoder, run_sweep, same_vocab_rows
 from specheads.export.api import fit_context, format_prompt, load_eagle, pair_costs
 from specheads.export.package import read_metadata, set_default_threshold
-from specheads.export.shim.costs import PROFILES
-from specheads.export.shim.engine import GenerationStats
-from specheads.export.shim.models import load_pair, same_vocabulary
-from specheads.export.shim.divergence import DIVERGENCES
-from specheads.export.shim.policies import (FSD, POLICIES, TLI, ConfidenceStop, Judge, SpecDecPP, Sprinter,
-                                            StandardSD, TopKVerify)
+from specheads.export.shim import GenerationStats, SpecDecPP, load_pair, same_vocabulary
 from specheads.outputs import holds_other_run, prepare_output_dir, write_manifest
-from specheads.prompts import budget_problems, load_prompt_files
-
-from . import report
-from .config import EvalConfig
-from .oracle import (RoundRecorder, draft_agreement, oracle_schedule, perfect_head_schedule, rounds_oracle,
-                     rounds_perfect_head)
-from .printout import print_summary
-from .select import parse as parse_select
-from .sweep import build_decoders, decoder, parse_tree, run_sweep, same_vocab_rows
+from specheads.prompts import load_prompt_files
 
 log = logging.getLogger(__name__)
 PROG = "heads-eval"
-
-
-def _check(cfg: EvalConfig) -> None:
-    problems = []
-    if not cfg.prompts:
-        problems.append("prompts is not set; pass prompts=<held-out prompt file>")
-    fsd = {d: list(getattr(cfg, f"fsd_{d}")) for d in DIVERGENCES if getattr(cfg, f"fsd_{d}")}
-    if not (cfg.ks or cfg.head or cfg.verifier or cfg.judge or cfg.judges or cfg.topk or fsd or cfg.confidence
-            or cfg.hetero or cfg.trees):
-        problems.append("nothing to sweep: set ks=[...], head=, verifier=, judge=, judges=, topk=[...], fsd_js=[...] "
-                        "(or fsd_tv, fsd_kl, fsd_kl_rev), confidence=[...] and/or hetero=[tli,slem,slrs]")
-    hetero = [name for name, policy in POLICIES.items() if policy.bridge]
-    if any(m not in hetero for m in cfg.hetero) or len(set(cfg.hetero)) != len(cfg.hetero):
-        problems.append(f"hetero={list(cfg.hetero)}: each of {hetero} at most once")
-    # Each policy checks the settings its rows share and the values they sweep, by heads-decode's rules.
-    problems += TLI.Settings(k=cfg.hetero_k).problems({"k": "hetero_k"})
-    problems += StandardSD.Settings.sweep("k", "ks", cfg.ks)
-    problems += SpecDecPP.Settings.sweep("h", "thresholds", cfg.thresholds)
-    problems += SpecDecPP.Settings(k_min=cfg.k_min, k_max=cfg.k_max).problems()
-    problems += Sprinter.Settings.sweep("eta", "etas", cfg.etas) + Sprinter.Settings(max_run=cfg.max_run).problems()
-    problems += Judge.Settings.sweep("delta", "deltas", cfg.deltas)
-    problems += Judge.Settings(k=cfg.judge_k).problems({"k": "judge_k"})
-    problems += TopKVerify.Settings.sweep("verify_top_k", "topk", cfg.topk)
-    problems += TopKVerify.Settings(k=cfg.topk_k).problems({"k": "topk_k"})
-    for d, ts in fsd.items():
-        problems += FSD.Settings.sweep("T", f"fsd_{d}", ts)
-    if fsd:  # the settings every FSD row shares (T = 0 stands for the swept ones, checked above)
-        problems += FSD.Settings(T=0.0, k=cfg.fsd_k, fsd_top_k=cfg.fsd_top_k, fsd_rule=cfg.fsd_rule,
-                                 fsd_dist=cfg.fsd_dist).problems({"k": "fsd_k"})
-    problems += ConfidenceStop.Settings.sweep("tau", "confidence", cfg.confidence)
-    problems += ConfidenceStop.Settings(k_max=cfg.confidence_k_max).problems()
-    unswept = [f"judges.{n}" for n in cfg.judges if not cfg.judge_deltas.get(n)]
-    if cfg.judge and not cfg.deltas:
-        problems.append("judge is set but deltas is empty")
-    elif unswept and not cfg.deltas:
-        problems.append(f"deltas is empty and judge_deltas gives none for {', '.join(unswept)}")
-    for name, deltas in cfg.judge_deltas.items():
-        if name not in cfg.judges:
-            problems.append(f"judge_deltas.{name}: no judge of that name in judges={dict(cfg.judges)}")
-        problems += Judge.Settings.sweep("delta", f"judge_deltas.{name}", deltas)
-    bad = [n for n in cfg.judges if not re.fullmatch(r"[A-Za-z0-9_]+", str(n))]
-    if bad:
-        problems.append(f"judges: names {bad} must be letters, digits and _ (rows j-<name>-<delta>)")
-    if cfg.verifier and not cfg.etas:
-        problems.append("verifier is set but etas is empty")
-    if cfg.head and not cfg.thresholds and not cfg.cost_stop:
-        problems.append("head is set but thresholds is empty (and cost_stop=false)")
-    if cfg.profile not in PROFILES and not Path(cfg.profile).is_file():
-        problems.append(f"profile={cfg.profile!r} is not auto, refresh or an existing cost-table JSON file")
-    if cfg.max_new_tokens < 1:
-        problems.append(f"max_new_tokens={cfg.max_new_tokens} must be >= 1")
-    try:
-        parse_select(cfg.select)
-    except UserError as exc:
-        problems.append(str(exc))
-    if cfg.select and not cfg.accuracy:
-        problems.append("select= chooses by accuracy: set accuracy=true")
-    if cfg.write_default and not cfg.select:
-        problems.append("write_default=true writes what select= chooses: set select=max_drop:X")
-    problems += budget_problems("max_new_tokens_by_source", cfg.max_new_tokens_by_source)
-    for spec in cfg.trees:
-        try:
-            parse_tree(spec)
-        except UserError as exc:
-            problems.append(str(exc))
-    if cfg.trees and (not cfg.eagle or cfg.sampling.do_sample):
-        problems.append("trees= are drafted by an EAGLE head and verified greedily: set eagle= and keep "
-                        "sampling.do_sample=false")
-    if cfg.eagle:
-        drafting = eagle_conflicts(cfg)
-        if drafting:
-            problems.append(f"eagle= drafts with an EAGLE head, but {', '.join(drafting)} read the draft model "
-                            "(its states or vocabulary): sweep them in a run without eagle=")
-    if cfg.batch_size < 1:
-        problems.append(f"batch_size={cfg.batch_size} must be >= 1")
-    elif cfg.batch_size > 1 and not cfg.fused_forward:
-        problems.append(f"batch_size={cfg.batch_size} runs on the fused forward: set fused_forward=true")
-    if problems:
-        raise UserError("; ".join(problems))
-
-
-def eagle_conflicts(cfg: EvalConfig) -> list[str]:
-    """The configured settings whose rows need a draft model's states or vocabulary, which an EAGLE head lacks:
-    SPRINTER's verifier, the judges, FSD and the heterogeneous-vocabulary methods."""
-    keys = ["verifier", "judge", "judges", *(f"fsd_{d}" for d in DIVERGENCES), "hetero"]
-    return [f"{k}=" for k in keys if getattr(cfg, k)]
 
 
 def _eagle_oracle(cfg: EvalConfig, pair, eagle, prompts, ar_rows: list[dict], lag: int | None):
@@ -178,23 +91,12 @@ def _eagle_oracle(cfg: EvalConfig, pair, eagle, prompts, ar_rows: list[dict], la
         rounds = dec.policy.rounds
         oracle = GenerationStats.total([oracle, rounds_oracle(rounds, res.stats.new_tokens)])
         if perfect is not None:
-            perfect = GenerationStats.total([perfect, rounds_perfect_head(rounds, res.stats.new_tokens, cfg.k_min,
-                                                                          lag)])
+            perfect = GenerationStats.total(
+                [perfect, rounds_perfect_head(rounds, res.stats.new_tokens, cfg.k_min, lag)]
+            )
     if differ:  # greedy SD is lossless: only numerics (a tie in the target's argmax) can part them
         log.warning("the oracle's SD decode differs from the target alone on %d of %d prompts", differ, len(prompts))
     return oracle, perfect
-
-
-def _max_pass(cfg: EvalConfig) -> int:
-    """The largest target pass the sweep's rows and the oracle use: most candidates per round + 1
-    (SPRINTER's catch-up passes can be longer; the table extrapolates those)."""
-    fsd = any(getattr(cfg, f"fsd_{d}") for d in DIVERGENCES)
-    most = [1, *cfg.ks, cfg.k_max if cfg.head or cfg.oracle else 1, cfg.topk_k if cfg.topk else 1,
-            cfg.fsd_k if fsd else 1, cfg.confidence_k_max if cfg.confidence else 1,
-            cfg.judge_k if cfg.judge or cfg.judges else 1,
-            *(parse_tree(t)[2] for t in cfg.trees),
-            (cfg.max_run if cfg.max_run is not None else 20) + 1 if cfg.verifier else 1]
-    return min(max(most), 63) + 1
 
 
 def run(cfg: EvalConfig) -> int:
@@ -218,10 +120,11 @@ def run(cfg: EvalConfig) -> int:
     eagle = load_eagle(cfg.eagle, pair) if cfg.eagle else None
     shared = eagle is not None or same_vocabulary(pair.target.tokenizer, pair.draft.tokenizer)
     if not shared and same_vocab_rows(cfg):
-        raise UserError(f"the draft's tokenizer differs from the target's: {', '.join(same_vocab_rows(cfg))} need "
-                        "one vocabulary; on this pair sweep only hetero=[tli,slem,slrs] (and pass ks=[])")
-    costs = pair_costs(pair, _max_pass(cfg), cfg.profile, cfg.fused_forward, eagle=eagle,
-                       batch_size=cfg.batch_size)
+        raise UserError(
+            f"the draft's tokenizer differs from the target's: {', '.join(same_vocab_rows(cfg))} need "
+            "one vocabulary; on this pair sweep only hetero=[tli,slem,slrs] (and pass ks=[])"
+        )
+    costs = pair_costs(pair, _max_pass(cfg), cfg.profile, cfg.fused_forward, eagle=eagle, batch_size=cfg.batch_size)
     log.info("%s", costs.describe())
     decoders = build_decoders(cfg, pair, costs, eagle)
     grouped = run_sweep(decoders, prompts, out / "rows.jsonl", batch_size=cfg.batch_size)
@@ -236,8 +139,9 @@ def run(cfg: EvalConfig) -> int:
         perfect = GenerationStats(prompts=0) if lag is not None else None
         ar = decoders["ar"]
         for prompt, row in zip(prompts, grouped["ar"]):
-            ids, _ = fit_context(format_prompt(pair.tokenizer, prompt, cfg.chat_template), cfg.max_new_tokens,
-                                 ar.context)
+            ids, _ = fit_context(
+                format_prompt(pair.tokenizer, prompt, cfg.chat_template), cfg.max_new_tokens, ar.context
+            )
             agree = draft_agreement(pair.draft.model, ids, row["tokens"], cfg.fused_forward, ar.engine.vocab_size)
             oracle = GenerationStats.total([oracle, oracle_schedule(agree, cfg.k_max)])
             if perfect is not None:
@@ -245,16 +149,25 @@ def run(cfg: EvalConfig) -> int:
     elif cfg.oracle:
         log.warning("the oracle is defined for greedy decoding only (sampling.do_sample=false); skipped")
     eagle_info = report.eagle_section(cfg.eagle, eagle.metadata) if eagle is not None else None
-    summary = report.build(cfg, pair, prompts, grouped, decoders, oracle, perfect, head_meta, costs, out,
-                           eagle=eagle_info)
+    summary = report.build(
+        cfg, pair, prompts, grouped, decoders, oracle, perfect, head_meta, costs, out, eagle=eagle_info
+    )
     if cfg.write_default:
         _write_defaults(cfg, summary, out)
     report.write(out, summary)
-    write_manifest(out, command=PROG, prompts_file=cfg.prompts, num_prompts=len(prompts),
-                   target={"name": pair.target.name, "fingerprint": pair.target.fingerprint},
-                   draft=({"name": pair.draft.name, "fingerprint": pair.draft.fingerprint} if pair.draft else None),
-                   eagle=eagle_info, head=cfg.head, sampling=cfg.sampling.to_dict(), seed=cfg.seed,
-                   wall_time_s=round(time.time() - started, 3))
+    write_manifest(
+        out,
+        command=PROG,
+        prompts_file=cfg.prompts,
+        num_prompts=len(prompts),
+        target={"name": pair.target.name, "fingerprint": pair.target.fingerprint},
+        draft=({"name": pair.draft.name, "fingerprint": pair.draft.fingerprint} if pair.draft else None),
+        eagle=eagle_info,
+        head=cfg.head,
+        sampling=cfg.sampling.to_dict(),
+        seed=cfg.seed,
+        wall_time_s=round(time.time() - started, 3),
+    )
     print_summary(summary)
     return 0
 
@@ -266,17 +179,25 @@ def _write_defaults(cfg: EvalConfig, summary: dict, out: Path) -> None:
         entry = summary.get("gated", {}).get("rows", {}).get(family)
         if not path or not entry or entry["row"] is None:
             continue
-        set_default_threshold(path, entry["threshold"], {
-            "command": f"{PROG} select={cfg.select}", "sweep": str(out / "sweep.json"), "prompts": cfg.prompts,
-            "acc_drop": entry["acc_drop"], "acc_drop_upper": entry["acc_drop_upper"],
-            "tokens_per_s_vs_target": entry["tokens_per_s_vs_target"]})
+        set_default_threshold(
+            path,
+            entry["threshold"],
+            {
+                "command": f"{PROG} select={cfg.select}",
+                "sweep": str(out / "sweep.json"),
+                "prompts": cfg.prompts,
+                "acc_drop": entry["acc_drop"],
+                "acc_drop_upper": entry["acc_drop_upper"],
+                "tokens_per_s_vs_target": entry["tokens_per_s_vs_target"],
+            },
+        )
         entry["written_to"] = path
         log.info("%s: default_threshold %g written to %s", family, entry["threshold"], path)
 
 
 def _run_vllm(cfg: EvalConfig) -> int:
     """``engine=vllm``: the rows vLLM can decode, side by side (:mod:`.vllm_sweep`)."""
-    from . import vllm_sweep
+    from specheads.evaluate import vllm_sweep
 
     bad = vllm_sweep.problems(cfg)
     if bad:

@@ -3,69 +3,251 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from specheads.export.shim.models import ModelSpec
-from specheads.export.shim.sampling import SamplingConfig
+from specheads.export.shim import ModelSpec, SamplingConfig
 
 
 @dataclass
 class EvalConfig:
     """Compare decoding configurations on one prompt set, in one run: target alone, draft alone, fixed-K
-    SD, SpecDec++ thresholds (head=) and its cost-aware rule (cost_stop), SPRINTER approval thresholds (verifier=), judge thresholds
+    SD, SpecDec++ thresholds (head=) and its cost-aware rule (cost_stop), SPRINTER approval thresholds (verifier=),
+    judge thresholds
     (judge=), top-K verification (topk=), FSD thresholds per divergence (fsd_js=, fsd_tv=, fsd_kl=,
     fsd_kl_rev=) and draft-confidence stopping (confidence=); with eagle=, the same-vocabulary rows on an EAGLE head."""
 
     target: ModelSpec = field(default_factory=ModelSpec)
     draft: ModelSpec = field(default_factory=ModelSpec)
     head: str | None = field(default=None, metadata={"help": "exported acceptance head; none: fixed K only"})
-    eagle: str | None = field(default=None, metadata={"help": "an exported EAGLE head (heads-train head=eagle): the same-vocabulary rows (k, h, h-cost, c, c-cost, t) draft with it from the target's own states instead of with the draft model (tree rows at batch 1; head= then needs a stop head trained on its states, heads-train head=eagle_stop); no draft model needed (without draft.path no draft row); not with verifier=, judge=, judges=, fsd_*= or hetero="})
-    thresholds: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9],
-                                    metadata={"help": "SpecDec++ stop thresholds h to sweep"})
-    cost_stop: bool = field(default=True, metadata={"help": "also sweep the cost-aware stop rules (no threshold; draft on while one more candidate raises expected tokens per ms of the cost table): row h-cost with head=, row c-cost with confidence=[...]"})
-    profile: str = field(default="auto", metadata={"help": "cost table behind predicted ms/token and the cost-aware rows: auto (cached per machine and settings under $SPECHEADS_CACHE/costs, default ~/.cache/specheads/costs; measured when absent) | refresh (measure again) | path to a cost-table JSON"})
+    eagle: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "an exported EAGLE head (heads-train head=eagle): the same-vocabulary rows (k, h, "
+                "h-cost, c, c-cost, t) draft with it from the target's own states instead of with the "
+                "draft model (tree rows at batch 1; head= then needs a stop head trained on its states, "
+                "heads-train head=eagle_stop); no draft model needed (without draft.path no draft row); "
+                "not with verifier=, judge=, judges=, fsd_*= or hetero="
+            )
+        },
+    )
+    thresholds: list[float] = field(
+        default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9], metadata={"help": "SpecDec++ stop thresholds h to sweep"}
+    )
+    cost_stop: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "also sweep the cost-aware stop rules (no threshold; draft on while one more candidate "
+                "raises expected tokens per ms of the cost table): row h-cost with head=, row c-cost "
+                "with confidence=[...]"
+            )
+        },
+    )
+    profile: str = field(
+        default="auto",
+        metadata={
+            "help": (
+                "cost table behind predicted ms/token and the cost-aware rows: auto (cached per machine "
+                "and settings under $SPECHEADS_CACHE/costs, default ~/.cache/specheads/costs; measured "
+                "when absent) | refresh (measure again) | path to a cost-table JSON"
+            )
+        },
+    )
     ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8], metadata={"help": "fixed candidate lengths K"})
-    verifier: str | None = field(default=None, metadata={"help": "exported SPRINTER verifier head; none: no SPRINTER rows"})
-    etas: list[float] = field(default_factory=lambda: [0.5], metadata={"help": "SPRINTER approval thresholds eta to sweep"})
+    verifier: str | None = field(
+        default=None, metadata={"help": "exported SPRINTER verifier head; none: no SPRINTER rows"}
+    )
+    etas: list[float] = field(
+        default_factory=lambda: [0.5], metadata={"help": "SPRINTER approval thresholds eta to sweep"}
+    )
     max_run: int | None = field(default=20, metadata={"help": "SPRINTER: most approved tokens in a row (null: no cap)"})
     judge: str | None = field(default=None, metadata={"help": "exported judge head; none: no judge rows"})
-    judges: dict[str, str] = field(default_factory=dict, metadata={"help": "several exported judge heads side by side, by name (e.g. {arith: A.safetensors, mined: B.safetensors}): rows j-<name>-<delta>, each gated on its own (family judge_<name>)"})
-    deltas: list[float] = field(default_factory=lambda: [0.5], metadata={"help": "judge thresholds delta to sweep (every judge)"})
-    judge_deltas: dict[str, list[float]] = field(default_factory=dict, metadata={"help": "per named judge (judges=), its own deltas instead of deltas= (heads trained on other labels sit on other scales)"})
+    judges: dict[str, str] = field(
+        default_factory=dict,
+        metadata={
+            "help": (
+                "several exported judge heads side by side, by name (e.g. {arith: A.safetensors, mined: "
+                "B.safetensors}): rows j-<name>-<delta>, each gated on its own (family judge_<name>)"
+            )
+        },
+    )
+    deltas: list[float] = field(
+        default_factory=lambda: [0.5], metadata={"help": "judge thresholds delta to sweep (every judge)"}
+    )
+    judge_deltas: dict[str, list[float]] = field(
+        default_factory=dict,
+        metadata={
+            "help": (
+                "per named judge (judges=), its own deltas instead of deltas= (heads trained on other "
+                "labels sit on other scales)"
+            )
+        },
+    )
     judge_k: int = field(default=10, metadata={"help": "judge: candidates per round"})
-    trees: list[str] = field(default_factory=list, metadata={"help": "with eagle= (greedy): draft trees on the EAGLE head as DEPTHxWIDTHxNODES, e.g. 4x3x8 (rows tree-4x3x8; policy=tree: the head's best paths, EAGLE-2's dynamic tree, verified in one target pass); DxWxN-cost sizes each round's tree by the cost table (stop=cost, at most D levels and N tokens)"})
-    topk: list[int] = field(default_factory=list, metadata={"help": "top-K verification baselines: the K values (target top-K tokens accepted)"})
+    trees: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": (
+                "with eagle= (greedy): draft trees on the EAGLE head as DEPTHxWIDTHxNODES, e.g. 4x3x8 "
+                "(rows tree-4x3x8; policy=tree: the head's best paths, EAGLE-2's dynamic tree, verified "
+                "in one target pass); DxWxN-cost sizes each round's tree by the cost table (stop=cost, "
+                "at most D levels and N tokens)"
+            )
+        },
+    )
+    topk: list[int] = field(
+        default_factory=list,
+        metadata={"help": "top-K verification baselines: the K values (target top-K tokens accepted)"},
+    )
     topk_k: int = field(default=4, metadata={"help": "top-K verification: candidates per round"})
-    fsd_js: list[float] = field(default_factory=list, metadata={"help": "FSD thresholds T for the Jensen-Shannon divergence (rows fsd-js-<T>; at most ln 2)"})
-    fsd_tv: list[float] = field(default_factory=list, metadata={"help": "FSD thresholds T for the total variation distance (rows fsd-tv-<T>; in [0, 1])"})
-    fsd_kl: list[float] = field(default_factory=list, metadata={"help": "FSD thresholds T for KL(target || draft) (rows fsd-kl-<T>)"})
-    fsd_kl_rev: list[float] = field(default_factory=list, metadata={"help": "FSD thresholds T for KL(draft || target) (rows fsd-kl_rev-<T>)"})
+    fsd_js: list[float] = field(
+        default_factory=list,
+        metadata={"help": "FSD thresholds T for the Jensen-Shannon divergence (rows fsd-js-<T>; at most ln 2)"},
+    )
+    fsd_tv: list[float] = field(
+        default_factory=list,
+        metadata={"help": "FSD thresholds T for the total variation distance (rows fsd-tv-<T>; in [0, 1])"},
+    )
+    fsd_kl: list[float] = field(
+        default_factory=list, metadata={"help": "FSD thresholds T for KL(target || draft) (rows fsd-kl-<T>)"}
+    )
+    fsd_kl_rev: list[float] = field(
+        default_factory=list, metadata={"help": "FSD thresholds T for KL(draft || target) (rows fsd-kl_rev-<T>)"}
+    )
     fsd_k: int = field(default=4, metadata={"help": "FSD: candidates per round"})
-    fsd_rule: str = field(default="paper", metadata={"help": "FSD: paper (accept while Div < T, else a token from p) | or (SD accepts or Div < T, else the residual; T=0 is SD)"})
-    fsd_top_k: int = field(default=0, metadata={"help": "FSD: 0 = divergences over the whole vocabulary, else the target's top-k tokens plus one bucket"})
-    fsd_dist: str = field(default="raw", metadata={"help": "FSD: raw (softmax of unwarped logits) | warped (after temperature/top-k/top-p; same as raw when greedy)"})
-    confidence: list[float] = field(default_factory=list, metadata={"help": "draft-confidence stopping baselines: taus in [0, 1] (rows c<tau>; stop drafting when q(y) < tau)"})
+    fsd_rule: str = field(
+        default="paper",
+        metadata={
+            "help": (
+                "FSD: paper (accept while Div < T, else a token from p) | or (SD accepts or Div < T, "
+                "else the residual; T=0 is SD)"
+            )
+        },
+    )
+    fsd_top_k: int = field(
+        default=0,
+        metadata={
+            "help": ("FSD: 0 = divergences over the whole vocabulary, else the target's top-k tokens plus one bucket")
+        },
+    )
+    fsd_dist: str = field(
+        default="raw",
+        metadata={
+            "help": (
+                "FSD: raw (softmax of unwarped logits) | warped (after temperature/top-k/top-p; same as "
+                "raw when greedy)"
+            )
+        },
+    )
+    confidence: list[float] = field(
+        default_factory=list,
+        metadata={
+            "help": ("draft-confidence stopping baselines: taus in [0, 1] (rows c<tau>; stop drafting when q(y) < tau)")
+        },
+    )
     confidence_k_max: int = field(default=10, metadata={"help": "draft-confidence stopping: most candidates per round"})
-    hetero: list[str] = field(default_factory=list, metadata={"help": "heterogeneous-vocabulary methods: tli, slem and/or slrs (rows v-<method>-k<hetero_k>); with a draft whose tokenizer differs from the target's, only these, ar and draft can run"})
-    hetero_k: int = field(default=2, metadata={"help": "tli / slem: draft tokens per round; slrs: most target tokens per round"})
-    accuracy: bool = field(default=True, metadata={"help": "grade outputs where a grader exists: GSM8K final number, ARC letter"})
-    write_default: bool = field(default=False, metadata={"help": "with select=: write each chosen judge / sprinter threshold into its head file as default_threshold (with how it was chosen)"})
-    select: str | None = field(default=None, metadata={"help": "max_drop:X (e.g. max_drop:0.01): for each lossy policy (judge, sprinter, topk, fsd), the fastest row whose accuracy drop against the target alone is <= X at the upper 95% bound on the even-indexed prompts, reported on the odd-indexed ones (section gated)"})
-    quality: bool = field(default=True, metadata={"help": "ROUGE vs target-only outputs and references, FLOPs per token, SPRINTER alpha"})
+    hetero: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": (
+                "heterogeneous-vocabulary methods: tli, slem and/or slrs (rows v-<method>-k<hetero_k>); "
+                "with a draft whose tokenizer differs from the target's, only these, ar and draft can run"
+            )
+        },
+    )
+    hetero_k: int = field(
+        default=2, metadata={"help": "tli / slem: draft tokens per round; slrs: most target tokens per round"}
+    )
+    rows: list[dict[str, Any]] = field(
+        default_factory=list,
+        metadata={
+            "help": (
+                "more rows, any registered policy: [{policy: NAME, settings: {SETTING: VALUE}, sweep: {SETTING: "
+                "[VALUES]}, name: PREFIX}], e.g. [{policy: judge, settings: {head: J, k: 10}, sweep: {delta: "
+                "[0.5, 0.9]}}] (rows judge-delta0.5, judge-delta0.9); the fields above are a shorthand for the "
+                "built-in policies' rows"
+            )
+        },
+    )
+    accuracy: bool = field(
+        default=True, metadata={"help": "grade outputs where a grader exists: GSM8K final number, ARC letter"}
+    )
+    write_default: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "with select=: write each chosen judge / sprinter threshold into its head file as "
+                "default_threshold (with how it was chosen)"
+            )
+        },
+    )
+    select: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "max_drop:X (e.g. max_drop:0.01): for each lossy policy (judge, sprinter, topk, fsd), "
+                "the fastest row whose accuracy drop against the target alone is <= X at the upper 95% "
+                "bound on the even-indexed prompts, reported on the odd-indexed ones (section gated)"
+            )
+        },
+    )
+    quality: bool = field(
+        default=True, metadata={"help": "ROUGE vs target-only outputs and references, FLOPs per token, SPRINTER alpha"}
+    )
     k_min: int = field(default=2, metadata={"help": "specdecpp: fewest candidates per round"})
     k_max: int = field(default=20, metadata={"help": "specdecpp (and the oracle): most candidates per round"})
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    prompts: str = field(default="", metadata={"help": "held-out prompt file(s), comma-separated (JSONL, GSM8K, MT-Bench ...)"})
+    prompts: str = field(
+        default="", metadata={"help": "held-out prompt file(s), comma-separated (JSONL, GSM8K, MT-Bench ...)"}
+    )
     num_prompts: int | None = field(default=None, metadata={"help": "first N prompts of each file (after offset)"})
     offset: int = 0
     max_new_tokens: int = 128
-    max_new_tokens_by_source: dict[str, int] = field(default_factory=dict, metadata={"help": "a smaller budget per prompt source (arc, gsm8k, mt_bench, alpaca, prompt, messages), e.g. {arc: 16}: ARC needs only the letter"})
+    max_new_tokens_by_source: dict[str, int] = field(
+        default_factory=dict,
+        metadata={
+            "help": (
+                "a smaller budget per prompt source (arc, gsm8k, mt_bench, alpaca, prompt, messages), "
+                "e.g. {arc: 16}: ARC needs only the letter"
+            )
+        },
+    )
     chat_template: bool = True
-    oracle: bool = field(default=True, metadata={"help": "greedy oracle (docs/algorithms/cost-model.md); greedy decoding only"})
+    oracle: bool = field(
+        default=True, metadata={"help": "greedy oracle (docs/algorithms/cost-model.md); greedy decoding only"}
+    )
     fused_forward: bool = True
     seed: int = 0
-    batch_size: int = field(default=1, metadata={"help": "prompts each configuration decodes together (heads-decode batch_size); > 1: configurations take turns block by block (4 x batch_size prompts), a row's wall_time is its share of the block's time (tokens/s = throughput) and latency_s its own; tli/slem rows stay at batch 1"})
-    engine: str = field(default="specheads", metadata={"help": "specheads (this package's engine) | vllm (vLLM decodes each row: ar = its target alone, k<K> = its draft_model, h<h>/h-cost/c<tau>/c-cost = the specheads.vllm proposer; see evaluate/vllm_sweep.py)"})
-    vllm_python: str | None = field(default=None, metadata={"help": "engine=vllm: the python of vLLM's virtualenv (default: this one, when it has vLLM)"})
-    vllm_threads: int | None = field(default=None, metadata={"help": "engine=vllm: OMP_NUM_THREADS for vLLM on a CPU (default: the machine's cores)"})
-    output_dir: str = field(default="runs/eval", metadata={"help": "sweep.json, pareto.png, rows.jsonl, metrics.jsonl ..."})
+    batch_size: int = field(
+        default=1,
+        metadata={
+            "help": (
+                "prompts each configuration decodes together (heads-decode batch_size); > 1: "
+                "configurations take turns block by block (4 x batch_size prompts), a row's wall_time is "
+                "its share of the block's time (tokens/s = throughput) and latency_s its own; tli/slem "
+                "rows stay at batch 1"
+            )
+        },
+    )
+    engine: str = field(
+        default="specheads",
+        metadata={
+            "help": (
+                "specheads (this package's engine) | vllm (vLLM decodes each row: ar = its target alone, "
+                "k<K> = its draft_model, h<h>/h-cost/c<tau>/c-cost = the specheads.vllm proposer; see "
+                "evaluate/vllm_sweep.py)"
+            )
+        },
+    )
+    vllm_python: str | None = field(
+        default=None,
+        metadata={"help": "engine=vllm: the python of vLLM's virtualenv (default: this one, when it has vLLM)"},
+    )
+    vllm_threads: int | None = field(
+        default=None, metadata={"help": "engine=vllm: OMP_NUM_THREADS for vLLM on a CPU (default: the machine's cores)"}
+    )
+    output_dir: str = field(
+        default="runs/eval", metadata={"help": "sweep.json, pareto.png, rows.jsonl, metrics.jsonl ..."}
+    )
     overwrite: bool = False

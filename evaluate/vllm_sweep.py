@@ -24,41 +24,72 @@ from types import SimpleNamespace
 from specheads.errors import UserError
 
 log = logging.getLogger(__name__)
-UNSUPPORTED = ("verifier", "judge", "judges", "eagle", "trees", "topk", "fsd_js", "fsd_tv", "fsd_kl", "fsd_kl_rev",
-               "hetero")
+UNSUPPORTED = (
+    "rows",
+    "verifier",
+    "judge",
+    "judges",
+    "eagle",
+    "trees",
+    "topk",
+    "fsd_js",
+    "fsd_tv",
+    "fsd_kl",
+    "fsd_kl_rev",
+    "hetero",
+)
 
 
 def problems(cfg) -> list[str]:
     """What ``engine=vllm`` cannot sweep in this config."""
     given = [k for k in UNSUPPORTED if getattr(cfg, k)]
-    out = [f"engine=vllm sweeps ar, ks, thresholds/h-cost (head=) and confidence/c-cost rows; {', '.join(given)} "
-           "run on engine=specheads"] if given else []
+    out = (
+        [
+            f"engine=vllm sweeps ar, ks, thresholds/h-cost (head=) and confidence/c-cost rows; {', '.join(given)} "
+            "run on engine=specheads"
+        ]
+        if given
+        else []
+    )
     if not cfg.draft.path:
         out.append("engine=vllm needs draft.path (vLLM's draft_model and the proposer draft with it)")
     return out
 
 
 def rows(cfg) -> dict[str, dict]:
-    """Row name -> the settings of ``heads-decode engine=vllm`` that decode it."""
+    """Row name -> the policy and its settings (``heads-decode engine=vllm``'s) that decode it."""
     out = {"ar": {"policy": "ar"}}
     out.update({f"k{k}": {"policy": "sd", "k": k} for k in cfg.ks})
+    stop = {"head": cfg.head, "k_min": cfg.k_min, "k_max": cfg.k_max}
     if cfg.head:
-        out.update({f"h{h}": {"policy": "specdecpp", "h": h} for h in cfg.thresholds})
+        out.update({f"h{h}": {"policy": "specdecpp", **stop, "h": h} for h in cfg.thresholds})
         if cfg.cost_stop:
-            out["h-cost"] = {"policy": "specdecpp", "stop": "cost"}
-    out.update({f"c{t}": {"policy": "confidence_stop", "tau": t, "k_max": cfg.confidence_k_max} for t in cfg.confidence})
+            out["h-cost"] = {"policy": "specdecpp", **stop, "stop": "cost"}
+    out.update(
+        {f"c{t}": {"policy": "confidence_stop", "tau": t, "k_max": cfg.confidence_k_max} for t in cfg.confidence}
+    )
     if cfg.cost_stop and cfg.confidence:
         out["c-cost"] = {"policy": "confidence_stop", "stop": "cost", "k_max": cfg.confidence_k_max}
     return out
 
 
-def row_config(cfg, settings: dict, python: str) -> SimpleNamespace:
-    """The flat config :mod:`specheads.export.vllm_engine` reads, for one row."""
-    base = {"policy": "ar", "k": 1, "h": None, "tau": None, "threshold": None, "head": cfg.head, "k_min": cfg.k_min,
-            "k_max": cfg.k_max, "stop": "threshold", "draft": cfg.draft, "max_new_tokens": cfg.max_new_tokens,
-            "batch_size": cfg.batch_size, "seed": cfg.seed, "sampling": cfg.sampling, "vllm_python": python,
-            "vllm_threads": cfg.vllm_threads, "profile": cfg.profile}
-    return SimpleNamespace(**{**base, **settings})
+def row_config(cfg, row: dict, python: str):
+    """The run settings and the policy settings :mod:`specheads.export.vllm_engine` reads, for one row."""
+    from specheads.export.policy_factory import settings_for
+
+    values = {k: v for k, v in row.items() if k != "policy"}
+    run = SimpleNamespace(
+        policy=row["policy"],
+        draft=cfg.draft,
+        max_new_tokens=cfg.max_new_tokens,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        sampling=cfg.sampling,
+        vllm_python=python,
+        vllm_threads=cfg.vllm_threads,
+        profile=cfg.profile,
+    )
+    return run, settings_for(row["policy"], **values)
 
 
 def run(cfg, prompts, out: Path, prog: str) -> int:
@@ -84,13 +115,19 @@ def run(cfg, prompts, out: Path, prog: str) -> int:
         if name in done:
             table[name] = done[name]
             continue
-        rc = row_config(cfg, settings, python)
+        rc, own = row_config(cfg, settings, python)
         log.info("engine=vllm row %s", name)
-        res = decode(rc, ids, target, out / "vllm" / name, costs_for(rc, target))
+        res = decode(rc, own, ids, target, out / "vllm" / name, costs_for(rc, own, target))
         tokens = sum(map(len, res["outputs"]))
-        row = {"name": name, **settings, "new_tokens": tokens, "seconds": round(res["seconds"], 3),
-               "startup_s": round(res["startup_seconds"], 1), "outputs": res["outputs"],
-               **speed(name == "ar", tokens, res["seconds"], res.get("counters", {}), res.get("proposer"), len(ids))}
+        row = {
+            "name": name,
+            **settings,
+            "new_tokens": tokens,
+            "seconds": round(res["seconds"], 3),
+            "startup_s": round(res["startup_seconds"], 1),
+            "outputs": res["outputs"],
+            **speed(name == "ar", tokens, res["seconds"], res.get("counters", {}), res.get("proposer"), len(ids)),
+        }
         with open(done_file, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(row) + "\n")
         table[name] = row
@@ -100,18 +137,33 @@ def run(cfg, prompts, out: Path, prog: str) -> int:
         for name, row in table.items():
             keep = {k: v for k, v in row.items() if k not in ("outputs", "spec_decode", "proposer")}
             keep["greedy_identical"] = row["outputs"] == base["outputs"] if not cfg.sampling.do_sample else None
-            keep["speedup_vs_ar"] = round(row["tokens_per_s"] / base["tokens_per_s"], 4) if base["tokens_per_s"] else None
+            keep["speedup_vs_ar"] = (
+                round(row["tokens_per_s"] / base["tokens_per_s"], 4) if base["tokens_per_s"] else None
+            )
             summary[name] = keep
             metrics.write(keep)
-    atomic_write_json(out / "sweep.json", {"engine": "vllm", "batch_size": cfg.batch_size, "prompts": len(ids),
-                                           "rows": summary})
-    write_manifest(out, command=prog, engine="vllm", prompts_file=cfg.prompts, num_prompts=len(ids),
-                   target={"name": str(target)}, draft={"name": cfg.draft.path}, sampling=cfg.sampling.to_dict(),
-                   seed=cfg.seed, vllm_python=python, wall_time_s=round(time.time() - started, 3))
+    atomic_write_json(
+        out / "sweep.json", {"engine": "vllm", "batch_size": cfg.batch_size, "prompts": len(ids), "rows": summary}
+    )
+    write_manifest(
+        out,
+        command=prog,
+        engine="vllm",
+        prompts_file=cfg.prompts,
+        num_prompts=len(ids),
+        target={"name": str(target)},
+        draft={"name": cfg.draft.path},
+        sampling=cfg.sampling.to_dict(),
+        seed=cfg.seed,
+        vllm_python=python,
+        wall_time_s=round(time.time() - started, 3),
+    )
     print(f"{prog} engine=vllm, batch_size={cfg.batch_size}, {len(ids)} prompts")
     print(f"{'row':<10} {'tokens/s':>9} {'x ar':>6} {'tok/call':>9} {'accept':>7} {'propose':>8}  greedy=ar")
     for name, r in summary.items():
-        print(f"{name:<10} {r['tokens_per_s']:>9.2f} {r['speedup_vs_ar'] or 0:>6.3f} {r['tokens_per_call'] or 0:>9.3f} "
-              f"{r.get('acceptance_rate') or 0:>7.3f} {r.get('propose_share_of_wall_time') or 0:>8.3f}  "
-              f"{r['greedy_identical']}")
+        print(
+            f"{name:<10} {r['tokens_per_s']:>9.2f} {r['speedup_vs_ar'] or 0:>6.3f} {r['tokens_per_call'] or 0:>9.3f} "
+            f"{r.get('acceptance_rate') or 0:>7.3f} {r.get('propose_share_of_wall_time') or 0:>8.3f}  "
+            f"{r['greedy_identical']}"
+        )
     return 0

@@ -10,45 +10,62 @@ from conftest import perturbed_copy
 
 from specheads.evaluate.cli import main
 from specheads.evaluate.config import EvalConfig
-from specheads.evaluate.oracle import (RoundRecorder, below_curve, draft_agreement, oracle_schedule,
-                                      perfect_head_schedule, rounds_oracle, rounds_perfect_head)
+from specheads.evaluate.oracle import (
+    RoundRecorder,
+    below_curve,
+    draft_agreement,
+    oracle_schedule,
+    perfect_head_schedule,
+    rounds_oracle,
+    rounds_perfect_head,
+)
 from specheads.evaluate.report import summarize
-from specheads.evaluate.sweep import config_names, num
+from specheads.evaluate.rows import expand
+from specheads.evaluate.sweep import num
 from specheads.export import Engine, GenerationStats, ModelSpec, SamplingConfig, load_pair, save_head
-from specheads.export.shim.costs import CostTable
+from specheads.export.shim.costs.cost_table import CostTable
 from specheads.heads import AcceptanceHead
 
 
-@pytest.mark.parametrize("agree, k_max, calls, drafts", [
-    ([True] * 10, 20, 1, 9),  # all agree: one round, the last token from the target
-    ([True] * 10, 3, 3, 7),  # runs of 3 drafts + 1 target token: 4 + 4 + (1 draft + 1)
-    ([False] * 4, 20, 4, 0),  # every token a disagreement
-    ([True, False, True, True, False], 20, 2, 3),  # |S| = 2, the last token is a disagreement: |S| calls
-    ([True, False, True, True], 20, 2, 2),  # |S| = 1, then the final round: |S| + 1
-])
+@pytest.mark.parametrize(
+    "agree, k_max, calls, drafts",
+    [
+        ([True] * 10, 20, 1, 9),  # all agree: one round, the last token from the target
+        ([True] * 10, 3, 3, 7),  # runs of 3 drafts + 1 target token: 4 + 4 + (1 draft + 1)
+        ([False] * 4, 20, 4, 0),  # every token a disagreement
+        ([True, False, True, True, False], 20, 2, 3),  # |S| = 2, the last token is a disagreement: |S| calls
+        ([True, False, True, True], 20, 2, 2),  # |S| = 1, then the final round: |S| + 1
+    ],
+)
 def test_oracle_schedule_hand_cases(agree, k_max, calls, drafts):
     o = oracle_schedule(agree, k_max)
     assert (o.new_tokens, o.target_calls, o.draft_forwards) == (len(agree), calls, drafts)
 
 
-@pytest.mark.parametrize("agree, k_min, k_max, lag, calls, drafts, discarded", [
-    ([True, False, True, True, False], 1, 20, 0, 2, 4, 1),  # the disagreement is drawn, scored 0, dropped
-    ([True, False, True, True, False], 1, 20, 1, 2, 5, 2),  # reference order: seen one forward later
-    ([False] * 4, 1, 20, 0, 4, 3, 3),  # k_min = 1: every round drafts one doomed candidate (as K = 1)
-    ([False] * 4, 2, 20, 0, 4, 5, 5),  # k_min = 2, capped by the room left before the final token
-    ([True] * 10, 1, 3, 0, 3, 7, 0),  # k_max cuts: as the oracle
-])
+@pytest.mark.parametrize(
+    "agree, k_min, k_max, lag, calls, drafts, discarded",
+    [
+        ([True, False, True, True, False], 1, 20, 0, 2, 4, 1),  # the disagreement is drawn, scored 0, dropped
+        ([True, False, True, True, False], 1, 20, 1, 2, 5, 2),  # reference order: seen one forward later
+        ([False] * 4, 1, 20, 0, 4, 3, 3),  # k_min = 1: every round drafts one doomed candidate (as K = 1)
+        ([False] * 4, 2, 20, 0, 4, 5, 5),  # k_min = 2, capped by the room left before the final token
+        ([True] * 10, 1, 3, 0, 3, 7, 0),  # k_max cuts: as the oracle
+    ],
+)
 def test_perfect_head_schedule_hand_cases(agree, k_min, k_max, lag, calls, drafts, discarded):
     o = perfect_head_schedule(agree, k_min, k_max, lag)
     assert (o.new_tokens, o.target_calls, o.draft_forwards, o.discarded) == (len(agree), calls, drafts, discarded)
     assert o.target_calls >= oracle_schedule(agree, k_max).target_calls
 
 
-@pytest.mark.parametrize("rounds, k_min, lag, drafts, discarded", [
-    ([(4, 2), (4, 4), (4, 0), (1, 1)], 1, 0, 3 + 4 + 1 + 1, 2),  # stop on the drawn rejection; full rounds run out
-    ([(4, 2), (4, 4), (4, 0), (1, 1)], 1, 1, 4 + 4 + 2 + 1, 4),  # reference order: one more each
-    ([(4, 0), (2, 0), (0, 0)], 3, 0, 3 + 2 + 0, 5),  # k_min, capped by the round's room; a round without room
-])
+@pytest.mark.parametrize(
+    "rounds, k_min, lag, drafts, discarded",
+    [
+        ([(4, 2), (4, 4), (4, 0), (1, 1)], 1, 0, 3 + 4 + 1 + 1, 2),  # stop on the drawn rejection; full rounds run out
+        ([(4, 2), (4, 4), (4, 0), (1, 1)], 1, 1, 4 + 4 + 2 + 1, 4),  # reference order: one more each
+        ([(4, 0), (2, 0), (0, 0)], 3, 0, 3 + 2 + 0, 5),  # k_min, capped by the round's room; a round without room
+    ],
+)
 def test_rounds_oracle_and_perfect_head_hand_cases(rounds, k_min, lag, drafts, discarded):
     n = sum(a + 1 for _, a in rounds)
     o = rounds_oracle(rounds, n)
@@ -70,11 +87,17 @@ def test_recorded_rounds_give_the_agreement_schedules_for_a_draft_model(tiny_pai
         out = engine.generate(prompt, rec, 20).tokens
         assert len(out) == 20  # no EOS: the recorded rounds' room is the schedules' room
         agree = draft_agreement(draft, prompt, out)
-        for got, want in ((rounds_oracle(rec.rounds, len(out)), oracle_schedule(agree, k_max)),
-                          (rounds_perfect_head(rec.rounds, len(out), k_min, lag),
-                           perfect_head_schedule(agree, k_min, k_max, lag))):
-            assert (got.new_tokens, got.target_calls, got.draft_forwards, got.discarded, got.target_pass_sizes) == \
-                (want.new_tokens, want.target_calls, want.draft_forwards, want.discarded, want.target_pass_sizes)
+        for got, want in (
+            (rounds_oracle(rec.rounds, len(out)), oracle_schedule(agree, k_max)),
+            (rounds_perfect_head(rec.rounds, len(out), k_min, lag), perfect_head_schedule(agree, k_min, k_max, lag)),
+        ):
+            assert (got.new_tokens, got.target_calls, got.draft_forwards, got.discarded, got.target_pass_sizes) == (
+                want.new_tokens,
+                want.target_calls,
+                want.draft_forwards,
+                want.discarded,
+                want.target_pass_sizes,
+            )
 
 
 def test_below_curve():
@@ -106,26 +129,52 @@ def head_file(tiny_pair_dirs, tmp_path):
     pair = load_pair(ModelSpec(path=str(t), device="cpu"), ModelSpec(path=str(d), device="cpu"))
     torch.manual_seed(0)
     head = AcceptanceHead(32, depth=1)
-    return save_head(tmp_path / "h.safetensors", head, "acceptance", {
-        "head_config": head.config(), "hidden_size": 32, "feature": {"model": "draft", "state": "post", "layer": -1},
-        "draft": {"name": pair.draft.name, "fingerprint": pair.draft.fingerprint},
-        "target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
-        "sampling": SamplingConfig().to_dict(), "default_threshold": 0.6,
-        "extra": {"train": {"eval_binary_kl": 0.123}}})
+    return save_head(
+        tmp_path / "h.safetensors",
+        head,
+        "acceptance",
+        {
+            "head_config": head.config(),
+            "hidden_size": 32,
+            "feature": {"model": "draft", "state": "post", "layer": -1},
+            "draft": {"name": pair.draft.name, "fingerprint": pair.draft.fingerprint},
+            "target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
+            "sampling": SamplingConfig().to_dict(),
+            "default_threshold": 0.6,
+            "extra": {"train": {"eval_binary_kl": 0.123}},
+        },
+    )
 
 
 def _args(pair_dirs, prompts, out, *extra):
     t, d = pair_dirs
-    return [f"target.path={t}", "target.gguf_file=null", "offset=0", "num_prompts=null", "k_min=2",
-            f"draft.path={d}", "target.device=cpu", "draft.device=cpu", f"prompts={prompts}",
-            f"output_dir={out}", "max_new_tokens=16", "ks=[1,2,4]", "thresholds=[0.3,0.7]", *extra]
+    return [
+        f"target.path={t}",
+        "target.gguf_file=null",
+        "offset=0",
+        "num_prompts=null",
+        "k_min=2",
+        f"draft.path={d}",
+        "target.device=cpu",
+        "draft.device=cpu",
+        f"prompts={prompts}",
+        f"output_dir={out}",
+        "max_new_tokens=16",
+        "ks=[1,2,4]",
+        "thresholds=[0.3,0.7]",
+        *extra,
+    ]
 
 
 @pytest.fixture()
 def prompts_file(tmp_path):
     path = tmp_path / "p.jsonl"
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["the cat sat", "why is the sun red",
-                                                                      "one two three", "a dog ran up"]))
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": p}) + "\n"
+            for p in ["the cat sat", "why is the sun red", "one two three", "a dog ran up"]
+        )
+    )
     return path
 
 
@@ -153,8 +202,9 @@ def test_eval_sweep_end_to_end(tiny_pair_dirs, head_file, prompts_file, table_fi
     assert names == ["ar", "draft", "k1", "k2", "k4", "h0.3", "h0.7", "h-cost"]
     by = {r["config"]: r for r in s["table"]}
     assert by["ar"]["verification_rate"] == 1.0 and by["ar"]["discard_rate"] == 0.0
-    assert all(r["tokens_per_s_interval"][0] <= r["tokens_per_s"] <= r["tokens_per_s_interval"][1] + 1e-3
-               for r in s["table"])
+    assert all(
+        r["tokens_per_s_interval"][0] <= r["tokens_per_s"] <= r["tokens_per_s_interval"][1] + 1e-3 for r in s["table"]
+    )
     assert by["k1"]["draft_forwards_per_token"] <= by["k4"]["draft_forwards_per_token"]
     # lossless greedy: every configuration emits the target's own tokens
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
@@ -163,16 +213,22 @@ def test_eval_sweep_end_to_end(tiny_pair_dirs, head_file, prompts_file, table_fi
     assert all(r["tokens"] == ar[r["index"]] for r in rows if r["config"] != "draft")
     # the oracle never calls the target more often than any policy does, and discards nothing
     assert s["oracle"]["tokens"] == by["ar"]["tokens"]
-    assert all(s["oracle"]["verification_rate"] <= r["verification_rate"] + 1e-9 for r in s["table"]
-               if r["config"] != "draft")
+    assert all(
+        s["oracle"]["verification_rate"] <= r["verification_rate"] + 1e-9 for r in s["table"] if r["config"] != "draft"
+    )
     # the acceptance head's calibration while decoding: every SpecDec++ row, overall and by draft position
     for name in ("h0.3", "h0.7", "h-cost"):
         c = s["calibration"][name]
         assert c["overall"]["n"] == sum(v["n"] for v in c["by_position"].values()) > 0
         assert "1" in c["by_position"] and 0 <= c["overall"]["ece"] <= 1
     assert set(s["calibration"]) == {"h0.3", "h0.7", "h-cost"} and (out / "calibration.png").is_file()
-    assert set(s["ratios"]) >= {"specdecpp_vs_best_fixed_k", "oracle_gain_fraction", "best_fixed_k_vs_ar",
-                                "cost_aware_vs_best_fixed_k", "share_of_perfect_head_gain"}
+    assert set(s["ratios"]) >= {
+        "specdecpp_vs_best_fixed_k",
+        "oracle_gain_fraction",
+        "best_fixed_k_vs_ar",
+        "cost_aware_vs_best_fixed_k",
+        "share_of_perfect_head_gain",
+    }
     assert isinstance(s["pareto_dominates"], bool) and set(s["below_fixed_k_curve"]) == {"h0.3", "h0.7", "h-cost"}
     assert s["head"]["eval_binary_kl"] == 0.123
     # the cost model: the given table at each row's own pass sizes, beside the measured ms/token
@@ -184,18 +240,19 @@ def test_eval_sweep_end_to_end(tiny_pair_dirs, head_file, prompts_file, table_fi
         measured = 1000 * sum(x["wall_time"] for x in mine) / sum(x["new_tokens"] for x in mine)
         assert r["measured_ms_per_token"] == pytest.approx(measured, abs=1e-3)
         # rounded to 4 decimals: on a loaded machine the ratio is small and the rounding is most of the error
-        assert r["predicted_over_measured"] == pytest.approx(r["predicted_ms_per_token"] / measured, rel=1e-3,
-                                                             abs=1e-4)
+        assert r["predicted_over_measured"] == pytest.approx(r["predicted_ms_per_token"] / measured, rel=1e-3, abs=1e-4)
     assert by["ar"]["predicted_ms_per_token"] == pytest.approx(4.5)  # 1-token steps only
     assert by["draft"]["predicted_ms_per_token"] == pytest.approx(0.5)
     o = s["oracle"]
     assert sum(o["target_pass_sizes"].values()) == o["target_calls"]
-    want = (0.5 * o["draft_forwards"] + sum((4 + 0.5 * int(k)) * c for k, c in o["target_pass_sizes"].items())) \
-        / o["tokens"]
+    want = (0.5 * o["draft_forwards"] + sum((4 + 0.5 * int(k)) * c for k, c in o["target_pass_sizes"].items())) / o[
+        "tokens"
+    ]
     assert o["predicted_ms_per_token"] == pytest.approx(want, abs=1e-4)
     assert o["predicted_tokens_per_s"] == pytest.approx(1000 / o["predicted_ms_per_token"], rel=1e-3)
     assert s["ratios"]["cost_aware_vs_best_fixed_k"] == pytest.approx(
-        by["h-cost"]["tokens_per_s"] / by[s["best_fixed_k"]]["tokens_per_s"], abs=1e-4)
+        by["h-cost"]["tokens_per_s"] / by[s["best_fixed_k"]]["tokens_per_s"], abs=1e-4
+    )
     assert s["best_stop_rule"] in ("h0.3", "h0.7", "h-cost") and s["best_lossless"]["config"] in by
     assert "cost table t_d 0.5 ms" in printed and "predicted_ms_per_token" in printed
     assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
@@ -223,7 +280,8 @@ def test_eval_resumes_after_a_kill(tiny_pair_dirs, prompts_file, tmp_path, monke
     assert main(args) == 0
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     assert sorted((r["index"], r["config"]) for r in rows) == sorted(
-        (i, c) for i in range(4) for c in ("ar", "draft", "k2"))
+        (i, c) for i in range(4) for c in ("ar", "draft", "k2")
+    )
 
 
 def test_overwrite_never_resumes_from_the_other_runs_rows(tiny_pair_dirs, prompts_file, table_file, tmp_path):
@@ -252,31 +310,49 @@ def test_eval_bad_input(tiny_pair_dirs, prompts_file, tmp_path, capsys):
 def test_row_names_keep_every_digit_of_a_setting():
     # ``:g`` wrote 0.9999999 as "1": a judge row named as if delta were 1 (SD), and a clash with delta = 1
     assert [num(x) for x in (0.99, 1.0, 0.999999, 0.9999999, 0.3)] == ["0.99", "1", "0.999999", "0.9999999", "0.3"]
-    assert config_names([4], [0.9999999, 1.0], True) == ["ar", "draft", "k4", "h0.9999999", "h1"]
+    rows = {"policy": "specdecpp", "sweep": {"h": [0.9999999, 1.0]}, "name": "h"}
+    assert [name for name, _, _ in expand(rows)] == ["h0.9999999", "h1"]
 
 
 def _stats_row(new: int, wall: float, drafts: int, sizes: dict[int, int]) -> dict:
     calls = sum(sizes.values())
-    return {"new_tokens": new, "wall_time": wall, "draft_forwards": drafts, "target_calls": calls, "prompts": 1,
-            "drafted": drafts, "accepted": new - calls, "discarded": drafts - (new - calls),
-            "target_pass_sizes": {str(k): c for k, c in sizes.items()}}
+    return {
+        "new_tokens": new,
+        "wall_time": wall,
+        "draft_forwards": drafts,
+        "target_calls": calls,
+        "prompts": 1,
+        "drafted": drafts,
+        "accepted": new - calls,
+        "discarded": drafts - (new - calls),
+        "target_pass_sizes": {str(k): c for k, c in sizes.items()},
+    }
 
 
 def test_summary_costs_and_stop_rule_ratios_by_hand():
     """Hand-made rows: every cost figure and ratio of the summary from the formulas."""
     table = CostTable(t_draft_ms=1.0, t_target_ms=[10.0, 11.0, 12.0, 13.0, 14.0])
-    grouped = {"ar": [_stats_row(100, 1.2, 0, {1: 100})],
-               "draft": [_stats_row(100, 0.2, 100, {})],
-               "k2": [_stats_row(100, 0.8, 80, {3: 40})],      # predicted (80 + 12 * 40) / 100 = 5.6 ms
-               "k4": [_stats_row(100, 0.9, 100, {5: 25})],     # (100 + 14 * 25) / 100 = 4.5 ms
-               "h0.5": [_stats_row(100, 0.7, 90, {4: 30})],    # (90 + 13 * 30) / 100 = 4.8 ms
-               "h-cost": [_stats_row(100, 0.6, 90, {4: 20, 5: 5})]}  # (90 + 260 + 70) / 100 = 4.2 ms
-    perfect = GenerationStats(prompts=0, new_tokens=100, target_calls=20, draft_forwards=80,
-                              target_pass_sizes={5: 20})  # (80 + 14 * 20) / 100 = 3.6 ms
+    grouped = {
+        "ar": [_stats_row(100, 1.2, 0, {1: 100})],
+        "draft": [_stats_row(100, 0.2, 100, {})],
+        "k2": [_stats_row(100, 0.8, 80, {3: 40})],  # predicted (80 + 12 * 40) / 100 = 5.6 ms
+        "k4": [_stats_row(100, 0.9, 100, {5: 25})],  # (100 + 14 * 25) / 100 = 4.5 ms
+        "h0.5": [_stats_row(100, 0.7, 90, {4: 30})],  # (90 + 13 * 30) / 100 = 4.8 ms
+        "h-cost": [_stats_row(100, 0.6, 90, {4: 20, 5: 5})],
+    }  # (90 + 260 + 70) / 100 = 4.2 ms
+    perfect = GenerationStats(
+        prompts=0, new_tokens=100, target_calls=20, draft_forwards=80, target_pass_sizes={5: 20}
+    )  # (80 + 14 * 20) / 100 = 3.6 ms
     s = summarize(EvalConfig(), grouped, None, None, perfect, table)
     by = {r["config"]: r for r in s["table"]}
-    assert [by[n]["predicted_ms_per_token"] for n in ("ar", "draft", "k2", "k4", "h0.5", "h-cost")] == \
-        [10.0, 1.0, 5.6, 4.5, 4.8, 4.2]
+    assert [by[n]["predicted_ms_per_token"] for n in ("ar", "draft", "k2", "k4", "h0.5", "h-cost")] == [
+        10.0,
+        1.0,
+        5.6,
+        4.5,
+        4.8,
+        4.2,
+    ]
     assert by["k4"]["measured_ms_per_token"] == 9.0 and by["k4"]["predicted_over_measured"] == 0.5
     assert s["best_fixed_k"] == "k2" and s["best_threshold"] == "h0.5" and s["best_stop_rule"] == "h-cost"
     r = s["ratios"]
@@ -286,13 +362,15 @@ def test_summary_costs_and_stop_rule_ratios_by_hand():
     assert r["share_of_perfect_head_gain"] == pytest.approx((1 / 3) / (5 / 9), abs=1e-4)
     assert r["perfect_head_cost_gain_vs_best_fixed_k"] == pytest.approx(5.6 / 3.6, abs=1e-4)
     assert s["perfect_head"]["predicted_tokens_per_s"] == pytest.approx(1000 / 3.6, abs=1e-2)
-    assert s["best_lossless"] == {"config": "h-cost", "tokens_per_s": pytest.approx(tps["h-cost"], abs=1e-3),
-                                  "predicted_tokens_per_s": pytest.approx(1000 / 4.2, abs=1e-2)}
+    assert s["best_lossless"] == {
+        "config": "h-cost",
+        "tokens_per_s": pytest.approx(tps["h-cost"], abs=1e-3),
+        "predicted_tokens_per_s": pytest.approx(1000 / 4.2, abs=1e-2),
+    }
     assert "h-cost" in s["below_fixed_k_curve"]
 
 
-def test_a_batched_sweep_decodes_what_batch_one_decodes(tiny_pair_dirs, head_file, prompts_file, table_file,
-                                                         tmp_path):
+def test_a_batched_sweep_decodes_what_batch_one_decodes(tiny_pair_dirs, head_file, prompts_file, table_file, tmp_path):
     """batch_size=2: every row's tokens and counts are batch 1's; wall_time is the row's share of its
     configuration's time on the block (they add up to the block's time), latency_s its own."""
     one, two = tmp_path / "b1", tmp_path / "b2"
@@ -312,18 +390,21 @@ def test_a_batched_sweep_decodes_what_batch_one_decodes(tiny_pair_dirs, head_fil
     s = json.loads((two / "sweep.json").read_text())  # the cost table prices batch-1 forwards only
     assert s["batch_size"] == 2 and "batch 1 only" in s["cost_model"]
     assert all(r["predicted_ms_per_token"] is None for r in s["table"])
-    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "bad", *common, "batch_size=2",
-                      "fused_forward=false")) == 2
+    assert (
+        main(_args(tiny_pair_dirs, prompts_file, tmp_path / "bad", *common, "batch_size=2", "fused_forward=false")) == 2
+    )
 
 
 def test_a_smaller_budget_per_prompt_source(tiny_pair_dirs, prompts_file, table_file, tmp_path, capsys):
     out = tmp_path / "ev"
     common = [f"profile={table_file}", "ks=[2]", "thresholds=[]", "head=null", "oracle=false"]
-    assert main(_args(tiny_pair_dirs, prompts_file, out, *common, "max_new_tokens_by_source={prompt: 3}",
-                      "batch_size=2")) == 0
+    assert (
+        main(_args(tiny_pair_dirs, prompts_file, out, *common, "max_new_tokens_by_source={prompt: 3}", "batch_size=2"))
+        == 0
+    )
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     assert rows and all(len(r["tokens"]) <= 3 for r in rows) and any(len(r["tokens"]) == 3 for r in rows)
-    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "bad", *common,
-                      "max_new_tokens_by_source={arcs: 16}")) == 2
+    assert (
+        main(_args(tiny_pair_dirs, prompts_file, tmp_path / "bad", *common, "max_new_tokens_by_source={arcs: 16}")) == 2
+    )
     assert "max_new_tokens_by_source.arcs" in capsys.readouterr().err
-

@@ -1,0 +1,157 @@
+"""heads-eval's checks of a config before anything loads: every problem in one error, the rows an EAGLE head
+cannot draft, the largest target pass."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from specheads.errors import UserError
+from specheads.evaluate.config import EvalConfig
+from specheads.evaluate.rows import expand, parse_tree
+from specheads.evaluate.rows import problems as rows_problems
+from specheads.evaluate.select import parse as parse_select
+from specheads.export.shim import (
+    DIVERGENCES,
+    FSD,
+    POLICIES,
+    PROFILES,
+    TLI,
+    ConfidenceStop,
+    Judge,
+    SpecDecPP,
+    Sprinter,
+    StandardSD,
+    TopKVerify,
+)
+from specheads.prompts import budget_problems
+
+
+def _check(cfg: EvalConfig) -> None:
+    problems = []
+    if not cfg.prompts:
+        problems.append("prompts is not set; pass prompts=<held-out prompt file>")
+    fsd = {d: list(getattr(cfg, f"fsd_{d}")) for d in DIVERGENCES if getattr(cfg, f"fsd_{d}")}
+    if not (
+        cfg.ks
+        or cfg.head
+        or cfg.verifier
+        or cfg.judge
+        or cfg.judges
+        or cfg.topk
+        or fsd
+        or cfg.confidence
+        or cfg.hetero
+        or cfg.trees
+        or cfg.rows
+    ):
+        problems.append(
+            "nothing to sweep: set ks=[...], head=, verifier=, judge=, judges=, topk=[...], fsd_js=[...] "
+            "(or fsd_tv, fsd_kl, fsd_kl_rev), confidence=[...], hetero=[tli,slem,slrs] and/or rows=[...]"
+        )
+    problems += rows_problems(cfg.rows)
+    hetero = [name for name, policy in POLICIES.items() if policy.bridge]
+    if any(m not in hetero for m in cfg.hetero) or len(set(cfg.hetero)) != len(cfg.hetero):
+        problems.append(f"hetero={list(cfg.hetero)}: each of {hetero} at most once")
+    # Each policy checks the settings its rows share and the values they sweep, by heads-decode's rules.
+    problems += TLI.Settings(k=cfg.hetero_k).problems({"k": "hetero_k"})
+    problems += StandardSD.Settings.sweep("k", "ks", cfg.ks)
+    problems += SpecDecPP.Settings.sweep("h", "thresholds", cfg.thresholds)
+    problems += SpecDecPP.Settings(k_min=cfg.k_min, k_max=cfg.k_max).problems()
+    problems += Sprinter.Settings.sweep("eta", "etas", cfg.etas) + Sprinter.Settings(max_run=cfg.max_run).problems()
+    problems += Judge.Settings.sweep("delta", "deltas", cfg.deltas)
+    problems += Judge.Settings(k=cfg.judge_k).problems({"k": "judge_k"})
+    problems += TopKVerify.Settings.sweep("verify_top_k", "topk", cfg.topk)
+    problems += TopKVerify.Settings(k=cfg.topk_k).problems({"k": "topk_k"})
+    for d, ts in fsd.items():
+        problems += FSD.Settings.sweep("T", f"fsd_{d}", ts)
+    if fsd:  # the settings every FSD row shares (T = 0 stands for the swept ones, checked above)
+        problems += FSD.Settings(
+            T=0.0, k=cfg.fsd_k, fsd_top_k=cfg.fsd_top_k, fsd_rule=cfg.fsd_rule, fsd_dist=cfg.fsd_dist
+        ).problems({"k": "fsd_k"})
+    problems += ConfidenceStop.Settings.sweep("tau", "confidence", cfg.confidence)
+    problems += ConfidenceStop.Settings(k_max=cfg.confidence_k_max).problems()
+    unswept = [f"judges.{n}" for n in cfg.judges if not cfg.judge_deltas.get(n)]
+    if cfg.judge and not cfg.deltas:
+        problems.append("judge is set but deltas is empty")
+    elif unswept and not cfg.deltas:
+        problems.append(f"deltas is empty and judge_deltas gives none for {', '.join(unswept)}")
+    for name, deltas in cfg.judge_deltas.items():
+        if name not in cfg.judges:
+            problems.append(f"judge_deltas.{name}: no judge of that name in judges={dict(cfg.judges)}")
+        problems += Judge.Settings.sweep("delta", f"judge_deltas.{name}", deltas)
+    bad = [n for n in cfg.judges if not re.fullmatch(r"[A-Za-z0-9_]+", str(n))]
+    if bad:
+        problems.append(f"judges: names {bad} must be letters, digits and _ (rows j-<name>-<delta>)")
+    if cfg.verifier and not cfg.etas:
+        problems.append("verifier is set but etas is empty")
+    if cfg.head and not cfg.thresholds and not cfg.cost_stop:
+        problems.append("head is set but thresholds is empty (and cost_stop=false)")
+    if cfg.profile not in PROFILES and not Path(cfg.profile).is_file():
+        problems.append(f"profile={cfg.profile!r} is not auto, refresh or an existing cost-table JSON file")
+    if cfg.max_new_tokens < 1:
+        problems.append(f"max_new_tokens={cfg.max_new_tokens} must be >= 1")
+    try:
+        parse_select(cfg.select)
+    except UserError as exc:
+        problems.append(str(exc))
+    if cfg.select and not cfg.accuracy:
+        problems.append("select= chooses by accuracy: set accuracy=true")
+    if cfg.write_default and not cfg.select:
+        problems.append("write_default=true writes what select= chooses: set select=max_drop:X")
+    problems += budget_problems("max_new_tokens_by_source", cfg.max_new_tokens_by_source)
+    for spec in cfg.trees:
+        try:
+            parse_tree(spec)
+        except UserError as exc:
+            problems.append(str(exc))
+    if cfg.trees and (not cfg.eagle or cfg.sampling.do_sample):
+        problems.append(
+            "trees= are drafted by an EAGLE head and verified greedily: set eagle= and keep sampling.do_sample=false"
+        )
+    if cfg.eagle:
+        drafting = eagle_conflicts(cfg)
+        if drafting:
+            problems.append(
+                f"eagle= drafts with an EAGLE head, but {', '.join(drafting)} read the draft model "
+                "(its states or vocabulary): sweep them in a run without eagle="
+            )
+    if cfg.batch_size < 1:
+        problems.append(f"batch_size={cfg.batch_size} must be >= 1")
+    elif cfg.batch_size > 1 and not cfg.fused_forward:
+        problems.append(f"batch_size={cfg.batch_size} runs on the fused forward: set fused_forward=true")
+    if problems:
+        raise UserError("; ".join(problems))
+
+
+def eagle_conflicts(cfg: EvalConfig) -> list[str]:
+    """The configured settings whose rows need a draft model's states or vocabulary, which an EAGLE head lacks:
+    SPRINTER's verifier, the judges, FSD and the heterogeneous-vocabulary methods."""
+    keys = ["verifier", "judge", "judges", *(f"fsd_{d}" for d in DIVERGENCES), "hetero"]
+    reads = ("sprinter", "judge", "fsd", *(n for n, p in POLICIES.items() if p.bridge))
+    given = [f"rows (policy={r.get('policy')})" for r in cfg.rows if isinstance(r, dict) and r.get("policy") in reads]
+    return [f"{k}=" for k in keys if getattr(cfg, k)] + given
+
+
+def _most(settings: dict) -> int:
+    """The most candidates per round a row's settings allow (its ``k``, ``k_max`` or ``tree_nodes``)."""
+    return max([1, *(int(settings[k]) for k in ("k", "k_max", "tree_nodes") if settings.get(k) is not None)])
+
+
+def _max_pass(cfg: EvalConfig) -> int:
+    """The largest target pass the sweep's rows and the oracle use: most candidates per round + 1
+    (SPRINTER's catch-up passes can be longer; the table extrapolates those)."""
+    fsd = any(getattr(cfg, f"fsd_{d}") for d in DIVERGENCES)
+    most = [
+        1,
+        *cfg.ks,
+        cfg.k_max if cfg.head or cfg.oracle else 1,
+        cfg.topk_k if cfg.topk else 1,
+        cfg.fsd_k if fsd else 1,
+        cfg.confidence_k_max if cfg.confidence else 1,
+        cfg.judge_k if cfg.judge or cfg.judges else 1,
+        *(parse_tree(t)[2] for t in cfg.trees),
+        (cfg.max_run if cfg.max_run is not None else 20) + 1 if cfg.verifier else 1,
+        *(_most(settings) for row in cfg.rows for _, _, settings in expand(row)),
+    ]
+    return min(max(most), 63) + 1

@@ -1,0 +1,156 @@
+"""The rows of a ``heads-eval`` sweep, as one list: each row is ``{policy, settings, sweep, name}``.
+
+- ``policy``: a registered policy (``POLICIES``, a ``register_policy`` one too);
+- ``settings``: its fixed settings, under their own names (``{head: H, k: 10}``);
+- ``sweep``: at most one setting and its values (``{delta: [0.5, 0.9]}``), one configuration per value;
+- ``name``: the row names' prefix (``j`` gives ``j0.5``); without one, ``<policy>-<setting>`` (``margin_stop-
+  margin0.3``), or the policy's name when nothing is swept.
+
+``rows=[...]`` in the config gives rows directly; the per-policy fields (``ks``, ``thresholds``, ``etas``,
+``deltas``, ``topk``, ``fsd_js`` ...) are a shorthand that :func:`shorthand_rows` turns into the same list,
+with the row names the reports know (``k4``, ``h0.3``, ``h-cost``, ``s0.5``, ``j0.9``, ``t2``, ``fsd-js-0.3``,
+``c0.4``, ``tree-4x3x8``, ``v-slem-k2``).
+"""
+
+from __future__ import annotations
+
+import re
+
+from specheads.errors import UserError
+from specheads.export.policy_factory import settings_for
+from specheads.export.shim import DIVERGENCES, POLICIES
+
+
+def num(x: float) -> str:
+    """A setting as it appears in a row name: ``:g`` for the usual values (``0.99``, ``1``), but every
+    significant digit up to 12, so that ``0.9999999`` is not written ``1`` (two settings, one name)."""
+    return f"{x:.12g}"
+
+
+def parse_tree(spec: str) -> tuple[int, int, int, str]:
+    """``DEPTHxWIDTHxNODES`` (``4x3x8``) -> ``(4, 3, 8, "threshold")``; with ``-cost`` (``5x3x12-cost``) the
+    tree is sized per round by the cost table (``stop="cost"``: at most that depth and size); UserError for
+    anything else."""
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(-cost)?", str(spec))
+    if not m or min(map(int, m.groups()[:3])) < 1:
+        raise UserError(
+            f"trees: {spec!r} is not DEPTHxWIDTHxNODES (each >= 1), optionally with -cost (e.g. 4x3x8, 5x3x12-cost)"
+        )
+    depth, width, nodes = map(int, m.groups()[:3])
+    return depth, width, nodes, "cost" if m[4] else "threshold"
+
+
+def hetero_row(method: str, k: int) -> str:
+    """Row name of a heterogeneous-vocabulary method (``v-slem-k2``)."""
+    return f"v-{method}-k{k}"
+
+
+def shorthand_rows(cfg, cost_rows: bool) -> list[dict]:
+    """The rows the per-policy fields of ``EvalConfig`` stand for, in the sweep's order; ``cost_rows``: the
+    cost-aware ones too (``h-cost``, ``c-cost``, ``tree-...-cost``)."""
+    out = [{"policy": "sd", "sweep": {"k": list(cfg.ks)}, "name": "k"}] if cfg.ks else []
+    if cfg.head:
+        stop = {"head": cfg.head, "k_min": cfg.k_min, "k_max": cfg.k_max}
+        out.append({"policy": "specdecpp", "settings": stop, "sweep": {"h": list(cfg.thresholds)}, "name": "h"})
+        if cost_rows and cfg.cost_stop:
+            out.append({"policy": "specdecpp", "settings": {**stop, "stop": "cost"}, "name": "h-cost"})
+    for spec in getattr(cfg, "trees", []):
+        depth, width, nodes, stop = parse_tree(spec)
+        if stop == "cost" and not cost_rows:
+            raise UserError(f"trees: {spec} needs the cost table")
+        tree = {"k": depth, "tree_width": width, "tree_nodes": nodes, "stop": stop}
+        out.append({"policy": "tree", "settings": tree, "name": f"tree-{spec}"})
+    if getattr(cfg, "topk", None):
+        out.append(
+            {"policy": "topk_verify", "settings": {"k": cfg.topk_k}, "sweep": {"verify_top_k": cfg.topk}, "name": "t"}
+        )
+    fsd = {"k": cfg.fsd_k, "fsd_top_k": cfg.fsd_top_k, "fsd_rule": cfg.fsd_rule, "fsd_dist": cfg.fsd_dist}
+    for div in DIVERGENCES:
+        if getattr(cfg, f"fsd_{div}", None):
+            out.append(
+                {
+                    "policy": "fsd",
+                    "settings": {**fsd, "divergence": div},
+                    "sweep": {"T": list(getattr(cfg, f"fsd_{div}"))},
+                    "name": f"fsd-{div}-",
+                }
+            )
+    if getattr(cfg, "confidence", None):
+        out.append(
+            {
+                "policy": "confidence_stop",
+                "settings": {"k_max": cfg.confidence_k_max},
+                "sweep": {"tau": list(cfg.confidence)},
+                "name": "c",
+            }
+        )
+        if cost_rows and cfg.cost_stop:
+            out.append(
+                {
+                    "policy": "confidence_stop",
+                    "settings": {"k_max": cfg.confidence_k_max, "stop": "cost"},
+                    "name": "c-cost",
+                }
+            )
+    judges = ({"": cfg.judge} if getattr(cfg, "judge", None) else {}) | dict(getattr(cfg, "judges", {}) or {})
+    for label, head in judges.items():
+        deltas = (getattr(cfg, "judge_deltas", {}) or {}).get(label, cfg.deltas)
+        out.append(
+            {
+                "policy": "judge",
+                "settings": {"head": head, "k": cfg.judge_k},
+                "sweep": {"delta": list(deltas)},
+                "name": f"j-{label}-" if label else "j",
+            }
+        )
+    for method in getattr(cfg, "hetero", []):
+        out.append({"policy": method, "settings": {"k": cfg.hetero_k}, "name": hetero_row(method, cfg.hetero_k)})
+    if getattr(cfg, "verifier", None):
+        out.append(
+            {
+                "policy": "sprinter",
+                "settings": {"head": cfg.verifier, "max_run": cfg.max_run},
+                "sweep": {"eta": list(cfg.etas)},
+                "name": "s",
+            }
+        )
+    return out
+
+
+def expand(row: dict) -> list[tuple[str, str, dict]]:
+    """One row -> its configurations ``(name, policy, settings)``, one per swept value (UserError for a row
+    that is not ``{policy, settings, sweep, name}`` with a registered policy and at most one swept setting)."""
+    if not isinstance(row, dict) or set(row) - {"policy", "settings", "sweep", "name"} or "policy" not in row:
+        raise UserError(
+            f"rows: {row!r} is not {{policy: NAME, settings: {{...}}, sweep: {{SETTING: [...]}}, name: PREFIX}}"
+        )
+    policy = row["policy"]
+    if policy not in POLICIES:
+        raise UserError(f"rows: unknown policy {policy!r}; choose one of {list(POLICIES)}")
+    fixed, sweep = dict(row.get("settings") or {}), dict(row.get("sweep") or {})
+    if len(sweep) > 1:
+        raise UserError(f"rows: policy={policy} sweeps {sorted(sweep)}; sweep one setting per row")
+    if not sweep:
+        return [(row.get("name") or policy, policy, fixed)]
+    ((key, values),) = sweep.items()
+    prefix = row.get("name") or f"{policy}-{key}"
+    return [
+        (
+            f"{prefix}{num(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v}",
+            policy,
+            {**fixed, key: v},
+        )
+        for v in values
+    ]
+
+
+def problems(rows: list[dict]) -> list[str]:
+    """Every problem of the rows given as ``rows=``, by the policies' own rules (a swept setting's every value)."""
+    out = []
+    for row in rows:
+        try:
+            for _, policy, settings in expand(row):
+                settings_for(policy, **settings)
+        except UserError as exc:
+            out.append(f"rows: {exc}")
+    return out
