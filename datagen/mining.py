@@ -31,72 +31,30 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from specheads.datagen import checkers
+from specheads.datagen.mined_rows import counts, judge_rows, record  # noqa: F401
+from specheads.datagen.mining_search import Budget, Mark, Search, _groups  # noqa: F401
 from specheads.dataset import JudgeChunkFiles
 from specheads.errors import UserError
-from specheads.export.shim import batched
-from specheads.export.shim.sampling import SamplingConfig
+from specheads.export.shim import SamplingConfig, batch_generate
 from specheads.prompts import budget_problems
 from specheads.states import logits_at
 
-from . import checkers
-from .tuples import IGNORE
-
 log = logging.getLogger(__name__)
-COUNTS = ("prompts", "mismatches_tried", "important", "unimportant", "undetermined", "unsearchable", "budget_hits",
-          "continuation_tokens")
-
-
-@dataclass
-class Mark:
-    """One tried mismatch: the response position, the target's and the draft's token, the verdict (None:
-    undetermined, the swapped response ran to the length limit)."""
-
-    position: int
-    target_token: int
-    draft_token: int
-    important: bool | None
-    answer_after: Any
-
-
-@dataclass
-class Search:
-    """One prompt's search state."""
-
-    prompt: Any
-    prompt_ids: list[int]
-    response: list[int]
-    answer: Any
-    limit: int  # response length
-    position: int = 0  # where the next mismatch is looked for
-    marks: list[Mark] = field(default_factory=list)
-    generated: int = 0  # continuation tokens
-    budget_hit: bool = False
-    searchable: bool = True  # False: its own response ran to the limit or gives no answer
-    done: bool = False
-    draft: list[int] | None = None  # the draft's greedy token at each response position (None: stale)
-
-    def next_mismatch(self) -> int | None:
-        return next((j for j in range(self.position, len(self.response)) if self.draft[j] != self.response[j]), None)
-
-
-@dataclass
-class Budget:
-    """A prompt's limits: response length, mismatches tried, continuation tokens generated."""
-
-    max_new_tokens: int
-    max_mismatches: int
-    max_tokens: int
-
-
-def _groups(items: list, size: int):
-    for i in range(0, len(items), size):
-        yield items[i: i + size]
+COUNTS = (
+    "prompts",
+    "mismatches_tried",
+    "important",
+    "unimportant",
+    "undetermined",
+    "unsearchable",
+    "budget_hits",
+    "continuation_tokens",
+)
 
 
 def greedy_tokens(target, draft, eos: list[int], pad: int):
@@ -109,8 +67,12 @@ def greedy_tokens(target, draft, eos: list[int], pad: int):
     vocab = min(vt, vd)
 
     def generate(contexts: list[list[int]], max_new: int) -> list[list[int]]:
-        return [list(r) for r in batched.generate(target, contexts, max_new, greedy, None, eos, pad,
-                                                  vocab_size=vocab if vt != vd else None)]
+        return [
+            list(r)
+            for r in batch_generate(
+                target, contexts, max_new, greedy, None, eos, pad, vocab_size=vocab if vt != vd else None
+            )
+        ]
 
     @torch.inference_mode()
     def predict(seqs: list[list[int]], positions: list[list[int]]) -> list[list[int]]:
@@ -119,8 +81,18 @@ def greedy_tokens(target, draft, eos: list[int], pad: int):
     return generate, predict
 
 
-def mine(generate, predict, decode, prompts: list, prompt_ids: list[list[int]], checker, budget: Budget,
-         eos: list[int], batch_size: int, limits: list[int] | None = None) -> list[Search]:
+def mine(
+    generate,
+    predict,
+    decode,
+    prompts: list,
+    prompt_ids: list[list[int]],
+    checker,
+    budget: Budget,
+    eos: list[int],
+    batch_size: int,
+    limits: list[int] | None = None,
+) -> list[Search]:
     """Runs the search on a list of prompts (see the module docstring); returns one :class:`Search` each.
 
     Args:
@@ -148,15 +120,19 @@ def mine(generate, predict, decode, prompts: list, prompt_ids: list[list[int]], 
     for group in _groups(list(range(len(prompts))), batch_size):
         answers = generate([prompt_ids[i] for i in group], max(limits[i] for i in group))
         for i, r in zip(group, answers):
-            s = Search(prompts[i], prompt_ids[i], r[: limits[i]], checker(prompts[i], decode(r[: limits[i]])), limits[i])
+            s = Search(
+                prompts[i], prompt_ids[i], r[: limits[i]], checker(prompts[i], decode(r[: limits[i]])), limits[i]
+            )
             s.searchable = answered(s.prompt, s.response, s.answer)
             s.done = not s.searchable
             searches.append(s)
     while True:
         active = [s for s in searches if not s.done]
         for group in _groups([s for s in active if s.draft is None], batch_size):
-            preds = predict([s.prompt_ids + s.response for s in group],
-                            [list(range(len(s.prompt_ids), len(s.prompt_ids) + len(s.response))) for s in group])
+            preds = predict(
+                [s.prompt_ids + s.response for s in group],
+                [list(range(len(s.prompt_ids), len(s.prompt_ids) + len(s.response))) for s in group],
+            )
             for s, p in zip(group, preds):
                 s.draft = p
         tries = []
@@ -188,57 +164,6 @@ def mine(generate, predict, decode, prompts: list, prompt_ids: list[list[int]], 
             s.position = j + 1
 
 
-def judge_rows(s: Search, tuple_id: str, label_matches: bool, ignore: int = IGNORE) -> list[dict]:
-    """The judge rows of one searched prompt (``side``, ``input_ids``, ``answer_start``, ``labels``).
-
-    ``mined``: the final response, label 1 at every unimportant mismatch (and, with ``label_matches``, at
-    every other token of the final response too: the target's own tokens, which the judge must accept),
-    ``ignore`` elsewhere. ``important``: one row per important
-    mismatch (``important-<j>``), the final response's first ``j`` tokens and the draft's token, labelled 0 there.
-    An unsearchable prompt gives none.
-    """
-    if not s.searchable:  # nothing was checked
-        return []
-    start = len(s.prompt_ids)
-    kept = {m.position for m in s.marks if m.important is False}
-    labels = [1 if j in kept or label_matches else ignore for j in range(len(s.response))]
-    rows = []
-    if any(v != ignore for v in labels):
-        rows.append({"tuple_id": tuple_id, "side": "mined", "input_ids": s.prompt_ids + s.response,
-                     "answer_start": start, "labels": labels})
-    for m in s.marks:
-        if m.important:
-            rows.append({"tuple_id": tuple_id, "side": f"important-{m.position}",
-                         "input_ids": s.prompt_ids + s.response[: m.position] + [m.draft_token],
-                         "answer_start": start, "labels": [ignore] * m.position + [0]})
-    return rows
-
-
-def record(s: Search, prompt, index: int, token_text) -> dict:
-    """The reviewable record of one searched prompt (``mined.jsonl``; ``heads-datagen ... show`` prints it)."""
-    question = prompt.text if prompt.text is not None else "\n".join(m["content"] for m in prompt.messages)
-    return {"prompt_id": str(prompt.id), "prompt_index": index, "source": prompt.source, "question": question,
-            "answer": None if s.answer is None else str(s.answer), "response_ids": s.response,
-            "response_tokens": [token_text(t) for t in s.response],
-            "marks": [{"position": m.position, "important": m.important, "target_token": token_text(m.target_token),
-                       "draft_token": token_text(m.draft_token), "target_id": m.target_token,
-                       "draft_id": m.draft_token, "answer_after": None if m.answer_after is None
-                       else str(m.answer_after)} for m in s.marks],
-            "mismatches_tried": len(s.marks), "continuation_tokens": s.generated, "budget_hit": s.budget_hit,
-            "searchable": s.searchable}
-
-
-def counts(searches: list[Search]) -> dict:
-    """The chunk's mining counts (:data:`COUNTS`)."""
-    return {"prompts": len(searches), "mismatches_tried": sum(len(s.marks) for s in searches),
-            "important": sum(m.important is True for s in searches for m in s.marks),
-            "unimportant": sum(m.important is False for s in searches for m in s.marks),
-            "undetermined": sum(m.important is None for s in searches for m in s.marks),
-            "unsearchable": sum(not s.searchable for s in searches),
-            "budget_hits": sum(s.budget_hit for s in searches),
-            "continuation_tokens": sum(s.generated for s in searches)}
-
-
 def problems(cfg) -> list[str]:
     """One line per invalid ``mining=swap`` setting."""
     out = []
@@ -264,13 +189,24 @@ def chunk_rows(job, items: list, chunk: int) -> tuple[list[dict], list[str], dic
     if cfg.checker == "auto":
         loose = sorted({p.source for p in items} - {"gsm8k", "arc"})
         if loose:
-            log.warning("checker=auto compares the whole normalised text for %s prompts: almost every swap changes "
-                        "it, so almost every mismatch counts as important; name a checker for them", loose)
+            log.warning(
+                "checker=auto compares the whole normalised text for %s prompts: almost every swap changes "
+                "it, so almost every mismatch counts as important; name a checker for them",
+                loose,
+            )
     by_source = dict(cfg.mine_max_new_tokens_by_source or {})
-    searches = mine(generate, predict, lambda ids: tok.decode(ids, skip_special_tokens=True), items,
-                    job.prompt_ids(items), checkers.resolve(cfg.checker),
-                    Budget(cfg.max_new_tokens, cfg.mine_max_mismatches, cfg.mine_max_tokens), job.eos, cfg.batch_size,
-                    [min(cfg.max_new_tokens, by_source.get(p.source, cfg.max_new_tokens)) for p in items])
+    searches = mine(
+        generate,
+        predict,
+        lambda ids: tok.decode(ids, skip_special_tokens=True),
+        items,
+        job.prompt_ids(items),
+        checkers.resolve(cfg.checker),
+        Budget(cfg.max_new_tokens, cfg.mine_max_mismatches, cfg.mine_max_tokens),
+        job.eos,
+        cfg.batch_size,
+        [min(cfg.max_new_tokens, by_source.get(p.source, cfg.max_new_tokens)) for p in items],
+    )
     lo = job.first_index(chunk)
     rows, lines, index_of = [], [], {}
     for i, (p, s) in enumerate(zip(items, searches)):

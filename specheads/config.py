@@ -19,13 +19,24 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import yaml
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from specheads import _schema
+from specheads.config_merge import _apply, _check_resolved  # noqa: F401
 from specheads.errors import UserError  # re-exported: one class for every layer
 
-__all__ = ["UserError", "SECTIONS", "PROGS", "cli_main", "help_text", "list_recipes",
-           "load_config", "recipe_description", "schema_for", "to_yaml"]
+__all__ = [
+    "UserError",
+    "SECTIONS",
+    "PROGS",
+    "cli_main",
+    "help_text",
+    "list_recipes",
+    "load_config",
+    "recipe_description",
+    "schema_for",
+    "to_yaml",
+]
 
 T = TypeVar("T")
 
@@ -37,7 +48,7 @@ SECTIONS: dict[str, str] = {
     "export": "specheads.export.export_config:ExportConfig",
     "eval": "specheads.evaluate.config:EvalConfig",
     "pipeline": "specheads.pipeline:PipelineConfig",
-    "vocab": "specheads.datagen.vocab:VocabConfig",
+    "vocab": "specheads.datagen.vocab_ranking:VocabConfig",
 }
 #: Every section a recipe may hold, with the CLI that reads it.
 PROGS: dict[str, str] = {
@@ -78,8 +89,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise UserError(f"cannot read recipe {str(path)!r}: {detail}; fix the file") from exc
     if not isinstance(data, dict):
         raise UserError(
-            f"recipe {str(path)!r} holds a {type(data).__name__}, not a mapping; "
-            "write top-level keys such as 'decode:'"
+            f"recipe {str(path)!r} holds a {type(data).__name__}, not a mapping; write top-level keys such as 'decode:'"
         )
     return data
 
@@ -114,8 +124,7 @@ def _resolve_recipe(spec: str, section: str) -> tuple[str, dict[str, Any]]:
     if "/" in spec or spec.endswith((".yaml", ".yml")):
         path = Path(spec).expanduser()
         if not path.is_file():
-            raise UserError(f"recipe file {spec!r} not found; give an existing .yaml path or a "
-                            f"recipe name ({choices})")
+            raise UserError(f"recipe file {spec!r} not found; give an existing .yaml path or a recipe name ({choices})")
         label = spec
     else:
         path = list_recipes().get(spec)  # type: ignore[assignment]
@@ -126,9 +135,7 @@ def _resolve_recipe(spec: str, section: str) -> tuple[str, dict[str, Any]]:
         label = spec
     data = _read_yaml(path)
     if section not in data:
-        raise UserError(
-            f"recipe {label!r} has no {section!r} section; recipes for {prog}: {choices}"
-        )
+        raise UserError(f"recipe {label!r} has no {section!r} section; recipes for {prog}: {choices}")
     if data[section] is None:  # "train:" with nothing under it: the schema defaults
         data[section] = {}
     if not isinstance(data[section], dict):
@@ -144,44 +151,14 @@ def _split_argv(argv: list[str], problems: list[str]) -> tuple[str, list[tuple[s
         if not eq or not key:
             problems.append(f"expected key=value, got {item!r}")
         elif key.startswith("-"):
-            problems.append(f"options are written key=value without dashes: got {item!r}, "
-                            f"write {key.lstrip('-')}={value}")
+            problems.append(
+                f"options are written key=value without dashes: got {item!r}, write {key.lstrip('-')}={value}"
+            )
         elif key == "recipe":
             recipe = value
         else:
             overrides.append((key, value))
     return recipe, overrides
-
-
-def _apply(cfg: DictConfig, items: list[tuple[str, Any, Any]], schema: type, prog: str,
-           where: str, problems: list[str]) -> DictConfig:
-    """Merge ``(key, raw, layer)`` items one by one, keeping the good ones, noting the bad."""
-    for key, raw, layer in items:
-        try:
-            cfg = OmegaConf.merge(cfg, layer)
-        except Exception as exc:  # noqa: BLE001 - OmegaConf raises several unrelated types
-            problems.append(where + _schema.describe(exc, schema, prog, key, raw))
-    return cfg
-
-
-def _check_resolved(node: DictConfig, prefix: str, schema: type, prog: str,
-                    problems: list[str], missing: list[str]) -> None:
-    """Resolve every value (interpolations, their types); note failures and ``???`` keys."""
-    for key in node.keys():
-        full = f"{prefix}{key}"
-        if OmegaConf.is_missing(node, key):
-            missing.append(str(full))
-            continue
-        try:
-            value = node[key]
-            if isinstance(value, ListConfig):
-                OmegaConf.to_container(value, resolve=True)
-        except Exception as exc:  # noqa: BLE001
-            raw = OmegaConf.to_container(node, resolve=False)[key]  # as written: '${oc.env:X}'
-            problems.append(_schema.describe(exc, schema, prog, full, raw))
-            continue
-        if isinstance(value, DictConfig):
-            _check_resolved(value, f"{full}.", schema, prog, problems, missing)
 
 
 def load_config(schema: type[T], section: str, argv: list[str]) -> T:
@@ -218,8 +195,10 @@ def load_config(schema: type[T], section: str, argv: list[str]) -> T:
         try:
             cli_items.append((key, value, OmegaConf.from_dotlist([f"{key}={value}"])))
         except Exception as exc:  # noqa: BLE001 - YAML parser errors on e.g. 'a=[1'
-            problems.append(f"bad value for {key!r}: cannot parse {value!r} "
-                            f"({_schema._first_line(exc)}); quote it or fix the brackets")
+            problems.append(
+                f"bad value for {key!r}: cannot parse {value!r} "
+                f"({_schema._first_line(exc)}); quote it or fix the brackets"
+            )
     cfg = _apply(cfg, cli_items, schema, prog, "", problems)
     missing: list[str] = []
     _check_resolved(cfg, "", schema, prog, problems, missing)
@@ -271,8 +250,7 @@ def _wants_help(argv: list[str]) -> bool:
     return any(a in ("-h", "--help") for a in argv)
 
 
-def cli_main(prog: str, schema: type[T], section: str, argv: list[str] | None,
-             run: Callable[[T], int | None]) -> int:
+def cli_main(prog: str, schema: type[T], section: str, argv: list[str] | None, run: Callable[[T], int | None]) -> int:
     """Run a CLI: ``--help``, logging, config loading, then ``run(cfg)``.
 
     Args:
@@ -300,4 +278,3 @@ def cli_main(prog: str, schema: type[T], section: str, argv: list[str] | None,
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
-

@@ -5,39 +5,15 @@
     assistant = Assistant(draft, "runs/specdecpp_smollm2-export")      # an exported SpecDec++ head
     out = target.generate(**inputs, assistant_model=draft, custom_generate=assistant, max_new_tokens=128)
 
-Transformers' assisted generation drafts with ``assistant_model`` and verifies with the target, losslessly
-(greedy: the target's own argmax; sampling: speculative sampling). How many tokens the draft proposes per
-round is the candidate generator's business; Transformers' default ("dynamic speculation") stops when the
-draft's top probability falls below ``assistant_confidence_threshold``. :class:`Assistant` is a
-``custom_generate`` callable (the entry point ``generate`` documents for a decoding method of one's own)
-that runs Transformers' own assisted decoding with one change: a candidate generator whose drafting stops
-by a specheads policy, the same object the decoding shim runs:
-
-* ``policy="specdecpp"`` (default): an exported acceptance head reads the draft's state at each candidate;
-  drafting stops when ``1 - prod(beta_hat) > h`` (``stop="threshold"``), or when one more candidate no
-  longer raises the expected tokens per unit of cost of the pair's profiled cost table (``stop="cost"``);
-  never before ``k_min``, always at ``k_max``;
-* ``policy="confidence_stop"``: training-free, stop when the draft's probability of its own candidate falls
-  below ``tau`` (Transformers' rule without its online threshold updates), or the cost-aware version.
-
-The head is loaded with :func:`specheads.export.load_head` (a file, a ``heads-export format=hf`` directory
-or a Hub repo id) and checked against the draft as the shim checks it (hidden size, the fingerprint of the
-draft's weights when it was loaded from a local directory, a pruned draft vocabulary) and against the
-sampling settings of the call (a mismatch warns; ``strict=True`` refuses). Batch size 1, as Transformers'
-assisted generation. ``Assistant.stats`` counts the last call's rounds (target calls), drafted and accepted
-tokens.
-
-Transformers hands a ``custom_generate`` callable only the arguments of its own signature: ``generate``'s
-``streamer=`` does not reach it, so give the streamer to :class:`Assistant` (``Assistant(..., streamer=s)``).
-The same holds for ``assistant_model=``: the draft that drafts is the one given to :class:`Assistant`, so pass
-the same model to both (another ``assistant_model`` is ignored).
-While a call runs, the target's ``_get_candidate_generator`` is replaced (and restored afterwards, also on an
-error): one ``generate`` per target model at a time, not from several threads at once.
-
-Works with the Transformers versions in :data:`SUPPORTED` (the range ``pyproject.toml`` pins): it relies on
-``custom_generate`` callables and on ``AssistedCandidateGenerator``'s internals (:data:`INTERNALS`, checked
-when an :class:`Assistant` is built); another version, or one inside the range without them, is a one-line
-error naming the range.
+:class:`Assistant` is a ``custom_generate`` callable that runs Transformers' own assisted decoding (lossless)
+with one change: a candidate generator whose drafting stops by a specheads policy, the object the decoding
+shim runs (``policy="specdecpp"``: an exported acceptance head, by threshold or ``stop="cost"``;
+``policy="confidence_stop"``: the draft's own probability). The head is checked against the draft and the
+call's sampling settings as the shim checks it. Batch size 1; give ``streamer=`` to :class:`Assistant` (a
+``custom_generate`` callable does not receive ``generate``'s); one ``generate`` per target model at a time
+(its ``_get_candidate_generator`` is replaced while a call runs). Works with the Transformers versions in
+:data:`SUPPORTED`, relying on the internals in :data:`INTERNALS` (checked when an :class:`Assistant` is built).
+The whole story: docs/python-api.md.
 """
 
 from __future__ import annotations
@@ -45,107 +21,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import types
-from dataclasses import dataclass
 
 import torch
 
 from specheads.errors import UserError
+from specheads.hf_models import _loaded, _width, prune_draft  # noqa: F401  (re-exported)
+from specheads.hf_support import INTERNALS, SUPPORTED, Stats, _missing_internals, check_transformers  # noqa: F401
 
 log = logging.getLogger(__name__)
-SUPPORTED = (">=5.24", "<6")  # keep in step with pyproject.toml's transformers pin
 POLICIES = ("specdecpp", "confidence_stop")
-
-
-def check_transformers(version: str | None = None) -> None:
-    """UserError (one line, naming :data:`SUPPORTED`) when the installed Transformers is outside it."""
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
-
-    if version is None:
-        import transformers
-
-        version = transformers.__version__
-    if not SpecifierSet(",".join(SUPPORTED)).contains(Version(version), prereleases=True):
-        raise UserError(f"specheads.hf supports transformers {','.join(SUPPORTED)}; this environment has {version} "
-                        f"(pip install 'transformers{','.join(SUPPORTED)}')")
-    missing = _missing_internals()
-    if missing:  # a release inside the range that moved what assisted generation is built from
-        raise UserError(f"specheads.hf needs Transformers' assisted-generation internals {missing}, absent from "
-                        f"transformers {version}; install a release specheads is tested on "
-                        f"(pip install 'transformers{','.join(SUPPORTED)}') and report the version")
-
-
-# What specheads.hf builds on inside Transformers (private API): checked up front, never failing mid-generate.
-INTERNALS = {"transformers.generation.utils:GenerationMixin": ("_assisted_decoding", "_get_candidate_generator"),
-             "transformers.generation.candidate_generator:AssistedCandidateGenerator": (
-                 "_prepare_generation_args", "get_candidates", "update_candidate_strategy")}
-
-
-def _missing_internals() -> list[str]:
-    import importlib
-
-    missing = []
-    for where, names in INTERNALS.items():
-        module, _, cls = where.partition(":")
-        try:
-            obj = getattr(importlib.import_module(module), cls)
-        except (ImportError, AttributeError):
-            missing.append(where)
-            continue
-        missing += [f"{cls}.{n}" for n in names if not callable(getattr(obj, n, None))]
-    return missing
-
-
-def prune_draft(draft, vocab_file: str, top_n: int | None, tokenizer=None) -> dict:
-    """Prunes ``draft``'s output layer to the ``top_n`` most frequent tokens of ``vocab_file`` (a ``heads-vocab``
-    ranking), as ``heads-pipeline`` pruned it for a head trained on a pruned draft (lossless; the head's metadata
-    records the subset and the head refuses another). Returns the subset's ``size`` and ``sha256``.
-
-    ``tokenizer`` (the draft's) keeps its special tokens (end of sequence, padding) in the subset whatever their
-    rank, as the pipeline does; without it only the ranking decides, and a warning says so."""
-    from specheads.export.shim.models import ModelSpec, _prune, vocab_info
-
-    if tokenizer is None:
-        log.warning("prune_draft without tokenizer=: the special tokens stay only if %s ranks them in the top %s; "
-                    "pass the draft's tokenizer to keep them as heads-pipeline does", vocab_file, top_n)
-
-    _prune(draft, tokenizer, ModelSpec(path="draft", vocab_file=vocab_file, vocab_top_n=top_n), "draft")
-    return vocab_info(draft)
-
-
-@dataclass
-class Stats:
-    """The last ``generate`` call: rounds (one target call each), candidates drafted, candidates accepted."""
-
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-
-    @property
-    def accepted_per_call(self) -> float | None:
-        return self.accepted / self.rounds if self.rounds else None
-
-
-def _loaded(model, gguf_file: str | None):
-    """A shim ``LoadedModel`` view of a Transformers model (for the head checks): its fingerprint as the shim
-    computes it when the model came from a local directory (or GGUF file), ``hub:<id>@<commit>`` otherwise."""
-    from specheads.export.shim.models import LoadedModel, ModelSpec, fingerprint
-
-    path = str(getattr(model.config, "_name_or_path", "") or "")
-    if gguf_file and path.endswith(".gguf"):
-        path = os.path.dirname(path) or "."
-    local = bool(path) and os.path.isdir(path)
-    fp = fingerprint(path, gguf_file, local, model) if path else "unknown"
-    name = f"{path}/{gguf_file}" if gguf_file else path
-    return LoadedModel(model, None, ModelSpec(path=path or "unknown", gguf_file=gguf_file), fp, name)
-
-
-def _width(model) -> int:
-    """Rows of the model's output layer (a pruned draft's keeps the full width, the rest at -inf)."""
-    out = model.get_output_embeddings()
-    return int(getattr(out, "out_features", None) or out.weight.shape[0])
 
 
 class _Round:
@@ -220,16 +105,32 @@ class Assistant:
             ``streamer=`` does not reach a ``custom_generate`` callable).
     """
 
-    def __init__(self, draft, head=None, *, policy: str = "specdecpp", h: float | None = None,
-                 tau: float | None = None, k_min: int | None = None, k_max: int = 20, stop: str = "threshold",
-                 target=None, profile: str = "auto", strict: bool = False, draft_gguf: str | None = None,
-                 target_gguf: str | None = None, streamer=None):
+    def __init__(
+        self,
+        draft,
+        head=None,
+        *,
+        policy: str = "specdecpp",
+        h: float | None = None,
+        tau: float | None = None,
+        k_min: int | None = None,
+        k_max: int = 20,
+        stop: str = "threshold",
+        target=None,
+        profile: str = "auto",
+        strict: bool = False,
+        draft_gguf: str | None = None,
+        target_gguf: str | None = None,
+        streamer=None,
+    ):
         check_transformers()
         if policy not in POLICIES:
             raise UserError(f"policy={policy!r}; choose one of {list(POLICIES)}")
         if policy == "specdecpp" and head is None:
-            raise UserError("policy=specdecpp needs head=<exported acceptance head: file, format=hf directory or "
-                            "repo id>; or use policy='confidence_stop'")
+            raise UserError(
+                "policy=specdecpp needs head=<exported acceptance head: file, format=hf directory or "
+                "repo id>; or use policy='confidence_stop'"
+            )
         if policy == "confidence_stop" and head is not None:
             raise UserError("policy=confidence_stop is training-free; drop head= or use policy='specdecpp'")
         if stop == "cost" and target is None:
@@ -247,14 +148,14 @@ class Assistant:
 
     # -- the policy ---------------------------------------------------------------------------------------
     def _pair(self):
-        from specheads.export.shim.models import Pair
+        from specheads.export.shim import Pair
 
         target = self.target if self.target is not None else self.draft  # only the draft's states are read
         return Pair(_loaded(target, self.target_gguf), _loaded(self.draft, self.draft_gguf))
 
     def _build(self, sampling) -> None:
         from specheads.export.policy_factory import make_policy, pair_costs
-        from specheads.export.shim.policies import ConfidenceStop
+        from specheads.export.shim import ConfidenceStop
 
         if self.policy is not None and sampling == self._sampling:
             return
@@ -268,16 +169,27 @@ class Assistant:
         own = {"h": s["h"]} if self.name == "specdecpp" else {"tau": s["tau"]}
         kmin = {} if s["k_min"] is None else {"k_min": s["k_min"]}
         if self.name == "specdecpp":
-            self.policy = make_policy("specdecpp", pair, head=self.head, k_max=s["k_max"], sampling=sampling,
-                                      strict=s["strict"], stop=s["stop"], costs=costs, **kmin, **own)
+            self.policy = make_policy(
+                "specdecpp",
+                pair,
+                head=self.head,
+                k_max=s["k_max"],
+                sampling=sampling,
+                strict=s["strict"],
+                stop=s["stop"],
+                costs=costs,
+                **kmin,
+                **own,
+            )
         else:  # built directly: the factory has no k_min for it
-            self.policy = ConfidenceStop(**{k: v for k, v in own.items() if v is not None}, k_max=s["k_max"],
-                                         stop=s["stop"], costs=costs, **kmin)
+            self.policy = ConfidenceStop(
+                **{k: v for k, v in own.items() if v is not None}, k_max=s["k_max"], stop=s["stop"], costs=costs, **kmin
+            )
         self._sampling = sampling
 
     # -- rounds (called by the candidate generator) ----------------------------------------------------------
     def start_round(self, position: int, room: int) -> None:
-        from specheads.export.shim.policies import Round
+        from specheads.export.shim import Round
 
         self.round = Round(self._sampling, None, limit=min(self.policy.max_candidates(), room), position=position)
         self.policy.start_round(self.round)
@@ -286,9 +198,9 @@ class Assistant:
         self.stats.rounds += 1
         if self.round is None:  # a round without drafting (no room left for candidates)
             return
-        new = input_ids[0, self.round.position:self.round.position + drafted]
+        new = input_ids[0, self.round.position : self.round.position + drafted]
         cands = torch.stack(self.round.tokens[:drafted]).to(new.device) if drafted else new[:0]
-        same = (new == cands[:new.shape[0]]).long()
+        same = (new == cands[: new.shape[0]]).long()
         accepted = int(same.cumprod(0).sum()) if same.numel() else 0
         self.stats.drafted += drafted
         self.stats.accepted += accepted
@@ -300,38 +212,59 @@ class Assistant:
         self.logits = output.logits if hasattr(output, "logits") else output[0]
 
     # -- the custom_generate entry point -------------------------------------------------------------------
-    def __call__(self, model, input_ids, logits_processor, stopping_criteria, generation_config,
-                 synced_gpus: bool = False, streamer=None, **model_kwargs):
+    def __call__(
+        self,
+        model,
+        input_ids,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        synced_gpus: bool = False,
+        streamer=None,
+        **model_kwargs,
+    ):
         from transformers.generation.utils import GenerationMixin
 
-        from specheads.export.shim.hidden import HiddenCapture
-        from specheads.export.shim.sampling import SamplingConfig
+        from specheads.export.shim import HiddenCapture, SamplingConfig
 
         if input_ids.shape[0] != 1:
-            raise UserError(f"specheads.hf.Assistant decodes one sequence at a time (batch size 1, as Transformers' "
-                            f"assisted generation); got {input_ids.shape[0]}")
+            raise UserError(
+                f"specheads.hf.Assistant decodes one sequence at a time (batch size 1, as Transformers' "
+                f"assisted generation); got {input_ids.shape[0]}"
+            )
         if generation_config.num_beams not in (None, 1):
             raise UserError("specheads.hf.Assistant runs greedy or sampled assisted generation; set num_beams=1")
         widths = (_width(model), _width(self.draft))
         if widths[0] != widths[1]:
-            raise UserError(f"the target's output layer has {widths[0]} tokens and the draft's {widths[1]}: "
-                            "specheads.hf.Assistant needs one vocabulary (heterogeneous pairs: heads-decode)")
+            raise UserError(
+                f"the target's output layer has {widths[0]} tokens and the draft's {widths[1]}: "
+                "specheads.hf.Assistant needs one vocabulary (heterogeneous pairs: heads-decode)"
+            )
         streamer = streamer if streamer is not None else self.streamer
-        sampling = SamplingConfig(do_sample=bool(generation_config.do_sample),
-                                  **({"temperature": float(generation_config.temperature or 1.0),
-                                      "top_k": int(generation_config.top_k or 0),
-                                      "top_p": float(generation_config.top_p or 1.0)}
-                                     if generation_config.do_sample else {}))
+        sampling = SamplingConfig(
+            do_sample=bool(generation_config.do_sample),
+            **(
+                {
+                    "temperature": float(generation_config.temperature or 1.0),
+                    "top_k": int(generation_config.top_k or 0),
+                    "top_p": float(generation_config.top_p or 1.0),
+                }
+                if generation_config.do_sample
+                else {}
+            ),
+        )
         self._build(sampling)
         self.policy.reset()
         self.stats = Stats()
         generator_cls = _generator_class()
         draft = self.draft
 
-        def candidate_generator(this, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
-                                **kwargs):
-            return generator_cls(input_ids, draft, generation_config, model_kwargs, inputs_tensor, logits_processor,
-                                 assistant=self)
+        def candidate_generator(
+            this, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, **kwargs
+        ):
+            return generator_cls(
+                input_ids, draft, generation_config, model_kwargs, inputs_tensor, logits_processor, assistant=self
+            )
 
         logits_hook = draft.register_forward_hook(self._keep_logits)
         before = model.__dict__.get("_get_candidate_generator")  # an instance attribute of the caller's, if any
@@ -340,8 +273,16 @@ class Assistant:
         try:
             with capture as self.capture:
                 return GenerationMixin._assisted_decoding(
-                    model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
-                    streamer=streamer, assistant_model=draft, **model_kwargs)
+                    model,
+                    input_ids,
+                    logits_processor,
+                    stopping_criteria,
+                    generation_config,
+                    synced_gpus=synced_gpus,
+                    streamer=streamer,
+                    assistant_model=draft,
+                    **model_kwargs,
+                )
         finally:
             if before is None:
                 del model._get_candidate_generator

@@ -10,9 +10,10 @@ import torch
 from conftest import chunk_rows
 from safetensors.torch import load_file
 
-from specheads.datagen import cli, judge
+from specheads.datagen import cli, judge_tuples
+from specheads.datagen import judge_labels as judge
 from specheads.datagen.tuples import IGNORE, span_labels
-from specheads.export.shim.hidden import HiddenCapture
+from specheads.export.shim.runners.hidden import HiddenCapture
 
 TUPLES = [
     {"question": "what is one two", "correct": "three four", "wrong": "two three five six", "error": [4, 9]},
@@ -23,9 +24,21 @@ TUPLES = [
 
 def _args(pair_dirs, out, *extra):
     t, d = pair_dirs
-    return [f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu", "draft.device=cpu",
-            f"output_dir={out}", "num_prompts=null", "max_new_tokens=8", "batch_size=2", "chunk_size=2",
-            "labels=judge", "chat_template=false", *extra]
+    return [
+        f"target.path={t}",
+        "target.gguf_file=null",
+        f"draft.path={d}",
+        "target.device=cpu",
+        "draft.device=cpu",
+        f"output_dir={out}",
+        "num_prompts=null",
+        "max_new_tokens=8",
+        "batch_size=2",
+        "chunk_size=2",
+        "labels=judge",
+        "chat_template=false",
+        *extra,
+    ]
 
 
 def test_imported_tuples_give_labels_and_target_features(tiny_pair, tiny_pair_dirs, tokenizer, tmp_path):
@@ -34,8 +47,13 @@ def test_imported_tuples_give_labels_and_target_features(tiny_pair, tiny_pair_di
     out = tmp_path / "dg"
     assert cli.main(_args(tiny_pair_dirs, out, f"tuples={src}", "prompts=''")) == 0
     rows = chunk_rows(out)
-    assert [(r["tuple_id"], r["side"]) for r in rows] == [("t-1", "correct"), ("t-1", "wrong"), ("t-2", "correct"),
-                                                          ("t-3", "correct"), ("t-3", "wrong")]
+    assert [(r["tuple_id"], r["side"]) for r in rows] == [
+        ("t-1", "correct"),
+        ("t-1", "wrong"),
+        ("t-2", "correct"),
+        ("t-3", "correct"),
+        ("t-3", "wrong"),
+    ]
     wrong = rows[1]
     enc = tokenizer("two three five six", add_special_tokens=False, return_offsets_mapping=True)
     assert wrong["labels"] == span_labels([tuple(o) for o in enc["offset_mapping"]], (4, 9)) == [1, 0, IGNORE, IGNORE]
@@ -58,8 +76,10 @@ def test_imported_tuples_give_labels_and_target_features(tiny_pair, tiny_pair_di
     assert len((out / "tuples.jsonl").read_text().splitlines()) == 3
 
 
-GSM = [{"question": "one two?", "answer": "1 + 2 = <<1+2=3>>3\n#### 3"},
-       {"question": "two two?", "answer": "2 + 2 = <<2+2=4>>4\n#### 4"}]
+GSM = [
+    {"question": "one two?", "answer": "1 + 2 = <<1+2=3>>3\n#### 3"},
+    {"question": "two two?", "answer": "2 + 2 = <<2+2=4>>4\n#### 4"},
+]
 
 
 def test_generated_answers_are_graded_localised_and_reviewed(tiny_pair_dirs, tmp_path, monkeypatch):
@@ -70,20 +90,33 @@ def test_generated_answers_are_graded_localised_and_reviewed(tiny_pair_dirs, tmp
         out = []
         for p in batch:
             ref = int(p.reference)
-            out.append([judge.Answer(f"the sum is {ref}\n#### {ref}", "target", "greedy"),
-                        judge.Answer(f"1 + 1 = 3 so {ref + 1}\n#### {ref + 1}", "draft", "greedy"),  # a false step
-                        judge.Answer(f"it is {ref + 2}\n#### {ref + 2}", "draft", "sample-1")])  # wrong, no step
+            out.append(
+                [
+                    judge.Answer(f"the sum is {ref}\n#### {ref}", "target", "greedy"),
+                    judge.Answer(f"1 + 1 = 3 so {ref + 1}\n#### {ref + 1}", "draft", "greedy"),  # a false step
+                    judge.Answer(f"it is {ref + 2}\n#### {ref + 2}", "draft", "sample-1"),
+                ]
+            )  # wrong, no step
         return out
 
-    monkeypatch.setattr(judge, "_answers", fake_answers)
+    monkeypatch.setattr(judge_tuples, "_answers", fake_answers)  # where the tuples are built
     out = tmp_path / "dg"
     assert cli.main(_args(tiny_pair_dirs, out, f"prompts={prompts}")) == 0
     m = json.loads((out / "manifest.json").read_text())
-    assert m["tuple_counts"] == {"items": 2, "answers": 6, "correct": 2, "wrong": 4, "ungraded": 0, "localised": 2,
-                                 "review": 2, "tuples": 2, "too_long": 0}
+    assert m["tuple_counts"] == {
+        "items": 2,
+        "answers": 6,
+        "correct": 2,
+        "wrong": 4,
+        "ungraded": 0,
+        "localised": 2,
+        "review": 2,
+        "tuples": 2,
+        "too_long": 0,
+    }
     tuples = [json.loads(x) for x in (out / "tuples.jsonl").read_text().splitlines()]
     t = tuples[0]
-    assert t["wrong"][t["error"][0]:t["error"][1]] == "3" and t["provenance"]["correct_model"] == "target"
+    assert t["wrong"][t["error"][0] : t["error"][1]] == "3" and t["provenance"]["correct_model"] == "target"
     review = [json.loads(x) for x in (out / "review.jsonl").read_text().splitlines()]
     assert len(review) == 2 and all("cannot localise" in r["reason"] for r in review)
 
@@ -121,8 +154,14 @@ def judge_data(tmp_path_factory, tiny_pair_dirs):
         correct = " ".join(rng.choice(words) for _ in range(6))
         wrong = " ".join(rng.choice(words) for _ in range(6))
         start = wrong.index(" ", 3) + 1
-        rows.append({"question": " ".join(rng.choice(words) for _ in range(4)), "correct": correct, "wrong": wrong,
-                     "error": [start, start + 2]})
+        rows.append(
+            {
+                "question": " ".join(rng.choice(words) for _ in range(4)),
+                "correct": correct,
+                "wrong": wrong,
+                "error": [start, start + 2],
+            }
+        )
     root = tmp_path_factory.mktemp("judge")
     src = root / "t.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -137,9 +176,27 @@ def judge_trained(judge_data):
     from specheads.train.cli import main as train_main
 
     tr = judge_data.parent / "tr"
-    assert train_main([f"data_dir={judge_data}", f"output_dir={tr}", "head=judge", "depth=0", "epochs=3", "lr=1e-2",
-                       "batch_size=2", "grad_accum=1", "eval_fraction=0.25", "w_rej=3.0", "weight_decay=0.01",
-                       "threshold=0.5", "patience=3", "draft.path=unused"]) == 0
+    assert (
+        train_main(
+            [
+                f"data_dir={judge_data}",
+                f"output_dir={tr}",
+                "head=judge",
+                "depth=0",
+                "epochs=3",
+                "lr=1e-2",
+                "batch_size=2",
+                "grad_accum=1",
+                "eval_fraction=0.25",
+                "w_rej=3.0",
+                "weight_decay=0.01",
+                "threshold=0.5",
+                "patience=3",
+                "draft.path=unused",
+            ]
+        )
+        == 0
+    )
     return tr
 
 
@@ -173,8 +230,12 @@ def test_judge_head_trains_on_the_target_states(judge_trained):
     from specheads.export import read_metadata
 
     meta = read_metadata(judge_trained / "head.safetensors")
-    assert meta["head_type"] == "judge" and meta["feature"] == {"model": "target", "state": "pre", "layer": -1,
-                                                                 "position": "own"}
+    assert meta["head_type"] == "judge" and meta["feature"] == {
+        "model": "target",
+        "state": "pre",
+        "layer": -1,
+        "position": "own",
+    }
     metrics = json.loads((judge_trained / "metrics.json").read_text())
     assert {"auroc", "negative_precision", "negative_recall", "wrong_accepted_share"} <= set(metrics)
 
@@ -184,9 +245,24 @@ def test_exported_judge_head_decodes(judge_head, tiny_pair_dirs, tmp_path):
 
     t, d = tiny_pair_dirs
     dec = tmp_path / "dec"
-    assert decode_main([f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu",
-                        "draft.device=cpu", f"prompts={_one_prompt(tmp_path)}", f"output_dir={dec}",
-                        "max_new_tokens=10", "policy=judge", "k=4", f"head={judge_head}"]) == 0
+    assert (
+        decode_main(
+            [
+                f"target.path={t}",
+                "target.gguf_file=null",
+                f"draft.path={d}",
+                "target.device=cpu",
+                "draft.device=cpu",
+                f"prompts={_one_prompt(tmp_path)}",
+                f"output_dir={dec}",
+                "max_new_tokens=10",
+                "policy=judge",
+                "k=4",
+                f"head={judge_head}",
+            ]
+        )
+        == 0
+    )
     row = json.loads((dec / "outputs.jsonl").read_text().splitlines()[0])
     assert 1 <= len(row["tokens"]) <= 10 and row["stats"]["target_calls"] >= 1
 
@@ -202,11 +278,32 @@ def test_heads_eval_sweeps_the_judge_over_deltas(judge_head, tiny_pair_dirs, tmp
     ev = tmp_path / "ev"
     head = tmp_path / "judge.safetensors"  # a copy: write_default rewrites it
     shutil.copy(judge_head, head)
-    assert eval_main([f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu",
-                      "draft.device=cpu", f"prompts={gsm},{_one_prompt(tmp_path)}", f"output_dir={ev}",
-                      "max_new_tokens=12", "offset=0", "num_prompts=null", "ks=[4]", "head=null",
-                      f"judge={head}", "deltas=[0.5,1.0]", "judge_k=4", "topk=[2]", "topk_k=4",
-                      "select=max_drop:0.5", "write_default=true"]) == 0
+    assert (
+        eval_main(
+            [
+                f"target.path={t}",
+                "target.gguf_file=null",
+                f"draft.path={d}",
+                "target.device=cpu",
+                "draft.device=cpu",
+                f"prompts={gsm},{_one_prompt(tmp_path)}",
+                f"output_dir={ev}",
+                "max_new_tokens=12",
+                "offset=0",
+                "num_prompts=null",
+                "ks=[4]",
+                "head=null",
+                f"judge={head}",
+                "deltas=[0.5,1.0]",
+                "judge_k=4",
+                "topk=[2]",
+                "topk_k=4",
+                "select=max_drop:0.5",
+                "write_default=true",
+            ]
+        )
+        == 0
+    )
     summary = json.loads((ev / "sweep.json").read_text())
     by = {r["config"]: r for r in summary["table"]}
     assert set(by) == {"ar", "draft", "k4", "t2", "j0.5", "j1"}
@@ -244,9 +341,25 @@ def test_named_judges_sweep_side_by_side_and_gate_apart(judge_head, tiny_pair_di
     for path in heads.values():
         shutil.copy(judge_head, path)
     ev = tmp_path / "ev"
-    args = [f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu", "draft.device=cpu",
-            f"prompts={gsm}", f"output_dir={ev}", "max_new_tokens=8", "offset=0", "num_prompts=null", "ks=[4]",
-            "head=null", "deltas=[1.0]", "judge_k=4", "select=max_drop:0.5", "write_default=true", "quality=false"]
+    args = [
+        f"target.path={t}",
+        "target.gguf_file=null",
+        f"draft.path={d}",
+        "target.device=cpu",
+        "draft.device=cpu",
+        f"prompts={gsm}",
+        f"output_dir={ev}",
+        "max_new_tokens=8",
+        "offset=0",
+        "num_prompts=null",
+        "ks=[4]",
+        "head=null",
+        "deltas=[1.0]",
+        "judge_k=4",
+        "select=max_drop:0.5",
+        "write_default=true",
+        "quality=false",
+    ]
     assert eval_main([*args, f"judges={{a: {heads['a']}, b: {heads['b']}}}"]) == 0
     summary = json.loads((ev / "sweep.json").read_text())
     assert {r["config"] for r in summary["table"]} == {"ar", "draft", "k4", "j-a-1", "j-b-1"}
@@ -260,16 +373,37 @@ def test_named_judges_sweep_side_by_side_and_gate_apart(judge_head, tiny_pair_di
         assert read_metadata(path)["default_threshold"] == 1.0
     assert eval_main([*args, "output_dir=" + str(tmp_path / "bad"), "judges={'a-b': x}"]) == 2
     ev2 = tmp_path / "ev2"
-    assert eval_main([*args, f"output_dir={ev2}", f"judges={{a: {heads['a']}, b: {heads['b']}}}",
-                      "judge_deltas={b: [0.5, 1.0]}", "select=null", "write_default=false"]) == 0
+    assert (
+        eval_main(
+            [
+                *args,
+                f"output_dir={ev2}",
+                f"judges={{a: {heads['a']}, b: {heads['b']}}}",
+                "judge_deltas={b: [0.5, 1.0]}",
+                "select=null",
+                "write_default=false",
+            ]
+        )
+        == 0
+    )
     assert {r["config"] for r in json.loads((ev2 / "sweep.json").read_text())["table"]} == {
-        "ar", "draft", "k4", "j-a-1", "j-b-0.5", "j-b-1"}
-    assert eval_main([*args, "output_dir=" + str(tmp_path / "bad"), f"judges={{a: {heads['a']}}}",
-                      "judge_deltas={c: [0.5]}"]) == 2
+        "ar",
+        "draft",
+        "k4",
+        "j-a-1",
+        "j-b-0.5",
+        "j-b-1",
+    }
+    assert (
+        eval_main(
+            [*args, "output_dir=" + str(tmp_path / "bad"), f"judges={{a: {heads['a']}}}", "judge_deltas={c: [0.5]}"]
+        )
+        == 2
+    )
 
 
 def test_judge_metrics_by_hand():
-    from specheads.train.judge import judge_metrics
+    from specheads.train.judge_data import judge_metrics
 
     scores = torch.tensor([0.9, 0.8, 0.2, 0.7, 0.1])
     labels = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0])
@@ -286,8 +420,9 @@ def test_eval_named_judges_need_deltas_somewhere(tmp_path):
     from specheads.evaluate.cli import _check
     from specheads.evaluate.config import EvalConfig
 
-    base = dict(prompts=str(tmp_path / "p.jsonl"), ks=[4], deltas=[], judges={"a": "a.safetensors",
-                                                                              "b": "b.safetensors"})
+    base = dict(
+        prompts=str(tmp_path / "p.jsonl"), ks=[4], deltas=[], judges={"a": "a.safetensors", "b": "b.safetensors"}
+    )
     _check(EvalConfig(**base, judge_deltas={"a": [0.5], "b": [0.9]}))
     with pytest.raises(UserError, match=r"judge_deltas gives none for judges\.b"):
         _check(EvalConfig(**base, judge_deltas={"a": [0.5]}))

@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import run_killed, same_heads, train_args
 
-from specheads.train import checkpoint
+from specheads.train import checkpoint, checkpoint_save
 from specheads.train.cli import main
 
 # 8 training examples, batch 2, no accumulation: 4 steps an epoch, 12 in all, a checkpoint after each
@@ -28,8 +28,7 @@ def reference(tiny_pair_dirs, labelled, tmp_path_factory):
 
 
 def _steps(out) -> list[int]:
-    return [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()
-            if "loss" in json.loads(x)]
+    return [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if "loss" in json.loads(x)]
 
 
 def test_mid_epoch_checkpoints(reference):
@@ -38,7 +37,12 @@ def test_mid_epoch_checkpoints(reference):
     assert sorted(p.name for p in reference.glob("checkpoint-*")) == ["checkpoint-11", "checkpoint-12"]
     mid = json.loads((reference / "checkpoint-11" / "state.json").read_text())
     assert {k: mid["progress"][k] for k in ("epoch", "step", "position", "done", "world")} == {
-        "epoch": 2, "step": 11, "position": 3, "done": False, "world": 1}
+        "epoch": 2,
+        "step": 11,
+        "position": 3,
+        "done": False,
+        "world": 1,
+    }
     assert set(mid["files"]) == {"state.safetensors"} and len(mid["files"]["state.safetensors"]["sha256"]) == 64
     end = json.loads((reference / "checkpoint-12" / "state.json").read_text())["progress"]
     assert end["epoch"] == 3 and end["position"] == 0 and end["done"] is True
@@ -59,8 +63,9 @@ def test_sigkilled_cli_resumes_mid_epoch_to_the_same_head(tiny_pair_dirs, labell
     run_killed("specheads.train.cli", args, "checkpoint-*", 3, "before")  # resumed at 3; 4 and 5 saved
     assert (out / "latest").read_text() == "checkpoint-5\n" and not (out / "checkpoint-6").exists()
     assert [p.name for p in out.glob(".checkpoint-6.tmp*")]
-    again = subprocess.run([sys.executable, "-m", "specheads.train.cli", *args], capture_output=True, text=True,
-                           timeout=300)
+    again = subprocess.run(
+        [sys.executable, "-m", "specheads.train.cli", *args], capture_output=True, text=True, timeout=300
+    )
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resumed from" in again.stderr and "checkpoint-5" in again.stderr
     assert not list(out.glob(".checkpoint-*"))
@@ -73,7 +78,7 @@ def _crash_on_save(monkeypatch, n: int, after_write: bool):
     """The ``n``-th checkpoint save raises: after writing its state.safetensors into the temporary
     folder (``after_write=False``: before the folder is renamed), or right after the save."""
     calls = {"n": 0}
-    real_save, real_file = checkpoint.save, checkpoint.save_file
+    real_save, real_file = checkpoint.save, checkpoint_save.save_file
 
     def save(*args, **kwargs):
         calls["n"] += 1
@@ -88,11 +93,12 @@ def _crash_on_save(monkeypatch, n: int, after_write: bool):
             raise KeyboardInterrupt  # the process dies in the middle of the save
 
     monkeypatch.setattr(checkpoint, "save", save)
-    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    monkeypatch.setattr(checkpoint_save, "save_file", save_file)  # where save writes its files
 
 
-def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(tiny_pair_dirs, labelled, reference, tmp_path,
-                                                                 monkeypatch):
+def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(
+    tiny_pair_dirs, labelled, reference, tmp_path, monkeypatch
+):
     out = tmp_path / "crash"
     args = train_args(tiny_pair_dirs, labelled, out, *EXTRA)
     _crash_on_save(monkeypatch, 3, after_write=False)
@@ -109,8 +115,9 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(tiny_pair_dirs,
     assert (out / "metrics.jsonl").read_text() == (reference / "metrics.jsonl").read_text()
 
 
-def test_damaged_checkpoints_fall_back_or_end_in_one_line(tiny_pair_dirs, labelled, reference, tmp_path,
-                                                          monkeypatch, capsys, caplog):
+def test_damaged_checkpoints_fall_back_or_end_in_one_line(
+    tiny_pair_dirs, labelled, reference, tmp_path, monkeypatch, capsys, caplog
+):
     out, broken = tmp_path / "damaged", tmp_path / "broken"
     for folder in (out, broken):  # two runs that stop right after their third checkpoint
         _crash_on_save(monkeypatch, 3, after_write=True)
@@ -142,8 +149,7 @@ def test_damaged_checkpoints_fall_back_or_end_in_one_line(tiny_pair_dirs, labell
     assert "no checkpoint in" in err and "SHA-256" in err and "delete its checkpoint-*" in err
 
 
-def test_overwriting_another_run_does_not_resume_its_checkpoints(tiny_pair_dirs, labelled, reference,
-                                                                 tmp_path):
+def test_overwriting_another_run_does_not_resume_its_checkpoints(tiny_pair_dirs, labelled, reference, tmp_path):
     out = tmp_path / "other"
     shutil.copytree(reference, out)
     args = train_args(tiny_pair_dirs, labelled, out, *EXTRA)
@@ -158,8 +164,9 @@ def test_checkpoint_every_must_not_be_negative(tiny_pair_dirs, labelled, tmp_pat
     assert "checkpoint_every=-1 must be >= 0" in capsys.readouterr().err
 
 
-def test_manifest_and_checkpoints_record_numerics_and_a_resume_under_others_warns(tiny_pair_dirs, labelled, reference,
-                                                                                   tmp_path, monkeypatch, caplog):
+def test_manifest_and_checkpoints_record_numerics_and_a_resume_under_others_warns(
+    tiny_pair_dirs, labelled, reference, tmp_path, monkeypatch, caplog
+):
     import torch
 
     numerics = json.loads((reference / "manifest.json").read_text())["numerics"]

@@ -20,121 +20,28 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import re
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_bytes
-from safetensors.torch import save_file
 
 from specheads.errors import UserError
-from specheads.outputs import atomic_write_text, file_sha256
-
-from .optim_state import jsonable, optimizer_state, param_groups, split_state
+from specheads.train.checkpoint_save import _NAME, FORMAT, _digest, _step, clear, fsync, save  # noqa: F401
+from specheads.train.optim_state import optimizer_state, param_groups
 
 log = logging.getLogger(__name__)
-FORMAT = 2
-_NAME = re.compile(r"checkpoint-(\d+)")
-
-
-def _digest(path: Path) -> dict:
-    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
-
-
-def fsync(path: Path) -> None:
-    """Flushes a file (or a folder's entries) to disk, so a crash of the machine keeps it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on folders
-        pass
-    finally:
-        os.close(fd)
-
-
-def _step(path: Path) -> int:
-    return int(_NAME.fullmatch(path.name).group(1))
-
-
-def save(out_dir: Path, step: int, model: torch.nn.Module, optimizer, scheduler, progress: dict, keep: int = 2,
-         extra_files: list[Path] = ()) -> Path:
-    """Writes ``checkpoint-<step>`` atomically and points ``latest`` at it; keeps the newest ``keep``.
-
-    ``optimizer=None``: its state is saved elsewhere (DeepSpeed partitions, given as
-    ``extra_files``, which are moved into the checkpoint before it appears). ``model`` must hold
-    its full weights (gathered under ZeRO-3).
-    """
-    out_dir = Path(out_dir)
-    tensors, seen = {}, set()
-    for k, v in model.state_dict().items():
-        v = v.detach().cpu().contiguous()
-        shared = v.numel() > 0 and v.untyped_storage().data_ptr() in seen  # a tied weight (a draft's output layer)
-        seen.add(v.untyped_storage().data_ptr())
-        tensors[f"model.{k}"] = v.clone() if shared else v  # safetensors refuses tensors that share memory
-    opt = optimizer.state_dict() if optimizer is not None else {"state": {}, "param_groups": []}
-    scalars = {}
-    split_state(opt["state"], "optim.", tensors, scalars)
-    tensors["rng.torch"] = torch.get_rng_state()
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"rng.cuda.{i}"] = s
-    meta = {"format": FORMAT, "step": step, "progress": progress,
-            "optimizer": {"param_groups": jsonable(opt["param_groups"]), "scalars": scalars},
-            "scheduler": jsonable(scheduler.state_dict()) if scheduler is not None else None}
-    for stale in out_dir.glob(".checkpoint-*.tmp*"):  # left by a save that was killed
-        shutil.rmtree(stale, ignore_errors=True)
-    for stale in out_dir.glob(".zero-*"):
-        if not stale.name.startswith(f".zero-{step}-rank") or ".tmp" in stale.name:
-            stale.unlink(missing_ok=True)
-    final = out_dir / f"checkpoint-{step}"
-    tmp = out_dir / f".checkpoint-{step}.tmp{os.getpid()}"
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "state.safetensors"))
-    for extra in extra_files:
-        os.replace(extra, tmp / Path(extra).name)
-    meta["files"] = {}
-    for f in sorted(tmp.iterdir()):
-        fsync(f)
-        meta["files"][f.name] = _digest(f)
-    atomic_write_text(tmp / "state.json", json.dumps(meta, indent=1))  # last: its presence means complete
-    fsync(tmp)
-    if final.exists():  # the same step again (a rerun after a fallback): move the old one out of the way
-        old = out_dir / f".checkpoint-{step}.tmp{os.getpid()}-old"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    fsync(out_dir)
-    atomic_write_text(out_dir / "latest", final.name + "\n")
-    olds = sorted((p for p in out_dir.glob("checkpoint-*") if _NAME.fullmatch(p.name)), key=_step)
-    later = [p for p in olds if _step(p) > step]  # left from before a fallback to an older checkpoint
-    for old in later + [p for p in olds if p not in later][:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def clear(out_dir: Path) -> None:
-    """Removes every checkpoint (and ``latest``) from ``out_dir``: the next run starts over."""
-    out_dir = Path(out_dir)
-    for path in [*out_dir.glob("checkpoint-*"), *out_dir.glob(".checkpoint-*")]:
-        shutil.rmtree(path, ignore_errors=True)
-    for path in [*out_dir.glob(".zero-*"), out_dir / "latest"]:
-        path.unlink(missing_ok=True)
 
 
 def candidates(out_dir: Path) -> list[Path]:
     """Checkpoint folders, newest first (one a kill left without its ``latest`` update included: it is
     complete once it has its final name)."""
-    return sorted((p for p in Path(out_dir).glob("checkpoint-*") if _NAME.fullmatch(p.name) and p.is_dir()),
-                  key=_step, reverse=True)
+    return sorted(
+        (p for p in Path(out_dir).glob("checkpoint-*") if _NAME.fullmatch(p.name) and p.is_dir()),
+        key=_step,
+        reverse=True,
+    )
 
 
 @dataclass
@@ -191,28 +98,35 @@ def read(path: Path, rank: int = 0, zero: bool = False, world: int | None = None
         raise Damaged(f"{path / 'state.json'} is not a checkpoint's JSON ({type(exc).__name__}: {exc})") from None
     saved = meta["progress"].get("world")
     if world is not None and saved is not None and saved != world:
-        raise UserError(f"{path} was written by a run with {saved} processes, this one has {world}; resume "
-                        f"with the same count (accelerate launch --num_processes {saved} ...), or start a new "
-                        "run in another output_dir")
+        raise UserError(
+            f"{path} was written by a run with {saved} processes, this one has {world}; resume "
+            f"with the same count (accelerate launch --num_processes {saved} ...), or start a new "
+            "run in another output_dir"
+        )
     files = meta.get("files", {})
     tensors, _ = _read_file(path / "state.safetensors", files)
     if "rng.torch" not in tensors:
         raise Damaged(f"{path / 'state.safetensors'} holds no RNG state")
     ckpt = Checkpoint(path, meta, tensors)
     if not zero and any(n.startswith(".zero-") for n in files):
-        raise UserError(f"{path} was written under DeepSpeed (its optimizer state is in per-process partitions); "
-                        "resume with the same accelerate config, or start a new run in another output_dir")
+        raise UserError(
+            f"{path} was written under DeepSpeed (its optimizer state is in per-process partitions); "
+            "resume with the same accelerate config, or start a new run in another output_dir"
+        )
     if zero:
         name = zero_partition_path(Path("."), int(meta["step"]), rank).name
         if not (path / name).is_file() and not any(n.startswith(".zero-") for n in files):
-            raise UserError(f"{path} holds no DeepSpeed optimizer partitions (it was written without DeepSpeed); "
-                            "resume without DeepSpeed, or start a new run in another output_dir")
+            raise UserError(
+                f"{path} holds no DeepSpeed optimizer partitions (it was written without DeepSpeed); "
+                "resume without DeepSpeed, or start a new run in another output_dir"
+            )
         ckpt.zero, ckpt.zero_meta = _read_file(path / name, files)
     return ckpt
 
 
-def find(out_dir: Path, world: int, rank: int = 0, zero: bool = False,
-         any_rank: Callable[[bool], bool] = lambda bad: bad) -> Checkpoint | None:
+def find(
+    out_dir: Path, world: int, rank: int = 0, zero: bool = False, any_rank: Callable[[bool], bool] = lambda bad: bad
+) -> Checkpoint | None:
     """The checkpoint to resume from: the newest that reads back whole.
 
     ``any_rank(bad)`` tells whether some process found its copy damaged (every process must take
@@ -239,18 +153,22 @@ def find(out_dir: Path, world: int, rank: int = 0, zero: bool = False,
             log.warning("resuming from %s, an older checkpoint", path)
         return ckpt
     if problems:
-        raise UserError(f"no checkpoint in {out_dir} reads back whole ({problems[0]}); delete its checkpoint-* "
-                        "folders and 'latest' to start the run over, or train into another output_dir")
+        raise UserError(
+            f"no checkpoint in {out_dir} reads back whole ({problems[0]}); delete its checkpoint-* "
+            "folders and 'latest' to start the run over, or train into another output_dir"
+        )
     return None
 
 
 def restore(ckpt: Checkpoint, model: torch.nn.Module, optimizer, scheduler) -> dict:
     """Restores model, optimizer (unless ``None``), scheduler and RNG state in place; returns the progress."""
     try:
-        model.load_state_dict({k[len("model."):]: v for k, v in ckpt.tensors.items() if k.startswith("model.")})
+        model.load_state_dict({k[len("model.") :]: v for k, v in ckpt.tensors.items() if k.startswith("model.")})
     except RuntimeError as exc:
-        raise UserError(f"{ckpt.path} does not fit this head ({str(exc).splitlines()[0][:200]}); start a new run "
-                        "in another output_dir") from None
+        raise UserError(
+            f"{ckpt.path} does not fit this head ({str(exc).splitlines()[0][:200]}); start a new run "
+            "in another output_dir"
+        ) from None
     if optimizer is not None:
         _load_optimizer(optimizer, ckpt.tensors, ckpt.meta)
     if scheduler is not None and ckpt.meta["scheduler"] is not None:
@@ -261,8 +179,12 @@ def restore(ckpt: Checkpoint, model: torch.nn.Module, optimizer, scheduler) -> d
             group["lr"] = lr
     torch.set_rng_state(ckpt.tensors["rng.torch"])
     if torch.cuda.is_available():
-        states = [ckpt.tensors[k] for k in sorted((k for k in ckpt.tensors if k.startswith("rng.cuda.")),
-                                                  key=lambda k: int(k.rsplit(".", 1)[1]))]
+        states = [
+            ckpt.tensors[k]
+            for k in sorted(
+                (k for k in ckpt.tensors if k.startswith("rng.cuda.")), key=lambda k: int(k.rsplit(".", 1)[1])
+            )
+        ]
         if len(states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(states)
     return ckpt.progress
