@@ -14,9 +14,11 @@ import torch
 def run_info(script: str, argv: list[str] | None, setting: str) -> dict:
     """``command`` (to rerun it) and ``machine`` (where it ran) for a result file."""
     args = argv if argv is not None else sys.argv[1:]
-    return {"command": f"python bench/{Path(script).name} " + " ".join(args),
-            "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "
-                       f"{torch.get_num_threads()} threads, {setting}"}
+    return {
+        "command": f"python bench/{Path(script).name} " + " ".join(args),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, {setting}",
+    }
 
 
 def eval_config(prog: str, recipe: str, overrides: list[str]):
@@ -39,7 +41,8 @@ def run_pipeline(pipe_args: list[str]) -> tuple[int, dict]:
     Returns ``(exit code, outputs)``; on success ``outputs`` holds the resolved stage configs
     (``cfgs``) and the eval ``sweep``, train ``metrics`` and datagen ``manifest`` the run wrote.
     """
-    from specheads.pipeline import load_configs, main as pipeline_main
+    from specheads.pipeline import load_configs
+    from specheads.pipeline import main as pipeline_main
 
     _, cfgs = load_configs(pipe_args)
     code = pipeline_main(pipe_args)
@@ -55,12 +58,17 @@ def read_pipeline(pipe_args: list[str], sweep_dir: str) -> tuple[int, dict]:
     from specheads.pipeline import load_configs
 
     _, cfgs = load_configs(pipe_args)
-    need = [Path(sweep_dir) / "sweep.json", Path(cfgs["train"].output_dir) / "metrics.json",
-            Path(cfgs["datagen"].output_dir) / "manifest.json"]
+    need = [
+        Path(sweep_dir) / "sweep.json",
+        Path(cfgs["train"].output_dir) / "metrics.json",
+        Path(cfgs["datagen"].output_dir) / "manifest.json",
+    ]
     missing = [str(p) for p in need if not p.is_file()]
     if missing:
-        print(f"error: {', '.join(missing)} missing: run bench/at_scale.py (or the pipeline and heads-eval) first",
-              file=sys.stderr)
+        print(
+            f"error: {', '.join(missing)} missing: run bench/at_scale.py (or the pipeline and heads-eval) first",
+            file=sys.stderr,
+        )
         return 2, {}
     return 0, _outputs(cfgs, Path(sweep_dir))
 
@@ -69,17 +77,24 @@ def _outputs(cfgs: dict, sweep_dir: Path) -> dict:
     def read(stage: str, name: str) -> dict:
         return json.loads((Path(cfgs[stage].output_dir) / name).read_text())
 
-    return {"cfgs": cfgs, "sweep": json.loads((sweep_dir / "sweep.json").read_text()), "sweep_dir": sweep_dir,
-            "metrics": read("train", "metrics.json"), "manifest": read("datagen", "manifest.json")}
+    return {
+        "cfgs": cfgs,
+        "sweep": json.loads((sweep_dir / "sweep.json").read_text()),
+        "sweep_dir": sweep_dir,
+        "metrics": read("train", "metrics.json"),
+        "manifest": read("datagen", "manifest.json"),
+    }
 
 
 def intervals(sweep: dict, row: dict) -> dict:
     """A table row's 95% intervals: tokens/s and accepted tokens per target call, and per graded prompt source
     the accuracy, the paired drop against the target alone and the answer agreement with it."""
     acc = sweep.get("accuracy", {}).get(row["config"], {})
-    return {"tokens_per_s_interval": row.get("tokens_per_s_interval"),
-            "accepted_per_call_interval": row.get("accepted_per_call_interval"),
-            "accuracy_by_source": {src: dict(fig) for src, fig in acc.items()}}
+    return {
+        "tokens_per_s_interval": row.get("tokens_per_s_interval"),
+        "accepted_per_call_interval": row.get("accepted_per_call_interval"),
+        "accuracy_by_source": {src: dict(fig) for src, fig in acc.items()},
+    }
 
 
 def interleave(configs: dict, items: list, warmup) -> tuple[dict[str, list], dict[str, list[list[int]]]]:
@@ -95,7 +110,7 @@ def interleave(configs: dict, items: list, warmup) -> tuple[dict[str, list], dic
     stats = {n: [] for n in names}
     outputs = {n: [] for n in names}
     for i, item in enumerate(items):
-        for name in names[i % len(names):] + names[: i % len(names)]:
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             res = configs[name](item)
             toks, st = (res.tokens, res.stats) if hasattr(res, "tokens") else res
             stats[name].append(st)
@@ -109,25 +124,42 @@ def shared_pair(shared: Path, vocab: str, draft_top_n: int):
     layer pruned to the ``draft_top_n`` most frequent tokens of the ``heads-vocab`` ranking ``vocab``
     (written by ``heads-vocab recipe=specdecpp_draft_quickstart`` when absent; 0: not pruned)."""
     from specheads.export import load_pair
-    from specheads.export.shim.models import ModelSpec
-    from specheads.export.shim.vocab import prune, read_ranking, subset_from_ranking
+    from specheads.export.shim.runners.models import ModelSpec
+    from specheads.export.shim.vocab.vocab_pruning import prune, read_ranking, subset_from_ranking
 
-    pair = load_pair(ModelSpec(path=str(shared / "models/smollm2-135m-instruct"),
-                               gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", device="cpu"),
-                     ModelSpec(path=str(shared / "models/smollm2-draft-4l"), device="cpu"))
+    pair = load_pair(
+        ModelSpec(
+            path=str(shared / "models/smollm2-135m-instruct"), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", device="cpu"
+        ),
+        ModelSpec(path=str(shared / "models/smollm2-draft-4l"), device="cpu"),
+    )
     if draft_top_n:
         if not Path(vocab).is_file():
-            from specheads.datagen.vocab import main as vocab_main
+            from specheads.datagen.vocab_ranking import main as vocab_main
+
             vocab_main(["recipe=specdecpp_draft_quickstart", f"output={vocab}"])
         full = pair.draft.model.get_output_embeddings().weight.shape[0]
-        prune(pair.draft.model, subset_from_ranking(read_ranking(vocab), draft_top_n, pair.eos_token_ids, full),
-              Path(vocab).name)
+        prune(
+            pair.draft.model,
+            subset_from_ranking(read_ranking(vocab), draft_top_n, pair.eos_token_ids, full),
+            Path(vocab).name,
+        )
     return pair
 
 
-GATED_KEYS = ("threshold", "acc_drop", "acc_drop_upper", "tokens_per_s_vs_target", "tokens_per_s_vs_sd",
-              "accepted_per_call_vs_sd", "acc_drop_low", "tokens_per_s_vs_target_interval", "sd_reference",
-              "tokens_per_s_vs_sd_interval", "accepted_per_call_vs_sd_interval")
+GATED_KEYS = (
+    "threshold",
+    "acc_drop",
+    "acc_drop_upper",
+    "tokens_per_s_vs_target",
+    "tokens_per_s_vs_sd",
+    "accepted_per_call_vs_sd",
+    "acc_drop_low",
+    "tokens_per_s_vs_target_interval",
+    "sd_reference",
+    "tokens_per_s_vs_sd_interval",
+    "accepted_per_call_vs_sd_interval",
+)
 
 
 def eval_and_gated(sweep: dict, names: dict[str, str] | None = None) -> dict:
@@ -138,12 +170,22 @@ def eval_and_gated(sweep: dict, names: dict[str, str] | None = None) -> dict:
     from specheads.evaluate.intervals import DESCRIPTION
 
     target = sweep.get("accuracy", {}).get("ar", {})
-    out = {"eval": {"arc_prompts": target.get("arc", {}).get("prompts", 0),
-                    "gsm8k_prompts": target.get("gsm8k", {}).get("prompts", 0), "interval": DESCRIPTION}}
+    out = {
+        "eval": {
+            "arc_prompts": target.get("arc", {}).get("prompts", 0),
+            "gsm8k_prompts": target.get("gsm8k", {}).get("prompts", 0),
+            "interval": DESCRIPTION,
+        }
+    }
     if "gated" in sweep:
         out["eval"].update({k: sweep["gated"][k] for k in ("max_drop", "calibration_prompts", "test_prompts")})
-        out["gated"] = {(names or {}).get(family, family): {
-            "family": family, "row": e["row"], **({k: e.get(k) for k in GATED_KEYS} if e["row"] else
-                                                  {"reason": e["reason"]}),
-            "calibration": e.get("calibration")} for family, e in sweep["gated"]["rows"].items()}
+        out["gated"] = {
+            (names or {}).get(family, family): {
+                "family": family,
+                "row": e["row"],
+                **({k: e.get(k) for k in GATED_KEYS} if e["row"] else {"reason": e["reason"]}),
+                "calibration": e.get("calibration"),
+            }
+            for family, e in sweep["gated"]["rows"].items()
+        }
     return out

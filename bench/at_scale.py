@@ -31,6 +31,7 @@ import judge
 import sprinter
 import training_free
 from _common import eval_config, run_info
+
 from specheads.evaluate.cli import main as eval_main
 from specheads.pipeline import main as pipeline_main
 
@@ -41,11 +42,17 @@ HEADS = {"judge": ("judge_quickstart", "judge"), "sprinter": ("sprinter_quicksta
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="eval_at_scale")
-    ap.add_argument("--retrain", action="store_true", help="run the judge and SPRINTER pipelines even if their "
-                                                           "heads are exported already")
+    ap.add_argument(
+        "--retrain",
+        action="store_true",
+        help="run the judge and SPRINTER pipelines even if their heads are exported already",
+    )
     ap.add_argument("--results", default=str(ROOT / "bench/results"), help="where the three result files go")
-    ap.add_argument("--report-only", action="store_true", help="decode nothing: write the result files from the "
-                                                               "finished sweep in the recipe's output_dir")
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="decode nothing: write the result files from the finished sweep in the recipe's output_dir",
+    )
     args, overrides = ap.parse_known_args(argv)
     cfg, eval_args = eval_config("at_scale.py", args.recipe, overrides)  # fail fast on a bad override
     if cfg is None:
@@ -53,23 +60,32 @@ def main(argv=None) -> int:
     for recipe, field in [] if args.report_only else HEADS.values():
         head = getattr(cfg, field)
         if head and (args.retrain or not Path(head).is_file()):
-            code = pipeline_main([f"recipe={recipe}", "pipeline.stages=[datagen,train,export]",
-                                  *(["overwrite=true"] if args.retrain else [])])
+            code = pipeline_main(
+                [
+                    f"recipe={recipe}",
+                    "pipeline.stages=[datagen,train,export]",
+                    *(["overwrite=true"] if args.retrain else []),
+                ]
+            )
             if code:
                 return code
     code = 0 if args.report_only else eval_main(eval_args)
     if code:
         return code
     # the command that measured the sweep (--report-only only rewrites the files from it)
-    command = run_info(__file__, [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--report-only"],
-                       "")["command"]
+    command = run_info(__file__, [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--report-only"], "")[
+        "command"
+    ]
     Path(args.results).mkdir(parents=True, exist_ok=True)
     for name, bench in (("judge", judge), ("sprinter", sprinter), ("training_free", training_free)):
         if name in HEADS and not getattr(cfg, HEADS[name][1]):
             continue
         out = Path(args.results) / f"{name}.json"
-        report = [*([f"--recipe={HEADS[name][0]}"] if name in HEADS else []), f"--sweep={cfg.output_dir}",
-                  f"--out={out}"]
+        report = [
+            *([f"--recipe={HEADS[name][0]}"] if name in HEADS else []),
+            f"--sweep={cfg.output_dir}",
+            f"--out={out}",
+        ]
         code = bench.main(report)
         if code:
             return code

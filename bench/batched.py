@@ -25,9 +25,10 @@ import time
 from pathlib import Path
 
 from _common import run_info, shared_pair
+
 from specheads.export.api import Decoder
-from specheads.export.shim import kernels
 from specheads.export.shim.policies import StandardSD, TargetOnly
+from specheads.export.shim.runners import kernels
 from specheads.prompts import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,27 +50,34 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     pair = shared_pair(SHARED, args.vocab, args.draft_top_n)
     half = args.n // 2
-    prompts = (load_prompts(str(SHARED / "data/gsm8k/test.jsonl"), limit=half, offset=args.offset)
-               + load_prompts(str(SHARED / "data/mt_bench/question.jsonl"), limit=args.n - half,
-                              offset=args.mtbench_offset))
+    prompts = load_prompts(str(SHARED / "data/gsm8k/test.jsonl"), limit=half, offset=args.offset) + load_prompts(
+        str(SHARED / "data/mt_bench/question.jsonl"), limit=args.n - half, offset=args.mtbench_offset
+    )
     items = list(enumerate(prompts))
-    decoders = {"ar": Decoder(pair, TargetOnly(), args.max_new_tokens),
-                "sd": Decoder(pair, StandardSD(args.k), args.max_new_tokens)}
+    decoders = {
+        "ar": Decoder(pair, TargetOnly(), args.max_new_tokens),
+        "sd": Decoder(pair, StandardSD(args.k), args.max_new_tokens),
+    }
     configs = [(p, b) for b in SIZES for p in decoders]
     for p, b in configs:  # warm-up (kernel choice for every row count, allocations), not timed
         dict(decoders[p].decode_many(items[:b], b))
     runs: dict[tuple, list] = {c: [] for c in configs}
     outputs: dict[tuple, dict] = {}
     for rep in range(args.repeats):
-        order = configs[rep % len(configs):] + configs[: rep % len(configs)]
+        order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
         for p, b in order:
             start = time.perf_counter()
             res = dict(decoders[p].decode_many(items, b))
             elapsed = time.perf_counter() - start
             tokens = sum(len(r.tokens) for r in res.values())
-            runs[(p, b)].append({"elapsed": elapsed, "tokens": tokens,
-                                 "latency": statistics.mean(r.stats.wall_time for r in res.values()),
-                                 "calls": sum(r.stats.target_calls for r in res.values())})
+            runs[(p, b)].append(
+                {
+                    "elapsed": elapsed,
+                    "tokens": tokens,
+                    "latency": statistics.mean(r.stats.wall_time for r in res.values()),
+                    "calls": sum(r.stats.target_calls for r in res.values()),
+                }
+            )
             outputs[(p, b)] = {i: r.tokens for i, r in res.items()}
             print(f"pass {rep + 1}: {p} B={b}: {tokens / elapsed:.1f} tokens/s", file=sys.stderr, flush=True)
     table = []
@@ -77,14 +85,21 @@ def main(argv=None) -> int:
         rs = runs[(p, b)]
         elapsed = statistics.median(r["elapsed"] for r in rs)
         tokens = rs[0]["tokens"]
-        table.append({"policy": p, "batch_size": b, "prompts": len(items), "tokens": tokens,
-                      "elapsed_s": round(elapsed, 2), "tokens_per_s": round(tokens / elapsed, 2),
-                      "prompts_per_hour": round(3600 * len(items) / elapsed, 1),
-                      "row_latency_s": round(statistics.median(r["latency"] for r in rs), 3),
-                      "row_ms_per_token": round(1000 * statistics.median(r["latency"] for r in rs) * len(items)
-                                                / tokens, 2),
-                      "tokens_per_target_call": round(tokens / rs[0]["calls"], 3),
-                      "identical_to_b1": outputs[(p, b)] == outputs[(p, 1)]})
+        table.append(
+            {
+                "policy": p,
+                "batch_size": b,
+                "prompts": len(items),
+                "tokens": tokens,
+                "elapsed_s": round(elapsed, 2),
+                "tokens_per_s": round(tokens / elapsed, 2),
+                "prompts_per_hour": round(3600 * len(items) / elapsed, 1),
+                "row_latency_s": round(statistics.median(r["latency"] for r in rs), 3),
+                "row_ms_per_token": round(1000 * statistics.median(r["latency"] for r in rs) * len(items) / tokens, 2),
+                "tokens_per_target_call": round(tokens / rs[0]["calls"], 3),
+                "identical_to_b1": outputs[(p, b)] == outputs[(p, 1)],
+            }
+        )
     by = {(r["policy"], r["batch_size"]): r for r in table}
     ratios = {}
     for p in decoders:
@@ -99,14 +114,23 @@ def main(argv=None) -> int:
     for r in table:
         print(" | ".join(str(r[c]) for c in cols))
     print(json.dumps(ratios))
-    result = {**run_info(__file__, argv, "greedy, fp32, batch sizes " + ", ".join(map(str, SIZES))),
-              "prompts": [f"gsm8k/test.jsonl [{args.offset}:{args.offset + half}]",
-                          f"mt_bench/question.jsonl [{args.mtbench_offset}:{args.mtbench_offset + args.n - half}]"],
-              "max_new_tokens": args.max_new_tokens, "k": args.k, "repeats": args.repeats,
-              "draft": f"output layer pruned to {args.draft_top_n} tokens ({args.vocab})",
-              "target_fingerprint": pair.target.fingerprint, "draft_fingerprint": pair.draft.fingerprint,
-              "kernels": kernels.describe(), "table": table,
-              "greedy_identical_to_b1": all(r["identical_to_b1"] for r in table), "ratios": ratios}
+    result = {
+        **run_info(__file__, argv, "greedy, fp32, batch sizes " + ", ".join(map(str, SIZES))),
+        "prompts": [
+            f"gsm8k/test.jsonl [{args.offset}:{args.offset + half}]",
+            f"mt_bench/question.jsonl [{args.mtbench_offset}:{args.mtbench_offset + args.n - half}]",
+        ],
+        "max_new_tokens": args.max_new_tokens,
+        "k": args.k,
+        "repeats": args.repeats,
+        "draft": f"output layer pruned to {args.draft_top_n} tokens ({args.vocab})",
+        "target_fingerprint": pair.target.fingerprint,
+        "draft_fingerprint": pair.draft.fingerprint,
+        "kernels": kernels.describe(),
+        "table": table,
+        "greedy_identical_to_b1": all(r["identical_to_b1"] for r in table),
+        "ratios": ratios,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -30,18 +30,18 @@ import sys
 from pathlib import Path
 
 import torch
-
 from _common import interleave, run_info, shared_pair
+
 from specheads.evaluate.oracle import draft_agreement, eagle_oracle, oracle_schedule, predicted_ms_per_token
-from specheads.export import format_prompt, load_pair
-from specheads.export.api import load_eagle, pair_costs
-from specheads.export.policy_factory import make_policy
-from specheads.export.shim import kernels
-from specheads.export.shim.engine import Engine
-from specheads.export.shim.models import ModelSpec
 from specheads.evaluate.sweep import parse_tree
+from specheads.export import load_pair
+from specheads.export.api import format_prompt, load_eagle, pair_costs
+from specheads.export.policy_factory import make_policy
+from specheads.export.shim.loop.engine import Engine
+from specheads.export.shim.loop.stats import GenerationStats
 from specheads.export.shim.policies import ConfidenceStop, EagleTree, StandardSD
-from specheads.export.shim.stats import GenerationStats
+from specheads.export.shim.runners import kernels
+from specheads.export.shim.runners.models import ModelSpec
 from specheads.prompts import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,18 +52,23 @@ def model_oracle(draft, vocab_size, prompts, outputs, k_max: int) -> GenerationS
     total = GenerationStats(prompts=0)
     with torch.inference_mode():
         for ids, out in zip(prompts, outputs):
-            total = GenerationStats.total([total, oracle_schedule(draft_agreement(draft, ids, out, True, vocab_size),
-                                                                  k_max)])
+            total = GenerationStats.total(
+                [total, oracle_schedule(draft_agreement(draft, ids, out, True, vocab_size), k_max)]
+            )
     return total
 
 
 def row(name: str, tot: GenerationStats, identical: int, n: int, table) -> dict:
     pred = predicted_ms_per_token(tot, table) if table is not None and name != "ar" else None
-    return {"config": name, "tokens": tot.new_tokens, "tokens_per_s": round(tot.tokens_per_s, 3),
-            "tokens_per_call": round(tot.tokens_per_call, 3),
-            "accepted_per_call": round(tot.accepted_per_call, 3) if name != "ar" else None,
-            "predicted_ms_per_token": round(pred, 3) if pred else None,
-            "identical_to_target": f"{identical}/{n}"}
+    return {
+        "config": name,
+        "tokens": tot.new_tokens,
+        "tokens_per_s": round(tot.tokens_per_s, 3),
+        "tokens_per_call": round(tot.tokens_per_call, 3),
+        "accepted_per_call": round(tot.accepted_per_call, 3) if name != "ar" else None,
+        "predicted_ms_per_token": round(pred, 3) if pred else None,
+        "identical_to_target": f"{identical}/{n}",
+    }
 
 
 def run_set(label: str, prompts, configs: dict, tables: dict, oracles: dict) -> dict:
@@ -77,11 +82,20 @@ def run_set(label: str, prompts, configs: dict, tables: dict, oracles: dict) -> 
     for drafter, fn in oracles.items():
         o = fn(prompts, ref)
         ms = predicted_ms_per_token(o, tables[drafter])
-        oracle_rows[drafter] = {"tokens_per_call": round(o.tokens_per_call, 3), "predicted_ms_per_token": round(ms, 3),
-                                "predicted_tokens_per_s": round(1000 / ms, 3)}
+        oracle_rows[drafter] = {
+            "tokens_per_call": round(o.tokens_per_call, 3),
+            "predicted_ms_per_token": round(ms, 3),
+            "predicted_tokens_per_s": round(1000 / ms, 3),
+        }
     print(f"\n== {label} ({len(prompts)} prompts) ==")
-    cols = ["config", "tokens_per_s", "tokens_per_call", "accepted_per_call", "predicted_ms_per_token",
-            "identical_to_target"]
+    cols = [
+        "config",
+        "tokens_per_s",
+        "tokens_per_call",
+        "accepted_per_call",
+        "predicted_ms_per_token",
+        "identical_to_target",
+    ]
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join("-" if r[c] is None else str(r[c]) for c in cols))
@@ -99,7 +113,7 @@ def ratios(sets: dict) -> dict:
         by = {r["config"]: r for r in res["table"]}
         ar = by["ar"]["tokens_per_s"]
         eagle = [r for r in res["table"] if r["config"].startswith("eagle_")]
-        fixed = [r for r in eagle if r["config"][len("eagle_k"):].isdigit() and r["config"].startswith("eagle_k")]
+        fixed = [r for r in eagle if r["config"][len("eagle_k") :].isdigit() and r["config"].startswith("eagle_k")]
         best = max(eagle, key=lambda r: r["tokens_per_s"]) if eagle else None
         best_fixed = max(fixed, key=lambda r: r["tokens_per_s"]) if fixed else None
         s = {}
@@ -111,15 +125,17 @@ def ratios(sets: dict) -> dict:
             s["eagle_best_fixed_k"] = best_fixed["config"]
             for stop in ("eagle_specdecpp", "eagle_confidence_cost", "eagle_confidence_head"):
                 if stop in by:
-                    s[f"{stop[len('eagle_'):]}_vs_best_fixed_k"] = round(by[stop]["tokens_per_s"] /
-                                                                          best_fixed["tokens_per_s"], 4)
+                    s[f"{stop[len('eagle_') :]}_vs_best_fixed_k"] = round(
+                        by[stop]["tokens_per_s"] / best_fixed["tokens_per_s"], 4
+                    )
             o = res["oracle"].get("eagle")
             if o:  # share of the gain a perfect stop would add over the best fixed K that a stop rule realises
                 gap = o["predicted_tokens_per_s"] - best_fixed["tokens_per_s"]
                 for stop in ("eagle_specdecpp", "eagle_confidence_cost", "eagle_confidence_head"):
                     if stop in by and gap > 0:
-                        s[f"share_of_perfect_head_gain_{stop[len('eagle_'):]}"] = round(
-                            (by[stop]["tokens_per_s"] - best_fixed["tokens_per_s"]) / gap, 4)
+                        s[f"share_of_perfect_head_gain_{stop[len('eagle_') :]}"] = round(
+                            (by[stop]["tokens_per_s"] - best_fixed["tokens_per_s"]) / gap, 4
+                        )
         per_set[label] = s
     for key in ("eagle_best_lossless_vs_target", "eagle_tokens_per_call"):
         vals = [s[key] for s in per_set.values() if key in s]
@@ -132,13 +148,23 @@ def ratios(sets: dict) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--eagle", required=True, help="exported EAGLE head (heads-export output or head.safetensors)")
-    ap.add_argument("--distilled", default="", help="a distilled draft's Hugging Face directory (heads-train head=draft)")
-    ap.add_argument("--distilled-vocab", default="", help="the heads-vocab ranking a distilled draft was trained pruned "
-                                                         "with (its draft/vocab.json or the run's vocab_file); top 8192")
+    ap.add_argument(
+        "--distilled", default="", help="a distilled draft's Hugging Face directory (heads-train head=draft)"
+    )
+    ap.add_argument(
+        "--distilled-vocab",
+        default="",
+        help="the heads-vocab ranking a distilled draft was trained pruned "
+        "with (its draft/vocab.json or the run's vocab_file); top 8192",
+    )
     ap.add_argument("--stop-head", default="", help="a SpecDec++ head trained on the EAGLE head's rounds")
     ap.add_argument("--confidence-head", default="", help="a linear confidence head on the EAGLE head's state")
-    ap.add_argument("--stop-k-max", type=int, default=8, help="k_max of the learned stops (at most the eagle_k "
-                                                                  "their eagle_rounds data was written with)")
+    ap.add_argument(
+        "--stop-k-max",
+        type=int,
+        default=8,
+        help="k_max of the learned stops (at most the eagle_k their eagle_rounds data was written with)",
+    )
     ap.add_argument("--gsm8k-n", type=int, default=32)
     ap.add_argument("--mtbench-n", type=int, default=16)
     ap.add_argument("--alpaca-n", type=int, default=16)
@@ -146,8 +172,12 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--ks", default="2,3,4,5", help="fixed K of the EAGLE rows")
     ap.add_argument("--draft-ks", default="1,2,3", help="fixed K of the shared and distilled drafts' rows")
-    ap.add_argument("--trees", default="4x3x8", help="draft trees on the EAGLE head, DEPTHxWIDTHxNODES[-cost], "
-                    "comma-separated (rows eagle_tree_DxWxN; -cost: sized per round by the cost table; empty: none)")
+    ap.add_argument(
+        "--trees",
+        default="4x3x8",
+        help="draft trees on the EAGLE head, DEPTHxWIDTHxNODES[-cost], "
+        "comma-separated (rows eagle_tree_DxWxN; -cost: sized per round by the cost table; empty: none)",
+    )
     ap.add_argument("--oracle-k-max", type=int, default=8)
     ap.add_argument("--vocab", default=str(ROOT / "runs/specdecpp_draft_quickstart-vocab/vocab.json"))
     ap.add_argument("--out", default=str(ROOT / "bench/results/draft_head.json"))
@@ -165,18 +195,30 @@ def main(argv=None) -> int:
     tables = {"shared": pair_costs(pair, k_top), "eagle": pair_costs(pair, k_top, eagle=eagle)}
     configs = {"ar": lambda ids: shared.generate_ar(ids, mx)}
     configs.update({f"shared_k{k}": (lambda ids, k=k: shared.generate(ids, StandardSD(k), mx)) for k in dks})
-    oracles = {"shared": lambda ps, outs: model_oracle(pair.draft.model, shared.vocab_size, ps, outs, args.oracle_k_max),
-               "eagle": lambda ps, outs: eagle_oracle(head, ps, mx, args.oracle_k_max)}
+    oracles = {
+        "shared": lambda ps, outs: model_oracle(pair.draft.model, shared.vocab_size, ps, outs, args.oracle_k_max),
+        "eagle": lambda ps, outs: eagle_oracle(head, ps, mx, args.oracle_k_max),
+    }
     if args.distilled:
-        dpair = load_pair(ModelSpec(path=str(SHARED / "models/smollm2-135m-instruct"),
-                                    gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", device="cpu"),
-                          ModelSpec(path=args.distilled, device="cpu", vocab_file=args.distilled_vocab or None,
-                                    vocab_top_n=8192 if args.distilled_vocab else None))
+        dpair = load_pair(
+            ModelSpec(
+                path=str(SHARED / "models/smollm2-135m-instruct"),
+                gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+                device="cpu",
+            ),
+            ModelSpec(
+                path=args.distilled,
+                device="cpu",
+                vocab_file=args.distilled_vocab or None,
+                vocab_top_n=8192 if args.distilled_vocab else None,
+            ),
+        )
         distilled = Engine(pair.target.model, dpair.draft.model, pair.eos_token_ids)
         tables["distilled"] = pair_costs(dpair, k_top)
         configs.update({f"distilled_k{k}": (lambda ids, k=k: distilled.generate(ids, StandardSD(k), mx)) for k in dks})
-        oracles["distilled"] = lambda ps, outs: model_oracle(dpair.draft.model, distilled.vocab_size, ps, outs,
-                                                             args.oracle_k_max)
+        oracles["distilled"] = lambda ps, outs: model_oracle(
+            dpair.draft.model, distilled.vocab_size, ps, outs, args.oracle_k_max
+        )
     configs.update({f"eagle_k{k}": (lambda ids, k=k: head.generate(ids, StandardSD(k), mx)) for k in ks})
     for spec in filter(None, args.trees.split(",")):
         depth, width, nodes, stop = parse_tree(spec)
@@ -186,28 +228,52 @@ def main(argv=None) -> int:
     configs["eagle_confidence_cost"] = lambda ids: head.generate(ids, cost_stop.fork(), mx)
     for name, path in (("eagle_specdecpp", args.stop_head), ("eagle_confidence_head", args.confidence_head)):
         if path:  # a stop head on the EAGLE head's states, priced by its cost table (stop=cost)
-            stop = make_policy("specdecpp", pair, head=path, k_min=1, k_max=args.stop_k_max, stop="cost",
-                               costs=tables["eagle"], eagle=eagle)
+            stop = make_policy(
+                "specdecpp",
+                pair,
+                head=path,
+                k_min=1,
+                k_max=args.stop_k_max,
+                stop="cost",
+                costs=tables["eagle"],
+                eagle=eagle,
+            )
             configs[name] = lambda ids, stop=stop: head.generate(ids, stop.fork(), mx)
-    print("cost tables (ms):", {d: (round(t.t_draft_ms, 2), [round(x, 1) for x in t.t_target_ms[:6]])
-                                for d, t in tables.items()}, file=sys.stderr)
+    print(
+        "cost tables (ms):",
+        {d: (round(t.t_draft_ms, 2), [round(x, 1) for x in t.t_target_ms[:6]]) for d, t in tables.items()},
+        file=sys.stderr,
+    )
     tok = pair.tokenizer
-    sets = {"gsm8k": load_prompts(str(SHARED / "data/gsm8k/test.jsonl"), limit=args.gsm8k_n),
-            "mtbench": load_prompts(str(SHARED / "data/mt_bench/question.jsonl"), limit=args.mtbench_n),
-            "alpaca": load_prompts(str(SHARED / "data/alpaca/alpaca_5000.json"), limit=args.alpaca_n,
-                                   offset=args.alpaca_offset)}
+    sets = {
+        "gsm8k": load_prompts(str(SHARED / "data/gsm8k/test.jsonl"), limit=args.gsm8k_n),
+        "mtbench": load_prompts(str(SHARED / "data/mt_bench/question.jsonl"), limit=args.mtbench_n),
+        "alpaca": load_prompts(
+            str(SHARED / "data/alpaca/alpaca_5000.json"), limit=args.alpaca_n, offset=args.alpaca_offset
+        ),
+    }
     results = {}
     for label, ps in sets.items():
         if ps:
             results[label] = run_set(label, [format_prompt(tok, p) for p in ps], configs, tables, oracles)
-    result = {**run_info(__file__, argv, "fp32, batch 1, greedy"), "max_new_tokens": mx,
-              "prompts": {"gsm8k": f"test[0:{args.gsm8k_n}]", "mtbench": f"first turns [0:{args.mtbench_n}]",
-                          "alpaca": f"alpaca_5000[{args.alpaca_offset}:{args.alpaca_offset + args.alpaca_n}]"},
-              "eagle_head": {"path": args.eagle, **{k: eagle.metadata.get(k) for k in ("head_config", "ttt_steps",
-                                                                                          "draft_vocab")}},
-              "cost_tables": {d: t.to_dict() for d, t in tables.items()}, "kernels": kernels.describe(),
-              "sets": results, "greedy_identical": all(r["greedy_identical"] for r in results.values()),
-              "ratios": ratios(results)}
+    result = {
+        **run_info(__file__, argv, "fp32, batch 1, greedy"),
+        "max_new_tokens": mx,
+        "prompts": {
+            "gsm8k": f"test[0:{args.gsm8k_n}]",
+            "mtbench": f"first turns [0:{args.mtbench_n}]",
+            "alpaca": f"alpaca_5000[{args.alpaca_offset}:{args.alpaca_offset + args.alpaca_n}]",
+        },
+        "eagle_head": {
+            "path": args.eagle,
+            **{k: eagle.metadata.get(k) for k in ("head_config", "ttt_steps", "draft_vocab")},
+        },
+        "cost_tables": {d: t.to_dict() for d, t in tables.items()},
+        "kernels": kernels.describe(),
+        "sets": results,
+        "greedy_identical": all(r["greedy_identical"] for r in results.values()),
+        "ratios": ratios(results),
+    }
     print(json.dumps(result["ratios"], indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

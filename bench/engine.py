@@ -25,16 +25,16 @@ import time
 from pathlib import Path
 
 import torch
-
 from _common import interleave, run_info
-from specheads.export import format_prompt, load_pair
-from specheads.export.shim.engine import Engine, GenerationStats
-from specheads.export.shim.models import ModelSpec
+
 from specheads.evaluate.oracle import draft_agreement, oracle_schedule, predicted_ms_per_token
-from specheads.export.api import pair_costs
-from specheads.export.shim import kernels
+from specheads.export import load_pair
+from specheads.export.api import format_prompt, pair_costs
+from specheads.export.shim.loop.engine import Engine, GenerationStats
 from specheads.export.shim.policies import ConfidenceStop, StandardSD
-from specheads.export.shim.vocab import prune, read_ranking, subset_from_ranking
+from specheads.export.shim.runners import kernels
+from specheads.export.shim.runners.models import ModelSpec
+from specheads.export.shim.vocab.vocab_pruning import prune, read_ranking, subset_from_ranking
 from specheads.prompts import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +55,7 @@ def hf_run(pair, ids, max_new, k=None):
     with torch.inference_mode():
         out = pair.target.model.generate(x, attention_mask=torch.ones_like(x), **kwargs)
     elapsed = time.perf_counter() - start
-    toks = out[0, len(ids):].tolist()
+    toks = out[0, len(ids) :].tolist()
     return toks, GenerationStats(new_tokens=len(toks), wall_time=elapsed)
 
 
@@ -64,7 +64,9 @@ def _row(name: str, tot: GenerationStats, identical: int, table) -> dict:
     pred = predicted_ms_per_token(tot, table) if ours else None
     measured = 1000 * tot.wall_time / tot.new_tokens if tot.new_tokens else None
     return {
-        "config": name, "tokens": tot.new_tokens, "wall_s": round(tot.wall_time, 2),
+        "config": name,
+        "tokens": tot.new_tokens,
+        "wall_s": round(tot.wall_time, 2),
         "tokens_per_s": round(tot.tokens_per_s, 3),
         "tokens_per_call": round(tot.tokens_per_call, 3) if ours else None,
         "accepted_per_call": round(tot.accepted_per_call, 3) if ours and "ar" not in name else None,
@@ -82,8 +84,10 @@ def run_set(label, pair, engine, table, prompts, mx, configs, reference_name, or
     names = list(configs)
     stats, outputs = interleave(configs, prompts, prompts[0][:32])
     reference = outputs[reference_name]
-    rows = [_row(n, GenerationStats.total(stats[n]), sum(a == b for a, b in zip(outputs[n], reference)), table)
-            for n in names]
+    rows = [
+        _row(n, GenerationStats.total(stats[n]), sum(a == b for a, b in zip(outputs[n], reference)), table)
+        for n in names
+    ]
     # The greedy oracle (SpecDec++ Theorem 4.1) on the target's own outputs, priced by the cost table.
     oracle = GenerationStats(prompts=0)
     with torch.inference_mode():
@@ -91,23 +95,41 @@ def run_set(label, pair, engine, table, prompts, mx, configs, reference_name, or
             agree = draft_agreement(pair.draft.model, ids, out, True, engine.vocab_size)
             oracle = GenerationStats.total([oracle, oracle_schedule(agree, oracle_k_max)])
     o_ms = predicted_ms_per_token(oracle, table)
-    oracle_row = {"k_max": oracle_k_max, "tokens_per_call": round(oracle.tokens_per_call, 3),
-                  "verification_rate": round(oracle.verification_rate, 4),
-                  "predicted_ms_per_token": round(o_ms, 3), "predicted_tokens_per_s": round(1000 / o_ms, 3)}
+    oracle_row = {
+        "k_max": oracle_k_max,
+        "tokens_per_call": round(oracle.tokens_per_call, 3),
+        "verification_rate": round(oracle.verification_rate, 4),
+        "predicted_ms_per_token": round(o_ms, 3),
+        "predicted_tokens_per_s": round(1000 / o_ms, 3),
+    }
     lossless = [r for r in rows if r["config"].startswith("ours") and r["config"] not in ("ours_draft", "ours_ar")]
     best = max(lossless, key=lambda r: r["tokens_per_s"])
     ar = next(r for r in rows if r["config"] == "ours_ar")
-    cols = ["config", "tokens", "tokens_per_s", "tokens_per_call", "verification_rate", "discard_rate",
-            "predicted_ms_per_token", "measured_ms_per_token", "prompts_identical_to_hf_generate"]
+    cols = [
+        "config",
+        "tokens",
+        "tokens_per_s",
+        "tokens_per_call",
+        "verification_rate",
+        "discard_rate",
+        "predicted_ms_per_token",
+        "measured_ms_per_token",
+        "prompts_identical_to_hf_generate",
+    ]
     print(f"\n== {label} ==")
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join("-" if r[c] is None else str(r[c]) for c in cols))
-    print(f"oracle (k_max {oracle_k_max}) | - | {oracle_row['predicted_tokens_per_s']} predicted | "
-          f"{oracle_row['tokens_per_call']} | {oracle_row['verification_rate']} | 0.0 | {oracle_row['predicted_ms_per_token']}")
-    summary = {"best_lossless": best["config"],
-               "best_lossless_vs_target_alone": round(best["tokens_per_s"] / ar["tokens_per_s"], 4),
-               "best_lossless_vs_oracle_predicted": round(best["tokens_per_s"] / oracle_row["predicted_tokens_per_s"], 4)}
+    print(
+        f"oracle (k_max {oracle_k_max}) | - | {oracle_row['predicted_tokens_per_s']} predicted | "
+        f"{oracle_row['tokens_per_call']} | {oracle_row['verification_rate']} | 0.0 | "
+        f"{oracle_row['predicted_ms_per_token']}"
+    )
+    summary = {
+        "best_lossless": best["config"],
+        "best_lossless_vs_target_alone": round(best["tokens_per_s"] / ar["tokens_per_s"], 4),
+        "best_lossless_vs_oracle_predicted": round(best["tokens_per_s"] / oracle_row["predicted_tokens_per_s"], 4),
+    }
     identical = all(outputs[n] == reference for n in names if n.startswith("ours") and n != "ours_draft")
     return rows, oracle_row, summary, identical, outputs
 
@@ -117,36 +139,53 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", default=str(SHARED / "data/gsm8k/test.jsonl"))
     ap.add_argument("--n", type=int, default=32)
     ap.add_argument("--offset", type=int, default=0)
-    ap.add_argument("--mtbench", default=str(SHARED / "data/mt_bench/question.jsonl"),
-                    help="second set (our rows only): first turns; '' to skip")
+    ap.add_argument(
+        "--mtbench",
+        default=str(SHARED / "data/mt_bench/question.jsonl"),
+        help="second set (our rows only): first turns; '' to skip",
+    )
     ap.add_argument("--mtbench-n", type=int, default=16)
     ap.add_argument("--mtbench-offset", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--vocab", default=str(ROOT / "runs/specdecpp_draft_quickstart-vocab/vocab.json"),
-                    help="heads-vocab ranking for the pruned draft of our rows (written by heads-vocab "
-                         "recipe=specdecpp_draft_quickstart when absent)")
+    ap.add_argument(
+        "--vocab",
+        default=str(ROOT / "runs/specdecpp_draft_quickstart-vocab/vocab.json"),
+        help="heads-vocab ranking for the pruned draft of our rows (written by heads-vocab "
+        "recipe=specdecpp_draft_quickstart when absent)",
+    )
     ap.add_argument("--draft-top-n", type=int, default=8192, help="our rows' draft keeps this many tokens; 0: full")
     ap.add_argument("--oracle-k-max", type=int, default=8)
     ap.add_argument("--out", default=str(ROOT / "bench/results/engine.json"))
     ap.add_argument("--configs", default="", help="comma-separated subset (e.g. ours_ar,hf_generate); default all")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    pair = load_pair(ModelSpec(path=str(SHARED / "models/smollm2-135m-instruct"),
-                               gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", device="cpu"),
-                     ModelSpec(path=str(SHARED / "models/smollm2-draft-4l"), device="cpu"))
+    pair = load_pair(
+        ModelSpec(
+            path=str(SHARED / "models/smollm2-135m-instruct"), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", device="cpu"
+        ),
+        ModelSpec(path=str(SHARED / "models/smollm2-draft-4l"), device="cpu"),
+    )
     full_head = pair.draft.model.get_output_embeddings()
     pruned_head = None
     if args.draft_top_n:
         if not Path(args.vocab).is_file():
-            from specheads.datagen.vocab import main as vocab_main
+            from specheads.datagen.vocab_ranking import main as vocab_main
+
             vocab_main(["recipe=specdecpp_draft_quickstart", f"output={args.vocab}"])
-        prune(pair.draft.model, subset_from_ranking(read_ranking(args.vocab), args.draft_top_n, pair.eos_token_ids,
-                                                    full_head.weight.shape[0]), Path(args.vocab).name)
+        prune(
+            pair.draft.model,
+            subset_from_ranking(
+                read_ranking(args.vocab), args.draft_top_n, pair.eos_token_ids, full_head.weight.shape[0]
+            ),
+            Path(args.vocab).name,
+        )
         pruned_head = pair.draft.model.get_output_embeddings()
     engine = Engine(pair.target.model, pair.draft.model, pair.eos_token_ids)
     mx = args.max_new_tokens
     table = pair_costs(pair, max(KS) + 2)  # the draft as our rows run it (pruned)
-    print("cost table (ms): t_d", round(table.t_draft_ms, 3), "t_t(1..10)", [round(t, 2) for t in table.t_target_ms[:10]])
+    print(
+        "cost table (ms): t_d", round(table.t_draft_ms, 3), "t_t(1..10)", [round(t, 2) for t in table.t_target_ms[:10]]
+    )
 
     def hf(ids, k=None):  # Hugging Face as it is: its own kernels, the full draft
         pair.draft.model.set_output_embeddings(full_head)
@@ -158,12 +197,16 @@ def main(argv=None) -> int:
             if pruned_head is not None:
                 pair.draft.model.set_output_embeddings(pruned_head)
 
-    ours = {"ours_ar": lambda ids: engine.generate_ar(ids, mx),
-            **{f"ours_sd_k{k}": (lambda ids, k=k: engine.generate(ids, StandardSD(k), mx)) for k in (1, *KS)},
-            "ours_confidence_cost": lambda ids: engine.generate(ids, ConfidenceStop(k_max=max(KS), stop="cost",
-                                                                                     costs=table), mx),
-            "ours_confidence_cost_gated": lambda ids: engine.generate(
-                ids, ConfidenceStop(k_max=max(KS), stop="cost", costs=table, gate=True), mx)}
+    ours = {
+        "ours_ar": lambda ids: engine.generate_ar(ids, mx),
+        **{f"ours_sd_k{k}": (lambda ids, k=k: engine.generate(ids, StandardSD(k), mx)) for k in (1, *KS)},
+        "ours_confidence_cost": lambda ids: engine.generate(
+            ids, ConfidenceStop(k_max=max(KS), stop="cost", costs=table), mx
+        ),
+        "ours_confidence_cost_gated": lambda ids: engine.generate(
+            ids, ConfidenceStop(k_max=max(KS), stop="cost", costs=table, gate=True), mx
+        ),
+    }
     configs = {"ours_ar": ours["ours_ar"], "hf_generate": lambda ids: hf(ids)}
     for k in (1, *KS):
         configs[f"ours_sd_k{k}"] = ours[f"ours_sd_k{k}"]
@@ -178,8 +221,9 @@ def main(argv=None) -> int:
             ap.error(f"unknown configs {sorted(unknown)}; choose from {list(configs)}")
         configs = {k: v for k, v in configs.items() if k in want or k in ("ours_ar", "hf_generate")}
     prompts = [format_prompt(pair.tokenizer, p) for p in load_prompts(args.prompts, limit=args.n, offset=args.offset)]
-    rows, oracle, summary, identical, _ = run_set("GSM8K", pair, engine, table, prompts, mx, configs, "hf_generate",
-                                                  args.oracle_k_max)
+    rows, oracle, summary, identical, _ = run_set(
+        "GSM8K", pair, engine, table, prompts, mx, configs, "hf_generate", args.oracle_k_max
+    )
     tps = {r["config"]: r["tokens_per_s"] for r in rows}
     pairs = {"ar_vs_hf_generate": ("ours_ar", "hf_generate")}
     pairs.update({f"sd_k{k}_vs_hf_assisted": (f"ours_sd_k{k}", f"hf_assisted_k{k}") for k in KS})
@@ -189,8 +233,12 @@ def main(argv=None) -> int:
         **run_info(__file__, argv, "fp32, batch 1, greedy"),
         "prompts": f"{args.prompts} [{args.offset}:{args.offset + len(prompts)}]",
         "max_new_tokens": mx,
-        "draft": (f"our rows: output layer pruned to {args.draft_top_n} tokens ({args.vocab}); "
-                  "Hugging Face rows: the full draft and plain F.linear") if args.draft_top_n else "full draft",
+        "draft": (
+            f"our rows: output layer pruned to {args.draft_top_n} tokens ({args.vocab}); "
+            "Hugging Face rows: the full draft and plain F.linear"
+        )
+        if args.draft_top_n
+        else "full draft",
         "cost_table": table.to_dict(),
         "kernels": kernels.describe(),
         "table": rows,
@@ -199,21 +247,30 @@ def main(argv=None) -> int:
         "greedy_identical_to_hf": identical,
     }
     if args.mtbench:
-        mt_prompts = [format_prompt(pair.tokenizer, p)
-                      for p in load_prompts(args.mtbench, limit=args.mtbench_n, offset=args.mtbench_offset)]
+        mt_prompts = [
+            format_prompt(pair.tokenizer, p)
+            for p in load_prompts(args.mtbench, limit=args.mtbench_n, offset=args.mtbench_offset)
+        ]
         mt_configs = {k: v for k, v in ours.items() if k in configs}
-        mt_rows, mt_oracle, mt_summary, mt_identical, _ = run_set("MT-Bench", pair, engine, table, mt_prompts, mx,
-                                                                  mt_configs, "ours_ar", args.oracle_k_max)
-        result["mtbench"] = {"prompts": f"{args.mtbench} [{args.mtbench_offset}:{args.mtbench_offset + len(mt_prompts)}]",
-                             "table": mt_rows, "oracle": mt_oracle, "best_lossless": mt_summary["best_lossless"],
-                             "greedy_identical_to_ours_ar": mt_identical}
+        mt_rows, mt_oracle, mt_summary, mt_identical, _ = run_set(
+            "MT-Bench", pair, engine, table, mt_prompts, mx, mt_configs, "ours_ar", args.oracle_k_max
+        )
+        result["mtbench"] = {
+            "prompts": f"{args.mtbench} [{args.mtbench_offset}:{args.mtbench_offset + len(mt_prompts)}]",
+            "table": mt_rows,
+            "oracle": mt_oracle,
+            "best_lossless": mt_summary["best_lossless"],
+            "greedy_identical_to_ours_ar": mt_identical,
+        }
         ratios["best_lossless_vs_target_alone_mtbench"] = mt_summary["best_lossless_vs_target_alone"]
         ratios["best_lossless_vs_oracle_predicted_mtbench"] = mt_summary["best_lossless_vs_oracle_predicted"]
     result["ratios"] = ratios
-    result["note"] = ("tokens_per_call = emitted tokens / target calls; predicted_ms_per_token = the profiled cost "
-                      "table at the row's own draft forwards and target pass sizes (prompt prefill excluded); "
-                      "measured = wall time / new tokens (prefill and loop overhead included); the oracle stops "
-                      "exactly before each disagreement of the draft with the target's greedy output (k_max cap)")
+    result["note"] = (
+        "tokens_per_call = emitted tokens / target calls; predicted_ms_per_token = the profiled cost "
+        "table at the row's own draft forwards and target pass sizes (prompt prefill excluded); "
+        "measured = wall time / new tokens (prefill and loop overhead included); the oracle stops "
+        "exactly before each disagreement of the draft with the target's greedy output (k_max cap)"
+    )
     print(json.dumps(ratios, indent=1), "greedy_identical_to_hf:", identical)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

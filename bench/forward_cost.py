@@ -5,7 +5,7 @@ few tokens should cost about what one token costs. This measures it on the share
 100-token prefix (KV cache), fp32, with the project's runners:
 
 * ``fused``: the fused forward with the linear kernels measured fastest on this machine (the
-  default decoding path on CPU; :mod:`specheads.export.shim.kernels`);
+  default decoding path on CPU; :mod:`specheads.export.shim.runners.kernels`);
 * ``fused_torch``: the same forward with ``F.linear`` on the stored weights (the fused path
   before kernel selection);
 * ``model``: the model's own (Hugging Face) forward with its linears routed through the kernels;
@@ -29,12 +29,12 @@ import time
 from pathlib import Path
 
 import torch
-
 from _common import run_info
-from specheads.export.shim import kernels
-from specheads.export.shim.kv import FusedRunner, ModelRunner
-from specheads.export.shim.models import ModelSpec, load_model
-from specheads.export.shim.vocab import prune, read_ranking, subset_from_ranking
+
+from specheads.export.shim.runners import kernels
+from specheads.export.shim.runners.model_runner import FusedRunner, ModelRunner
+from specheads.export.shim.runners.models import ModelSpec, load_model
+from specheads.export.shim.vocab.vocab_pruning import prune, read_ranking, subset_from_ranking
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
@@ -82,9 +82,12 @@ def measure(models: dict, reps: int, sizes=SIZES) -> list[dict]:
             for (name, path), r in runners.items():
                 for s in sizes:
                     times[(name, path, s)].append(
-                        _time(r, "torch" if path.endswith("_torch") else "auto", prefix, new[:, :s]))
-    return [{"model": n, "path": p, "tokens": s, "ms": round(1000 * statistics.median(v), 3)}
-            for (n, p, s), v in times.items()]
+                        _time(r, "torch" if path.endswith("_torch") else "auto", prefix, new[:, :s])
+                    )
+    return [
+        {"model": n, "path": p, "tokens": s, "ms": round(1000 * statistics.median(v), 3)}
+        for (n, p, s), v in times.items()
+    ]
 
 
 def pruned_draft(draft, ranking_path: str, tops: list[int], reps: int) -> list[dict]:
@@ -119,25 +122,41 @@ def pruned_draft(draft, ranking_path: str, tops: list[int], reps: int) -> list[d
                 times[c].append(time.perf_counter() - t)
         draft.set_output_embeddings(full_head)
     coverage = ranking.get("coverage", {})
-    return [{"draft_output_layer": c, "tokens": n or rows, "ms": round(1000 * statistics.median(v[3:]), 3),
-             "corpus_coverage": coverage.get(str(n)) if n else 1.0} for c, (n, v) in
-            ((c, (configs[c], times[c])) for c in configs)]
+    return [
+        {
+            "draft_output_layer": c,
+            "tokens": n or rows,
+            "ms": round(1000 * statistics.median(v[3:]), 3),
+            "corpus_coverage": coverage.get(str(n)) if n else 1.0,
+        }
+        for c, (n, v) in ((c, (configs[c], times[c])) for c in configs)
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--vocab", default=str(ROOT / "runs/specdecpp_draft_quickstart-vocab/vocab.json"),
-                    help="heads-vocab ranking (heads-vocab recipe=specdecpp_draft_quickstart writes it)")
+    ap.add_argument(
+        "--vocab",
+        default=str(ROOT / "runs/specdecpp_draft_quickstart-vocab/vocab.json"),
+        help="heads-vocab ranking (heads-vocab recipe=specdecpp_draft_quickstart writes it)",
+    )
     ap.add_argument("--tops", default="8192,16384")
     ap.add_argument("--out", default=str(ROOT / "bench/results/forward_cost.json"))
     args = ap.parse_args(argv)
     if not Path(args.vocab).is_file():
-        from specheads.datagen.vocab import main as vocab_main
+        from specheads.datagen.vocab_ranking import main as vocab_main
+
         vocab_main(["recipe=specdecpp_draft_quickstart", f"output={args.vocab}"])
-    specs = {"target": ModelSpec(path=str(SHARED / "models/smollm2-135m-instruct"),
-                                 gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype="float32", device="cpu"),
-             "draft": ModelSpec(path=str(SHARED / "models/smollm2-draft-4l"), dtype="float32", device="cpu")}
+    specs = {
+        "target": ModelSpec(
+            path=str(SHARED / "models/smollm2-135m-instruct"),
+            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            dtype="float32",
+            device="cpu",
+        ),
+        "draft": ModelSpec(path=str(SHARED / "models/smollm2-draft-4l"), dtype="float32", device="cpu"),
+    }
     models = {n: (load_model(s, n).model, load_model(s, n).model) for n, s in specs.items()}
     table = measure(models, args.reps)
     prune_rows = pruned_draft(models["draft"][0], args.vocab, [int(x) for x in args.tops.split(",")], args.reps)
@@ -164,8 +183,13 @@ def main(argv: list[str] | None = None) -> int:
         "target_model_t4_over_t1": round(ms("target", "model", 4) / ms("target", "model", 1), 4),
     }
     print("\n" + json.dumps(ratios, indent=1))
-    out = {**run_info(__file__, argv, "fp32, batch 1, 100-token prefix, median of interleaved repetitions"),
-           "kernels": kernels.describe(), "table": table, "draft_pruning": prune_rows, "ratios": ratios}
+    out = {
+        **run_info(__file__, argv, "fp32, batch 1, 100-token prefix, median of interleaved repetitions"),
+        "kernels": kernels.describe(),
+        "table": table,
+        "draft_pruning": prune_rows,
+        "ratios": ratios,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -43,18 +43,27 @@ import time
 from pathlib import Path
 
 import torch
-
 from _common import interleave, run_info
-from specheads.export.shim.engine import GenerationStats
-from specheads.export.shim.hetero import HeteroEngine, VocabMap
-from specheads.export.shim.slrs_draft import bridge_process
-from specheads.export.shim.models import ModelSpec, eos_ids, load_model
+
+from specheads.export.shim.loop.engine import GenerationStats
+from specheads.export.shim.runners.models import ModelSpec, eos_ids, load_model
+from specheads.export.shim.vocab.hetero_loop import HeteroEngine, VocabMap
+from specheads.export.shim.vocab.slrs_draft import bridge_process
 from specheads.prompts import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
-COLUMNS = ("config", "tokens", "wall_s", "tokens_per_s", "accepted_per_call", "tokens_per_call",
-           "verification_rate", "draft_forwards_per_token", "prompts_identical_to_target")
+COLUMNS = (
+    "config",
+    "tokens",
+    "wall_s",
+    "tokens_per_s",
+    "accepted_per_call",
+    "tokens_per_call",
+    "verification_rate",
+    "draft_forwards_per_token",
+    "prompts_identical_to_target",
+)
 
 
 def _load_gemma():
@@ -73,24 +82,34 @@ def _row(name: str, stats: list, outputs: list, reference: list | None) -> dict:
     """One table row from a configuration's per-prompt stats (SLRS rows add their counters)."""
     tot = GenerationStats.total(stats)
     spec = name != "target_only"
-    row = {"config": name, "tokens": tot.new_tokens, "wall_s": round(tot.wall_time, 2),
-           "tokens_per_s": round(tot.tokens_per_s, 3), "accepted_per_call": round(tot.accepted_per_call, 3),
-           "tokens_per_call": round(tot.tokens_per_call, 3), "verification_rate": round(tot.verification_rate, 3),
-           "draft_forwards_per_token": round(tot.draft_forwards / tot.new_tokens, 3) if spec and tot.new_tokens else None,
-           "acceptance": round(tot.accepted / tot.drafted, 4) if spec and tot.drafted else None,
-           "prompts_identical_to_target": (sum(a == b for a, b in zip(outputs, reference))
-                                           if reference is not None else None)}
+    row = {
+        "config": name,
+        "tokens": tot.new_tokens,
+        "wall_s": round(tot.wall_time, 2),
+        "tokens_per_s": round(tot.tokens_per_s, 3),
+        "accepted_per_call": round(tot.accepted_per_call, 3),
+        "tokens_per_call": round(tot.tokens_per_call, 3),
+        "verification_rate": round(tot.verification_rate, 3),
+        "draft_forwards_per_token": round(tot.draft_forwards / tot.new_tokens, 3) if spec and tot.new_tokens else None,
+        "acceptance": round(tot.accepted / tot.drafted, 4) if spec and tot.drafted else None,
+        "prompts_identical_to_target": (
+            sum(a == b for a, b in zip(outputs, reference)) if reference is not None else None
+        ),
+    }
     c = tot.counters
     if "slrs_steps" in c:
         steps = c["slrs_steps"]
         # a step whose string has no first target token proposed nothing: a rejection in the theorem's terms
         # (psi's mass there is never accepted); a budget fallback proposed nothing by the budget's choice
         proposed = tot.drafted + int(c.get("slrs_empty", 0))
-        row.update(slrs_steps=int(steps), fallback_rate=round(c["slrs_fallbacks"] / steps, 4) if steps else None,
-                   acceptance=round(tot.accepted / proposed, 4) if proposed else None,
-                   psi_ms_per_step=round(1000 * c["slrs_psi_seconds"] / steps, 3) if steps else None,
-                   tree_forwards_per_step=round(c["slrs_tree_forwards"] / steps, 3) if steps else None,
-                   tree_nodes_per_step=round(c.get("slrs_tree_nodes", 0) / steps, 3) if steps else None)
+        row.update(
+            slrs_steps=int(steps),
+            fallback_rate=round(c["slrs_fallbacks"] / steps, 4) if steps else None,
+            acceptance=round(tot.accepted / proposed, 4) if proposed else None,
+            psi_ms_per_step=round(1000 * c["slrs_psi_seconds"] / steps, 3) if steps else None,
+            tree_forwards_per_step=round(c["slrs_tree_forwards"] / steps, 3) if steps else None,
+            tree_nodes_per_step=round(c.get("slrs_tree_nodes", 0) / steps, 3) if steps else None,
+        )
     return row
 
 
@@ -104,7 +123,7 @@ def _print(title: str, table: list[dict]) -> None:
 
 def _sampled(engine, texts: list[str], methods: dict, mx: int, top_k: int, seed: int = 0) -> dict:
     """SLEM and SLRS sampled on the same prompts with the same seed per prompt, interleaved."""
-    from specheads.export.shim.sampling import SamplingConfig
+    from specheads.export.shim.loop.sampling import SamplingConfig
 
     sampling = SamplingConfig(do_sample=True, temperature=1.0, top_k=top_k)
 
@@ -113,6 +132,7 @@ def _sampled(engine, texts: list[str], methods: dict, mx: int, top_k: int, seed:
             gen = torch.Generator().manual_seed(seed + texts.index(text) if text in texts else seed)
             t_ids, d_ids = engine.prompt_ids(text)
             return engine.engine.generate(t_ids, policy(), mx, sampling, gen, draft_prompt_ids=d_ids)
+
         return go
 
     stats, outputs = interleave({n: run(m) for n, m in methods.items()}, texts, texts[0][:80])
@@ -143,9 +163,18 @@ def _char_draft(steps: int):
     raw.decoder = decoders.ByteLevel()
     tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>")
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=256, intermediate_size=768, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096,
-                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=len(alphabet))
+    cfg = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=len(alphabet),
+    )
     model = LlamaForCausalLM(cfg)
     data = torch.tensor(tok(_char_corpus(2_000_000))["input_ids"])
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
@@ -154,7 +183,7 @@ def _char_draft(steps: int):
     model.train()
     for step in range(steps):
         starts = torch.randint(0, len(data) - 257, (32,), generator=g)
-        batch = torch.stack([data[i:i + 256] for i in starts])
+        batch = torch.stack([data[i : i + 256] for i in starts])
         loss = model(input_ids=batch, labels=batch).loss
         opt.zero_grad()
         loss.backward()
@@ -184,9 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--char-prompts", type=int, default=6, help="prompts of the short-token pair (0: skip it)")
     ap.add_argument("--char-steps", type=int, default=1500, help="training steps of the byte-level draft")
     ap.add_argument("--char-lookahead", type=int, default=4, help="SLRS lookahead on the byte-level draft (0: n_max)")
-    ap.add_argument("--char-budget", type=int, default=1024,
-                    help="SLRS tree nodes per step on the byte-level draft: with top-k K and lookahead n the tree "
-                         "has at most 1 + K + ... + K^(n-1) nodes (585 at K=8, n=4), so 1024 never falls back")
+    ap.add_argument(
+        "--char-budget",
+        type=int,
+        default=1024,
+        help="SLRS tree nodes per step on the byte-level draft: with top-k K and lookahead n the tree "
+        "has at most 1 + K + ... + K^(n-1) nodes (585 at K=8, n=4), so 1024 never falls back",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench/results/hetero.json"))
     args = ap.parse_args(argv)
     try:
@@ -205,13 +238,21 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     vmap = VocabMap.build(draft.tokenizer, target.tokenizer)
     map_s = time.perf_counter() - t0
-    engine = HeteroEngine(target.model, draft.model, target.tokenizer, draft.tokenizer,
-                          eos_ids(target.model, target.tokenizer), args.lookbehind, vmap)
+    engine = HeteroEngine(
+        target.model,
+        draft.model,
+        target.tokenizer,
+        draft.tokenizer,
+        eos_ids(target.model, target.tokenizer),
+        args.lookbehind,
+        vmap,
+    )
     t0 = time.perf_counter()
     bridge_process(engine.bridge, 0)
     nmax_s = time.perf_counter() - t0
-    prompts = load_prompts(SHARED / "data/gsm8k/test.jsonl", limit=args.gsm8k) \
-        + load_prompts(SHARED / "data/mt_bench/question.jsonl", limit=args.mt_bench)
+    prompts = load_prompts(SHARED / "data/gsm8k/test.jsonl", limit=args.gsm8k) + load_prompts(
+        SHARED / "data/mt_bench/question.jsonl", limit=args.mt_bench
+    )
     texts = [p.text for p in prompts]
     mx = args.max_new_tokens
     configs = {"target_only": lambda t: engine.generate_ar(t, mx)}
@@ -226,53 +267,113 @@ def main(argv: list[str] | None = None) -> int:
     _print("greedy, Gemma-3-270M target, SmolLM2 draft", table)
     result = {
         **run_info(__file__, argv, "fp32, batch 1, greedy (sections sampled and char_pair: see their settings)"),
-        "target": target.name, "draft": draft.name,
-        "vocab": {"target": len(vmap.target_text), "draft": len(vmap.draft_text),
-                  "draft_ids_in_intersection": vmap.shared, "vocab_map_build_s": round(map_s, 2)},
+        "target": target.name,
+        "draft": draft.name,
+        "vocab": {
+            "target": len(vmap.target_text),
+            "draft": len(vmap.draft_text),
+            "draft_ids_in_intersection": vmap.shared,
+            "vocab_map_build_s": round(map_s, 2),
+        },
         "load_s": round(load_s, 1),
         "prompts": f"gsm8k/test.jsonl[:{args.gsm8k}] + mt_bench/question.jsonl[:{args.mt_bench}] (plain text)",
-        "num_prompts": len(texts), "max_new_tokens": mx, "ks": ks, "lookbehind": args.lookbehind,
-        **{f"{m}_greedy_identical": all(outputs[f"{m}_k{k}"] == reference for k in ks) for m in ("tli", "slem", "slrs")},
-        **{key: {"accepted_per_call": rows[n]["accepted_per_call"], "tokens_per_s": rows[n]["tokens_per_s"]}
-           | ({"k": ks[0]} if key != "target_only" else {})
-           for key, n in (("target_only", "target_only"), ("tli", f"tli_k{ks[0]}"), ("slem", f"slem_k{ks[0]}"))},
+        "num_prompts": len(texts),
+        "max_new_tokens": mx,
+        "ks": ks,
+        "lookbehind": args.lookbehind,
+        **{
+            f"{m}_greedy_identical": all(outputs[f"{m}_k{k}"] == reference for k in ks) for m in ("tli", "slem", "slrs")
+        },
+        **{
+            key: {"accepted_per_call": rows[n]["accepted_per_call"], "tokens_per_s": rows[n]["tokens_per_s"]}
+            | ({"k": ks[0]} if key != "target_only" else {})
+            for key, n in (("target_only", "target_only"), ("tli", f"tli_k{ks[0]}"), ("slem", f"slem_k{ks[0]}"))
+        },
         "table": table,
         "sample_output": engine.target_tokenizer.decode(reference[0], skip_special_tokens=True),
         "note": "accepted_per_call = accepted draft tokens (in target tokens) / target calls; tokens_per_call = "
-                "emitted tokens / target calls; target_only makes one target call per token; acceptance = "
-                "accepted / proposed target tokens (SLRS: a step that proposed nothing counts as a rejected "
-                "proposal)",
+        "emitted tokens / target calls; target_only makes one target call per token; acceptance = "
+        "accepted / proposed target tokens (SLRS: a step that proposed nothing counts as a rejected "
+        "proposal)",
     }
-    slrs_settings = {"k": ks[0], "budget": args.slrs_budget, "lookahead": 0, "n_max": engine.bridge.n_max,
-                     "n_max_s": round(nmax_s, 1)}
+    slrs_settings = {
+        "k": ks[0],
+        "budget": args.slrs_budget,
+        "lookahead": 0,
+        "n_max": engine.bridge.n_max,
+        "n_max_s": round(nmax_s, 1),
+    }
     sampled = {}
     if args.sampled:
-        sub = texts[:args.sampled]
-        sampled = _sampled(engine, sub, {"slem": lambda: SLEM(k=ks[0], lookbehind=args.lookbehind),
-                                         "slrs": lambda: SLRS(k=ks[0], lookbehind=args.lookbehind,
-                                                              budget=args.slrs_budget)},
-                           args.sampled_tokens, args.top_k)
+        sub = texts[: args.sampled]
+        sampled = _sampled(
+            engine,
+            sub,
+            {
+                "slem": lambda: SLEM(k=ks[0], lookbehind=args.lookbehind),
+                "slrs": lambda: SLRS(k=ks[0], lookbehind=args.lookbehind, budget=args.slrs_budget),
+            },
+            args.sampled_tokens,
+            args.top_k,
+        )
         _print(f"sampled (temperature 1, top-k {args.top_k}), Gemma pair", list(sampled.values()))
-        result["sampled"] = {"prompts": len(sub), "max_new_tokens": args.sampled_tokens,
-                             "sampling": {"temperature": 1.0, "top_k": args.top_k}, "table": list(sampled.values())}
+        result["sampled"] = {
+            "prompts": len(sub),
+            "max_new_tokens": args.sampled_tokens,
+            "sampling": {"temperature": 1.0, "top_k": args.top_k},
+            "table": list(sampled.values()),
+        }
     greedy_slrs = rows[f"slrs_k{ks[0]}"]
-    result["slrs"] = {**slrs_settings, "greedy": {k: greedy_slrs.get(k) for k in (
-        "acceptance", "accepted_per_call", "draft_forwards_per_token", "tokens_per_s", "fallback_rate",
-        "psi_ms_per_step")}}
+    result["slrs"] = {
+        **slrs_settings,
+        "greedy": {
+            k: greedy_slrs.get(k)
+            for k in (
+                "acceptance",
+                "accepted_per_call",
+                "draft_forwards_per_token",
+                "tokens_per_s",
+                "fallback_rate",
+                "psi_ms_per_step",
+            )
+        },
+    }
     if sampled:
         s_row = sampled["slrs"]
-        result["slrs"].update({k: s_row.get(k) for k in (
-            "acceptance", "accepted_per_call", "draft_forwards_per_token", "tokens_per_s", "fallback_rate",
-            "psi_ms_per_step", "tree_forwards_per_step", "tree_nodes_per_step")}, measured_on="sampled")
+        result["slrs"].update(
+            {
+                k: s_row.get(k)
+                for k in (
+                    "acceptance",
+                    "accepted_per_call",
+                    "draft_forwards_per_token",
+                    "tokens_per_s",
+                    "fallback_rate",
+                    "psi_ms_per_step",
+                    "tree_forwards_per_step",
+                    "tree_nodes_per_step",
+                )
+            },
+            measured_on="sampled",
+        )
         slem_acc = sampled["slem"]["acceptance"]
-        result["ratios"] = {"slrs_vs_slem_acceptance": round(s_row["acceptance"] / slem_acc, 4)
-                            if slem_acc and s_row["acceptance"] is not None else None}
+        result["ratios"] = {
+            "slrs_vs_slem_acceptance": round(s_row["acceptance"] / slem_acc, 4)
+            if slem_acc and s_row["acceptance"] is not None
+            else None
+        }
     else:  # greedy SLRS is exact match: the theorem's comparison needs the sampled section
         result["ratios"] = {"slrs_vs_slem_acceptance": None}
     if args.char_prompts:
-        result["char_pair"] = _char_pair(args, texts[:args.char_prompts])
-    print(json.dumps({key: result.get(key) for key in ("tli_greedy_identical", "slem_greedy_identical",
-                                                       "slrs_greedy_identical", "slrs", "ratios")}))
+        result["char_pair"] = _char_pair(args, texts[: args.char_prompts])
+    print(
+        json.dumps(
+            {
+                key: result.get(key)
+                for key in ("tli_greedy_identical", "slem_greedy_identical", "slrs_greedy_identical", "slrs", "ratios")
+            }
+        )
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
@@ -284,34 +385,61 @@ def _char_pair(args, texts: list[str]) -> dict:
     from specheads.export.shim.policies import SLEM, SLRS
 
     model, tok, cached = _char_draft(args.char_steps)
-    target = load_model(ModelSpec(path=str(SHARED / "models/smollm2-135m-instruct"),
-                                  gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype="float32", device="cpu"), "target")
-    engine = HeteroEngine(target.model, model, target.tokenizer, tok, eos_ids(target.model, target.tokenizer),
-                          args.lookbehind)
+    target = load_model(
+        ModelSpec(
+            path=str(SHARED / "models/smollm2-135m-instruct"),
+            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            dtype="float32",
+            device="cpu",
+        ),
+        "target",
+    )
+    engine = HeteroEngine(
+        target.model, model, target.tokenizer, tok, eos_ids(target.model, target.tokenizer), args.lookbehind
+    )
     t0 = time.perf_counter()
     bridge_process(engine.bridge, 0)
     nmax_s = time.perf_counter() - t0
     k, mx, look = 2, args.sampled_tokens, args.char_lookahead
-    configs = {"target_only": lambda t: engine.generate_ar(t, mx),
-               "slem": lambda t: engine.generate(t, "slem", k=k, max_new_tokens=mx),
-               "slrs": lambda t: _slrs_greedy(engine, t, SLRS(k=k, lookahead=look, budget=args.char_budget), mx)}
+    configs = {
+        "target_only": lambda t: engine.generate_ar(t, mx),
+        "slem": lambda t: engine.generate(t, "slem", k=k, max_new_tokens=mx),
+        "slrs": lambda t: _slrs_greedy(engine, t, SLRS(k=k, lookahead=look, budget=args.char_budget), mx),
+    }
     stats, outputs = interleave(configs, texts, texts[0][:80])
     greedy = [_row(n, stats[n], outputs[n], outputs["target_only"]) for n in configs]
     _print("greedy, SmolLM2-135M target, byte-level draft", greedy)
-    sampled = _sampled(engine, texts, {"slem": lambda: SLEM(k=k, lookbehind=args.lookbehind),
-                                       "slrs": lambda: SLRS(k=k, lookbehind=args.lookbehind, lookahead=look,
-                                                            budget=args.char_budget)}, mx, args.top_k)
+    sampled = _sampled(
+        engine,
+        texts,
+        {
+            "slem": lambda: SLEM(k=k, lookbehind=args.lookbehind),
+            "slrs": lambda: SLRS(k=k, lookbehind=args.lookbehind, lookahead=look, budget=args.char_budget),
+        },
+        mx,
+        args.top_k,
+    )
     _print(f"sampled (temperature 1, top-k {args.top_k}), SmolLM2 target, byte-level draft", list(sampled.values()))
     slem_acc = sampled["slem"]["acceptance"]
-    return {"target": target.name, "draft": f"byte-level 2-layer Llama trained here ({args.char_steps} steps, "
-                                            f"{'cached' if cached else 'trained in this run'})",
-            "prompts": len(texts), "max_new_tokens": mx, "k": k, "lookahead": look, "n_max": engine.bridge.n_max,
-            "n_max_s": round(nmax_s, 1), "budget": args.char_budget,
-            "slrs_greedy_identical": outputs["slrs"] == outputs["target_only"],
-            "slem_greedy_identical": outputs["slem"] == outputs["target_only"],
-            "greedy": greedy, "sampled": list(sampled.values()),
-            "slrs_vs_slem_acceptance": round(sampled["slrs"]["acceptance"] / slem_acc, 4)
-            if slem_acc and sampled["slrs"]["acceptance"] is not None else None}
+    return {
+        "target": target.name,
+        "draft": f"byte-level 2-layer Llama trained here ({args.char_steps} steps, "
+        f"{'cached' if cached else 'trained in this run'})",
+        "prompts": len(texts),
+        "max_new_tokens": mx,
+        "k": k,
+        "lookahead": look,
+        "n_max": engine.bridge.n_max,
+        "n_max_s": round(nmax_s, 1),
+        "budget": args.char_budget,
+        "slrs_greedy_identical": outputs["slrs"] == outputs["target_only"],
+        "slem_greedy_identical": outputs["slem"] == outputs["target_only"],
+        "greedy": greedy,
+        "sampled": list(sampled.values()),
+        "slrs_vs_slem_acceptance": round(sampled["slrs"]["acceptance"] / slem_acc, 4)
+        if slem_acc and sampled["slrs"]["acceptance"] is not None
+        else None,
+    }
 
 
 def _slrs_greedy(engine, text: str, policy, mx: int):

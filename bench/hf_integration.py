@@ -33,10 +33,10 @@ import time
 from pathlib import Path
 
 import torch
-
 from _common import run_info, shared_pair
-from specheads.export import format_prompt, load_head
-from specheads.export.api import Decoder
+
+from specheads.export import load_head
+from specheads.export.api import Decoder, format_prompt
 from specheads.export.policy_factory import make_policy
 from specheads.hf import Assistant
 from specheads.prompts import load_prompts
@@ -88,12 +88,13 @@ def main(argv=None) -> int:
     target, draft, tok = pair.target.model, pair.draft.model, pair.tokenizer
     head = load_head(head_path, pair=pair)
     half = args.n // 2
-    prompts = (load_prompts(str(SHARED / "data/gsm8k/test.jsonl"), limit=half, offset=args.offset)
-               + load_prompts(str(SHARED / "data/mt_bench/question.jsonl"), limit=args.n - half,
-                              offset=args.mtbench_offset))
+    prompts = load_prompts(str(SHARED / "data/gsm8k/test.jsonl"), limit=half, offset=args.offset) + load_prompts(
+        str(SHARED / "data/mt_bench/question.jsonl"), limit=args.n - half, offset=args.mtbench_offset
+    )
     eos = pair.eos_token_ids
-    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id or eos[0],
-                  eos_token_id=eos)
+    common = dict(
+        max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id or eos[0], eos_token_id=eos
+    )
     assistant = Assistant(draft, head_path, k_min=1, k_max=20)  # the recipe's bounds, as the shim's below
     shim = Decoder(pair, make_policy("specdecpp", pair, head=str(head_path), k_min=1, k_max=20), args.max_new_tokens)
     keys = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
@@ -105,8 +106,10 @@ def main(argv=None) -> int:
     def hf(ids, mode):
         x = torch.tensor([ids])
         cfg = draft.generation_config
-        cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule = dynamic["num_assistant_tokens"], \
-            dynamic["num_assistant_tokens_schedule"]
+        cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule = (
+            dynamic["num_assistant_tokens"],
+            dynamic["num_assistant_tokens_schedule"],
+        )
         cfg.assistant_confidence_threshold = dynamic["assistant_confidence_threshold"]
         if mode == "hf_target":
             return target.generate(x, **common)
@@ -127,7 +130,7 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         for i, prompt in enumerate(prompts):
             ids = format_prompt(tok, prompt)
-            order = CONFIGS[i % len(CONFIGS):] + CONFIGS[: i % len(CONFIGS)]
+            order = CONFIGS[i % len(CONFIGS) :] + CONFIGS[: i % len(CONFIGS)]
             for c in order:
                 before = calls.n
                 start = time.perf_counter()
@@ -136,33 +139,52 @@ def main(argv=None) -> int:
                     new, n_calls = list(g.tokens), g.stats.target_calls
                 else:
                     out = hf(ids, c)
-                    new, n_calls = out[0, len(ids):].tolist(), calls.n - before
+                    new, n_calls = out[0, len(ids) :].tolist(), calls.n - before
                 seconds = time.perf_counter() - start
                 totals[c]["tokens"] += len(new)
                 totals[c]["seconds"] += seconds
                 totals[c]["target_calls"] += n_calls
                 outputs[c].append(new)
-            print(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(
-                f"{c} {totals[c]['tokens'] / totals[c]['seconds']:.1f}" for c in CONFIGS) + " tok/s",
-                file=sys.stderr, flush=True)
+            print(
+                f"prompt {i + 1}/{len(prompts)}: "
+                + ", ".join(f"{c} {totals[c]['tokens'] / totals[c]['seconds']:.1f}" for c in CONFIGS)
+                + " tok/s",
+                file=sys.stderr,
+                flush=True,
+            )
     table = []
     for c in CONFIGS:
         t = totals[c]
-        table.append({"config": c, "tokens": t["tokens"], "seconds": round(t["seconds"], 3),
-                      "tokens_per_s": round(t["tokens"] / t["seconds"], 3), "target_calls": t["target_calls"],
-                      "tokens_per_target_call": round(t["tokens"] / t["target_calls"], 4) if t["target_calls"] else None,
-                      "identical_to_hf_target": outputs[c] == outputs["hf_target"]})
+        table.append(
+            {
+                "config": c,
+                "tokens": t["tokens"],
+                "seconds": round(t["seconds"], 3),
+                "tokens_per_s": round(t["tokens"] / t["seconds"], 3),
+                "target_calls": t["target_calls"],
+                "tokens_per_target_call": round(t["tokens"] / t["target_calls"], 4) if t["target_calls"] else None,
+                "identical_to_hf_target": outputs[c] == outputs["hf_target"],
+            }
+        )
     by = {r["config"]: r for r in table}
     result = {
         **run_info(__file__, argv, "fp32, greedy, batch 1"),
-        "prompts": f"{half} GSM8K-test (offset {args.offset}) + {args.n - half} MT-Bench (offset {args.mtbench_offset})",
-        "max_new_tokens": args.max_new_tokens, "head": str(head_path),
-        "head_threshold": head.threshold, "hf_constant_k": args.k, "hf_dynamic_settings": dynamic,
-        "hf_dynamic_threshold_refit": refit, "draft_top_n": args.draft_top_n, "table": table,
+        "prompts": f"{half} GSM8K-test (offset {args.offset}) + {args.n - half} MT-Bench "
+        f"(offset {args.mtbench_offset})",
+        "max_new_tokens": args.max_new_tokens,
+        "head": str(head_path),
+        "head_threshold": head.threshold,
+        "hf_constant_k": args.k,
+        "hf_dynamic_settings": dynamic,
+        "hf_dynamic_threshold_refit": refit,
+        "draft_top_n": args.draft_top_n,
+        "table": table,
         "all_identical": all(r["identical_to_hf_target"] for r in table),
-        "ratios": {"hf_with_head_vs_hf_dynamic": round(by["hf_head"]["tokens_per_s"] / by["hf_dynamic"]["tokens_per_s"], 4),
-                   "shim_vs_hf_with_head": round(by["shim_head"]["tokens_per_s"] / by["hf_head"]["tokens_per_s"], 4),
-                   "hf_with_head_vs_hf_target": round(by["hf_head"]["tokens_per_s"] / by["hf_target"]["tokens_per_s"], 4)},
+        "ratios": {
+            "hf_with_head_vs_hf_dynamic": round(by["hf_head"]["tokens_per_s"] / by["hf_dynamic"]["tokens_per_s"], 4),
+            "shim_vs_hf_with_head": round(by["shim_head"]["tokens_per_s"] / by["hf_head"]["tokens_per_s"], 4),
+            "hf_with_head_vs_hf_target": round(by["hf_head"]["tokens_per_s"] / by["hf_target"]["tokens_per_s"], 4),
+        },
     }
     result["hf_with_head_at_least_hf_dynamic"] = result["ratios"]["hf_with_head_vs_hf_dynamic"] >= 1.0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -28,8 +28,8 @@ import json
 import shutil
 from pathlib import Path
 
-
 from _common import eval_and_gated, intervals, read_pipeline, run_info, run_pipeline
+
 from specheads.evaluate.select import family, threshold
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,19 +44,31 @@ def comparison(gated: dict, table: list[dict], sd: str | None) -> dict:
     intervals and accepted tokens per target call (all prompts), and whether the mined judge accepts at
     least 1.5x SD's and at least the KL judge's tokens per call."""
     by = {r["config"]: r for r in table}
-    rows = {"target": "ar", "sd": sd, **{k: e["row"] for k, e in gated.items()
-                                        if k in ("judge_mined", "judge_arith", "kl_judge") and e.get("row")}}
-    out = {name: {"row": row, "accepted_per_call": by[row]["accepted_per_call"],
-                  "accepted_per_call_interval": by[row]["accepted_per_call_interval"],
-                  "tokens_per_s": by[row]["tokens_per_s"], "tokens_per_s_interval": by[row]["tokens_per_s_interval"],
-                  "accuracy": by[row]["accuracy_by_source"]} for name, row in rows.items() if row in by}
+    rows = {
+        "target": "ar",
+        "sd": sd,
+        **{k: e["row"] for k, e in gated.items() if k in ("judge_mined", "judge_arith", "kl_judge") and e.get("row")},
+    }
+    out = {
+        name: {
+            "row": row,
+            "accepted_per_call": by[row]["accepted_per_call"],
+            "accepted_per_call_interval": by[row]["accepted_per_call_interval"],
+            "tokens_per_s": by[row]["tokens_per_s"],
+            "tokens_per_s_interval": by[row]["tokens_per_s_interval"],
+            "accuracy": by[row]["accuracy_by_source"],
+        }
+        for name, row in rows.items()
+        if row in by
+    }
     mined, sd_row, kl = (out.get(k, {}).get("accepted_per_call") for k in ("judge_mined", "sd", "kl_judge"))
     out["checks"] = {
         "mined_vs_sd_accepted_per_call": round(mined / sd_row, 4) if mined and sd_row else None,
         "mined_at_least_1_5x_sd": mined >= 1.5 * sd_row if mined and sd_row else None,
         "mined_vs_kl_accepted_per_call": round(mined / kl, 4) if mined and kl else None,
         "mined_at_least_kl": mined >= kl if mined is not None and kl is not None else None,
-        "note": "a policy without a gated row (none within the drop bound) is left out; see gated.<name>.reason"}
+        "note": "a policy without a gated row (none within the drop bound) is left out; see gated.<name>.reason",
+    }
     return out
 
 
@@ -64,9 +76,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="judge_quickstart")
     ap.add_argument("--out", default=str(ROOT / "bench/results/judge.json"))
-    ap.add_argument("--sweep", default=None, help="run nothing: report this heads-eval output directory (its judge "
-                                                   "rows decoded with the recipe's exported head) and the recipe's "
-                                                   "datagen and train outputs")
+    ap.add_argument(
+        "--sweep",
+        default=None,
+        help="run nothing: report this heads-eval output directory (its judge "
+        "rows decoded with the recipe's exported head) and the recipe's "
+        "datagen and train outputs",
+    )
     args, overrides = ap.parse_known_args(argv)
     pipe_args = [f"recipe={args.recipe}", *overrides]
     code, ran = read_pipeline(pipe_args, args.sweep) if args.sweep else run_pipeline(pipe_args)
@@ -78,44 +94,90 @@ def main(argv=None) -> int:
     sd = judge["sd_reference"]
 
     def within(name: str) -> bool:
-        return all(_acc(acc, name, s) is not None and _acc(acc, "ar", s) is not None
-                   and abs(_acc(acc, name, s) - _acc(acc, "ar", s)) <= 0.02 for s in ("gsm8k", "arc"))
+        return all(
+            _acc(acc, name, s) is not None
+            and _acc(acc, "ar", s) is not None
+            and abs(_acc(acc, name, s) - _acc(acc, "ar", s)) <= 0.02
+            for s in ("gsm8k", "arc")
+        )
 
     rows = judge["by_delta"]
     ok = [n for n in rows if within(n)]
     pick = max(ok, key=lambda n: rows[n]["accepted_per_call"]) if ok else sorted(rows)[-1]
-    table = [{"config": r["config"], "tokens_per_s": r["tokens_per_s"], "accepted_per_call": r["accepted_per_call"],
-              "tokens_per_call": r["tokens_per_call"], "gsm8k_accuracy": _acc(acc, r["config"], "gsm8k"),
-              "arc_accuracy": _acc(acc, r["config"], "arc"), **intervals(sweep, r)} for r in sweep["table"]]
+    table = [
+        {
+            "config": r["config"],
+            "tokens_per_s": r["tokens_per_s"],
+            "accepted_per_call": r["accepted_per_call"],
+            "tokens_per_call": r["tokens_per_call"],
+            "gsm8k_accuracy": _acc(acc, r["config"], "gsm8k"),
+            "arc_accuracy": _acc(acc, r["config"], "arc"),
+            **intervals(sweep, r),
+        }
+        for r in sweep["table"]
+    ]
     quality = {r["config"]: (r.get("rouge_vs_target") or {}).get("rougeL") for r in sweep["table"]}
-    tradeoff = [{"config": n, "judge": family(n), "delta": threshold(n), "accepted_per_call": rows[n]["accepted_per_call"],
-                 "tokens_per_s": rows[n]["tokens_per_s"], "gsm8k_accuracy": _acc(acc, n, "gsm8k"),
-                 "arc_accuracy": _acc(acc, n, "arc"), "rougeL_vs_target": quality.get(n)}
-                for n in sorted(rows, key=lambda n: rows[n]["accepted_per_call"])]
+    tradeoff = [
+        {
+            "config": n,
+            "judge": family(n),
+            "delta": threshold(n),
+            "accepted_per_call": rows[n]["accepted_per_call"],
+            "tokens_per_s": rows[n]["tokens_per_s"],
+            "gsm8k_accuracy": _acc(acc, n, "gsm8k"),
+            "arc_accuracy": _acc(acc, n, "arc"),
+            "rougeL_vs_target": quality.get(n),
+        }
+        for n in sorted(rows, key=lambda n: rows[n]["accepted_per_call"])
+    ]
     png = Path(args.out).with_name(Path(args.out).stem + "_tradeoff.png")
     src = ran["sweep_dir"] / "quality.png"
     if src.is_file():
         shutil.copyfile(src, png)
     result = {
         **run_info(__file__, argv, f"fp32, batch {sweep.get('batch_size', 1)} decoding"),
-        "prompts": sweep["prompts"], "num_prompts": sweep["num_prompts"], "max_new_tokens": sweep["max_new_tokens"],
-        "tuple_counts": manifest["tuple_counts"], "positive_tokens": manifest["positive_tokens"],
-        "negative_tokens": manifest["negative_tokens"], "auroc": train["auroc"], "judge_metrics": train,
-        "table": table, "tradeoff": tradeoff,
+        "prompts": sweep["prompts"],
+        "num_prompts": sweep["num_prompts"],
+        "max_new_tokens": sweep["max_new_tokens"],
+        "tuple_counts": manifest["tuple_counts"],
+        "positive_tokens": manifest["positive_tokens"],
+        "negative_tokens": manifest["negative_tokens"],
+        "auroc": train["auroc"],
+        "judge_metrics": train,
+        "table": table,
+        "tradeoff": tradeoff,
         "tradeoff_png": str(png.relative_to(ROOT)) if png.is_relative_to(ROOT) and png.is_file() else None,
-        "judge_config": pick, "judge_within_2_points": pick in ok, "sd_config": sd,
-        "ratios": {"judge_vs_sd_accepted_per_call": rows[pick]["vs_sd_accepted_per_call"],
-                   "judge_vs_sd_tokens_per_s": rows[pick]["vs_sd_tokens_per_s"]},
-        "gsm8k_accuracy": {k: _acc(acc, c, "gsm8k") for k, c in (("target", "ar"), ("judge", pick), ("draft", "draft"),
-                                                                   ("sd", sd))},
-        "arc_accuracy": {k: _acc(acc, c, "arc") for k, c in (("target", "ar"), ("judge", pick), ("draft", "draft"),
-                                                               ("sd", sd))},
+        "judge_config": pick,
+        "judge_within_2_points": pick in ok,
+        "sd_config": sd,
+        "ratios": {
+            "judge_vs_sd_accepted_per_call": rows[pick]["vs_sd_accepted_per_call"],
+            "judge_vs_sd_tokens_per_s": rows[pick]["vs_sd_tokens_per_s"],
+        },
+        "gsm8k_accuracy": {
+            k: _acc(acc, c, "gsm8k") for k, c in (("target", "ar"), ("judge", pick), ("draft", "draft"), ("sd", sd))
+        },
+        "arc_accuracy": {
+            k: _acc(acc, c, "arc") for k, c in (("target", "ar"), ("judge", pick), ("draft", "draft"), ("sd", sd))
+        },
         **eval_and_gated(sweep, names={"fsd_kl": "kl_judge", "judge": "judge_mined" if mined else "judge_arith"}),
     }
     if mined:
-        result["mining"] = {k: manifest["mining"].get(k) for k in (
-            "prompts", "mismatches_tried", "important", "unimportant", "budget_hits", "mismatches_per_minute",
-            "continuation_tokens", "checker", "max_mismatches", "max_tokens")}
+        result["mining"] = {
+            k: manifest["mining"].get(k)
+            for k in (
+                "prompts",
+                "mismatches_tried",
+                "important",
+                "unimportant",
+                "budget_hits",
+                "mismatches_per_minute",
+                "continuation_tokens",
+                "checker",
+                "max_mismatches",
+                "max_tokens",
+            )
+        }
     if "gated" in result:
         result["comparison"] = comparison(result["gated"], table, sd)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

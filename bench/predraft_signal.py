@@ -21,19 +21,21 @@ import sys
 from pathlib import Path
 
 import torch
+from _common import shared_pair
 from sklearn.metrics import roc_auc_score
 
-from _common import shared_pair
-
 from specheads.evaluate.oracle import draft_agreement
-from specheads.export import format_prompt
-from specheads.export.shim.engine import Engine
+from specheads.export.api import format_prompt
+from specheads.export.shim.loop.engine import Engine
 from specheads.prompts import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
-SETS = {"mt_bench": ("data/mt_bench/question.jsonl", 40), "alpaca": ("data/alpaca/alpaca_5000.json", 4500),
-        "gsm8k": ("data/gsm8k/test.jsonl", 600)}
+SETS = {
+    "mt_bench": ("data/mt_bench/question.jsonl", 40),
+    "alpaca": ("data/alpaca/alpaca_5000.json", 4500),
+    "gsm8k": ("data/gsm8k/test.jsonl", 600),
+}
 
 
 def main(argv=None) -> int:
@@ -56,23 +58,38 @@ def main(argv=None) -> int:
             out = engine.generate_ar(ids, args.max_new_tokens).tokens
             agree = draft_agreement(pair.draft.model, ids, out)
             with torch.inference_mode():
-                logits = pair.target.model(torch.tensor([ids + out])).logits[0, len(ids) - 1:len(ids) + len(out) - 1]
+                logits = pair.target.model(torch.tensor([ids + out])).logits[0, len(ids) - 1 : len(ids) + len(out) - 1]
             pmax = logits.float().softmax(-1).max(-1).values.tolist()
             for i in range(len(out) - 1):
                 feats.append((pmax[i], float(agree[i]), pmax[i + 1]))
                 labels.append(int(agree[i + 1]))
         cols = list(zip(*feats))
-        row = {"positions": len(labels), "agreement": round(sum(labels) / len(labels), 4),
-               "auc_target_pmax_before": round(roc_auc_score(labels, cols[0]), 4),
-               "auc_agreed_before": round(roc_auc_score(labels, cols[1]), 4),
-               "auc_target_pmax_same_position": round(roc_auc_score(labels, cols[2]), 4),
-               "prompts": f"{path} [{offset}:{offset + args.n}]"}
+        row = {
+            "positions": len(labels),
+            "agreement": round(sum(labels) / len(labels), 4),
+            "auc_target_pmax_before": round(roc_auc_score(labels, cols[0]), 4),
+            "auc_agreed_before": round(roc_auc_score(labels, cols[1]), 4),
+            "auc_target_pmax_same_position": round(roc_auc_score(labels, cols[2]), 4),
+            "prompts": f"{path} [{offset}:{offset + args.n}]",
+        }
         rows[name] = row
-        print(f"| {name} | {row['positions']} | {row['agreement']} | {row['auc_target_pmax_before']} | "
-              f"{row['auc_agreed_before']} | {row['auc_target_pmax_same_position']} |", flush=True)
-    Path(args.out).write_text(json.dumps({
-        "command": "python bench/predraft_signal.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "max_new_tokens": args.max_new_tokens, "draft_top_n": args.draft_top_n, "sets": rows}, indent=1) + "\n")
+        print(
+            f"| {name} | {row['positions']} | {row['agreement']} | {row['auc_target_pmax_before']} | "
+            f"{row['auc_agreed_before']} | {row['auc_target_pmax_same_position']} |",
+            flush=True,
+        )
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "command": "python bench/predraft_signal.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                "max_new_tokens": args.max_new_tokens,
+                "draft_top_n": args.draft_top_n,
+                "sets": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     return 0
 
 

@@ -43,13 +43,33 @@ SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
 # Two CPU processes, DDP over gloo: `--multi_gpu` on a machine without GPUs. (`--cpu --num_processes 2`
 # starts ONE process in accelerate 1.x unless an MPI hostfile is given.)
-LAUNCH2 = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+LAUNCH2 = [
+    sys.executable,
+    "-m",
+    "accelerate.commands.launch",
+    "--multi_gpu",
+    "--num_processes",
+    "2",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--dynamo_backend",
+    "no",
+]
 
 
 def _datagen_args(out: Path, n: int) -> list[str]:
-    return ["recipe=specdecpp_draft_quickstart", f"prompts={SHARED}/data/gsm8k/train.jsonl", f"num_prompts={n}",
-            "max_new_tokens=8", "batch_size=4", "chunk_size=4", "sampling.do_sample=true", f"output_dir={out}"]
+    return [
+        "recipe=specdecpp_draft_quickstart",
+        f"prompts={SHARED}/data/gsm8k/train.jsonl",
+        f"num_prompts={n}",
+        "max_new_tokens=8",
+        "batch_size=4",
+        "chunk_size=4",
+        "sampling.do_sample=true",
+        f"output_dir={out}",
+    ]
 
 
 def _cmd(args: list[str], procs: int, module: str = "specheads.datagen.cli") -> list[str]:
@@ -89,11 +109,13 @@ def _chunks_done(out: Path):
 
 def _checkpoint_step(out: Path):
     """The step of the checkpoint ``latest`` points at (old checkpoints are pruned: count steps, not folders)."""
+
     def step() -> int:
         try:
             return int((out / "latest").read_text().strip().split("-")[1])
         except (OSError, IndexError, ValueError):
             return 0
+
     return step
 
 
@@ -101,8 +123,9 @@ def _kill_at_random(cmd: list[str], progress, rng: random.Random, unit: int = 1)
     """Starts ``cmd`` and SIGKILLs the launcher and every process under it once ``progress()`` has grown
     by a random 1-3 ``unit`` and a random 0-0.5 s more. True if it was still running then."""
     before = progress()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV, cwd=ROOT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV, cwd=ROOT, start_new_session=True
+    )
     want, deadline = before + unit * rng.randint(1, 3), time.time() + 900
     while proc.poll() is None and progress() < want and time.time() < deadline:
         time.sleep(0.01)
@@ -144,8 +167,15 @@ def part_procs(work: Path, n: int) -> dict:
     t2 = time.perf_counter()
     same = _shas(one) == _shas(two)
     print(f"datagen {n} prompts: 1 process {t1 - t0:.0f} s, 2 processes {t2 - t1:.0f} s, identical files: {same}")
-    return {"datagen_1_vs_2_processes": {"prompts": n, "chunks": len(_shas(one)), "identical_files": same,
-                                         "seconds_1_process": round(t1 - t0, 1), "seconds_2_processes": round(t2 - t1, 1)}}
+    return {
+        "datagen_1_vs_2_processes": {
+            "prompts": n,
+            "chunks": len(_shas(one)),
+            "identical_files": same,
+            "seconds_1_process": round(t1 - t0, 1),
+            "seconds_2_processes": round(t2 - t1, 1),
+        }
+    }
 
 
 def part_kill(work: Path, n: int, trials: int, seed: int) -> dict:
@@ -163,13 +193,24 @@ def part_kill(work: Path, n: int, trials: int, seed: int) -> dict:
         print(f"trial {t}: {procs} process(es), killed={killed}, {done} chunks written")
     _run(_cmd(_datagen_args(out, n), 2))  # finish with 2 processes
     cov = _coverage(out, n)
-    check = subprocess.run([sys.executable, "-m", "specheads.datagen.cli", "verify", f"output_dir={out}"],
-                           capture_output=True, text=True, env=ENV, cwd=ROOT)
+    check = subprocess.run(
+        [sys.executable, "-m", "specheads.datagen.cli", "verify", f"output_dir={out}"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+    )
     print(check.stdout.strip())
-    return {"datagen_kill_trials": trials, "datagen_kills_landed": kills, "datagen_lost": cov["lost"],
-            "datagen_duplicated": cov["duplicated"], "datagen_verify_exit": check.returncode,
-            "datagen_verify_output": check.stdout.strip().splitlines()[-1],
-            "datagen_killed_equals_uninterrupted": _shas(out) == _shas(ref), "datagen_kill_log": log}
+    return {
+        "datagen_kill_trials": trials,
+        "datagen_kills_landed": kills,
+        "datagen_lost": cov["lost"],
+        "datagen_duplicated": cov["duplicated"],
+        "datagen_verify_exit": check.returncode,
+        "datagen_verify_output": check.stdout.strip().splitlines()[-1],
+        "datagen_killed_equals_uninterrupted": _shas(out) == _shas(ref),
+        "datagen_kill_log": log,
+    }
 
 
 def _train_args(data: Path, out: Path, n: int, *extra: str) -> list[str]:
@@ -177,8 +218,16 @@ def _train_args(data: Path, out: Path, n: int, *extra: str) -> list[str]:
     # epoch is padded to a multiple of batch_size x processes, so 1 and 2 processes then see the same
     # examples at every step
     n_eval = 8 + n % 8
-    return ["recipe=specdecpp_draft_quickstart", f"data_dir={data}", "epochs=3", "patience=10", "batch_size=4",
-            f"eval_fraction={n_eval / n!r}", f"output_dir={out}", *extra]
+    return [
+        "recipe=specdecpp_draft_quickstart",
+        f"data_dir={data}",
+        "epochs=3",
+        "patience=10",
+        "batch_size=4",
+        f"eval_fraction={n_eval / n!r}",
+        f"output_dir={out}",
+        *extra,
+    ]
 
 
 def _head(path: Path):
@@ -201,8 +250,12 @@ def part_train(work: Path, n: int, seed: int) -> dict:
     for _ in range(3):  # killed a random moment after 1-3 new checkpoints, up to three times
         if (cut / "head.safetensors").exists() and (cut / "manifest.json").exists():
             break
-        kills += _kill_at_random(_cmd(_train_args(data, cut, n, *mid), 1, "specheads.train.cli"),
-                                 _checkpoint_step(cut), rng, unit=2 if mid else 1)
+        kills += _kill_at_random(
+            _cmd(_train_args(data, cut, n, *mid), 1, "specheads.train.cli"),
+            _checkpoint_step(cut),
+            rng,
+            unit=2 if mid else 1,
+        )
     _run(_cmd(_train_args(data, cut, n, *mid), 1, "specheads.train.cli"))
     a, b = _head(full), _head(cut)
     identical = a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
@@ -217,16 +270,26 @@ def part_train(work: Path, n: int, seed: int) -> dict:
     _run(_cmd(_train_args(data, two, n, "grad_accum=1"), 2, "specheads.train.cli"), single)
     x, y = _head(one), _head(two)
     diff = max(float((x[k].float() - y[k].float()).abs().max()) for k in x)
-    evals = {name: json.loads((d / "best_metrics.json").read_text()) for name, d in (("1_process", one),
-                                                                                    ("2_processes", two))}
+    evals = {
+        name: json.loads((d / "best_metrics.json").read_text())
+        for name, d in (("1_process", one), ("2_processes", two))
+    }
     print(f"train kill/resume identical: {identical} ({kills} kills); 1 vs 2 processes max |dw| = {diff:.2e}")
-    return {"train_resume_identical": identical, "train_kills_landed": kills,
-            "train_checkpoint_every": mid[0].split("=")[1] if mid else "epoch",
-            "train_1_vs_2_processes": {
-                "max_abs_weight_diff": diff, "identical": diff == 0.0,
-                "best_eval": {k: {m: v.get(m) for m in ("epoch", "eval_binary_kl", "eval_auroc")} for k, v in evals.items()},
-                "setting": "1 process grad_accum=2 vs 2 processes grad_accum=1 (accelerate launch --multi_gpu without GPUs: gloo DDP), "
-                           "same examples per optimizer step, OMP_NUM_THREADS=1 in both"}}
+    return {
+        "train_resume_identical": identical,
+        "train_kills_landed": kills,
+        "train_checkpoint_every": mid[0].split("=")[1] if mid else "epoch",
+        "train_1_vs_2_processes": {
+            "max_abs_weight_diff": diff,
+            "identical": diff == 0.0,
+            "best_eval": {
+                k: {m: v.get(m) for m in ("epoch", "eval_binary_kl", "eval_auroc")} for k, v in evals.items()
+            },
+            "setting": "1 process grad_accum=2 vs 2 processes grad_accum=1 "
+            "(accelerate launch --multi_gpu without GPUs: gloo DDP), "
+            "same examples per optimizer step, OMP_NUM_THREADS=1 in both",
+        },
+    }
 
 
 def _rss_kb(pid: int) -> int:
@@ -246,8 +309,15 @@ def part_rss(work: Path, n: int) -> dict:
     per_file = gsm if n <= gsm else n // 2
     if per_file * (2 if n > gsm else 1) != n:
         raise SystemExit("--rss-prompts: use up to 7473, or an even number up to 10000")
-    args = ["recipe=specdecpp_draft_quickstart", f"prompts={prompts}", f"num_prompts={per_file}", "max_new_tokens=1",
-            "batch_size=32", "chunk_size=64", f"output_dir={out}"]
+    args = [
+        "recipe=specdecpp_draft_quickstart",
+        f"prompts={prompts}",
+        f"num_prompts={per_file}",
+        "max_new_tokens=1",
+        "batch_size=32",
+        "chunk_size=64",
+        f"output_dir={out}",
+    ]
     cmd = _cmd(args, 1)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV, cwd=ROOT)
@@ -266,16 +336,24 @@ def part_rss(work: Path, n: int) -> dict:
     early = max((r for c, r in samples if c <= max(1, total // 10)), default=0)
     late = max((r for c, r in samples if c >= total - 1), default=0)
     manifest = json.loads((out / "manifest.json").read_text())
-    print(f"{n} prompts: peak RSS {peak_kb / 1024:.0f} MiB; RSS up to 10% of chunks {early / 1024:.0f} MiB, "
-          f"at the end {late / 1024:.0f} MiB; {time.perf_counter() - t0:.0f} s")
-    return {"peak_rss_10k_prompts" if n == 10000 else f"peak_rss_{n}_prompts": {
-        "prompts": manifest["prompts_read"], "peak_rss_mib": round(peak_kb / 1024, 1),
-        "rss_first_10pct_chunks_mib": round(early / 1024, 1), "rss_last_chunks_mib": round(late / 1024, 1),
-        "chunks": manifest["chunks"], "seconds": round(time.perf_counter() - t0, 1),
-        "command": f"python bench/reliability.py --parts rss --rss-prompts {n}",
-        "setting": f"heads-datagen recipe=specdecpp_draft_quickstart, "
-                   f"{'GSM8K-train + Alpaca' if n > gsm else 'GSM8K-train'} prompts, "
-                   "max_new_tokens=1, batch_size=32, chunk_size=64, 1 process, fp32 on CPU"}}
+    print(
+        f"{n} prompts: peak RSS {peak_kb / 1024:.0f} MiB; RSS up to 10% of chunks {early / 1024:.0f} MiB, "
+        f"at the end {late / 1024:.0f} MiB; {time.perf_counter() - t0:.0f} s"
+    )
+    return {
+        "peak_rss_10k_prompts" if n == 10000 else f"peak_rss_{n}_prompts": {
+            "prompts": manifest["prompts_read"],
+            "peak_rss_mib": round(peak_kb / 1024, 1),
+            "rss_first_10pct_chunks_mib": round(early / 1024, 1),
+            "rss_last_chunks_mib": round(late / 1024, 1),
+            "chunks": manifest["chunks"],
+            "seconds": round(time.perf_counter() - t0, 1),
+            "command": f"python bench/reliability.py --parts rss --rss-prompts {n}",
+            "setting": f"heads-datagen recipe=specdecpp_draft_quickstart, "
+            f"{'GSM8K-train + Alpaca' if n > gsm else 'GSM8K-train'} prompts, "
+            "max_new_tokens=1, batch_size=32, chunk_size=64, 1 process, fp32 on CPU",
+        }
+    }
 
 
 def main(argv=None) -> int:
@@ -311,8 +389,10 @@ def main(argv=None) -> int:
         # re-read at write time: parts run as separate invocations keep each other's keys
         result = json.loads(out.read_text()) if out.is_file() else {}
         result.update(got)
-        result.setdefault("runs", {})[part] = {**run_info(__file__, argv, "subprocesses on CPU"),
-                                               "seconds": round(time.perf_counter() - t0, 1)}
+        result.setdefault("runs", {})[part] = {
+            **run_info(__file__, argv, "subprocesses on CPU"),
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "datagen_kill_log")}, indent=1))

@@ -28,18 +28,19 @@ import time
 from pathlib import Path
 
 import torch
-
 from _common import run_info
+
 from specheads.config import load_config
-from specheads.datagen.acceptance import teacher_forced_logits
+from specheads.datagen.acceptance_labels import teacher_forced_logits
 from specheads.datagen.cli import run as datagen_run
 from specheads.datagen.config import DatagenConfig
-from specheads.export import format_prompt, load_pair
-from specheads.export.api import fit_context
-from specheads.export.shim.batched import hf_generate
-from specheads.export.shim.models import context_length
-from specheads.export.shim.sampling import probs_from_logits, sample
-from specheads.pipeline import load_configs, main as pipeline_main
+from specheads.export import load_pair
+from specheads.export.api import fit_context, format_prompt
+from specheads.export.shim.batching.batch_generate import hf_generate
+from specheads.export.shim.loop.sampling import probs_from_logits, sample
+from specheads.export.shim.runners.models import context_length
+from specheads.pipeline import load_configs
+from specheads.pipeline import main as pipeline_main
 from specheads.prompts import load_prompt_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,30 +89,50 @@ def reference_five_pass(cfg: DatagenConfig, pair, prompts, work: Path) -> dict:
         r["label"] = [1.0 if q <= 0 else min(1.0, p / q) for p, q in zip(r["p_y"], r["q_y"])]
     (work / "pass4.json").write_text(json.dumps(rows))
     rows = json.loads((work / "pass4.json").read_text())
-    examples = [{"input_ids": r["prompt_ids"] + r["response"], "response_start": len(r["prompt_ids"]),
-                 "draft_token": r["draft_token"], "label": r["label"]} for r in rows]  # pass 5: examples
+    examples = [
+        {
+            "input_ids": r["prompt_ids"] + r["response"],
+            "response_start": len(r["prompt_ids"]),
+            "draft_token": r["draft_token"],
+            "label": r["label"],
+        }
+        for r in rows
+    ]  # pass 5: examples
     (work / "examples.json").write_text(json.dumps(examples))
     seconds = time.perf_counter() - start
     tokens = sum(len(e["label"]) for e in examples)
-    return {"labelled_tokens": tokens, "seconds": round(seconds, 2), "labelled_tokens_per_s": round(tokens / seconds, 2)}
+    return {
+        "labelled_tokens": tokens,
+        "seconds": round(seconds, 2),
+        "labelled_tokens_per_s": round(tokens / seconds, 2),
+    }
 
 
 def ours(recipe: str, prompts_per_file: int, work: Path) -> dict:
     """heads-datagen on the same prompts; timed over its labelling work (the per-chunk seconds in
     its metrics.jsonl), like the baseline, which is timed after its models are loaded."""
-    cfg = load_config(DatagenConfig, "datagen", [f"recipe={recipe}", f"num_prompts={prompts_per_file}",
-                                                 f"output_dir={work / 'ours'}", "overwrite=true"])
+    cfg = load_config(
+        DatagenConfig,
+        "datagen",
+        [f"recipe={recipe}", f"num_prompts={prompts_per_file}", f"output_dir={work / 'ours'}", "overwrite=true"],
+    )
     datagen_run(cfg)
     rows = [json.loads(x) for x in (work / "ours" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     seconds = sum(r["seconds"] for r in rows)
     tokens = sum(r["labelled_tokens"] for r in rows)
-    return {"labelled_tokens": tokens, "seconds": round(seconds, 2), "labelled_tokens_per_s": round(tokens / seconds, 2)}
+    return {
+        "labelled_tokens": tokens,
+        "seconds": round(seconds, 2),
+        "labelled_tokens_per_s": round(tokens / seconds, 2),
+    }
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="specdecpp_smollm2")
-    ap.add_argument("--ref-prompts", type=int, default=16, help="prompts per datagen file for the throughput comparison")
+    ap.add_argument(
+        "--ref-prompts", type=int, default=16, help="prompts per datagen file for the throughput comparison"
+    )
     ap.add_argument("--out", default=str(ROOT / "bench/results/specdecpp.json"))
     ap.add_argument("--skip-datagen-compare", action="store_true")
     args, overrides = ap.parse_known_args(argv)
@@ -131,8 +152,11 @@ def main(argv=None) -> int:
             ref = reference_five_pass(dg, pair, prompts, work)
             del pair
         result["datagen"] = {"prompts": len(prompts), "ours": mine, "reference_five_pass": ref}
-        print(f"datagen on {len(prompts)} prompts: ours {mine['labelled_tokens_per_s']} labelled tok/s, "
-              f"reference five-pass {ref['labelled_tokens_per_s']} labelled tok/s", flush=True)
+        print(
+            f"datagen on {len(prompts)} prompts: ours {mine['labelled_tokens_per_s']} labelled tok/s, "
+            f"reference five-pass {ref['labelled_tokens_per_s']} labelled tok/s",
+            flush=True,
+        )
     code = pipeline_main(pipe_args)
     if code:
         return code
@@ -142,33 +166,52 @@ def main(argv=None) -> int:
     ratios = dict(sweep["ratios"])
     if "datagen" in result:
         d = result["datagen"]
-        ratios["datagen_vs_reference"] = round(d["ours"]["labelled_tokens_per_s"]
-                                               / d["reference_five_pass"]["labelled_tokens_per_s"], 3)
-    result.update({
-        "prompts": sweep["prompts"], "num_prompts": sweep["num_prompts"], "max_new_tokens": sweep["max_new_tokens"],
-        "sampling": sweep["sampling"], "head": sweep.get("head"),
-        "eval_binary_kl": (sweep.get("head") or {}).get("eval_binary_kl"),
-        "t_target_ms": sweep["t_target_ms"], "t_draft_ms": sweep["t_draft_ms"],
-        "cost_table": sweep.get("cost_table"),
-        "table": sweep["table"], "oracle": sweep.get("oracle"), "perfect_head": sweep.get("perfect_head"),
-        "best_fixed_k": sweep.get("best_fixed_k"), "best_threshold": sweep.get("best_threshold"),
-        "best_stop_rule": sweep.get("best_stop_rule"), "best_lossless": sweep.get("best_lossless"),
-        "below_fixed_k_curve": sweep.get("below_fixed_k_curve"),
-        "ratios": ratios, "pareto_dominates": sweep.get("pareto_dominates"),
-        "pareto_png": str(png.relative_to(ROOT)) if png.is_relative_to(ROOT) else str(png),
-        "note": "tokens_per_call = emitted tokens / target calls; model_cost_ms_per_token = predicted_ms_per_token "
-                "= (t_d*N_draft + sum_k t_t(k)*count_k)/N at the profiled cost_table over each row's target pass "
-                "sizes (prefill left out), beside measured_ms_per_token = wall time / N; t_target_ms, t_draft_ms = "
-                "the baselines' wall time per forward; h-cost = SpecDec++ with the cost-aware stop rule; "
-                "oracle_gain_fraction = (cost(best K) - cost(SpecDec++)) "
-                "/ (cost(best K) - cost(oracle)); perfect_head = the SpecDec++ stopping rule with a head that "
-                "knows every disagreement (drafts at least k_min, sees a candidate only once drawn): "
-                "perfect_head_cost_gain_vs_best_fixed_k bounds what any head can gain here",
-    })
+        ratios["datagen_vs_reference"] = round(
+            d["ours"]["labelled_tokens_per_s"] / d["reference_five_pass"]["labelled_tokens_per_s"], 3
+        )
+    result.update(
+        {
+            "prompts": sweep["prompts"],
+            "num_prompts": sweep["num_prompts"],
+            "max_new_tokens": sweep["max_new_tokens"],
+            "sampling": sweep["sampling"],
+            "head": sweep.get("head"),
+            "eval_binary_kl": (sweep.get("head") or {}).get("eval_binary_kl"),
+            "t_target_ms": sweep["t_target_ms"],
+            "t_draft_ms": sweep["t_draft_ms"],
+            "cost_table": sweep.get("cost_table"),
+            "table": sweep["table"],
+            "oracle": sweep.get("oracle"),
+            "perfect_head": sweep.get("perfect_head"),
+            "best_fixed_k": sweep.get("best_fixed_k"),
+            "best_threshold": sweep.get("best_threshold"),
+            "best_stop_rule": sweep.get("best_stop_rule"),
+            "best_lossless": sweep.get("best_lossless"),
+            "below_fixed_k_curve": sweep.get("below_fixed_k_curve"),
+            "ratios": ratios,
+            "pareto_dominates": sweep.get("pareto_dominates"),
+            "pareto_png": str(png.relative_to(ROOT)) if png.is_relative_to(ROOT) else str(png),
+            "note": "tokens_per_call = emitted tokens / target calls; model_cost_ms_per_token = predicted_ms_per_token "
+            "= (t_d*N_draft + sum_k t_t(k)*count_k)/N at the profiled cost_table over each row's target pass "
+            "sizes (prefill left out), beside measured_ms_per_token = wall time / N; t_target_ms, t_draft_ms = "
+            "the baselines' wall time per forward; h-cost = SpecDec++ with the cost-aware stop rule; "
+            "oracle_gain_fraction = (cost(best K) - cost(SpecDec++)) "
+            "/ (cost(best K) - cost(oracle)); perfect_head = the SpecDec++ stopping rule with a head that "
+            "knows every disagreement (drafts at least k_min, sees a candidate only once drawn): "
+            "perfect_head_cost_gain_vs_best_fixed_k bounds what any head can gain here",
+        }
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({"ratios": ratios, "pareto_dominates": result["pareto_dominates"],
-                      "eval_binary_kl": result["eval_binary_kl"]}))
+    print(
+        json.dumps(
+            {
+                "ratios": ratios,
+                "pareto_dominates": result["pareto_dominates"],
+                "eval_binary_kl": result["eval_binary_kl"],
+            }
+        )
+    )
     return 0
 
 

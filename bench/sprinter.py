@@ -20,12 +20,18 @@ import json
 import shutil
 from pathlib import Path
 
-
 from _common import eval_and_gated, intervals, read_pipeline, run_info, run_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
-COLUMNS = ("config", "tokens", "tokens_per_s", "verification_rate", "tokens_per_call", "gflops_per_token",
-           "verifier_calls_per_token")
+COLUMNS = (
+    "config",
+    "tokens",
+    "tokens_per_s",
+    "verification_rate",
+    "tokens_per_call",
+    "gflops_per_token",
+    "verifier_calls_per_token",
+)
 
 
 def main(argv=None) -> int:
@@ -34,12 +40,19 @@ def main(argv=None) -> int:
     ap.add_argument("--specdecpp-head", default=None, help="an exported SpecDec++ head of the same pair: adds its rows")
     ap.add_argument("--thresholds", default="[0.5,0.8]", help="SpecDec++ thresholds with --specdecpp-head")
     ap.add_argument("--out", default=str(ROOT / "bench/results/sprinter.json"))
-    ap.add_argument("--sweep", default=None, help="run nothing: report this heads-eval output directory (its SPRINTER "
-                                                   "rows decoded with the recipe's exported verifier) and the "
-                                                   "recipe's datagen and train outputs")
+    ap.add_argument(
+        "--sweep",
+        default=None,
+        help="run nothing: report this heads-eval output directory (its SPRINTER "
+        "rows decoded with the recipe's exported verifier) and the "
+        "recipe's datagen and train outputs",
+    )
     args, overrides = ap.parse_known_args(argv)
-    extra = [f"eval.head={args.specdecpp_head}", f"eval.thresholds={args.thresholds}", "eval.k_min=1"] \
-        if args.specdecpp_head else []
+    extra = (
+        [f"eval.head={args.specdecpp_head}", f"eval.thresholds={args.thresholds}", "eval.k_min=1"]
+        if args.specdecpp_head
+        else []
+    )
     pipe_args = [f"recipe={args.recipe}", *extra, *overrides]
     code, ran = read_pipeline(pipe_args, args.sweep) if args.sweep else run_pipeline(pipe_args)
     if code:
@@ -50,43 +63,66 @@ def main(argv=None) -> int:
     png = Path(args.out).with_name(Path(args.out).stem + "_roc.png")
     png.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(train["roc_png"], png)
-    table = [{c: r.get(c) for c in COLUMNS} | {
-        "rouge_l_vs_target": (r.get("rouge_vs_target") or {}).get("rougeL"),
-        "rouge_l_vs_reference": (r.get("rouge_vs_reference") or {}).get("rougeL"), **intervals(sweep, r)}
-        for r in sweep["table"]]
+    table = [
+        {c: r.get(c) for c in COLUMNS}
+        | {
+            "rouge_l_vs_target": (r.get("rouge_vs_target") or {}).get("rougeL"),
+            "rouge_l_vs_reference": (r.get("rouge_vs_reference") or {}).get("rougeL"),
+            **intervals(sweep, r),
+        }
+        for r in sweep["table"]
+    ]
     result = {
         **run_info(__file__, argv, f"fp32, batch {sweep.get('batch_size', 1)} decoding"),
-        "prompts": sweep["prompts"], "num_prompts": sweep["num_prompts"], "max_new_tokens": sweep["max_new_tokens"],
-        "sampling": sweep["sampling"], **eval_and_gated(sweep),
-        "datagen": {k: manifest.get(k) for k in ("prompts", "labelled_tokens", "category_shares",
-                                                 "prefixes_per_category", "label_mean_by_lambda")},
-        "verifier": {k: train.get(k) for k in ("lam", "eta", "feature", "tpr_at_eta", "fpr_at_eta",
-                                               "accuracy_at_eta", "alpha")}
-        | {"auroc_by_lambda": {k: v["auroc"] for k, v in train["by_lambda"].items()},
-           "held_out_tokens": train["by_lambda"][f"{train['lam']:g}"]["tokens"]},
+        "prompts": sweep["prompts"],
+        "num_prompts": sweep["num_prompts"],
+        "max_new_tokens": sweep["max_new_tokens"],
+        "sampling": sweep["sampling"],
+        **eval_and_gated(sweep),
+        "datagen": {
+            k: manifest.get(k)
+            for k in ("prompts", "labelled_tokens", "category_shares", "prefixes_per_category", "label_mean_by_lambda")
+        },
+        "verifier": {
+            k: train.get(k) for k in ("lam", "eta", "feature", "tpr_at_eta", "fpr_at_eta", "accuracy_at_eta", "alpha")
+        }
+        | {
+            "auroc_by_lambda": {k: v["auroc"] for k, v in train["by_lambda"].items()},
+            "held_out_tokens": train["by_lambda"][f"{train['lam']:g}"]["tokens"],
+        },
         "auroc": train["auroc"],
         "alpha": sp["alpha"],
         "alpha_detail": sp["by_eta"][sp["main"]],
         "sprinter_by_eta": sp["by_eta"],
-        "sprinter_config": sp["main"], "best_sd": sp.get("best_sd"),
+        "sprinter_config": sp["main"],
+        "best_sd": sp.get("best_sd"),
         "table": table,
         "ratios": sp.get("ratios"),
         "rouge_l_vs_target": (main_row.get("rouge_vs_target") or {}).get("rougeL"),
         "rouge_vs_target": main_row.get("rouge_vs_target"),
         "roc_png": str(png.relative_to(ROOT)) if png.is_relative_to(ROOT) else str(png),
-        "t_target_ms": sweep["t_target_ms"], "t_draft_ms": sweep["t_draft_ms"],
+        "t_target_ms": sweep["t_target_ms"],
+        "t_draft_ms": sweep["t_draft_ms"],
         "note": "verification_rate = target calls per generated token; tokens_per_call = mean tokens per target "
-                "call; gflops_per_token = 2 x matmul parameters per processed token + 2 n_layer d_attn per attended "
-                "position, + 2 x verifier parameters per verifier call; alpha = share of verifier decisions on "
-                "tokens with q(x) > p(x) (lambda = 1 ground truth, teacher-forced on the decoded outputs) that "
-                "approved them; auroc on the held-out 30% of the labelled prompts; best_sd = fastest SD row",
+        "call; gflops_per_token = 2 x matmul parameters per processed token + 2 n_layer d_attn per attended "
+        "position, + 2 x verifier parameters per verifier call; alpha = share of verifier decisions on "
+        "tokens with q(x) > p(x) (lambda = 1 ground truth, teacher-forced on the decoded outputs) that "
+        "approved them; auroc on the held-out 30% of the labelled prompts; best_sd = fastest SD row",
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(" | ".join(COLUMNS + ("rouge_l_vs_target",)))
     for r in table:
         print(" | ".join("-" if r.get(c) is None else str(r.get(c)) for c in COLUMNS + ("rouge_l_vs_target",)))
-    print(json.dumps({"auroc": result["auroc"], "alpha": result["alpha"], "ratios": result["ratios"],
-                      "rouge_l_vs_target": result["rouge_l_vs_target"]}))
+    print(
+        json.dumps(
+            {
+                "auroc": result["auroc"],
+                "alpha": result["alpha"],
+                "ratios": result["ratios"],
+                "rouge_l_vs_target": result["rouge_l_vs_target"],
+            }
+        )
+    )
     return 0
 
 

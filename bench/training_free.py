@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from _common import eval_and_gated, eval_config, intervals, run_info
+
 from specheads.evaluate.cli import main as eval_main
 from specheads.evaluate.sweep import num
 
@@ -44,14 +45,24 @@ def _table(sweep: dict) -> list[dict]:
     out = []
     for r in sweep["table"]:
         g, extra = _gsm8k(acc, r["config"]), tf["rows"].get(r["config"], {})
-        out.append({"config": r["config"], "family": extra.get("family"), "tokens_per_s": r["tokens_per_s"],
-                    "accepted_per_call": r["accepted_per_call"], "tokens_per_call": r["tokens_per_call"],
-                    "gsm8k_accuracy": g.get("accuracy"), "gsm8k_correct": g.get("correct"),
-                    "gsm8k_graded": g.get("prompts"),
-                    "rouge_l_vs_target": 1.0 if r["config"] == "ar" else (r.get("rouge_vs_target") or {}).get("rougeL"),
-                    "fuzzy_only": extra.get("fuzzy_only"),
-                    "vs_sd_tokens_per_s": round(r["tokens_per_s"] / sd["tokens_per_s"], 4)
-                    if sd and sd["tokens_per_s"] else None, **intervals(sweep, r)})
+        out.append(
+            {
+                "config": r["config"],
+                "family": extra.get("family"),
+                "tokens_per_s": r["tokens_per_s"],
+                "accepted_per_call": r["accepted_per_call"],
+                "tokens_per_call": r["tokens_per_call"],
+                "gsm8k_accuracy": g.get("accuracy"),
+                "gsm8k_correct": g.get("correct"),
+                "gsm8k_graded": g.get("prompts"),
+                "rouge_l_vs_target": 1.0 if r["config"] == "ar" else (r.get("rouge_vs_target") or {}).get("rougeL"),
+                "fuzzy_only": extra.get("fuzzy_only"),
+                "vs_sd_tokens_per_s": round(r["tokens_per_s"] / sd["tokens_per_s"], 4)
+                if sd and sd["tokens_per_s"]
+                else None,
+                **intervals(sweep, r),
+            }
+        )
     return out
 
 
@@ -66,18 +77,28 @@ def paper_claim(table: list[dict], sd_config: str) -> dict:
     """
     by = {r["config"]: r for r in table}
     sd = by[sd_config]
-    out = {"claim": "FSD keeps SD's accuracy at a higher speed for small thresholds (FSD paper, sections 5-6)",
-           "sd_config": sd_config, "sd_gsm8k_accuracy": sd["gsm8k_accuracy"], "sd_tokens_per_s": sd["tokens_per_s"],
-           "tolerance": TOLERANCE, "graded_prompts": sd["gsm8k_graded"], "sd_correct": sd["gsm8k_correct"]}
+    out = {
+        "claim": "FSD keeps SD's accuracy at a higher speed for small thresholds (FSD paper, sections 5-6)",
+        "sd_config": sd_config,
+        "sd_gsm8k_accuracy": sd["gsm8k_accuracy"],
+        "sd_tokens_per_s": sd["tokens_per_s"],
+        "tolerance": TOLERANCE,
+        "graded_prompts": sd["gsm8k_graded"],
+        "sd_correct": sd["gsm8k_correct"],
+    }
     if sd["gsm8k_accuracy"] is None:
         return {**out, "holds": None, "why": "no GSM8K prompt was graded"}
     if sd["gsm8k_correct"] < MIN_CORRECT:
-        out["caveat"] = (f"SD answers {sd['gsm8k_correct']} of {sd['gsm8k_graded']} prompts correctly: accuracy "
-                         "cannot separate the rows; see rouge_l_vs_target")
+        out["caveat"] = (
+            f"SD answers {sd['gsm8k_correct']} of {sd['gsm8k_graded']} prompts correctly: accuracy "
+            "cannot separate the rows; see rouge_l_vs_target"
+        )
     fsd = [r for r in table if r["config"].startswith("fsd-") and r["gsm8k_accuracy"] is not None]
     within = [r for r in fsd if abs(r["gsm8k_accuracy"] - sd["gsm8k_accuracy"]) <= TOLERANCE + 1e-9]
-    out.update(fsd_within=[r["config"] for r in within],
-               one_prompt_is_points=round(100 / sd["gsm8k_graded"], 2) if sd["gsm8k_graded"] else None)
+    out.update(
+        fsd_within=[r["config"] for r in within],
+        one_prompt_is_points=round(100 / sd["gsm8k_graded"], 2) if sd["gsm8k_graded"] else None,
+    )
     if not within:
         return {**out, "holds": False, "fastest_fsd_within": None, "why": "no FSD row within the tolerance"}
     best = max(within, key=lambda r: r["tokens_per_s"])
@@ -86,13 +107,25 @@ def paper_claim(table: list[dict], sd_config: str) -> dict:
     if sd["gsm8k_correct"] < MIN_CORRECT:
         out["holds_if_accuracy_counted"], holds = holds, None
     out["fsd_faster_than_sd"] = [
-        {"config": r["config"], "speed_ratio_vs_sd": round(r["tokens_per_s"] / sd["tokens_per_s"], 4),
-         "rouge_l_vs_target": r["rouge_l_vs_target"]}
-        for r in sorted(fsd, key=lambda r: -r["tokens_per_s"]) if sd["tokens_per_s"] and r["tokens_per_s"] > sd["tokens_per_s"]]
-    return {**out, "fastest_fsd_within": best["config"], "its_gsm8k_accuracy": best["gsm8k_accuracy"],
-            "its_rouge_l_vs_target": best["rouge_l_vs_target"],
-            "its_tokens_per_s": best["tokens_per_s"], "its_accepted_per_call": best["accepted_per_call"],
-            "sd_accepted_per_call": sd["accepted_per_call"], "speed_ratio_vs_sd": ratio, "holds": holds}
+        {
+            "config": r["config"],
+            "speed_ratio_vs_sd": round(r["tokens_per_s"] / sd["tokens_per_s"], 4),
+            "rouge_l_vs_target": r["rouge_l_vs_target"],
+        }
+        for r in sorted(fsd, key=lambda r: -r["tokens_per_s"])
+        if sd["tokens_per_s"] and r["tokens_per_s"] > sd["tokens_per_s"]
+    ]
+    return {
+        **out,
+        "fastest_fsd_within": best["config"],
+        "its_gsm8k_accuracy": best["gsm8k_accuracy"],
+        "its_rouge_l_vs_target": best["rouge_l_vs_target"],
+        "its_tokens_per_s": best["tokens_per_s"],
+        "its_accepted_per_call": best["accepted_per_call"],
+        "sd_accepted_per_call": sd["accepted_per_call"],
+        "speed_ratio_vs_sd": ratio,
+        "holds": holds,
+    }
 
 
 def main(argv=None) -> int:
@@ -104,8 +137,10 @@ def main(argv=None) -> int:
     if args.sweep:
         out_dir = Path(args.sweep)
         if not (out_dir / "sweep.json").is_file():
-            print(f"training_free.py: error: {out_dir / 'sweep.json'} missing: run heads-eval there first",
-                  file=sys.stderr)
+            print(
+                f"training_free.py: error: {out_dir / 'sweep.json'} missing: run heads-eval there first",
+                file=sys.stderr,
+            )
             return 2
     else:
         cfg, eval_args = eval_config("training_free.py", args.recipe, overrides)  # fail fast on a bad override
@@ -118,27 +153,40 @@ def main(argv=None) -> int:
     sweep = json.loads((out_dir / "sweep.json").read_text())
     manifest = json.loads((out_dir / "manifest.json").read_text())
     if "training_free" not in sweep:
-        print("training_free.py: error: the sweep has no training-free rows; set fsd_js=[...], topk=[...] or "
-              "confidence=[...]", file=sys.stderr)
+        print(
+            "training_free.py: error: the sweep has no training-free rows; set fsd_js=[...], topk=[...] or "
+            "confidence=[...]",
+            file=sys.stderr,
+        )
         return 2
     tf = sweep["training_free"]
     table = _table(sweep)
     by = {r["config"]: r for r in table}
     fsd_sweep: dict[str, list[dict]] = {}
     for div, thresholds in tf["settings"]["fsd"]["thresholds"].items():
-        fsd_sweep[div] = [{"threshold": t, **by[f"fsd-{div}-{num(t)}"],
-                           "fuzzy_only_share": tf["rows"][f"fsd-{div}-{num(t)}"].get("fuzzy_only_share")}
-                          for t in sorted(thresholds)]
+        fsd_sweep[div] = [
+            {
+                "threshold": t,
+                **by[f"fsd-{div}-{num(t)}"],
+                "fuzzy_only_share": tf["rows"][f"fsd-{div}-{num(t)}"].get("fuzzy_only_share"),
+            }
+            for t in sorted(thresholds)
+        ]
     result = {
         **run_info(__file__, argv, f"fp32, batch {sweep.get('batch_size', 1)} decoding"),
         "recipe": str(out_dir / "config.yaml") if args.sweep else args.recipe,
-        "prompts": sweep["prompts"], "num_prompts": sweep["num_prompts"],
-        "max_new_tokens": sweep["max_new_tokens"], "sampling": sweep["sampling"],
+        "prompts": sweep["prompts"],
+        "num_prompts": sweep["num_prompts"],
+        "max_new_tokens": sweep["max_new_tokens"],
+        "sampling": sweep["sampling"],
         "wall_time_s": manifest["wall_time_s"],
-        "t_target_ms": sweep["t_target_ms"], "t_draft_ms": sweep["t_draft_ms"],
-        "settings": tf["settings"], "sd_config": tf["sd_reference"],
+        "t_target_ms": sweep["t_target_ms"],
+        "t_draft_ms": sweep["t_draft_ms"],
+        "settings": tf["settings"],
+        "sd_config": tf["sd_reference"],
         "accepted_per_call": "accepted draft tokens per target call (tokens per call = that + 1 per round)",
-        "table": table, "fsd_sweep": fsd_sweep,
+        "table": table,
+        "fsd_sweep": fsd_sweep,
         "topk": [by[f"t{k}"] for k in tf["settings"]["topk"]["values"]],
         "confidence": [by[f"c{num(t)}"] for t in tf["settings"]["confidence"]["taus"]],
         "paper_claim": paper_claim(table, tf["sd_reference"]) if tf["sd_reference"] else None,

@@ -41,25 +41,30 @@ def prompts(args) -> list:
 def transformers_stage(job, ids: list[list[int]], args) -> dict:
     import torch
 
-    from specheads.datagen.acceptance import generate_responses
-    from specheads.export.shim.sampling import SamplingConfig
+    from specheads.datagen.acceptance_labels import generate_responses
+    from specheads.export.shim.loop.sampling import SamplingConfig
 
     model = job.pair.target.model
     generate_responses(model, ids[:2], 8, SamplingConfig(), 0, job.pad, job.eos)  # warm-up (kernels, allocator)
     outputs, seconds = [], 0.0
     for b in range(0, len(ids), args.batch):
         t = time.perf_counter()
-        got, _ = generate_responses(model, ids[b: b + args.batch], args.max_new, SamplingConfig(), b, job.pad, job.eos)
+        got, _ = generate_responses(model, ids[b : b + args.batch], args.max_new, SamplingConfig(), b, job.pad, job.eos)
         seconds += time.perf_counter() - t
         outputs += got
     tokens = sum(map(len, outputs))
-    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
-            "threads": torch.get_num_threads(), "outputs": outputs}
+    return {
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 2),
+        "threads": torch.get_num_threads(),
+        "outputs": outputs,
+    }
 
 
 def vllm_stage(cfg, job, ids: list[list[int]], args) -> dict:
     from specheads.datagen.vllm_responses import Request, run_vllm
-    from specheads.export.shim.sampling import SamplingConfig
+    from specheads.export.shim.loop.sampling import SamplingConfig
 
     reqs = [Request(str(i), x, SamplingConfig().to_dict(), 0, args.max_new).__dict__ for i, x in enumerate(ids)]
     header = {"batch_size": args.vllm_batch, "tensor_parallel": 1, "eos": job.eos, "seed": 0}
@@ -69,9 +74,14 @@ def vllm_stage(cfg, job, ids: list[list[int]], args) -> dict:
         wall = time.perf_counter() - t
         side = json.loads((Path(work) / "chunk-000000.json").read_text())
     outputs = [side["responses"][str(i)] for i in range(len(ids))]
-    return {"tokens": run["tokens"], "seconds": round(run["seconds"], 3),
-            "tokens_per_s": round(run["tokens"] / run["seconds"], 2), "startup_s": round(run["startup_seconds"], 1),
-            "child_wall_s": round(wall, 1), "outputs": outputs}
+    return {
+        "tokens": run["tokens"],
+        "seconds": round(run["seconds"], 3),
+        "tokens_per_s": round(run["tokens"] / run["seconds"], 2),
+        "startup_s": round(run["startup_seconds"], 1),
+        "child_wall_s": round(wall, 1),
+        "outputs": outputs,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,8 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--vllm-batch", type=int, default=256,
-                    help="vLLM's max_num_seqs (heads-datagen engine=vllm's vllm_max_num_seqs)")
+    ap.add_argument(
+        "--vllm-batch",
+        type=int,
+        default=256,
+        help="vLLM's max_num_seqs (heads-datagen engine=vllm's vllm_max_num_seqs)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     ap.add_argument("--out", default=str(ROOT / "bench/results/vllm_datagen.json"))
@@ -94,12 +108,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from specheads.datagen.cli import _load
     from specheads.datagen.config import DatagenConfig
-    from specheads.export.shim.models import ModelSpec
+    from specheads.export.shim.runners.models import ModelSpec
 
     torch.set_num_threads(args.threads)
-    cfg = DatagenConfig(target=ModelSpec(path=args.target, gguf_file=args.gguf_file or None, device="cpu"),
-                        labels="drafter", max_new_tokens=args.max_new, batch_size=args.batch, engine="vllm",
-                        vllm_python=args.vllm_python, vllm_threads=args.threads)
+    cfg = DatagenConfig(
+        target=ModelSpec(path=args.target, gguf_file=args.gguf_file or None, device="cpu"),
+        labels="drafter",
+        max_new_tokens=args.max_new,
+        batch_size=args.batch,
+        engine="vllm",
+        vllm_python=args.vllm_python,
+        vllm_threads=args.threads,
+    )
     job = _load(cfg, needs_draft=False)
     ids = job.prompt_ids(prompts(args))
     hf = transformers_stage(job, ids, args)
@@ -109,17 +129,25 @@ def main(argv: list[str] | None = None) -> int:
     from _common import run_info
 
     ratio = round(vl["tokens_per_s"] / hf["tokens_per_s"], 3)
-    result = {**run_info(__file__, argv, f"fp32, greedy, {args.threads} threads (torch and vLLM's OMP)"),
-              "target": f"{args.target}/{args.gguf_file}" if args.gguf_file else args.target,
-              "prompts": {"alpaca": args.alpaca, "gsm8k_train": args.gsm8k, "offset": args.offset},
-              "max_new_tokens": args.max_new, "batch_size": args.batch, "transformers": hf, "vllm": vl,
-              "greedy_identical_prompts": f"{same}/{len(ids)}", "datagen_generation_vllm_vs_hf_tokens_per_s": ratio}
+    result = {
+        **run_info(__file__, argv, f"fp32, greedy, {args.threads} threads (torch and vLLM's OMP)"),
+        "target": f"{args.target}/{args.gguf_file}" if args.gguf_file else args.target,
+        "prompts": {"alpaca": args.alpaca, "gsm8k_train": args.gsm8k, "offset": args.offset},
+        "max_new_tokens": args.max_new,
+        "batch_size": args.batch,
+        "transformers": hf,
+        "vllm": vl,
+        "greedy_identical_prompts": f"{same}/{len(ids)}",
+        "datagen_generation_vllm_vs_hf_tokens_per_s": ratio,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print("engine | tokens | seconds | tokens/s | start-up s")
     print(f"transformers (datagen's generate_responses) | {hf['tokens']} | {hf['seconds']} | {hf['tokens_per_s']} | -")
-    print(f"vllm (heads-datagen engine=vllm) | {vl['tokens']} | {vl['seconds']} | {vl['tokens_per_s']} | "
-          f"{vl['startup_s']}")
+    print(
+        f"vllm (heads-datagen engine=vllm) | {vl['tokens']} | {vl['seconds']} | {vl['tokens_per_s']} | "
+        f"{vl['startup_s']}"
+    )
     print(f"vLLM / Transformers tokens/s: {ratio}; greedy outputs identical on {same}/{len(ids)} prompts")
     return 0
 

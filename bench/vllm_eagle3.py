@@ -46,6 +46,7 @@ GGUF_DIR, GGUF = SHARED / "models/smollm2-135m-instruct", "SmolLM2-135M-Instruct
 
 # ---- stage 1: the project's Python ------------------------------------------------------------------------
 
+
 def write_target(out: Path) -> None:
     """The GGUF target, dequantised to fp32, as a plain Hugging Face directory (+ tokenizer)."""
     from specheads.export.vllm_engine import convert_gguf
@@ -61,6 +62,7 @@ def make_random_head(path: Path, target_dir: Path, draft_vocab: int, seed: int) 
     """An untrained EAGLE head for the target (random weights, the first ``draft_vocab`` ids)."""
     import torch
     from transformers import AutoConfig
+
     from specheads.export import save_head
     from specheads.heads import EagleHead
 
@@ -68,13 +70,27 @@ def make_random_head(path: Path, target_dir: Path, draft_vocab: int, seed: int) 
     n = c.num_hidden_layers
     rope = getattr(c, "rope_theta", None) or (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     torch.manual_seed(seed)
-    head = EagleHead(c.hidden_size, [2, n // 2, n - 3], draft_vocab, c.vocab_size, c.num_attention_heads,
-                     c.num_key_value_heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-                     c.intermediate_size, c.rms_norm_eps, float(rope))
-    meta = {"head_config": head.config(), "hidden_size": c.hidden_size,
-            "feature": {"model": "target", "state": "aux", "layers": head.layer_ids},
-            "target": {"name": "SmolLM2-135M-Instruct", "fingerprint": ""}, "sampling": {"temperature": 0.0},
-            "ttt_steps": 3, "extra": {"note": "untrained: random weights (bench/vllm_eagle3.py --make-random-head)"}}
+    head = EagleHead(
+        c.hidden_size,
+        [2, n // 2, n - 3],
+        draft_vocab,
+        c.vocab_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        c.intermediate_size,
+        c.rms_norm_eps,
+        float(rope),
+    )
+    meta = {
+        "head_config": head.config(),
+        "hidden_size": c.hidden_size,
+        "feature": {"model": "target", "state": "aux", "layers": head.layer_ids},
+        "target": {"name": "SmolLM2-135M-Instruct", "fingerprint": ""},
+        "sampling": {"temperature": 0.0},
+        "ttt_steps": 3,
+        "extra": {"note": "untrained: random weights (bench/vllm_eagle3.py --make-random-head)"},
+    }
     save_head(path, head, "eagle", meta)
 
 
@@ -95,10 +111,14 @@ def prompts(target_dir: Path, n_mt: int, n_gsm: int) -> list[dict]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target_dir)
-    rows = [("mt_bench", json.loads(line)["turns"][0]) for line in
-            (SHARED / "data/mt_bench/question.jsonl").read_text().splitlines()[:n_mt]]
-    rows += [("gsm8k", json.loads(line)["question"]) for line in
-             (SHARED / "data/gsm8k/test.jsonl").read_text().splitlines()[:n_gsm]]
+    rows = [
+        ("mt_bench", json.loads(line)["turns"][0])
+        for line in (SHARED / "data/mt_bench/question.jsonl").read_text().splitlines()[:n_mt]
+    ]
+    rows += [
+        ("gsm8k", json.loads(line)["question"])
+        for line in (SHARED / "data/gsm8k/test.jsonl").read_text().splitlines()[:n_gsm]
+    ]
     out = []
     for source, text in rows:
         ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
@@ -107,16 +127,18 @@ def prompts(target_dir: Path, n_mt: int, n_gsm: int) -> list[dict]:
     return out
 
 
-def check_drafts(hd: Path, target_dir: Path, prompts: list[dict], outputs: list[list[int]],
-                 drafts: list[list[list[int]]], k: int) -> dict:
+def check_drafts(
+    hd: Path, target_dir: Path, prompts: list[dict], outputs: list[list[int]], drafts: list[list[list[int]]], k: int
+) -> dict:
     """vLLM's draft tokens, round by round, against the head's own (``specheads.heads.EagleHead``) on the target's
     Hugging Face states: same tokens means vLLM runs this head as trained (layers, fc order, norms, rotary
     positions, d2t), whatever its weights. Round ``r`` knows ``x_0..x_m`` and drafts from row ``t = m - 1``
     (state ``s_t``, token ``x_{t+1}``); ``m`` then grows by the accepted drafts plus one."""
     import torch
     from transformers import AutoModelForCausalLM
+
     from specheads.export import speculators
-    from specheads.heads.eagle import unrolled_attention
+    from specheads.heads.eagle_head import unrolled_attention
 
     head = speculators.read(hd).module.float()
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
@@ -143,7 +165,7 @@ def check_drafts(hd: Path, target_dir: Path, prompts: list[dict], outputs: list[
             if m - 1 >= len(ref):
                 break
             rounds += 1
-            want = ref[m - 1][:len(d)]
+            want = ref[m - 1][: len(d)]
             same += d == want
             for j, (a, b) in enumerate(zip(d, want)):
                 per_step[j] += a == b
@@ -153,8 +175,13 @@ def check_drafts(hd: Path, target_dir: Path, prompts: list[dict], outputs: list[
             while acc < len(d) and m + 1 + acc < len(ids) and d[acc] == int(ids[m + 1 + acc]):
                 acc += 1
             m += acc + 1
-    return {"rounds": rounds, "rounds_identical": same, "identical_per_step": per_step,
-            "all_identical": rounds > 0 and same == rounds, "first_mismatch": first_bad}
+    return {
+        "rounds": rounds,
+        "rounds_identical": same,
+        "identical_per_step": per_step,
+        "all_identical": rounds > 0 and same == rounds,
+        "first_mismatch": first_bad,
+    }
 
 
 def run_vllm(args, mode: str, work: Path, hd: Path) -> dict:
@@ -165,8 +192,22 @@ def run_vllm(args, mode: str, work: Path, hd: Path) -> dict:
         env["LD_PRELOAD"] = args.ld_preload
     out = work / f"out-{mode}.json"
     out.unlink(missing_ok=True)
-    cmd = [args.vllm_python, __file__, "--stage", "vllm", "--mode", mode, "--work", str(work), "--head-dir", str(hd),
-           "--k", str(args.k), "--max-new", str(args.max_new)] + (["--compile"] if args.compile else [])
+    cmd = [
+        args.vllm_python,
+        __file__,
+        "--stage",
+        "vllm",
+        "--mode",
+        mode,
+        "--work",
+        str(work),
+        "--head-dir",
+        str(hd),
+        "--k",
+        str(args.k),
+        "--max-new",
+        str(args.max_new),
+    ] + (["--compile"] if args.compile else [])
     print(f"[vllm_eagle3] {mode}: {' '.join(cmd)}", flush=True)
     t = time.perf_counter()
     code = subprocess.call(cmd, env=env, cwd=str(work))
@@ -215,30 +256,51 @@ def main(argv: list[str] | None = None) -> int:
     for i, (a, b) in enumerate(zip(base, spec)):
         if a != b:
             at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            mismatches.append({"prompt": i, "first_difference_at": at, "target": a[at:at + 4], "eagle3": b[at:at + 4]})
+            mismatches.append(
+                {"prompt": i, "first_difference_at": at, "target": a[at : at + 4], "eagle3": b[at : at + 4]}
+            )
     cfg = json.loads((hd / "config.json").read_text())
     sys.path.insert(0, str(ROOT / "bench"))
     from _common import run_info
 
-    result = {**run_info(__file__, argv, f"vLLM CPU {runs['target']['vllm']}, fp32, batch 1, greedy, "
-                                         f"{'compiled' if args.compile else 'enforce_eager'}"),
-              "head": str(head), "head_dir": str(hd), "head_untrained": bool(args.make_random_head),
-              "draft_vocab_size": cfg["draft_vocab_size"], "layers": cfg["eagle_aux_hidden_state_layer_ids"],
-              "k": args.k, "prompts": {"mt_bench": args.mt_bench, "gsm8k": args.gsm8k}, "max_new_tokens": args.max_new,
-              "greedy_identical": not mismatches and len(base) == len(spec), "mismatches": mismatches,
-              **{mode: {k: v for k, v in r.items() if k != "outputs"} for mode, r in runs.items()}}
-    result["draft_check"] = check_drafts(hd, target_dir, json.loads((work / "prompts.json").read_text()),
-                                         spec, runs["eagle3"].pop("drafts"), args.k)
+    result = {
+        **run_info(
+            __file__,
+            argv,
+            f"vLLM CPU {runs['target']['vllm']}, fp32, batch 1, greedy, "
+            f"{'compiled' if args.compile else 'enforce_eager'}",
+        ),
+        "head": str(head),
+        "head_dir": str(hd),
+        "head_untrained": bool(args.make_random_head),
+        "draft_vocab_size": cfg["draft_vocab_size"],
+        "layers": cfg["eagle_aux_hidden_state_layer_ids"],
+        "k": args.k,
+        "prompts": {"mt_bench": args.mt_bench, "gsm8k": args.gsm8k},
+        "max_new_tokens": args.max_new,
+        "greedy_identical": not mismatches and len(base) == len(spec),
+        "mismatches": mismatches,
+        **{mode: {k: v for k, v in r.items() if k != "outputs"} for mode, r in runs.items()},
+    }
+    result["draft_check"] = check_drafts(
+        hd, target_dir, json.loads((work / "prompts.json").read_text()), spec, runs["eagle3"].pop("drafts"), args.k
+    )
     result["eagle3"].pop("drafts", None)
     result["speedup"] = round(result["eagle3"]["tokens_per_s"] / result["target"]["tokens_per_s"], 3)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("greedy_identical", "speedup", "draft_check")} |
-                     {m: {k: result[m].get(k) for k in ("tokens_per_s", "acceptance")} for m in runs}, indent=2))
+    print(
+        json.dumps(
+            {k: result[k] for k in ("greedy_identical", "speedup", "draft_check")}
+            | {m: {k: result[m].get(k) for k in ("tokens_per_s", "acceptance")} for m in runs},
+            indent=2,
+        )
+    )
     return 0 if result["greedy_identical"] else 1
 
 
 # ---- stage 2: vLLM's Python (imports no specheads) ---------------------------------------------------------
+
 
 def _counters(llm) -> dict:
     out = {}
@@ -258,6 +320,7 @@ def _record(worker):
             out = propose(*a, **kw)
             drafter.bench_log.append(out.tolist())
             return out
+
         drafter.propose = logged
     log, drafter.bench_log = drafter.bench_log, []
     return log
@@ -272,8 +335,16 @@ def vllm_stage(args, work: Path) -> int:
     if args.mode == "eagle3":
         kw["speculative_config"] = {"method": "eagle3", "model": args.head_dir, "num_speculative_tokens": args.k}
     t = time.perf_counter()
-    llm = LLM(model=str(work / "target_hf"), dtype="float32", max_model_len=2048, max_num_seqs=1, seed=0,
-              enforce_eager=not args.compile, disable_log_stats=False, **kw)
+    llm = LLM(
+        model=str(work / "target_hf"),
+        dtype="float32",
+        max_model_len=2048,
+        max_num_seqs=1,
+        seed=0,
+        enforce_eager=not args.compile,
+        disable_log_stats=False,
+        **kw,
+    )
     startup = time.perf_counter() - t
     prompts = json.loads((work / "prompts.json").read_text())
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new)
@@ -293,19 +364,33 @@ def vllm_stage(args, work: Path) -> int:
         if spec:
             drafts.append([row for rnd in llm.collective_rpc(_record)[0] for row in rnd])
     after = _counters(llm)
-    out = {"vllm": vllm.__version__, "startup_seconds": round(startup, 1), "tokens": tokens,
-           "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 3), "outputs": outputs}
+    out = {
+        "vllm": vllm.__version__,
+        "startup_seconds": round(startup, 1),
+        "tokens": tokens,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(tokens / seconds, 3),
+        "outputs": outputs,
+    }
     if spec:
         out["drafts"] = drafts
-        diff = {k: ([a - b for a, b in zip(v, before.get(k, [0] * len(v)))] if isinstance(v, list)
-                    else v - before.get(k, 0)) for k, v in after.items()}
+        diff = {
+            k: (
+                [a - b for a, b in zip(v, before.get(k, [0] * len(v)))] if isinstance(v, list) else v - before.get(k, 0)
+            )
+            for k, v in after.items()
+        }
         drafts = diff.get("vllm:spec_decode_num_drafts", 0)
         drafted = diff.get("vllm:spec_decode_num_draft_tokens", 0)
         accepted = diff.get("vllm:spec_decode_num_accepted_tokens", 0)
-        out["acceptance"] = {"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
-                             "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
-                             "mean_acceptance_length": round(1 + accepted / drafts, 4) if drafts else None,
-                             "accepted_per_position": diff.get("vllm:spec_decode_num_accepted_tokens_per_pos")}
+        out["acceptance"] = {
+            "drafts": drafts,
+            "draft_tokens": drafted,
+            "accepted_tokens": accepted,
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+            "mean_acceptance_length": round(1 + accepted / drafts, 4) if drafts else None,
+            "accepted_per_position": diff.get("vllm:spec_decode_num_accepted_tokens_per_pos"),
+        }
     (work / f"out-{args.mode}.json").write_text(json.dumps(out))
     return 0
 

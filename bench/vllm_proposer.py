@@ -16,7 +16,8 @@ block's prompts submitted at once with ``max_num_seqs`` = the batch size.
 
 Per configuration and batch size: tokens/s (tokens over the ``generate`` calls' wall time), tokens per target
 call (target alone: 1; ``draft_model``: tokens over vLLM's drafts plus one prefill per request; the proposer:
-tokens over the rows it was asked for, one per target pass of a request), vLLM's spec-decode counters, the proposer's own
+tokens over the rows it was asked for, one per target pass of a request), vLLM's spec-decode counters, the proposer's
+own
 counters and its share of the wall time, and ``greedy_identical`` against the target alone at that batch size.
 With ``--cost`` (default) the proposer also runs its cost-aware rule (``confidence_stop`` and, with ``--head``,
 SpecDec++; the draft gate on) on a cost table of vLLM's own steps at batch 1 and powers of two up to the largest
@@ -48,10 +49,16 @@ def prepare(args, work: Path) -> list[dict]:
 
     write_target(work / "target_hf")
     tok = AutoTokenizer.from_pretrained(work / "target_hf")
-    rows = [("gsm8k", json.loads(line)["question"]) for line in
-            (SHARED / "data/gsm8k/test.jsonl").read_text().splitlines()[args.offset: args.offset + args.gsm8k]]
-    rows += [("mt_bench", json.loads(line)["turns"][0]) for line in
-             (SHARED / "data/mt_bench/question.jsonl").read_text().splitlines()[args.offset: args.offset + args.mt_bench]]
+    rows = [
+        ("gsm8k", json.loads(line)["question"])
+        for line in (SHARED / "data/gsm8k/test.jsonl").read_text().splitlines()[args.offset : args.offset + args.gsm8k]
+    ]
+    rows += [
+        ("mt_bench", json.loads(line)["turns"][0])
+        for line in (SHARED / "data/mt_bench/question.jsonl")
+        .read_text()
+        .splitlines()[args.offset : args.offset + args.mt_bench]
+    ]
     out = []
     for source, text in rows:
         ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
@@ -65,22 +72,30 @@ def configs(args) -> dict[str, dict]:
     for k in args.ks:
         out[f"draft_model_k{k}"] = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": k}
     if args.schedule:  # the anchor: vLLM's own K by batch size (inclusive ranges), e.g. "1-2:2,3-8:1,9-256:0"
-        sched = [[int(r.split("-")[0]), int(r.split("-")[1].split(":")[0]), int(r.split(":")[1])]
-                 for r in args.schedule.split(",")]
-        out["draft_model_schedule"] = {"method": "draft_model", "model": args.draft,
-                                       "num_speculative_tokens": max(e[2] for e in sched),
-                                       "num_speculative_tokens_per_batch_size": sched}
+        sched = [
+            [int(r.split("-")[0]), int(r.split("-")[1].split(":")[0]), int(r.split(":")[1])]
+            for r in args.schedule.split(",")
+        ]
+        out["draft_model_schedule"] = {
+            "method": "draft_model",
+            "model": args.draft,
+            "num_speculative_tokens": max(e[2] for e in sched),
+            "num_speculative_tokens_per_batch_size": sched,
+        }
     common = {"draft": args.draft, "k_max": args.k_max, "vocab_file": args.vocab_file, "vocab_top_n": args.vocab_top_n}
-    out[f"proposer_confidence_{args.tau}"] = {"specheads": {**common, "policy": "confidence_stop",
-                                                            "threshold": args.tau}}
+    out[f"proposer_confidence_{args.tau}"] = {
+        "specheads": {**common, "policy": "confidence_stop", "threshold": args.tau}
+    }
     if args.head:
         out["proposer_specdecpp"] = {"specheads": {**common, "policy": "specdecpp", "head": args.head}}
     if args.costs:  # the cost-aware rule on vLLM's measured steps, with the draft gate (its default)
-        out["proposer_confidence_cost"] = {"specheads": {**common, "policy": "confidence_stop", "stop": "cost",
-                                                         "costs": args.costs}}
+        out["proposer_confidence_cost"] = {
+            "specheads": {**common, "policy": "confidence_stop", "stop": "cost", "costs": args.costs}
+        }
         if args.head:
-            out["proposer_specdecpp_cost"] = {"specheads": {**common, "policy": "specdecpp", "head": args.head,
-                                                            "stop": "cost", "costs": args.costs}}
+            out["proposer_specdecpp_cost"] = {
+                "specheads": {**common, "policy": "specdecpp", "head": args.head, "stop": "cost", "costs": args.costs}
+            }
     return out
 
 
@@ -91,23 +106,36 @@ def ours(args) -> dict:
     import time as clock
 
     from _common import shared_pair
+
     from specheads.export.api import Decoder, load_eagle, pair_costs
     from specheads.export.shim.policies import ConfidenceStop, StandardSD, TargetOnly
     from specheads.prompts import load_prompts
 
     pair = shared_pair(SHARED, args.vocab_file, args.vocab_top_n or 0)
-    prompts = (load_prompts(str(SHARED / "data/gsm8k/test.jsonl"), limit=args.gsm8k, offset=args.offset)
-               + load_prompts(str(SHARED / "data/mt_bench/question.jsonl"), limit=args.mt_bench, offset=args.offset))
+    prompts = load_prompts(str(SHARED / "data/gsm8k/test.jsonl"), limit=args.gsm8k, offset=args.offset) + load_prompts(
+        str(SHARED / "data/mt_bench/question.jsonl"), limit=args.mt_bench, offset=args.offset
+    )
     items, b = list(enumerate(prompts)), args.ours_batch
     costs = pair_costs(pair, args.k_max + 2, batch_size=b)
-    policies = {"ar": (TargetOnly(), None), "sd_k1": (StandardSD(1), None), "sd_k2": (StandardSD(2), None),
-                "confidence_cost": (ConfidenceStop(k_max=args.k_max, stop="cost", costs=costs, gate=True), None)}
+    policies = {
+        "ar": (TargetOnly(), None),
+        "sd_k1": (StandardSD(1), None),
+        "sd_k2": (StandardSD(2), None),
+        "confidence_cost": (ConfidenceStop(k_max=args.k_max, stop="cost", costs=costs, gate=True), None),
+    }
     if args.eagle:
         eagle = load_eagle(args.eagle, pair)
         ecosts = pair_costs(pair, args.k_max + 2, eagle=eagle, batch_size=b)
-        policies.update({"eagle_k2": (StandardSD(2), eagle), "eagle_k3": (StandardSD(3), eagle),
-                         "eagle_confidence_cost": (ConfidenceStop(k_max=args.k_max, stop="cost", costs=ecosts,
-                                                                  gate=True), eagle)})
+        policies.update(
+            {
+                "eagle_k2": (StandardSD(2), eagle),
+                "eagle_k3": (StandardSD(3), eagle),
+                "eagle_confidence_cost": (
+                    ConfidenceStop(k_max=args.k_max, stop="cost", costs=ecosts, gate=True),
+                    eagle,
+                ),
+            }
+        )
     skip = set(args.ours_skip.split(","))
     decoders = {n: Decoder(pair, p, args.max_new, eagle=e) for n, (p, e) in policies.items() if n not in skip}
     for d in decoders.values():  # warm-up: kernel choice for each row count, allocations
@@ -119,9 +147,13 @@ def ours(args) -> dict:
         seconds = clock.perf_counter() - start
         tokens = sum(len(r.tokens) for r in res.values())
         outputs[name] = [res[i].tokens for i in range(len(items))]
-        rows[name] = {"tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 3),
-                      "tokens_per_call": round(tokens / sum(r.stats.target_calls for r in res.values()), 4),
-                      "undrafted_rounds": sum(r.stats.undrafted_rounds for r in res.values())}
+        rows[name] = {
+            "tokens": tokens,
+            "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds, 3),
+            "tokens_per_call": round(tokens / sum(r.stats.target_calls for r in res.values()), 4),
+            "undrafted_rounds": sum(r.stats.undrafted_rounds for r in res.values()),
+        }
         print(f"[ours b{b}] {name}: {rows[name]['tokens_per_s']} tokens/s", flush=True)
     for name in rows:
         rows[name]["greedy_identical"] = outputs[name] == outputs["ar"]
@@ -131,15 +163,25 @@ def ours(args) -> dict:
 def vllm_costs(args, work: Path) -> str:
     """The cost table of vLLM's steps for the proposer's draft, vocabulary and k_max, at batch 1 and the powers of
     two up to the largest batch size (measured once, cached: ``specheads.export.vllm_costs``)."""
-    from specheads.export.shim.cost_profile import batch_sizes
+    from specheads.export.shim.costs.cost_profile import batch_sizes
     from specheads.export.vllm_costs import vllm_cost_table
     from specheads.export.vllm_engine import environment
 
-    settings = {"draft": args.draft, "k_max": args.k_max, "vocab_file": args.vocab_file,
-                "vocab_top_n": args.vocab_top_n}
+    settings = {
+        "draft": args.draft,
+        "k_max": args.k_max,
+        "vocab_file": args.vocab_file,
+        "vocab_top_n": args.vocab_top_n,
+    }
     top = max(int(b) for b in args.batch_sizes.split(","))
-    return vllm_cost_table(settings, work / "target_hf", args.vllm_python, environment(args.vllm_python, args.threads),
-                           list(batch_sizes(top)), args.profile)
+    return vllm_cost_table(
+        settings,
+        work / "target_hf",
+        args.vllm_python,
+        environment(args.vllm_python, args.threads),
+        list(batch_sizes(top)),
+        args.profile,
+    )
 
 
 def run_one(args, work: Path, name: str, spec: dict, batch: int, block: int) -> dict:
@@ -149,8 +191,18 @@ def run_one(args, work: Path, name: str, spec: dict, batch: int, block: int) -> 
     out = work / f"out-{name}-b{batch}-{block}.json"
     out.unlink(missing_ok=True)
     job = work / "job.json"
-    job.write_text(json.dumps({"spec": spec, "batch": batch, "block": block, "blocks": args.blocks,
-                               "max_new": args.max_new, "out": str(out)}))
+    job.write_text(
+        json.dumps(
+            {
+                "spec": spec,
+                "batch": batch,
+                "block": block,
+                "blocks": args.blocks,
+                "max_new": args.max_new,
+                "out": str(out),
+            }
+        )
+    )
     print(f"[vllm bench] {name} batch {batch} block {block}", flush=True)
     code = subprocess.call([args.vllm_python, __file__, "--stage", "vllm", "--work", str(work)], env=env)
     if code or not out.is_file():
@@ -170,8 +222,11 @@ def summarise(name: str, parts: list[dict], base: list[dict] | None, n_prompts: 
             counters[k] = counters.get(k, 0) + (v or 0)
         for k, v in (p.get("proposer") or {}).items():
             prop[k] = prop.get(k, 0) + v
-    row = {"tokens": tokens, "seconds": round(seconds, 2),
-           **speed(name == "target", tokens, seconds, counters, prop or None, n_prompts)}
+    row = {
+        "tokens": tokens,
+        "seconds": round(seconds, 2),
+        **speed(name == "target", tokens, seconds, counters, prop or None, n_prompts),
+    }
     if name == "draft_model_schedule" and (row.get("tokens_per_call") or 0) > 8:  # K = 0 steps are not counted
         row["tokens_per_call"] = None
     row["greedy_identical"] = base is None or outputs == base
@@ -189,18 +244,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k-max", type=int, default=4, help="the proposer's most candidates per round")
     ap.add_argument("--tau", type=float, default=0.5, help="confidence_stop's threshold")
     ap.add_argument("--batch-sizes", default="1,16")
-    ap.add_argument("--schedule", default="1-2:2,3-8:1,9-256:0",
-                    help="draft_model with vLLM's num_speculative_tokens_per_batch_size, as START-END:K,... ('': none)")
+    ap.add_argument(
+        "--schedule",
+        default="1-2:2,3-8:1,9-256:0",
+        help="draft_model with vLLM's num_speculative_tokens_per_batch_size, as START-END:K,... ('': none)",
+    )
     ap.add_argument("--skip", default="", help="configurations to leave out, comma-separated names")
     ap.add_argument("--ours-skip", default="", help="our engine's rows to leave out, comma-separated names")
-    ap.add_argument("--no-cost", dest="cost", action="store_false",
-                    help="leave out the cost-aware proposer rows (and the cost profile of vLLM's steps)")
+    ap.add_argument(
+        "--no-cost",
+        dest="cost",
+        action="store_false",
+        help="leave out the cost-aware proposer rows (and the cost profile of vLLM's steps)",
+    )
     ap.add_argument("--profile", default="auto", help="vLLM cost table: auto (cached), refresh, or a JSON path")
     ap.add_argument("--ours-batch", type=int, default=8, help="our own batched engine's rows (0: skip that part)")
-    ap.add_argument("--eagle", default=str(ROOT / "recipes/heads/eagle_smollm2.safetensors"),
-                    help="an EAGLE head for our engine's rows ('' : none)")
-    ap.add_argument("--datagen", default=str(ROOT / "bench/results/vllm_datagen.json"),
-                    help="bench/vllm_datagen.py's result: its ratio is copied into the ratios")
+    ap.add_argument(
+        "--eagle",
+        default=str(ROOT / "recipes/heads/eagle_smollm2.safetensors"),
+        help="an EAGLE head for our engine's rows ('' : none)",
+    )
+    ap.add_argument(
+        "--datagen",
+        default=str(ROOT / "bench/results/vllm_datagen.json"),
+        help="bench/vllm_datagen.py's result: its ratio is copied into the ratios",
+    )
     ap.add_argument("--gsm8k", type=int, default=32)
     ap.add_argument("--mt-bench", type=int, default=16)
     ap.add_argument("--offset", type=int, default=0)
@@ -232,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         parts = {n: [] for n in names}
         for block in range(args.blocks):
-            order = names[block % len(names):] + names[: block % len(names)]
+            order = names[block % len(names) :] + names[: block % len(names)]
             for name in order:
                 try:
                     parts[name].append(run_one(args, work, name, table[name], batch, block))
@@ -254,16 +322,19 @@ def main(argv: list[str] | None = None) -> int:
         best_k = max((n for n in rows if n.startswith("draft_model_k")), key=lambda n: rows[n]["tokens_per_s"])
         best_p = max((n for n in rows if n.startswith("proposer")), key=lambda n: rows[n]["tokens_per_s"])
         best = max((n for n in rows if n != "target"), key=lambda n: rows[n]["tokens_per_s"])
-        ratios[f"proposer_vs_vllm_best_fixed_k_{key}"] = round(rows[best_p]["tokens_per_s"] /
-                                                               rows[best_k]["tokens_per_s"], 4)
-        ratios[f"best_lossless_vs_vllm_target_{key}"] = round(max(rows[best]["tokens_per_s"], 0) /
-                                                              rows["target"]["tokens_per_s"], 4)
+        ratios[f"proposer_vs_vllm_best_fixed_k_{key}"] = round(
+            rows[best_p]["tokens_per_s"] / rows[best_k]["tokens_per_s"], 4
+        )
+        ratios[f"best_lossless_vs_vllm_target_{key}"] = round(
+            max(rows[best]["tokens_per_s"], 0) / rows["target"]["tokens_per_s"], 4
+        )
         ratios[f"best_{key}"] = best
     if engine_rows:
         r = engine_rows["rows"]
         best = max((n for n in r if n != "ar" and r[n]["greedy_identical"]), key=lambda n: r[n]["tokens_per_s"])
         ratios[f"ours_batched_best_lossless_vs_ours_batched_ar_b{args.ours_batch}"] = round(
-            r[best]["tokens_per_s"] / r["ar"]["tokens_per_s"], 4)
+            r[best]["tokens_per_s"] / r["ar"]["tokens_per_s"], 4
+        )
         ratios[f"ours_batched_best_b{args.ours_batch}"] = best
     if args.datagen and Path(args.datagen).is_file():
         dg = json.loads(Path(args.datagen).read_text())
@@ -271,27 +342,39 @@ def main(argv: list[str] | None = None) -> int:
         ratios[key] = dg.get(key, dg.get("ratios", {}).get(key))
     from _common import run_info
 
-    result = {**run_info(__file__, argv, f"vLLM CPU, fp32, greedy, enforce_eager, {args.threads} threads"),
-              "prompts": {"gsm8k": args.gsm8k, "mt_bench": args.mt_bench, "offset": args.offset},
-              "max_new_tokens": args.max_new, "blocks": args.blocks, "configs": table, "results": results,
-              "greedy_identical": all(r["greedy_identical"] for rows in results.values() for r in rows.values())
-              and all(r["greedy_identical"] for r in (engine_rows or {"rows": {}})["rows"].values()),
-              "ours_batched": engine_rows, "vllm_cost_table": args.costs, "ratios": ratios}
+    result = {
+        **run_info(__file__, argv, f"vLLM CPU, fp32, greedy, enforce_eager, {args.threads} threads"),
+        "prompts": {"gsm8k": args.gsm8k, "mt_bench": args.mt_bench, "offset": args.offset},
+        "max_new_tokens": args.max_new,
+        "blocks": args.blocks,
+        "configs": table,
+        "results": results,
+        "greedy_identical": all(r["greedy_identical"] for rows in results.values() for r in rows.values())
+        and all(r["greedy_identical"] for r in (engine_rows or {"rows": {}})["rows"].values()),
+        "ours_batched": engine_rows,
+        "vllm_cost_table": args.costs,
+        "ratios": ratios,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print("batch | config | tokens/s | tokens/call | acceptance | propose share | greedy identical")
     for key, rows in results.items():
         for n, r in rows.items():
-            print(f"{key} | {n} | {r['tokens_per_s']} | {r['tokens_per_call']} | {r.get('acceptance_rate')} | "
-                  f"{r.get('propose_share_of_wall_time')} | {r['greedy_identical']}")
+            print(
+                f"{key} | {n} | {r['tokens_per_s']} | {r['tokens_per_call']} | {r.get('acceptance_rate')} | "
+                f"{r.get('propose_share_of_wall_time')} | {r['greedy_identical']}"
+            )
     for n, r in (engine_rows or {"rows": {}})["rows"].items():
-        print(f"ours b{args.ours_batch} | {n} | {r['tokens_per_s']} | {r['tokens_per_call']} | - | - | "
-              f"{r['greedy_identical']}")
+        print(
+            f"ours b{args.ours_batch} | {n} | {r['tokens_per_s']} | {r['tokens_per_call']} | - | - | "
+            f"{r['greedy_identical']}"
+        )
     print(json.dumps(ratios, indent=1))
     return 0 if result["greedy_identical"] else 1
 
 
 # ---- a vLLM process: one configuration, one batch size, one block of prompts -------------------------------
+
 
 def vllm_stage(work: Path) -> int:
     from vllm import LLM, SamplingParams
@@ -305,18 +388,32 @@ def vllm_stage(work: Path) -> int:
         from specheads.vllm import speculative_config
 
         spec = speculative_config(**spec["specheads"])
-    llm = LLM(model=str(work / "target_hf"), dtype="float32", max_model_len=2048, max_num_seqs=job["batch"], seed=0,
-              enforce_eager=True, disable_log_stats=False, speculative_config=spec or None)
+    llm = LLM(
+        model=str(work / "target_hf"),
+        dtype="float32",
+        max_model_len=2048,
+        max_num_seqs=job["batch"],
+        seed=0,
+        enforce_eager=True,
+        disable_log_stats=False,
+        speculative_config=spec or None,
+    )
     prompts = json.loads((work / "prompts.json").read_text())
     size = -(-len(prompts) // job["blocks"])
-    mine = prompts[job["block"] * size: (job["block"] + 1) * size]
+    mine = prompts[job["block"] * size : (job["block"] + 1) * size]
     params = SamplingParams(temperature=0.0, max_tokens=job["max_new"])
-    llm.generate([TokensPrompt(prompt_token_ids=prompts[0]["ids"])], SamplingParams(temperature=0.0, max_tokens=8),
-                 use_tqdm=False)  # warm-up
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=prompts[0]["ids"])],
+        SamplingParams(temperature=0.0, max_tokens=8),
+        use_tqdm=False,
+    )  # warm-up
 
     def counters():
-        return {m.name: m.value for m in llm.get_metrics()
-                if m.name.startswith("vllm:spec_decode") and isinstance(getattr(m, "value", None), (int, float))}
+        return {
+            m.name: m.value
+            for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode") and isinstance(getattr(m, "value", None), (int, float))
+        }
 
     proposer = "specheads" in job["spec"]
     before, p0 = counters(), (llm.collective_rpc(_proposer_stats)[0] if proposer else None)
@@ -324,8 +421,13 @@ def vllm_stage(work: Path) -> int:
     res = llm.generate([TokensPrompt(prompt_token_ids=p["ids"]) for p in mine], params, use_tqdm=False)
     seconds = time.perf_counter() - t
     outputs = [list(r.outputs[0].token_ids) for r in res]
-    out = {"block": job["block"], "tokens": sum(map(len, outputs)), "seconds": seconds, "outputs": outputs,
-           "counters": {k: v - before.get(k, 0) for k, v in counters().items()}}
+    out = {
+        "block": job["block"],
+        "tokens": sum(map(len, outputs)),
+        "seconds": seconds,
+        "outputs": outputs,
+        "counters": {k: v - before.get(k, 0) for k, v in counters().items()},
+    }
     if proposer:
         p1 = llm.collective_rpc(_proposer_stats)[0]
         out["proposer"] = {k: p1[k] - p0[k] for k in p1}

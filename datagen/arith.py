@@ -134,6 +134,6 @@ def check(text: str, reference: str | None = None) -> Check:
     wrong = next((s for s in all_steps if not s.correct), None)
     fin = final_answer(text)
     span = (wrong.result_start, wrong.result_end) if wrong is not None else None
-    return Check(fin[0] if fin else None, final_correct(text, reference) if reference is not None else None, span,
-                 all_steps)
-
+    return Check(
+        fin[0] if fin else None, final_correct(text, reference) if reference is not None else None, span, all_steps
+    )

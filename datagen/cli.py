@@ -1,7 +1,8 @@
 """``heads-datagen``: run both models over prompts and write labelled examples.
 
     heads-datagen recipe=quickstart num_prompts=64 output_dir=runs/labels
-    accelerate launch --multi_gpu --num_processes 2 -m specheads.datagen.cli recipe=quickstart   # no GPU: 2 CPU processes, gloo
+    accelerate launch --multi_gpu --num_processes 2 -m specheads.datagen.cli recipe=quickstart   # no GPU: 2 CPU
+    processes, gloo
     heads-datagen recipe=quickstart verify            # every prompt labelled once, every shard readable
     heads-datagen merge from=node0/labels,node1/labels output_dir=labels   # nodes without a shared disk
     heads-datagen recipe=judge_mined_quickstart show index=3   # one swap-mined prompt, its mismatches coloured
@@ -50,20 +51,19 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from specheads.config import cli_main, to_yaml
+from specheads.datagen import shards, vllm_responses
+from specheads.datagen.config import PROG, DatagenConfig
+from specheads.datagen.labelling import Job
+from specheads.datagen.manifest import chunk_metrics, finish
+from specheads.datagen.mined_view import show
+from specheads.datagen.registry import LABELLERS, labeller
+from specheads.datagen.verify import merge, verify_main
 from specheads.dataset import RUN_DIRS, chunk_files, chunk_info
 from specheads.errors import UserError
 from specheads.export import load_pair
-from specheads.export.shim.models import context_length
+from specheads.export.shim import context_length
 from specheads.numerics import check_resume, numerics_settings, use_threads, without
 from specheads.outputs import MetricsWriter, holds_other_run, prepare_output_dir
-
-from . import shards, vllm_responses
-from .config import PROG, DatagenConfig
-from .labelling import Job
-from .manifest import chunk_metrics, finish
-from .mined_view import show
-from .registry import LABELLERS, labeller
-from .verify import merge, verify_main
 
 log = logging.getLogger(__name__)
 
@@ -122,18 +122,24 @@ def _clean_temporaries(out: Path, rank: int, world: int) -> None:
 
 
 def _models(pair) -> dict:
-    return {"target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
-            "draft": ({"name": pair.draft.name, "fingerprint": pair.draft.fingerprint, "vocab": pair.draft.vocab}
-                      if pair.draft else None),
-            "hidden_size": pair.target.hidden_size}
+    return {
+        "target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
+        "draft": (
+            {"name": pair.draft.name, "fingerprint": pair.draft.fingerprint, "vocab": pair.draft.vocab}
+            if pair.draft
+            else None
+        ),
+        "hidden_size": pair.target.hidden_size,
+    }
 
 
 def _numerics(pair, processes: int) -> dict:
     """The run's numerics settings (see :mod:`specheads.numerics`)."""
     loaded = {"target": pair.target, "draft": pair.draft}
     loaded = {role: m for role, m in loaded.items() if m is not None}
-    return numerics_settings(processes, {role: m.model.dtype for role, m in loaded.items()},
-                             {role: m.device for role, m in loaded.items()})
+    return numerics_settings(
+        processes, {role: m.model.dtype for role, m in loaded.items()}, {role: m.device for role, m in loaded.items()}
+    )
 
 
 def _load(cfg: DatagenConfig, needs_draft: bool) -> Job:
@@ -143,8 +149,15 @@ def _load(cfg: DatagenConfig, needs_draft: bool) -> Job:
         raise UserError("heads-datagen needs a draft model; set draft.path")
     eos = pair.eos_token_ids
     pad = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else eos[0]
-    limit = min(x for x in (context_length(pair.target.model),
-                            context_length(pair.draft.model) if pair.draft is not None else None, 1 << 30) if x)
+    limit = min(
+        x
+        for x in (
+            context_length(pair.target.model),
+            context_length(pair.draft.model) if pair.draft is not None else None,
+            1 << 30,
+        )
+        if x
+    )
     return Job(cfg, pair, pad, eos, limit)
 
 
@@ -184,8 +197,10 @@ def _run(cfg: DatagenConfig) -> int:
             check_resume(chunk_info(first).get("numerics"), numerics, str(first), ignore=("processes",))
     models = {**_models(job.pair), "numerics": without(numerics, ("processes",))}  # the count changes no chunk
     started, labelled = time.perf_counter(), 0
-    with tqdm(total=len(mine), unit="chunk", desc=f"{PROG} rank {rank}", disable=not state.is_main_process) as bar, \
-            MetricsWriter(out, f"metrics.rank{rank}.jsonl") as metrics:
+    with (
+        tqdm(total=len(mine), unit="chunk", desc=f"{PROG} rank {rank}", disable=not state.is_main_process) as bar,
+        MetricsWriter(out, f"metrics.rank{rank}.jsonl") as metrics,
+    ):
         for chunk, items in _chunks_of(family.items(cfg), cfg.chunk_size):
             if chunk not in mine:
                 continue
@@ -193,8 +208,14 @@ def _run(cfg: DatagenConfig) -> int:
             job.pregenerated = vllm_responses.take(job, items, chunk) if cfg.engine == "vllm" else None
             result = family.label_chunk(job, items, chunk)
             rows = len(next(iter(result.columns.values())))
-            info = {"first_prompt": job.first_index(chunk), "prompts": len(items), "rows": rows,
-                    "labelled_tokens": result.tokens, "skipped": result.skipped, **models}
+            info = {
+                "first_prompt": job.first_index(chunk),
+                "prompts": len(items),
+                "rows": rows,
+                "labelled_tokens": result.tokens,
+                "skipped": result.skipped,
+                **models,
+            }
             shards.write_chunk(out, chunk, result.columns, info)  # killed after this: finish() rebuilds the line
             if cfg.engine == "vllm":
                 vllm_responses.finish(out, chunk)  # landed: its responses are in the chunk now
@@ -211,7 +232,8 @@ def _run(cfg: DatagenConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``heads-datagen`` (its ``verify`` and ``merge`` steps: ``verify.py``; ``show``: ``mined_view.py``)."""
+    """Entry point of ``heads-datagen`` (its ``verify`` and ``merge`` steps: ``verify.py``;
+    ``show``: ``mined_view.py``)."""
     import sys
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -222,15 +244,16 @@ def main(argv: list[str] | None = None) -> int:
         args.remove("show")
         picked = [a for a in args if a.startswith("index=")]
         args = [a for a in args if not a.startswith("index=")]
-        index = picked[-1][len("index="):] if picked else "0"
+        index = picked[-1][len("index=") :] if picked else "0"
         return cli_main(f"{PROG} show", DatagenConfig, "datagen", args, lambda cfg: show(cfg.output_dir, index))
     if "merge" in args:
         args.remove("merge")
         sources = [a for a in args if a.startswith("from=")]
         args = [a for a in args if not a.startswith("from=")]
-        dirs = [d.strip() for a in sources for d in a[len("from="):].split(",") if d.strip()]
-        return cli_main(f"{PROG} merge", DatagenConfig, "datagen", args,
-                        lambda cfg: (merge(dirs, cfg.output_dir), 0)[1])
+        dirs = [d.strip() for a in sources for d in a[len("from=") :].split(",") if d.strip()]
+        return cli_main(
+            f"{PROG} merge", DatagenConfig, "datagen", args, lambda cfg: (merge(dirs, cfg.output_dir), 0)[1]
+        )
     return cli_main(PROG, DatagenConfig, "datagen", args, run)
 
 

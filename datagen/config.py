@@ -4,57 +4,215 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specheads.export.shim.models import ModelSpec
-from specheads.export.shim.sampling import SamplingConfig
+from specheads.export.shim import ModelSpec, SamplingConfig
 
 PROG = "heads-datagen"
 
 
 @dataclass
 class DatagenConfig:
-    """Run target and draft over prompts and write labelled examples; `heads-datagen ... verify` checks a finished output_dir, `heads-datagen merge from=DIR,DIR output_dir=DIR` joins per-node outputs."""
+    """Run target and draft over prompts and write labelled examples; `heads-datagen ... verify` checks a
+    finished output_dir, `heads-datagen merge from=DIR,DIR output_dir=DIR` joins per-node outputs."""
 
     target: ModelSpec = field(default_factory=ModelSpec)
     draft: ModelSpec = field(default_factory=ModelSpec)
-    labels: str = field(default="acceptance", metadata={"help": "acceptance (SpecDec++ soft labels) | fsd (acceptance data plus FSD divergences and Div < T decisions) | sprinter (ratio-threshold labels, four prefix categories) | judge (correct/wrong tuples, token labels, target features) | drafter (the target's responses, its states at chosen layers and top-k distributions: what heads-train head=eagle and head=draft learn from) | eagle_rounds (SpecDec++ labels of an EAGLE head's candidates, from SD decoding with it: what heads-train head=eagle_stop learns from)"})
+    labels: str = field(
+        default="acceptance",
+        metadata={
+            "help": (
+                "acceptance (SpecDec++ soft labels) | fsd (acceptance data plus FSD divergences and Div "
+                "< T decisions) | sprinter (ratio-threshold labels, four prefix categories) | judge "
+                "(correct/wrong tuples, token labels, target features) | drafter (the target's "
+                "responses, its states at chosen layers and top-k distributions: what heads-train "
+                "head=eagle and head=draft learn from) | eagle_rounds (SpecDec++ labels of an EAGLE "
+                "head's candidates, from SD decoding with it: what heads-train head=eagle_stop learns "
+                "from)"
+            )
+        },
+    )
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    prompts: str = field(default="", metadata={"help": "prompt file (JSONL, GSM8K, Alpaca, MT-Bench, ARC); several: comma-separated"})
+    prompts: str = field(
+        default="", metadata={"help": "prompt file (JSONL, GSM8K, Alpaca, MT-Bench, ARC); several: comma-separated"}
+    )
     num_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts (after offset)"})
     offset: int = 0
     max_new_tokens: int = field(default=128, metadata={"help": "length of the target's responses"})
     chat_template: bool = True
-    batch_size: int = field(default=16, metadata={"help": "prompts per forward (one batch generates and is labelled together)"})
+    batch_size: int = field(
+        default=16, metadata={"help": "prompts per forward (one batch generates and is labelled together)"}
+    )
     chunk_size: int = field(default=32, metadata={"help": "prompts per output file (the unit of resumption)"})
     expected_label: bool = field(default=True, metadata={"help": "acceptance: also store 1 - TV(p, q)"})
-    lambdas: list[float] = field(default_factory=lambda: [1.0, 1.2, 1.5],
-                                 metadata={"help": "sprinter: thresholds whose label shares the manifest reports (the raw ratio is stored, any lambda can be trained)"})
-    mix_prob: float = field(default=0.5, metadata={"help": "sprinter: share of the mixed category's tokens taken from the draft"})
-    fsd_divergences: list[str] = field(default_factory=lambda: ["js", "tv"],
-                                       metadata={"help": "fsd: divergences stored per token (kl, kl_rev, js, tv)"})
-    fsd_thresholds: list[float] = field(default_factory=lambda: [0.05, 0.1, 0.2, 0.3, 0.5],
-                                        metadata={"help": "fsd: thresholds T whose decisions Div < T are stored (and trainable with heads-train label=fsd)"})
-    fsd_top_k: int = field(default=0, metadata={"help": "fsd: divergences on the target's top-k tokens plus a rest bucket (0: whole vocabulary)"})
-    fsd_dist: str = field(default="raw", metadata={"help": "fsd: raw (softmax of the logits, the paper's) | warped (temperature/top-k/top-p of sampling; needs sampling.do_sample=true)"})
-    tuples: str | None = field(default=None, metadata={"help": "judge: import this tuple JSONL (schema in datagen/tuples.py) instead of generating answers to prompts"})
-    answer_models: list[str] = field(default_factory=lambda: ["target", "draft"], metadata={"help": "judge: the models that answer each prompt"})
-    answer_samples: int = field(default=1, metadata={"help": "judge: sampled answers per model and prompt, besides the greedy one"})
+    lambdas: list[float] = field(
+        default_factory=lambda: [1.0, 1.2, 1.5],
+        metadata={
+            "help": (
+                "sprinter: thresholds whose label shares the manifest reports (the raw ratio is stored, "
+                "any lambda can be trained)"
+            )
+        },
+    )
+    mix_prob: float = field(
+        default=0.5, metadata={"help": "sprinter: share of the mixed category's tokens taken from the draft"}
+    )
+    fsd_divergences: list[str] = field(
+        default_factory=lambda: ["js", "tv"],
+        metadata={"help": "fsd: divergences stored per token (kl, kl_rev, js, tv)"},
+    )
+    fsd_thresholds: list[float] = field(
+        default_factory=lambda: [0.05, 0.1, 0.2, 0.3, 0.5],
+        metadata={
+            "help": ("fsd: thresholds T whose decisions Div < T are stored (and trainable with heads-train label=fsd)")
+        },
+    )
+    fsd_top_k: int = field(
+        default=0,
+        metadata={"help": "fsd: divergences on the target's top-k tokens plus a rest bucket (0: whole vocabulary)"},
+    )
+    fsd_dist: str = field(
+        default="raw",
+        metadata={
+            "help": (
+                "fsd: raw (softmax of the logits, the paper's) | warped (temperature/top-k/top-p of "
+                "sampling; needs sampling.do_sample=true)"
+            )
+        },
+    )
+    tuples: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "judge: import this tuple JSONL (schema in datagen/tuples.py) instead of generating answers to prompts"
+            )
+        },
+    )
+    answer_models: list[str] = field(
+        default_factory=lambda: ["target", "draft"], metadata={"help": "judge: the models that answer each prompt"}
+    )
+    answer_samples: int = field(
+        default=1, metadata={"help": "judge: sampled answers per model and prompt, besides the greedy one"}
+    )
     answer_temperature: float = field(default=0.8, metadata={"help": "judge: temperature of the sampled answers"})
-    mining: str = field(default="arith", metadata={"help": "judge: where the wrong tokens come from: arith (graded answers of answer_models; the arithmetic checker localises a wrong answer's first false step) | swap (AutoJudge: each draft token that differs from the target's greedy one is swapped in and the target finishes; it is important when the final answer changes)"})
-    checker: str = field(default="auto", metadata={"help": "judge, mining=swap: how a response's final answer is read: auto (by prompt source) | gsm8k (final number) | arc (letter) | exact (normalised text) | module:function (your callable (prompt, text) -> answer)"})
-    mine_max_mismatches: int = field(default=16, metadata={"help": "judge, mining=swap: most mismatches tried per prompt (then a budget hit)"})
-    mine_max_tokens: int = field(default=2048, metadata={"help": "judge, mining=swap: most continuation tokens the target generates per prompt (then a budget hit)"})
-    mine_max_new_tokens_by_source: dict[str, int] = field(default_factory=dict, metadata={"help": "judge, mining=swap: a shorter response per prompt source (e.g. {arc: 16}: the letter comes first)"})
-    mine_label_matches: bool = field(default=False, metadata={"help": "judge, mining=swap: also label every other token of the final response 1 (default: only the tried mismatches are labelled)"})
-    drafter_layers: list[int] = field(default_factory=list, metadata={"help": "drafter: the target layers whose entering residual stream is stored (Hugging Face hidden_states indices; empty: 2, n/2, n-3 of n layers)"})
-    drafter_top_k: int = field(default=20, metadata={"help": "drafter: most likely tokens of the target's distribution stored per response token"})
-    eagle: str = field(default="", metadata={"help": "eagle_rounds: the exported EAGLE head (heads-train head=eagle, then heads-export) that drafts"})
-    eagle_k: int = field(default=8, metadata={"help": "eagle_rounds: candidates per SD round (every one labelled but a round's last, which has no head state)"})
-    engine: str = field(default="specheads", metadata={"help": "specheads (this package generates the target's responses with Transformers) | vllm (vLLM generates every response the run needs, all chunks in one offline run up front; labels=acceptance, fsd, sprinter, drafter, judge with mining=arith; greedy responses are the specheads engine's, sampled ones are seeded per prompt and differ)"})
-    vllm_python: str | None = field(default=None, metadata={"help": "engine=vllm: the python of vLLM's virtualenv (default: this one, when it has vLLM)"})
-    vllm_threads: int | None = field(default=None, metadata={"help": "engine=vllm: OMP_NUM_THREADS for vLLM on a CPU (default: the machine's cores)"})
-    vllm_max_num_seqs: int = field(default=256, metadata={"help": "engine=vllm: requests vLLM runs at once (its max_num_seqs; vLLM schedules them, batch_size does not apply to its generation)"})
-    vllm_tensor_parallel: int = field(default=1, metadata={"help": "engine=vllm: GPUs vLLM splits the target over (its tensor_parallel_size); under accelerate launch each process is one data-parallel vLLM on its own vllm_tensor_parallel GPUs"})
-    threads: int | None = field(default=None, metadata={"help": "torch threads per process (torch.set_num_threads); null: torch's default. Results match bit for bit only between runs with the same count (see the manifest's numerics)"})
+    mining: str = field(
+        default="arith",
+        metadata={
+            "help": (
+                "judge: where the wrong tokens come from: arith (graded answers of answer_models; the "
+                "arithmetic checker localises a wrong answer's first false step) | swap (AutoJudge: each "
+                "draft token that differs from the target's greedy one is swapped in and the target "
+                "finishes; it is important when the final answer changes)"
+            )
+        },
+    )
+    checker: str = field(
+        default="auto",
+        metadata={
+            "help": (
+                "judge, mining=swap: how a response's final answer is read: auto (by prompt source) | "
+                "gsm8k (final number) | arc (letter) | exact (normalised text) | module:function (your "
+                "callable (prompt, text) -> answer)"
+            )
+        },
+    )
+    mine_max_mismatches: int = field(
+        default=16, metadata={"help": "judge, mining=swap: most mismatches tried per prompt (then a budget hit)"}
+    )
+    mine_max_tokens: int = field(
+        default=2048,
+        metadata={
+            "help": ("judge, mining=swap: most continuation tokens the target generates per prompt (then a budget hit)")
+        },
+    )
+    mine_max_new_tokens_by_source: dict[str, int] = field(
+        default_factory=dict,
+        metadata={
+            "help": (
+                "judge, mining=swap: a shorter response per prompt source (e.g. {arc: 16}: the letter comes first)"
+            )
+        },
+    )
+    mine_label_matches: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "judge, mining=swap: also label every other token of the final response 1 (default: only "
+                "the tried mismatches are labelled)"
+            )
+        },
+    )
+    drafter_layers: list[int] = field(
+        default_factory=list,
+        metadata={
+            "help": (
+                "drafter: the target layers whose entering residual stream is stored (Hugging Face "
+                "hidden_states indices; empty: 2, n/2, n-3 of n layers)"
+            )
+        },
+    )
+    drafter_top_k: int = field(
+        default=20,
+        metadata={"help": "drafter: most likely tokens of the target's distribution stored per response token"},
+    )
+    eagle: str = field(
+        default="",
+        metadata={
+            "help": ("eagle_rounds: the exported EAGLE head (heads-train head=eagle, then heads-export) that drafts")
+        },
+    )
+    eagle_k: int = field(
+        default=8,
+        metadata={
+            "help": (
+                "eagle_rounds: candidates per SD round (every one labelled but a round's last, which has no head state)"
+            )
+        },
+    )
+    engine: str = field(
+        default="specheads",
+        metadata={
+            "help": (
+                "specheads (this package generates the target's responses with Transformers) | vllm "
+                "(vLLM generates every response the run needs, all chunks in one offline run up front; "
+                "labels=acceptance, fsd, sprinter, drafter, judge with mining=arith; greedy responses "
+                "are the specheads engine's, sampled ones are seeded per prompt and differ)"
+            )
+        },
+    )
+    vllm_python: str | None = field(
+        default=None,
+        metadata={"help": "engine=vllm: the python of vLLM's virtualenv (default: this one, when it has vLLM)"},
+    )
+    vllm_threads: int | None = field(
+        default=None, metadata={"help": "engine=vllm: OMP_NUM_THREADS for vLLM on a CPU (default: the machine's cores)"}
+    )
+    vllm_max_num_seqs: int = field(
+        default=256,
+        metadata={
+            "help": (
+                "engine=vllm: requests vLLM runs at once (its max_num_seqs; vLLM schedules them, "
+                "batch_size does not apply to its generation)"
+            )
+        },
+    )
+    vllm_tensor_parallel: int = field(
+        default=1,
+        metadata={
+            "help": (
+                "engine=vllm: GPUs vLLM splits the target over (its tensor_parallel_size); under "
+                "accelerate launch each process is one data-parallel vLLM on its own "
+                "vllm_tensor_parallel GPUs"
+            )
+        },
+    )
+    threads: int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "torch threads per process (torch.set_num_threads); null: torch's default. Results match "
+                "bit for bit only between runs with the same count (see the manifest's numerics)"
+            )
+        },
+    )
     seed: int = 0
     output_dir: str = "runs/datagen"
     overwrite: bool = False

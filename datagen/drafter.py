@@ -18,13 +18,12 @@ from pathlib import Path
 
 import torch
 
+from specheads.datagen import shards
+from specheads.datagen.acceptance_labels import generate_responses, response_logits
+from specheads.datagen.labelling import Job, Labelled, Labeller, skip_record
 from specheads.dataset import DRAFTER_COLUMNS, DrafterChunkFiles, chunk_files
 from specheads.errors import UserError
-from specheads.export.shim.kv import make_runner
-
-from . import shards
-from .acceptance import generate_responses, response_logits
-from .labelling import Job, Labelled, Labeller, skip_record
+from specheads.export.shim import make_runner
 
 
 def default_layers(num_layers: int) -> list[int]:
@@ -74,29 +73,37 @@ def label_chunk(job: Job, items: list, chunk: int) -> Labelled:
     states, tops, logps, lengths, rlengths, skipped = [], [], [], [], [], []
     labelled = 0
     for b in range(0, len(items), cfg.batch_size):
-        batch = items[b: b + cfg.batch_size]
+        batch = items[b : b + cfg.batch_size]
         ids = job.prompt_ids(batch)
         if job.pregenerated is None:
-            responses, logits = generate_responses(model, ids, cfg.max_new_tokens, cfg.sampling, seed + b,
-                                                   job.pad, job.eos)
+            responses, logits = generate_responses(
+                model, ids, cfg.max_new_tokens, cfg.sampling, seed + b, job.pad, job.eos
+            )
             if logits is None:  # a model off the fused path: one teacher-forced pass gives them
                 logits = response_logits(model, ids, responses, job.pad)
             keep = [i for i, (r, lg) in enumerate(zip(responses, logits)) if r and bool(torch.isfinite(lg).all())]
             seqs = [ids[i] + responses[i] for i in keep]
             got = sequence_states(model, seqs, layers) if seqs else []
         else:  # engine=vllm: the responses from vLLM; states and distributions from one pass here
-            responses, ok = map(list, zip(*(job.response(str(job.first_index(chunk) + b + i))
-                                            for i in range(len(batch)))))
+            responses, ok = map(
+                list, zip(*(job.response(str(job.first_index(chunk) + b + i)) for i in range(len(batch))))
+            )
             live = [i for i, r in enumerate(responses) if r and ok[i]]
-            got, lgs = sequence_states(model, [ids[i] + responses[i] for i in live], layers,
-                                       [len(responses[i]) for i in live]) if live else ([], [])
+            got, lgs = (
+                sequence_states(model, [ids[i] + responses[i] for i in live], layers, [len(responses[i]) for i in live])
+                if live
+                else ([], [])
+            )
             logits = dict(zip(live, lgs))
             keep = [i for i in live if bool(torch.isfinite(logits[i]).all())]
             got = [st for i, st in zip(live, got) if i in keep]
         for i, p in enumerate(batch):
             if i not in keep:
-                skipped.append(skip_record(p, job.first_index(chunk) + b + i,
-                                           "empty response" if not responses[i] else "non-finite logits"))
+                skipped.append(
+                    skip_record(
+                        p, job.first_index(chunk) + b + i, "empty response" if not responses[i] else "non-finite logits"
+                    )
+                )
         for i, st in zip(keep, got):
             t_ids, t_logp = top_k(logits[i], cfg.drafter_top_k)
             states.append(st)
@@ -111,12 +118,16 @@ def label_chunk(job: Job, items: list, chunk: int) -> Labelled:
             labelled += len(responses[i])
     width = len(layers) * job.pair.target.hidden_size
     k = min(cfg.drafter_top_k, job.pair.target.model.config.vocab_size)
-    DrafterChunkFiles(cfg.output_dir, chunk).write({
-        "states": torch.cat(states) if states else torch.zeros(0, width, dtype=torch.float16),
-        "offsets": _offsets(lengths),
-        "top_ids": torch.cat(tops) if tops else torch.zeros(0, k, dtype=torch.int32),
-        "top_logp": torch.cat(logps) if logps else torch.zeros(0, k),
-        "response_offsets": _offsets(rlengths), "layers": torch.tensor(layers, dtype=torch.int64)})
+    DrafterChunkFiles(cfg.output_dir, chunk).write(
+        {
+            "states": torch.cat(states) if states else torch.zeros(0, width, dtype=torch.float16),
+            "offsets": _offsets(lengths),
+            "top_ids": torch.cat(tops) if tops else torch.zeros(0, k, dtype=torch.int32),
+            "top_logp": torch.cat(logps) if logps else torch.zeros(0, k),
+            "response_offsets": _offsets(rlengths),
+            "layers": torch.tensor(layers, dtype=torch.int64),
+        }
+    )
     return Labelled(cols, labelled, skipped)
 
 
@@ -146,9 +157,15 @@ def summarise(out: Path) -> dict:
         tokens += t["top_logp"].shape[0]
         positions += t["states"].shape[0]
         top1 += float(t["top_logp"][:, 0].double().exp().sum()) if t["top_logp"].numel() else 0.0
-    return {"prompts": prompts, "labelled_tokens": tokens, "state_positions": positions, "layers": layers,
-            "label_mean": top1 / tokens if tokens else None, "disk_bytes": disk,
-            "disk_mb_per_100k_tokens": round(disk / tokens * 1e5 / 2**20, 1) if tokens else None}
+    return {
+        "prompts": prompts,
+        "labelled_tokens": tokens,
+        "state_positions": positions,
+        "layers": layers,
+        "label_mean": top1 / tokens if tokens else None,
+        "disk_bytes": disk,
+        "disk_mb_per_100k_tokens": round(disk / tokens * 1e5 / 2**20, 1) if tokens else None,
+    }
 
 
 class StatesLabeller(Labeller):
@@ -186,13 +203,16 @@ class DrafterLabeller(StatesLabeller):
         n = model.config.num_hidden_layers
         bad = [i for i in layers_for(job.cfg, model) if not 0 < i < n]
         if bad:
-            raise UserError(f"drafter_layers={list(job.cfg.drafter_layers)}: layers {bad} lie outside the target's "
-                            f"decoder layers 1..{n - 1}")
+            raise UserError(
+                f"drafter_layers={list(job.cfg.drafter_layers)}: layers {bad} lie outside the target's "
+                f"decoder layers 1..{n - 1}"
+            )
 
     def label_chunk(self, job: Job, items: list, chunk: int) -> Labelled:
         return label_chunk(job, items, chunk)
 
     def summarise(self, cfg, out: Path, models: dict) -> tuple[dict, dict]:
         stats = summarise(out)
-        return stats, {"drafter": {"layers": stats.pop("layers"), "top_k": cfg.drafter_top_k,
-                                   "hidden_size": models["hidden_size"]}}
+        return stats, {
+            "drafter": {"layers": stats.pop("layers"), "top_k": cfg.drafter_top_k, "hidden_size": models["hidden_size"]}
+        }

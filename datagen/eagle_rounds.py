@@ -1,7 +1,7 @@
 """``labels=eagle_rounds``: SpecDec++ acceptance labels for an EAGLE drafter, on-policy from decoding.
 
 Per prompt, the target decodes with the EAGLE head ``eagle=`` (an exported ``head_type=eagle`` file,
-:class:`specheads.export.shim.eagle.EagleDrafter`) under standard SD with a fixed ``eagle_k``
+:class:`specheads.export.shim.runners.eagle_drafter.EagleDrafter`) under standard SD with a fixed ``eagle_k``
 candidates per round and the run's sampling settings (docs/algorithms/specdecpp.md and eagle.md). The policy
 that verifies each round (:class:`RecordingSD`) keeps, before the standard rule decides, the
 candidates, the distributions they were drawn from, the head's post-norm states and the target logits
@@ -32,13 +32,10 @@ from pathlib import Path
 
 import torch
 
+from specheads.datagen.drafter import StatesLabeller
+from specheads.datagen.labelling import Job, Labelled, skip_record
 from specheads.dataset import EAGLE_ROUNDS_COLUMNS, DrafterChunkFiles, chunk_files
-from specheads.export.shim.engine import Engine
-from specheads.export.shim.policies import Policy, Round, Verdict, standard_verify
-from specheads.export.shim.sampling import probs_from_logits
-
-from .drafter import StatesLabeller
-from .labelling import Job, Labelled, skip_record
+from specheads.export.shim import Engine, Policy, Round, Verdict, probs_from_logits, standard_verify
 
 PER_CANDIDATE = ("round_start", "step", "draft_token", "q_token", "p_token", "label", "outcome")
 FEATURE = {"model": "eagle", "state": "post", "layer": -1, "position": "own"}
@@ -132,8 +129,9 @@ class EagleRoundsLabeller(StatesLabeller):
     def problems(self, cfg) -> list[str]:
         out = super().problems(cfg)
         if not cfg.eagle:
-            out.append("labels=eagle_rounds needs eagle=<an exported EAGLE head> (heads-train head=eagle, then "
-                       "heads-export)")
+            out.append(
+                "labels=eagle_rounds needs eagle=<an exported EAGLE head> (heads-train head=eagle, then heads-export)"
+            )
         if cfg.eagle_k < 2:
             out.append(f"eagle_k={cfg.eagle_k} must be >= 2 (a round's last candidate has no head state to label)")
         return out
@@ -184,7 +182,8 @@ class EagleRoundsLabeller(StatesLabeller):
             offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
         width = head.module.hidden_size
         DrafterChunkFiles(cfg.output_dir, chunk).write(
-            {"states": torch.cat(states) if states else torch.zeros(0, width, dtype=torch.float16), "offsets": offsets})
+            {"states": torch.cat(states) if states else torch.zeros(0, width, dtype=torch.float16), "offsets": offsets}
+        )
         return Labelled(cols, labelled, skipped)
 
     def summarise(self, cfg, out: Path, models: dict) -> tuple[dict, dict]:
@@ -192,10 +191,15 @@ class EagleRoundsLabeller(StatesLabeller):
 
         stats = summarise(out, cfg.eagle_k)
         meta = read_metadata(cfg.eagle)
-        eagle = {"file": Path(cfg.eagle).name, "tensors_sha256": meta.get("tensors_sha256"),
-                 "target": meta.get("target")}
-        return stats, {"hidden_size": models["hidden_size"],
-                       "eagle_rounds": {"k": cfg.eagle_k, "eagle": eagle, "feature": FEATURE}}
+        eagle = {
+            "file": Path(cfg.eagle).name,
+            "tensors_sha256": meta.get("tensors_sha256"),
+            "target": meta.get("target"),
+        }
+        return stats, {
+            "hidden_size": models["hidden_size"],
+            "eagle_rounds": {"k": cfg.eagle_k, "eagle": eagle, "feature": FEATURE},
+        }
 
 
 def summarise(out: Path, k: int) -> dict:
@@ -213,7 +217,16 @@ def summarise(out: Path, k: int) -> dict:
                 s = per_step.setdefault(j, [0, 0.0, 0])
                 s[0], s[1], s[2] = s[0] + 1, s[1] + y, s[2] + (o == 1)
                 tokens, total = tokens + 1, total + y
-    return {"prompts": prompts, "labelled_tokens": tokens, "label_mean": total / tokens if tokens else None,
-            "per_step": {str(j): {"candidates": n, "label_mean": round(t / n, 6) if n else None,
-                                  "kept_share": round(kept / n, 6) if n else None}
-                         for j, (n, t, kept) in sorted(per_step.items())}}
+    return {
+        "prompts": prompts,
+        "labelled_tokens": tokens,
+        "label_mean": total / tokens if tokens else None,
+        "per_step": {
+            str(j): {
+                "candidates": n,
+                "label_mean": round(t / n, 6) if n else None,
+                "kept_share": round(kept / n, 6) if n else None,
+            }
+            for j, (n, t, kept) in sorted(per_step.items())
+        },
+    }

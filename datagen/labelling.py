@@ -13,11 +13,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from specheads.export import fit_context, format_prompt
-from specheads.export.shim.models import Pair
+from specheads.datagen.config import DatagenConfig
+from specheads.export.api import fit_context, format_prompt
+from specheads.export.shim import Pair
 from specheads.prompts import iter_prompt_files
-
-from .config import DatagenConfig
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +48,12 @@ class Job:
 
     def prompt_ids(self, prompts) -> list[list[int]]:
         """Each prompt's token ids (chat template per ``chat_template``), cut to leave room for the response."""
-        return [fit_context(format_prompt(self.pair.tokenizer, p, self.cfg.chat_template), self.cfg.max_new_tokens,
-                            self.limit)[0] for p in prompts]
+        return [
+            fit_context(
+                format_prompt(self.pair.tokenizer, p, self.cfg.chat_template), self.cfg.max_new_tokens, self.limit
+            )[0]
+            for p in prompts
+        ]
 
     def first_index(self, chunk: int) -> int:
         """The run-wide index (``offset`` included) of a chunk's first item."""

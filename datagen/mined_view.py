@@ -28,6 +28,7 @@ def _color() -> bool:
 
 def render(rec: dict, color: bool) -> str:
     """One record of ``mined.jsonl`` as text."""
+
     def paint(code: str, text: str) -> str:
         return f"{code}{text}{RESET}" if color else text
 
@@ -45,15 +46,29 @@ def render(rec: dict, color: bool) -> str:
         kept = next((m for m in marks if m["important"] is False), None)
         body.append(paint(GREEN, tok) + paint(DIM, f"[{kept['target_token']!r}]") if kept else tok)
     verdicts = [m["important"] for m in rec["marks"]]
-    lines = [f"prompt {rec['prompt_index']} ({rec['source']}, id {rec['prompt_id']}): "
-             f"{rec['mismatches_tried']} mismatches tried, {verdicts.count(True)} important, "
-             f"{verdicts.count(False)} unimportant" + (f", {verdicts.count(None)} undetermined" if None in verdicts
-                                                       else "") + (", budget hit" if rec["budget_hit"] else "")
-             + ("" if rec.get("searchable", True) else ", not searched (its answer ran to the length limit "
-                "or gives no answer)"),
-             f"question: {rec['question']}", f"answer: {rec['answer']}", "", "".join(body), "",
-             "legend: " + paint(GREEN, "draft token kept") + paint(DIM, "['target token']") + "  "
-             + paint(RED, "['draft token' -> answer it gives]") + " rejected before the target's token"]
+    lines = [
+        f"prompt {rec['prompt_index']} ({rec['source']}, id {rec['prompt_id']}): "
+        f"{rec['mismatches_tried']} mismatches tried, {verdicts.count(True)} important, "
+        f"{verdicts.count(False)} unimportant"
+        + (f", {verdicts.count(None)} undetermined" if None in verdicts else "")
+        + (", budget hit" if rec["budget_hit"] else "")
+        + (
+            ""
+            if rec.get("searchable", True)
+            else ", not searched (its answer ran to the length limit or gives no answer)"
+        ),
+        f"question: {rec['question']}",
+        f"answer: {rec['answer']}",
+        "",
+        "".join(body),
+        "",
+        "legend: "
+        + paint(GREEN, "draft token kept")
+        + paint(DIM, "['target token']")
+        + "  "
+        + paint(RED, "['draft token' -> answer it gives]")
+        + " rejected before the target's token",
+    ]
     return "\n".join(lines)
 
 

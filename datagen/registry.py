@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+from specheads.datagen.acceptance_labels import AcceptanceLabeller
+from specheads.datagen.drafter import DrafterLabeller
+from specheads.datagen.eagle_rounds import EagleRoundsLabeller
+from specheads.datagen.fsd_labels import FsdLabeller
+from specheads.datagen.judge_labels import JudgeLabeller
+from specheads.datagen.labelling import Labeller
+from specheads.datagen.sprinter_labels import SprinterLabeller
 from specheads.errors import UserError
-
-from .acceptance import AcceptanceLabeller
-from .drafter import DrafterLabeller
-from .eagle_rounds import EagleRoundsLabeller
-from .fsd import FsdLabeller
-from .judge import JudgeLabeller
-from .labelling import Labeller
-from .sprinter import SprinterLabeller
 
 LABELLERS: dict[str, Labeller] = {
     "acceptance": AcceptanceLabeller(),

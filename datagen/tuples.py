@@ -61,25 +61,33 @@ def _problem(row, where: str) -> JudgeTuple:
     error = row.get("error")
     if row["wrong"].strip():
         if error is None:
-            raise UserError(f"{where}: the wrong answer has no error span; add \"error\": [start, end] "
-                            "(characters of its first mistake)")
-        if (not isinstance(error, (list, tuple)) or len(error) != 2
-                or not all(isinstance(v, int) and not isinstance(v, bool) for v in error)):
-            raise UserError(f"{where}: \"error\" must be [start, end] character offsets, got {error!r}")
+            raise UserError(
+                f'{where}: the wrong answer has no error span; add "error": [start, end] '
+                "(characters of its first mistake)"
+            )
+        if (
+            not isinstance(error, (list, tuple))
+            or len(error) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in error)
+        ):
+            raise UserError(f'{where}: "error" must be [start, end] character offsets, got {error!r}')
         start, end = error
         if not 0 <= start < end <= len(row["wrong"]):
-            raise UserError(f"{where}: error span [{start}, {end}] is outside the wrong answer "
-                            f"(length {len(row['wrong'])} characters) or empty")
+            raise UserError(
+                f"{where}: error span [{start}, {end}] is outside the wrong answer "
+                f"(length {len(row['wrong'])} characters) or empty"
+            )
         error = (start, end)
     elif error is not None:
         raise UserError(f"{where}: an error span but an empty wrong answer")
     prov = row.get("provenance", {})
     if not isinstance(prov, dict):
-        raise UserError(f"{where}: \"provenance\" must be an object")
+        raise UserError(f'{where}: "provenance" must be an object')
     version = row.get("schema_version", SCHEMA_VERSION)
     if not isinstance(version, int) or version > SCHEMA_VERSION:
-        raise UserError(f"{where}: schema_version={version!r} is newer than this specheads ({SCHEMA_VERSION}); "
-                        "upgrade specheads")
+        raise UserError(
+            f"{where}: schema_version={version!r} is newer than this specheads ({SCHEMA_VERSION}); upgrade specheads"
+        )
     return JudgeTuple(row["question"], row["correct"], row["wrong"], error, prov, str(row.get("id", "")))
 
 
@@ -103,8 +111,11 @@ def load_tuples(path: str | Path) -> list[JudgeTuple]:
             except json.JSONDecodeError as err:
                 raise UserError(f"{where} is not valid JSON ({err.msg}); one tuple object per line") from None
             t = _problem(row, where)
-            out.append(t if t.id else JudgeTuple(t.question, t.correct, t.wrong, t.error, t.provenance,
-                                                 f"{path.stem}-{number}"))
+            out.append(
+                t
+                if t.id
+                else JudgeTuple(t.question, t.correct, t.wrong, t.error, t.provenance, f"{path.stem}-{number}")
+            )
     if not out:
         raise UserError(f"tuple file {str(path)!r} holds no tuples")
     return out

@@ -27,14 +27,13 @@ from pathlib import Path
 
 import yaml
 
+from specheads.datagen import shards
+from specheads.datagen.config import DatagenConfig
+from specheads.datagen.manifest import finish
+from specheads.datagen.registry import labeller
 from specheads.dataset import chunk_files, chunk_info, chunk_path, read_manifest
 from specheads.errors import UserError
 from specheads.outputs import file_sha256
-
-from . import shards
-from .config import DatagenConfig
-from .manifest import finish
-from .registry import labeller
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +76,10 @@ def verify(out_dir: str | Path) -> tuple[list[str], dict]:
             continue
         info = chunk_info(path)
         if table.num_rows != shard["rows"] or info.get("chunk") != shard["chunk"]:
-            problems.append(f"{where}: {table.num_rows} rows / footer chunk {info.get('chunk')}, manifest says "
-                            f"{shard['rows']} rows / chunk {shard['chunk']}")
+            problems.append(
+                f"{where}: {table.num_rows} rows / footer chunk {info.get('chunk')}, manifest says "
+                f"{shard['rows']} rows / chunk {shard['chunk']}"
+            )
         rows_total += table.num_rows
         tokens += shard.get("labelled_tokens") or 0
         skipped_here = [s["prompt_index"] for s in info.get("skipped", []) if "prompt_index" in s]
@@ -106,15 +107,24 @@ def verify(out_dir: str | Path) -> tuple[list[str], dict]:
             problems.append(f"{len(lost)} prompts neither labelled nor skipped (first: {lost[:5]})")
     if len(manifest["shards"]) != manifest.get("chunks"):
         problems.append(f"manifest lists {len(manifest['shards'])} shards for {manifest.get('chunks')} chunks")
-    stray = sorted(str(p.relative_to(out)) for p in (out / "data").glob("chunk-*.parquet")
-                   if str(p.relative_to(out)) not in listed)
+    stray = sorted(
+        str(p.relative_to(out)) for p in (out / "data").glob("chunk-*.parquet") if str(p.relative_to(out)) not in listed
+    )
     if stray:
-        problems.append(f"{len(stray)} data files the manifest does not list (first: {stray[:3]}); they are not "
-                        "part of this run: delete them")
+        problems.append(
+            f"{len(stray)} data files the manifest does not list (first: {stray[:3]}); they are not "
+            "part of this run: delete them"
+        )
     temporaries = [str(p.relative_to(out)) for p in out.glob("*/.chunk-*")]
-    summary = {"shards": len(manifest["shards"]), "prompts": len(expected_prompts), "rows": rows_total,
-               "labelled_prompts": len(labelled) if not judge else None, "skipped": manifest.get("skipped_nonfinite", 0),
-               "labelled_tokens": tokens, "leftover_temporary_files": len(temporaries)}
+    summary = {
+        "shards": len(manifest["shards"]),
+        "prompts": len(expected_prompts),
+        "rows": rows_total,
+        "labelled_prompts": len(labelled) if not judge else None,
+        "skipped": manifest.get("skipped_nonfinite", 0),
+        "labelled_tokens": tokens,
+        "leftover_temporary_files": len(temporaries),
+    }
     return problems, summary
 
 
@@ -145,12 +155,17 @@ def verify_main(cfg: DatagenConfig) -> int:
     if problems:
         print(f"heads-datagen verify: FAILED, {len(problems)} problem(s)")
         return 1
-    extra = (f", {summary['leftover_temporary_files']} temporary files left by killed writes (safe to delete)"
-             if summary["leftover_temporary_files"] else "")
+    extra = (
+        f", {summary['leftover_temporary_files']} temporary files left by killed writes (safe to delete)"
+        if summary["leftover_temporary_files"]
+        else ""
+    )
     labelled = "" if summary["labelled_prompts"] is None else f"{summary['labelled_prompts']} labelled once, "
-    print(f"heads-datagen verify: OK: {summary['shards']} shards, {summary['prompts']} prompts ({labelled}"
-          f"{summary['skipped']} skipped for NaN/Inf), {summary['rows']} rows, {summary['labelled_tokens']} "
-          f"labelled tokens{extra}")
+    print(
+        f"heads-datagen verify: OK: {summary['shards']} shards, {summary['prompts']} prompts ({labelled}"
+        f"{summary['skipped']} skipped for NaN/Inf), {summary['rows']} rows, {summary['labelled_tokens']} "
+        f"labelled tokens{extra}"
+    )
     return 0
 
 
@@ -191,8 +206,10 @@ def merge(sources: list[str], dest: str | Path) -> dict:
         configs.append((src, *_load_run_config(src)))
     for src, key, _ in configs[1:]:
         if key != configs[0][1]:
-            raise UserError(f"{src} holds a different run than {configs[0][0]} (config.yaml differs beyond "
-                            "output_dir); merge only the outputs of one heads-datagen command")
+            raise UserError(
+                f"{src} holds a different run than {configs[0][0]} (config.yaml differs beyond "
+                "output_dir); merge only the outputs of one heads-datagen command"
+            )
     cfg = configs[0][2]
     family = labeller(cfg.labels)
     cfg.output_dir = str(dest)
@@ -206,8 +223,10 @@ def merge(sources: list[str], dest: str | Path) -> dict:
             target = chunk_path(dest, chunk)
             if target.exists():
                 if file_sha256(target) != file_sha256(path):
-                    raise UserError(f"chunk {chunk} differs between {src} and {dest}; labelling is deterministic, so "
-                                    "one of them is damaged: delete it there and relabel")
+                    raise UserError(
+                        f"chunk {chunk} differs between {src} and {dest}; labelling is deterministic, so "
+                        "one of them is damaged: delete it there and relabel"
+                    )
                 continue
             for x, y in zip(family.side_files(src, chunk), family.side_files(dest, chunk)):
                 if x.is_file():  # the side files first: the Parquet file marks the chunk done

@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
+from specheads.evaluate.intervals import mean_interval, paired_difference
+from specheads.evaluate.select import gated
+from specheads.evaluate.select import parse as parse_select
 from specheads.grading import answer, grade
-
-from .intervals import mean_interval, paired_difference
-from .select import gated
-from .select import parse as parse_select
 
 
 def figures(outcomes: list[tuple[int, str | None]], target: list[tuple[int, str | None]] | None) -> dict:
@@ -16,14 +15,24 @@ def figures(outcomes: list[tuple[int, str | None]], target: list[tuple[int, str 
     and the share of prompts where both give the same answer, each with its interval."""
     ok = [c for c, _ in outcomes]
     a = mean_interval(ok)
-    out = {"accuracy": round(a["value"], 4), "accuracy_low": round(a["low"], 4), "accuracy_high": round(a["high"], 4),
-           "correct": sum(ok), "prompts": len(ok)}
+    out = {
+        "accuracy": round(a["value"], 4),
+        "accuracy_low": round(a["low"], 4),
+        "accuracy_high": round(a["high"], 4),
+        "correct": sum(ok),
+        "prompts": len(ok),
+    }
     if target is not None and len(target) == len(outcomes):
         drop = paired_difference([c for c, _ in target], ok)
         same = mean_interval([int(x is not None and x == y) for (_, x), (_, y) in zip(outcomes, target)])
-        out.update(acc_drop=round(drop["value"], 4), acc_drop_low=round(drop["low"], 4),
-                   acc_drop_high=round(drop["high"], 4), agreement_with_target=round(same["value"], 4),
-                   agreement_low=round(same["low"], 4), agreement_high=round(same["high"], 4))
+        out.update(
+            acc_drop=round(drop["value"], 4),
+            acc_drop_low=round(drop["low"], 4),
+            acc_drop_high=round(drop["high"], 4),
+            agreement_with_target=round(same["value"], 4),
+            agreement_low=round(same["low"], 4),
+            agreement_high=round(same["high"], 4),
+        )
     return out
 
 
@@ -49,33 +58,52 @@ def add_accuracy(cfg, pair, prompts, grouped: dict[str, list[dict]], summary: di
             if ok is not None:
                 per.setdefault(prompt.source, []).append((int(ok), answer(prompt, text)))
         graded[name] = per
-    acc = {name: {src: figures(outcomes, graded.get("ar", {}).get(src) if name != "ar" else None)
-                  for src, outcomes in per.items()} for name, per in graded.items()}
+    acc = {
+        name: {
+            src: figures(outcomes, graded.get("ar", {}).get(src) if name != "ar" else None)
+            for src, outcomes in per.items()
+        }
+        for name, per in graded.items()
+    }
     summary["accuracy"] = acc
     max_drop = parse_select(getattr(cfg, "select", None))
     if max_drop is not None and "ar" in grouped:
         table = {r["config"]: r for r in summary["table"]}
-        fastest = max((r for r in summary["table"] if r["config"].startswith("k")), key=lambda r: r["tokens_per_s"],
-                      default=None)
+        fastest = max(
+            (r for r in summary["table"] if r["config"].startswith("k")), key=lambda r: r["tokens_per_s"], default=None
+        )
 
         def sd(k: int | None) -> str | None:
             return f"k{k}" if f"k{k}" in table else fastest["config"] if fastest else None
 
-        summary["gated"] = gated(grouped, correct, max_drop,
-                                 {"judge": sd(cfg.judge_k), "sprinter": sd(None), "topk_verify": sd(cfg.topk_k),
-                                  "fsd": sd(cfg.fsd_k)})
+        summary["gated"] = gated(
+            grouped,
+            correct,
+            max_drop,
+            {"judge": sd(cfg.judge_k), "sprinter": sd(None), "topk_verify": sd(cfg.topk_k), "fsd": sd(cfg.fsd_k)},
+        )
     judges = [r for r in summary["table"] if r["config"].startswith("j")]
     if not judges:
         return
     by = {r["config"]: r for r in summary["table"]}
-    sd = by.get(f"k{cfg.judge_k}") or max((r for r in summary["table"] if r["config"].startswith("k")),
-                                          key=lambda r: r["tokens_per_s"], default=None)
-    section = {"head": cfg.judge, "heads": dict(getattr(cfg, "judges", {}) or {}), "k": cfg.judge_k, "sd_reference": sd["config"] if sd else None, "by_delta": {}}
+    sd = by.get(f"k{cfg.judge_k}") or max(
+        (r for r in summary["table"] if r["config"].startswith("k")), key=lambda r: r["tokens_per_s"], default=None
+    )
+    section = {
+        "head": cfg.judge,
+        "heads": dict(getattr(cfg, "judges", {}) or {}),
+        "k": cfg.judge_k,
+        "sd_reference": sd["config"] if sd else None,
+        "by_delta": {},
+    }
     for r in judges:
         section["by_delta"][r["config"]] = {
-            "accepted_per_call": r["accepted_per_call"], "tokens_per_s": r["tokens_per_s"],
+            "accepted_per_call": r["accepted_per_call"],
+            "tokens_per_s": r["tokens_per_s"],
             "accuracy": acc.get(r["config"], {}),
             "vs_sd_accepted_per_call": round(r["accepted_per_call"] / sd["accepted_per_call"], 4)
-            if sd and sd["accepted_per_call"] else None,
-            "vs_sd_tokens_per_s": round(r["tokens_per_s"] / sd["tokens_per_s"], 4) if sd else None}
+            if sd and sd["accepted_per_call"]
+            else None,
+            "vs_sd_tokens_per_s": round(r["tokens_per_s"] / sd["tokens_per_s"], 4) if sd else None,
+        }
     summary["judge"] = section

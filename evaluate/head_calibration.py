@@ -30,5 +30,6 @@ def add_calibration(summary: dict, grouped: dict[str, list[dict]], out: Path, ti
     name = max(section, key=lambda n: section[n]["overall"]["n"])
     curves = {"all positions": section[name]["overall"]}
     curves.update({f"candidate {k}": c for k, c in list(section[name]["by_position"].items())[:4]})
-    summary["calibration_png"] = str(reliability_png(out / "calibration.png", curves,
-                                                     f"{title}: acceptance head while decoding ({name})"))
+    summary["calibration_png"] = str(
+        reliability_png(out / "calibration.png", curves, f"{title}: acceptance head while decoding ({name})")
+    )

@@ -5,7 +5,8 @@ alone is the mean of per-prompt differences **paired by prompt** (the same promp
 difficulty cancels and the interval is far narrower than two separate ones). Speed figures are
 ratios of sums (tokens / seconds, accepted / target calls), bootstrapped by resampling prompts; in a
 batched sweep the prompts of one block share its measured time (each row holds a share by tokens), so
-a time-based figure resamples blocks (:func:`units`), the independent timings. Every interval is a 95% percentile bootstrap with a fixed seed: the same rows give the same bounds.
+a time-based figure resamples blocks (:func:`units`), the independent timings. Every interval is a 95% percentile
+bootstrap with a fixed seed: the same rows give the same bounds.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from scipy.stats import bootstrap
 LEVEL = 0.95
 RESAMPLES = 4000
 SEED = 0
-DESCRIPTION = ("paired bootstrap 95% (percentile, 4000 resamples, resampling prompts; batched tokens/s: resampling "
-               "the blocks of prompts that were timed together)")
+DESCRIPTION = (
+    "paired bootstrap 95% (percentile, 4000 resamples, resampling prompts; batched tokens/s: resampling "
+    "the blocks of prompts that were timed together)"
+)
 
 
 def units(rows: list[dict], keys: tuple[str, ...]) -> list[np.ndarray]:
@@ -38,8 +41,16 @@ def _interval(data: tuple[np.ndarray, ...], statistic, paired: bool = False) -> 
     if len(data[0]) < 2 or all(np.all(d == d[0]) for d in data):  # nothing to resample
         value = float(statistic(*data))
         return value, value
-    res = bootstrap(data, statistic, paired=paired, vectorized=True, confidence_level=LEVEL,
-                    n_resamples=RESAMPLES, method="percentile", random_state=np.random.default_rng(SEED))
+    res = bootstrap(
+        data,
+        statistic,
+        paired=paired,
+        vectorized=True,
+        confidence_level=LEVEL,
+        n_resamples=RESAMPLES,
+        method="percentile",
+        random_state=np.random.default_rng(SEED),
+    )
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
@@ -93,10 +104,16 @@ def speed_intervals(rows: list[dict]) -> dict:
     """A configuration's tokens/s and accepted tokens per target call (ratios of sums over its rows), each
     with its 95% interval resampling prompts: ``{"tokens_per_s_interval": [low, high], ...}``."""
     out = {}
-    for key, num, den in (("tokens_per_s_interval", "new_tokens", "wall_time"),
-                          ("accepted_per_call_interval", "accepted", "target_calls")):
-        r = ratio_interval(*(units(rows, (num, den)) if den == "wall_time" else
-                             ([x.get(num, 0) for x in rows], [x.get(den, 0) for x in rows])))
+    for key, num, den in (
+        ("tokens_per_s_interval", "new_tokens", "wall_time"),
+        ("accepted_per_call_interval", "accepted", "target_calls"),
+    ):
+        r = ratio_interval(
+            *(
+                units(rows, (num, den))
+                if den == "wall_time"
+                else ([x.get(num, 0) for x in rows], [x.get(den, 0) for x in rows])
+            )
+        )
         out[key] = None if r["value"] is None else [round(r["low"], 4), round(r["high"], 4)]
     return out
-

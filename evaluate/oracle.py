@@ -1,5 +1,5 @@
 """The greedy oracle (SpecDec++ Theorem 4.1) and the cost model of docs/algorithms/cost-model.md (at the
-profiled prices of :mod:`specheads.export.shim.costs`).
+profiled prices of :mod:`specheads.export.shim.costs.cost_table`).
 
 Two ways to the oracle: for a draft model, whose greedy token at a position depends on the prefix alone,
 one teacher-forced pass over the target's output (:func:`draft_agreement`, then :func:`oracle_schedule` and
@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from specheads.export.shim.cost_rules import predict_ms_per_token
-from specheads.export.shim.costs import CostTable
-from specheads.export.shim.engine import GenerationStats
-from specheads.export.shim.kv import make_runner
-from specheads.export.shim.policies import StandardSD
+from specheads.export.shim import CostTable, GenerationStats, StandardSD, make_runner, predict_ms_per_token
 
 
 def oracle_schedule(agree: list[bool], k_max: int) -> GenerationStats:
@@ -68,8 +64,9 @@ def perfect_head_schedule(agree: list[bool], k_min: int, k_max: int, lag: int) -
         sizes[drawn + 1] = sizes.get(drawn + 1, 0) + 1
         accepted += run
         pos += run + 1
-    return GenerationStats(new_tokens=n, target_calls=calls, draft_forwards=drafts, discarded=drafts - accepted,
-                           target_pass_sizes=sizes)
+    return GenerationStats(
+        new_tokens=n, target_calls=calls, draft_forwards=drafts, discarded=drafts - accepted, target_pass_sizes=sizes
+    )
 
 
 class RoundRecorder(StandardSD):
@@ -97,8 +94,15 @@ def rounds_oracle(rounds: list[tuple[int, int]], new_tokens: int) -> GenerationS
     for _, accepted in rounds:
         sizes[accepted + 1] = sizes.get(accepted + 1, 0) + 1
     drafts = sum(a for _, a in rounds)
-    return GenerationStats(new_tokens=new_tokens, rounds=len(rounds), target_calls=len(rounds), draft_forwards=drafts,
-                           drafted=drafts, accepted=drafts, target_pass_sizes=sizes)
+    return GenerationStats(
+        new_tokens=new_tokens,
+        rounds=len(rounds),
+        target_calls=len(rounds),
+        draft_forwards=drafts,
+        drafted=drafts,
+        accepted=drafts,
+        target_pass_sizes=sizes,
+    )
 
 
 def rounds_perfect_head(rounds: list[tuple[int, int]], new_tokens: int, k_min: int, lag: int) -> GenerationStats:
@@ -115,9 +119,16 @@ def rounds_perfect_head(rounds: list[tuple[int, int]], new_tokens: int, k_min: i
         drafts += drawn
         accepted_total += accepted
         sizes[drawn + 1] = sizes.get(drawn + 1, 0) + 1
-    return GenerationStats(new_tokens=new_tokens, rounds=len(rounds), target_calls=len(rounds), draft_forwards=drafts,
-                           drafted=drafts, accepted=accepted_total, discarded=drafts - accepted_total,
-                           target_pass_sizes=sizes)
+    return GenerationStats(
+        new_tokens=new_tokens,
+        rounds=len(rounds),
+        target_calls=len(rounds),
+        draft_forwards=drafts,
+        drafted=drafts,
+        accepted=accepted_total,
+        discarded=drafts - accepted_total,
+        target_pass_sizes=sizes,
+    )
 
 
 def eagle_oracle(engine, prompts: list[list[int]], max_new_tokens: int, k_max: int) -> GenerationStats:
@@ -132,8 +143,9 @@ def eagle_oracle(engine, prompts: list[list[int]], max_new_tokens: int, k_max: i
 
 
 @torch.inference_mode()
-def draft_agreement(draft, prompt_ids: list[int], output: list[int], fused: bool = True,
-                    vocab_size: int | None = None) -> list[bool]:
+def draft_agreement(
+    draft, prompt_ids: list[int], output: list[int], fused: bool = True, vocab_size: int | None = None
+) -> list[bool]:
     """For each output token: does the draft's greedy choice, given prompt + the output before
     it (one teacher-forced pass), equal it?"""
     if not output:
@@ -167,22 +179,34 @@ def cost_figures(tot: GenerationStats, table: CostTable | None, t_d: float, t_t:
     ``model_cost_ms_per_token`` (the predicted one; the scalar model at the baselines' times without a table)."""
     predicted = predicted_ms_per_token(tot, table) if table is not None else None
     measured = 1000 * tot.wall_time / tot.new_tokens if tot.new_tokens and tot.wall_time else None
-    model = predicted if table is not None else 1000 * cost_per_token(tot.draft_forwards, tot.target_calls,
-                                                                       tot.new_tokens, t_d, t_t)
-    return {"predicted_ms_per_token": _r(predicted), "measured_ms_per_token": _r(measured),
-            "predicted_over_measured": _r(predicted / measured) if predicted is not None and measured else None,
-            "model_cost_ms_per_token": _r(model)}
+    model = (
+        predicted
+        if table is not None
+        else 1000 * cost_per_token(tot.draft_forwards, tot.target_calls, tot.new_tokens, t_d, t_t)
+    )
+    return {
+        "predicted_ms_per_token": _r(predicted),
+        "measured_ms_per_token": _r(measured),
+        "predicted_over_measured": _r(predicted / measured) if predicted is not None and measured else None,
+        "model_cost_ms_per_token": _r(model),
+    }
 
 
 def ideal_figures(counts: GenerationStats, t_d: float, t_t: float, table: CostTable | None = None) -> dict:
     """The counts and cost-model figures of a schedule that was never timed (the oracle, the perfect head)."""
     cost = cost_figures(counts, table, t_d, t_t)
     ms = cost["model_cost_ms_per_token"]
-    return {"tokens": counts.new_tokens, "target_calls": counts.target_calls, "draft_forwards": counts.draft_forwards,
-            "verification_rate": round(counts.verification_rate, 4), "discard_rate": round(counts.discard_rate, 4),
-            "target_pass_sizes": dict(sorted(counts.target_pass_sizes.items())),
-            "predicted_ms_per_token": cost["predicted_ms_per_token"], "model_cost_ms_per_token": ms,
-            "predicted_tokens_per_s": round(1000 / ms, 3) if ms else None}
+    return {
+        "tokens": counts.new_tokens,
+        "target_calls": counts.target_calls,
+        "draft_forwards": counts.draft_forwards,
+        "verification_rate": round(counts.verification_rate, 4),
+        "discard_rate": round(counts.discard_rate, 4),
+        "target_pass_sizes": dict(sorted(counts.target_pass_sizes.items())),
+        "predicted_ms_per_token": cost["predicted_ms_per_token"],
+        "model_cost_ms_per_token": ms,
+        "predicted_tokens_per_s": round(1000 / ms, 3) if ms else None,
+    }
 
 
 def below_curve(points: list[tuple[float, float]], v: float, d: float, tol: float = 1e-9) -> bool | None:

@@ -20,8 +20,13 @@ def pareto_plot(path: str | Path, fixed: list[dict], adaptive: list[dict], oracl
         rows = sorted(rows, key=lambda r: r["verification_rate"])
         ax.plot([r["verification_rate"] for r in rows], [r["discard_rate"] for r in rows], style, label=name)
         for r in rows:
-            ax.annotate(r["label"], (r["verification_rate"], r["discard_rate"]), textcoords="offset points",
-                        xytext=(4, 4), fontsize=8)
+            ax.annotate(
+                r["label"],
+                (r["verification_rate"], r["discard_rate"]),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=8,
+            )
     if oracle is not None:
         ax.plot([oracle["verification_rate"]], [oracle["discard_rate"]], "*", markersize=14, label="greedy oracle")
     ax.set_xlabel("verification rate (target calls per token)")
@@ -58,8 +63,10 @@ def quality_speed_plot(path: str | Path, points: list[dict], quality_label: str,
             families.setdefault(p["family"], []).append(p)
     colors = plt.get_cmap("tab20")  # one color per family in both panels
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.8), dpi=120, sharey=True)
-    for ax, x, xlabel in ((axes[0], "tokens_per_s", "tokens/s (wall, this run)"),
-                          (axes[1], "accepted_per_call", "accepted draft tokens per target call")):
+    for ax, x, xlabel in (
+        (axes[0], "tokens_per_s", "tokens/s (wall, this run)"),
+        (axes[1], "accepted_per_call", "accepted draft tokens per target call"),
+    ):
         for i, (name, rows) in enumerate(families.items()):
             rows = [r for r in rows if r[x] is not None]
             if not rows:

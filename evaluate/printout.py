@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from specheads.export.shim.costs import CostTable
-
-from .report import COLUMNS
-from .select import describe as describe_gated
+from specheads.evaluate.report import COLUMNS
+from specheads.evaluate.select import describe as describe_gated
+from specheads.export.shim import CostTable
 
 
 def print_summary(summary: dict) -> None:
@@ -18,48 +17,81 @@ def print_summary(summary: dict) -> None:
     for name, key in (("oracle", "oracle"), ("perfect head", "perfect_head")):
         if key in summary:
             o = summary[key]
-            print(f"{name}: {o['tokens']} tokens, verification rate {o['verification_rate']}, discard rate "
-                  f"{o['discard_rate']}, predicted {o['model_cost_ms_per_token']} ms/token "
-                  f"({o['predicted_tokens_per_s']} tokens/s)")
+            print(
+                f"{name}: {o['tokens']} tokens, verification rate {o['verification_rate']}, discard rate "
+                f"{o['discard_rate']}, predicted {o['model_cost_ms_per_token']} ms/token "
+                f"({o['predicted_tokens_per_s']} tokens/s)"
+            )
     if "best_lossless" in summary:
         b = summary["best_lossless"]
-        print(f"best lossless row {b['config']}: {b['tokens_per_s']} tokens/s measured, "
-              f"{b['predicted_tokens_per_s']} predicted")
+        print(
+            f"best lossless row {b['config']}: {b['tokens_per_s']} tokens/s measured, "
+            f"{b['predicted_tokens_per_s']} predicted"
+        )
     if "eagle" in summary:
-        print(f"drafter: EAGLE head {summary['eagle']['path']} (tensors_sha256 "
-              f"{str(summary['eagle']['tensors_sha256'])[:12]})")
+        print(
+            f"drafter: EAGLE head {summary['eagle']['path']} (tensors_sha256 "
+            f"{str(summary['eagle']['tensors_sha256'])[:12]})"
+        )
     t_d_from = "its draft step in the cost table" if "t_draft_source" in summary else "per forward (wall)"
-    print(f"baselines: t_target {summary['t_target_ms']} ms per forward (wall), t_draft {summary['t_draft_ms']} ms "
-          f"{t_d_from}; "
-          f"ratios {summary['ratios']}"
-          + (f"; pareto_dominates {summary['pareto_dominates']}" if "pareto_dominates" in summary else ""))
+    print(
+        f"baselines: t_target {summary['t_target_ms']} ms per forward (wall), t_draft {summary['t_draft_ms']} ms "
+        f"{t_d_from}; "
+        f"ratios {summary['ratios']}"
+        + (f"; pareto_dominates {summary['pareto_dominates']}" if "pareto_dominates" in summary else "")
+    )
     if "gflops_per_token" in summary["table"][0]:
         print("config | gflops_per_token | verifier_calls_per_token | rougeL_vs_target | rougeL_vs_reference")
         for r in summary["table"]:
             rt, rr = r.get("rouge_vs_target"), r.get("rouge_vs_reference")
-            print(f"{r['config']} | {r['gflops_per_token']} | {r['verifier_calls_per_token']} | "
-                  f"{rt['rougeL'] if rt else '-'} | {rr['rougeL'] if rr else '-'}")
+            print(
+                f"{r['config']} | {r['gflops_per_token']} | {r['verifier_calls_per_token']} | "
+                f"{rt['rougeL'] if rt else '-'} | {rr['rougeL'] if rr else '-'}"
+            )
     if summary.get("accuracy"):
         for name, per in summary["accuracy"].items():
             if per:
-                print(f"accuracy {name}: " + ", ".join(
-                    f"{src} {v['accuracy']} [{v['accuracy_low']}, {v['accuracy_high']}] ({v['correct']}/{v['prompts']})"
-                    + (f", drop vs target {v['acc_drop']} [{v['acc_drop_low']}, {v['acc_drop_high']}]"
-                       if "acc_drop" in v else "") for src, v in per.items()))
+                print(
+                    f"accuracy {name}: "
+                    + ", ".join(
+                        f"{src} {v['accuracy']} [{v['accuracy_low']}, {v['accuracy_high']}] "
+                        f"({v['correct']}/{v['prompts']})"
+                        + (
+                            f", drop vs target {v['acc_drop']} [{v['acc_drop_low']}, {v['acc_drop_high']}]"
+                            if "acc_drop" in v
+                            else ""
+                        )
+                        for src, v in per.items()
+                    )
+                )
     if "gated" in summary:
         print("\n".join(describe_gated(summary["gated"])))
     for name, c in summary.get("calibration", {}).items():
         o = c["overall"]
-        print(f"calibration {name}: ECE {o['ece']:.4f}, Brier {o['brier']:.4f}, AUROC {o['auroc']}, {o['n']} candidates; "
-              "ECE by position " + ", ".join(f"{k}: {v['ece']:.3f}" for k, v in c["by_position"].items()))
+        print(
+            f"calibration {name}: ECE {o['ece']:.4f}, Brier {o['brier']:.4f}, AUROC {o['auroc']}, {o['n']} candidates; "
+            "ECE by position " + ", ".join(f"{k}: {v['ece']:.3f}" for k, v in c["by_position"].items())
+        )
     if "sprinter" in summary:
         sp = summary["sprinter"]
         print(f"sprinter {sp['main']}: alpha {sp['alpha']}, vs {sp.get('best_sd')}: {sp.get('ratios')}")
     if "training_free" in summary:
         tf = summary["training_free"]
-        print(f"training-free vs {tf['sd_reference']} (quality: {tf['quality_metric']}, SD {tf['sd_quality']}, "
-              f"target {tf['target_quality']})")
+        print(
+            f"training-free vs {tf['sd_reference']} (quality: {tf['quality_metric']}, SD {tf['sd_quality']}, "
+            f"target {tf['target_quality']})"
+        )
         print("config | quality | tokens_per_s | accepted_per_call | vs_sd_tokens_per_s")
         for name, r in tf["rows"].items():
-            print(" | ".join(str(x) for x in (name, r["quality"], r["tokens_per_s"], r["accepted_per_call"],
-                                              r.get("vs_sd_tokens_per_s"))))
+            print(
+                " | ".join(
+                    str(x)
+                    for x in (
+                        name,
+                        r["quality"],
+                        r["tokens_per_s"],
+                        r["accepted_per_call"],
+                        r.get("vs_sd_tokens_per_s"),
+                    )
+                )
+            )

@@ -75,8 +75,16 @@ def flops_per_token(stats, target, draft, verifier_params: int = 0) -> float | N
 
 
 @torch.no_grad()
-def verifier_errors(target, draft, prompt_ids: list[list[int]], outputs: list[list[int]],
-                    decisions: list[list[tuple[int, int, bool]]], sampling, pad: int, batch_size: int = 8) -> dict:
+def verifier_errors(
+    target,
+    draft,
+    prompt_ids: list[list[int]],
+    outputs: list[list[int]],
+    decisions: list[list[tuple[int, int, bool]]],
+    sampling,
+    pad: int,
+    batch_size: int = 8,
+) -> dict:
     """Judges every verifier decision of a set of outputs against ``q(x) <= p(x)``.
 
     ``decisions[b]`` holds ``(position, token, approved)``: the candidate ``token`` drafted after
@@ -92,7 +100,7 @@ def verifier_errors(target, draft, prompt_ids: list[list[int]], outputs: list[li
         return {"decisions": 0, "alpha": None}
     tvs, bads, oks = [], [], []
     for i in range(0, len(rows), batch_size):  # bounded memory: a batch's full-vocabulary logits at a time
-        part = rows[i: i + batch_size]
+        part = rows[i : i + batch_size]
         seqs = [s for s, _ in part]
         positions = [[pos for pos, _, _ in d] for _, d in part]
         p_logits = torch.cat(logits_at(target, seqs, positions, pad))
@@ -107,8 +115,12 @@ def verifier_errors(target, draft, prompt_ids: list[list[int]], outputs: list[li
     n_bad, n_good = int(bad.sum()), int((~bad).sum())
     alpha = float((approved & bad).sum()) / n_bad if n_bad else None
     mean_tv = float(tv.mean())
-    return {"decisions": int(len(approved)), "approved": int(approved.sum()), "unacceptable": n_bad,
-            "alpha": round(alpha, 4) if alpha is not None else None,
-            "approval_rate_acceptable": round(float((approved & ~bad).sum()) / n_good, 4) if n_good else None,
-            "mean_tv": round(mean_tv, 4),
-            "tv_bound_per_step": round(alpha * mean_tv, 4) if alpha is not None else None}
+    return {
+        "decisions": int(len(approved)),
+        "approved": int(approved.sum()),
+        "unacceptable": n_bad,
+        "alpha": round(alpha, 4) if alpha is not None else None,
+        "approval_rate_acceptable": round(float((approved & ~bad).sum()) / n_good, 4) if n_good else None,
+        "mean_tv": round(mean_tv, 4),
+        "tv_bound_per_step": round(alpha * mean_tv, 4) if alpha is not None else None,
+    }

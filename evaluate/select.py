@@ -13,14 +13,15 @@ from __future__ import annotations
 import re
 
 from specheads.errors import UserError
-
-from .intervals import paired_difference, paired_ratio, units
+from specheads.evaluate.intervals import paired_difference, paired_ratio, units
 
 # Row names of the lossy policies a threshold trades speed for quality in, and the family each belongs to:
 # FSD is one family per divergence (``fsd_kl`` is the training-free KL judge) and each named judge
 # (``judges=``, rows ``j-<name>-<delta>``) one of its own, so each gets its own gated threshold.
-ROW = re.compile(r"^(?:(?P<judge>j)|j-(?P<named>\w+)-|(?P<sprinter>s)|(?P<topk_verify>t)|fsd-(?P<fsd>kl_rev|kl|js|tv)-)"
-                 r"(?P<threshold>\d[\d.e+-]*)$")
+ROW = re.compile(
+    r"^(?:(?P<judge>j)|j-(?P<named>\w+)-|(?P<sprinter>s)|(?P<topk_verify>t)|fsd-(?P<fsd>kl_rev|kl|js|tv)-)"
+    r"(?P<threshold>\d[\d.e+-]*)$"
+)
 
 
 def family(row: str) -> str | None:
@@ -66,8 +67,12 @@ def choose(candidates: dict[str, dict], max_drop: float) -> str | None:
     return max(ok, key=lambda n: candidates[n]["tokens_per_s"]) if ok else None
 
 
-def gated(grouped: dict[str, list[dict]], correct: dict[str, list[int | None]], max_drop: float,
-          sd_reference: dict[str, str | None]) -> dict:
+def gated(
+    grouped: dict[str, list[dict]],
+    correct: dict[str, list[int | None]],
+    max_drop: float,
+    sd_reference: dict[str, str | None],
+) -> dict:
     """The ``gated`` section: per lossy family present, the chosen row (or why none) with its test figures.
 
     Args:
@@ -90,12 +95,17 @@ def gated(grouped: dict[str, list[dict]], correct: dict[str, list[int | None]], 
         candidates = {}
         for n in names:
             drop = paired_difference([correct["ar"][i] for i in calib], [correct[n][i] for i in calib])
-            candidates[n] = {"tokens_per_s": round(_speed(grouped[n], calib), 3), "acc_drop": drop["value"],
-                             "acc_drop_high": drop["high"]}
+            candidates[n] = {
+                "tokens_per_s": round(_speed(grouped[n], calib), 3),
+                "acc_drop": drop["value"],
+                "acc_drop_high": drop["high"],
+            }
         pick = choose(candidates, max_drop)
         entry: dict = {"calibration": candidates, "row": pick}
         if pick is None:
-            entry["reason"] = f"no setting's accuracy drop is at most {max_drop} at the upper bound on the calibration half"
+            entry["reason"] = (
+                f"no setting's accuracy drop is at most {max_drop} at the upper bound on the calibration half"
+            )
             out["rows"][fam] = entry
             continue
         rows = grouped[pick]
@@ -103,38 +113,55 @@ def gated(grouped: dict[str, list[dict]], correct: dict[str, list[int | None]], 
 
         def ratio(num: str, den: str, ref: list[dict]) -> dict:
             if den == "wall_time":  # a batched row's time is its block's share: resample blocks
-                return paired_ratio(*units([rows[i] for i in test], (num, den)), *units([ref[i] for i in test],
-                                                                                       (num, den)))
-            return paired_ratio([rows[i][num] for i in test], [rows[i][den] for i in test],
-                                [ref[i][num] for i in test], [ref[i][den] for i in test])
+                return paired_ratio(
+                    *units([rows[i] for i in test], (num, den)), *units([ref[i] for i in test], (num, den))
+                )
+            return paired_ratio(
+                [rows[i][num] for i in test],
+                [rows[i][den] for i in test],
+                [ref[i][num] for i in test],
+                [ref[i][den] for i in test],
+            )
 
         vs_target = ratio("new_tokens", "wall_time", ar)
-        entry.update(threshold=threshold(pick), acc_drop=drop["value"],
-                     acc_drop_low=drop["low"], acc_drop_upper=drop["high"],
-                     tokens_per_s_vs_target=vs_target["value"],
-                     tokens_per_s_vs_target_interval=[vs_target["low"], vs_target["high"]])
+        entry.update(
+            threshold=threshold(pick),
+            acc_drop=drop["value"],
+            acc_drop_low=drop["low"],
+            acc_drop_upper=drop["high"],
+            tokens_per_s_vs_target=vs_target["value"],
+            tokens_per_s_vs_target_interval=[vs_target["low"], vs_target["high"]],
+        )
         sd = sd_reference.get(fam.split("_")[0] if fam.startswith(("fsd", "judge")) else fam)
         if sd is not None:
-            by_time, by_call = ratio("new_tokens", "wall_time", grouped[sd]), ratio("accepted", "target_calls",
-                                                                                      grouped[sd])
-            entry.update(sd_reference=sd, tokens_per_s_vs_sd=by_time["value"],
-                         tokens_per_s_vs_sd_interval=[by_time["low"], by_time["high"]],
-                         accepted_per_call_vs_sd=by_call["value"],
-                         accepted_per_call_vs_sd_interval=[by_call["low"], by_call["high"]])
+            by_time, by_call = (
+                ratio("new_tokens", "wall_time", grouped[sd]),
+                ratio("accepted", "target_calls", grouped[sd]),
+            )
+            entry.update(
+                sd_reference=sd,
+                tokens_per_s_vs_sd=by_time["value"],
+                tokens_per_s_vs_sd_interval=[by_time["low"], by_time["high"]],
+                accepted_per_call_vs_sd=by_call["value"],
+                accepted_per_call_vs_sd_interval=[by_call["low"], by_call["high"]],
+            )
         out["rows"][fam] = entry
     return out
 
 
 def describe(g: dict) -> list[str]:
     """The ``gated`` section as text lines."""
-    lines = [f"quality-gated (accuracy drop <= {g['max_drop']} at the upper bound; chosen on {g['calibration_prompts']} "
-             f"prompts, reported on {g['test_prompts']} others):"]
+    lines = [
+        f"quality-gated (accuracy drop <= {g['max_drop']} at the upper bound; chosen on {g['calibration_prompts']} "
+        f"prompts, reported on {g['test_prompts']} others):"
+    ]
     for fam, e in g["rows"].items():
         if e["row"] is None:
             lines.append(f"  {fam}: none ({e['reason']})")
             continue
-        lines.append(f"  {fam}: {e['row']} drop {e['acc_drop']:.4f} [{e['acc_drop_low']:.4f}, "
-                     f"{e['acc_drop_upper']:.4f}], tokens/s vs target {e['tokens_per_s_vs_target']:.3f}"
-                     + (f", vs {e['sd_reference']} {e['tokens_per_s_vs_sd']:.3f}" if "sd_reference" in e else ""))
+        lines.append(
+            f"  {fam}: {e['row']} drop {e['acc_drop']:.4f} [{e['acc_drop_low']:.4f}, "
+            f"{e['acc_drop_upper']:.4f}], tokens/s vs target {e['tokens_per_s_vs_target']:.3f}"
+            + (f", vs {e['sd_reference']} {e['tokens_per_s_vs_sd']:.3f}" if "sd_reference" in e else "")
+        )
     return lines
-

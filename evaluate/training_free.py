@@ -7,13 +7,21 @@ when the prompt set has any, else ROUGE-L against the target-only outputs (1 for
 
 from __future__ import annotations
 
-from specheads.export.shim.divergence import DIVERGENCES
+from specheads.evaluate.sweep import total
+from specheads.export.shim import DIVERGENCES
 
-from .sweep import total
-
-FAMILIES = {"ar": "target alone", "draft": "draft alone", "k": "SD (fixed K)", "h": "SpecDec++",
-            "t": "top-K verification", "c": "confidence stop", "j": "judge", "s": "SPRINTER",
-            "v": "TLI / SLEM", "tree": "draft tree (EAGLE)"}
+FAMILIES = {
+    "ar": "target alone",
+    "draft": "draft alone",
+    "k": "SD (fixed K)",
+    "h": "SpecDec++",
+    "t": "top-K verification",
+    "c": "confidence stop",
+    "j": "judge",
+    "s": "SPRINTER",
+    "v": "TLI / SLEM",
+    "tree": "draft tree (EAGLE)",
+}
 TRAINING_FREE = ("t", "fsd", "c")
 
 
@@ -57,11 +65,18 @@ def settings(cfg) -> dict:
     Args:
         cfg: the ``EvalConfig``.
     """
-    return {"fsd": {"thresholds": {d: list(getattr(cfg, f"fsd_{d}")) for d in DIVERGENCES if getattr(cfg, f"fsd_{d}")},
-                    "k": cfg.fsd_k, "rule": cfg.fsd_rule, "fsd_top_k": cfg.fsd_top_k, "fsd_dist": cfg.fsd_dist,
-                    "greedy": not cfg.sampling.do_sample},
-            "topk": {"values": list(cfg.topk), "k": cfg.topk_k},
-            "confidence": {"taus": list(cfg.confidence), "k_max": cfg.confidence_k_max}}
+    return {
+        "fsd": {
+            "thresholds": {d: list(getattr(cfg, f"fsd_{d}")) for d in DIVERGENCES if getattr(cfg, f"fsd_{d}")},
+            "k": cfg.fsd_k,
+            "rule": cfg.fsd_rule,
+            "fsd_top_k": cfg.fsd_top_k,
+            "fsd_dist": cfg.fsd_dist,
+            "greedy": not cfg.sampling.do_sample,
+        },
+        "topk": {"values": list(cfg.topk), "k": cfg.topk_k},
+        "confidence": {"taus": list(cfg.confidence), "k_max": cfg.confidence_k_max},
+    }
 
 
 def section(cfg, summary: dict, grouped: dict[str, list[dict]]) -> dict | None:
@@ -82,23 +97,36 @@ def section(cfg, summary: dict, grouped: dict[str, list[dict]]) -> dict | None:
     sd = by.get(f"k{cfg.fsd_k}") or max(fixed, key=lambda r: r["tokens_per_s"], default=None)
     label, quality = quality_by_config(summary)
     acc = summary.get("accuracy") or {}
-    out = {"settings": settings(cfg), "sd_reference": sd["config"] if sd else None, "quality_metric": label,
-           "target_quality": quality.get("ar"), "sd_quality": quality.get(sd["config"]) if sd else None, "rows": {}}
+    out = {
+        "settings": settings(cfg),
+        "sd_reference": sd["config"] if sd else None,
+        "quality_metric": label,
+        "target_quality": quality.get("ar"),
+        "sd_quality": quality.get(sd["config"]) if sd else None,
+        "rows": {},
+    }
     for r in rows:
         name = r["config"]
-        entry = {"family": family(name), "quality": quality.get(name), "accuracy": acc.get(name, {}),
-                 "rouge_l_vs_target": (r.get("rouge_vs_target") or {}).get("rougeL"),
-                 "tokens_per_s": r["tokens_per_s"], "accepted_per_call": r["accepted_per_call"],
-                 "tokens_per_call": r["tokens_per_call"]}
+        entry = {
+            "family": family(name),
+            "quality": quality.get(name),
+            "accuracy": acc.get(name, {}),
+            "rouge_l_vs_target": (r.get("rouge_vs_target") or {}).get("rougeL"),
+            "tokens_per_s": r["tokens_per_s"],
+            "accepted_per_call": r["accepted_per_call"],
+            "tokens_per_call": r["tokens_per_call"],
+        }
         if name.startswith("fsd-"):
             fuzzy = round(sum(x.get("fuzzy_only", 0.0) for x in grouped[name]), 4)
             accepted = total(grouped[name]).accepted
             entry.update(fuzzy_only=fuzzy, fuzzy_only_share=round(fuzzy / accepted, 4) if accepted else None)
         if sd:
-            entry["vs_sd_tokens_per_s"] = (round(r["tokens_per_s"] / sd["tokens_per_s"], 4)
-                                           if sd["tokens_per_s"] else None)
-            entry["vs_sd_accepted_per_call"] = (round(r["accepted_per_call"] / sd["accepted_per_call"], 4)
-                                                if sd["accepted_per_call"] else None)
+            entry["vs_sd_tokens_per_s"] = (
+                round(r["tokens_per_s"] / sd["tokens_per_s"], 4) if sd["tokens_per_s"] else None
+            )
+            entry["vs_sd_accepted_per_call"] = (
+                round(r["accepted_per_call"] / sd["accepted_per_call"], 4) if sd["accepted_per_call"] else None
+            )
         out["rows"][name] = entry
     return out
 
@@ -106,6 +134,13 @@ def section(cfg, summary: dict, grouped: dict[str, list[dict]]) -> dict | None:
 def plot_points(summary: dict) -> tuple[str | None, list[dict]]:
     """``(quality label, points)`` for :func:`~.plot.quality_speed_plot`: one point per table row."""
     label, quality = quality_by_config(summary)
-    return label, [{"label": r["config"], "family": family(r["config"]), "quality": quality.get(r["config"]),
-                    "tokens_per_s": r["tokens_per_s"], "accepted_per_call": r["accepted_per_call"]}
-                   for r in summary["table"]]
+    return label, [
+        {
+            "label": r["config"],
+            "family": family(r["config"]),
+            "quality": quality.get(r["config"]),
+            "tokens_per_s": r["tokens_per_s"],
+            "accepted_per_call": r["accepted_per_call"],
+        }
+        for r in summary["table"]
+    ]

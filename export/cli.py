@@ -29,12 +29,11 @@ from safetensors.torch import load_file
 
 from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError
+from specheads.export import hub, speculators
+from specheads.export.export_config import ExportConfig
+from specheads.export.package import load_head, read_metadata, save_head
+from specheads.export.shim import DTYPES
 from specheads.outputs import MetricsWriter, prepare_output_dir, write_manifest
-
-from .export_config import ExportConfig
-from . import hub, speculators
-from .package import load_head, read_metadata, save_head
-from .shim.models import DTYPES
 
 log = logging.getLogger(__name__)
 PROG = "heads-export"
@@ -47,8 +46,9 @@ def _source(cfg: ExportConfig) -> tuple[Path, Path | None]:
     train_dir = Path(cfg.train_dir)
     best = train_dir / "head.safetensors"
     if not best.is_file():
-        raise UserError(f"{best} not found; train_dir must be a heads-train output_dir with at least one "
-                        "finished epoch")
+        raise UserError(
+            f"{best} not found; train_dir must be a heads-train output_dir with at least one finished epoch"
+        )
     if cfg.checkpoint == "best":
         return best, None
     if cfg.checkpoint == "latest":
@@ -62,13 +62,24 @@ def _source(cfg: ExportConfig) -> tuple[Path, Path | None]:
             ckpt = train_dir / cfg.checkpoint
     if not (ckpt / "state.safetensors").is_file():
         known = sorted(p.name for p in train_dir.glob("checkpoint-*"))
-        raise UserError(f"checkpoint {cfg.checkpoint!r} not found (looked for {ckpt / 'state.safetensors'}); "
-                        f"use best, latest or one of {known}")
+        raise UserError(
+            f"checkpoint {cfg.checkpoint!r} not found (looked for {ckpt / 'state.safetensors'}); "
+            f"use best, latest or one of {known}"
+        )
     return best, ckpt
 
 
-DATA_KEYS = ("labels", "prompts_file", "offset", "prompts", "labelled_tokens", "positive_tokens", "negative_tokens",
-             "label_mean", "max_new_tokens")
+DATA_KEYS = (
+    "labels",
+    "prompts_file",
+    "offset",
+    "prompts",
+    "labelled_tokens",
+    "positive_tokens",
+    "negative_tokens",
+    "label_mean",
+    "max_new_tokens",
+)
 
 
 def training_data(train_dir: Path) -> dict:
@@ -87,8 +98,11 @@ def training_data(train_dir: Path) -> dict:
             sets.append({"data_dir": d})
             continue
         entry = {"data_dir": d, **{k: m[k] for k in DATA_KEYS if m.get(k) is not None}}
-        mining = {k: v for k, v in (m.get("mining") or {}).items() if k in (
-            "method", "checker", "prompts", "mismatches_tried", "important", "unimportant")}
+        mining = {
+            k: v
+            for k, v in (m.get("mining") or {}).items()
+            if k in ("method", "checker", "prompts", "mismatches_tried", "important", "unimportant")
+        }
         if mining:
             entry["mining"] = mining
         if m.get("tuple_counts"):
@@ -109,18 +123,21 @@ def export_head(cfg: ExportConfig, out: Path) -> dict:
     best, ckpt = _source(cfg)
     loaded = load_head(best)
     if cfg.format == "speculators" and loaded.metadata["head_type"] != "eagle":
-        raise UserError(f"format=speculators writes EAGLE heads (head_type=eagle) only; {best} holds a "
-                        f"{loaded.metadata['head_type']} head: use format=safetensors or format=hf")
+        raise UserError(
+            f"format=speculators writes EAGLE heads (head_type=eagle) only; {best} holds a "
+            f"{loaded.metadata['head_type']} head: use format=safetensors or format=hf"
+        )
     meta = {k: v for k, v in loaded.metadata.items() if k not in ("format_version", "head_type", "tensors_sha256")}
     head = loaded.module
     if ckpt is not None:
         tensors = load_file(str(ckpt / "state.safetensors"))
-        state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+        state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
         try:
             head.load_state_dict(state)
         except RuntimeError as err:
-            raise UserError(f"{ckpt} does not hold a {loaded.metadata['head_type']} head of this config: "
-                            f"{str(err).splitlines()[0]}") from err
+            raise UserError(
+                f"{ckpt} does not hold a {loaded.metadata['head_type']} head of this config: {str(err).splitlines()[0]}"
+            ) from err
         meta.setdefault("extra", {})["checkpoint"] = ckpt.name
     if cfg.threshold is not None:
         meta["default_threshold"] = cfg.threshold
@@ -146,17 +163,25 @@ def export_head(cfg: ExportConfig, out: Path) -> dict:
     else:
         g = torch.Generator().manual_seed(cfg.seed)
         # the module's own input width: a confidence head (SpecDec++ on an EAGLE head) reads d + 1 numbers
-        width = getattr(head, "in_features", None) or meta.get("head_config", {}).get("in_features",
-                                                                                      meta["hidden_size"])
+        width = getattr(head, "in_features", None) or meta.get("head_config", {}).get(
+            "in_features", meta["hidden_size"]
+        )
         x = torch.randn(64, width, generator=g).to(DTYPES[cfg.dtype])
         with torch.no_grad():
             identical = bool(torch.equal(head(x), back(x)))
     if not identical:
         raise RuntimeError(f"{path} does not reproduce the head's outputs after reloading")
     where = out if hf or spec else path
-    return {"head": str(where), "format": cfg.format, "head_type": loaded.metadata["head_type"], "source": str(ckpt or best),
-            "default_threshold": meta.get("default_threshold"), "dtype": cfg.dtype,
-            "round_trip_identical": identical, "parameters": sum(p.numel() for p in head.parameters())}
+    return {
+        "head": str(where),
+        "format": cfg.format,
+        "head_type": loaded.metadata["head_type"],
+        "source": str(ckpt or best),
+        "default_threshold": meta.get("default_threshold"),
+        "dtype": cfg.dtype,
+        "round_trip_identical": identical,
+        "parameters": sum(p.numel() for p in head.parameters()),
+    }
 
 
 def run(cfg: ExportConfig) -> int:
@@ -165,8 +190,9 @@ def run(cfg: ExportConfig) -> int:
     with MetricsWriter(out) as metrics:
         metrics.write(round_trip_identical=info["round_trip_identical"], parameters=info["parameters"])
     write_manifest(out, command=PROG, **info)
-    log.info("exported %s head (%s, h=%s) -> %s", info["head_type"], info["source"], info["default_threshold"],
-             info["head"])
+    log.info(
+        "exported %s head (%s, h=%s) -> %s", info["head_type"], info["source"], info["default_threshold"], info["head"]
+    )
     return 0
 
 

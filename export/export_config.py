@@ -10,11 +10,43 @@ class ExportConfig:
     """Package a trained head as one self-describing ``.safetensors`` file."""
 
     train_dir: str = field(default="", metadata={"help": "output_dir of heads-train"})
-    checkpoint: str = field(default="best", metadata={"help": "best (the best eval epoch) | latest | a checkpoint-<step> dir"})
-    threshold: float | None = field(default=None, metadata={"help": "default stop threshold h stored in the file; default: training's"})
-    dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16: precision of the exported weights"})
+    checkpoint: str = field(
+        default="best", metadata={"help": "best (the best eval epoch) | latest | a checkpoint-<step> dir"}
+    )
+    threshold: float | None = field(
+        default=None, metadata={"help": "default stop threshold h stored in the file; default: training's"}
+    )
+    dtype: str = field(
+        default="float32", metadata={"help": "float32 | bfloat16 | float16: precision of the exported weights"}
+    )
     seed: int = field(default=0, metadata={"help": "seed of the round-trip check's random inputs"})
-    format: str = field(default="safetensors", metadata={"help": "safetensors: output_dir/head.safetensors | hf: a Hub-style directory (model.safetensors, config.json, README.md model card) that load_head(dir or repo id) reads | speculators (EAGLE heads): the vllm-project/speculators Eagle-3 directory vLLM loads with speculative_config={'method': 'eagle3', 'model': output_dir}"})
-    verifier: str = field(default="", metadata={"help": "format=speculators: the target's name_or_path written to speculators_config.verifier; default: the target name recorded at training"})
-    output_dir: str = field(default="runs/export", metadata={"help": "head.safetensors (format=hf or speculators: model.safetensors, config.json, README.md), config.yaml, manifest.json, metrics.jsonl"})
+    format: str = field(
+        default="safetensors",
+        metadata={
+            "help": (
+                "safetensors: output_dir/head.safetensors | hf: a Hub-style directory "
+                "(model.safetensors, config.json, README.md model card) that load_head(dir or repo id) "
+                "reads | speculators (EAGLE heads): the vllm-project/speculators Eagle-3 directory vLLM "
+                "loads with speculative_config={'method': 'eagle3', 'model': output_dir}"
+            )
+        },
+    )
+    verifier: str = field(
+        default="",
+        metadata={
+            "help": (
+                "format=speculators: the target's name_or_path written to speculators_config.verifier; "
+                "default: the target name recorded at training"
+            )
+        },
+    )
+    output_dir: str = field(
+        default="runs/export",
+        metadata={
+            "help": (
+                "head.safetensors (format=hf or speculators: model.safetensors, config.json, README.md), "
+                "config.yaml, manifest.json, metrics.jsonl"
+            )
+        },
+    )
     overwrite: bool = False

@@ -37,11 +37,15 @@ def read(path: Path) -> dict:
         with safe_open(str(path), framework="pt") as f:
             raw = (f.metadata() or {}).get(META_KEY)
     except (SafetensorError, OSError, ValueError) as err:
-        raise UserError(f"head file {str(path)!r} is truncated or not a safetensors file ({err}); re-export it") from err
+        raise UserError(
+            f"head file {str(path)!r} is truncated or not a safetensors file ({err}); re-export it"
+        ) from err
     if raw is None:
         raise UserError(f"{str(path)!r} has no specheads metadata; export heads with heads-export")
     meta = json.loads(raw)
     if meta.get("format_version", 0) > FORMAT_VERSION:
-        raise UserError(f"{str(path)!r} has format_version={meta['format_version']}, newer than this specheads "
-                        f"({FORMAT_VERSION}); upgrade specheads")
+        raise UserError(
+            f"{str(path)!r} has format_version={meta['format_version']}, newer than this specheads "
+            f"({FORMAT_VERSION}); upgrade specheads"
+        )
     return meta

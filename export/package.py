@@ -20,11 +20,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from specheads.errors import UserError
+from specheads.export.header import FORMAT_VERSION, META_KEY  # noqa: F401  (re-exported: the format's names)
+from specheads.export.header import read as read_header
+from specheads.export.header import write as write_header
+from specheads.export.hub import WEIGHTS, head_file, is_hub_dir
+from specheads.export.hub import write as write_hub_files
 from specheads.heads import HEADS
-
-from .header import FORMAT_VERSION, META_KEY  # noqa: F401  (re-exported: the format's names)
-from .header import read as read_header, write as write_header
-from .hub import WEIGHTS, head_file, is_hub_dir, write as write_hub_files
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,10 @@ def set_default_threshold(path: str | Path, value: float, chosen_by: dict) -> Pa
     was chosen (``default_threshold_chosen_by``: e.g. ``heads-eval select=max_drop:0.01`` and its figures)."""
     given = Path(path)
     if not given.exists():
-        raise UserError(f"head {str(path)!r} is not a local file or directory: set_default_threshold rewrites a head "
-                        "you exported (a Hub repo's cached copy is not yours to edit; download it and export anew)")
+        raise UserError(
+            f"head {str(path)!r} is not a local file or directory: set_default_threshold rewrites a head "
+            "you exported (a Hub repo's cached copy is not yours to edit; download it and export anew)"
+        )
     # a format=hf directory, named itself or by its model.safetensors: its config.json and card follow
     directory = given if is_hub_dir(given) else None
     if given.name == WEIGHTS and is_hub_dir(given.parent):
@@ -103,8 +106,14 @@ def fill(module: torch.nn.Module, tensors: dict[str, torch.Tensor], misfit: str)
     return module
 
 
-def load_head(path: str | Path, pair=None, sampling=None, strict: bool = False,
-              device: torch.device | str = "cpu", eagle: dict | None = None) -> LoadedHead:
+def load_head(
+    path: str | Path,
+    pair=None,
+    sampling=None,
+    strict: bool = False,
+    device: torch.device | str = "cpu",
+    eagle: dict | None = None,
+) -> LoadedHead:
     """Loads an exported head and checks it against the loaded pair and sampling settings.
 
     Args:
@@ -126,8 +135,11 @@ def load_head(path: str | Path, pair=None, sampling=None, strict: bool = False,
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     if _digest(tensors) != meta.get("tensors_sha256"):
         raise UserError(f"head file {str(path)!r} was modified after export (tensor checksum differs); re-export it")
-    module = fill(HEADS[meta["head_type"]](**meta.get("head_config", {})), tensors,
-                  f"head file {str(path)!r} does not fit head_type={meta['head_type']!r}")
+    module = fill(
+        HEADS[meta["head_type"]](**meta.get("head_config", {})),
+        tensors,
+        f"head file {str(path)!r} does not fit head_type={meta['head_type']!r}",
+    )
     if pair is not None:
         check_head_against_pair(meta, pair, eagle)
     if sampling is not None:
@@ -146,12 +158,16 @@ def check_head_against_pair(meta: dict, pair, eagle: dict | None = None) -> None
     if model is None:
         raise UserError(f"the head reads the {role}'s states but no {role} is loaded; set {role}.path")
     if meta.get("hidden_size") != model.hidden_size:
-        raise UserError(f"head hidden_size={meta.get('hidden_size')} but {role} hidden_size={model.hidden_size}; "
-                        f"export the head for this {role} or load the {role} it was trained with")
+        raise UserError(
+            f"head hidden_size={meta.get('hidden_size')} but {role} hidden_size={model.hidden_size}; "
+            f"export the head for this {role} or load the {role} it was trained with"
+        )
     want = meta.get(role, {}).get("fingerprint")
     if want and want != model.fingerprint:
-        raise UserError(f"head was trained on {role} {meta[role].get('name')!r} (fingerprint {want}) but the loaded "
-                        f"{role} {model.name!r} has fingerprint {model.fingerprint}; load that {role} or retrain the head")
+        raise UserError(
+            f"head was trained on {role} {meta[role].get('name')!r} (fingerprint {want}) but the loaded "
+            f"{role} {model.name!r} has fingerprint {model.fingerprint}; load that {role} or retrain the head"
+        )
     if role == "draft":
         check_draft_vocab(meta, model.vocab)
 
@@ -162,37 +178,48 @@ def check_stop_drafter(feature: dict, eagle: dict | None) -> None:
     decoding drafts with, by ``tensors_sha256``); a head on the draft model's states needs no EAGLE head."""
     reads = feature.get("model", "draft")
     if reads == "draft" and eagle is not None:
-        raise UserError("the head reads the draft model's states but decoding drafts with an EAGLE head (eagle=); "
-                        "train one on that head's states (heads-datagen labels=eagle_rounds, heads-train "
-                        "head=eagle_stop) or drop eagle=")
+        raise UserError(
+            "the head reads the draft model's states but decoding drafts with an EAGLE head (eagle=); "
+            "train one on that head's states (heads-datagen labels=eagle_rounds, heads-train "
+            "head=eagle_stop) or drop eagle="
+        )
     if reads != "eagle":
         return
     own = feature.get("eagle") or {}
     if eagle is None:
-        raise UserError(f"the head reads the states of the EAGLE head {own.get('file')!r}; decode with "
-                        "eagle=<that EAGLE head>")
+        raise UserError(
+            f"the head reads the states of the EAGLE head {own.get('file')!r}; decode with eagle=<that EAGLE head>"
+        )
     if own.get("tensors_sha256") != eagle.get("tensors_sha256"):
-        raise UserError(f"the head was trained on the states of the EAGLE head {own.get('file')!r} (tensors_sha256 "
-                        f"{str(own.get('tensors_sha256'))[:12]}) but eagle= is another (tensors_sha256 "
-                        f"{str(eagle.get('tensors_sha256'))[:12]}); pass that EAGLE head or retrain the stop head "
-                        "(heads-datagen labels=eagle_rounds, heads-train head=eagle_stop)")
+        raise UserError(
+            f"the head was trained on the states of the EAGLE head {own.get('file')!r} (tensors_sha256 "
+            f"{str(own.get('tensors_sha256'))[:12]}) but eagle= is another (tensors_sha256 "
+            f"{str(eagle.get('tensors_sha256'))[:12]}); pass that EAGLE head or retrain the stop head "
+            "(heads-datagen labels=eagle_rounds, heads-train head=eagle_stop)"
+        )
 
 
 def check_draft_vocab(meta: dict, loaded: dict | None) -> None:
     """A head trained on a pruned draft (its labels used that draft's renormalised ``q``) needs the same
     subset: UserError otherwise. Heads whose metadata predates pruning only warn on a pruned draft."""
-    from .shim.vocab import describe, same_subset
+    from specheads.export.shim import describe_vocab as describe
+    from specheads.export.shim import same_subset
 
     draft = meta.get("draft") or {}
     if "vocab" not in draft:
         if loaded is not None:
-            log.warning("the head predates draft vocabulary pruning (trained on the full vocabulary) but the draft "
-                        "is pruned to %s; its acceptance estimates may be off", describe(loaded))
+            log.warning(
+                "the head predates draft vocabulary pruning (trained on the full vocabulary) but the draft "
+                "is pruned to %s; its acceptance estimates may be off",
+                describe(loaded),
+            )
         return
     if not same_subset(draft["vocab"], loaded):
-        raise UserError(f"head was trained with the draft's output layer over {describe(draft['vocab'])} but the "
-                        f"loaded draft uses {describe(loaded)}; set draft.vocab_file/draft.vocab_top_n as in training "
-                        f"(or retrain the head)")
+        raise UserError(
+            f"head was trained with the draft's output layer over {describe(draft['vocab'])} but the "
+            f"loaded draft uses {describe(loaded)}; set draft.vocab_file/draft.vocab_top_n as in training "
+            f"(or retrain the head)"
+        )
 
 
 def check_sampling(meta: dict, sampling: dict, strict: bool) -> None:

@@ -2,7 +2,8 @@
 
 vLLM's step is not this package's forward: it schedules, samples, runs its rejection sampler and its own
 kernels, so the proposer prices rounds with what vLLM's steps cost, measured in vLLM. The measurement runs
-vLLM with :class:`specheads.vllm_profile.Profiler` as its ``custom_class`` proposer: a proposer that drafts with the real draft but
+vLLM with :class:`specheads.vllm_profile.Profiler` as its ``custom_class`` proposer: a proposer that drafts with the
+real draft but
 offers every row the same number of candidates ``n``, cycling ``0, 1, .., k_max`` from one step to the next,
 and times
 
@@ -35,6 +36,7 @@ STEPS = 160
 
 def table_from_samples(samples: dict[str, list[float]], batches: list[int], k_max: int) -> dict:
     """The cost-table fields from the profiler's samples: medians; a size without samples takes its neighbour's."""
+
     def prices(b: int) -> tuple[float, list[float]]:
         t_t, last = [], None
         for k in range(1, k_max + 2):
@@ -52,17 +54,22 @@ def table_from_samples(samples: dict[str, list[float]], batches: list[int], k_ma
     if t_d1 is None:
         raise UserError("the vLLM cost profile timed no draft forward at batch 1; re-run with profile=refresh")
     more = [prices(b) for b in batches]
-    return {"t_draft_ms": t_d1, "t_target_ms": t_t1, "batches": list(batches),
-            "t_draft_batch_ms": [t_d1 if d is None else d for d, _ in more],
-            "t_target_batch_ms": [t for _, t in more]}
+    return {
+        "t_draft_ms": t_d1,
+        "t_target_ms": t_t1,
+        "batches": list(batches),
+        "t_draft_batch_ms": [t_d1 if d is None else d for d, _ in more],
+        "t_target_batch_ms": [t for _, t in more],
+    }
 
 
-def vllm_cost_table(settings: dict, target: Path, python: str, env: dict, batches: list[int],
-                    profile: str = "auto", steps: int = STEPS) -> str:
+def vllm_cost_table(
+    settings: dict, target: Path, python: str, env: dict, batches: list[int], profile: str = "auto", steps: int = STEPS
+) -> str:
     """The path of the cost table of vLLM's engine for the proposer ``settings`` (``speculative_config``'s
     arguments): a given JSON (``profile`` a path), the cached one (``auto``), or measured now (``refresh``, or
     none cached) in a vLLM child process with ``python`` and ``env``."""
-    from specheads.export.shim.models import file_digest
+    from specheads.export.shim import file_digest
     from specheads.machine import cache_dir, cpu_model, settings_key
     from specheads.outputs import atomic_write_json
 
@@ -74,10 +81,18 @@ def vllm_cost_table(settings: dict, target: Path, python: str, env: dict, batche
 
     draft = Path(settings["draft"])
     weights = sorted(draft.glob("*.safetensors"))
-    fingerprint = {"target": target.name, "draft": [file_digest(hashlib.sha256(), w).hexdigest()[:16] for w in weights],
-                   "vocab_file": settings.get("vocab_file"), "vocab_top_n": settings.get("vocab_top_n"),
-                   "k_max": settings["k_max"], "batches": batches, "machine": cpu_model(),
-                   "threads": env.get("OMP_NUM_THREADS"), "python": python, "steps": steps}
+    fingerprint = {
+        "target": target.name,
+        "draft": [file_digest(hashlib.sha256(), w).hexdigest()[:16] for w in weights],
+        "vocab_file": settings.get("vocab_file"),
+        "vocab_top_n": settings.get("vocab_top_n"),
+        "k_max": settings["k_max"],
+        "batches": batches,
+        "machine": cpu_model(),
+        "threads": env.get("OMP_NUM_THREADS"),
+        "python": python,
+        "steps": steps,
+    }
     path = cache_dir("costs") / f"vllm-{settings_key(fingerprint)}.json"
     if profile == "auto" and path.is_file():
         return str(path)
@@ -86,19 +101,41 @@ def vllm_cost_table(settings: dict, target: Path, python: str, env: dict, batche
     job, out = work / "job.json", work / "samples.json"
     out.unlink(missing_ok=True)
     prof = {**settings, "policy": "sd", "head": None, "stop": "threshold", "costs": None, "threshold": None}
-    job.write_text(json.dumps({"settings": prof, "target": str(target), "batches": batches, "steps": steps,
-                               "prefix_tokens": PREFIX_TOKENS, "out": str(out)}))
-    print(f"[specheads] pricing vLLM's steps (batch 1, {batches}; up to {settings['k_max']} candidates) -> {path}",
-          flush=True)
+    job.write_text(
+        json.dumps(
+            {
+                "settings": prof,
+                "target": str(target),
+                "batches": batches,
+                "steps": steps,
+                "prefix_tokens": PREFIX_TOKENS,
+                "out": str(out),
+            }
+        )
+    )
+    print(
+        f"[specheads] pricing vLLM's steps (batch 1, {batches}; up to {settings['k_max']} candidates) -> {path}",
+        flush=True,
+    )
     code = subprocess.call([python, "-m", "specheads.vllm_profile", str(job)], env=env)
     if code or not out.is_file():
         raise UserError(f"the vLLM cost profile ({python}) failed with exit code {code}; its log is above")
     res = json.loads(out.read_text())
     table = table_from_samples(res["samples"], batches, settings["k_max"])
-    atomic_write_json(path, {**table, "machine": cpu_model(), "torch": res["torch"],
-                             "threads": int(env.get("OMP_NUM_THREADS") or 0), "target_runner": f"vllm {res['vllm']}",
-                             "draft_runner": "specheads proposer", "target_fingerprint": target.name,
-                             "prefix_tokens": PREFIX_TOKENS, "reps": steps, "samples": res["samples"],
-                             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    atomic_write_json(
+        path,
+        {
+            **table,
+            "machine": cpu_model(),
+            "torch": res["torch"],
+            "threads": int(env.get("OMP_NUM_THREADS") or 0),
+            "target_runner": f"vllm {res['vllm']}",
+            "draft_runner": "specheads proposer",
+            "target_fingerprint": target.name,
+            "prefix_tokens": PREFIX_TOKENS,
+            "reps": steps,
+            "samples": res["samples"],
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        },
+    )
     return str(path)
-

@@ -32,15 +32,19 @@ def calibration(probs, labels, bins: int = BINS) -> dict:
     for b in range(bins):
         sel = which == b
         n = int(sel.sum())
-        row = {"low": b / bins, "high": (b + 1) / bins, "n": n,
-               "mean_p": float(p[sel].mean()) if n else None, "mean_label": float(y[sel].mean()) if n else None}
+        row = {
+            "low": b / bins,
+            "high": (b + 1) / bins,
+            "n": n,
+            "mean_p": float(p[sel].mean()) if n else None,
+            "mean_label": float(y[sel].mean()) if n else None,
+        }
         if n:
             ece += n / len(p) * abs(row["mean_label"] - row["mean_p"])
         table.append(row)
     hard = y >= 0.5
     auroc = float(roc_auc_score(hard, p)) if 0 < hard.sum() < len(hard) else None
-    return {"ece": float(ece), "brier": float(np.mean((p - y) ** 2)), "auroc": auroc, "n": int(len(p)),
-            "bins": table}
+    return {"ece": float(ece), "brier": float(np.mean((p - y) ** 2)), "auroc": auroc, "n": int(len(p)), "bins": table}
 
 
 def by_position(probs, labels, positions, most: int = 8) -> dict[str, dict]:

@@ -35,14 +35,42 @@ FOOTER_KEY = b"specheads"
 # Every folder a run writes besides its top-level files (another run's must not mix with it).
 RUN_DIRS = ("data", "features", "tuples", "review", "mined", "states")
 
-ACCEPTANCE_COLUMNS = ("prompt_id", "prompt_index", "input_ids", "response_start", "draft_token", "label",
-                      "expected_label")
-SPRINTER_COLUMNS = ("prompt_id", "prompt_index", "category", "input_ids", "positions", "draft_token", "q_token",
-                    "p_token", "ratio", "tv")
+ACCEPTANCE_COLUMNS = (
+    "prompt_id",
+    "prompt_index",
+    "input_ids",
+    "response_start",
+    "draft_token",
+    "label",
+    "expected_label",
+)
+SPRINTER_COLUMNS = (
+    "prompt_id",
+    "prompt_index",
+    "category",
+    "input_ids",
+    "positions",
+    "draft_token",
+    "q_token",
+    "p_token",
+    "ratio",
+    "tv",
+)
 JUDGE_COLUMNS = ("tuple_id", "prompt_index", "side", "input_ids", "answer_start", "labels")
 DRAFTER_COLUMNS = ("prompt_id", "prompt_index", "input_ids", "response_start")
-EAGLE_ROUNDS_COLUMNS = ("prompt_id", "prompt_index", "input_ids", "response_start", "round_start", "step",
-                        "draft_token", "q_token", "p_token", "label", "outcome")
+EAGLE_ROUNDS_COLUMNS = (
+    "prompt_id",
+    "prompt_index",
+    "input_ids",
+    "response_start",
+    "round_start",
+    "step",
+    "draft_token",
+    "q_token",
+    "p_token",
+    "label",
+    "outcome",
+)
 
 
 def chunk_path(out_dir: Path, chunk: int) -> Path:
@@ -61,8 +89,10 @@ def chunk_info(path: Path) -> dict:
     try:
         meta = pq.read_schema(str(path)).metadata or {}
     except Exception as err:  # noqa: BLE001 - pyarrow raises several types for damaged files
-        raise UserError(f"{path} is not a readable Parquet file ({str(err).splitlines()[0]}); delete it and run "
-                        "the same heads-datagen command again to relabel that chunk") from None
+        raise UserError(
+            f"{path} is not a readable Parquet file ({str(err).splitlines()[0]}); delete it and run "
+            "the same heads-datagen command again to relabel that chunk"
+        ) from None
     if FOOTER_KEY not in meta:
         return {}
     return json.loads(meta[FOOTER_KEY])
@@ -72,16 +102,20 @@ def read_manifest(data_dir: Path) -> dict:
     """A finished run's manifest; UserError when it is missing, damaged or from a newer specheads."""
     path = Path(data_dir) / "manifest.json"
     if not path.is_file():
-        raise UserError(f"{path} not found; data_dir must be a finished heads-datagen output_dir "
-                        "(run heads-datagen, or the same command again if it was interrupted)")
+        raise UserError(
+            f"{path} not found; data_dir must be a finished heads-datagen output_dir "
+            "(run heads-datagen, or the same command again if it was interrupted)"
+        )
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as err:
         raise UserError(f"{path} is damaged ({err}); run the same heads-datagen command again to rewrite it") from None
     version = manifest.get("schema_version", 1)
     if not isinstance(version, int) or version > SCHEMA_VERSION:
-        raise UserError(f"{data_dir} was written with data schema version {version}, newer than this specheads "
-                        f"reads ({SCHEMA_VERSION}); upgrade specheads (pip install -U specheads)")
+        raise UserError(
+            f"{data_dir} was written with data schema version {version}, newer than this specheads "
+            f"reads ({SCHEMA_VERSION}); upgrade specheads (pip install -U specheads)"
+        )
     return manifest
 
 
@@ -100,8 +134,10 @@ def shard_paths(data_dir: Path) -> list[Path]:
     for shard in manifest["shards"]:
         path = root / shard["file"]
         if not path.is_file() or path.stat().st_size != shard["bytes"]:
-            raise UserError(f"{path} is missing or changed since heads-datagen wrote it (manifest: {shard['bytes']} "
-                            f"bytes); run `heads-datagen verify output_dir={root}` and relabel")
+            raise UserError(
+                f"{path} is missing or changed since heads-datagen wrote it (manifest: {shard['bytes']} "
+                f"bytes); run `heads-datagen verify output_dir={root}` and relabel"
+            )
         out.append(path)
     return out
 
@@ -113,12 +149,16 @@ def require_columns(path: Path, columns) -> None:
     try:
         names = pq.read_schema(str(path)).names
     except Exception as err:  # noqa: BLE001
-        raise UserError(f"{path} is not a readable Parquet file ({str(err).splitlines()[0]}); "
-                        "run heads-datagen verify on its output_dir") from None
+        raise UserError(
+            f"{path} is not a readable Parquet file ({str(err).splitlines()[0]}); "
+            "run heads-datagen verify on its output_dir"
+        ) from None
     missing = [c for c in dict.fromkeys(columns) if c not in names]
     if missing:
-        raise UserError(f"{path} lacks columns {missing}; it was not written by this heads-datagen labels= mode, "
-                        "regenerate it with heads-datagen")
+        raise UserError(
+            f"{path} lacks columns {missing}; it was not written by this heads-datagen labels= mode, "
+            "regenerate it with heads-datagen"
+        )
 
 
 class JudgeChunkFiles:
@@ -145,16 +185,26 @@ class JudgeChunkFiles:
         """Every side file: features, tuples, review, counts, and the mined records (``mining=swap`` runs only)."""
         return self.features_path, self.tuples_path, self.review_path, self.counts_path, self.mined_path
 
-    def write(self, features, labels, offsets, tuples: list[str], review: list[str], counts: dict,
-              mined: list[str] | None = None) -> None:
+    def write(
+        self,
+        features,
+        labels,
+        offsets,
+        tuples: list[str],
+        review: list[str],
+        counts: dict,
+        mined: list[str] | None = None,
+    ) -> None:
         from safetensors.torch import save_file
 
         from specheads.outputs import atomic_write_text
 
         self.features_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.features_path.with_name(f".{self.features_path.name}.{os.getpid()}.tmp")
-        save_file({"features": features.contiguous(), "labels": labels.contiguous(), "offsets": offsets.contiguous()},
-                  str(tmp))
+        save_file(
+            {"features": features.contiguous(), "labels": labels.contiguous(), "offsets": offsets.contiguous()},
+            str(tmp),
+        )
         os.replace(tmp, self.features_path)
         for path, lines in ((self.tuples_path, tuples), (self.review_path, review), (self.mined_path, mined)):
             if lines is None:

@@ -33,8 +33,9 @@ def require(extra: str) -> None:
     """Raises :class:`UserError` naming the extra and the pip command when any of its modules is missing."""
     gone = missing(extra)
     if gone:
-        raise UserError(f"needs the [{extra}] extra (not installed: {', '.join(gone)}): "
-                        f"pip install 'specheads[{extra}]'")
+        raise UserError(
+            f"needs the [{extra}] extra (not installed: {', '.join(gone)}): pip install 'specheads[{extra}]'"
+        )
 
 
 def _script(prog: str, extra: str, module: str) -> Callable[[list[str] | None], int]:
@@ -51,6 +52,6 @@ def _script(prog: str, extra: str, module: str) -> Callable[[list[str] | None], 
 
 
 heads_datagen = _script("heads-datagen", "train", "specheads.datagen.cli")
-heads_vocab = _script("heads-vocab", "train", "specheads.datagen.vocab")
+heads_vocab = _script("heads-vocab", "train", "specheads.datagen.vocab_ranking")
 heads_train = _script("heads-train", "train", "specheads.train.cli")
 heads_eval = _script("heads-eval", "eval", "specheads.evaluate.cli")

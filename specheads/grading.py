@@ -23,7 +23,7 @@ def parse_number(text: str) -> float:
 def final_answer(text: str) -> tuple[str, int, int] | None:
     """The final answer and its span: the number after ``####``, else the last number in the text."""
     marker = text.rfind("####")
-    region, base = (text[marker + 4:], marker + 4) if marker >= 0 else (text, 0)
+    region, base = (text[marker + 4 :], marker + 4) if marker >= 0 else (text, 0)
     nums = list(re.finditer(NUMBER, region))
     if not nums:
         return None

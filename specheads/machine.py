@@ -1,7 +1,7 @@
 """What this machine is, and where per-machine measurements are cached.
 
-Kernel choices (:mod:`specheads.export.shim.kernels`) and step-cost tables
-(:mod:`specheads.export.shim.costs`) are measured once per machine and settings and reused.
+Kernel choices (:mod:`specheads.export.shim.runners.kernels`) and step-cost tables
+(:mod:`specheads.export.shim.costs.cost_table`) are measured once per machine and settings and reused.
 They live under ``$SPECHEADS_CACHE`` (default ``~/.cache/specheads``) as small JSON files,
 written atomically and under a file lock so that several processes starting together measure
 once and then agree.
@@ -47,8 +47,11 @@ def cpu_model() -> str:
 def _libraries() -> str:
     """Math-library versions of this torch build (MKL, oneDNN, CPU capability), one string."""
     show = torch.__config__.show()
-    keep = [ln.strip() for ln in show.splitlines()
-            if any(k in ln for k in ("Math Kernel Library", "MKL-DNN", "oneDNN", "CPU capability", "OpenBLAS"))]
+    keep = [
+        ln.strip()
+        for ln in show.splitlines()
+        if any(k in ln for k in ("Math Kernel Library", "MKL-DNN", "oneDNN", "CPU capability", "OpenBLAS"))
+    ]
     return " | ".join(keep)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 try:  # the decoding shim's linear-kernel choice, where the shim has a kernels module
-    from specheads.export.shim.kernels import describe as kernel_path
+    from specheads.export.shim import describe_kernels as kernel_path
 except ImportError:
     kernel_path = None
 
@@ -60,10 +60,16 @@ def numerics_settings(processes: int | None, dtypes: Mapping[str, Any], devices:
         ``torch`` (version) and ``kernel_path`` (the shim's ``describe()``, without :data:`HISTORY`;
         ``None`` without the shim's kernels module).
     """
-    return without({"threads": torch.get_num_threads(), "processes": processes,
-                    "dtypes": {k: _name(v) for k, v in dtypes.items()},
-                    "devices": {k: _name(v) for k, v in devices.items()},
-                    "torch": torch.__version__, "kernel_path": kernel_path() if kernel_path is not None else None})
+    return without(
+        {
+            "threads": torch.get_num_threads(),
+            "processes": processes,
+            "dtypes": {k: _name(v) for k, v in dtypes.items()},
+            "devices": {k: _name(v) for k, v in devices.items()},
+            "torch": torch.__version__,
+            "kernel_path": kernel_path() if kernel_path is not None else None,
+        }
+    )
 
 
 #: What ``describe()`` tells of what the process has run so far rather than how it computes: the
@@ -92,8 +98,11 @@ def without(record: Mapping[str, Any], names: Iterable[str] = ()) -> dict:
     names = [*HISTORY, *names]
 
     def keep(node: Mapping[str, Any], prefix: str) -> dict:
-        return {k: keep(v, f"{prefix}{k}.") if isinstance(v, Mapping) else v
-                for k, v in node.items() if not _skipped(f"{prefix}{k}", names)}
+        return {
+            k: keep(v, f"{prefix}{k}.") if isinstance(v, Mapping) else v
+            for k, v in node.items()
+            if not _skipped(f"{prefix}{k}", names)
+        }
 
     return keep(record, "")
 
@@ -107,8 +116,9 @@ def differences(recorded: Mapping[str, Any], current: Mapping[str, Any], ignore:
     return {k: (old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)}
 
 
-def check_resume(recorded: Mapping[str, Any] | None, current: Mapping[str, Any], what: str,
-                 ignore: Iterable[str] = ()) -> list[str]:
+def check_resume(
+    recorded: Mapping[str, Any] | None, current: Mapping[str, Any], what: str, ignore: Iterable[str] = ()
+) -> list[str]:
     """Warns in one line when a resume computes otherwise than the run it continues.
 
     Args:
@@ -125,7 +135,11 @@ def check_resume(recorded: Mapping[str, Any] | None, current: Mapping[str, Any],
     diff = differences(recorded, current, ignore)
     if diff:
         said = ", ".join(f"{k}={old!r} now {new!r}" for k, (old, new) in diff.items())
-        log.warning("resuming with other numerics settings than %s recorded (%s): the outputs will not be "
-                    "byte-identical to an uninterrupted run; rerun with the recorded settings (e.g. threads=N) "
-                    "for that", what, said)
+        log.warning(
+            "resuming with other numerics settings than %s recorded (%s): the outputs will not be "
+            "byte-identical to an uninterrupted run; rerun with the recorded settings (e.g. threads=N) "
+            "for that",
+            what,
+            said,
+        )
     return list(diff)

@@ -25,8 +25,13 @@ SOURCES = ("arc", "gsm8k", "mt_bench", "alpaca", "prompt", "messages")  # a Prom
 
 def budget_problems(key: str, budgets: dict) -> list[str]:
     """One line per bad entry of a per-source response length setting (``{arc: 16}``) named ``key``."""
-    return [f"{key}.{src}={n!r}: expected one of {list(SOURCES)} -> an int >= 1" for src, n in budgets.items()
-            if src not in SOURCES or not isinstance(n, int) or isinstance(n, bool) or n < 1]
+    return [
+        f"{key}.{src}={n!r}: expected one of {list(SOURCES)} -> an int >= 1"
+        for src, n in budgets.items()
+        if src not in SOURCES or not isinstance(n, int) or isinstance(n, bool) or n < 1
+    ]
+
+
 _BOM = b"\xef\xbb\xbf"
 
 
@@ -55,14 +60,15 @@ class Prompt:
 
 def _messages(value: Any, where: str) -> list[dict]:
     if not isinstance(value, list) or not value:
-        raise UserError(f"{where}: 'messages' must be a non-empty list of "
-                        f"{{role, content}} objects, got {_short(value)}")
+        raise UserError(
+            f"{where}: 'messages' must be a non-empty list of {{role, content}} objects, got {_short(value)}"
+        )
     for i, msg in enumerate(value):
-        ok = isinstance(msg, dict) and isinstance(msg.get("role"), str) \
-            and isinstance(msg.get("content"), str)
+        ok = isinstance(msg, dict) and isinstance(msg.get("role"), str) and isinstance(msg.get("content"), str)
         if not ok:
-            raise UserError(f"{where}: messages[{i}] must be an object with string 'role' and "
-                            f"'content', got {_short(msg)}")
+            raise UserError(
+                f"{where}: messages[{i}] must be an object with string 'role' and 'content', got {_short(msg)}"
+            )
     return [dict(m) for m in value]
 
 
@@ -90,8 +96,9 @@ def _arc_text(row: dict, where: str) -> str:
     texts = choices.get("text") if isinstance(choices, dict) else None
     labels = choices.get("label") if isinstance(choices, dict) else None
     if not isinstance(texts, list) or not isinstance(labels, list) or len(texts) != len(labels):
-        raise UserError(f"{where}: 'choices' must be {{text: [...], label: [...]}} of equal "
-                        f"length, got {_short(choices)}")
+        raise UserError(
+            f"{where}: 'choices' must be {{text: [...], label: [...]}} of equal length, got {_short(choices)}"
+        )
     lines = [_str_field(row, "question", where)]
     lines += [f"{label}. {text}" for label, text in zip(labels, texts)]
     return "\n".join(lines) + "\nAnswer with the letter of the correct choice."
@@ -109,13 +116,13 @@ def _to_prompt(row: Any, index: int, stem: str, where: str) -> Prompt:
         msgs = _messages(row["messages"], where)
         return Prompt(pid, messages=msgs, reference=reference, source="messages", reference_text=reference)
     if "prompt" in row:
-        return Prompt(pid, text=_str_field(row, "prompt", where), reference=reference,
-                      source="prompt", reference_text=reference)
+        return Prompt(
+            pid, text=_str_field(row, "prompt", where), reference=reference, source="prompt", reference_text=reference
+        )
     if "turns" in row:
         turns = row["turns"]
         if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
-            raise UserError(f"{where}: 'turns' must be a non-empty list of strings, "
-                            f"got {_short(turns)}")
+            raise UserError(f"{where}: 'turns' must be a non-empty list of strings, got {_short(turns)}")
         return Prompt(pid, text=turns[0], reference=reference, source="mt_bench")
     if "question" in row and "choices" in row:
         ref = reference or (None if row.get("answerKey") is None else str(row["answerKey"]))
@@ -123,27 +130,27 @@ def _to_prompt(row: Any, index: int, stem: str, where: str) -> Prompt:
     if "question" in row:
         ref = reference or _gsm8k_reference(row.get("answer"))
         full = row.get("answer") if isinstance(row.get("answer"), str) else reference
-        return Prompt(pid, text=_str_field(row, "question", where), reference=ref,
-                      source="gsm8k", reference_text=full)
+        return Prompt(pid, text=_str_field(row, "question", where), reference=ref, source="gsm8k", reference_text=full)
     if "instruction" in row:
         text = _str_field(row, "instruction", where)
         extra = row.get("input") or ""
         if not isinstance(extra, str):
             raise UserError(f"{where}: 'input' must be a string, got {_short(extra)}")
         ref = reference or (None if row.get("output") is None else str(row["output"]))
-        return Prompt(pid, text=text + ("\n\n" + extra if extra else ""), reference=ref,
-                      source="alpaca", reference_text=ref)
+        return Prompt(
+            pid, text=text + ("\n\n" + extra if extra else ""), reference=ref, source="alpaca", reference_text=ref
+        )
     keys = ", ".join(map(str, row)) or "(none)"
-    raise UserError(f"{where}: row has none of the recognised fields ({RECOGNISED}); "
-                    f"its keys: {keys}")
+    raise UserError(f"{where}: row has none of the recognised fields ({RECOGNISED}); its keys: {keys}")
 
 
 def _decode(raw: bytes, path: Path, line: int) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise UserError(f"{path} line {line} is not UTF-8 ({exc.reason} at byte {exc.start}); "
-                        "re-encode the file as UTF-8") from None
+        raise UserError(
+            f"{path} line {line} is not UTF-8 ({exc.reason} at byte {exc.start}); re-encode the file as UTF-8"
+        ) from None
 
 
 def _jsonl_rows(path: Path, handle: Any) -> Iterator[tuple[int, int, bytes]]:
@@ -151,7 +158,7 @@ def _jsonl_rows(path: Path, handle: Any) -> Iterator[tuple[int, int, bytes]]:
     index = 0
     for number, raw in enumerate(handle, start=1):
         if number == 1 and raw.startswith(_BOM):
-            raw = raw[len(_BOM):]
+            raw = raw[len(_BOM) :]
         if raw.strip():
             yield index, number, raw
             index += 1
@@ -162,8 +169,10 @@ def _parse_line(raw: bytes, path: Path, number: int) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise UserError(f"{path} line {number} is not valid JSON ({exc.msg} at column "
-                        f"{exc.colno}): {text.strip()[:60]!r}; fix or remove that line") from None
+        raise UserError(
+            f"{path} line {number} is not valid JSON ({exc.msg} at column "
+            f"{exc.colno}): {text.strip()[:60]!r}; fix or remove that line"
+        ) from None
 
 
 def _array_rows(path: Path, data: bytes) -> list[Any]:
@@ -172,13 +181,13 @@ def _array_rows(path: Path, data: bytes) -> list[Any]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
-        raise UserError(f"{path} line {line} is not UTF-8 ({exc.reason}); "
-                        "re-encode the file as UTF-8") from None
+        raise UserError(f"{path} line {line} is not UTF-8 ({exc.reason}); re-encode the file as UTF-8") from None
     try:
         return json.loads(text.lstrip("\ufeff"))
     except json.JSONDecodeError as exc:
-        raise UserError(f"{path} line {exc.lineno} is not valid JSON ({exc.msg} at column "
-                        f"{exc.colno}); fix the file") from None
+        raise UserError(
+            f"{path} line {exc.lineno} is not valid JSON ({exc.msg} at column {exc.colno}); fix the file"
+        ) from None
 
 
 def iter_prompts(path: str | Path, limit: int | None = None, offset: int = 0) -> Iterator[Prompt]:
@@ -203,8 +212,7 @@ def iter_prompts(path: str | Path, limit: int | None = None, offset: int = 0) ->
     if limit is not None and limit < 0 or offset < 0:
         raise UserError(f"limit and offset must be >= 0, got limit={limit}, offset={offset}")
     if not path.exists():
-        raise UserError(f"prompt file {str(path)!r} not found; check the path "
-                        f"(relative paths start at {Path.cwd()})")
+        raise UserError(f"prompt file {str(path)!r} not found; check the path (relative paths start at {Path.cwd()})")
     if path.is_dir():
         raise UserError(f"prompt file {str(path)!r} is a directory; give a .jsonl or .json file")
     seen = given = 0
@@ -231,8 +239,7 @@ def iter_prompts(path: str | Path, limit: int | None = None, offset: int = 0) ->
     if seen == 0:
         raise UserError(f"prompt file {str(path)!r} is empty; give a file with prompts")
     if not given and limit != 0:
-        raise UserError(f"prompt file {str(path)!r} has {seen} rows, none after offset={offset}; "
-                        "lower offset")
+        raise UserError(f"prompt file {str(path)!r} has {seen} rows, none after offset={offset}; lower offset")
 
 
 def load_prompts(path: str | Path, limit: int | None = None, offset: int = 0) -> list[Prompt]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from specheads.export.shim.sampling import SamplingConfig, probs_from_logits, sample
+from specheads.export.shim import SamplingConfig, probs_from_logits, sample
 
 
 def ratio_label(q_token: torch.Tensor, p_token: torch.Tensor, lam: float) -> torch.Tensor:
@@ -22,8 +22,13 @@ def ratio_label(q_token: torch.Tensor, p_token: torch.Tensor, lam: float) -> tor
     return (q_token <= lam * p_token).float()
 
 
-def label_distributions(p_logits: torch.Tensor, q_logits: torch.Tensor, sampling: SamplingConfig,
-                        generator: torch.Generator | None, x: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def label_distributions(
+    p_logits: torch.Tensor,
+    q_logits: torch.Tensor,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+    x: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
     """Draws ``x`` from the draft (or takes the given ``x``) and measures it against the target, at every row.
 
     Args:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from specheads.export.shim.models import pad_batch
+from specheads.export.shim import pad_batch
 
 # Attention implementations that honour an arbitrary additive 4D mask (others, e.g. flash
 # attention, ignore or reject it, so those models take the per-position fallback).
@@ -65,24 +65,32 @@ def _batched(model, base, device, seqs, positions, tokens, pad) -> list[torch.Te
     # mask would be added as 0/1 by eager attention, so it is not used)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    hidden = _final_states(model, base, input_ids=torch.tensor(ids, device=device),
-                           attention_mask=mask[:, None], position_ids=torch.tensor(pos, device=device))
-    return [hidden[b, len(seq):len(seq) + len(toks)].float() for b, (seq, toks) in enumerate(zip(seqs, tokens))]
+    hidden = _final_states(
+        model,
+        base,
+        input_ids=torch.tensor(ids, device=device),
+        attention_mask=mask[:, None],
+        position_ids=torch.tensor(pos, device=device),
+    )
+    return [hidden[b, len(seq) : len(seq) + len(toks)].float() for b, (seq, toks) in enumerate(zip(seqs, tokens))]
 
 
 def _looped(model, base, device, seqs, positions, tokens) -> list[torch.Tensor]:
     """Fallback: one forward of ``seq[:p] + [token]`` per probe."""
     out = []
     for seq, ps, toks in zip(seqs, positions, tokens):
-        rows = [_final_states(model, base, input_ids=torch.tensor([list(seq[:p]) + [t]], device=device))[0, -1]
-                for p, t in zip(ps, toks)]
+        rows = [
+            _final_states(model, base, input_ids=torch.tensor([list(seq[:p]) + [t]], device=device))[0, -1]
+            for p, t in zip(ps, toks)
+        ]
         out.append(torch.stack(rows).float() if rows else None)
     return out
 
 
 @torch.inference_mode()
-def states_after_tokens(model, seqs: list[list[int]], positions: list[list[int]], tokens: list[list[int]],
-                        pad: int) -> list[torch.Tensor]:
+def states_after_tokens(
+    model, seqs: list[list[int]], positions: list[list[int]], tokens: list[list[int]], pad: int
+) -> list[torch.Tensor]:
     """Final-norm hidden states of ``tokens[b][i]`` fed right after ``seqs[b][:positions[b][i]]``.
 
     Row ``b``'s input is ``seqs[b] + tokens[b]`` (right-padded with ``pad``); appended token ``i``

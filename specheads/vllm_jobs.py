@@ -6,7 +6,8 @@ directory, dtype, ``max_num_seqs``, tensor-parallel size, the EOS ids, the folde
 then one line per chunk still to generate (its number, the digest its side file must carry, its requests:
 token-id prompt, sampling settings, seed, budget).
 
-vLLM starts once (``LLM``, then a two-token warm-up), then generates the chunks in groups of at least :data:`GROUP_BATCHES` batches
+vLLM starts once (``LLM``, then a two-token warm-up), then generates the chunks in groups of at least
+:data:`GROUP_BATCHES` batches
 (one ``generate`` call each: continuous batching inside a group), and writes each chunk's side file
 atomically (temporary name, fsync, rename) as soon as its group is done, so a killed run loses only the
 group in flight. Every request stops at an EOS id (kept, as the Transformers engine keeps it) or after
@@ -45,10 +46,16 @@ def params(req: dict, eos: list[int]):
 
     s = req["sampling"]
     sampled = bool(s["do_sample"])
-    return SamplingParams(max_tokens=req["max_new_tokens"], temperature=s["temperature"] if sampled else 0.0,
-                          top_k=(s["top_k"] or 0) if sampled else 0, top_p=s["top_p"] if sampled else 1.0,
-                          seed=req["seed"] if sampled else None, stop_token_ids=list(eos), logprobs=0,
-                          detokenize=False)
+    return SamplingParams(
+        max_tokens=req["max_new_tokens"],
+        temperature=s["temperature"] if sampled else 0.0,
+        top_k=(s["top_k"] or 0) if sampled else 0,
+        top_p=s["top_p"] if sampled else 1.0,
+        seed=req["seed"] if sampled else None,
+        stop_token_ids=list(eos),
+        logprobs=0,
+        detokenize=False,
+    )
 
 
 def finite(out) -> bool:
@@ -69,13 +76,22 @@ def run(path: str) -> int:
         chunks = [json.loads(line) for line in fh if line.strip()]
     cuda = _has_cuda()
     t = time.perf_counter()
-    llm = LLM(model=header["target"], dtype=header["dtype"], max_model_len=header["max_model_len"],
-              max_num_seqs=header["batch_size"], tensor_parallel_size=header["tensor_parallel"],
-              seed=header["seed"], enforce_eager=not cuda)
+    llm = LLM(
+        model=header["target"],
+        dtype=header["dtype"],
+        max_model_len=header["max_model_len"],
+        max_num_seqs=header["batch_size"],
+        tensor_parallel_size=header["tensor_parallel"],
+        seed=header["seed"],
+        enforce_eager=not cuda,
+    )
     first = next((c["requests"][0] for c in chunks if c["requests"]), None)
     if first is not None:  # warm-up (kernels built on first use): part of the start-up, not of generation
-        llm.generate([TokensPrompt(prompt_token_ids=first["prompt"])], params({**first, "max_new_tokens": 2},
-                                                                            header["eos"]), use_tqdm=False)
+        llm.generate(
+            [TokensPrompt(prompt_token_ids=first["prompt"])],
+            params({**first, "max_new_tokens": 2}, header["eos"]),
+            use_tqdm=False,
+        )
     startup = time.perf_counter() - t
     seconds, tokens, requests = 0.0, 0, 0
     group_size = GROUP_BATCHES * header["batch_size"]
@@ -87,8 +103,15 @@ def run(path: str) -> int:
         i += len(group)
         reqs = [r for c in group for r in c["requests"]]
         t = time.perf_counter()
-        res = llm.generate([TokensPrompt(prompt_token_ids=r["prompt"]) for r in reqs],
-                           [params(r, header["eos"]) for r in reqs], use_tqdm=False) if reqs else []
+        res = (
+            llm.generate(
+                [TokensPrompt(prompt_token_ids=r["prompt"]) for r in reqs],
+                [params(r, header["eos"]) for r in reqs],
+                use_tqdm=False,
+            )
+            if reqs
+            else []
+        )
         seconds += time.perf_counter() - t
         outs = iter(res)
         for c in group:
@@ -99,12 +122,19 @@ def run(path: str) -> int:
                 flags[r["key"]] = finite(o)
                 tokens += len(o.token_ids)
             requests += len(c["requests"])
-            write_atomic(os.path.join(header["dir"], side_name(c["chunk"])),
-                         {"chunk": c["chunk"], "digest": c["digest"], "responses": responses, "finite": flags})
-        print(f"vllm_jobs: {requests} responses, {tokens} tokens, {tokens / max(seconds, 1e-9):.1f} tokens/s",
-              file=sys.stderr, flush=True)
-    write_atomic(os.path.join(header["dir"], "run.json"),
-                 {"startup_seconds": startup, "seconds": seconds, "tokens": tokens, "requests": requests})
+            write_atomic(
+                os.path.join(header["dir"], side_name(c["chunk"])),
+                {"chunk": c["chunk"], "digest": c["digest"], "responses": responses, "finite": flags},
+            )
+        print(
+            f"vllm_jobs: {requests} responses, {tokens} tokens, {tokens / max(seconds, 1e-9):.1f} tokens/s",
+            file=sys.stderr,
+            flush=True,
+        )
+    write_atomic(
+        os.path.join(header["dir"], "run.json"),
+        {"startup_seconds": startup, "seconds": seconds, "tokens": tokens, "requests": requests},
+    )
     return 0
 
 

@@ -15,6 +15,7 @@ import os
 import time
 from pathlib import Path
 
+
 def _proposer_base():
     from specheads.vllm import Proposer
 
@@ -72,18 +73,30 @@ def run_job(path: str) -> int:
     spec = speculative_config(**job["settings"])
     spec["model"] = "specheads.vllm_profile.Profiler"
     sizes, prefix = [1, *job["batches"]], job["prefix_tokens"]
-    llm = LLM(model=job["target"], dtype="float32", max_model_len=prefix + job["steps"] + 64,
-              max_num_seqs=max(sizes), seed=0, enforce_eager=True, speculative_config=spec)
+    llm = LLM(
+        model=job["target"],
+        dtype="float32",
+        max_model_len=prefix + job["steps"] + 64,
+        max_num_seqs=max(sizes),
+        seed=0,
+        enforce_eager=True,
+        speculative_config=spec,
+    )
     vocab = llm.get_tokenizer().vocab_size
     rng = random.Random(0)
     params = SamplingParams(max_tokens=job["steps"], temperature=0.0, ignore_eos=True)
     for b in sizes:
-        prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab) for _ in range(prefix)])
-                   for _ in range(b)]
+        prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab) for _ in range(prefix)]) for _ in range(b)]
         llm.generate(prompts, params, use_tqdm=False)
-    Path(job["out"]).write_text(json.dumps({"samples": llm.collective_rpc(_profiler_samples)[0],
-                                            "vllm": __import__("vllm").__version__,
-                                            "torch": __import__("torch").__version__}))
+    Path(job["out"]).write_text(
+        json.dumps(
+            {
+                "samples": llm.collective_rpc(_profiler_samples)[0],
+                "vllm": __import__("vllm").__version__,
+                "torch": __import__("torch").__version__,
+            }
+        )
+    )
     return 0
 
 

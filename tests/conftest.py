@@ -21,8 +21,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 from specheads.export import Engine, StandardSD
-from specheads.export.shim.fused import unfuse
-from specheads.export.shim.sampling import SamplingConfig, probs_from_logits
+from specheads.export.shim.loop.sampling import SamplingConfig, probs_from_logits
+from specheads.export.shim.runners.fused import unfuse
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
@@ -33,8 +33,10 @@ os.environ["SPECHEADS_RECIPE"] = "specdecpp_draft_quickstart"
 
 # The folders installed under the import root (pyproject's package-dir: specheads.<folder>).
 PACKAGE_FOLDERS = ("specheads", "heads", "export", "datagen", "train", "evaluate", "recipes")
-WORDS = ("the cat dog sat on a mat and ran to big red blue sun moon one two three four five six seven eight "
-         "nine ten is was why how what when who yes no up down left right").split()
+WORDS = (
+    "the cat dog sat on a mat and ran to big red blue sun moon one two three four five six seven eight "
+    "nine ten is was why how what when who yes no up down left right"
+).split()
 
 
 def make_tokenizer(words=WORDS, prefix: str = "") -> PreTrainedTokenizerFast:
@@ -49,18 +51,31 @@ def make_tokenizer(words=WORDS, prefix: str = "") -> PreTrainedTokenizerFast:
 
 def tiny_llama(vocab_size: int, seed: int = 0, layers: int = 2, max_positions: int = 256, init: float = 0.3):
     """A random Llama with peaked logits (large init) so greedy near-ties are rare; fp32, eval."""
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=init,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        initializer_range=init,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
 def perturbed_copy(model, scale: float = 0.05, seed: int = 1):
     """A draft that mostly agrees with ``model``: its weights plus Gaussian noise."""
-    draft = tiny_llama(model.config.vocab_size, layers=model.config.num_hidden_layers,
-                       max_positions=model.config.max_position_embeddings)
+    draft = tiny_llama(
+        model.config.vocab_size,
+        layers=model.config.num_hidden_layers,
+        max_positions=model.config.max_position_embeddings,
+    )
     draft.load_state_dict(model.state_dict())
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -106,8 +121,14 @@ class BigramLM(torch.nn.Module):
     def __init__(self, table: torch.Tensor):
         super().__init__()
         vocab = table.shape[0]
-        self.config = LlamaConfig(vocab_size=vocab, hidden_size=vocab, num_hidden_layers=1, num_attention_heads=1,
-                                  num_key_value_heads=1, max_position_embeddings=1024)
+        self.config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=vocab,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            max_position_embeddings=1024,
+        )
         self.table = table.float()
         self.embed = torch.nn.Embedding(vocab, vocab)  # one-hot: the "hidden state" of token t is e_t
         with torch.no_grad():
@@ -158,8 +179,16 @@ def _own_measurement_cache(tmp_path_factory):
 # --- heads-datagen and heads-train on the tiny pair ---------------------------------------------
 
 DATAGEN_PROMPTS = ["the cat sat", "a dog ran up", "one two three four", "why is the sun red", "big blue moon", "yes no"]
-SPRINTER_PROMPTS = ["the cat sat on a mat", "a dog ran up", "one two three four five", "why is the sun red",
-                    "big blue moon", "yes no up down", "how was the cat", "left right left"]
+SPRINTER_PROMPTS = [
+    "the cat sat on a mat",
+    "a dog ran up",
+    "one two three four five",
+    "why is the sun red",
+    "big blue moon",
+    "yes no up down",
+    "how was the cat",
+    "left right left",
+]
 
 
 @pytest.fixture()
@@ -173,15 +202,28 @@ def prompts_file(tmp_path):
 def datagen_args(pair_dirs, prompts, out, *extra):
     """``heads-datagen`` acceptance labels on the tiny pair: chunks of 2 prompts, up to 6 new tokens, sampled."""
     t, d = pair_dirs
-    return [f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu", "draft.device=cpu",
-            f"prompts={prompts}", f"output_dir={out}", "num_prompts=null", "max_new_tokens=6", "batch_size=2",
-            "chunk_size=2", "sampling.do_sample=true", *extra]
+    return [
+        f"target.path={t}",
+        "target.gguf_file=null",
+        f"draft.path={d}",
+        "target.device=cpu",
+        "draft.device=cpu",
+        f"prompts={prompts}",
+        f"output_dir={out}",
+        "num_prompts=null",
+        "max_new_tokens=6",
+        "batch_size=2",
+        "chunk_size=2",
+        "sampling.do_sample=true",
+        *extra,
+    ]
 
 
 def sprinter_args(pair_dirs, prompts, out, *extra):
     """``heads-datagen labels=sprinter`` on the tiny pair: chunks of 4 prompts (one per prefix category), greedy."""
-    return datagen_args(pair_dirs, prompts, out, "batch_size=4", "chunk_size=4", "labels=sprinter",
-                        "sampling.do_sample=false", *extra)
+    return datagen_args(
+        pair_dirs, prompts, out, "batch_size=4", "chunk_size=4", "labels=sprinter", "sampling.do_sample=false", *extra
+    )
 
 
 def chunk_rows(out):
@@ -201,9 +243,23 @@ def labelled(tmp_path_factory, tiny_pair_dirs):
 
     root = tmp_path_factory.mktemp("labelled")
     prompts = root / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in
-                               ["the cat sat", "a dog ran up", "one two three", "why is the sun red", "big moon",
-                                "yes no up down", "left right", "the red sun", "two three four", "who was it"]))
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": w}) + "\n"
+            for w in [
+                "the cat sat",
+                "a dog ran up",
+                "one two three",
+                "why is the sun red",
+                "big moon",
+                "yes no up down",
+                "left right",
+                "the red sun",
+                "two three four",
+                "who was it",
+            ]
+        )
+    )
     out = root / "dg"
     assert datagen_main(datagen_args(tiny_pair_dirs, prompts, out, "max_new_tokens=10")) == 0
     return out
@@ -211,9 +267,21 @@ def labelled(tmp_path_factory, tiny_pair_dirs):
 
 def train_args(tiny_pair_dirs, data, out, *extra):
     """``heads-train`` of a depth-1 acceptance head on ``data``: 3 epochs, batch 2, 2 accumulation steps."""
-    return [f"data_dir={data}", f"draft.path={tiny_pair_dirs[1]}", "draft.gguf_file=null", "draft.device=cpu",
-            f"output_dir={out}", "batch_size=2", "grad_accum=2", "epochs=3", "lr=1e-2", "eval_fraction=0.2",
-            "depth=1", "patience=3", *extra]
+    return [
+        f"data_dir={data}",
+        f"draft.path={tiny_pair_dirs[1]}",
+        "draft.gguf_file=null",
+        "draft.device=cpu",
+        f"output_dir={out}",
+        "batch_size=2",
+        "grad_accum=2",
+        "epochs=3",
+        "lr=1e-2",
+        "eval_fraction=0.2",
+        "depth=1",
+        "patience=3",
+        *extra,
+    ]
 
 
 def same_heads(a, b, atol=0.0):
@@ -245,8 +313,9 @@ def exact_sequences(sampling: SamplingConfig, horizon: int, rows=P_ROWS) -> dict
     return out
 
 
-def sd_pvalue(sampling: SamplingConfig, n: int = 3000, horizon: int = 3, k: int = 2, policy=None,
-              rows=P_ROWS, draft=None) -> float:
+def sd_pvalue(
+    sampling: SamplingConfig, n: int = 3000, horizon: int = 3, k: int = 2, policy=None, rows=P_ROWS, draft=None
+) -> float:
     """Chi-square p-value of ``n`` sampled outputs of ``policy`` (default SD with ``k``) on the
     bigram pair (or the target with ``draft``) against the exact sequence distribution of the
     bigram ``rows`` (default: the target)."""
@@ -275,9 +344,11 @@ def sd_pvalue(sampling: SamplingConfig, n: int = 3000, horizon: int = 3, k: int 
 
 
 #: Sampling settings every losslessness chi-square runs under (plain and warped).
-SAMPLINGS = pytest.mark.parametrize("sampling", [SamplingConfig(do_sample=True),
-                                                 SamplingConfig(do_sample=True, temperature=0.7, top_k=3, top_p=0.9)],
-                                    ids=["plain", "warped"])
+SAMPLINGS = pytest.mark.parametrize(
+    "sampling",
+    [SamplingConfig(do_sample=True), SamplingConfig(do_sample=True, temperature=0.7, top_k=3, top_p=0.9)],
+    ids=["plain", "warped"],
+)
 
 
 # --- a process killed at a fixed point of its own work ------------------------------------------
@@ -314,10 +385,12 @@ def run_killed(module: str, args: list[str], pattern: str, nth: int, when: str, 
     it; asserts that it died there (not earlier by an error, not later by finishing)."""
     assert when in ("before", "after")
     env = {**os.environ, "SPECHEADS_TEST_KILL": f"{pattern}:{nth}:{when}"}
-    proc = subprocess.run([sys.executable, "-c", _KILL_DRIVER, module, *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
-    assert proc.returncode == -signal.SIGKILL, \
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILL_DRIVER, module, *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+    assert proc.returncode == -signal.SIGKILL, (
         f"{module} was to die {when} rename {nth} onto {pattern}; exit {proc.returncode}: {proc.stderr[-2000:]}"
+    )
     return proc
 
 
@@ -347,7 +420,7 @@ def module_imports(name: str, path: Path, modules: dict[str, Path]) -> tuple[set
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: from the package, up level - 1 packages
-                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
             targets = [base] + [f"{base}.{a.name}" for a in node.names]  # a name may be a submodule
         else:
             continue

@@ -12,14 +12,14 @@ import torch
 from conftest import perturbed_copy, tiny_llama
 
 from specheads.errors import UserError
-from specheads.export.shim.batch_engine import BatchEngine, BatchJob
-from specheads.export.shim.cost_profile import batch_sizes, measure_batches
-from specheads.export.shim.cost_rules import DraftGate, draft_more
-from specheads.export.shim.costs import CostTable, load_table
-from specheads.export.shim.engine import Engine
+from specheads.export.shim.batching.batch_loop import BatchEngine, BatchJob
+from specheads.export.shim.batching.row_proposer import RowProposer
+from specheads.export.shim.costs.cost_profile import batch_sizes, measure_batches
+from specheads.export.shim.costs.cost_rules import DraftGate, draft_more
+from specheads.export.shim.costs.cost_table import CostTable, load_table
+from specheads.export.shim.loop.engine import Engine
+from specheads.export.shim.loop.sampling import SamplingConfig
 from specheads.export.shim.policies import ConfidenceStop, TargetOnly
-from specheads.export.shim.proposer import RowProposer
-from specheads.export.shim.sampling import SamplingConfig
 
 VOCAB = 60
 
@@ -29,8 +29,13 @@ def batched_table(steep: float = 10.0) -> CostTable:
     ``steep`` ms per row beyond the first (compute-bound: verification dearer than the target alone's step)."""
     one = [10.0 + 0.5 * k for k in range(1, 12)]
     by_b = {b: [10.0 + b + steep * b * (k - 1) for k in range(1, 12)] for b in (4, 16)}
-    return CostTable(t_draft_ms=1.0, t_target_ms=one, batches=[4, 16], t_draft_batch_ms=[2.0, 5.0],
-                     t_target_batch_ms=[by_b[4], by_b[16]])
+    return CostTable(
+        t_draft_ms=1.0,
+        t_target_ms=one,
+        batches=[4, 16],
+        t_draft_batch_ms=[2.0, 5.0],
+        t_target_batch_ms=[by_b[4], by_b[16]],
+    )
 
 
 def test_batch_prices_interpolate_and_extend():
@@ -69,7 +74,8 @@ def test_draft_more_prices_at_the_batch():
     assert draft_more(t, 1, 1, 0.9, 0.9, 0.9, batch=1)
     assert not draft_more(t, 1, 1, 0.9, 0.9, 0.9, batch=16)  # 160 ms more per candidate at B = 16
     assert draft_more(t, 1, 1, 0.9, 0.9, 0.9, batch=16) is draft_more(
-        CostTable(t_draft_ms=5.0, t_target_ms=t.t_target_batch_ms[1]), 1, 1, 0.9, 0.9, 0.9)
+        CostTable(t_draft_ms=5.0, t_target_ms=t.t_target_batch_ms[1]), 1, 1, 0.9, 0.9, 0.9
+    )
 
 
 def test_gate_reprices_its_rounds_at_the_batch_about_to_run():
@@ -80,8 +86,12 @@ def test_gate_reprices_its_rounds_at_the_batch_about_to_run():
     for _ in range(6):
         gate.observe(2, 2)
     assert gate.estimate(1) > 1 and gate.open(1)
-    want = lambda b: (0.5 * 2 * 0.75 ** 6 + sum(0.75 ** i * (3 - t.round_ms(2, b) / t.round_ms(0, b))
-                                                  for i in range(6))) / (2 * 0.75 ** 6 + sum(0.75 ** i for i in range(6)))
+
+    def want(b):
+        return (0.5 * 2 * 0.75**6 + sum(0.75**i * (3 - t.round_ms(2, b) / t.round_ms(0, b)) for i in range(6))) / (
+            2 * 0.75**6 + sum(0.75**i for i in range(6))
+        )
+
     assert gate.estimate(16) == pytest.approx(want(16)) and gate.estimate(1) == pytest.approx(want(1))
     assert gate.estimate(16) < 0 and not gate.open(16)
     assert gate.open(1)
@@ -113,8 +123,13 @@ def test_batched_engine_stops_drafting_where_the_batch_makes_it_lose(engine):
     one = _run(engine, policy, 1, prompts)
     four = _run(engine, policy, 4, prompts)
     assert [g.tokens for g in one] == [g.tokens for g in four] == [g.tokens for g in alone]
-    drafted = lambda gens: sum(g.stats.drafted for g in gens)
-    undrafted = lambda gens: sum(g.stats.undrafted_rounds for g in gens)
+
+    def drafted(gens):
+        return sum(g.stats.drafted for g in gens)
+
+    def undrafted(gens):
+        return sum(g.stats.undrafted_rounds for g in gens)
+
     assert drafted(one) > 2 * len(prompts) and undrafted(one) == 0
     assert undrafted(four) > drafted(four)
     flat = ConfidenceStop(k_max=4, stop="cost", costs=CostTable(1.0, batched_table().t_target_ms), gate=True)
@@ -138,8 +153,7 @@ def test_proposer_prices_at_its_row_count(engine):
 
 def test_measure_batches_shape():
     target = tiny_llama(VOCAB, seed=0)
-    drafts, targets = measure_batches(target, perturbed_copy(target, 0.1), 3, [2, 4], prefix_tokens=8, reps=2,
-                                      warmup=1)
+    drafts, targets = measure_batches(target, perturbed_copy(target, 0.1), 3, [2, 4], prefix_tokens=8, reps=2, warmup=1)
     assert len(drafts) == 2 and all(d > 0 for d in drafts)
     assert [len(t) for t in targets] == [3, 3] and all(x > 0 for t in targets for x in t)
     with pytest.raises(UserError, match="batch sizes"):
@@ -163,4 +177,6 @@ def test_proposer_keeps_a_closed_gate_closed_across_calls(engine):
             seqs[r] = seqs[r] + [int(torch.randint(3, VOCAB, (1,), generator=g))]
     assert sum(drafted[20:]) <= 2 * 3 * 3  # probes only: at most 3 per row after step 20 (waits 8, 16, 32)
     assert core.stats["prefills"] >= 2  # the probes' caches caught up through a prefill
-    assert core.policies[0].gate.estimate(2) < 0 and core.policies[0].gate.estimate(1) > core.policies[0].gate.estimate(2)
+    assert core.policies[0].gate.estimate(2) < 0 and core.policies[0].gate.estimate(1) > core.policies[0].gate.estimate(
+        2
+    )

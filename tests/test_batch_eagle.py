@@ -8,16 +8,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_batch_engine import _counts, _same_scores
 from test_eagle import eagle_head, target_model
-from specheads.export.shim.batch_engine import BatchEngine, BatchJob
-from specheads.export.shim.batch_kv import BatchRunner
-from specheads.export.shim.costs import CostTable
-from specheads.export.shim.engine import Engine
-from specheads.export.shim.policies import (FSD, ConfidenceStop, EagleTree, Judge, SpecDecPP, Sprinter, StandardSD,
-                                            TopKVerify)
-from specheads.export.shim.sampling import SamplingConfig
+
+from specheads.export.shim.batching.batch_cache import BatchRunner
+from specheads.export.shim.batching.batch_loop import BatchEngine, BatchJob
+from specheads.export.shim.costs.cost_table import CostTable
+from specheads.export.shim.loop.engine import Engine
+from specheads.export.shim.loop.sampling import SamplingConfig
+from specheads.export.shim.policies import (
+    FSD,
+    ConfidenceStop,
+    EagleTree,
+    Judge,
+    SpecDecPP,
+    Sprinter,
+    StandardSD,
+    TopKVerify,
+)
 from specheads.heads import AcceptanceHead, JudgeHead, VerifierHead
 
 LENGTHS, NEW = (3, 30, 1, 7, 18, 2, 11), 18
@@ -39,18 +47,26 @@ def prompts():
 def _policies():
     torch.manual_seed(3)
     acc, ver, judge = AcceptanceHead(32, depth=1).eval(), VerifierHead(32).eval(), JudgeHead(32).eval()
-    return {"sd1": StandardSD(1), "sd4": StandardSD(4), "confidence": ConfidenceStop(tau=0.3, k_max=5),
-            "confidence_cost": ConfidenceStop(k_max=6, stop="cost", costs=COSTS),
-            "confidence_gated": ConfidenceStop(k_max=6, stop="cost", costs=GATED, gate=True),
-            "specdecpp": SpecDecPP(acc, threshold=0.5, k_min=1, k_max=5),
-            "topk": TopKVerify(3, 2), "fsd": FSD(0.4, "js", k=3), "sprinter": Sprinter(ver, eta=0.5, max_run=4),
-            "judge": Judge(judge, delta=0.5, k=3)}
+    return {
+        "sd1": StandardSD(1),
+        "sd4": StandardSD(4),
+        "confidence": ConfidenceStop(tau=0.3, k_max=5),
+        "confidence_cost": ConfidenceStop(k_max=6, stop="cost", costs=COSTS),
+        "confidence_gated": ConfidenceStop(k_max=6, stop="cost", costs=GATED, gate=True),
+        "specdecpp": SpecDecPP(acc, threshold=0.5, k_min=1, k_max=5),
+        "topk": TopKVerify(3, 2),
+        "fsd": FSD(0.4, "js", k=3),
+        "sprinter": Sprinter(ver, eta=0.5, max_run=4),
+        "judge": Judge(judge, delta=0.5, k=3),
+    }
 
 
 def _run(engine, prompts, policy, sampling, rows):
     if rows == 1:
-        return [engine.generate(p, policy.fork(), NEW, sampling, torch.Generator().manual_seed(50 + i))
-                for i, p in enumerate(prompts)]
+        return [
+            engine.generate(p, policy.fork(), NEW, sampling, torch.Generator().manual_seed(50 + i))
+            for i, p in enumerate(prompts)
+        ]
     jobs = [BatchJob(p, torch.Generator().manual_seed(50 + i)) for i, p in enumerate(prompts)]
     out = dict(BatchEngine(engine, rows).generate(jobs, policy, NEW, sampling))
     return [out[i] for i in range(len(prompts))]

@@ -12,17 +12,27 @@ import itertools
 
 import pytest
 import torch
+from conftest import BigramLM, bigram, perturbed_copy, tiny_llama
 from scipy.stats import chisquare
 
-from conftest import BigramLM, bigram, perturbed_copy, tiny_llama
-from specheads.export.shim import drafting as engine_mod  # where every drafter draws its candidates
-from specheads.export.shim.batch_engine import BatchEngine, BatchJob
-from specheads.export.shim.batch_kv import BatchRunner
-from specheads.export.shim.costs import CostTable
-from specheads.export.shim.engine import Engine
-from specheads.export.shim.policies import (FSD, SLEM, ConfidenceStop, DraftOnly, Judge, SpecDecPP, Sprinter,
-                                            StandardSD, TargetOnly, TopKVerify)
-from specheads.export.shim.sampling import SamplingConfig, probs_from_logits
+from specheads.export.shim.batching.batch_cache import BatchRunner
+from specheads.export.shim.batching.batch_loop import BatchEngine, BatchJob
+from specheads.export.shim.costs.cost_table import CostTable
+from specheads.export.shim.loop import drafting as engine_mod  # where every drafter draws its candidates
+from specheads.export.shim.loop.engine import Engine
+from specheads.export.shim.loop.sampling import SamplingConfig, probs_from_logits
+from specheads.export.shim.policies import (
+    FSD,
+    SLEM,
+    ConfidenceStop,
+    DraftOnly,
+    Judge,
+    SpecDecPP,
+    Sprinter,
+    StandardSD,
+    TargetOnly,
+    TopKVerify,
+)
 from specheads.heads import AcceptanceHead, JudgeHead, VerifierHead
 
 VOCAB, LENGTHS, NEW = 60, (3, 41, 7, 1, 25, 12, 60, 2), 20
@@ -49,19 +59,28 @@ def _heads():
 def _policies(lossy: bool):
     acc, ver, judge = _heads()
     if not lossy:
-        return {"sd": StandardSD(3), "ar": TargetOnly(), "draft": DraftOnly(),
-                "confidence": ConfidenceStop(tau=0.5, k_max=5),
-                "confidence_cost_gated": ConfidenceStop(k_max=6, stop="cost", costs=COSTS, gate=True),
-                "specdecpp": SpecDecPP(acc, threshold=0.5, k_min=1, k_max=6),
-                "specdecpp_cost": SpecDecPP(acc, k_min=1, k_max=6, stop="cost", costs=COSTS)}
-    return {"topk": TopKVerify(3, 2), "fsd": FSD(0.4, "js", k=3),
-            "fsd_stopper": FSD(0.4, "kl", stopper=SpecDecPP(acc, threshold=0.5, k_min=1, k_max=5)),
-            "sprinter": Sprinter(ver, eta=0.5, max_run=4), "judge": Judge(judge, delta=0.5, k=4)}
+        return {
+            "sd": StandardSD(3),
+            "ar": TargetOnly(),
+            "draft": DraftOnly(),
+            "confidence": ConfidenceStop(tau=0.5, k_max=5),
+            "confidence_cost_gated": ConfidenceStop(k_max=6, stop="cost", costs=COSTS, gate=True),
+            "specdecpp": SpecDecPP(acc, threshold=0.5, k_min=1, k_max=6),
+            "specdecpp_cost": SpecDecPP(acc, k_min=1, k_max=6, stop="cost", costs=COSTS),
+        }
+    return {
+        "topk": TopKVerify(3, 2),
+        "fsd": FSD(0.4, "js", k=3),
+        "fsd_stopper": FSD(0.4, "kl", stopper=SpecDecPP(acc, threshold=0.5, k_min=1, k_max=5)),
+        "sprinter": Sprinter(ver, eta=0.5, max_run=4),
+        "judge": Judge(judge, delta=0.5, k=4),
+    }
 
 
 def _alone(engine, prompts, policy, sampling):
-    return [engine.generate(p, policy, NEW, sampling, torch.Generator().manual_seed(100 + i))
-            for i, p in enumerate(prompts)]
+    return [
+        engine.generate(p, policy, NEW, sampling, torch.Generator().manual_seed(100 + i)) for i, p in enumerate(prompts)
+    ]
 
 
 def _batched(engine, prompts, policy, sampling, rows=3, capacity=None):
@@ -72,18 +91,34 @@ def _batched(engine, prompts, policy, sampling, rows=3, capacity=None):
 
 def _counts(g):
     s = g.stats
-    return (g.tokens, s.new_tokens, s.target_calls, s.draft_forwards, s.drafted, s.accepted, s.discarded, s.rounds,
-            s.eos, s.undrafted_rounds, s.target_tokens, s.target_context, s.draft_tokens, s.draft_context,
-            s.target_pass_sizes, {k: round(v, 4) for k, v in s.counters.items()},  # float sums: rounding
-            {k: v for k, v in g.trace.items() if k != "acceptance"},
-            [(j, ok) for j, _, ok in g.trace.get("acceptance", [])])
+    return (
+        g.tokens,
+        s.new_tokens,
+        s.target_calls,
+        s.draft_forwards,
+        s.drafted,
+        s.accepted,
+        s.discarded,
+        s.rounds,
+        s.eos,
+        s.undrafted_rounds,
+        s.target_tokens,
+        s.target_context,
+        s.draft_tokens,
+        s.draft_context,
+        s.target_pass_sizes,
+        {k: round(v, 4) for k, v in s.counters.items()},  # float sums: rounding
+        {k: v for k, v in g.trace.items() if k != "acceptance"},
+        [(j, ok) for j, _, ok in g.trace.get("acceptance", [])],
+    )
 
 
 def _same_scores(batched, alone):
     """The acceptance head's recorded scores agree to float rounding (batched products)."""
     for a, b in zip(batched, alone):
         assert [x[1] for x in a.trace.get("acceptance", [])] == pytest.approx(
-            [x[1] for x in b.trace.get("acceptance", [])], abs=1e-5)
+            [x[1] for x in b.trace.get("acceptance", [])], abs=1e-5
+        )
 
 
 @pytest.mark.parametrize("name", list(_policies(False)))
@@ -132,7 +167,7 @@ def _exact(engine, prompt, horizon, sampling):
     seqs = list(itertools.product(range(SMALL), repeat=horizon))
     ids = torch.tensor([prompt + list(s) for s in seqs])
     with torch.no_grad():
-        logits = engine.target(ids).logits[:, len(prompt) - 1:-1]
+        logits = engine.target(ids).logits[:, len(prompt) - 1 : -1]
     p = probs_from_logits(logits.reshape(-1, SMALL), sampling).view(len(seqs), horizon, SMALL)
     chosen = p.gather(2, torch.tensor(seqs)[..., None])[..., 0].prod(1)
     return dict(zip(seqs, chosen.tolist()))
@@ -168,6 +203,7 @@ def test_chi_square_catches_a_batched_draw_from_the_wrong_q(small_pair, monkeypa
 
 
 # ---- what batching refuses ---------------------------------------------------------------------
+
 
 def test_batching_refuses_cross_vocabulary_policies_and_unfusable_models(engine):
     with pytest.raises(ValueError, match="batch 1"):

@@ -107,9 +107,7 @@ def test_unknown_key_did_you_mean(recipe: str) -> None:
 
 def test_unknown_nested_key_did_you_mean(recipe: str) -> None:
     message = _error(TrainCfg, [recipe, "sampling.top_q=0.9"])
-    assert message == (
-        "unknown key 'sampling.top_q' for heads-train (did you mean 'sampling.top_p'?)"
-    )
+    assert message == ("unknown key 'sampling.top_q' for heads-train (did you mean 'sampling.top_p'?)")
     assert "did you mean 'sampling.top_p'" in _error(TrainCfg, [recipe, "top_p=0.9"])
 
 
@@ -170,13 +168,11 @@ def test_unknown_recipe_suggests(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     monkeypatch.setattr(config, "_recipes_root", lambda: tmp_path)
     message = _error(TrainCfg, ["recipe=judge_450b"])
     assert message == (
-        "unknown recipe 'judge_450b' (did you mean 'judge_405b'?); "
-        "recipes for heads-train: judge_405b, quickstart"
+        "unknown recipe 'judge_450b' (did you mean 'judge_405b'?); recipes for heads-train: judge_405b, quickstart"
     )
     assert load_config(TrainCfg, "train", []).steps == 2  # quickstart by default
     assert _error(TrainCfg, ["recipe=decode_only"]) == (
-        "recipe 'decode_only' has no 'train' section; recipes for heads-train: "
-        "judge_405b, quickstart"
+        "recipe 'decode_only' has no 'train' section; recipes for heads-train: judge_405b, quickstart"
     )
     assert list(config.list_recipes("decode")) == ["decode_only"]
     assert config.recipe_description(tmp_path / "judge_405b.yaml") == "Judge."
@@ -202,8 +198,9 @@ def test_recipe_path_form(tmp_path: Path) -> None:
     assert "has no 'decode' section" in _error(TrainCfg, [f"recipe={path}"], section="decode")
 
 
-def test_help_lists_recipes_and_fields(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_help_lists_recipes_and_fields(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "quickstart.yaml").write_text("description: Tiny run.\ntrain: {}\n")
     monkeypatch.setattr(config, "_recipes_root", lambda: tmp_path)
     text = help_text(TrainCfg, "train", "heads-train")
@@ -234,9 +231,7 @@ def test_cli_main_runs_and_maps_errors(recipe: str, capsys: pytest.CaptureFixtur
 
     assert cli_main("heads-train", TrainCfg, "train", [recipe], fails) == 2
     err = capsys.readouterr().err
-    assert err == (
-        "heads-train: error: head hidden_size=4096 but draft hidden_size=2048; pass head=...\n"
-    )
+    assert err == ("heads-train: error: head hidden_size=4096 but draft hidden_size=2048; pass head=...\n")
 
     def interrupted(_cfg: TrainCfg) -> int:
         raise KeyboardInterrupt

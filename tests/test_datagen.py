@@ -46,9 +46,23 @@ def test_two_processes_write_the_same_examples_as_one(tiny_pair_dirs, prompts_fi
 
     one, two = tmp_path / "one", tmp_path / "two"
     assert main(datagen_args(tiny_pair_dirs, prompts_file, one, "threads=1")) == 0
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "-m", "specheads.datagen.cli", *datagen_args(tiny_pair_dirs, prompts_file, two, "threads=1")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "specheads.datagen.cli",
+        *datagen_args(tiny_pair_dirs, prompts_file, two, "threads=1"),
+    ]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -75,8 +89,9 @@ def test_manifest_records_numerics_and_a_resume_under_others_warns(tiny_pair_dir
     assert torch.get_num_threads() == before  # the caller's count is restored
     manifest = json.loads((out / "manifest.json").read_text())
     with numerics.use_threads(1):
-        expected = numerics.numerics_settings(1, {"target": "float32", "draft": "float32"},
-                                              {"target": "cpu", "draft": "cpu"})
+        expected = numerics.numerics_settings(
+            1, {"target": "float32", "draft": "float32"}, {"target": "cpu", "draft": "cpu"}
+        )
     assert manifest["numerics"] == expected and expected["threads"] == 1 and expected["torch"] == torch.__version__
     footer = chunk_info(out / "data" / "chunk-000000.parquet")["numerics"]
     assert footer == {k: v for k, v in manifest["numerics"].items() if k != "processes"}
@@ -96,14 +111,17 @@ def test_manifest_records_numerics_and_a_resume_under_others_warns(tiny_pair_dir
     assert manifest["numerics"]["threads"] == 1 and manifest["numerics_otherwise"] == [1]
 
 
-@pytest.mark.parametrize("bad, fragment", [
-    ("num_prompts=0", "num_prompts=0 must be >= 1 (or null"),
-    ("num_prompts=-3", "num_prompts=-3 must be >= 1"),
-    ("offset=-1", "offset=-1 must be >= 0"),
-    ("chunk_size=0", "chunk_size=0 must be >= 1"),
-    ("batch_size=-2", "batch_size=-2 must be >= 1"),
-    ("max_new_tokens=0", "max_new_tokens=0 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "bad, fragment",
+    [
+        ("num_prompts=0", "num_prompts=0 must be >= 1 (or null"),
+        ("num_prompts=-3", "num_prompts=-3 must be >= 1"),
+        ("offset=-1", "offset=-1 must be >= 0"),
+        ("chunk_size=0", "chunk_size=0 must be >= 1"),
+        ("batch_size=-2", "batch_size=-2 must be >= 1"),
+        ("max_new_tokens=0", "max_new_tokens=0 must be >= 1"),
+    ],
+)
 def test_zero_or_negative_counts_fail_before_any_model_loads(tmp_path, capsys, bad, fragment):
     """The quickstart recipe as given, one count wrong: one line, exit code 2, nothing written or loaded."""
     out = tmp_path / "o"

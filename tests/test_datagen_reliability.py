@@ -20,8 +20,9 @@ from specheads.outputs import file_sha256
 
 def _prompts(tmp_path, n):
     path = tmp_path / "p.jsonl"
-    path.write_text("".join(json.dumps({"prompt": DATAGEN_PROMPTS[i % len(DATAGEN_PROMPTS)] + f" {i}"}) + "\n"
-                            for i in range(n)))
+    path.write_text(
+        "".join(json.dumps({"prompt": DATAGEN_PROMPTS[i % len(DATAGEN_PROMPTS)] + f" {i}"}) + "\n" for i in range(n))
+    )
     return path
 
 
@@ -81,8 +82,9 @@ def test_sigkill_loop_then_resume_labels_every_prompt_once(reference, tiny_pair_
         assert len(list((out / "data").glob("chunk-*.parquet"))) == done
         temporaries = [p.name for p in (out / "data").glob(".chunk-*")]  # the earlier attempts' are removed
         assert len(temporaries) == 1 and temporaries[0].startswith(f".chunk-{done:06d}.parquet.")
-    finished = subprocess.run([sys.executable, "-m", "specheads.datagen.cli", *args], capture_output=True, text=True,
-                              timeout=300)
+    finished = subprocess.run(
+        [sys.executable, "-m", "specheads.datagen.cli", *args], capture_output=True, text=True, timeout=300
+    )
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert f"resuming: {done} of 16 chunks" in finished.stderr
     assert not list((out / "data").glob(".chunk-*"))  # the killed attempts' temporaries removed
@@ -121,9 +123,23 @@ def test_a_run_started_by_four_processes_is_finished_by_two(reference, tiny_pair
             shutil.copy(dataset.chunk_path(ref, c), dataset.chunk_path(out, c))
     (out / "data" / ".chunk-000001.parquet.999.tmp").write_bytes(b"half")  # rank 1 died mid-write
     (out / "config.yaml").write_text((ref / "config.yaml").read_text().replace(str(ref), str(out)))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "-m", "specheads.datagen.cli", *datagen_args(tiny_pair_dirs, prompts, out, "threads=1")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "specheads.datagen.cli",
+        *datagen_args(tiny_pair_dirs, prompts, out, "threads=1"),
+    ]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -133,8 +149,8 @@ def test_a_run_started_by_four_processes_is_finished_by_two(reference, tiny_pair
 
 
 def test_nonfinite_logits_skip_the_sample_and_count_it(tiny_pair_dirs, tmp_path, monkeypatch, capsys):
-    from specheads.datagen import acceptance
-    from specheads.train.acceptance import load_examples
+    from specheads.datagen import acceptance_labels as acceptance
+    from specheads.train.acceptance_data import load_examples
 
     real = acceptance.teacher_forced_pair
     calls = []
@@ -166,7 +182,7 @@ def test_nonfinite_logits_skip_the_sample_and_count_it(tiny_pair_dirs, tmp_path,
 
 
 def test_sample_survives_a_nonfinite_row():
-    from specheads.export.shim.sampling import sample_finite
+    from specheads.export.shim.loop.sampling import sample_finite
 
     probs = torch.tensor([[0.0, 1.0, 0.0], [float("nan"), 0.5, 0.5], [0.0, 0.0, 0.0]])
     tok = sample_finite(probs, torch.Generator().manual_seed(0))
@@ -190,8 +206,8 @@ def test_verify_finds_damage_missing_and_stray_files(reference, tmp_path, capsys
     text = capsys.readouterr().out
     assert "chunk-000002.parquet: bytes or SHA-256 differ" in text and "chunk-000005.parquet: missing" in text
     assert "chunk-000042.parquet" in text and "neither labelled nor skipped" in text and "FAILED" in text
-    from specheads.train.acceptance import load_examples
     from specheads.errors import UserError
+    from specheads.train.acceptance_data import load_examples
 
     with pytest.raises(UserError, match="missing or changed since heads-datagen wrote it"):
         load_examples(out)
@@ -262,8 +278,13 @@ def test_newer_schema_and_missing_columns_are_refused(reference, tiny_pair_dirs,
     manifest = json.loads((newer / "manifest.json").read_text())
     manifest["schema_version"] = dataset.SCHEMA_VERSION + 1
     (newer / "manifest.json").write_text(json.dumps(manifest))
-    targs = [f"data_dir={newer}", f"draft.path={tiny_pair_dirs[1]}", "draft.device=cpu", "epochs=1",
-             f"output_dir={tmp_path / 't1'}"]
+    targs = [
+        f"data_dir={newer}",
+        f"draft.path={tiny_pair_dirs[1]}",
+        "draft.device=cpu",
+        "epochs=1",
+        f"output_dir={tmp_path / 't1'}",
+    ]
     assert train(targs) == 2
     err = capsys.readouterr().err
     assert "newer than this specheads reads" in err and "upgrade specheads" in err and len(err.splitlines()) == 1
@@ -283,13 +304,16 @@ def test_newer_schema_and_missing_columns_are_refused(reference, tiny_pair_dirs,
     assert "lacks columns ['label']" in err and "regenerate it with heads-datagen" in err
 
 
-@pytest.mark.parametrize("content, fragment", [
-    (b"", "is empty"),
-    (b"\n\n", "is empty"),
-    (b'{"prompt": "caf\xe9"}\n', "is not UTF-8"),
-    (b'{"prompt": "a"}\nnot json\n', "line 2 is not valid JSON"),
-    (b'{"text": "a"}\n', "none of the recognised fields"),
-])
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        (b"", "is empty"),
+        (b"\n\n", "is empty"),
+        (b'{"prompt": "caf\xe9"}\n', "is not UTF-8"),
+        (b'{"prompt": "a"}\nnot json\n', "line 2 is not valid JSON"),
+        (b'{"text": "a"}\n', "none of the recognised fields"),
+    ],
+)
 def test_bad_prompt_files_fail_before_any_model_loads(tiny_pair_dirs, tmp_path, capsys, content, fragment):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(content)

@@ -17,12 +17,14 @@ from conftest import DATAGEN_PROMPTS, SPRINTER_PROMPTS, chunk_rows, datagen_args
 
 from specheads.datagen import vllm_responses
 from specheads.datagen.cli import main
-from specheads.vllm_jobs import side_name, write_atomic
 from specheads.errors import UserError
+from specheads.vllm_jobs import side_name, write_atomic
 
 VLLM_PYTHON = os.environ.get("SPECHEADS_VLLM_PYTHON")
-GSM = [{"question": "what is two plus two", "answer": "2 + 2 = 4\n#### 4"},
-       {"question": "what is three plus one", "answer": "3 + 1 = 4\n#### 4"}]
+GSM = [
+    {"question": "what is two plus two", "answer": "2 + 2 = 4\n#### 4"},
+    {"question": "what is three plus one", "answer": "3 + 1 = 4\n#### 4"},
+]
 
 
 def fake_vllm(calls: list, fail_after: int | None = None):
@@ -30,8 +32,8 @@ def fake_vllm(calls: list, fail_after: int | None = None):
     sampling setting (the labellers' batches at batch_size = chunk_size), side files in the child's format."""
     from transformers import AutoModelForCausalLM
 
-    from specheads.export.shim import batched
-    from specheads.export.shim.sampling import SamplingConfig
+    from specheads.export.shim.batching import batch_generate as batched
+    from specheads.export.shim.loop.sampling import SamplingConfig
 
     def generate(cfg, header, lines, work, local_rank):
         calls.append([line["chunk"] for line in lines])
@@ -46,11 +48,19 @@ def fake_vllm(calls: list, fail_after: int | None = None):
             for key, reqs in groups.items():
                 s = SamplingConfig(**json.loads(key))
                 g = torch.Generator().manual_seed(reqs[0]["seed"] % 2**62) if s.do_sample else None
-                outs = batched.generate(model, [r["prompt"] for r in reqs], reqs[0]["max_new_tokens"], s, g,
-                                        header["eos"], header["eos"][0])
+                outs = batched.generate(
+                    model, [r["prompt"] for r in reqs], reqs[0]["max_new_tokens"], s, g, header["eos"], header["eos"][0]
+                )
                 responses.update({r["key"]: o for r, o in zip(reqs, outs)})
-            write_atomic(str(work / side_name(line["chunk"])), {"chunk": line["chunk"], "digest": line["digest"],
-                         "responses": responses, "finite": {k: True for k in responses}})
+            write_atomic(
+                str(work / side_name(line["chunk"])),
+                {
+                    "chunk": line["chunk"],
+                    "digest": line["digest"],
+                    "responses": responses,
+                    "finite": {k: True for k in responses},
+                },
+            )
         write_atomic(str(work / "run.json"), {"startup_seconds": 0.0, "seconds": 0.0, "tokens": 0, "requests": 0})
         return {}
 
@@ -86,8 +96,9 @@ def family_args(labels: str, prompts: Path, gsm: Path) -> tuple[Path | None, lis
 
 
 @pytest.mark.parametrize("labels", ["acceptance", "fsd", "sprinter", "drafter", "judge"])
-def test_engine_vllm_gives_the_specheads_labels_on_greedy_prompts(tiny_pair_dirs, tmp_path, gsm_file, monkeypatch,
-                                                                   labels):
+def test_engine_vllm_gives_the_specheads_labels_on_greedy_prompts(
+    tiny_pair_dirs, tmp_path, gsm_file, monkeypatch, labels
+):
     prompts = tmp_path / "p.jsonl"
     words = SPRINTER_PROMPTS if labels == "sprinter" else DATAGEN_PROMPTS
     prompts.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in words))
@@ -97,16 +108,20 @@ def test_engine_vllm_gives_the_specheads_labels_on_greedy_prompts(tiny_pair_dirs
     assert main(datagen_args(tiny_pair_dirs, prompts, ours, *common)) == 0
     calls: list = []
     monkeypatch.setattr(vllm_responses, "run_vllm", fake_vllm(calls))
-    assert main(datagen_args(tiny_pair_dirs, prompts, theirs, *common, "engine=vllm",
-                             f"vllm_python={os.sys.executable}")) == 0
+    assert (
+        main(datagen_args(tiny_pair_dirs, prompts, theirs, *common, "engine=vllm", f"vllm_python={os.sys.executable}"))
+        == 0
+    )
     assert len(calls) == 1  # one generation run for every chunk
     a, b = chunk_rows(ours), chunk_rows(theirs)
     assert (a or labels == "judge") and len(a) == len(b)  # the tiny pair's answers give no judge tuples:
     for x, y in zip(a, b):
         assert close(x, y), (x, y)
     if labels == "judge":  # its greedy answers are compared through the review file (sampled ones differ)
-        greedy = [[x for x in (d / "review.jsonl").read_text().splitlines() if json.loads(x)["setting"] == "greedy"]
-                  for d in (ours, theirs)]
+        greedy = [
+            [x for x in (d / "review.jsonl").read_text().splitlines() if json.loads(x)["setting"] == "greedy"]
+            for d in (ours, theirs)
+        ]
         assert greedy[0] and greedy[0] == greedy[1]
         m = [json.loads((d / "manifest.json").read_text())["tuple_counts"]["answers"] for d in (ours, theirs)]
         assert m == [2 * 2 * 2] * 2
@@ -122,12 +137,13 @@ def test_engine_vllm_gives_the_specheads_labels_on_greedy_prompts(tiny_pair_dirs
             assert torch.allclose(s["states"].float(), t["states"].float(), atol=1e-2)
 
 
-def test_sampled_acceptance_labels_vllms_responses_with_a_target_pass(tiny_pair_dirs, prompts_file, tmp_path,
-                                                                      monkeypatch):
+def test_sampled_acceptance_labels_vllms_responses_with_a_target_pass(
+    tiny_pair_dirs, prompts_file, tmp_path, monkeypatch
+):
     from transformers import AutoModelForCausalLM
 
-    from specheads.datagen.acceptance import response_logits
-    from specheads.export.shim.sampling import SamplingConfig, probs_from_logits
+    from specheads.datagen.acceptance_labels import response_logits
+    from specheads.export.shim.loop.sampling import SamplingConfig, probs_from_logits
 
     calls: list = []
     monkeypatch.setattr(vllm_responses, "run_vllm", fake_vllm(calls))
@@ -138,7 +154,7 @@ def test_sampled_acceptance_labels_vllms_responses_with_a_target_pass(tiny_pair_
     target, draft = (AutoModelForCausalLM.from_pretrained(d).eval() for d in tiny_pair_dirs)
     sampling = SamplingConfig(**json.loads((out / "manifest.json").read_text())["sampling"])
     for r in rows:  # the expected label 1 - TV(p, q) needs p: a teacher-forced pass of the target along vLLM's response
-        x, y = r["input_ids"][: r["response_start"]], r["input_ids"][r["response_start"]:]
+        x, y = r["input_ids"][: r["response_start"]], r["input_ids"][r["response_start"] :]
         p, q = (probs_from_logits(response_logits(m, [x], [y], 2)[0], sampling) for m in (target, draft))
         assert torch.allclose(torch.minimum(p, q).sum(-1), torch.tensor(r["expected_label"]), atol=1e-4)
 
@@ -176,13 +192,17 @@ def test_a_side_file_for_other_requests_is_generated_again(tiny_pair_dirs, promp
     assert calls[-1] == [0, 1, 2]
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["engine=fast"], "engine='fast'"),
-    (["labels=eagle_rounds", "eagle=h.safetensors"], "run it on engine=specheads"),
-    (["labels=judge", "mining=swap"], "mining=swap"),
-    (["labels=judge", "tuples=t.jsonl"], "generates none"),
-    (["vllm_tensor_parallel=0"], "vllm_tensor_parallel=0"),
-    (["vllm_python=/nowhere/python"], "does not exist")])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["engine=fast"], "engine='fast'"),
+        (["labels=eagle_rounds", "eagle=h.safetensors"], "run it on engine=specheads"),
+        (["labels=judge", "mining=swap"], "mining=swap"),
+        (["labels=judge", "tuples=t.jsonl"], "generates none"),
+        (["vllm_tensor_parallel=0"], "vllm_tensor_parallel=0"),
+        (["vllm_python=/nowhere/python"], "does not exist"),
+    ],
+)
 def test_engine_vllm_settings_are_one_line_errors(tiny_pair_dirs, prompts_file, tmp_path, capsys, extra, message):
     engine = [] if extra[0].startswith("engine=") else ["engine=vllm", f"vllm_python={os.sys.executable}"]
     assert main(datagen_args(tiny_pair_dirs, prompts_file, tmp_path / "x", *engine, *extra)) == 2
@@ -217,11 +237,26 @@ def test_vllm_gives_the_transformers_engines_greedy_responses_and_labels(tmp_pat
 
     target, draft = save_pair(tmp_path)
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in
-                               ["the cat sat on", "one two three", "why is the sun", "a big red dog ran", "the moon"]))
-    common = [f"target.path={target}", "target.gguf_file=null", f"draft.path={draft}", "target.device=cpu",
-              "draft.device=cpu", f"prompts={prompts}", "num_prompts=null", "max_new_tokens=16", "batch_size=2",
-              "chunk_size=2", "chat_template=false", "sampling.do_sample=false"]
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": t}) + "\n"
+            for t in ["the cat sat on", "one two three", "why is the sun", "a big red dog ran", "the moon"]
+        )
+    )
+    common = [
+        f"target.path={target}",
+        "target.gguf_file=null",
+        f"draft.path={draft}",
+        "target.device=cpu",
+        "draft.device=cpu",
+        f"prompts={prompts}",
+        "num_prompts=null",
+        "max_new_tokens=16",
+        "batch_size=2",
+        "chunk_size=2",
+        "chat_template=false",
+        "sampling.do_sample=false",
+    ]
     assert main([*common, f"output_dir={tmp_path / 'ours'}"]) == 0
     assert main([*common, f"output_dir={tmp_path / 'vllm'}", "engine=vllm", f"vllm_python={VLLM_PYTHON}"]) == 0
     a, b = chunk_rows(tmp_path / "ours"), chunk_rows(tmp_path / "vllm")

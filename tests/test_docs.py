@@ -6,10 +6,10 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 from specheads.export.shim.policies import POLICIES
@@ -36,7 +36,8 @@ def _nav_pages(node) -> list[str]:
 
 def test_every_policy_is_on_the_decode_page():
     named = _ticked(DOCS / "commands/heads-decode.md") | {
-        m for t in _ticked(DOCS / "commands/heads-decode.md") for m in re.findall(r"policy=(\w+)", t)}
+        m for t in _ticked(DOCS / "commands/heads-decode.md") for m in re.findall(r"policy=(\w+)", t)
+    }
     assert sorted(set(POLICIES) - named) == []
 
 
@@ -61,10 +62,14 @@ def test_every_command_has_its_page_in_the_navigation():
 
 
 def test_no_page_or_module_cites_a_file_outside_the_repository():
-    files = [*DOCS.rglob("*.md"), ROOT / "README.md", *ROOT.glob("*/*.py"), *ROOT.glob("*/*/*.py"),
-             *ROOT.glob("*/*/*/*.py")]
-    citing = [str(f.relative_to(ROOT)) for f in files if "ALGORITHMS.md" in f.read_text()
-              and f.name != "test_docs.py"]
+    files = [
+        *DOCS.rglob("*.md"),
+        ROOT / "README.md",
+        *ROOT.glob("*/*.py"),
+        *ROOT.glob("*/*/*.py"),
+        *ROOT.glob("*/*/*/*.py"),
+    ]
+    citing = [str(f.relative_to(ROOT)) for f in files if "ALGORITHMS.md" in f.read_text() and f.name != "test_docs.py"]
     assert citing == []
 
 

@@ -27,29 +27,75 @@ def setting(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("distill")
     tok = make_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
-                      eos_token_id=2, pad_token_id=2, initializer_range=0.3, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        initializer_range=0.3,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(root / "target")
     tok.save_pretrained(root / "target")
     rng = random.Random(0)
     prompts = root / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6)))})
-                               + "\n" for _ in range(60)))
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6)))}) + "\n"
+            for _ in range(60)
+        )
+    )
     for name, offset in (("dg", 0), ("dg2", 40)):
-        assert datagen([f"target.path={root / 'target'}", "target.gguf_file=null", f"draft.path={root / 'target'}",
-                        "target.device=cpu", "draft.device=cpu", f"prompts={prompts}", f"output_dir={root / name}",
-                        "num_prompts=null" if name == "dg" else "num_prompts=20", f"offset={offset}",
-                        "max_new_tokens=12", "batch_size=8", "chunk_size=8", "labels=drafter", "drafter_top_k=8",
-                        "sampling.do_sample=false"]) == 0
+        assert (
+            datagen(
+                [
+                    f"target.path={root / 'target'}",
+                    "target.gguf_file=null",
+                    f"draft.path={root / 'target'}",
+                    "target.device=cpu",
+                    "draft.device=cpu",
+                    f"prompts={prompts}",
+                    f"output_dir={root / name}",
+                    "num_prompts=null" if name == "dg" else "num_prompts=20",
+                    f"offset={offset}",
+                    "max_new_tokens=12",
+                    "batch_size=8",
+                    "chunk_size=8",
+                    "labels=drafter",
+                    "drafter_top_k=8",
+                    "sampling.do_sample=false",
+                ]
+            )
+            == 0
+        )
     return root
 
 
 def args(root, out, *extra):
-    return [f"data_dir={root / 'dg'}", "head=draft", "draft_init=truncate:2", f"target.path={root / 'target'}",
-            "target.gguf_file=null", "draft.gguf_file=null", f"output_dir={out}", "batch_size=4", "grad_accum=1",
-            "epochs=3", "lr=3e-3", "eval_fraction=0.2", "patience=3", "threads=1", *extra]
+    return [
+        f"data_dir={root / 'dg'}",
+        "head=draft",
+        "draft_init=truncate:2",
+        f"target.path={root / 'target'}",
+        "target.gguf_file=null",
+        "draft.gguf_file=null",
+        f"output_dir={out}",
+        "batch_size=4",
+        "grad_accum=1",
+        "epochs=3",
+        "lr=3e-3",
+        "eval_fraction=0.2",
+        "patience=3",
+        "threads=1",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +115,12 @@ def test_bucketed_divergences_match_hand_computed_values():
     torch.testing.assert_close(got_q.exp()[0], torch.tensor(Q))
     torch.testing.assert_close(got_p.exp()[0], torch.tensor(P))
     m = [(a + b) / 2 for a, b in zip(P, Q)]
-    want = {"fkl": sum(a * math.log(a / b) for a, b in zip(P, Q)),
-            "rkl": sum(b * math.log(b / a) for a, b in zip(P, Q)),
-            "js": 0.5 * sum(a * math.log(a / c) + b * math.log(b / c) for a, b, c in zip(P, Q, m)),
-            "tvd": 0.5 * sum(abs(a - b) for a, b in zip(P, Q))}
+    want = {
+        "fkl": sum(a * math.log(a / b) for a, b in zip(P, Q)),
+        "rkl": sum(b * math.log(b / a) for a, b in zip(P, Q)),
+        "js": 0.5 * sum(a * math.log(a / c) + b * math.log(b / c) for a, b, c in zip(P, Q, m)),
+        "tvd": 0.5 * sum(abs(a - b) for a, b in zip(P, Q)),
+    }
     for kind, value in want.items():
         torch.testing.assert_close(D.divergence(got_q, got_p, ok, kind), torch.tensor([value]))
     # a top-k id outside the subset (-1): no entry of its own, its 0.3 in the target's bucket
@@ -105,8 +153,9 @@ def test_distillation_raises_agreement_and_writes_a_draft_every_loader_reads(set
     alone = target.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16)
     assisted = target.generate(ids, assistant_model=draft, max_new_tokens=16, do_sample=False, min_new_tokens=16)
     assert torch.equal(alone, assisted)
-    pair = load_pair(ModelSpec(path=str(setting / "target"), device="cpu"),
-                     ModelSpec(path=str(trained / "draft"), device="cpu"))
+    pair = load_pair(
+        ModelSpec(path=str(setting / "target"), device="cpu"), ModelSpec(path=str(trained / "draft"), device="cpu")
+    )
     engine = Engine(pair.target.model, pair.draft.model, eos_token_ids=[])
     greedy = SamplingConfig(do_sample=False)
     for prompt in ([1, 5, 9, 12, 7], [1, 20, 3], [1, 8, 8, 30, 11, 4]):
@@ -144,15 +193,30 @@ def test_continue_from_a_directory_frozen_embeddings_pruned_vocab_two_data_sets(
     size = len(make_tokenizer())
     ranking.write_text(json.dumps({"format": "specheads-vocab", "ranking": list(range(3, size)), "vocab_size": size}))
     out = setting / "more"
-    assert main(args(setting, out, f"data_dir={setting / 'dg'},{setting / 'dg2'}", f"draft_init={trained / 'draft'}",
-                     "freeze_embeddings=true", f"vocab_file={ranking}", "vocab_top_n=20", "divergence=js",
-                     "epochs=1")) == 0
+    assert (
+        main(
+            args(
+                setting,
+                out,
+                f"data_dir={setting / 'dg'},{setting / 'dg2'}",
+                f"draft_init={trained / 'draft'}",
+                "freeze_embeddings=true",
+                f"vocab_file={ranking}",
+                "vocab_top_n=20",
+                "divergence=js",
+                "epochs=1",
+            )
+        )
+        == 0
+    )
     meta = json.loads((out / "draft" / "specheads.json").read_text())
     assert meta["draft_vocab"]["size"] == 20 and meta["divergence"] == "js"
     assert meta["data"]["dirs"] == [str(setting / "dg"), str(setting / "dg2")]
     assert meta["draft_init"] == str(trained / "draft")
-    pair = load_pair(ModelSpec(path=str(setting / "target"), device="cpu"),  # decoded with the subset it trained
-                     ModelSpec(path=str(out / "draft"), device="cpu", vocab_file=str(out / "draft" / "vocab.json")))
+    pair = load_pair(
+        ModelSpec(path=str(setting / "target"), device="cpu"),  # decoded with the subset it trained
+        ModelSpec(path=str(out / "draft"), device="cpu", vocab_file=str(out / "draft" / "vocab.json")),
+    )
     assert pair.draft.vocab["size"] == 20 and pair.draft.vocab["sha256"] == meta["draft_vocab"]["sha256"]
     engine, greedy = Engine(pair.target.model, pair.draft.model, eos_token_ids=[]), SamplingConfig(do_sample=False)
     prompt = [1, 5, 9, 12, 7]
@@ -166,14 +230,17 @@ def test_continue_from_a_directory_frozen_embeddings_pruned_vocab_two_data_sets(
         assert all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
 
 
-@pytest.mark.parametrize("bad, message", [
-    ("draft_init=truncate:0", "truncate:N with N >= 1"),
-    ("draft_init=truncate:x", "truncate:N with N >= 1"),
-    ("draft_init=truncate:9", "the target has 4 decoder layers"),
-    ("divergence=kl", "divergence='kl': choose one of fkl, rkl, js, tvd"),
-    ("eval_fraction=0", "set eval_fraction > 0"),
-    ("draft_init=/nonexistent/draft", "does not exist"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("draft_init=truncate:0", "truncate:N with N >= 1"),
+        ("draft_init=truncate:x", "truncate:N with N >= 1"),
+        ("draft_init=truncate:9", "the target has 4 decoder layers"),
+        ("divergence=kl", "divergence='kl': choose one of fkl, rkl, js, tvd"),
+        ("eval_fraction=0", "set eval_fraction > 0"),
+        ("draft_init=/nonexistent/draft", "does not exist"),
+    ],
+)
 def test_bad_settings_are_one_line_errors(setting, tmp_path, capsys, bad, message):
     assert main(args(setting, tmp_path / "bad", bad)) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]

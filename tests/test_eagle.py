@@ -12,21 +12,32 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from specheads.errors import UserError
 from specheads.export.shim import policies as sd_rule
-from specheads.export.shim.eagle_cache import EagleCache
-from specheads.export.shim.engine import Engine
-from specheads.export.shim.kv import FusedRunner, ModelRunner
+from specheads.export.shim.loop.engine import Engine
+from specheads.export.shim.loop.sampling import SamplingConfig
 from specheads.export.shim.policies import ConfidenceStop, StandardSD, TopKVerify
-from specheads.export.shim.sampling import SamplingConfig
+from specheads.export.shim.runners.eagle_cache import EagleCache
+from specheads.export.shim.runners.model_runner import FusedRunner, ModelRunner
 from specheads.heads import EagleHead
-from specheads.heads.eagle import unrolled_forward
+from specheads.heads.eagle_head import unrolled_forward
 
 LAYERS = [1, 2, 3]
 
 
 def target_model(vocab: int = 40, seed: int = 0, init: float = 0.3):
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=2, initializer_range=init, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        initializer_range=init,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
@@ -83,7 +94,7 @@ def test_training_time_test_equals_step_by_step_drafting():
     trained = unrolled_forward(head, states[None], embeds, None, rows)
     for t in range(t_len - steps):
         cache = EagleCache(head, 64, "cpu", torch.float32)
-        a = cache.forward(emb[torch.tensor([ids[1: t + 2]])], head.fuse(states[: t + 1])[None])[:, -1:]
+        a = cache.forward(emb[torch.tensor([ids[1 : t + 2]])], head.fuse(states[: t + 1])[None])[:, -1:]
         for j in range(steps):
             torch.testing.assert_close(head.logits(a[0, 0]), trained[j][t], atol=1e-4, rtol=1e-4)
             if j + 1 < steps:
@@ -91,8 +102,11 @@ def test_training_time_test_equals_step_by_step_drafting():
 
 
 @pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("policy", [StandardSD(1), StandardSD(4), ConfidenceStop(tau=0.3, k_max=5),
-                                    TopKVerify(k=3, top_k=2)], ids=["sd1", "sd4", "confidence", "topk"])
+@pytest.mark.parametrize(
+    "policy",
+    [StandardSD(1), StandardSD(4), ConfidenceStop(tau=0.3, k_max=5), TopKVerify(k=3, top_k=2)],
+    ids=["sd1", "sd4", "confidence", "topk"],
+)
 def test_greedy_drafting_from_target_states_is_exact(fused, policy):
     target = target_model()
     engine = Engine(target, eagle=eagle_head(ids=list(range(0, 40, 2)) + [2, 3]), eos_token_ids=[2], fused=fused)

@@ -6,22 +6,40 @@ import json
 
 import pytest
 import torch
+from conftest import chunk_rows, datagen_args, same_heads
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import chunk_rows, datagen_args, same_heads
 from specheads.datagen.cli import main as datagen_main
 from specheads.export.decode_cli import main as decode_main
-from specheads.export.shim.costs import CostTable
+from specheads.export.shim.costs.cost_table import CostTable
 from specheads.train.cli import main as train_main
 
-PROMPTS = ["the cat sat", "a dog ran up", "one two three", "why is the sun red", "big moon", "yes no up down",
-           "left right", "the red sun", "two three four", "who was it"]
+PROMPTS = [
+    "the cat sat",
+    "a dog ran up",
+    "one two three",
+    "why is the sun red",
+    "big moon",
+    "yes no up down",
+    "left right",
+    "the red sun",
+    "two three four",
+    "who was it",
+]
 
 
 def drafter_args(pair_dirs, prompts, out, *extra):
-    return datagen_args(pair_dirs, prompts, out, "labels=drafter", "sampling.do_sample=false", "max_new_tokens=8",
-                        "drafter_top_k=5", *extra)
+    return datagen_args(
+        pair_dirs,
+        prompts,
+        out,
+        "labels=drafter",
+        "sampling.do_sample=false",
+        "max_new_tokens=8",
+        "drafter_top_k=5",
+        *extra,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +64,12 @@ def test_drafter_data_holds_the_targets_states_and_distributions(drafter_data, t
         ids, start = row["input_ids"], row["response_start"]
         with torch.no_grad():
             ref = target(torch.tensor([ids]), output_hidden_states=True)
-        states = side["states"][side["offsets"][i]:side["offsets"][i + 1]].float()
+        states = side["states"][side["offsets"][i] : side["offsets"][i + 1]].float()
         torch.testing.assert_close(states, ref.hidden_states[1][0], atol=2e-3, rtol=2e-3)  # stored in fp16
-        tops = side["top_ids"][side["response_offsets"][i]:side["response_offsets"][i + 1]]
+        tops = side["top_ids"][side["response_offsets"][i] : side["response_offsets"][i + 1]]
         assert tops[:, 0].tolist() == ids[start:]  # greedy: each response token is the target's top-1
-        want = ref.logits[0, start - 1: len(ids) - 1].float().log_softmax(-1).topk(5).values
-        logp = side["top_logp"][side["response_offsets"][i]:side["response_offsets"][i + 1]]
+        want = ref.logits[0, start - 1 : len(ids) - 1].float().log_softmax(-1).topk(5).values
+        logp = side["top_logp"][side["response_offsets"][i] : side["response_offsets"][i + 1]]
         torch.testing.assert_close(logp, want, atol=1e-4, rtol=1e-4)
 
 
@@ -64,9 +82,23 @@ def test_drafter_data_is_reproducible(drafter_data, tiny_pair_dirs, tmp_path):
 
 
 def eagle_args(pair_dirs, data, out, *extra):
-    return [f"data_dir={data}", "head=eagle", f"target.path={pair_dirs[0]}", "target.gguf_file=null",
-            "target.device=cpu", f"output_dir={out}", "batch_size=2", "grad_accum=1", "epochs=2", "lr=3e-3",
-            "eval_fraction=0.3", "patience=2", "ttt_steps=2", "vocab_top_n=20", *extra]
+    return [
+        f"data_dir={data}",
+        "head=eagle",
+        f"target.path={pair_dirs[0]}",
+        "target.gguf_file=null",
+        "target.device=cpu",
+        f"output_dir={out}",
+        "batch_size=2",
+        "grad_accum=1",
+        "epochs=2",
+        "lr=3e-3",
+        "eval_fraction=0.3",
+        "patience=2",
+        "ttt_steps=2",
+        "vocab_top_n=20",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +125,15 @@ def test_same_seed_same_head(trained, drafter_data, tiny_pair_dirs, tmp_path):
     same_heads(trained, again)
 
 
-@pytest.mark.parametrize("bad, message", [("ttt_steps=0", "ttt_steps"), ("vocab_top_n=0", "vocab_top_n"),
-                                          ("target.path=", "target.path"),
-                                          ("init_head=/no/such/head.safetensors", "init_head")])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("ttt_steps=0", "ttt_steps"),
+        ("vocab_top_n=0", "vocab_top_n"),
+        ("target.path=", "target.path"),
+        ("init_head=/no/such/head.safetensors", "init_head"),
+    ],
+)
 def test_bad_settings_are_one_line_errors(bad, message, drafter_data, tiny_pair_dirs, tmp_path, capsys):
     assert train_main(eagle_args(tiny_pair_dirs, drafter_data[1], tmp_path / "x", bad)) == 2
     err = capsys.readouterr().err.strip()
@@ -107,7 +145,9 @@ def test_init_head_continues_from_a_trained_head(trained, drafter_data, tiny_pai
     not the head the target's own layers start."""
     start = trained / "head.safetensors"
     out = tmp_path / "more"
-    assert train_main(eagle_args(tiny_pair_dirs, drafter_data[1], out, f"init_head={start}", "lr=1e-12", "epochs=1")) == 0
+    assert (
+        train_main(eagle_args(tiny_pair_dirs, drafter_data[1], out, f"init_head={start}", "lr=1e-12", "epochs=1")) == 0
+    )
     a, b = load_file(str(start)), load_file(str(out / "head.safetensors"))
     assert a.keys() == b.keys() and all(torch.allclose(a[k].float(), b[k].float(), atol=1e-6) for k in a)
     fresh = load_file(str(_fresh_head(tiny_pair_dirs, drafter_data, tmp_path)))  # the same run without init_head
@@ -122,15 +162,48 @@ def _fresh_head(tiny_pair_dirs, drafter_data, tmp_path):
 
 def test_heads_decode_with_the_head_equals_the_target_alone(trained, tiny_pair_dirs, drafter_data, tmp_path):
     prompts = drafter_data[0]
-    common = [f"target.path={tiny_pair_dirs[0]}", "target.gguf_file=null", f"draft.path={tiny_pair_dirs[1]}",
-              f"prompts={prompts}", "max_new_tokens=12", "num_prompts=4"]
+    common = [
+        f"target.path={tiny_pair_dirs[0]}",
+        "target.gguf_file=null",
+        f"draft.path={tiny_pair_dirs[1]}",
+        f"prompts={prompts}",
+        "max_new_tokens=12",
+        "num_prompts=4",
+    ]
     assert decode_main([*common, "policy=ar", f"output_dir={tmp_path / 'ar'}"]) == 0
-    assert decode_main([*common, "policy=sd", "k=3", f"eagle={trained / 'head.safetensors'}",
-                        f"output_dir={tmp_path / 'eagle'}"]) == 0
-    assert decode_main([*common, "policy=tree", "k=3", "tree_width=2", "tree_nodes=5",
-                        f"eagle={trained / 'head.safetensors'}", f"output_dir={tmp_path / 'tree'}"]) == 0
-    assert decode_main([*common, "policy=sd", "k=3", "batch_size=3", f"eagle={trained / 'head.safetensors'}",
-                        f"output_dir={tmp_path / 'batched'}"]) == 0
+    assert (
+        decode_main(
+            [*common, "policy=sd", "k=3", f"eagle={trained / 'head.safetensors'}", f"output_dir={tmp_path / 'eagle'}"]
+        )
+        == 0
+    )
+    assert (
+        decode_main(
+            [
+                *common,
+                "policy=tree",
+                "k=3",
+                "tree_width=2",
+                "tree_nodes=5",
+                f"eagle={trained / 'head.safetensors'}",
+                f"output_dir={tmp_path / 'tree'}",
+            ]
+        )
+        == 0
+    )
+    assert (
+        decode_main(
+            [
+                *common,
+                "policy=sd",
+                "k=3",
+                "batch_size=3",
+                f"eagle={trained / 'head.safetensors'}",
+                f"output_dir={tmp_path / 'batched'}",
+            ]
+        )
+        == 0
+    )
     rows = lambda d: [json.loads(x) for x in (tmp_path / d / "outputs.jsonl").read_text().splitlines()]  # noqa: E731
     read = lambda d: [r["tokens"] for r in sorted(rows(d), key=lambda r: r["index"])]  # noqa: E731
     assert read("eagle") == read("ar") == read("tree") == read("batched")
@@ -146,13 +219,25 @@ def test_a_drafter_layer_past_the_targets_depth_is_a_one_line_error(tiny_pair_di
     assert "layer" in err and len(err.splitlines()) == 1
 
 
-@pytest.mark.parametrize("extra,message", [([], "EAGLE head"), (["sampling.do_sample=true", "eagle=X"], "greedy only"),
-                                           (["tree_nodes=0", "eagle=X"], "tree_nodes=0")])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ([], "EAGLE head"),
+        (["sampling.do_sample=true", "eagle=X"], "greedy only"),
+        (["tree_nodes=0", "eagle=X"], "tree_nodes=0"),
+    ],
+)
 def test_tree_settings_are_one_line_errors(extra, message, tiny_pair_dirs, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "the cat"}) + "\n")
-    argv = [f"target.path={tiny_pair_dirs[0]}", "target.gguf_file=null", f"prompts={prompts}", "policy=tree",
-            f"output_dir={tmp_path / 'out'}", *extra]
+    argv = [
+        f"target.path={tiny_pair_dirs[0]}",
+        "target.gguf_file=null",
+        f"prompts={prompts}",
+        "policy=tree",
+        f"output_dir={tmp_path / 'out'}",
+        *extra,
+    ]
     assert decode_main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
@@ -161,11 +246,30 @@ def test_tree_settings_are_one_line_errors(extra, message, tiny_pair_dirs, tmp_p
 def test_heads_decode_sizes_trees_by_the_cost_table(trained, tiny_pair_dirs, drafter_data, tmp_path):
     table = tmp_path / "costs.json"  # synthetic: no timing decides a test
     table.write_text(json.dumps(CostTable(t_draft_ms=0.5, t_target_ms=[4 + 0.5 * k for k in range(1, 14)]).to_dict()))
-    common = [f"target.path={tiny_pair_dirs[0]}", "target.gguf_file=null", f"prompts={drafter_data[0]}",
-              "max_new_tokens=12", "num_prompts=4"]
+    common = [
+        f"target.path={tiny_pair_dirs[0]}",
+        "target.gguf_file=null",
+        f"prompts={drafter_data[0]}",
+        "max_new_tokens=12",
+        "num_prompts=4",
+    ]
     assert decode_main([*common, "policy=ar", f"output_dir={tmp_path / 'ar'}"]) == 0
-    assert decode_main([*common, "policy=tree", "k=4", "tree_width=3", "tree_nodes=12", "stop=cost",
-                        f"profile={table}", f"eagle={trained / 'head.safetensors'}", f"output_dir={tmp_path / 't'}"]) == 0
+    assert (
+        decode_main(
+            [
+                *common,
+                "policy=tree",
+                "k=4",
+                "tree_width=3",
+                "tree_nodes=12",
+                "stop=cost",
+                f"profile={table}",
+                f"eagle={trained / 'head.safetensors'}",
+                f"output_dir={tmp_path / 't'}",
+            ]
+        )
+        == 0
+    )
     read = lambda d: [json.loads(x)["tokens"] for x in (tmp_path / d / "outputs.jsonl").read_text().splitlines()]  # noqa: E731
     assert read("t") == read("ar")
     assert json.loads((tmp_path / "t" / "metrics.json").read_text())["stop"] == "cost"

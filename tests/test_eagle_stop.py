@@ -8,24 +8,32 @@ import json
 
 import pytest
 import torch
+from conftest import chunk_rows
 from safetensors.torch import load_file
 
-from conftest import chunk_rows
 from specheads.datagen.cli import main as datagen_main
 from specheads.errors import UserError
 from specheads.evaluate.cli import main as eval_main
 from specheads.export import Decoder, ModelSpec, load_pair, read_metadata, save_head
 from specheads.export.api import load_eagle, make_policy
 from specheads.export.decode_cli import main as decode_main
-from specheads.export.shim.costs import CostTable
-from specheads.export.shim.engine import Engine
+from specheads.export.shim.costs.cost_table import CostTable
+from specheads.export.shim.loop.engine import Engine
 from specheads.export.shim.policies import SpecDecPP
 from specheads.heads import AcceptanceHead, EagleHead
 from specheads.train.cli import main as train_main
-from specheads.train.eagle import init_from_target
+from specheads.train.eagle_data import init_from_target
 
-PROMPTS = ["the cat sat", "a dog ran up", "one two three", "why is the sun red", "big moon", "yes no up down",
-           "left right", "the red sun"]
+PROMPTS = [
+    "the cat sat",
+    "a dog ran up",
+    "one two three",
+    "why is the sun red",
+    "big moon",
+    "yes no up down",
+    "left right",
+    "the red sun",
+]
 K = 4
 
 
@@ -35,10 +43,17 @@ def eagle_file(pair, path, seed: int, fingerprint: str | None = None):
     vocab = model.config.vocab_size
     head = EagleHead(32, [1], vocab, vocab, 4, 2, 8, 64, model.config.rms_norm_eps, 10000.0)
     init_from_target(head, model, list(range(vocab)), seed)
-    save_head(path, head, "eagle", {"head_config": head.config(), "hidden_size": 32,
-                                    "target": {"name": pair.target.name,
-                                               "fingerprint": fingerprint or pair.target.fingerprint},
-                                    "feature": {"model": "target", "state": "aux", "layers": [1]}})
+    save_head(
+        path,
+        head,
+        "eagle",
+        {
+            "head_config": head.config(),
+            "hidden_size": 32,
+            "target": {"name": pair.target.name, "fingerprint": fingerprint or pair.target.fingerprint},
+            "feature": {"model": "target", "state": "aux", "layers": [1]},
+        },
+    )
     return path
 
 
@@ -49,15 +64,32 @@ def setup(tmp_path_factory, tiny_pair_dirs):
     pair = load_pair(ModelSpec(path=str(tiny_pair_dirs[0]), device="cpu"), None)
     prompts = root / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in PROMPTS))
-    return {"root": root, "pair": pair, "prompts": prompts, "target": tiny_pair_dirs[0],
-            "eagle": eagle_file(pair, root / "eagle.safetensors", 0),
-            "other": eagle_file(pair, root / "other.safetensors", 1)}
+    return {
+        "root": root,
+        "pair": pair,
+        "prompts": prompts,
+        "target": tiny_pair_dirs[0],
+        "eagle": eagle_file(pair, root / "eagle.safetensors", 0),
+        "other": eagle_file(pair, root / "other.safetensors", 1),
+    }
 
 
 def rounds_args(s, out, *extra):
-    return [f"target.path={s['target']}", "target.gguf_file=null", "target.device=cpu", "draft.path=''",
-            f"prompts={s['prompts']}", f"output_dir={out}", "labels=eagle_rounds", f"eagle={s['eagle']}",
-            f"eagle_k={K}", "max_new_tokens=14", "chunk_size=3", "threads=1", *extra]
+    return [
+        f"target.path={s['target']}",
+        "target.gguf_file=null",
+        "target.device=cpu",
+        "draft.path=''",
+        f"prompts={s['prompts']}",
+        f"output_dir={out}",
+        "labels=eagle_rounds",
+        f"eagle={s['eagle']}",
+        f"eagle_k={K}",
+        "max_new_tokens=14",
+        "chunk_size=3",
+        "threads=1",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +110,7 @@ def candidates(out):
     """Per stored candidate: (row, its index within the row, prefix, candidate, label, outcome, step)."""
     for r, row in enumerate(chunk_rows(out)):
         for i, (start, step, tok) in enumerate(zip(row["round_start"], row["step"], row["draft_token"])):
-            earlier = row["draft_token"][i - step + 1: i]  # the round's candidates before this one
+            earlier = row["draft_token"][i - step + 1 : i]  # the round's candidates before this one
             yield r, i, row["input_ids"][:start] + earlier, tok, row["label"][i], row["outcome"][i], step
 
 
@@ -152,19 +184,34 @@ def test_the_stored_states_are_what_specdecpp_reads(greedy_rounds, setup):
     for r, row in enumerate(chunk_rows(greedy_rounds)):
         head = Recorder()
         out = engine.generate(row["input_ids"][: row["response_start"]], SpecDecPP(head, 0.5, K, K), 14)
-        assert out.tokens == row["input_ids"][row["response_start"]:]
+        assert out.tokens == row["input_ids"][row["response_start"] :]
         drafted = {}  # round -> its candidates (one more than it stored)
         for start in row["round_start"]:
             drafted[start] = drafted.get(start, 1) + 1
-        keep = [offsets[r] + i for i, (start, step) in enumerate(zip(row["round_start"], row["step"]))
-                if step <= drafted[start] - 2]
+        keep = [
+            offsets[r] + i
+            for i, (start, step) in enumerate(zip(row["round_start"], row["step"]))
+            if step <= drafted[start] - 2
+        ]
         assert len(head.seen) == len(keep)
         torch.testing.assert_close(torch.stack(head.seen), states[keep].float(), atol=2e-3, rtol=2e-3)
 
 
 def stop_args(data, out, *extra):
-    return [f"data_dir={data}", "head=eagle_stop", "draft.path=''", f"output_dir={out}", "batch_size=2",
-            "grad_accum=1", "epochs=3", "lr=1e-2", "eval_fraction=0.25", "patience=3", "threads=1", *extra]
+    return [
+        f"data_dir={data}",
+        "head=eagle_stop",
+        "draft.path=''",
+        f"output_dir={out}",
+        "batch_size=2",
+        "grad_accum=1",
+        "epochs=3",
+        "lr=1e-2",
+        "eval_fraction=0.25",
+        "patience=3",
+        "threads=1",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +226,11 @@ def test_the_stop_head_trains_and_exports_for_its_eagle_head(stop_head, setup):
     for key in ("eval_binary_kl", "eval_auroc", "eval_auroc_confidence", "eval_ece", "eval_brier", "eval_calibration"):
         assert key in metrics
     meta = read_metadata(stop_head)
-    assert meta["head_type"] == "acceptance" and meta["head_config"] == {"hidden_size": 32, "depth": 1, "confidence": True}
+    assert meta["head_type"] == "acceptance" and meta["head_config"] == {
+        "hidden_size": 32,
+        "depth": 1,
+        "confidence": True,
+    }
     feature = meta["feature"]
     assert feature["model"] == "eagle" and feature["state"] == "post" and feature["position"] == "own"
     assert feature["eagle"]["tensors_sha256"] == read_metadata(setup["eagle"])["tensors_sha256"]
@@ -201,7 +252,7 @@ def test_specdecpp_feeds_the_confidence_head_the_stored_log_q(greedy_rounds, set
     row = chunk_rows(greedy_rounds)[0]
     head = Recorder(confidence=True)
     out = engine.generate(row["input_ids"][: row["response_start"]], SpecDecPP(head, 0.5, K, K), 14)
-    assert out.tokens == row["input_ids"][row["response_start"]:]
+    assert out.tokens == row["input_ids"][row["response_start"] :]
     drafted = {}
     for start in row["round_start"]:
         drafted[start] = drafted.get(start, 1) + 1
@@ -220,8 +271,16 @@ def test_eagle_stop_needs_eagle_rounds_data(tmp_path, capsys):
 
 
 def decode_args(s, out, *extra):
-    return [f"target.path={s['target']}", "target.gguf_file=null", "target.device=cpu", f"prompts={s['prompts']}",
-            "max_new_tokens=12", "num_prompts=4", f"output_dir={out}", *extra]
+    return [
+        f"target.path={s['target']}",
+        "target.gguf_file=null",
+        "target.device=cpu",
+        f"prompts={s['prompts']}",
+        "max_new_tokens=12",
+        "num_prompts=4",
+        f"output_dir={out}",
+        *extra,
+    ]
 
 
 def outputs(out):
@@ -235,9 +294,15 @@ def target_alone(setup):
     return outputs(out)
 
 
-@pytest.mark.parametrize("extra", [["policy=specdecpp", "h=0.5"], ["policy=specdecpp", "stop=cost", "k_max=6"],
-                                   ["policy=confidence_stop", "stop=cost", "k_max=6"]],
-                         ids=["specdecpp", "specdecpp-cost", "confidence-cost"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["policy=specdecpp", "h=0.5"],
+        ["policy=specdecpp", "stop=cost", "k_max=6"],
+        ["policy=confidence_stop", "stop=cost", "k_max=6"],
+    ],
+    ids=["specdecpp", "specdecpp-cost", "confidence-cost"],
+)
 def test_heads_decode_with_the_stop_head_equals_the_target_alone(extra, stop_head, setup, target_alone, tmp_path):
     out = tmp_path / "d"
     head = [f"head={stop_head}"] if "policy=specdecpp" in extra else []
@@ -274,12 +339,20 @@ def test_a_head_for_another_drafter_is_a_one_line_error(stop_head, setup, tiny_p
     assert "another" in fails(f"head={stop_head}", f"eagle={setup['other']}")
     assert "eagle=" in fails(f"head={stop_head}", f"draft.path={tiny_pair_dirs[1]}")
     on_draft = tmp_path / "draft_head.safetensors"
-    draft = load_pair(ModelSpec(path=str(tiny_pair_dirs[0]), device="cpu"),
-                      ModelSpec(path=str(tiny_pair_dirs[1]), device="cpu")).draft
-    save_head(on_draft, AcceptanceHead(32, 0), "acceptance",
-              {"head_config": {"hidden_size": 32, "depth": 0}, "hidden_size": 32,
-               "draft": {"name": draft.name, "fingerprint": draft.fingerprint},
-               "feature": {"model": "draft", "state": "post", "layer": -1, "position": "own"}})
+    draft = load_pair(
+        ModelSpec(path=str(tiny_pair_dirs[0]), device="cpu"), ModelSpec(path=str(tiny_pair_dirs[1]), device="cpu")
+    ).draft
+    save_head(
+        on_draft,
+        AcceptanceHead(32, 0),
+        "acceptance",
+        {
+            "head_config": {"hidden_size": 32, "depth": 0},
+            "hidden_size": 32,
+            "draft": {"name": draft.name, "fingerprint": draft.fingerprint},
+            "feature": {"model": "draft", "state": "post", "layer": -1, "position": "own"},
+        },
+    )
     assert "draft model's states" in fails(f"head={on_draft}", f"eagle={setup['eagle']}")
 
 
@@ -300,25 +373,63 @@ def test_an_eagle_head_for_another_target_is_a_one_line_error(setup, tmp_path, c
 
 # --- heads-eval eagle=: the sweep's same-vocabulary rows on the EAGLE head ----------------------------------
 
+
 def eval_args(s, out, *extra):
     table = s["root"] / "costs.json"  # a synthetic cost table: no timing decides a test
     if not table.exists():
-        table.write_text(json.dumps(CostTable(t_draft_ms=0.5, t_target_ms=[4 + 0.5 * k for k in range(1, 12)])
-                                    .to_dict()))
-    return [f"target.path={s['target']}", "target.gguf_file=null", "target.device=cpu", "draft.path=''",
-            f"prompts={s['prompts']}", "offset=0", "num_prompts=4", "max_new_tokens=12", f"output_dir={out}",
-            f"profile={table}", "ks=[1,2,4]", "k_min=1", f"k_max={K}", "head=null", *extra]
+        table.write_text(
+            json.dumps(CostTable(t_draft_ms=0.5, t_target_ms=[4 + 0.5 * k for k in range(1, 12)]).to_dict())
+        )
+    return [
+        f"target.path={s['target']}",
+        "target.gguf_file=null",
+        "target.device=cpu",
+        "draft.path=''",
+        f"prompts={s['prompts']}",
+        "offset=0",
+        "num_prompts=4",
+        "max_new_tokens=12",
+        f"output_dir={out}",
+        f"profile={table}",
+        "ks=[1,2,4]",
+        "k_min=1",
+        f"k_max={K}",
+        "head=null",
+        *extra,
+    ]
 
 
 def test_heads_eval_sweeps_the_eagle_head(stop_head, setup, tmp_path, capsys):
     out = tmp_path / "ev"
-    assert eval_main(eval_args(setup, out, f"eagle={setup['eagle']}", f"head={stop_head}", "thresholds=[0.5]",
-                               "confidence=[0.5]", "trees=[3x2x5,4x2x6-cost]")) == 0
+    assert (
+        eval_main(
+            eval_args(
+                setup,
+                out,
+                f"eagle={setup['eagle']}",
+                f"head={stop_head}",
+                "thresholds=[0.5]",
+                "confidence=[0.5]",
+                "trees=[3x2x5,4x2x6-cost]",
+            )
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     s = json.loads((out / "sweep.json").read_text())
     by = {r["config"]: r for r in s["table"]}
-    assert list(by) == ["ar", "k1", "k2", "k4", "h0.5", "h-cost", "tree-3x2x5", "tree-4x2x6-cost", "c0.5",
-                        "c-cost"]  # no draft model: no draft row
+    assert list(by) == [
+        "ar",
+        "k1",
+        "k2",
+        "k4",
+        "h0.5",
+        "h-cost",
+        "tree-3x2x5",
+        "tree-4x2x6-cost",
+        "c0.5",
+        "c-cost",
+    ]  # no draft model: no draft row
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     ar = {r["index"]: r["tokens"] for r in rows if r["config"] == "ar"}
     assert len(rows) == 4 * len(by) and all(r["tokens"] == ar[r["index"]] for r in rows)  # greedy, lossless
@@ -346,8 +457,21 @@ def test_heads_eval_sweeps_the_eagle_head(stop_head, setup, tmp_path, capsys):
 def test_heads_eval_eagle_rows_run_batched(stop_head, setup, tmp_path):
     """batch_size=2: the chain rows (the stop head's included) decode in batches, trees at batch 1; all lossless."""
     out = tmp_path / "ev"
-    assert eval_main(eval_args(setup, out, f"eagle={setup['eagle']}", f"head={stop_head}", "thresholds=[0.5]",
-                               "ks=[2]", "trees=[3x2x5]", "batch_size=2")) == 0
+    assert (
+        eval_main(
+            eval_args(
+                setup,
+                out,
+                f"eagle={setup['eagle']}",
+                f"head={stop_head}",
+                "thresholds=[0.5]",
+                "ks=[2]",
+                "trees=[3x2x5]",
+                "batch_size=2",
+            )
+        )
+        == 0
+    )
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     ar = {r["index"]: r["tokens"] for r in rows if r["config"] == "ar"}
     assert {r["config"] for r in rows} == {"ar", "k2", "h0.5", "h-cost", "tree-3x2x5"}
@@ -357,18 +481,30 @@ def test_heads_eval_eagle_rows_run_batched(stop_head, setup, tmp_path):
     assert batched == {"ar", "k2", "h0.5", "h-cost"}
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["verifier=v.safetensors"], "verifier="), (["judge=j.safetensors"], "judge="), (["fsd_js=[0.1]"], "fsd_js="),
-    (["hetero=[tli]"], "hetero=")])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["verifier=v.safetensors"], "verifier="),
+        (["judge=j.safetensors"], "judge="),
+        (["fsd_js=[0.1]"], "fsd_js="),
+        (["hetero=[tli]"], "hetero="),
+    ],
+)
 def test_heads_eval_eagle_with_draft_model_rows_is_a_one_line_error(extra, message, setup, tmp_path, capsys):
     assert eval_main(eval_args(setup, tmp_path / "x", f"eagle={setup['eagle']}", *extra)) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "eagle=" in err and len(err.splitlines()) == 1
 
 
-@pytest.mark.parametrize("extra, message", [(["trees=[3x2]"], "DEPTHxWIDTHxNODES"), (["trees=[3x0x5]"], ">= 1"),
-                                            (["trees=[3x2x5-fast]"], "-cost"),
-                                            (["trees=[3x2x5]", "sampling.do_sample=true"], "greedily")])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["trees=[3x2]"], "DEPTHxWIDTHxNODES"),
+        (["trees=[3x0x5]"], ">= 1"),
+        (["trees=[3x2x5-fast]"], "-cost"),
+        (["trees=[3x2x5]", "sampling.do_sample=true"], "greedily"),
+    ],
+)
 def test_bad_trees_are_one_line_errors(extra, message, setup, tmp_path, capsys):
     assert eval_main(eval_args(setup, tmp_path / "x", f"eagle={setup['eagle']}", *extra)) == 2
     err = capsys.readouterr().err.strip()

@@ -9,11 +9,11 @@ import torch
 from conftest import SAMPLINGS, bigram, sd_pvalue, tiny_llama
 from torch.testing import assert_close
 
-from specheads.export.shim.engine import Engine
-from specheads.export.shim.kv import ModelRunner
+from specheads.export.shim.loop.engine import Engine
+from specheads.export.shim.loop.sampling import SamplingConfig, probs_from_logits
 from specheads.export.shim.policies import DraftOnly, StandardSD, TargetOnly, residual
 from specheads.export.shim.policies import base as sd_rule
-from specheads.export.shim.sampling import SamplingConfig, probs_from_logits
+from specheads.export.shim.runners.model_runner import ModelRunner
 
 PROMPTS = [[5], [7, 9, 11, 4, 6], [3, 8, 12, 15, 20, 4, 9, 10, 11, 13, 5, 6, 7, 8, 22, 30, 31]]
 
@@ -36,9 +36,15 @@ def test_greedy_ar_equals_hf_generate(tiny_pair):
     engine = Engine(target, None, eos_token_ids=[])
     for prompt in PROMPTS:
         ids = torch.tensor([prompt])
-        hf = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=25, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-        assert engine.generate_ar(prompt, 25).tokens == hf[0, len(prompt):].tolist()
+        hf = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=25,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert engine.generate_ar(prompt, 25).tokens == hf[0, len(prompt) :].tolist()
 
 
 def test_greedy_sd_with_independent_draft(tiny_pair):
@@ -101,6 +107,7 @@ def test_hidden_capture_pre_and_post_norm(tiny_pair):
 
 # ---- stub models with fixed logits: hand-computed cases -------------------------------------
 
+
 def _cycle(v: int, shift: int = 1, override: dict | None = None):
     """Greedy bigram table: next = (last + shift) % v, with per-row overrides."""
     rows = []
@@ -145,8 +152,7 @@ def test_stub_sampling_always_reject_uses_residual():
     draft = bigram([[1.0, 0.0, 0.0, 0.0]] * v)
     target = bigram([[0.0, 0.2, 0.3, 0.5]] * v)
     gen = torch.Generator().manual_seed(0)
-    g = Engine(target, draft, eos_token_ids=[]).generate([1], StandardSD(3), 200, SamplingConfig(do_sample=True),
-                                                         gen)
+    g = Engine(target, draft, eos_token_ids=[]).generate([1], StandardSD(3), 200, SamplingConfig(do_sample=True), gen)
     s = g.stats
     assert s.accepted == 0 and s.rounds == 200 and s.discarded == s.drafted
     assert 0 not in g.tokens
@@ -157,8 +163,9 @@ def test_stub_sampling_always_reject_uses_residual():
 def test_stub_sampling_identical_models_accept_everything():
     rows = [[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1], [0.25] * 4, [0.7, 0.1, 0.1, 0.1]]
     gen = torch.Generator().manual_seed(0)
-    g = Engine(bigram(rows), bigram(rows), eos_token_ids=[]).generate([0], StandardSD(4), 50,
-                                                                     SamplingConfig(do_sample=True), gen)
+    g = Engine(bigram(rows), bigram(rows), eos_token_ids=[]).generate(
+        [0], StandardSD(4), 50, SamplingConfig(do_sample=True), gen
+    )
     assert g.stats.accepted == g.stats.drafted and g.stats.discarded == 0
     assert g.stats.rounds == 10  # 4 accepted + 1 bonus per round
 
@@ -168,7 +175,9 @@ def test_residual_guard_and_hand_values():
     assert_close(residual(p, p.clone()), p)  # all-zero residual -> p itself
     q = torch.tensor([0.1, 0.6, 0.3])
     assert_close(residual(p, q), torch.tensor([1.0, 0.0, 0.0]))
-    assert_close(residual(torch.tensor([0.5, 0.5, 0.0]), torch.tensor([0.25, 0.25, 0.5])), torch.tensor([0.5, 0.5, 0.0]))
+    assert_close(
+        residual(torch.tensor([0.5, 0.5, 0.0]), torch.tensor([0.25, 0.25, 0.5])), torch.tensor([0.5, 0.5, 0.0])
+    )
 
 
 def test_sampling_warp_top_k_top_p():
@@ -182,6 +191,7 @@ def test_sampling_warp_top_k_top_p():
 
 
 # ---- losslessness: chi-square on a tiny vocabulary ------------------------------------------
+
 
 @SAMPLINGS
 def test_sampled_sd_is_distributed_as_target(sampling):
@@ -219,10 +229,16 @@ def test_one_model_alone_is_a_policy_of_the_same_loop(tiny_pair):
     engine = Engine(target, draft, eos_token_ids=[])
     ids = torch.tensor([PROMPTS[1]])
     with torch.no_grad():
-        hf = draft.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)
+        hf = draft.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     alone = engine.generate(PROMPTS[1], DraftOnly(), 12)
-    assert alone.tokens == hf[0, len(PROMPTS[1]):].tolist()
+    assert alone.tokens == hf[0, len(PROMPTS[1]) :].tolist()
     s = alone.stats
     assert (s.rounds, s.draft_forwards, s.target_calls, s.drafted, s.target_pass_sizes) == (12, 12, 0, 0, {})
     s = engine.generate(PROMPTS[1], TargetOnly(), 12).stats
@@ -249,6 +265,7 @@ def test_every_round_starts_with_start_round(tiny_pair):
 
 
 # ---- SpecDec++ stopping ------------------------------------------------------------------------
+
 
 def _beta_head(betas: list[float]) -> torch.nn.Module:
     """A linear head over one-hot stub states: token t gets acceptance probability betas[t]."""

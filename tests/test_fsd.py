@@ -11,10 +11,10 @@ import torch
 from conftest import bigram
 
 from specheads.errors import UserError
-from specheads.export.shim.divergence import divergence
-from specheads.export.shim.engine import Engine
+from specheads.export.shim.loop.divergence import divergence
+from specheads.export.shim.loop.engine import Engine
+from specheads.export.shim.loop.sampling import SamplingConfig
 from specheads.export.shim.policies import FSD, ConfidenceStop, Round, StandardSD
-from specheads.export.shim.sampling import SamplingConfig
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 10], [1, 20, 21, 22, 23, 24]]
 LN = math.log
@@ -30,20 +30,28 @@ def _t(values):
     return torch.tensor(values, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("name, p, q, want", [
-    ("kl", P, Q, 0.5 * LN(2) + 0.3 * LN(0.3 / 0.25) + 0.2 * LN(0.4)),  # 0.2180
-    ("kl_rev", P, Q, 0.25 * LN(0.5) + 0.25 * LN(0.25 / 0.3) + 0.5 * LN(2.5)),  # 0.2393
-    ("tv", P, Q, 0.5 * (0.25 + 0.05 + 0.3)),  # 0.3
-    # m = [0.375, 0.275, 0.35]
-    ("js", P, Q, 0.5 * (0.5 * LN(0.5 / 0.375) + 0.3 * LN(0.3 / 0.275) + 0.2 * LN(0.2 / 0.35))
-     + 0.5 * (0.25 * LN(0.25 / 0.375) + 0.25 * LN(0.25 / 0.275) + 0.5 * LN(0.5 / 0.35))),
-    # zeros: p log p with p = 0 contributes 0; q = 0 < p makes KL(p || q) infinite
-    ("kl", Q0, P0, LN(2)),  # KL(q0 || p0) written the other way round: 1 * ln(1 / 0.5)
-    ("kl_rev", P0, Q0, LN(2)),
-    ("tv", P0, Q0, 0.5),
-    # m = [0.75, 0.25, 0]: 1/2 (0.5 ln(0.5/0.75) + 0.5 ln(0.5/0.25)) + 1/2 (1 ln(1/0.75))
-    ("js", P0, Q0, 0.5 * (0.5 * LN(0.5 / 0.75) + 0.5 * LN(2)) + 0.5 * LN(1 / 0.75)),
-])
+@pytest.mark.parametrize(
+    "name, p, q, want",
+    [
+        ("kl", P, Q, 0.5 * LN(2) + 0.3 * LN(0.3 / 0.25) + 0.2 * LN(0.4)),  # 0.2180
+        ("kl_rev", P, Q, 0.25 * LN(0.5) + 0.25 * LN(0.25 / 0.3) + 0.5 * LN(2.5)),  # 0.2393
+        ("tv", P, Q, 0.5 * (0.25 + 0.05 + 0.3)),  # 0.3
+        # m = [0.375, 0.275, 0.35]
+        (
+            "js",
+            P,
+            Q,
+            0.5 * (0.5 * LN(0.5 / 0.375) + 0.3 * LN(0.3 / 0.275) + 0.2 * LN(0.2 / 0.35))
+            + 0.5 * (0.25 * LN(0.25 / 0.375) + 0.25 * LN(0.25 / 0.275) + 0.5 * LN(0.5 / 0.35)),
+        ),
+        # zeros: p log p with p = 0 contributes 0; q = 0 < p makes KL(p || q) infinite
+        ("kl", Q0, P0, LN(2)),  # KL(q0 || p0) written the other way round: 1 * ln(1 / 0.5)
+        ("kl_rev", P0, Q0, LN(2)),
+        ("tv", P0, Q0, 0.5),
+        # m = [0.75, 0.25, 0]: 1/2 (0.5 ln(0.5/0.75) + 0.5 ln(0.5/0.25)) + 1/2 (1 ln(1/0.75))
+        ("js", P0, Q0, 0.5 * (0.5 * LN(0.5 / 0.75) + 0.5 * LN(2)) + 0.5 * LN(1 / 0.75)),
+    ],
+)
 def test_divergence_matches_hand_computation(name, p, q, want):
     got = divergence(name, _t(p), _t(q))
     torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float32), rtol=1e-5, atol=1e-6)
@@ -124,7 +132,7 @@ def _all_accepted_reference(target, draft, prompt, k, n, eos=2):
             out.append(argmax(target))
             seq.append(out[-1])
     if eos in out:
-        out = out[:out.index(eos) + 1]
+        out = out[: out.index(eos) + 1]
     return out, [c for c in cand if c < len(out)]
 
 
@@ -139,7 +147,7 @@ def test_fsd_with_huge_threshold_accepts_every_candidate(tiny_pair, k):
         assert out.tokens == ref and out.stats.accepted == len(cand)
         # the lenient count: accepted candidates that are not the target's greedy token at their position
         with torch.no_grad():
-            top = target(input_ids=torch.tensor([prompt + ref])).logits[0, len(prompt) - 1:-1].argmax(-1)
+            top = target(input_ids=torch.tensor([prompt + ref])).logits[0, len(prompt) - 1 : -1].argmax(-1)
         assert policy.fuzzy_only == sum(int(top[c]) != ref[c] for c in cand) > 0
     # one round covering the whole output: the candidates are the draft's own greedy output
     first = _gen(engine, FSD(1e9, "tv", k=5), PROMPTS[0], SamplingConfig(), 0, n=6)
@@ -178,8 +186,15 @@ def test_fsd_sampling_paper_rule_draws_from_p(threshold, accepted, row):
     policy, g, n = FSD(threshold, "tv", k=1), torch.Generator().manual_seed(0), 4000
     counts = torch.zeros(4)
     for _ in range(n):
-        rnd = Round(SamplingConfig(do_sample=True), g, limit=1, position=0, tokens=[torch.tensor(1)], q=[q],
-                    draft_logits=[q.log()])
+        rnd = Round(
+            SamplingConfig(do_sample=True),
+            g,
+            limit=1,
+            position=0,
+            tokens=[torch.tensor(1)],
+            q=[q],
+            draft_logits=[q.log()],
+        )
         verdict = policy.verify(rnd, p.log(), None)
         assert verdict.accepted == accepted
         counts[verdict.token] += 1
@@ -234,14 +249,17 @@ def test_confidence_stop_stops_after_the_first_unsure_candidate():
     assert rounds(0.0, 3)[0] == [1, 2, 3, 1]
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"threshold": 0.1, "divergence": "hellinger"}, "unknown divergence 'hellinger'"),
-    ({"threshold": -0.1}, r"T=-0.1 must be >= 0"),
-    ({"threshold": float("nan")}, "must be >= 0"),
-    ({"threshold": 0.1, "rule": "and"}, "rule 'and'"),
-    ({"threshold": 0.1, "fsd_dist": "logits"}, "fsd_dist='logits'"),
-    ({"threshold": 0.1, "fsd_top_k": -1}, "fsd_top_k=-1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"threshold": 0.1, "divergence": "hellinger"}, "unknown divergence 'hellinger'"),
+        ({"threshold": -0.1}, r"T=-0.1 must be >= 0"),
+        ({"threshold": float("nan")}, "must be >= 0"),
+        ({"threshold": 0.1, "rule": "and"}, "rule 'and'"),
+        ({"threshold": 0.1, "fsd_dist": "logits"}, "fsd_dist='logits'"),
+        ({"threshold": 0.1, "fsd_top_k": -1}, "fsd_top_k=-1"),
+    ],
+)
 def test_bad_fsd_settings(kwargs, match):
     with pytest.raises(UserError, match=match) as err:
         FSD(**kwargs)
@@ -256,24 +274,38 @@ def test_bad_tau(tau):
 
 def _decode_args(pair_dirs, prompts, out, *extra):
     t, d = pair_dirs
-    return [f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu", "draft.device=cpu",
-            f"prompts={prompts}", f"output_dir={out}", "max_new_tokens=12", "num_prompts=null", *extra]
+    return [
+        f"target.path={t}",
+        "target.gguf_file=null",
+        f"draft.path={d}",
+        "target.device=cpu",
+        "draft.device=cpu",
+        f"prompts={prompts}",
+        f"output_dir={out}",
+        "max_new_tokens=12",
+        "num_prompts=null",
+        *extra,
+    ]
 
 
 @pytest.fixture()
 def prompts_file(tmp_path):
     path = tmp_path / "p.jsonl"
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["the cat sat", "why is the sun red",
-                                                                      "one two three"]))
+    path.write_text(
+        "".join(json.dumps({"prompt": p}) + "\n" for p in ["the cat sat", "why is the sun red", "one two three"])
+    )
     return path
 
 
 def test_heads_decode_fsd_and_confidence(tiny_pair_dirs, prompts_file, tmp_path, capsys):
     from specheads.export.decode_cli import main
 
-    runs = {"ar": ["policy=ar"], "fsd0": ["policy=fsd", "threshold=0", "k=3"],
-            "fsd": ["policy=fsd", "threshold=0.3", "divergence=tv", "fsd_top_k=5", "fsd_rule=or", "k=3"],
-            "conf": ["policy=confidence_stop", "threshold=0.5", "k_max=6"]}
+    runs = {
+        "ar": ["policy=ar"],
+        "fsd0": ["policy=fsd", "threshold=0", "k=3"],
+        "fsd": ["policy=fsd", "threshold=0.3", "divergence=tv", "fsd_top_k=5", "fsd_rule=or", "k=3"],
+        "conf": ["policy=confidence_stop", "threshold=0.5", "k_max=6"],
+    }
     rows = {}
     for name, extra in runs.items():
         assert main(_decode_args(tiny_pair_dirs, prompts_file, tmp_path / name, *extra)) == 0
@@ -287,15 +319,18 @@ def test_heads_decode_fsd_and_confidence(tiny_pair_dirs, prompts_file, tmp_path,
     assert json.loads((tmp_path / "conf" / "metrics.json").read_text())["tau"] == 0.5
     assert json.loads((tmp_path / "fsd0" / "metrics.json").read_text())["accepted"] == 0
     capsys.readouterr()
-    bad = _decode_args(tiny_pair_dirs, prompts_file, tmp_path / "bad", "policy=fsd", "threshold=-1",
-                       "divergence=hellinger")
+    bad = _decode_args(
+        tiny_pair_dirs, prompts_file, tmp_path / "bad", "policy=fsd", "threshold=-1", "divergence=hellinger"
+    )
     assert main(bad) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "T=-1.0 must be >= 0" in err[0] and "unknown divergence 'hellinger'" in err[0]
     assert main(_decode_args(tiny_pair_dirs, prompts_file, tmp_path / "bad2", "policy=fsd")) == 2
     assert "threshold=T" in capsys.readouterr().err
-    assert main(_decode_args(tiny_pair_dirs, prompts_file, tmp_path / "bad3", "policy=confidence_stop",
-                             "threshold=1.5")) == 2
+    assert (
+        main(_decode_args(tiny_pair_dirs, prompts_file, tmp_path / "bad3", "policy=confidence_stop", "threshold=1.5"))
+        == 2
+    )
     assert "must be in [0, 1]" in capsys.readouterr().err
 
 
@@ -313,9 +348,24 @@ def test_heads_eval_training_free_rows(tiny_pair_dirs, prompts_file, tmp_path, c
 
     t, d = tiny_pair_dirs
     out = tmp_path / "ev"
-    args = [f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu", "draft.device=cpu",
-            f"prompts={prompts_file}", f"output_dir={out}", "offset=0", "num_prompts=null", "max_new_tokens=12",
-            "head=null", "ks=[3]", "topk=[2]", "topk_k=3", "fsd_k=3", "oracle=false"]
+    args = [
+        f"target.path={t}",
+        "target.gguf_file=null",
+        f"draft.path={d}",
+        "target.device=cpu",
+        "draft.device=cpu",
+        f"prompts={prompts_file}",
+        f"output_dir={out}",
+        "offset=0",
+        "num_prompts=null",
+        "max_new_tokens=12",
+        "head=null",
+        "ks=[3]",
+        "topk=[2]",
+        "topk_k=3",
+        "fsd_k=3",
+        "oracle=false",
+    ]
     extra = ["fsd_js=[0,0.2]", "fsd_tv=[1.5]", "confidence=[0,0.5]", "confidence_k_max=3"]
     assert main(args + extra) == 0
     s = json.loads((out / "sweep.json").read_text())
@@ -323,8 +373,14 @@ def test_heads_eval_training_free_rows(tiny_pair_dirs, prompts_file, tmp_path, c
     assert names == ["ar", "draft", "k3", "t2", "fsd-js-0", "fsd-js-0.2", "fsd-tv-1.5", "c0", "c0.5", "c-cost"]
     tf = s["training_free"]
     assert tf["sd_reference"] == "k3" and tf["quality_metric"] == "ROUGE-L vs target-only outputs"
-    assert tf["settings"]["fsd"] == {"thresholds": {"js": [0.0, 0.2], "tv": [1.5]}, "k": 3, "rule": "paper",
-                                     "fsd_top_k": 0, "fsd_dist": "raw", "greedy": True}
+    assert tf["settings"]["fsd"] == {
+        "thresholds": {"js": [0.0, 0.2], "tv": [1.5]},
+        "k": 3,
+        "rule": "paper",
+        "fsd_top_k": 0,
+        "fsd_dist": "raw",
+        "greedy": True,
+    }
     assert tf["settings"]["confidence"] == {"taus": [0.0, 0.5], "k_max": 3}
     rows = tf["rows"]
     assert set(rows) == {"t2", "fsd-js-0", "fsd-js-0.2", "fsd-tv-1.5", "c0", "c0.5", "c-cost"}

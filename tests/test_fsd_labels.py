@@ -17,11 +17,24 @@ from specheads.datagen.cli import main as datagen
 from specheads.export import read_metadata
 from specheads.train.cli import main as train
 
-PROMPTS = ["the cat sat", "a dog ran up", "one two three four", "why is the sun red", "big blue moon", "yes no",
-           "left right up", "who was it"]
+PROMPTS = [
+    "the cat sat",
+    "a dog ran up",
+    "one two three four",
+    "why is the sun red",
+    "big blue moon",
+    "yes no",
+    "left right up",
+    "who was it",
+]
 THRESHOLDS = [0.1, 0.2, 0.3, 0.5]
-GREEDY = ("sampling.do_sample=false", "labels=fsd", "fsd_divergences=[js,tv,kl]",
-          f"fsd_thresholds=[{','.join(map(str, THRESHOLDS))}]", "max_new_tokens=8")
+GREEDY = (
+    "sampling.do_sample=false",
+    "labels=fsd",
+    "fsd_divergences=[js,tv,kl]",
+    f"fsd_thresholds=[{','.join(map(str, THRESHOLDS))}]",
+    "max_new_tokens=8",
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +62,7 @@ def _teacher_forced(model, row) -> torch.Tensor:
     """fp64 logits ``[n, V]`` of the response positions: row ``j`` predicts response token ``j``."""
     start, ids = row["response_start"], row["input_ids"]
     logits = model(input_ids=torch.tensor([ids])).logits[0].double()
-    return logits[start - 1: len(ids) - 1]
+    return logits[start - 1 : len(ids) - 1]
 
 
 def _kl(a, b):
@@ -73,8 +86,9 @@ def test_divergences_match_a_hand_computation_and_labels_are_div_below_t(greedy_
         q = _teacher_forced(draft, row).softmax(-1)
         assert row["draft_token"] == q.argmax(-1).tolist()  # greedy drafting
         for name in ("js", "tv", "kl"):
-            torch.testing.assert_close(torch.tensor(row[f"div_{name}"], dtype=torch.float64), _by_hand(name, p, q),
-                                       rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(
+                torch.tensor(row[f"div_{name}"], dtype=torch.float64), _by_hand(name, p, q), rtol=1e-4, atol=1e-5
+            )
     manifest = json.loads((greedy_data / "manifest.json").read_text())
     fsd = manifest["fsd"]
     assert fsd["dist"] == "raw" and fsd["top_k"] == 0 and fsd["thresholds"] == THRESHOLDS
@@ -91,9 +105,17 @@ def test_divergences_match_a_hand_computation_and_labels_are_div_below_t(greedy_
 
 
 def test_sampled_warped_labels_are_seeded_and_match_the_warped_distributions(tiny_pair_dirs, prompts, tmp_path):
-    sampled = ("labels=fsd", "sampling.do_sample=true", "sampling.temperature=0.8", "sampling.top_k=20",
-               "fsd_dist=warped", "fsd_top_k=5", "fsd_divergences=[js,tv]", "fsd_thresholds=[0.2,0.4]",
-               "num_prompts=4")
+    sampled = (
+        "labels=fsd",
+        "sampling.do_sample=true",
+        "sampling.temperature=0.8",
+        "sampling.top_k=20",
+        "fsd_dist=warped",
+        "fsd_top_k=5",
+        "fsd_divergences=[js,tv]",
+        "fsd_thresholds=[0.2,0.4]",
+        "num_prompts=4",
+    )
     runs = {}
     for name, seed in (("a", 3), ("b", 3), ("c", 4)):
         assert datagen(datagen_args(tiny_pair_dirs, prompts, tmp_path / name, *sampled, f"seed={seed}")) == 0
@@ -115,8 +137,9 @@ def test_sampled_warped_labels_are_seeded_and_match_the_warped_distributions(tin
     pk, qk = p.gather(-1, top), q.gather(-1, top)
     pb, qb = torch.cat([pk, 1 - pk.sum(-1, keepdim=True)], -1), torch.cat([qk, 1 - qk.sum(-1, keepdim=True)], -1)
     for name in ("js", "tv"):
-        torch.testing.assert_close(torch.tensor(row[f"div_{name}"], dtype=torch.float64), _by_hand(name, pb, qb),
-                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(row[f"div_{name}"], dtype=torch.float64), _by_hand(name, pb, qb), rtol=1e-4, atol=1e-5
+        )
         assert row[f"fsd_{name}@0.4"] == [v < 0.4 for v in row[f"div_{name}"]]
 
 
@@ -126,13 +149,16 @@ def _error(capsys, prog: str) -> str:
     return err[0]
 
 
-@pytest.mark.parametrize("setting, message", [
-    ("fsd_divergences=[js,hellinger]", "choose one or more of"),
-    ("fsd_thresholds=[]", "fsd_thresholds is empty"),
-    ("fsd_thresholds=[0.3,-0.1]", "must be finite and >= 0"),
-    ("fsd_dist=warped", "one-hot"),
-    ("fsd_top_k=-1", "fsd_top_k=-1"),
-])
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("fsd_divergences=[js,hellinger]", "choose one or more of"),
+        ("fsd_thresholds=[]", "fsd_thresholds is empty"),
+        ("fsd_thresholds=[0.3,-0.1]", "must be finite and >= 0"),
+        ("fsd_dist=warped", "one-hot"),
+        ("fsd_top_k=-1", "fsd_top_k=-1"),
+    ],
+)
 def test_bad_datagen_settings_are_one_line_errors(tiny_pair_dirs, prompts, tmp_path, capsys, setting, message):
     args = datagen_args(tiny_pair_dirs, prompts, tmp_path / "bad", *GREEDY, setting)
     assert datagen(args) == 2
@@ -140,15 +166,32 @@ def test_bad_datagen_settings_are_one_line_errors(tiny_pair_dirs, prompts, tmp_p
 
 
 def _targs(tiny_pair_dirs, data, out, *extra):
-    return [f"data_dir={data}", f"draft.path={tiny_pair_dirs[1]}", "draft.gguf_file=null", "draft.device=cpu",
-            f"output_dir={out}", "batch_size=2", "grad_accum=1", "epochs=2", "lr=1e-2", "eval_fraction=0.25",
-            "depth=1", "w_rej=1.0", "label=fsd", *extra]
+    return [
+        f"data_dir={data}",
+        f"draft.path={tiny_pair_dirs[1]}",
+        "draft.gguf_file=null",
+        "draft.device=cpu",
+        f"output_dir={out}",
+        "batch_size=2",
+        "grad_accum=1",
+        "epochs=2",
+        "lr=1e-2",
+        "eval_fraction=0.25",
+        "depth=1",
+        "w_rej=1.0",
+        "label=fsd",
+        *extra,
+    ]
 
 
 def test_bad_train_settings_are_one_line_errors(tiny_pair_dirs, prompts, greedy_data, tmp_path, capsys):
-    cases = [("fsd_label=js@0.25", "is not in"), ("fsd_label=hellinger@0.3", "unknown divergence"),
-             ("fsd_label=js@-1", ">= 0"), ("fsd_label=js", "<divergence>@<threshold>"),
-             ("label=fsd", "fsd_label=''")]  # label=fsd without fsd_label
+    cases = [
+        ("fsd_label=js@0.25", "is not in"),
+        ("fsd_label=hellinger@0.3", "unknown divergence"),
+        ("fsd_label=js@-1", ">= 0"),
+        ("fsd_label=js", "<divergence>@<threshold>"),
+        ("label=fsd", "fsd_label=''"),
+    ]  # label=fsd without fsd_label
     for setting, message in cases:
         assert train(_targs(tiny_pair_dirs, greedy_data, tmp_path / "t", setting, "overwrite=true")) == 2
         assert message in _error(capsys, "heads-train")
@@ -156,8 +199,9 @@ def test_bad_train_settings_are_one_line_errors(tiny_pair_dirs, prompts, greedy_
     acc = tmp_path / "acc"
     assert datagen(datagen_args(tiny_pair_dirs, prompts, acc, "sampling.do_sample=false", "max_new_tokens=8")) == 0
     keep = ("prompt_index", "input_ids", "draft_token", "label", "expected_label")
-    assert [{k: r[k] for k in keep} for r in chunk_rows(acc)] == \
-        [{k: r[k] for k in keep} for r in chunk_rows(greedy_data)]
+    assert [{k: r[k] for k in keep} for r in chunk_rows(acc)] == [
+        {k: r[k] for k in keep} for r in chunk_rows(greedy_data)
+    ]
     capsys.readouterr()
     assert train(_targs(tiny_pair_dirs, acc, tmp_path / "t2", "fsd_label=js@0.2")) == 2
     assert "needs labels=fsd data" in _error(capsys, "heads-train")
@@ -175,23 +219,49 @@ def test_fsd_head_end_to_end_drives_specdecpp_losslessly(tiny_pair_dirs, greedy_
     assert meta["head_type"] == "acceptance" and meta["label"] == "fsd"
     assert meta["feature"]["position"] == "previous"  # Div(p_i, q_i) depends on the prefix alone
     assert {k: meta["fsd"][k] for k in ("divergence", "threshold", "dist", "top_k")} == {
-        "divergence": "js", "threshold": 0.2, "dist": "raw", "top_k": 0}
+        "divergence": "js",
+        "threshold": 0.2,
+        "dist": "raw",
+        "top_k": 0,
+    }
     cached = [p.name for p in next((greedy_data / "features").iterdir()).iterdir()]
     assert sorted(cached) == ["epoch-0.safetensors", "epoch-4095.safetensors"]  # no mixing: one training file
     t, d = tiny_pair_dirs
-    common = [f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu",
-              "draft.device=cpu", f"prompts={prompts}", "num_prompts=null", "max_new_tokens=16"]
+    common = [
+        f"target.path={t}",
+        "target.gguf_file=null",
+        f"draft.path={d}",
+        "target.device=cpu",
+        "draft.device=cpu",
+        f"prompts={prompts}",
+        "num_prompts=null",
+        "max_new_tokens=16",
+    ]
     assert decode([*common, "policy=specdecpp", f"head={head}", "k_min=1", f"output_dir={tmp_path / 'pp'}"]) == 0
     assert decode([*common, "policy=ar", f"output_dir={tmp_path / 'ar'}"]) == 0
-    outs = {n: [json.loads(x)["tokens"] for x in (tmp_path / n / "outputs.jsonl").read_text().splitlines()]
-            for n in ("pp", "ar")}
+    outs = {
+        n: [json.loads(x)["tokens"] for x in (tmp_path / n / "outputs.jsonl").read_text().splitlines()]
+        for n in ("pp", "ar")
+    }
     assert outs["pp"] == outs["ar"] and len(outs["pp"]) == len(PROMPTS)
     summary = json.loads((tmp_path / "pp" / "metrics.json").read_text())
     assert summary["threshold"] == 0.5 and summary["target_calls"] < summary["new_tokens"]
     # The same head stopping FSD's drafting: with rule=or and T=0 FSD verifies as SD does, so the
     # tokens and the rounds (the head's stopping decisions) are SpecDec++'s exactly.
-    assert decode([*common, "policy=fsd", f"head={head}", "k_min=1", "fsd_rule=or", "threshold=0",
-                   f"output_dir={tmp_path / 'fsd'}"]) == 0
+    assert (
+        decode(
+            [
+                *common,
+                "policy=fsd",
+                f"head={head}",
+                "k_min=1",
+                "fsd_rule=or",
+                "threshold=0",
+                f"output_dir={tmp_path / 'fsd'}",
+            ]
+        )
+        == 0
+    )
     fsd_out = [json.loads(x)["tokens"] for x in (tmp_path / "fsd" / "outputs.jsonl").read_text().splitlines()]
     assert fsd_out == outs["ar"]
     assert json.loads((tmp_path / "fsd" / "metrics.json").read_text())["target_calls"] == summary["target_calls"]

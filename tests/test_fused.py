@@ -4,26 +4,42 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import BigramLM, tiny_llama
 from torch.testing import assert_close
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from conftest import BigramLM, tiny_llama
-from specheads.export.shim import batched
-from specheads.export.shim.engine import Engine
-from specheads.export.shim.fused import fused_weights, supports, unfuse
-from specheads.export.shim.kv import FusedRunner, ModelRunner, make_runner
+from specheads.export.shim.batching import batch_generate as batched
+from specheads.export.shim.loop.engine import Engine
+from specheads.export.shim.loop.sampling import SamplingConfig
 from specheads.export.shim.policies import StandardSD
-from specheads.export.shim.sampling import SamplingConfig
+from specheads.export.shim.runners.fused import fused_weights, supports, unfuse
+from specheads.export.shim.runners.model_runner import FusedRunner, ModelRunner, make_runner
 
-COMMON = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3)
+COMMON = dict(
+    vocab_size=50,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.3,
+)
 
 
 def _model(kind: str, seed: int = 0):
     torch.manual_seed(seed)
     if kind == "llama":
-        cfg = LlamaConfig(**COMMON, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+        cfg = LlamaConfig(
+            **COMMON,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
     elif kind == "qwen2":  # q/k/v biases
         cfg = Qwen2Config(**COMMON)
     else:
@@ -70,8 +86,8 @@ def test_fusing_shares_storage_and_keeps_the_model_working():
     _, qkv, _, _, _, _, gu, _ = w.layers[0]
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert attn.q_proj.weight.data_ptr() == qkv.data_ptr()
-    assert attn.k_proj.weight.data_ptr() == qkv[attn.q_proj.weight.shape[0]:].data_ptr()
-    assert mlp.up_proj.weight.data_ptr() == gu[mlp.gate_proj.weight.shape[0]:].data_ptr()
+    assert attn.k_proj.weight.data_ptr() == qkv[attn.q_proj.weight.shape[0] :].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == gu[mlp.gate_proj.weight.shape[0] :].data_ptr()
     assert_close(model(ids).logits, before)
     with torch.no_grad():  # an in-place update reaches the fused buffer
         attn.v_proj.weight.mul_(2.0)
@@ -141,8 +157,14 @@ def test_fusing_inside_inference_mode_leaves_trainable_parameters():
 
 
 def _hf_greedy(model, prompt, n, eos):
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0)[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
     cut = next((i + 1 for i, t in enumerate(out) if t in eos), len(out))
     return out[:cut]
 
@@ -159,7 +181,7 @@ def test_batched_generation_equals_one_prompt_at_a_time(kind):
     out, logits = batched.generate(model, prompts, 10, SamplingConfig(), None, eos, pad=0, record_logits=True)
     assert out == ref
     for p, r, lg in zip(prompts, out, logits):  # the recorded logits are the teacher-forced ones
-        full = model(torch.tensor([p + r])).logits[0, len(p) - 1: len(p) - 1 + len(r)]
+        full = model(torch.tensor([p + r])).logits[0, len(p) - 1 : len(p) - 1 + len(r)]
         assert lg.shape == full.shape
         assert_close(lg, full, atol=1e-4, rtol=1e-4)
 

@@ -16,11 +16,11 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 from transformers import PreTrainedTokenizerFast
 
 from specheads.errors import UserError
-from specheads.export.shim import hetero
-from specheads.export.shim.hetero import HeteroEngine
+from specheads.export.shim.loop.sampling import SamplingConfig, probs_from_logits
 from specheads.export.shim.policies import base as sd_rule
-from specheads.export.shim.token_text import Side, VocabMap, token_bytes
-from specheads.export.shim.sampling import SamplingConfig, probs_from_logits
+from specheads.export.shim.vocab import hetero_loop as hetero
+from specheads.export.shim.vocab.hetero_loop import HeteroEngine
+from specheads.export.shim.vocab.token_text import Side, VocabMap, token_bytes
 
 CORPUS = [
     "the cat sat on the mat and the dog sat on the log",
@@ -33,17 +33,24 @@ CORPUS = [
     "we counted: 12 apples, 7 pears and 3 plums.",
 ]
 PROMPTS = ["the cat sat", "one two three", "a caterpillar", "hello world,", "we counted:", "red blue"]
-SP_DECODER = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                decoders.Strip(" ", 1, 0)])  # Llama / Gemma style
+SP_DECODER = decoders.Sequence(
+    [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+)  # Llama / Gemma style
 
 
 def _byte_level() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(vocab_size=360, special_tokens=["<|endoftext|>"],
-                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                            show_progress=False))
+    tok.train_from_iterator(
+        CORPUS * 4,
+        trainers.BpeTrainer(
+            vocab_size=360,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
 
 
@@ -51,8 +58,9 @@ def _sentencepiece(lowercase: bool = False) -> PreTrainedTokenizerFast:
     """BPE over ``▁``-marked words with a prepended ``▁`` (SentencePiece's dummy prefix), byte fallback and BOS."""
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
-    tok.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(vocab_size=110, special_tokens=["<unk>", "<s>", "</s>"],
-                                                            show_progress=False))
+    tok.train_from_iterator(
+        CORPUS * 4, trainers.BpeTrainer(vocab_size=110, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    )
     spec = json.loads(tok.to_str())  # add the 256 byte pieces: the trainer does not make them
     vocab = spec["model"]["vocab"]
     for b in range(256):
@@ -96,11 +104,13 @@ def trained(toks):
 
 
 def _engine(toks, models_, target: str, draft: str) -> HeteroEngine:
-    return HeteroEngine(models_[target], models_[draft], toks[target], toks[draft],
-                        eos_token_ids=[toks[target].eos_token_id])
+    return HeteroEngine(
+        models_[target], models_[draft], toks[target], toks[draft], eos_token_ids=[toks[target].eos_token_id]
+    )
 
 
 # ---- token strings and the vocabulary map, against hand-built expectations -----------------
+
 
 def _hand_byte_level() -> PreTrainedTokenizerFast:
     vocab = {"<|endoftext|>": 0, "Ġthe": 1, "the": 2, "Ċ": 3, "Ã©": 4, "Ġ": 5, "a": 6, "Ã": 7, "</s>": 8}
@@ -112,16 +122,36 @@ def _hand_byte_level() -> PreTrainedTokenizerFast:
 
 
 def _hand_sentencepiece(decoder) -> PreTrainedTokenizerFast:
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁the": 3, "the": 4, "<0x0A>": 5, "<0xC3>": 6, "▁": 7, "a": 8,
-             "<0x61>": 9}
+    vocab = {
+        "<unk>": 0,
+        "<s>": 1,
+        "</s>": 2,
+        "▁the": 3,
+        "the": 4,
+        "<0x0A>": 5,
+        "<0xC3>": 6,
+        "▁": 7,
+        "a": 8,
+        "<0x61>": 9,
+    }
     tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
     tok.decoder = decoder
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
 def test_token_bytes_normalise_markers_and_drop_specials():
-    assert token_bytes(_hand_byte_level()) == [None, b" the", b"the", b"\n", "é".encode(), b" ", b"a", b"\xc3",
-                                               None, b" the"]
+    assert token_bytes(_hand_byte_level()) == [
+        None,
+        b" the",
+        b"the",
+        b"\n",
+        "é".encode(),
+        b" ",
+        b"a",
+        b"\xc3",
+        None,
+        b" the",
+    ]
     sp = [None, None, None, b" the", b"the", b"\n", b"\xc3", b" ", b"a", b"a"]
     assert token_bytes(_hand_sentencepiece(SP_DECODER)) == sp
     assert token_bytes(_hand_sentencepiece(decoders.Metaspace("▁", "always"))) == sp  # the other ▁ decoder
@@ -150,8 +180,9 @@ def test_no_overlap_or_slow_tokenizer_is_a_user_error():
 
 def test_trained_tokenizers_differ(toks):
     text = "yellow purple orange"
-    splits = [[token_bytes(toks[n])[i] for i in toks[n](text, add_special_tokens=False)["input_ids"]]
-              for n in ("bl", "sp")]
+    splits = [
+        [token_bytes(toks[n])[i] for i in toks[n](text, add_special_tokens=False)["input_ids"]] for n in ("bl", "sp")
+    ]
     assert splits[0] != splits[1]  # the same string, tokenised differently
     assert b"".join(splits[0]) == text.encode() and b"".join(splits[1]) == b" " + text.encode()  # SP's dummy prefix
     vm = VocabMap.build(toks["bl"], toks["sp"])
@@ -161,6 +192,7 @@ def test_trained_tokenizers_differ(toks):
 
 
 # ---- exactness: greedy output equals the target's greedy output ----------------------------
+
 
 @pytest.mark.parametrize("method", ["tli", "slem", "slrs"])
 @pytest.mark.parametrize("target,draft", [("sp", "bl"), ("bl", "sp")])
@@ -204,8 +236,17 @@ def test_errors(toks, trained):
 
 # ---- losslessness: chi-square on sampled outputs of stub models ------------------------------
 
-def _stub_pvalue(toks, method: str, n: int = 1000, horizon: int = 3, policy=None, seen=None,
-                 draft_tokens=("Ġthe", "Ġcat", "Ġsat", "hello"), draft_probs=(0.2, 0.1, 0.3, 0.4)) -> float:
+
+def _stub_pvalue(
+    toks,
+    method: str,
+    n: int = 1000,
+    horizon: int = 3,
+    policy=None,
+    seen=None,
+    draft_tokens=("Ġthe", "Ġcat", "Ġsat", "hello"),
+    draft_probs=(0.2, 0.1, 0.3, 0.4),
+) -> float:
     """Chi-square p-value of ``n`` sampled ``horizon``-token outputs against the target's exact distribution.
 
     Stub models whose next-token distribution ignores the context: the target puts its mass on
@@ -223,8 +264,9 @@ def _stub_pvalue(toks, method: str, n: int = 1000, horizon: int = 3, policy=None
         row[ids] = torch.tensor(probs)
         return BigramLM(torch.log(row).expand(size, size).clone())
 
-    engine = HeteroEngine(stub(len(sp), t_ids, [0.4, 0.3, 0.1, 0.2]), stub(len(bl), d_ids, list(draft_probs)),
-                          sp, bl, vocab_map=vm)
+    engine = HeteroEngine(
+        stub(len(sp), t_ids, [0.4, 0.3, 0.1, 0.2]), stub(len(bl), d_ids, list(draft_probs)), sp, bl, vocab_map=vm
+    )
     sampling = SamplingConfig(do_sample=True, temperature=0.8)
     p = probs_from_logits(torch.log(torch.tensor([0.4, 0.3, 0.1, 0.2])), sampling)
     exact = {seq: math.prod(float(p[i]) for i in seq) for seq in itertools.product(range(4), repeat=horizon)}
@@ -235,7 +277,9 @@ def _stub_pvalue(toks, method: str, n: int = 1000, horizon: int = 3, policy=None
         if policy is None:
             out = engine.generate(prompt, method, k=2, max_new_tokens=horizon, sampling=sampling, generator=gen).tokens
         else:  # a configured policy instance on the same engine
-            g = engine.engine.generate(prompt, policy, horizon, sampling, gen, draft_prompt_ids=engine.prompt_ids(prompt)[1])
+            g = engine.engine.generate(
+                prompt, policy, horizon, sampling, gen, draft_prompt_ids=engine.prompt_ids(prompt)[1]
+            )
             out = g.tokens
             if seen is not None:
                 seen.append(g.stats)
@@ -260,8 +304,18 @@ def test_slrs_sampling_is_lossless_with_and_without_the_budget_fallback(toks, bu
 
     assert any(t.startswith("▁c") and len(t) > 2 for t in toks["sp"].get_vocab()) and "Ġc" in toks["bl"].get_vocab()
     seen = []
-    assert _stub_pvalue(toks, "slrs", n=600, policy=SLRS(k=2, budget=budget), seen=seen,
-                        draft_tokens=("Ġthe", "Ġcat", "Ġsat", "hello", "Ġc"), draft_probs=(0.2, 0.1, 0.2, 0.2, 0.3)) > 1e-3
+    assert (
+        _stub_pvalue(
+            toks,
+            "slrs",
+            n=600,
+            policy=SLRS(k=2, budget=budget),
+            seen=seen,
+            draft_tokens=("Ġthe", "Ġcat", "Ġsat", "hello", "Ġc"),
+            draft_probs=(0.2, 0.1, 0.2, 0.2, 0.3),
+        )
+        > 1e-3
+    )
     fallbacks = sum(s.counters.get("slrs_fallbacks", 0) for s in seen)
     steps = sum(s.counters.get("slrs_steps", 0) for s in seen)
     forwards = sum(s.counters.get("slrs_tree_forwards", 0) for s in seen)
@@ -281,8 +335,10 @@ def test_tli_sampling_on_tiny_models_matches_target(toks):
     sampling, n = SamplingConfig(do_sample=True), 200
     prompt = toks["sp"]("the cat")["input_ids"]
     gen = torch.Generator().manual_seed(3)
-    first = [engine.generate(prompt, "tli", k=1, max_new_tokens=2, sampling=sampling, generator=gen).tokens[0]
-             for _ in range(n)]
+    first = [
+        engine.generate(prompt, "tli", k=1, max_new_tokens=2, sampling=sampling, generator=gen).tokens[0]
+        for _ in range(n)
+    ]
     with torch.no_grad():
         p = probs_from_logits(target(torch.tensor([prompt])).logits[0, -1], sampling)
     big = (p * n >= 5).nonzero().view(-1).tolist()
@@ -292,6 +348,7 @@ def test_tli_sampling_on_tiny_models_matches_target(toks):
 
 
 # ---- tokenizers that do not round-trip text ------------------------------------------------
+
 
 def test_non_injective_tokenizer_is_non_injective(toks):
     tok = toks["sp_lower"]
@@ -342,8 +399,14 @@ def test_draft_side_extend_rewrites_and_buffers(toks):
 def test_non_injective_greedy_equals_target_greedy(toks, trained, method, target, draft):
     engine = _engine(toks, trained, target, draft)
     accepted = 0
-    for prompt in ["The Cat sat", "ONE two  three", "Hello World,", "a caterpillar é", "one two Three four",
-                   "my dog likes to Run"]:
+    for prompt in [
+        "The Cat sat",
+        "ONE two  three",
+        "Hello World,",
+        "a caterpillar é",
+        "one two Three four",
+        "my dog likes to Run",
+    ]:
         got = engine.generate(prompt, method, k=4, max_new_tokens=16)
         assert got.tokens == engine.generate_ar(prompt, 16).tokens, prompt
         accepted += got.stats.accepted
@@ -364,9 +427,19 @@ def test_heads_decode_runs_tli_and_slem_and_refuses_same_vocab_policies(toks, tr
         toks[name].save_pretrained(dirs[name])
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]), encoding="utf-8")
-    common = [f"target.path={dirs['sp']}", "target.gguf_file=null", f"draft.path={dirs['bl']}",
-              "target.device=cpu", "draft.device=cpu", f"prompts={prompts}", "num_prompts=null",
-              "max_new_tokens=12", "k=3", "offset=0", "head=null"]
+    common = [
+        f"target.path={dirs['sp']}",
+        "target.gguf_file=null",
+        f"draft.path={dirs['bl']}",
+        "target.device=cpu",
+        "draft.device=cpu",
+        f"prompts={prompts}",
+        "num_prompts=null",
+        "max_new_tokens=12",
+        "k=3",
+        "offset=0",
+        "head=null",
+    ]
     outs = {}
     for policy in ("ar", "tli", "slem"):
         assert decode([*common, f"policy={policy}", f"output_dir={tmp_path / policy}"]) == 0
@@ -382,9 +455,25 @@ def test_heads_decode_runs_tli_and_slem_and_refuses_same_vocab_policies(toks, tr
     # heads-eval puts both methods next to target-only and draft-only on the same prompts.
     from specheads.evaluate.cli import main as evaluate
 
-    ev = [*common[:6], f"prompts={prompts}", "num_prompts=null", "offset=0", "max_new_tokens=12",
-          "hetero=[tli,slem]", "hetero_k=3", "ks=[]", "head=null", "judge=null", "verifier=null", "topk=[]",
-          "fsd_js=[]", "fsd_tv=[]", "fsd_kl=[]", "fsd_kl_rev=[]", "confidence=[]"]
+    ev = [
+        *common[:6],
+        f"prompts={prompts}",
+        "num_prompts=null",
+        "offset=0",
+        "max_new_tokens=12",
+        "hetero=[tli,slem]",
+        "hetero_k=3",
+        "ks=[]",
+        "head=null",
+        "judge=null",
+        "verifier=null",
+        "topk=[]",
+        "fsd_js=[]",
+        "fsd_tv=[]",
+        "fsd_kl=[]",
+        "fsd_kl_rev=[]",
+        "confidence=[]",
+    ]
     assert evaluate([*ev, f"output_dir={tmp_path / 'ev'}"]) == 0
     rows = [json.loads(x) for x in (tmp_path / "ev" / "rows.jsonl").read_text().splitlines()]
     by = {(r["config"], r["index"]): r["tokens"] for r in rows}

@@ -80,13 +80,23 @@ def test_generate_drafts_the_rounds_the_shim_drafts(models, head, policy):
     # equal to it changes what the draft sees there): a pad id these outputs never contain
     pad = draft.config.vocab_size - 1
     for ids in PROMPTS:
-        out = target.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, pad_token_id=pad,
-                              eos_token_id=None, assistant_model=draft, custom_generate=a)
+        out = target.generate(
+            torch.tensor([ids]),
+            max_new_tokens=16,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=None,
+            assistant_model=draft,
+            custom_generate=a,
+        )
         a.policy.reset()
         g = engine.generate(ids, a.policy, 16)
-        assert out[0, len(ids):].tolist() == g.tokens and pad not in g.tokens
-        assert (a.stats.rounds, a.stats.drafted, a.stats.accepted) == (g.stats.rounds, g.stats.drafted,
-                                                                         g.stats.accepted), ids
+        assert out[0, len(ids) :].tolist() == g.tokens and pad not in g.tokens
+        assert (a.stats.rounds, a.stats.drafted, a.stats.accepted) == (
+            g.stats.rounds,
+            g.stats.drafted,
+            g.stats.accepted,
+        ), ids
 
 
 def test_the_target_is_left_as_it_was_after_an_error(models):
@@ -118,9 +128,13 @@ def test_a_streamer_given_to_the_assistant_sees_every_token(models):
         def end(self):
             pass
 
-    out = greedy(target, PROMPTS[2], assistant_model=draft,
-                 custom_generate=Assistant(draft, policy="confidence_stop", streamer=Collect()))
-    assert seen[-(out.shape[1] - len(PROMPTS[2])):] == out[0, len(PROMPTS[2]):].tolist()
+    out = greedy(
+        target,
+        PROMPTS[2],
+        assistant_model=draft,
+        custom_generate=Assistant(draft, policy="confidence_stop", streamer=Collect()),
+    )
+    assert seen[-(out.shape[1] - len(PROMPTS[2])) :] == out[0, len(PROMPTS[2]) :].tolist()
 
 
 def _joint(target, prompt: list[int], vocab: int) -> torch.Tensor:
@@ -138,10 +152,19 @@ def _sample_counts(target, draft, assistant, prompt, vocab, n, seed):
     counts, drafted, rounds = torch.zeros(vocab * vocab), 0, 0
     torch.manual_seed(seed)
     for _ in range(n):
-        out = target.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=True, temperature=1.0, top_k=0,
-                              top_p=1.0, assistant_model=draft, custom_generate=assistant, pad_token_id=0,
-                              eos_token_id=None)
-        a, b = out[0, len(prompt):len(prompt) + 2].tolist()
+        out = target.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=5,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            assistant_model=draft,
+            custom_generate=assistant,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+        a, b = out[0, len(prompt) : len(prompt) + 2].tolist()
         counts[a * vocab + b] += 1
         drafted, rounds = drafted + assistant.stats.drafted, rounds + assistant.stats.rounds
     return counts, drafted, rounds
@@ -178,8 +201,15 @@ def test_sampled_generate_follows_the_target_and_a_planted_bug_fails(monkeypatch
 
     monkeypatch.setattr(cls, "_generate_candidates", uniform_q)
     monkeypatch.setattr(hf, "_generator_class", lambda: cls)
-    bad, _, _ = _sample_counts(target, draft, Assistant(draft, policy="confidence_stop", tau=0.05, k_min=2, k_max=3),
-                               prompt, vocab, 1500, seed=0)
+    bad, _, _ = _sample_counts(
+        target,
+        draft,
+        Assistant(draft, policy="confidence_stop", tau=0.05, k_min=2, k_max=3),
+        prompt,
+        vocab,
+        1500,
+        seed=0,
+    )
     assert _chi2(bad, probs) < 1e-6
 
 
@@ -198,13 +228,20 @@ def test_sampled_generate_with_a_specdecpp_head_follows_the_target(tmp_path):
     seen = _loaded(draft, None)
     torch.manual_seed(1)
     module = AcceptanceHead(draft.config.hidden_size, depth=1)
-    path = save_head(tmp_path / "acceptance.safetensors", module, "acceptance", {
-        "head_config": module.config(), "hidden_size": draft.config.hidden_size,
-        "feature": {"model": "draft", "state": "post", "layer": -1, "position": "own"},
-        "draft": {"name": seen.name, "fingerprint": seen.fingerprint, "vocab": None},
-        "target": {"name": "tiny-target", "fingerprint": "unknown"},
-        "sampling": SamplingConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0).to_dict(),
-        "default_threshold": 0.9})
+    path = save_head(
+        tmp_path / "acceptance.safetensors",
+        module,
+        "acceptance",
+        {
+            "head_config": module.config(),
+            "hidden_size": draft.config.hidden_size,
+            "feature": {"model": "draft", "state": "post", "layer": -1, "position": "own"},
+            "draft": {"name": seen.name, "fingerprint": seen.fingerprint, "vocab": None},
+            "target": {"name": "tiny-target", "fingerprint": "unknown"},
+            "sampling": SamplingConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0).to_dict(),
+            "default_threshold": 0.9,
+        },
+    )
     a = Assistant(draft, path, k_min=1, k_max=3, strict=True)
     counts, drafted, rounds = _sample_counts(target, draft, a, prompt, vocab, 800, seed=0)
     assert _chi2(counts, _joint(target, prompt, vocab)) > 1e-3
@@ -241,8 +278,14 @@ def test_the_head_is_checked_against_the_draft(models, head, tiny_pair_dirs):
     with pytest.raises(UserError, match="one vocabulary"):
         greedy(target, PROMPTS[0], assistant_model=narrow, custom_generate=Assistant(narrow, policy="confidence_stop"))
     with pytest.raises(UserError, match="batch size 1"):
-        target.generate(torch.tensor([PROMPTS[0], PROMPTS[0]]), max_new_tokens=4, do_sample=False, pad_token_id=2,
-                        assistant_model=draft, custom_generate=Assistant(draft, head))
+        target.generate(
+            torch.tensor([PROMPTS[0], PROMPTS[0]]),
+            max_new_tokens=4,
+            do_sample=False,
+            pad_token_id=2,
+            assistant_model=draft,
+            custom_generate=Assistant(draft, head),
+        )
 
 
 def test_the_cost_aware_rule_runs_inside_generate(models, head, tmp_path, monkeypatch):
@@ -277,7 +320,7 @@ def test_a_pruned_draft_must_match_the_head(models, head, tiny_pair_dirs, tmp_pa
     and greedy output with the pruned draft is still the target's."""
     import json
 
-    from specheads.export.shim.vocab import FORMAT
+    from specheads.export.shim.vocab.vocab_pruning import FORMAT
     from specheads.hf import prune_draft
 
     target, _ = models

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import module_imports, package_modules
+
 from specheads import extras
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,8 +20,13 @@ BASE = {"torch", "transformers", "safetensors", "yaml", "omegaconf", "tqdm", "nu
 # The import names that only the extras add: a base install has none of them.
 EXTRA_ONLY = sorted({m for mods in extras.EXTRAS.values() for m in mods} | {"gguf", "scipy", "deepspeed"})
 # Each stage's folder and the import names its code (with every project module it imports) may use.
-STAGES = {"heads": BASE, "export": BASE, "datagen": BASE | set(extras.EXTRAS["train"]),
-          "train": BASE | set(extras.EXTRAS["train"]) | {"deepspeed"}, "evaluate": BASE | set(extras.EXTRAS["eval"])}
+STAGES = {
+    "heads": BASE,
+    "export": BASE,
+    "datagen": BASE | set(extras.EXTRAS["train"]),
+    "train": BASE | set(extras.EXTRAS["train"]) | {"deepspeed"},
+    "evaluate": BASE | set(extras.EXTRAS["eval"]),
+}
 
 # Runs in a fresh interpreter: the extras' packages are made to look uninstalled (importing one raises
 # ModuleNotFoundError; transformers' availability checks see them absent), as on a base install, then
@@ -69,8 +74,13 @@ def test_decode_path_runs_without_the_extras(tiny_pair_dirs, tmp_path):
     way imports one of them. (They are blocked rather than looked for in ``sys.modules`` only:
     transformers imports accelerate and scipy by itself whenever they are installed.)"""
     t, d = tiny_pair_dirs
-    proc = subprocess.run([sys.executable, "-c", _DECODE.format(blocked=EXTRA_ONLY), str(t), str(d), str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", _DECODE.format(blocked=EXTRA_ONLY), str(t), str(d), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["exit"] == 0 and result["loaded"] == []
@@ -116,8 +126,10 @@ def test_extras_match_pyproject():
     from importlib.metadata import packages_distributions
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    listed = {extra: {r.split(">")[0].split("=")[0].split("[")[0].strip().lower().replace("_", "-") for r in reqs}
-              for extra, reqs in project["optional-dependencies"].items()}
+    listed = {
+        extra: {r.split(">")[0].split("=")[0].split("[")[0].strip().lower().replace("_", "-") for r in reqs}
+        for extra, reqs in project["optional-dependencies"].items()
+    }
     dists = packages_distributions()
     for extra, names in extras.EXTRAS.items():
         for name in names:
@@ -127,16 +139,22 @@ def test_extras_match_pyproject():
     assert not base & set().union(*listed.values())
 
 
-@pytest.mark.parametrize("script, extra, module", [
-    (extras.heads_datagen, "train", "accelerate"), (extras.heads_vocab, "train", "pyarrow"),
-    (extras.heads_train, "train", "sklearn"), (extras.heads_eval, "eval", "rouge_score"),
-])
+@pytest.mark.parametrize(
+    "script, extra, module",
+    [
+        (extras.heads_datagen, "train", "accelerate"),
+        (extras.heads_vocab, "train", "pyarrow"),
+        (extras.heads_train, "train", "sklearn"),
+        (extras.heads_eval, "eval", "rouge_score"),
+    ],
+)
 def test_a_missing_extra_ends_the_cli_in_one_line(monkeypatch, capsys, script, extra, module):
     monkeypatch.setitem(sys.modules, module, None)  # not installed, as importlib sees it
     assert script(["--help"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].endswith(f"needs the [{extra}] extra (not installed: {module}): "
-                                             f"pip install 'specheads[{extra}]'"), err
+    assert len(err) == 1 and err[0].endswith(
+        f"needs the [{extra}] extra (not installed: {module}): pip install 'specheads[{extra}]'"
+    ), err
 
 
 def test_an_installed_extra_runs_the_cli(capsys):
@@ -150,6 +168,9 @@ def test_a_gguf_model_without_the_gguf_extra_is_one_line(monkeypatch, tmp_path):
 
     (tmp_path / "m.gguf").write_bytes(b"")
     monkeypatch.setitem(sys.modules, "accelerate", None)  # transformers reads GGUF files with gguf and accelerate
-    with pytest.raises(UserError, match=r"needs the \[gguf\] extra \(not installed: accelerate\): "
-                                        r"pip install 'specheads\[gguf\]'"):
+    with pytest.raises(
+        UserError,
+        match=r"needs the \[gguf\] extra \(not installed: accelerate\): "
+        r"pip install 'specheads\[gguf\]'",
+    ):
         load_model(ModelSpec(path=str(tmp_path / "m.gguf"), device="cpu"), "target")

@@ -7,8 +7,7 @@ import math
 import pytest
 
 from specheads.errors import UserError
-from specheads.evaluate.intervals import (mean_interval, paired_difference, paired_ratio, ratio_interval,
-                                          speed_intervals)
+from specheads.evaluate.intervals import mean_interval, paired_difference, paired_ratio, ratio_interval, speed_intervals
 from specheads.evaluate.select import choose, gated, parse
 
 
@@ -52,17 +51,20 @@ def test_ratio_intervals_resample_prompts_whole():
     assert s["tokens_per_s_interval"][0] < 20 < s["tokens_per_s_interval"][1]
     assert s["accepted_per_call_interval"][0] < 1 < s["accepted_per_call_interval"][1]
     assert speed_intervals([{"new_tokens": 0, "wall_time": 0, "accepted": 0, "target_calls": 0}]) == {
-        "tokens_per_s_interval": None, "accepted_per_call_interval": None}
+        "tokens_per_s_interval": None,
+        "accepted_per_call_interval": None,
+    }
 
 
 # ---- quality-gated selection -------------------------------------------------------------------
 
 
-
 def test_choose_refuses_a_faster_threshold_whose_bound_exceeds_max_drop():
-    cands = {"j0.2": {"tokens_per_s": 30.0, "acc_drop_high": 0.011},
-             "j0.5": {"tokens_per_s": 25.0, "acc_drop_high": 0.010},
-             "j0.9": {"tokens_per_s": 20.0, "acc_drop_high": -0.01}}
+    cands = {
+        "j0.2": {"tokens_per_s": 30.0, "acc_drop_high": 0.011},
+        "j0.5": {"tokens_per_s": 25.0, "acc_drop_high": 0.010},
+        "j0.9": {"tokens_per_s": 20.0, "acc_drop_high": -0.01},
+    }
     assert choose(cands, 0.01) == "j0.5"
     assert choose(cands, 0.02) == "j0.2"
     assert choose(cands, -0.02) is None
@@ -77,8 +79,12 @@ def test_gated_chooses_on_one_half_and_reports_on_the_other():
     0.1); j0.6: 1.5x, loses nothing. With max_drop 0.01 j0.6 is chosen and reported on the odd half."""
     n = 400
     target = [1] * n
-    grouped = {"ar": _rows(n, 10, 1.0, calls=10), "k4": _rows(n, 10, 0.8, accepted=6, calls=4),
-               "j0.2": _rows(n, 10, 0.5, accepted=8, calls=2), "j0.6": _rows(n, 10, 2 / 3, accepted=7, calls=3)}
+    grouped = {
+        "ar": _rows(n, 10, 1.0, calls=10),
+        "k4": _rows(n, 10, 0.8, accepted=6, calls=4),
+        "j0.2": _rows(n, 10, 0.5, accepted=8, calls=2),
+        "j0.6": _rows(n, 10, 2 / 3, accepted=7, calls=3),
+    }
     correct = {"ar": target, "k4": target, "j0.2": [0 if i % 5 == 0 else 1 for i in range(n)], "j0.6": target}
     g = gated(grouped, correct, 0.01, {"judge": "k4"})
     assert (g["calibration_prompts"], g["test_prompts"]) == (200, 200)
@@ -96,12 +102,21 @@ def test_every_fsd_divergence_gets_its_own_threshold_and_the_sd_reference():
     """fsd-kl-1 (fast, lossy) and fsd-kl-0.3 (lossless) against fsd-js-0.1 (lossless, slower): one choice per
     divergence, so the KL judge's gated row is not hidden behind a faster JS row, and both price against k4."""
     n = 200
-    grouped = {"ar": _rows(n, 10, 1.0, calls=10), "k4": _rows(n, 10, 0.8, accepted=6, calls=4),
-               "fsd-kl-1": _rows(n, 10, 0.4, accepted=9, calls=2), "fsd-kl-0.3": _rows(n, 10, 0.5, accepted=8, calls=2),
-               "fsd-js-0.1": _rows(n, 10, 0.6, accepted=7, calls=3)}
+    grouped = {
+        "ar": _rows(n, 10, 1.0, calls=10),
+        "k4": _rows(n, 10, 0.8, accepted=6, calls=4),
+        "fsd-kl-1": _rows(n, 10, 0.4, accepted=9, calls=2),
+        "fsd-kl-0.3": _rows(n, 10, 0.5, accepted=8, calls=2),
+        "fsd-js-0.1": _rows(n, 10, 0.6, accepted=7, calls=3),
+    }
     target = [1] * n
-    correct = {"ar": target, "k4": target, "fsd-kl-1": [0 if i % 4 == 0 else 1 for i in range(n)],
-               "fsd-kl-0.3": target, "fsd-js-0.1": target}
+    correct = {
+        "ar": target,
+        "k4": target,
+        "fsd-kl-1": [0 if i % 4 == 0 else 1 for i in range(n)],
+        "fsd-kl-0.3": target,
+        "fsd-js-0.1": target,
+    }
     rows = gated(grouped, correct, 0.01, {"fsd": "k4"})["rows"]
     assert set(rows) == {"fsd_kl", "fsd_js"}
     assert (rows["fsd_kl"]["row"], rows["fsd_kl"]["threshold"]) == ("fsd-kl-0.3", 0.3)
@@ -122,20 +137,36 @@ def test_batched_time_resamples_blocks_not_prompts():
     would see as many identical rates as rows. The blocks are the units: their sums, in order."""
     from specheads.evaluate.intervals import speed_intervals, units
 
-    rows = [{"new_tokens": 10, "wall_time": 1.0, "block": 0}, {"new_tokens": 30, "wall_time": 3.0, "block": 0},
-            {"new_tokens": 20, "wall_time": 1.0, "block": 1}, {"new_tokens": 20, "wall_time": 1.0, "block": 1},
-            {"new_tokens": 5, "wall_time": 1.0}]
+    rows = [
+        {"new_tokens": 10, "wall_time": 1.0, "block": 0},
+        {"new_tokens": 30, "wall_time": 3.0, "block": 0},
+        {"new_tokens": 20, "wall_time": 1.0, "block": 1},
+        {"new_tokens": 20, "wall_time": 1.0, "block": 1},
+        {"new_tokens": 5, "wall_time": 1.0},
+    ]
     toks, secs = units(rows, ("new_tokens", "wall_time"))
     assert toks.tolist() == [40, 40, 5] and secs.tolist() == [4.0, 2.0, 1.0]
     low, high = speed_intervals(rows[:4])["tokens_per_s_interval"]
     assert low == pytest.approx(10.0) and high == pytest.approx(20.0)  # two blocks: 10 and 20 tokens/s
 
 
-@pytest.mark.parametrize("row, fam, thr", [("j0.99", "judge", 0.99), ("j-mined-1e-06", "judge_mined", 1e-06),
-                                           ("j-arith_v2-0.5", "judge_arith_v2", 0.5), ("fsd-kl-1", "fsd_kl", 1.0),
-                                           ("fsd-kl_rev-0.3", "fsd_kl_rev", 0.3), ("s0.5", "sprinter", 0.5),
-                                           ("t2", "topk_verify", 2.0), ("k4", None, None), ("ar", None, None),
-                                           ("h0.5", None, None), ("v-slem-k2", None, None), ("c0.3", None, None)])
+@pytest.mark.parametrize(
+    "row, fam, thr",
+    [
+        ("j0.99", "judge", 0.99),
+        ("j-mined-1e-06", "judge_mined", 1e-06),
+        ("j-arith_v2-0.5", "judge_arith_v2", 0.5),
+        ("fsd-kl-1", "fsd_kl", 1.0),
+        ("fsd-kl_rev-0.3", "fsd_kl_rev", 0.3),
+        ("s0.5", "sprinter", 0.5),
+        ("t2", "topk_verify", 2.0),
+        ("k4", None, None),
+        ("ar", None, None),
+        ("h0.5", None, None),
+        ("v-slem-k2", None, None),
+        ("c0.3", None, None),
+    ],
+)
 def test_row_families(row, fam, thr):
     from specheads.evaluate.select import family, threshold
 

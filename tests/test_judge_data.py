@@ -12,8 +12,10 @@ from specheads.datagen import arith
 from specheads.datagen.tuples import IGNORE, load_tuples, span_labels, token_labels
 from specheads.errors import UserError
 
-GOOD = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
-        "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
+GOOD = (
+    "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+    "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
+)
 
 
 def test_checker_accepts_a_correct_solution():
@@ -38,15 +40,18 @@ def test_checker_finds_the_first_false_inline_step():
     assert [s.correct for s in c.steps] == [True, False, False]
 
 
-@pytest.mark.parametrize("text, ok", [
-    ("10 / 3 = 3.33 each", True),         # rounding the text shows
-    ("7 / 2 = 3 each", False),            # an integer that is not the result
-    ("$1,200 x 2 = $2,400 in total", True),
-    ("20% * 50 = 10 students", True),
-    ("2 × 3 + 1 = 7", True),
-    ("(4 + 6) * 3 = 30", True),
-    ("12 ÷ 4 = 4", False),
-])
+@pytest.mark.parametrize(
+    "text, ok",
+    [
+        ("10 / 3 = 3.33 each", True),  # rounding the text shows
+        ("7 / 2 = 3 each", False),  # an integer that is not the result
+        ("$1,200 x 2 = $2,400 in total", True),
+        ("20% * 50 = 10 students", True),
+        ("2 × 3 + 1 = 7", True),
+        ("(4 + 6) * 3 = 30", True),
+        ("12 ÷ 4 = 4", False),
+    ],
+)
 def test_checker_step_forms(text, ok):
     c = arith.check(text)
     assert len(c.steps) == 1 and c.steps[0].correct is ok and (c.error_span is None) is ok
@@ -61,13 +66,19 @@ def test_checker_final_answer_without_marker_and_unsafe_input():
 
 def _write(tmp_path, rows):
     path = tmp_path / "t.jsonl"
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n" for r in rows),
-                    encoding="utf-8")
+    path.write_text(
+        "".join((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n" for r in rows), encoding="utf-8"
+    )
     return path
 
 
-OK_ROW = {"question": "2+2?", "correct": "4", "wrong": "2+2 is 5", "error": [7, 8],
-          "provenance": {"correct_model": "target", "wrong_model": "draft", "annotator": "arith"}}
+OK_ROW = {
+    "question": "2+2?",
+    "correct": "4",
+    "wrong": "2+2 is 5",
+    "error": [7, 8],
+    "provenance": {"correct_model": "target", "wrong_model": "draft", "annotator": "arith"},
+}
 
 
 def test_tuples_load(tmp_path):
@@ -76,16 +87,19 @@ def test_tuples_load(tmp_path):
     assert tuples[0].provenance["annotator"] == "arith"
 
 
-@pytest.mark.parametrize("row, message", [
-    ({**OK_ROW, "error": [7, 30]}, "outside the wrong answer"),
-    ({**OK_ROW, "error": [5, 5]}, "or empty"),
-    ({**OK_ROW, "correct": "", "wrong": ""}, "both answers are empty"),
-    ({k: v for k, v in OK_ROW.items() if k != "error"}, "no error span"),
-    ({**OK_ROW, "question": " "}, "question is empty"),
-    ({**OK_ROW, "error": "7-8"}, "[start, end]"),
-    ({**OK_ROW, "schema_version": 9}, "newer"),
-    ("{not json", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({**OK_ROW, "error": [7, 30]}, "outside the wrong answer"),
+        ({**OK_ROW, "error": [5, 5]}, "or empty"),
+        ({**OK_ROW, "correct": "", "wrong": ""}, "both answers are empty"),
+        ({k: v for k, v in OK_ROW.items() if k != "error"}, "no error span"),
+        ({**OK_ROW, "question": " "}, "question is empty"),
+        ({**OK_ROW, "error": "7-8"}, "[start, end]"),
+        ({**OK_ROW, "schema_version": 9}, "newer"),
+        ("{not json", "not valid JSON"),
+    ],
+)
 def test_tuples_bad_lines_name_the_line(tmp_path, row, message):
     with pytest.raises(UserError) as err:
         load_tuples(_write(tmp_path, [OK_ROW, row]))
@@ -114,8 +128,10 @@ def bpe():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     corpus = ["the café costs 12 euros", "le café coûte 12 €", "数学 is 12 + 3 = 15", "cafés and 123 dollars"] * 20
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, show_progress=False,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(vocab_size=300, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
@@ -131,12 +147,12 @@ def test_token_labels_multibyte_and_straddling(bpe):
     straddle = next(i for i, (s, e) in enumerate(enc["offset_mapping"]) if s < start < e or s == start)
     assert labels[straddle] == 0
     assert all(v == 1 for v in labels[:straddle])  # "le café coûte 1..." before the error, é and û included
-    assert all(v == IGNORE for v in labels[straddle + 1:]) and "数" in "".join(pieces[straddle + 1:])
+    assert all(v == IGNORE for v in labels[straddle + 1 :]) and "数" in "".join(pieces[straddle + 1 :])
     # An error on "€", a character this tokenizer splits into byte tokens: every piece of it is 0.
     euro = wrong.index("€")
     _, labels_e = token_labels(bpe, wrong, (euro, euro + 1))
     pieces_e = [i for i, (s, e) in enumerate(enc["offset_mapping"]) if s <= euro < e]
     assert len(pieces_e) >= 1 and all(labels_e[i] == 0 for i in pieces_e)
-    assert all(v == 1 for v in labels_e[:pieces_e[0]]) and all(v == IGNORE for v in labels_e[pieces_e[-1] + 1:])
+    assert all(v == 1 for v in labels_e[: pieces_e[0]]) and all(v == IGNORE for v in labels_e[pieces_e[-1] + 1 :])
     ids_c, labels_c = token_labels(bpe, "le café coûte 12 €", None)
     assert labels_c == [1] * len(ids_c)

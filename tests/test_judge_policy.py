@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim.engine import Engine
+from specheads.export.shim.loop.engine import Engine
+from specheads.export.shim.loop.sampling import SamplingConfig
 from specheads.export.shim.policies import Judge, StandardSD
-from specheads.export.shim.sampling import SamplingConfig
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 10], [1, 20, 21, 22, 23, 24]]
 
@@ -74,7 +74,7 @@ def test_judge_reads_the_candidates_own_states(tiny_pair):
     cand = seen[0].shape[0]
     assert cand >= 1
     # the first round's candidates, teacher-forced through the target: pre-norm states at their positions
-    from specheads.export.shim.hidden import HiddenCapture
+    from specheads.export.shim.runners.hidden import HiddenCapture
 
     with HiddenCapture(target) as cap, torch.no_grad():
         drafted = []
@@ -83,7 +83,7 @@ def test_judge_reads_the_candidates_own_states(tiny_pair):
             drafted.append(int(draft(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
             ids.append(drafted[-1])
         target(input_ids=torch.tensor([ids]))
-        want = cap.pre[0, len(prompt):len(prompt) + cand]
+        want = cap.pre[0, len(prompt) : len(prompt) + cand]
     torch.testing.assert_close(seen[0], want, atol=1e-4, rtol=1e-4)
     assert len(out.tokens) == 3
 

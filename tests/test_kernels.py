@@ -8,12 +8,11 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-
-from specheads.export.shim import kernels
-from specheads.export.shim.engine import Engine
-from specheads.export.shim.fused import unfuse
-
 from conftest import tiny_llama
+
+from specheads.export.shim.loop.engine import Engine
+from specheads.export.shim.runners import kernels
+from specheads.export.shim.runners.fused import unfuse
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +51,7 @@ def test_choice_is_measured_once_then_read_from_the_machine_file(monkeypatch, tm
     files = list((tmp_path / "kernels").glob("*.json"))
     assert len(files) == 1
     saved = json.loads(files[0].read_text())
-    (name, choice), = saved["choices"].items()
+    ((name, choice),) = saved["choices"].items()
     assert name == "48x32:float32:nobias:r3:row" and choice in kernels._candidates(torch.float32)
     assert set(saved["times_us"][name]) == set(kernels._candidates(torch.float32))
     assert saved["machine"]["threads"] == torch.get_num_threads()
@@ -100,8 +99,9 @@ def test_greedy_outputs_unchanged_under_every_policy(policy, fused):
     target = tiny_llama(60, seed=4, layers=2)
     draft = tiny_llama(60, seed=5, layers=1)
     with torch.no_grad():
-        want = target.generate(torch.tensor([[1, 7, 9, 11]]), max_new_tokens=16, do_sample=False,
-                               pad_token_id=2)[0, 4:].tolist()
+        want = target.generate(torch.tensor([[1, 7, 9, 11]]), max_new_tokens=16, do_sample=False, pad_token_id=2)[
+            0, 4:
+        ].tolist()
     kernels.set_policy(policy)
     kernels.route(target)
     kernels.route(draft)
@@ -117,7 +117,7 @@ def test_greedy_outputs_unchanged_under_every_policy(policy, fused):
 
 def test_fused_forward_is_the_default_on_cpu_only(monkeypatch):
     """On CUDA the model's own forward is the default (the fused one measured slower on an H100)."""
-    from specheads.export.shim.fused import use_fused
+    from specheads.export.shim.runners.fused import use_fused
 
     model = tiny_llama(40, layers=1)
     assert use_fused(model)

@@ -7,8 +7,8 @@ import math
 import torch
 from torch.testing import assert_close
 
-from specheads.datagen.acceptance import acceptance_labels
-from specheads.export.shim.sampling import SamplingConfig
+from specheads.datagen.acceptance_labels import acceptance_labels
+from specheads.export.shim.loop.sampling import SamplingConfig
 from specheads.train.loss import binary_kl, weighted_soft_bce
 
 
@@ -61,7 +61,12 @@ def test_binary_kl_hand_computed():
 def test_one_pass_labels_equal_teacher_forced_labels(tiny_pair):
     """Labels from the generation's own logits (no second target pass) and from the output layer
     at response positions only equal those of full teacher-forced passes."""
-    from specheads.datagen.acceptance import generate_responses, label_batch, response_logits, teacher_forced_logits
+    from specheads.datagen.acceptance_labels import (
+        generate_responses,
+        label_batch,
+        response_logits,
+        teacher_forced_logits,
+    )
 
     target, draft = tiny_pair
     prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]

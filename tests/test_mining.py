@@ -31,7 +31,7 @@ def decode(ids):
 def generate(contexts, max_new):
     """The target: the template's next tokens after however much of a response the context holds."""
     calls.append(len(contexts))
-    return [TEMPLATE[len(c) - len(PROMPT):][:max_new] for c in contexts]
+    return [TEMPLATE[len(c) - len(PROMPT) :][:max_new] for c in contexts]
 
 
 def predict(seqs, positions):
@@ -52,20 +52,33 @@ def predict(seqs, positions):
 
 
 calls: list[int] = []
-PROMPTS = [SimpleNamespace(id="p0", source="gsm8k", text="Q", messages=None),
-           SimpleNamespace(id="p1", source="gsm8k", text="Q", messages=None)]
+PROMPTS = [
+    SimpleNamespace(id="p0", source="gsm8k", text="Q", messages=None),
+    SimpleNamespace(id="p1", source="gsm8k", text="Q", messages=None),
+]
 
 
 def _mine(max_mismatches=16, max_tokens=1000, prompts=PROMPTS):
     calls.clear()
-    return mining.mine(generate, predict, decode, prompts, [PROMPT] * len(prompts), checkers.resolve("gsm8k"),
-                       mining.Budget(8, max_mismatches, max_tokens), EOS, batch_size=4)
+    return mining.mine(
+        generate,
+        predict,
+        decode,
+        prompts,
+        [PROMPT] * len(prompts),
+        checkers.resolve("gsm8k"),
+        mining.Budget(8, max_mismatches, max_tokens),
+        EOS,
+        batch_size=4,
+    )
 
 
 def test_the_answer_changing_swap_is_important_and_the_other_is_kept():
     s = _mine()[0]
     assert [(m.position, WORDS[m.target_token], WORDS[m.draft_token], m.important) for m in s.marks] == [
-        (0, "so", "thus", False), (4, "7", "8", True)]
+        (0, "so", "thus", False),
+        (4, "7", "8", True),
+    ]
     assert decode(s.response) == "thus the answer is 7" and s.answer == "7" and s.marks[1].answer_after == "8"
     assert not s.budget_hit and s.generated == 5 + 1  # the two continuations: 5 tokens, then "</s>"
     rows = mining.judge_rows(s, "p0-m", label_matches=False)
@@ -86,17 +99,33 @@ def test_the_budget_stops_a_search_that_has_mismatches_left():
     assert len(s.marks) == 1 and s.budget_hit
     t = _mine(max_tokens=5)[0]  # the first continuation spends the token budget
     assert len(t.marks) == 1 and t.budget_hit
-    assert mining.counts([s, t]) == {"prompts": 2, "mismatches_tried": 2, "important": 0, "unimportant": 2,
-                                     "undetermined": 0, "unsearchable": 0, "budget_hits": 2,
-                                     "continuation_tokens": 10}
+    assert mining.counts([s, t]) == {
+        "prompts": 2,
+        "mismatches_tried": 2,
+        "important": 0,
+        "unimportant": 2,
+        "undetermined": 0,
+        "unsearchable": 0,
+        "budget_hits": 2,
+        "continuation_tokens": 10,
+    }
 
 
 def test_a_search_without_mismatches_ends_without_a_budget_hit():
     def agree(seqs, positions):
         return [[seq[t] if t < len(seq) else 2 for t in pos] for seq, pos in zip(seqs, positions)]
 
-    s = mining.mine(generate, agree, decode, PROMPTS[:1], [PROMPT], checkers.resolve("gsm8k"),
-                    mining.Budget(8, 1, 1), EOS, batch_size=4)[0]
+    s = mining.mine(
+        generate,
+        agree,
+        decode,
+        PROMPTS[:1],
+        [PROMPT],
+        checkers.resolve("gsm8k"),
+        mining.Budget(8, 1, 1),
+        EOS,
+        batch_size=4,
+    )[0]
     assert s.marks == [] and not s.budget_hit and mining.judge_rows(s, "x", False) == []
 
 
@@ -110,15 +139,20 @@ def test_checkers():
     assert checkers.resolve("auto")(SimpleNamespace(source="gsm8k"), "#### 12") == "12"
     assert checkers.resolve("auto")(SimpleNamespace(source="prompt"), "Hi!") == "hi"
     assert checkers.resolve("os.path:basename") is __import__("os").path.basename  # a user's callable
-    for bad, why in (("nope", "choose from"), ("no_such_module_x:f", "cannot import"), ("os:no_such_fn", "has no"),
-                     ("sys:version", "not callable")):
+    for bad, why in (
+        ("nope", "choose from"),
+        ("no_such_module_x:f", "cannot import"),
+        ("os:no_such_fn", "has no"),
+        ("sys:version", "not callable"),
+    ):
         with pytest.raises(UserError, match=why):
             checkers.resolve(bad)
 
 
 def test_render_marks_both_kinds():
-    rec = mining.record(_mine()[0], SimpleNamespace(id="p0", source="gsm8k", text="Q", messages=None), 0,
-                        lambda t: WORDS[t])
+    rec = mining.record(
+        _mine()[0], SimpleNamespace(id="p0", source="gsm8k", text="Q", messages=None), 0, lambda t: WORDS[t]
+    )
     plain = render(rec, color=False)
     assert "[8 -> 8]" not in plain and "['8' -> 8]" in plain and "thus['so']" in plain
     assert "1 important, 1 unimportant" in plain and "\033[" not in plain
@@ -127,16 +161,31 @@ def test_render_marks_both_kinds():
 
 def _args(pair_dirs, out, prompts, *extra):
     t, d = pair_dirs
-    return ["labels=judge", "mining=swap", f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu",
-            "draft.device=cpu", f"prompts={prompts}", f"output_dir={out}", "max_new_tokens=12", "batch_size=2",
-            "chunk_size=2", "chat_template=false", "checker=exact", *extra]
+    return [
+        "labels=judge",
+        "mining=swap",
+        f"target.path={t}",
+        "target.gguf_file=null",
+        f"draft.path={d}",
+        "target.device=cpu",
+        "draft.device=cpu",
+        f"prompts={prompts}",
+        f"output_dir={out}",
+        "max_new_tokens=12",
+        "batch_size=2",
+        "chunk_size=2",
+        "chat_template=false",
+        "checker=exact",
+        *extra,
+    ]
 
 
 @pytest.fixture()
 def chat_prompts(tmp_path):
     path = tmp_path / "p.jsonl"
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["the cat sat", "why is the sun red",
-                                                                      "one two three"]))
+    path.write_text(
+        "".join(json.dumps({"prompt": p}) + "\n" for p in ["the cat sat", "why is the sun red", "one two three"])
+    )
     return path
 
 
@@ -145,8 +194,10 @@ def test_swap_mining_end_to_end_on_the_tiny_pair(tiny_pair_dirs, chat_prompts, t
     assert cli.main(_args(tiny_pair_dirs, out, chat_prompts)) == 0
     m = json.loads((out / "manifest.json").read_text())
     mine = m["mining"]
-    assert mine["prompts"] == 3 and mine["mismatches_tried"] == (
-        mine["important"] + mine["unimportant"] + mine["undetermined"]) > 0
+    assert (
+        mine["prompts"] == 3
+        and mine["mismatches_tried"] == (mine["important"] + mine["unimportant"] + mine["undetermined"]) > 0
+    )
     assert mine["mismatches_per_minute"] > 0 and (mine["method"], mine["checker"]) == ("swap", "exact")
     assert m["positive_tokens"] == mine["unimportant"] and m["negative_tokens"] == mine["important"]
     records = [json.loads(x) for x in (out / "mined.jsonl").read_text().splitlines()]
@@ -178,8 +229,18 @@ def test_swap_mining_relabels_a_lost_chunk_to_the_same_bytes(tiny_pair_dirs, cha
 def test_a_shorter_response_per_source():
     """limits: prompt 0 fits its 6 tokens (EOS included) and is searched; prompt 1 is cut at 5, before its EOS,
     so its final answer cannot be trusted and it is not searched."""
-    s = mining.mine(generate, predict, decode, PROMPTS, [PROMPT] * 2, checkers.resolve("gsm8k"),
-                    mining.Budget(8, 16, 1000), EOS, batch_size=4, limits=[6, 5])
+    s = mining.mine(
+        generate,
+        predict,
+        decode,
+        PROMPTS,
+        [PROMPT] * 2,
+        checkers.resolve("gsm8k"),
+        mining.Budget(8, 16, 1000),
+        EOS,
+        batch_size=4,
+        limits=[6, 5],
+    )
     assert len(s[0].marks) == 2 and s[0].searchable
     assert decode(s[1].response) == "so the answer is 7" and s[1].marks == [] and not s[1].searchable
     assert mining.counts(s)["unsearchable"] == 1 and mining.judge_rows(s[1], "x", True) == []
@@ -196,21 +257,32 @@ def test_a_prefix_stable_answer_is_trusted_at_the_cut():
     """A prefix-stable checker (the first word here, ARC's first letter in practice): a response cut at the
     limit is searched when its answer was there a token earlier, and a swap that changes it is important
     even though neither response reaches EOS; the last-number checker trusts neither."""
-    s = mining.mine(generate, predict, decode, PROMPTS[:1], [PROMPT], first_word, mining.Budget(5, 16, 1000), EOS,
-                    batch_size=4)[0]
+    s = mining.mine(
+        generate, predict, decode, PROMPTS[:1], [PROMPT], first_word, mining.Budget(5, 16, 1000), EOS, batch_size=4
+    )[0]
     assert s.searchable and s.answer == "so"
     assert [(m.position, m.important, m.answer_after) for m in s.marks] == [(0, True, "thus")]
     assert decode(s.response) == "so the answer is 7"  # R stays: the swap was important
-    loose = mining.mine(generate, predict, decode, PROMPTS[:1], [PROMPT], checkers.resolve("gsm8k"),
-                        mining.Budget(5, 16, 1000), EOS, batch_size=4)[0]
+    loose = mining.mine(
+        generate,
+        predict,
+        decode,
+        PROMPTS[:1],
+        [PROMPT],
+        checkers.resolve("gsm8k"),
+        mining.Budget(5, 16, 1000),
+        EOS,
+        batch_size=4,
+    )[0]
     assert not loose.searchable and loose.marks == []
 
     def one_token(prompt, text):  # answers only at the response's last token: not settled a token earlier
         return text.split()[-1] if len(text.split()) == 5 else None
 
     one_token.prefix_stable = True
-    cut = mining.mine(generate, predict, decode, PROMPTS[:1], [PROMPT], one_token, mining.Budget(5, 16, 1000), EOS,
-                      batch_size=4)[0]
+    cut = mining.mine(
+        generate, predict, decode, PROMPTS[:1], [PROMPT], one_token, mining.Budget(5, 16, 1000), EOS, batch_size=4
+    )[0]
     assert cut.answer == "7" and not cut.searchable
 
 
@@ -224,15 +296,25 @@ def test_which_checkers_are_prefix_stable():
 
 def test_a_swap_that_runs_to_the_limit_is_undetermined():
     """A draft that inserts a word the target then repeats past the limit: no EOS, no label, R stays."""
+
     def chatty(contexts, max_new):
         out = []
         for c in contexts:
-            r = c[len(PROMPT):]
-            out.append(([IDS["the"]] * max_new) if IDS["thus"] in r else TEMPLATE[len(r):][:max_new])
+            r = c[len(PROMPT) :]
+            out.append(([IDS["the"]] * max_new) if IDS["thus"] in r else TEMPLATE[len(r) :][:max_new])
         return out
 
-    s = mining.mine(chatty, predict, decode, PROMPTS[:1], [PROMPT], checkers.resolve("gsm8k"),
-                    mining.Budget(8, 16, 1000), EOS, batch_size=4)[0]
+    s = mining.mine(
+        chatty,
+        predict,
+        decode,
+        PROMPTS[:1],
+        [PROMPT],
+        checkers.resolve("gsm8k"),
+        mining.Budget(8, 16, 1000),
+        EOS,
+        batch_size=4,
+    )[0]
     assert [(m.position, m.important) for m in s.marks] == [(0, None)]
     assert decode(s.response) == "so the answer is 7"  # the target's own, unchanged
     assert mining.judge_rows(s, "x", False) == [] and mining.counts([s])["undetermined"] == 1
@@ -254,12 +336,19 @@ def test_merged_nodes_keep_every_mined_record(tiny_pair_dirs, chat_prompts, tmp_
     assert cli.main(_args(tiny_pair_dirs, merged, chat_prompts, "merge", f"from={nodes[0]},{nodes[1]}")) == 0
     assert (merged / "mined.jsonl").read_bytes() == (whole / "mined.jsonl").read_bytes()
     assert json.loads((merged / "manifest.json").read_text())["mining"] == json.loads(
-        (whole / "manifest.json").read_text())["mining"] | {"mismatches_per_minute": None}
+        (whole / "manifest.json").read_text()
+    )["mining"] | {"mismatches_per_minute": None}
 
 
-@pytest.mark.parametrize("bad, why", [("mine_max_mismatches=0", "mine_max_mismatches=0"),
-                                      ("mine_max_new_tokens_by_source={arcs: 3}", "mine_max_new_tokens_by_source.arcs"),
-                                      ("checker=nope", "choose from"), ("mining=magic", "choose arith or swap")])
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        ("mine_max_mismatches=0", "mine_max_mismatches=0"),
+        ("mine_max_new_tokens_by_source={arcs: 3}", "mine_max_new_tokens_by_source.arcs"),
+        ("checker=nope", "choose from"),
+        ("mining=magic", "choose arith or swap"),
+    ],
+)
 def test_swap_mining_bad_settings(tiny_pair_dirs, chat_prompts, tmp_path, capsys, bad, why):
     assert cli.main(_args(tiny_pair_dirs, tmp_path / "x", chat_prompts, bad)) == 2
     err = capsys.readouterr().err
@@ -277,18 +366,28 @@ def test_a_user_checker_is_called_with_the_prompt(tiny_pair_dirs, chat_prompts, 
 def test_judge_data_sets_from_several_sources_train_one_head(tiny_pair_dirs, chat_prompts, tmp_path, capsys):
     """Two data sets (here two swap-mined runs) train one judge; another target's set is refused."""
     from specheads.train.cli import main as train_main
-    from specheads.train.judge import JudgeStore
+    from specheads.train.judge_data import JudgeStore
 
     a, b = tmp_path / "a", tmp_path / "b"
     assert cli.main(_args(tiny_pair_dirs, a, chat_prompts, "num_prompts=2", "mine_label_matches=true")) == 0
-    assert cli.main(_args(tiny_pair_dirs, b, chat_prompts, "num_prompts=2", "mine_label_matches=true",
-                          "chunk_size=1")) == 0
+    assert (
+        cli.main(_args(tiny_pair_dirs, b, chat_prompts, "num_prompts=2", "mine_label_matches=true", "chunk_size=1"))
+        == 0
+    )
     both = JudgeStore(f"{a},{b}")
     assert len(both.examples) == len(JudgeStore(a).examples) + len(JudgeStore(b).examples)
     assert {e.tuple_id.split(":")[0] for e in both.examples} == {"0", "1"}
     assert len(both.labels) == len(JudgeStore(a).labels) + len(JudgeStore(b).labels)
-    args = ["head=judge", "depth=0", "epochs=1", "batch_size=1", "grad_accum=1", "eval_fraction=0.34",
-            "draft.path=unused", "class_weights=fixed"]
+    args = [
+        "head=judge",
+        "depth=0",
+        "epochs=1",
+        "batch_size=1",
+        "grad_accum=1",
+        "eval_fraction=0.34",
+        "draft.path=unused",
+        "class_weights=fixed",
+    ]
     assert train_main([f"data_dir={a},{b}", f"output_dir={tmp_path / 'tr'}", *args]) == 0
     m = json.loads((b / "manifest.json").read_text())
     m["target"]["fingerprint"] = "sha256:other"

@@ -12,13 +12,21 @@ from specheads.numerics import check_resume, differences, numerics_settings, use
 
 def test_settings_record_threads_processes_dtypes_devices_torch_and_kernel_path(monkeypatch):
     """The kernel path is the shim's ``describe()`` without the choices made so far (process history)."""
-    monkeypatch.setattr(numerics, "kernel_path", lambda: {"policy": "auto", "machine": {"cores": 2},
-                                                          "choices": {"128x32:r1": "onednn:row"}})
+    monkeypatch.setattr(
+        numerics,
+        "kernel_path",
+        lambda: {"policy": "auto", "machine": {"cores": 2}, "choices": {"128x32:r1": "onednn:row"}},
+    )
     with use_threads(1):
         got = numerics_settings(2, {"target": torch.bfloat16, "autocast": "no"}, {"target": torch.device("cpu")})
-    assert got == {"threads": 1, "processes": 2, "dtypes": {"target": "bfloat16", "autocast": "no"},
-                   "devices": {"target": "cpu"}, "torch": torch.__version__,
-                   "kernel_path": {"policy": "auto", "machine": {"cores": 2}}}
+    assert got == {
+        "threads": 1,
+        "processes": 2,
+        "dtypes": {"target": "bfloat16", "autocast": "no"},
+        "devices": {"target": "cpu"},
+        "torch": torch.__version__,
+        "kernel_path": {"policy": "auto", "machine": {"cores": 2}},
+    }
     monkeypatch.setattr(numerics, "kernel_path", None)  # the shim without a kernels module
     assert numerics_settings(1, {}, {})["kernel_path"] is None
 
@@ -45,8 +53,7 @@ def test_a_resume_under_other_settings_warns_in_one_line_naming_them(caplog):
     assert record.levelno == logging.WARNING and len(message.splitlines()) == 1
     assert f"threads={recorded['threads']} now {current['threads']}" in message and "processes" not in message
     assert "chunk 0" in message and "not be byte-identical" in message
-    assert differences(recorded, current) == {"threads": (recorded["threads"], current["threads"]),
-                                              "processes": (1, 4)}
+    assert differences(recorded, current) == {"threads": (recorded["threads"], current["threads"]), "processes": (1, 4)}
 
 
 def test_differences_name_nested_settings_and_skip_kernel_choices():

@@ -9,16 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from specheads import __version__
-from specheads import outputs
+from specheads import __version__, outputs
 from specheads.config import UserError
-from specheads.outputs import (
-    MetricsWriter,
-    atomic_write_json,
-    atomic_write_text,
-    prepare_output_dir,
-    write_manifest,
-)
+from specheads.outputs import MetricsWriter, atomic_write_json, atomic_write_text, prepare_output_dir, write_manifest
 
 
 def test_atomic_write_text_replaces_and_leaves_no_temp(tmp_path: Path) -> None:
@@ -29,8 +22,7 @@ def test_atomic_write_text_replaces_and_leaves_no_temp(tmp_path: Path) -> None:
     assert sorted(os.listdir(path.parent)) == ["a.txt"]
 
 
-def test_atomic_write_keeps_old_file_on_failure(tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_atomic_write_keeps_old_file_on_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "a.json"
     atomic_write_json(path, {"n": 1})
 
@@ -64,8 +56,7 @@ def test_prepare_output_dir_refuses_a_different_run(tmp_path: Path) -> None:
     with pytest.raises(UserError) as info:
         prepare_output_dir(out, "lr: 0.2\n")
     assert str(info.value) == (
-        f"output_dir '{out}' already holds a different run; choose another output_dir "
-        "or pass overwrite=true"
+        f"output_dir '{out}' already holds a different run; choose another output_dir or pass overwrite=true"
     )
     assert (out / "config.yaml").read_text() == "lr: 0.1\n"
     prepare_output_dir(out, "lr: 0.2\n", overwrite=True)
@@ -104,7 +95,7 @@ def test_metrics_writer_appends_flushed_lines(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == [1, 2] and math.isnan(rows[1]["auroc"])
 
 
-@pytest.mark.parametrize("torn", ['{"step": 2, "lo', '{', 'x'])
+@pytest.mark.parametrize("torn", ['{"step": 2, "lo', "{", "x"])
 def test_metrics_writer_cuts_a_torn_line_before_appending(tmp_path: Path, torn: str) -> None:
     """A run killed mid-line left a fragment: the next run's first line is not glued onto it."""
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n' + torn)

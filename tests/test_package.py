@@ -25,11 +25,16 @@ def pair(tiny_pair_dirs):
 def _export(tmp_path, pair, **over):
     torch.manual_seed(0)
     head = AcceptanceHead(pair.draft.hidden_size, depth=2)
-    meta = {"head_config": head.config(), "hidden_size": pair.draft.hidden_size,
-            "feature": {"model": "draft", "state": "post", "layer": -1},
-            "draft": {"name": pair.draft.name, "fingerprint": pair.draft.fingerprint},
-            "target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
-            "sampling": SamplingConfig().to_dict(), "default_threshold": 0.7, **over}
+    meta = {
+        "head_config": head.config(),
+        "hidden_size": pair.draft.hidden_size,
+        "feature": {"model": "draft", "state": "post", "layer": -1},
+        "draft": {"name": pair.draft.name, "fingerprint": pair.draft.fingerprint},
+        "target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
+        "sampling": SamplingConfig().to_dict(),
+        "default_threshold": 0.7,
+        **over,
+    }
     return head, save_head(tmp_path / "head.safetensors", head, "acceptance", meta)
 
 
@@ -41,8 +46,14 @@ def test_acceptance_head_blocks_have_separate_weights():
 
 def test_every_head_type_has_the_exported_parameter_names():
     """Exported files name their tensors blocks.<i>.linear.* and out.*: every head type keeps them."""
-    want = {"blocks.0.linear.weight", "blocks.0.linear.bias", "blocks.1.linear.weight", "blocks.1.linear.bias",
-            "out.weight", "out.bias"}
+    want = {
+        "blocks.0.linear.weight",
+        "blocks.0.linear.bias",
+        "blocks.1.linear.weight",
+        "blocks.1.linear.bias",
+        "out.weight",
+        "out.bias",
+    }
     for name, cls in HEADS.items():
         if name == "eagle":  # a draft head, not a residual MLP: tests/test_speculators.py covers its layout
             continue

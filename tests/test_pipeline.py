@@ -13,21 +13,52 @@ from specheads.pipeline import main
 def _recipe(tmp_path, pair_dirs):
     t, d = pair_dirs
     prompts = tmp_path / "p.jsonl"
-    words = ["the cat sat", "a dog ran up", "one two three", "why is the sun red", "big moon", "yes no up down",
-             "left right", "the red sun", "two three four", "who was it"]
+    words = [
+        "the cat sat",
+        "a dog ran up",
+        "one two three",
+        "why is the sun red",
+        "big moon",
+        "yes no up down",
+        "left right",
+        "the red sun",
+        "two three four",
+        "who was it",
+    ]
     prompts.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in words))
     runs = tmp_path / "runs"
     recipe = {
         "description": "tiny pipeline",
-        "target": {"path": str(t), "device": "cpu"}, "draft": {"path": str(d), "device": "cpu"},
-        "sampling": {"do_sample": False}, "seed": 0,
-        "datagen": {"prompts": str(prompts), "max_new_tokens": 10, "batch_size": 4, "chunk_size": 4,
-                    "output_dir": str(runs / "dg")},
-        "train": {"data_dir": "ignored: chained", "depth": 1, "epochs": 2, "batch_size": 2, "grad_accum": 1,
-                  "lr": 1e-2, "eval_fraction": 0.2, "output_dir": str(runs / "tr")},
+        "target": {"path": str(t), "device": "cpu"},
+        "draft": {"path": str(d), "device": "cpu"},
+        "sampling": {"do_sample": False},
+        "seed": 0,
+        "datagen": {
+            "prompts": str(prompts),
+            "max_new_tokens": 10,
+            "batch_size": 4,
+            "chunk_size": 4,
+            "output_dir": str(runs / "dg"),
+        },
+        "train": {
+            "data_dir": "ignored: chained",
+            "depth": 1,
+            "epochs": 2,
+            "batch_size": 2,
+            "grad_accum": 1,
+            "lr": 1e-2,
+            "eval_fraction": 0.2,
+            "output_dir": str(runs / "tr"),
+        },
         "export": {"output_dir": str(runs / "ex")},
-        "eval": {"prompts": str(prompts), "num_prompts": 3, "max_new_tokens": 8, "ks": [1, 2],
-                 "thresholds": [0.5], "output_dir": str(runs / "ev")},
+        "eval": {
+            "prompts": str(prompts),
+            "num_prompts": 3,
+            "max_new_tokens": 8,
+            "ks": [1, 2],
+            "thresholds": [0.5],
+            "output_dir": str(runs / "ev"),
+        },
         "pipeline": {"output_dir": str(runs / "pipe")},
     }
     path = tmp_path / "tiny.yaml"
@@ -144,16 +175,24 @@ def _eagle_head(target_dir, path):
     """An EAGLE head for the tiny target (layer 1 of 2), started from the target as heads-train does."""
     from specheads.export import ModelSpec, load_pair, save_head
     from specheads.heads import EagleHead
-    from specheads.train.eagle import init_from_target
+    from specheads.train.eagle_data import init_from_target
 
     pair = load_pair(ModelSpec(path=str(target_dir), device="cpu"), None)
     model = pair.target.model
     vocab = model.config.vocab_size
     head = EagleHead(32, [1], vocab, vocab, 4, 2, 8, 64, model.config.rms_norm_eps, 10000.0)
     init_from_target(head, model, list(range(vocab)), 0)
-    save_head(path, head, "eagle", {"head_config": head.config(), "hidden_size": 32,
-                                    "target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
-                                    "feature": {"model": "target", "state": "aux", "layers": [1]}})
+    save_head(
+        path,
+        head,
+        "eagle",
+        {
+            "head_config": head.config(),
+            "hidden_size": 32,
+            "target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
+            "feature": {"model": "target", "state": "aux", "layers": [1]},
+        },
+    )
     return path
 
 
@@ -161,7 +200,7 @@ def test_an_eagle_pipeline_labels_trains_exports_and_sweeps_on_the_head(tiny_pai
     """The quickstart's shape on tiny models: labels=eagle_rounds -> head=eagle_stop (a confidence head, d + 1
     inputs) -> export -> heads-eval eagle=; the vocab section is skipped (no draft model), and the summary
     prints the drafter's gain over the target alone and the stop rules' over the best fixed K."""
-    from specheads.export.shim.costs import CostTable
+    from specheads.export.shim.costs.cost_table import CostTable
 
     path, runs = _recipe(tmp_path, tiny_pair_dirs)
     recipe = yaml.safe_load(path.read_text())
@@ -172,8 +211,9 @@ def test_an_eagle_pipeline_labels_trains_exports_and_sweeps_on_the_head(tiny_pai
     recipe["vocab"] = {"corpus": recipe["datagen"]["prompts"], "output": str(runs / "vocab.json"), "top_n": 8}
     recipe["datagen"].update(labels="eagle_rounds", eagle=eagle, eagle_k=4, threads=1)
     recipe["train"].update(head="eagle_stop", depth=1, eval_fraction=0.25, threads=1)
-    recipe["eval"].update(eagle=eagle, thresholds=[0.5], confidence=[0.5], confidence_k_max=4, k_min=1, k_max=4,
-                          profile=str(table))
+    recipe["eval"].update(
+        eagle=eagle, thresholds=[0.5], confidence=[0.5], confidence_k_max=4, k_min=1, k_max=4, profile=str(table)
+    )
     path.write_text(yaml.safe_dump(recipe))
     assert main([f"recipe={path}"]) == 0
     out = capsys.readouterr().out
@@ -191,9 +231,14 @@ def test_an_eagle_pipeline_labels_trains_exports_and_sweeps_on_the_head(tiny_pai
 
 def test_the_drafter_gain_counts_every_lossless_row_and_the_stop_gain_the_stop_rules():
     from specheads.pipeline import gains
-    table = [{"config": "ar", "tokens_per_s": 20.0}, {"config": "k2", "tokens_per_s": 25.0},
-             {"config": "tree-3x2x4", "tokens_per_s": 30.0}, {"config": "t2", "tokens_per_s": 40.0},
-             {"config": "h-cost", "tokens_per_s": 24.0}]
+
+    table = [
+        {"config": "ar", "tokens_per_s": 20.0},
+        {"config": "k2", "tokens_per_s": 25.0},
+        {"config": "tree-3x2x4", "tokens_per_s": 30.0},
+        {"config": "t2", "tokens_per_s": 40.0},
+        {"config": "h-cost", "tokens_per_s": 24.0},
+    ]
     drafter, stop = gains({"table": table, "best_fixed_k": "k2", "drafter": "EAGLE head"})
     assert "tree-3x2x4 30.0 tokens/s = 1.500x" in drafter  # top-K verification (t2) is lossy: not counted
     assert "h-cost 24.0 tokens/s = 0.960x" in stop

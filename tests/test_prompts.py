@@ -47,8 +47,7 @@ def test_gsm8k_real_file() -> None:
     assert first.id == "test-0" and first.source == "gsm8k" and first.messages is None
     assert first.text.startswith("Janet\u2019s ducks lay 16 eggs per day.")
     assert first.reference == "18"
-    assert all(p.reference and "," not in p.reference and "####" not in p.reference
-               for p in prompts)
+    assert all(p.reference and "," not in p.reference and "####" not in p.reference for p in prompts)
 
 
 def test_alpaca_real_file() -> None:
@@ -90,16 +89,12 @@ def test_limit_and_offset_real_file() -> None:
     path = _data("gsm8k/test.jsonl")
     prompts = load_prompts(path, limit=3, offset=10)
     assert [p.id for p in prompts] == ["test-10", "test-11", "test-12"]
-    assert [p.id for p in load_prompts(_data("alpaca/alpaca_5000.json"), limit=1, offset=4999)] \
-        == ["alpaca_5000-4999"]
+    assert [p.id for p in load_prompts(_data("alpaca/alpaca_5000.json"), limit=1, offset=4999)] == ["alpaca_5000-4999"]
 
 
 def test_prompt_and_messages_rows(tmp_path: Path) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    path = _jsonl(tmp_path, [
-        {"prompt": "Say hi.", "reference": "hi"},
-        {"id": 7, "messages": messages},
-    ])
+    path = _jsonl(tmp_path, [{"prompt": "Say hi.", "reference": "hi"}, {"id": 7, "messages": messages}])
     prompts = load_prompts(path)
     assert prompts[0] == Prompt(id="p-0", text="Say hi.", reference="hi", source="prompt", reference_text="hi")
     assert prompts[1] == Prompt(id="7", messages=messages, source="messages")
@@ -159,12 +154,15 @@ def test_unrecognised_row(tmp_path: Path) -> None:
     assert "expected a JSON object" in _error(_jsonl(tmp_path, [["a"]], "l.jsonl"))
 
 
-@pytest.mark.parametrize("messages, fragment", [
-    ("hello", "'messages' must be a non-empty list"),
-    ([], "'messages' must be a non-empty list"),
-    ([{"role": "user"}], "messages[0] must be an object with string 'role' and 'content'"),
-    ([{"role": "user", "content": "a"}, "b"], "messages[1] must be an object"),
-])
+@pytest.mark.parametrize(
+    "messages, fragment",
+    [
+        ("hello", "'messages' must be a non-empty list"),
+        ([], "'messages' must be a non-empty list"),
+        ([{"role": "user"}], "messages[0] must be an object with string 'role' and 'content'"),
+        ([{"role": "user", "content": "a"}, "b"], "messages[1] must be an object"),
+    ],
+)
 def test_malformed_messages(tmp_path: Path, messages: object, fragment: str) -> None:
     message = _error(_jsonl(tmp_path, [{"messages": messages}]))
     assert message.startswith(f"{tmp_path / 'p.jsonl'} line 1: ") and fragment in message

@@ -1,4 +1,5 @@
-"""The proposer a serving engine calls with token ids only (``export/shim/proposer.py``; vLLM's custom_class).
+"""The proposer a serving engine calls with token ids only (``export/shim/batching/row_proposer.py``; vLLM's
+custom_class).
 
 A simulated engine drives it as vLLM does: every step each running request's whole sequence under a
 batch row, rows reordered, requests joining, finishing and preempted (absent for a while, then back);
@@ -14,10 +15,10 @@ import random
 import numpy as np
 import pytest
 import torch
-
 from conftest import perturbed_copy, tiny_llama
+
+from specheads.export.shim.batching.row_proposer import RowProposer, common_prefix
 from specheads.export.shim.policies import ConfidenceStop, SpecDecPP, StandardSD
-from specheads.export.shim.proposer import RowProposer, common_prefix
 from specheads.heads import AcceptanceHead
 
 VOCAB, EOS = 48, 2
@@ -76,8 +77,8 @@ def simulate(target, proposer, prompts, new_tokens, reference, seed=0, slots_che
             n = common_prefix(np.array(cand), np.array(ok))
             seqs[j] += ok[: n + 1]
             end = len(prompts[j]) + new_tokens[j]
-            if EOS in seqs[j][len(prompts[j]):] or len(seqs[j]) >= end:
-                cut = seqs[j][len(prompts[j]):]
+            if EOS in seqs[j][len(prompts[j]) :] or len(seqs[j]) >= end:
+                cut = seqs[j][len(prompts[j]) :]
                 cut = cut[: cut.index(EOS) + 1] if EOS in cut else cut
                 done[j] = cut[: new_tokens[j]]
     return [done[j] for j in range(len(prompts))], checked

@@ -11,15 +11,20 @@ from specheads.export import ModelSpec, generate, load_pair
 from specheads.export.decode_cli import main
 from specheads.prompts import load_prompts
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not (SHARED / "models").is_dir(), reason="../shared/models not present")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (SHARED / "models").is_dir(), reason="../shared/models not present"),
+]
 
 
 @pytest.fixture(scope="module")
 def real_pair():
-    return load_pair(ModelSpec(path=str(SHARED / "models/smollm2-135m-instruct"),
-                               gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", device="cpu"),
-                     ModelSpec(path=str(SHARED / "models/smollm2-draft-4l"), device="cpu"))
+    return load_pair(
+        ModelSpec(
+            path=str(SHARED / "models/smollm2-135m-instruct"), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", device="cpu"
+        ),
+        ModelSpec(path=str(SHARED / "models/smollm2-draft-4l"), device="cpu"),
+    )
 
 
 def test_real_pair_loads_and_checks(real_pair):
@@ -52,7 +57,7 @@ def test_sprinter_without_run_cap_decodes(real_pair, tmp_path, monkeypatch):
     import torch
 
     from specheads.export import SamplingConfig, save_head
-    from specheads.export.shim import engine as engine_module
+    from specheads.export.shim.loop import engine as engine_module
     from specheads.heads import VerifierHead
 
     d = real_pair.draft.hidden_size
@@ -60,12 +65,20 @@ def test_sprinter_without_run_cap_decodes(real_pair, tmp_path, monkeypatch):
     with torch.no_grad():  # approves every candidate: one uncapped run per prompt, no target call
         head.out.weight.zero_()
         head.out.bias.fill_(30.0)
-    path = save_head(tmp_path / "verifier.safetensors", head, "verifier", {
-        "head_config": head.config(), "hidden_size": d,
-        "feature": {"model": "draft", "state": "post", "layer": -1, "position": "previous"},
-        "draft": {"name": real_pair.draft.name, "fingerprint": real_pair.draft.fingerprint},
-        "target": {"name": real_pair.target.name, "fingerprint": real_pair.target.fingerprint},
-        "sampling": SamplingConfig().to_dict(), "default_threshold": 0.5})
+    path = save_head(
+        tmp_path / "verifier.safetensors",
+        head,
+        "verifier",
+        {
+            "head_config": head.config(),
+            "hidden_size": d,
+            "feature": {"model": "draft", "state": "post", "layer": -1, "position": "previous"},
+            "draft": {"name": real_pair.draft.name, "fingerprint": real_pair.draft.fingerprint},
+            "target": {"name": real_pair.target.name, "fingerprint": real_pair.target.fingerprint},
+            "sampling": SamplingConfig().to_dict(),
+            "default_threshold": 0.5,
+        },
+    )
     caps = []
     make_runner = engine_module.make_runner
 
@@ -76,8 +89,20 @@ def test_sprinter_without_run_cap_decodes(real_pair, tmp_path, monkeypatch):
     monkeypatch.setattr(engine_module, "make_runner", recording)
     monkeypatch.setenv("SPECHEADS_SHARED", str(SHARED))
     out = tmp_path / "sprinter"
-    assert main(["recipe=quickstart", "policy=sprinter", f"head={path}", "max_run=null", "num_prompts=1",
-                 "max_new_tokens=8", f"output_dir={out}"]) == 0
+    assert (
+        main(
+            [
+                "recipe=quickstart",
+                "policy=sprinter",
+                f"head={path}",
+                "max_run=null",
+                "num_prompts=1",
+                "max_new_tokens=8",
+                f"output_dir={out}",
+            ]
+        )
+        == 0
+    )
     summary = json.loads((out / "metrics.json").read_text())
     assert summary["max_run"] is None and 1 <= summary["new_tokens"] <= 8 and summary["target_calls"] == 0
     assert len(caps) == 2 and max(caps) <= summary["prompt_tokens"] + 2 * 8 + 2
@@ -86,12 +111,21 @@ def test_sprinter_without_run_cap_decodes(real_pair, tmp_path, monkeypatch):
 def test_real_pair_pruned_draft_greedy_sd_equals_target(real_pair, tmp_path):
     """The draft's output layer pruned to 2,048 corpus-frequent tokens: greedy SD is still the target's
     greedy output (tokens outside the subset come from the target's correction)."""
-    from specheads.datagen.vocab import main as vocab_main
-    from specheads.export.shim.vocab import prune, read_ranking, subset_from_ranking, unprune
+    from specheads.datagen.vocab_ranking import main as vocab_main
+    from specheads.export.shim.vocab.vocab_pruning import prune, read_ranking, subset_from_ranking, unprune
 
     out = tmp_path / "vocab.json"
-    assert vocab_main([f"target.path={SHARED / 'models/smollm2-135m-instruct'}",
-                       f"corpus={SHARED / 'data/gsm8k/train.jsonl'}", "num_rows=500", f"output={out}"]) == 0
+    assert (
+        vocab_main(
+            [
+                f"target.path={SHARED / 'models/smollm2-135m-instruct'}",
+                f"corpus={SHARED / 'data/gsm8k/train.jsonl'}",
+                "num_rows=500",
+                f"output={out}",
+            ]
+        )
+        == 0
+    )
     draft = real_pair.draft.model
     prompts = load_prompts(SHARED / "data/mt_bench/question.jsonl", limit=2, offset=70)
     ref = generate(real_pair, prompts, policy="ar", max_new_tokens=32)
@@ -110,19 +144,28 @@ def test_real_pair_hf_generate_with_a_head_equals_target(real_pair, tmp_path):
     random weights: exactness does not depend on its quality) gives the target's own greedy output."""
     import torch
 
-    from specheads.export import SamplingConfig, format_prompt, save_head
+    from specheads.export import SamplingConfig, save_head
+    from specheads.export.api import format_prompt
     from specheads.heads import AcceptanceHead
     from specheads.hf import Assistant
 
     d = real_pair.draft
     torch.manual_seed(0)
     head = AcceptanceHead(d.hidden_size, depth=1)
-    path = save_head(tmp_path / "acceptance.safetensors", head, "acceptance", {
-        "head_config": head.config(), "hidden_size": d.hidden_size,
-        "feature": {"model": "draft", "state": "post", "layer": -1, "position": "own"},
-        "draft": {"name": d.name, "fingerprint": d.fingerprint, "vocab": None},
-        "target": {"name": real_pair.target.name, "fingerprint": real_pair.target.fingerprint},
-        "sampling": SamplingConfig().to_dict(), "default_threshold": 0.7})
+    path = save_head(
+        tmp_path / "acceptance.safetensors",
+        head,
+        "acceptance",
+        {
+            "head_config": head.config(),
+            "hidden_size": d.hidden_size,
+            "feature": {"model": "draft", "state": "post", "layer": -1, "position": "own"},
+            "draft": {"name": d.name, "fingerprint": d.fingerprint, "vocab": None},
+            "target": {"name": real_pair.target.name, "fingerprint": real_pair.target.fingerprint},
+            "sampling": SamplingConfig().to_dict(),
+            "default_threshold": 0.7,
+        },
+    )
     target, tok = real_pair.target.model, real_pair.tokenizer
     assistant = Assistant(d.model, path, k_min=1, k_max=8)
     for prompt in load_prompts(SHARED / "data/gsm8k/test.jsonl", limit=2, offset=1010):

@@ -6,15 +6,7 @@ import dataclasses
 
 import pytest
 
-from specheads.config import (
-    PROGS,
-    SECTIONS,
-    UserError,
-    _read_yaml,
-    list_recipes,
-    load_config,
-    schema_for,
-)
+from specheads.config import PROGS, SECTIONS, UserError, _read_yaml, list_recipes, load_config, schema_for
 
 RECIPES = list_recipes()
 
@@ -37,8 +29,7 @@ def _schema_or_skip(section: str) -> type:
     except ModuleNotFoundError as exc:
         if exc.name is None or not (module == exc.name or module.startswith(exc.name + ".")):
             raise  # the module exists but one of its own imports is broken
-        pytest.skip(f"schema {SECTIONS[section]} for section {section!r} is not importable "
-                    f"yet ({exc})")
+        pytest.skip(f"schema {SECTIONS[section]} for section {section!r} is not importable yet ({exc})")
 
 
 @pytest.mark.parametrize("name, section", PAIRS, ids=[f"{n}-{s}" for n, s in PAIRS])
@@ -65,25 +56,29 @@ def test_recipe_keys_are_known(name: str) -> None:
             absent.append(SECTIONS[section])
     stray = [k for k in common if k not in fields]
     if stray and absent:
-        pytest.skip(f"recipe {name!r}: common keys {stray} unchecked while schemas "
-                    f"{', '.join(absent)} are not importable yet")
-    assert not stray, (f"recipe {name!r}: common keys {stray} are fields of no CLI schema "
-                       f"({', '.join(SECTIONS.values())})")
+        pytest.skip(
+            f"recipe {name!r}: common keys {stray} unchecked while schemas {', '.join(absent)} are not importable yet"
+        )
+    assert not stray, (
+        f"recipe {name!r}: common keys {stray} are fields of no CLI schema ({', '.join(SECTIONS.values())})"
+    )
 
 
 def _accelerate_configs() -> list[str]:
     from importlib.resources import files
 
-    return sorted(p.name[: -len(".yaml")] for p in (files("specheads.recipes") / "accelerate").iterdir()
-                  if p.name.endswith(".yaml"))
+    return sorted(
+        p.name[: -len(".yaml")]
+        for p in (files("specheads.recipes") / "accelerate").iterdir()
+        if p.name.endswith(".yaml")
+    )
 
 
 ACCELERATE_CONFIGS = _accelerate_configs()
 
 
 def test_the_launcher_configs_are_all_there() -> None:
-    shipped = {"ddp", "deepspeed_zero2", "deepspeed_zero3", "multi_node_ddp", "multi_node_zero2",
-               "multi_node_zero3"}
+    shipped = {"ddp", "deepspeed_zero2", "deepspeed_zero3", "multi_node_ddp", "multi_node_zero2", "multi_node_zero3"}
     assert shipped <= set(ACCELERATE_CONFIGS)
 
 
@@ -130,8 +125,9 @@ def test_multi_node_configs_give_each_node_its_share(name: str) -> None:
     from accelerate.utils import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
     path = files("specheads.recipes") / "accelerate" / f"{name}.yaml"
-    args = launch.launch_command_parser().parse_args(["--config_file", str(path), "--machine_rank", "1",
-                                                      "-m", "specheads.train.cli", "recipe=quickstart"])
+    args = launch.launch_command_parser().parse_args(
+        ["--config_file", str(path), "--machine_rank", "1", "-m", "specheads.train.cli", "recipe=quickstart"]
+    )
     args, defaults, _ = launch._validate_launch_command(args)
     if args.use_deepspeed:
         args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
@@ -144,5 +140,7 @@ def test_multi_node_configs_give_each_node_its_share(name: str) -> None:
     if name.startswith("multi_node"):
         assert share == 8
     assert f"{defaults.main_process_ip}:{defaults.main_process_port}" in (
-        getattr(args, "rdzv_endpoint", ""), f"{getattr(args, 'master_addr', '')}:{getattr(args, 'master_port', '')}")
+        getattr(args, "rdzv_endpoint", ""),
+        f"{getattr(args, 'master_addr', '')}:{getattr(args, 'master_port', '')}",
+    )
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"

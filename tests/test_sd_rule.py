@@ -49,7 +49,7 @@ def _round(p: torch.Tensor, q: torch.Tensor, cand: tuple[int, ...], gen) -> list
     """The tokens one SD round emits: the accepted candidates, then the correction or the bonus."""
     v = speculative_accept(p, q, torch.tensor(cand), gen)
     assert 0 <= v.accepted <= len(cand) and v.token is not None
-    return [*cand[:v.accepted], v.token]
+    return [*cand[: v.accepted], v.token]
 
 
 def _f32(*arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
@@ -104,6 +104,7 @@ def test_the_first_two_tokens_are_distributed_as_the_target_chain(n):
 
 # ---- the power of the tests above, from the exact distributions of faulty rules --------------------------------
 
+
 def _residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     r = np.clip(p - q, 0, None)
     return r / r.sum() if r.sum() > 1e-12 else p
@@ -145,6 +146,7 @@ def _exact_first(p: np.ndarray, q: np.ndarray, fault: str | None) -> np.ndarray:
 
 def _exact_first_two(n: int, fault: str | None) -> np.ndarray:
     """``[V, V]``: the first two tokens of :func:`_first_two`, exactly."""
+
     def after(context):
         return _exact_round(lambda cand: _chain_rows(context, list(cand)), n, 4, fault)
 
@@ -180,6 +182,7 @@ def test_the_sample_sizes_detect_the_planted_faults():
 
 # ---- greedy ------------------------------------------------------------------------------------------------------
 
+
 def test_greedy_keeps_the_longest_matching_prefix_then_the_argmax():
     """Every candidate sequence of up to 3 tokens over 4 against fixed logits: the verdict of the plain rule."""
     logits = torch.tensor([[0.1, 2.0, 0.3, 0.0], [1.5, 0.2, 0.1, 0.0], [0.0, 0.1, 0.2, 3.0], [0.3, 0.0, 2.5, 0.1]])
@@ -187,5 +190,5 @@ def test_greedy_keeps_the_longest_matching_prefix_then_the_argmax():
     for n in range(4):
         for cand in itertools.product(range(4), repeat=n):
             m = next((j for j in range(n) if cand[j] != top[j]), n)
-            v = greedy_accept(torch.tensor(cand, dtype=torch.long), logits[:n + 1])
+            v = greedy_accept(torch.tensor(cand, dtype=torch.long), logits[: n + 1])
             assert (v.accepted, v.token) == (m, top[m]), cand

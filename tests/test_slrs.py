@@ -1,4 +1,4 @@
-"""SLRS (export/shim/slrs.py): psi against a brute-force enumeration of the drafting process on hand-built
+"""SLRS (export/shim/vocab/slrs.py): psi against a brute-force enumeration of the drafting process on hand-built
 vocabularies (the paper's hello_/world/wo/rld example and a target with longer tokens than the draft), n_max,
 the sampler against psi, and the lossless rule (chi-square; a planted q(d_1)-for-psi(t_1) bug fails it)."""
 
@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 
 from specheads.errors import UserError
 from specheads.export.shim.policies.base import speculative_accept
-from specheads.export.shim.slrs import Process, TargetStrings, n_max
+from specheads.export.shim.vocab.slrs import Process, TargetStrings, n_max
 
 HELLO_D = [b"hello_", b"world", b"wo", b"rld"]
 HELLO_T = HELLO_D + [b"hello_world"]
@@ -53,14 +53,16 @@ def _brute_psi(draft: list[bytes], target: list[bytes], q_of, n: int) -> torch.T
 
 def _q_of(vocab: int, seed: int, zero: tuple[int, ...] = ()):
     """A draft whose distribution depends on the whole path (a fixed random softmax per path), some ids at 0."""
+
     def q_of(paths):
         out = []
         for path in paths:
-            g = torch.Generator().manual_seed(hash((seed,) + tuple(path)) % (2 ** 31))
+            g = torch.Generator().manual_seed(hash((seed,) + tuple(path)) % (2**31))
             q = torch.softmax(torch.randn(vocab, generator=g) * 1.5, -1)
             q[list(zero)] = 0.0
             out.append(q / q.sum())
         return out
+
     return q_of
 
 
@@ -89,10 +91,17 @@ def test_n_max_is_the_longest_tiling_of_an_open_prefix():
     assert strings.first(b"abcab") == CHARS_T.index(b"abca") and strings.first(b"x") == -1
 
 
-@pytest.mark.parametrize("draft,target,n,zero", [
-    (HELLO_D, HELLO_T, 3, ()), (HELLO_D, HELLO_T, 2, ()), (HELLO_D, HELLO_T, 3, (2,)),
-    (CHARS_D, CHARS_T, 4, ()), (CHARS_D, CHARS_T, 2, ()), (CHARS_D, CHARS_T, 4, (2,)),
-])
+@pytest.mark.parametrize(
+    "draft,target,n,zero",
+    [
+        (HELLO_D, HELLO_T, 3, ()),
+        (HELLO_D, HELLO_T, 2, ()),
+        (HELLO_D, HELLO_T, 3, (2,)),
+        (CHARS_D, CHARS_T, 4, ()),
+        (CHARS_D, CHARS_T, 2, ()),
+        (CHARS_D, CHARS_T, 4, (2,)),
+    ],
+)
 def test_psi_equals_brute_force_enumeration(draft, target, n, zero):
     q_of = _q_of(len(draft), seed=n + len(zero), zero=zero)
     psi, nodes = _process(draft, target, n).psi(q_of, len(target), budget=10_000)
@@ -185,6 +194,7 @@ def test_greedy_is_the_argmax_path():
 
 # ---- the tree forward: one draft forward per level, the same distributions as a forward per path ----------
 
+
 def test_each_tree_level_is_one_forward_with_the_distributions_of_a_forward_per_path():
     """``_Tree`` on the fused runner: the root, then two levels of a prefix tree (siblings, and children of
     different parents), each level one forward; every node's q equals a separate full forward of base + path."""
@@ -192,15 +202,20 @@ def test_each_tree_level_is_one_forward_with_the_distributions_of_a_forward_per_
 
     from conftest import tiny_llama
 
-    from specheads.export.shim.kv import FusedRunner
-    from specheads.export.shim.sampling import SamplingConfig, probs_from_logits
-    from specheads.export.shim.slrs_draft import _Tree
-    from specheads.export.shim.stats import GenerationStats
+    from specheads.export.shim.loop.sampling import SamplingConfig, probs_from_logits
+    from specheads.export.shim.loop.stats import GenerationStats
+    from specheads.export.shim.runners.model_runner import FusedRunner
+    from specheads.export.shim.vocab.slrs_draft import _Tree
 
     model, vocab = tiny_llama(40, seed=5, init=0.6), 40
     base = [1, 5, 7, 9, 11]
-    c = SimpleNamespace(runner=FusedRunner(model, capacity=8), held=[1, 5, 30], stats=GenerationStats(),
-                        prompt_tokens=2, mask=torch.ones(vocab, dtype=torch.bool))
+    c = SimpleNamespace(
+        runner=FusedRunner(model, capacity=8),
+        held=[1, 5, 30],
+        stats=GenerationStats(),
+        prompt_tokens=2,
+        mask=torch.ones(vocab, dtype=torch.bool),
+    )
     c.runner.forward(torch.tensor([[1, 5, 30]]))  # a stale suffix in the cache, as after a rejected round
     sampling = SamplingConfig(do_sample=True, temperature=0.9, top_k=12)
     tree = _Tree(c, base, sampling)

@@ -15,11 +15,26 @@ from specheads.export.export_config import ExportConfig
 from specheads.heads import AcceptanceHead, EagleHead
 
 H, VOCAB, DRAFT = 16, 40, 12
-ARGS = dict(hidden_size=H, layers=[1, 2, 4], draft_vocab_size=DRAFT, vocab_size=VOCAB, num_heads=4, num_kv_heads=2,
-            head_dim=4, intermediate_size=24, rms_norm_eps=1e-5, rope_theta=50000.0)
-META = {"hidden_size": H, "feature": {"model": "target", "state": "aux", "layers": [1, 2, 4]},
-        "target": {"name": "tiny-target", "fingerprint": "abc"}, "sampling": {"temperature": 0.0},
-        "ttt_steps": 4, "extra": {"note": "test"}}
+ARGS = dict(
+    hidden_size=H,
+    layers=[1, 2, 4],
+    draft_vocab_size=DRAFT,
+    vocab_size=VOCAB,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=4,
+    intermediate_size=24,
+    rms_norm_eps=1e-5,
+    rope_theta=50000.0,
+)
+META = {
+    "hidden_size": H,
+    "feature": {"model": "target", "state": "aux", "layers": [1, 2, 4]},
+    "target": {"name": "tiny-target", "fingerprint": "abc"},
+    "sampling": {"temperature": 0.0},
+    "ttt_steps": 4,
+    "extra": {"note": "test"},
+}
 
 
 def _head(draft: int = DRAFT, dtype=torch.float32, **over) -> EagleHead:
@@ -33,12 +48,23 @@ def _head(draft: int = DRAFT, dtype=torch.float32, **over) -> EagleHead:
     return head.to(dtype)
 
 
-NAMES = {"fc.weight": [H, 3 * H], "layers.0.input_layernorm.weight": [H], "layers.0.hidden_norm.weight": [H],
-         "layers.0.self_attn.q_proj.weight": [16, 2 * H], "layers.0.self_attn.k_proj.weight": [8, 2 * H],
-         "layers.0.self_attn.v_proj.weight": [8, 2 * H], "layers.0.self_attn.o_proj.weight": [H, 16],
-         "layers.0.post_attention_layernorm.weight": [H], "layers.0.mlp.gate_proj.weight": [24, H],
-         "layers.0.mlp.up_proj.weight": [24, H], "layers.0.mlp.down_proj.weight": [H, 24], "norm.weight": [H],
-         "lm_head.weight": [DRAFT, H], "d2t": [DRAFT], "t2d": [VOCAB]}
+NAMES = {
+    "fc.weight": [H, 3 * H],
+    "layers.0.input_layernorm.weight": [H],
+    "layers.0.hidden_norm.weight": [H],
+    "layers.0.self_attn.q_proj.weight": [16, 2 * H],
+    "layers.0.self_attn.k_proj.weight": [8, 2 * H],
+    "layers.0.self_attn.v_proj.weight": [8, 2 * H],
+    "layers.0.self_attn.o_proj.weight": [H, 16],
+    "layers.0.post_attention_layernorm.weight": [H],
+    "layers.0.mlp.gate_proj.weight": [24, H],
+    "layers.0.mlp.up_proj.weight": [24, H],
+    "layers.0.mlp.down_proj.weight": [H, 24],
+    "norm.weight": [H],
+    "lm_head.weight": [DRAFT, H],
+    "d2t": [DRAFT],
+    "t2d": [VOCAB],
+}
 
 
 def _tensors(d):
@@ -87,8 +113,14 @@ def test_config_fields(tmp_path):
     assert cfg["norm_before_residual"] is False and cfg["norm_before_fc"] is False and cfg["norm_output"] is False
     layer = cfg["transformer_layer_config"]
     assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1
-    assert (layer["hidden_size"], layer["num_attention_heads"], layer["num_key_value_heads"], layer["head_dim"],
-            layer["intermediate_size"], layer["vocab_size"]) == (H, 4, 2, 4, 24, VOCAB)
+    assert (
+        layer["hidden_size"],
+        layer["num_attention_heads"],
+        layer["num_key_value_heads"],
+        layer["head_dim"],
+        layer["intermediate_size"],
+        layer["vocab_size"],
+    ) == (H, 4, 2, 4, 24, VOCAB)
     assert layer["rope_theta"] == 50000.0 and layer["rope_parameters"]["rope_theta"] == 50000.0
     assert layer["rms_norm_eps"] == 1e-5 and layer["tie_word_embeddings"] is False
     spec = cfg["speculators_config"]
@@ -99,7 +131,9 @@ def test_config_fields(tmp_path):
     assert speculators.is_speculators_dir(d) and (d / "README.md").is_file()
     # without a verifier argument: the target name recorded at training
     d2 = speculators.write(tmp_path / "y", _head(), META)
-    assert json.loads((d2 / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == "tiny-target"
+    assert (
+        json.loads((d2 / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == "tiny-target"
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -143,6 +177,7 @@ def test_refusals(tmp_path):
     t = _tensors(d)
     t["norm.weight"] = t["norm.weight"] + 1
     from safetensors.torch import save_file
+
     save_file(t, str(d / "model.safetensors"))
     with pytest.raises(UserError, match="modified after export"):
         speculators.read(d)
@@ -162,17 +197,29 @@ def test_cli_writes_the_directory_and_refuses_other_heads(tmp_path):
 
     head = _head()
     out = tmp_path / "out"
-    info = export_head(ExportConfig(train_dir=str(_train_dir(tmp_path, head, "eagle")), format="speculators",
-                                    verifier="org/target", output_dir=str(out)), out)
+    info = export_head(
+        ExportConfig(
+            train_dir=str(_train_dir(tmp_path, head, "eagle")),
+            format="speculators",
+            verifier="org/target",
+            output_dir=str(out),
+        ),
+        out,
+    )
     assert info["round_trip_identical"] and info["format"] == "speculators" and info["head"] == str(out)
     back = speculators.read(out).module
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in head.state_dict().items())
-    assert json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == "org/target"
+    assert (
+        json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == "org/target"
+    )
 
     other = tmp_path / "acc"
     other.mkdir()
-    cfg = ExportConfig(train_dir=str(_train_dir(other, AcceptanceHead(H, depth=1), "acceptance")),
-                       format="speculators", output_dir=str(tmp_path / "out2"))
+    cfg = ExportConfig(
+        train_dir=str(_train_dir(other, AcceptanceHead(H, depth=1), "acceptance")),
+        format="speculators",
+        output_dir=str(tmp_path / "out2"),
+    )
     with pytest.raises(UserError, match="EAGLE heads") as err:
         export_head(cfg, tmp_path / "out2")
     assert "\n" not in str(err.value)

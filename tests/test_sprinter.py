@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import P_ROWS, Q_ROWS, bigram, sd_pvalue
+
 from specheads.errors import UserError
-from specheads.export.shim.engine import Engine
+from specheads.export.shim.loop.engine import Engine
+from specheads.export.shim.loop.sampling import SamplingConfig, probs_from_logits
 from specheads.export.shim.policies import Sprinter
-from specheads.export.shim.sampling import SamplingConfig, probs_from_logits
 
 V = 4
 
@@ -46,8 +46,11 @@ def _embedding():
     return bigram(Q_ROWS).get_input_embeddings()
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(do_sample=True),
-                                      SamplingConfig(do_sample=True, temperature=0.7, top_k=3)], ids=["plain", "warped"])
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingConfig(do_sample=True), SamplingConfig(do_sample=True, temperature=0.7, top_k=3)],
+    ids=["plain", "warped"],
+)
 def test_perfect_verifier_is_distributed_as_sd(sampling):
     policy = Sprinter(RatioVerifier(sampling), eta=0.5, feature="previous+embedding", embedding=_embedding())
     assert sd_pvalue(sampling, policy=policy) > 1e-3
@@ -96,8 +99,8 @@ def test_run_cap_forces_target_calls(feature):
 def test_uncapped_run_sizes_caches_from_the_round(tiny_pair, monkeypatch, logit, fused):
     """max_run=None makes max_candidates() 2**30: the caches are sized from what a round can use
     (prompt + new tokens + a round bounded by them), not from it, and decoding is unchanged."""
-    from specheads.export.shim import engine as engine_module
-    from specheads.export.shim.kv import FusedRunner
+    from specheads.export.shim.loop import engine as engine_module
+    from specheads.export.shim.runners.model_runner import FusedRunner
 
     made = []
     make_runner = engine_module.make_runner

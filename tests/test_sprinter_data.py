@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import SPRINTER_PROMPTS, chunk_rows, sprinter_args
 
-from specheads.datagen import sprinter
+from specheads.datagen import sprinter_labels as sprinter
 from specheads.datagen.cli import main
-from specheads.export.shim.sampling import SamplingConfig
+from specheads.export.shim.loop.sampling import SamplingConfig
 from specheads.ratio import label_distributions, ratio_label
 
 
@@ -40,8 +40,12 @@ def test_ratio_label_handles_zero_target_probability():
 
 
 def test_balance_keeps_equal_shares():
-    contexts = [([1] * 10, list(range(3, 11))), ([1] * 9, [5, 6, 7]), ([1] * 20, list(range(4, 20))),
-                ([1] * 12, list(range(4, 9)))]
+    contexts = [
+        ([1] * 10, list(range(3, 11))),
+        ([1] * 9, [5, 6, 7]),
+        ([1] * 20, list(range(4, 20))),
+        ([1] * 12, list(range(4, 9))),
+    ]
     cats = ["prompt", "draft", "target", "mixed"]
     kept = sprinter.balance(contexts, cats, torch.Generator().manual_seed(0))
     assert [len(k) for k in kept] == [3, 3, 3, 3]

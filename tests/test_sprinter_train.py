@@ -12,7 +12,7 @@ from specheads.datagen.cli import main as datagen_main
 from specheads.export import load_head, read_metadata
 from specheads.export.cli import main as export_main
 from specheads.export.decode_cli import main as decode_main
-from specheads.train import verifier as V
+from specheads.train import verifier_data as V
 from specheads.train.cli import main as train_main
 
 
@@ -22,15 +22,30 @@ def labelled(tmp_path_factory, tiny_pair_dirs):
     prompts = root / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in SPRINTER_PROMPTS * 2))
     out = root / "dg"
-    assert datagen_main(sprinter_args(tiny_pair_dirs, prompts, out, "max_new_tokens=10",
-                                      "sampling.do_sample=false")) == 0
+    assert (
+        datagen_main(sprinter_args(tiny_pair_dirs, prompts, out, "max_new_tokens=10", "sampling.do_sample=false")) == 0
+    )
     return out, prompts
 
 
 def _targs(tiny_pair_dirs, data, out, *extra):
-    return [f"data_dir={data}", f"draft.path={tiny_pair_dirs[1]}", "draft.gguf_file=null", "draft.device=cpu",
-            f"output_dir={out}", "head=verifier", "depth=0", "batch_size=2", "grad_accum=1", "epochs=4",
-            "lr=3e-2", "eval_fraction=0.25", "patience=4", "threshold=0.5", *extra]
+    return [
+        f"data_dir={data}",
+        f"draft.path={tiny_pair_dirs[1]}",
+        "draft.gguf_file=null",
+        "draft.device=cpu",
+        f"output_dir={out}",
+        "head=verifier",
+        "depth=0",
+        "batch_size=2",
+        "grad_accum=1",
+        "epochs=4",
+        "lr=3e-2",
+        "eval_fraction=0.25",
+        "patience=4",
+        "threshold=0.5",
+        *extra,
+    ]
 
 
 def test_roc_metrics_by_hand():
@@ -70,9 +85,24 @@ def test_verifier_trains_exports_and_decodes(tiny_pair_dirs, labelled, tmp_path,
     assert export_main([f"train_dir={out}", f"output_dir={exp}"]) == 0
     dec = tmp_path / "dec"
     t, d = tiny_pair_dirs
-    assert decode_main([f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu",
-                        "draft.device=cpu", f"prompts={prompts}", f"output_dir={dec}", "max_new_tokens=12",
-                        "num_prompts=3", "policy=sprinter", f"head={exp / 'head.safetensors'}"]) == 0
+    assert (
+        decode_main(
+            [
+                f"target.path={t}",
+                "target.gguf_file=null",
+                f"draft.path={d}",
+                "target.device=cpu",
+                "draft.device=cpu",
+                f"prompts={prompts}",
+                f"output_dir={dec}",
+                "max_new_tokens=12",
+                "num_prompts=3",
+                "policy=sprinter",
+                f"head={exp / 'head.safetensors'}",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(x) for x in (dec / "outputs.jsonl").read_text().splitlines()]
     assert len(rows) == 3
     stats = [r["stats"] for r in rows]
@@ -93,9 +123,18 @@ def test_train_refuses_acceptance_data_for_a_verifier(tiny_pair_dirs, tmp_path, 
 def test_decode_sprinter_needs_a_verifier_head(tiny_pair_dirs, labelled, tmp_path, capsys):
     data, prompts = labelled
     t, d = tiny_pair_dirs
-    code = decode_main([f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu",
-                        "draft.device=cpu", f"prompts={prompts}", f"output_dir={tmp_path / 'dec'}",
-                        "policy=sprinter"])
+    code = decode_main(
+        [
+            f"target.path={t}",
+            "target.gguf_file=null",
+            f"draft.path={d}",
+            "target.device=cpu",
+            "draft.device=cpu",
+            f"prompts={prompts}",
+            f"output_dir={tmp_path / 'dec'}",
+            "policy=sprinter",
+        ]
+    )
     assert code == 2 and "verifier head" in capsys.readouterr().err
 
 
@@ -119,7 +158,7 @@ def test_flops_by_hand(tiny_pair):
 
 def test_verifier_errors_by_hand(tiny_pair):
     from specheads.evaluate.quality import verifier_errors
-    from specheads.export.shim.sampling import SamplingConfig
+    from specheads.export.shim.loop.sampling import SamplingConfig
 
     target, draft = tiny_pair
     prompt, output = [1, 5, 6], [7, 8, 9, 10]
@@ -140,8 +179,9 @@ def test_verifier_errors_by_hand(tiny_pair):
     assert got["alpha"] == (pytest.approx(approved_bad / bad, abs=1e-4) if bad else None)
     assert got["mean_tv"] == pytest.approx(sum(tvs) / 4, abs=1e-4)
     # several outputs in batches of 2 (memory stays bounded) count as one pass over all of them
-    many = verifier_errors(target, draft, [prompt] * 5, [output] * 5, [decisions] * 5,
-                           SamplingConfig(do_sample=False), pad=2, batch_size=2)
+    many = verifier_errors(
+        target, draft, [prompt] * 5, [output] * 5, [decisions] * 5, SamplingConfig(do_sample=False), pad=2, batch_size=2
+    )
     assert many["decisions"] == 20 and many["approved"] == 15 and many["unacceptable"] == 5 * bad
     assert many["mean_tv"] == pytest.approx(got["mean_tv"], abs=1e-4)
 
@@ -152,9 +192,26 @@ def test_eval_compares_sprinter_with_sd(tiny_pair_dirs, labelled, verifier_file,
     _, prompts = labelled
     t, d = tiny_pair_dirs
     out = tmp_path / "ev"
-    assert eval_main([f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu",
-                      "draft.device=cpu", f"prompts={prompts}", f"output_dir={out}", "max_new_tokens=12",
-                      "num_prompts=4", "ks=[1,2]", "head=null", f"verifier={verifier_file}", "etas=[0.0,0.5,1.0]"]) == 0
+    assert (
+        eval_main(
+            [
+                f"target.path={t}",
+                "target.gguf_file=null",
+                f"draft.path={d}",
+                "target.device=cpu",
+                "draft.device=cpu",
+                f"prompts={prompts}",
+                f"output_dir={out}",
+                "max_new_tokens=12",
+                "num_prompts=4",
+                "ks=[1,2]",
+                "head=null",
+                f"verifier={verifier_file}",
+                "etas=[0.0,0.5,1.0]",
+            ]
+        )
+        == 0
+    )
     summary = json.loads((out / "sweep.json").read_text())
     by = {r["config"]: r for r in summary["table"]}
     assert set(by) == {"ar", "draft", "k1", "k2", "s0", "s0.5", "s1"}
@@ -162,8 +219,11 @@ def test_eval_compares_sprinter_with_sd(tiny_pair_dirs, labelled, verifier_file,
     assert by["ar"]["verifier_calls_per_token"] == 0 and by["s0.5"]["verifier_calls_per_token"] > 0
     assert all(r["gflops_per_token"] > 0 for r in summary["table"])
     sp = summary["sprinter"]
-    assert sp["main"] == "s0" and set(sp["ratios"]) == {"target_calls_sd_over_sprinter", "sprinter_vs_sd_tokens_per_s",
-                                                         "flops_sd_over_sprinter"}
+    assert sp["main"] == "s0" and set(sp["ratios"]) == {
+        "target_calls_sd_over_sprinter",
+        "sprinter_vs_sd_tokens_per_s",
+        "flops_sd_over_sprinter",
+    }
     # eta = 0 approves every scored token: alpha 1 (when any is unacceptable); eta = 1 approves none: alpha 0
     assert sp["by_eta"]["s0"]["alpha"] in (1.0, None) and sp["by_eta"]["s1"]["alpha"] in (0.0, None)
     assert sp["by_eta"]["s1"]["approved"] == 0

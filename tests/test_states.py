@@ -17,9 +17,15 @@ TOKENS = [[17, 9, 21, 5, 5], [3, 33, 8], [10, 10, 4, 25]]
 def naive(model, seqs, positions, tokens):
     """One forward of ``seq[:p] + [token]`` per probe, last position of ``last_hidden_state``."""
     with torch.no_grad():
-        return [torch.stack([model.model(input_ids=torch.tensor([seq[:p] + [t]])).last_hidden_state[0, -1]
-                             for p, t in zip(ps, toks)])
-                for seq, ps, toks in zip(seqs, positions, tokens)]
+        return [
+            torch.stack(
+                [
+                    model.model(input_ids=torch.tensor([seq[:p] + [t]])).last_hidden_state[0, -1]
+                    for p, t in zip(ps, toks)
+                ]
+            )
+            for seq, ps, toks in zip(seqs, positions, tokens)
+        ]
 
 
 @pytest.fixture(scope="module")

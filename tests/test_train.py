@@ -9,7 +9,7 @@ import torch
 from conftest import same_heads, train_args
 
 from specheads.export import load_head, read_metadata
-from specheads.train.acceptance import Example, mix
+from specheads.train.acceptance_data import Example, mix
 from specheads.train.cli import main
 
 
@@ -39,8 +39,9 @@ def test_train_exports_a_loadable_head(tiny_pair_dirs, labelled, tmp_path):
     assert (out / "latest").read_text().strip().startswith("checkpoint-")
     # calibration of the held-out predictions, every epoch, and the best epoch's reliability diagram
     evals = [r for r in lines if "eval_binary_kl" in r]
-    assert all(0 <= r["eval_ece"] <= 1 and 0 <= r["eval_brier"] <= 1 and len(r["eval_calibration"]) == 10
-               for r in evals)
+    assert all(
+        0 <= r["eval_ece"] <= 1 and 0 <= r["eval_brier"] <= 1 and len(r["eval_calibration"]) == 10 for r in evals
+    )
     assert sum(b["n"] for b in evals[-1]["eval_calibration"]) == evals[-1]["eval_tokens"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["reliability_png"] == str(out / "reliability.png")
@@ -113,7 +114,7 @@ def test_export_best_latest_and_bad_sources(tiny_pair_dirs, labelled, tmp_path, 
 
 
 def test_expected_label_head_reads_the_previous_state(tiny_pair_dirs, labelled, tmp_path, capsys):
-    from specheads.train.acceptance import draft_features, load_examples
+    from specheads.train.acceptance_data import draft_features, load_examples
 
     out = tmp_path / "exp"
     assert main(train_args(tiny_pair_dirs, labelled, out, "label=expected", "epochs=1")) == 0
@@ -126,8 +127,9 @@ def test_expected_label_head_reads_the_previous_state(tiny_pair_dirs, labelled, 
         post = None
 
     def draft(input_ids, attention_mask, logits_to_keep):
-        Capture.post = torch.arange(input_ids.shape[1], dtype=torch.float32).view(1, -1, 1).expand(
-            input_ids.shape[0], -1, 2)
+        Capture.post = (
+            torch.arange(input_ids.shape[1], dtype=torch.float32).view(1, -1, 1).expand(input_ids.shape[0], -1, 2)
+        )
 
     ex = soft[0]
     mask = [True] * len(ex.label)
@@ -141,7 +143,7 @@ def test_expected_label_head_reads_the_previous_state(tiny_pair_dirs, labelled, 
 def test_cached_features_match_online_and_are_reused(tiny_pair_dirs, labelled, tmp_path):
     from safetensors.torch import load_file
 
-    from specheads.train.acceptance import load_examples
+    from specheads.train.acceptance_data import load_examples
 
     cache = tmp_path / "cache"
     out = tmp_path / "cached"
@@ -153,9 +155,9 @@ def test_cached_features_match_online_and_are_reused(tiny_pair_dirs, labelled, t
     assert t["features"].dtype == torch.float16 and t["features"].shape[1] == 32
     assert t["offsets"][-1] == t["features"].shape[0] == t["labels"].shape[0]
     # the cached rows are the online features of the same mixing draw, rounded to fp16
-    from specheads.export.shim.hidden import HiddenCapture
-    from specheads.export.shim.models import ModelSpec, load_model
-    from specheads.train.acceptance import draft_features, mix, mix_seed
+    from specheads.export.shim.runners.hidden import HiddenCapture
+    from specheads.export.shim.runners.models import ModelSpec, load_model
+    from specheads.train.acceptance_data import draft_features, mix, mix_seed
 
     draft = load_model(ModelSpec(path=str(tiny_pair_dirs[1]), device="cpu"), "draft").model
     ex = {e.index: e for e in load_examples(labelled)}[int(t["index"][0])]
@@ -165,8 +167,12 @@ def test_cached_features_match_online_and_are_reused(tiny_pair_dirs, labelled, t
     torch.testing.assert_close(t["features"][a:b].float(), x, atol=1e-2, rtol=1e-3)
     torch.testing.assert_close(t["labels"][a:b], y)
     stamp = {p.name: p.stat().st_mtime_ns for p in key.iterdir()}
-    assert main(train_args(tiny_pair_dirs, labelled, tmp_path / "again", "features=cached", f"cache_dir={cache}",
-                       "depth=0")) == 0  # other head settings: the same files, not rebuilt
+    assert (
+        main(
+            train_args(tiny_pair_dirs, labelled, tmp_path / "again", "features=cached", f"cache_dir={cache}", "depth=0")
+        )
+        == 0
+    )  # other head settings: the same files, not rebuilt
     assert {p.name: p.stat().st_mtime_ns for p in key.iterdir()} == stamp
     assert read_metadata(tmp_path / "again" / "head.safetensors")["head_config"]["depth"] == 0
 
@@ -178,13 +184,19 @@ def _launch(tiny_pair_dirs, labelled, out, launcher: list[str], *extra, wait=Tru
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher, "-m", "specheads.train.cli",
-           *train_args(tiny_pair_dirs, labelled, out, *extra)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *launcher,
+        "-m",
+        "specheads.train.cli",
+        *train_args(tiny_pair_dirs, labelled, out, *extra),
+    ]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **(env or {})}
     if wait:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                            start_new_session=True)
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
 
 
 def _kill_tree(pid: int) -> list[int]:
@@ -230,8 +242,17 @@ def _kill_after_first_checkpoint(proc, out) -> None:
     assert json.loads(latest.read_text())["progress"]["done"] is False  # killed mid-run
 
 
-DDP = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-       "--dynamo_backend", "no"]
+DDP = [
+    "--multi_gpu",
+    "--num_processes",
+    "2",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--dynamo_backend",
+    "no",
+]
 
 
 def test_two_process_ddp_training(tiny_pair_dirs, labelled, tmp_path, capsys):
@@ -266,8 +287,9 @@ def test_two_process_ddp_training_killed_mid_epoch_resumes_to_the_same_head(tiny
     extra = ("epochs=2", "grad_accum=1", "checkpoint_every=1")
     full = _launch(tiny_pair_dirs, labelled, tmp_path / "full", DDP, *extra)
     assert full.returncode == 0, full.stderr[-2000:]
-    _kill_after_first_checkpoint(_launch(tiny_pair_dirs, labelled, tmp_path / "cut", DDP, *extra, wait=False),
-                                 tmp_path / "cut")
+    _kill_after_first_checkpoint(
+        _launch(tiny_pair_dirs, labelled, tmp_path / "cut", DDP, *extra, wait=False), tmp_path / "cut"
+    )
     again = _launch(tiny_pair_dirs, labelled, tmp_path / "cut", DDP, *extra)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resumed from" in again.stderr
@@ -305,8 +327,9 @@ def _deepspeed_resumes(tiny_pair_dirs, labelled, tmp_path, name: str) -> None:
     assert main(train_args(tiny_pair_dirs, labelled, tmp_path / "plain", *extra)) == 0
     same_heads(tmp_path / "full", tmp_path / "plain", atol=1e-3)  # same math, other summation order
     assert main(train_args(tiny_pair_dirs, labelled, tmp_path / "full", *extra)) == 2  # resumed without DeepSpeed
-    _kill_after_first_checkpoint(_launch(tiny_pair_dirs, labelled, tmp_path / "cut", launcher, *extra, wait=False,
-                                         env=env), tmp_path / "cut")
+    _kill_after_first_checkpoint(
+        _launch(tiny_pair_dirs, labelled, tmp_path / "cut", launcher, *extra, wait=False, env=env), tmp_path / "cut"
+    )
     again = _launch(tiny_pair_dirs, labelled, tmp_path / "cut", launcher, *extra, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stderr
@@ -344,8 +367,9 @@ def test_expected_label_features_come_from_the_targets_own_prefix():
 
     ex = Example(0, [1, 2, 10, 11, 12, 13], 2, [20, 21, 22, 23], [0.0, 1.0, 0.0, 1.0])
     stub = Draft(draft, Capture, pad=0, device="cpu", hidden=1, name="stub", fingerprint="")
-    task = AcceptanceTask(SimpleNamespace(label="expected", mix_ratio=0.15, seed=0, w_acc=1.0, w_rej=6.0), {}, stub,
-                          [ex], [])
+    task = AcceptanceTask(
+        SimpleNamespace(label="expected", mix_ratio=0.15, seed=0, w_acc=1.0, w_rej=6.0), {}, stub, [ex], []
+    )
     x, y, rows = task.features([ex], epoch=0)
     assert x[:, 0].tolist() == [2, 10, 11, 12] and y.tolist() == ex.label and rows == [4]
     task.cfg = SimpleNamespace(label="soft", mix_ratio=0.0, seed=0)

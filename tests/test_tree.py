@@ -5,21 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_eagle import LAYERS, eagle_head, target_model
 
 from specheads.errors import UserError
-from specheads.export.shim import kv
-from specheads.export.shim.eagle_cache import EagleCache
-from specheads.export.shim.costs import CostTable
-from specheads.export.shim.engine import Engine
-from specheads.export.shim.kv import FusedRunner
+from specheads.export.shim.costs.cost_table import CostTable
+from specheads.export.shim.loop import tree_loop as tree_module
+from specheads.export.shim.loop.engine import Engine
+from specheads.export.shim.loop.sampling import SamplingConfig
+from specheads.export.shim.loop.stats import GenerationStats
+from specheads.export.shim.loop.tree_loop import DraftTree, grow_tree
 from specheads.export.shim.policies import EagleTree, StandardSD
-from specheads.export.shim.sampling import SamplingConfig
-from specheads.export.shim.stats import GenerationStats
-from specheads.export.shim import tree as tree_module
-from specheads.export.shim.tree import DraftTree, grow_tree
-from specheads.export.shim.eagle import EagleDrafter
-
-from test_eagle import LAYERS, eagle_head, target_model
+from specheads.export.shim.runners import model_runner as kv
+from specheads.export.shim.runners.eagle_cache import EagleCache
+from specheads.export.shim.runners.eagle_drafter import EagleDrafter
+from specheads.export.shim.runners.model_runner import FusedRunner
 
 PREFIX = [1, 7, 3, 12, 5, 9]
 # S[-1] = 9; nodes: 0:(4) 1:(8) 2:(4->6) 3:(4->11) 4:(8->6) 5:(4->11->2)
@@ -149,7 +148,7 @@ def test_kept_paths_off_the_first_branch_stay_exact(monkeypatch):
 
         def grow(drafter, root, n, depth, width, nodes, stats, grow_on=None, want=want, start=len(prompt)):
             tokens, parents, depths, parent = [], [], [], -1
-            for d, t in enumerate(want[n - start: n - start + depth], 1):
+            for d, t in enumerate(want[n - start : n - start + depth], 1):
                 tokens += [(t + 1) % 40, t]
                 parents += [parent, parent]
                 depths += [d, d]
@@ -164,10 +163,12 @@ def test_kept_paths_off_the_first_branch_stay_exact(monkeypatch):
 
 def test_a_cache_that_keeps_the_wrong_entries_is_caught(monkeypatch):
     """Planted bug: ``keep`` leaves the tree's first slots instead of the kept path's."""
+
     def keep(self, start, rows):
         self._length = start + len(rows)
         if self.aux_states is not None and self.aux_start == start:
             self.aux_states = self.aux_states[rows]
+
     monkeypatch.setattr(kv.FusedRunner, "keep", keep)
     with pytest.raises(AssertionError):
         test_kept_paths_off_the_first_branch_stay_exact(monkeypatch)

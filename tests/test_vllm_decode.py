@@ -10,9 +10,9 @@ import os
 from pathlib import Path
 
 import pytest
-
 from conftest import SHARED
 from in_vllm.pair import save_pair
+
 from specheads.export.decode_cli import main as decode_main
 
 VLLM_PYTHON = os.environ.get("SPECHEADS_VLLM_PYTHON")
@@ -24,15 +24,28 @@ def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_decode")
     save_pair(root)
     prompts = root / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in
-                               ["the cat sat on", "one two three", "why is the sun", "a big red dog ran"]))
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": t}) + "\n"
+            for t in ["the cat sat on", "one two three", "why is the sun", "a big red dog ran"]
+        )
+    )
     return root, prompts
 
 
 def args(root, prompts, out, *extra):
-    return [f"target.path={root / 'target'}", "target.gguf_file=null", f"draft.path={root / 'draft'}",
-            "target.device=cpu", "draft.device=cpu", f"prompts={prompts}", "max_new_tokens=20", "chat_template=false",
-            f"output_dir={out}", *extra]
+    return [
+        f"target.path={root / 'target'}",
+        "target.gguf_file=null",
+        f"draft.path={root / 'draft'}",
+        "target.device=cpu",
+        "draft.device=cpu",
+        f"prompts={prompts}",
+        "max_new_tokens=20",
+        "chat_template=false",
+        f"output_dir={out}",
+        *extra,
+    ]
 
 
 def tokens(out: Path) -> list[list[int]]:
@@ -40,9 +53,15 @@ def tokens(out: Path) -> list[list[int]]:
     return [r["tokens"] for r in sorted(rows, key=lambda r: r["index"])]
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["policy=judge"], "engine=vllm runs policy"), (["eagle=h.safetensors"], "does not take eagle="),
-    (["stream=true"], "does not stream"), (["vllm_python=/nowhere/python"], "does not exist")])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["policy=judge"], "engine=vllm runs policy"),
+        (["eagle=h.safetensors"], "does not take eagle="),
+        (["stream=true"], "does not stream"),
+        (["vllm_python=/nowhere/python"], "does not exist"),
+    ],
+)
 def test_engine_vllm_settings_are_one_line_errors(pair, tmp_path, capsys, extra, message):
     root, prompts = pair
     assert decode_main(args(root, prompts, tmp_path / "x", "engine=vllm", *extra)) == 2
@@ -65,8 +84,10 @@ def test_vllm_decodes_the_shims_greedy_tokens(pair, tmp_path):
     assert decode_main(args(root, prompts, tmp_path / "ar", "policy=ar")) == 0
     for policy in (["policy=ar"], ["policy=confidence_stop", "tau=0.3", "k_max=4"], ["policy=sd", "k=2"]):
         out = tmp_path / policy[0]
-        assert decode_main(args(root, prompts, out, "engine=vllm", f"vllm_python={VLLM_PYTHON}", "batch_size=2",
-                                *policy)) == 0
+        assert (
+            decode_main(args(root, prompts, out, "engine=vllm", f"vllm_python={VLLM_PYTHON}", "batch_size=2", *policy))
+            == 0
+        )
         assert tokens(out) == tokens(tmp_path / "ar"), policy
         metrics = json.loads((out / "metrics.json").read_text())
         assert metrics["engine"] == "vllm" and metrics["new_tokens"] == sum(map(len, tokens(out)))
@@ -79,8 +100,14 @@ def test_vllm_decodes_the_shims_greedy_tokens(pair, tmp_path):
 def test_the_gguf_target_is_converted_once(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
     target = SHARED / "models/smollm2-135m-instruct"
-    common = [f"target.path={target}", "target.gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf", "policy=ar",
-              f"prompts={SHARED / 'data/gsm8k/test.jsonl'}", "num_prompts=2", "max_new_tokens=16"]
+    common = [
+        f"target.path={target}",
+        "target.gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf",
+        "policy=ar",
+        f"prompts={SHARED / 'data/gsm8k/test.jsonl'}",
+        "num_prompts=2",
+        "max_new_tokens=16",
+    ]
     assert decode_main([*common, f"output_dir={tmp_path / 'ours'}"]) == 0
     assert decode_main([*common, "engine=vllm", f"vllm_python={VLLM_PYTHON}", f"output_dir={tmp_path / 'v1'}"]) == 0
     converted = list((tmp_path / "cache" / "vllm").iterdir())
@@ -93,11 +120,19 @@ def test_the_gguf_target_is_converted_once(tmp_path, monkeypatch):
 
 def test_vllm_cost_table_from_the_profilers_samples():
     from specheads.errors import UserError
-    from specheads.export.shim.costs import CostTable
+    from specheads.export.shim.costs.cost_table import CostTable
     from specheads.export.vllm_costs import table_from_samples
 
-    samples = {"t_t 1 1": [30.0, 31.0, 29.0], "t_t 1 2": [33.0], "t_t 1 4": [40.0], "t_d 1": [2.0, 2.2],
-               "t_t 2 1": [35.0], "t_t 2 2": [45.0], "t_t 2 3": [50.0], "t_t 2 4": [60.0]}
+    samples = {
+        "t_t 1 1": [30.0, 31.0, 29.0],
+        "t_t 1 2": [33.0],
+        "t_t 1 4": [40.0],
+        "t_d 1": [2.0, 2.2],
+        "t_t 2 1": [35.0],
+        "t_t 2 2": [45.0],
+        "t_t 2 3": [50.0],
+        "t_t 2 4": [60.0],
+    }
     fields = table_from_samples(samples, [2], k_max=3)
     assert fields["t_target_ms"] == [30.0, 33.0, 33.0, 40.0]  # k = 3 untimed: its neighbour's price
     assert fields["t_draft_ms"] == pytest.approx(2.1) and fields["t_draft_batch_ms"] == [pytest.approx(2.1)]
@@ -113,8 +148,14 @@ def test_stop_cost_in_vllm_prices_vllms_steps_once(pair, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
     root, prompts = pair
     assert decode_main(args(root, prompts, tmp_path / "ar", "policy=ar")) == 0
-    run = ["engine=vllm", f"vllm_python={VLLM_PYTHON}", "batch_size=2", "policy=confidence_stop", "stop=cost",
-           "k_max=3"]
+    run = [
+        "engine=vllm",
+        f"vllm_python={VLLM_PYTHON}",
+        "batch_size=2",
+        "policy=confidence_stop",
+        "stop=cost",
+        "k_max=3",
+    ]
     assert decode_main(args(root, prompts, tmp_path / "c1", *run)) == 0
     tables = list((tmp_path / "cache" / "costs").glob("vllm-*.json"))
     assert len(tables) == 1
@@ -130,9 +171,20 @@ def test_stop_cost_in_vllm_prices_vllms_steps_once(pair, tmp_path, monkeypatch):
 
 
 def eval_args(root, prompts, out, *extra):
-    return [f"target.path={root / 'target'}", "target.gguf_file=null", f"draft.path={root / 'draft'}",
-            "target.device=cpu", "draft.device=cpu", f"prompts={prompts}", "max_new_tokens=16", "chat_template=false",
-            f"output_dir={out}", "engine=vllm", "offset=0", *extra]
+    return [
+        f"target.path={root / 'target'}",
+        "target.gguf_file=null",
+        f"draft.path={root / 'draft'}",
+        "target.device=cpu",
+        "draft.device=cpu",
+        f"prompts={prompts}",
+        "max_new_tokens=16",
+        "chat_template=false",
+        f"output_dir={out}",
+        "engine=vllm",
+        "offset=0",
+        *extra,
+    ]
 
 
 def test_heads_eval_engine_vllm_settings_are_one_line_errors(pair, tmp_path, capsys):
@@ -152,8 +204,17 @@ def test_heads_eval_engine_vllm_rows_side_by_side(pair, tmp_path, monkeypatch, c
 
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
     root, prompts = pair
-    common = eval_args(root, prompts, tmp_path / "eval", f"vllm_python={VLLM_PYTHON}", "ks=[2]", "confidence=[0.3]",
-                       "confidence_k_max=3", "batch_size=2", "head=null")
+    common = eval_args(
+        root,
+        prompts,
+        tmp_path / "eval",
+        f"vllm_python={VLLM_PYTHON}",
+        "ks=[2]",
+        "confidence=[0.3]",
+        "confidence_k_max=3",
+        "batch_size=2",
+        "head=null",
+    )
     assert eval_main(common) == 0
     sweep = json.loads((tmp_path / "eval" / "sweep.json").read_text())
     assert list(sweep["rows"]) == ["ar", "k2", "c0.3", "c-cost"]

@@ -9,13 +9,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_tokenizer, perturbed_copy, tiny_llama
+
 from specheads import vllm as sv
 from specheads.errors import UserError
 from specheads.export import save_head
-from specheads.export.shim.models import ModelSpec, load_model
-from specheads.export.shim.sampling import SamplingConfig
+from specheads.export.shim.loop.sampling import SamplingConfig
+from specheads.export.shim.runners.models import ModelSpec, load_model
 from specheads.heads import AcceptanceHead
 
 VOCAB = len(make_tokenizer())
@@ -26,8 +26,11 @@ def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_pair")
     tok = make_tokenizer()
     target = tiny_llama(len(tok), seed=0)
-    models = {"draft": perturbed_copy(target, scale=0.2), "other": tiny_llama(len(tok), seed=5),
-              "wide": tiny_llama(len(tok) + 8, seed=6)}
+    models = {
+        "draft": perturbed_copy(target, scale=0.2),
+        "other": tiny_llama(len(tok), seed=5),
+        "wide": tiny_llama(len(tok) + 8, seed=6),
+    }
     for name, model in models.items():
         model.save_pretrained(root / name)
         tok.save_pretrained(root / name)
@@ -38,18 +41,31 @@ def head_for(root, draft: str):
     loaded = load_model(ModelSpec(path=str(root / draft), device="cpu"), "draft")
     torch.manual_seed(0)
     head = AcceptanceHead(32, depth=1)
-    return str(save_head(root / f"head-{draft}.safetensors", head, "acceptance", {
-        "head_config": head.config(), "hidden_size": 32, "feature": {"model": "draft", "state": "post", "layer": -1},
-        "draft": {"name": loaded.name, "fingerprint": loaded.fingerprint},
-        "target": {"name": "tiny", "fingerprint": "unknown"}, "sampling": SamplingConfig().to_dict(),
-        "default_threshold": 0.6}))
+    return str(
+        save_head(
+            root / f"head-{draft}.safetensors",
+            head,
+            "acceptance",
+            {
+                "head_config": head.config(),
+                "hidden_size": 32,
+                "feature": {"model": "draft", "state": "post", "layer": -1},
+                "draft": {"name": loaded.name, "fingerprint": loaded.fingerprint},
+                "target": {"name": "tiny", "fingerprint": "unknown"},
+                "sampling": SamplingConfig().to_dict(),
+                "default_threshold": 0.6,
+            },
+        )
+    )
 
 
 def vllm_config(k: int = 4, vocab: int = VOCAB, seqs: int = 3, max_len: int = 64):
-    return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
-                           device_config=SimpleNamespace(device="cpu"),
-                           model_config=SimpleNamespace(get_vocab_size=lambda: vocab, max_model_len=max_len),
-                           scheduler_config=SimpleNamespace(max_num_seqs=seqs))
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=k),
+        device_config=SimpleNamespace(device="cpu"),
+        model_config=SimpleNamespace(get_vocab_size=lambda: vocab, max_model_len=max_len),
+        scheduler_config=SimpleNamespace(max_num_seqs=seqs),
+    )
 
 
 def test_speculative_config_hands_the_settings_to_the_worker(dirs, monkeypatch):
@@ -61,10 +77,18 @@ def test_speculative_config_hands_the_settings_to_the_worker(dirs, monkeypatch):
     assert proposer.core.policies[0].name == "specdecpp" and proposer.core.policies[0].threshold == 0.6
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"policy": "specdecpp"}, "needs head="), ({"policy": "tli"}, "choose one of"), ({"k_max": 0}, "k_max=0"),
-    ({"stop": "cost"}, "needs costs="), ({"threshold": 1.5}, "in [0, 1]"), ({"draft": "/nowhere"}, "not a local"),
-    ({"head": "x.safetensors"}, "does not exist")])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"policy": "specdecpp"}, "needs head="),
+        ({"policy": "tli"}, "choose one of"),
+        ({"k_max": 0}, "k_max=0"),
+        ({"stop": "cost"}, "needs costs="),
+        ({"threshold": 1.5}, "in [0, 1]"),
+        ({"draft": "/nowhere"}, "not a local"),
+        ({"head": "x.safetensors"}, "does not exist"),
+    ],
+)
 def test_bad_settings_are_one_line_errors(dirs, kwargs, message):
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")) as err:
         sv.speculative_config(**{"draft": str(dirs / "draft"), **kwargs})

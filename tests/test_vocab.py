@@ -7,30 +7,40 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import Q_ROWS, SAMPLINGS, BigramLM, chunk_rows, datagen_args, perturbed_copy, sd_pvalue
 
-from conftest import Q_ROWS, SAMPLINGS, BigramLM, chunk_rows, datagen_args, perturbed_copy, sd_pvalue, tiny_llama
-from specheads.datagen import vocab as vocab_cli
+from specheads.datagen import vocab_ranking as vocab_cli
 from specheads.datagen.cli import main as datagen_main
 from specheads.errors import UserError
 from specheads.export.package import check_draft_vocab, check_head_against_pair
-from specheads.export.shim import drafting as engine_mod  # where every drafter draws its candidates
-from specheads.export.shim.engine import Engine
-from specheads.export.shim.fused import unfuse
-from specheads.export.shim.kv import make_runner
-from specheads.export.shim.models import ModelSpec, load_model
+from specheads.export.shim.loop import drafting as engine_mod  # where every drafter draws its candidates
+from specheads.export.shim.loop.engine import Engine
+from specheads.export.shim.loop.sampling import SamplingConfig, usable_logits
 from specheads.export.shim.policies import StandardSD
-from specheads.export.shim.sampling import SamplingConfig, usable_logits
-from specheads.export.shim.vocab import PrunedHead, prune, subset_from_ranking, unprune, vocab_info
+from specheads.export.shim.runners.fused import unfuse
+from specheads.export.shim.runners.model_runner import make_runner
+from specheads.export.shim.runners.models import ModelSpec, load_model
+from specheads.export.shim.vocab.vocab_pruning import PrunedHead, prune, subset_from_ranking, unprune, vocab_info
 
 
 def _ranking_file(tmp_path, ranking, vocab_size):
     path = tmp_path / "vocab.json"
-    path.write_text(json.dumps({"format": "specheads-vocab", "version": 1, "vocab_size": vocab_size,
-                                "ranking": ranking, "counts": [1] * len(ranking)}))
+    path.write_text(
+        json.dumps(
+            {
+                "format": "specheads-vocab",
+                "version": 1,
+                "vocab_size": vocab_size,
+                "ranking": ranking,
+                "counts": [1] * len(ranking),
+            }
+        )
+    )
     return path
 
 
 # ---- the ranking step --------------------------------------------------------------------------
+
 
 def test_heads_vocab_ranks_corpus_tokens_by_count(tiny_pair_dirs, tmp_path):
     corpus = tmp_path / "c.jsonl"
@@ -53,7 +63,7 @@ def test_heads_vocab_counts_the_targets_responses_in_datagen_output(tiny_pair_di
     rows = chunk_rows(dg)
     want = {}
     for r in rows:
-        for i in r["input_ids"][r["response_start"]:]:
+        for i in r["input_ids"][r["response_start"] :]:
             want[i] = want.get(i, 0) + 1
     out = tmp_path / "v.json"
     t, _ = tiny_pair_dirs
@@ -78,6 +88,7 @@ def test_subset_keeps_eos_and_takes_the_top_n():
 
 
 # ---- the pruned output layer -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_pruned_logits_are_the_full_logits_on_the_subset(tiny_pair, fused):
@@ -112,7 +123,9 @@ def test_greedy_sd_with_a_pruned_draft_equals_the_target_alone(tiny_pair, tokeni
     for prompt in ([1, 4, 5, 6], [1, 9, 12], [1, 30, 31, 3, 4]):
         sd = engine.generate(prompt, StandardSD(k), 24)
         assert sd.tokens == engine.generate_ar(prompt, 24).tokens
-        assert sd.stats.drafted and all(t % 2 == 0 or t == 2 for t in engine.generate_ar(prompt, 24, use_draft=True).tokens)
+        assert sd.stats.drafted and all(
+            t % 2 == 0 or t == 2 for t in engine.generate_ar(prompt, 24, use_draft=True).tokens
+        )
     unfuse(target)
 
 
@@ -129,7 +142,7 @@ class _HeadBigram(BigramLM):
         self.head = head
 
     def forward(self, input_ids, past_key_values=None, use_cache=True, logits_to_keep=0, **kwargs):
-        out = super().forward(input_ids, past_key_values, use_cache, logits_to_keep)
+        super().forward(input_ids, past_key_values, use_cache, logits_to_keep)  # the cache advances
         h = self.embed(input_ids)
         h = h[:, -logits_to_keep:] if logits_to_keep else h
         return SimpleNamespace(logits=self.head(h))
@@ -166,6 +179,7 @@ def test_prune_refuses_ids_of_another_tokenizer(tiny_pair):
 
 
 # ---- loading and head metadata -----------------------------------------------------------------
+
 
 def test_load_model_prunes_the_draft_only(tiny_pair_dirs, tmp_path):
     t, d = tiny_pair_dirs

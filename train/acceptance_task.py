@@ -14,13 +14,12 @@ from pathlib import Path
 import torch
 
 from specheads.heads import AcceptanceHead
-
-from . import fsd as F
-from .acceptance import draft_features, load_examples, mix, mix_seed
-from .config import TrainConfig
-from .draft import Draft, feature_cache, load_draft
-from .loss import binary_kl, weighted_soft_bce
-from .task import EVAL_EPOCH, calibration_metrics, describe, predict, split
+from specheads.train import fsd_data as F
+from specheads.train.acceptance_data import draft_features, load_examples, mix, mix_seed
+from specheads.train.config import TrainConfig
+from specheads.train.draft import Draft, feature_cache, load_draft
+from specheads.train.loss import binary_kl, weighted_soft_bce
+from specheads.train.task import EVAL_EPOCH, calibration_metrics, describe, predict, split
 
 
 class AcceptanceTask:
@@ -53,8 +52,9 @@ class AcceptanceTask:
                 label, ratio, epochs = f"fsd:{name}@{threshold!r}", 0.0, 1
             else:
                 label, ratio, epochs = cfg.label, cfg.mix_ratio, cfg.epochs
-            task.cache = feature_cache(cfg, acc, task.draft, label, ratio, task.features, epochs, train_examples,
-                                       eval_examples)
+            task.cache = feature_cache(
+                cfg, acc, task.draft, label, ratio, task.features, epochs, train_examples, eval_examples
+            )
         return task
 
     @staticmethod
@@ -85,8 +85,9 @@ class AcceptanceTask:
             masks.append(m)
             labels.append(ex.label)
         d = self.draft
-        x, y = draft_features(d.model, d.capture, seqs, starts, masks, labels, d.pad, d.device,
-                              shift=1 if expected else 0)
+        x, y = draft_features(
+            d.model, d.capture, seqs, starts, masks, labels, d.pad, d.device, shift=1 if expected else 0
+        )
         return x, y, [sum(m) for m in masks]
 
     def batch(self, examples: list, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,9 +106,14 @@ class AcceptanceTask:
         x, y = predict(head, examples, cfg.batch_size, lambda batch: self.batch(batch, EVAL_EPOCH))
         hard = (y >= 0.5).cpu().numpy()
         auroc = float(roc_auc_score(hard, x.cpu().numpy())) if 0 < hard.sum() < len(hard) else None
-        return {"eval_binary_kl": float(binary_kl(y, x)),
-                "eval_weighted_loss": float(weighted_soft_bce(x, y, cfg.w_acc, cfg.w_rej)), "eval_auroc": auroc,
-                "eval_tokens": int(y.numel()), "eval_label_mean": float(y.mean()), **calibration_metrics(x, y)}
+        return {
+            "eval_binary_kl": float(binary_kl(y, x)),
+            "eval_weighted_loss": float(weighted_soft_bce(x, y, cfg.w_acc, cfg.w_rej)),
+            "eval_auroc": auroc,
+            "eval_tokens": int(y.numel()),
+            "eval_label_mean": float(y.mean()),
+            **calibration_metrics(x, y),
+        }
 
     def score(self, metrics: dict) -> float:
         return metrics["eval_binary_kl"]
@@ -115,8 +121,15 @@ class AcceptanceTask:
     def metadata(self, metrics: dict) -> dict:
         cfg = self.cfg
         position = "previous" if cfg.label in ("expected", "fsd") else "own"
-        meta = describe(cfg, self.manifest, self.hidden, metrics, label=cfg.label, draft=self.manifest["draft"],
-                        feature={"model": "draft", "state": "post", "layer": -1, "position": position})
+        meta = describe(
+            cfg,
+            self.manifest,
+            self.hidden,
+            metrics,
+            label=cfg.label,
+            draft=self.manifest["draft"],
+            feature={"model": "draft", "state": "post", "layer": -1, "position": position},
+        )
         if cfg.label == "fsd":
             meta["fsd"] = F.head_metadata(cfg.fsd_label, self.manifest)
         return meta

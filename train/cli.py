@@ -9,7 +9,8 @@
 Writes ``head.safetensors`` (the best epoch's head with its metadata, ready for
 ``heads-decode policy=specdecpp head=...`` or ``policy=sprinter``), ``best_metrics.json``,
 ``metrics.jsonl`` (each epoch's held-out figures, calibration included: ``eval_ece``, ``eval_brier``,
-the reliability bins), ``reliability.png`` (the best epoch's reliability diagram), for the verifier also ``metrics.json`` (ROC, AUROC, TPR/FPR at eta, alpha) and
+the reliability bins), ``reliability.png`` (the best epoch's reliability diagram), for the verifier also
+``metrics.json`` (ROC, AUROC, TPR/FPR at eta, alpha) and
 ``roc.png`` (one curve per ``roc_lambdas`` value, each from its own head in ``lambda-<x>/``); head=draft
 writes ``draft/`` instead of the head file (a Hugging Face model directory with ``specheads.json``) and
 ``metrics.json`` (held-out agreement and expected acceptance before and after training),
@@ -30,11 +31,10 @@ from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError
 from specheads.numerics import use_threads
 from specheads.outputs import prepare_output_dir, write_manifest
-
-from .config import TrainConfig
-from .fsd import parse_label
-from .recipe import overwrites_another_run, train
-from .registry import canonical, task_type
+from specheads.train.config import TrainConfig
+from specheads.train.fsd_data import parse_label
+from specheads.train.registry import canonical, task_type
+from specheads.train.trainer import overwrites_another_run, train
 
 log = logging.getLogger(__name__)
 PROG = "heads-train"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specheads.export.shim.models import ModelSpec
+from specheads.export.shim import ModelSpec
 
 
 @dataclass
@@ -14,28 +14,166 @@ class TrainConfig:
     verifier (class-weighted BCE on ``labels=sprinter`` data), the Judge head, an EAGLE-3-style draft
     head or a standalone draft model distilled on the target's own responses (``labels=drafter``)."""
 
-    data_dir: str = field(default="", metadata={"help": "output_dir of heads-datagen (head=judge, eagle and draft: several comma-separated data sets of one target are mixed)"})
+    data_dir: str = field(
+        default="",
+        metadata={
+            "help": (
+                "output_dir of heads-datagen (head=judge, eagle and draft: several comma-separated data "
+                "sets of one target are mixed)"
+            )
+        },
+    )
     draft: ModelSpec = field(default_factory=ModelSpec)
-    target: ModelSpec = field(default_factory=ModelSpec, metadata={"help": "head=eagle: the target whose states the head reads (its embeddings, final norm and output layer initialise the head); head=draft: the target the data was written with (draft_init=truncate:N copies its layers)"})
-    head: str = field(default="acceptance", metadata={"help": "acceptance (SpecDec++; alias specdecpp) | verifier (SPRINTER; alias sprinter) | judge (Judge decoding, on labels=judge data; needs no model) | eagle (an EAGLE-3-style draft head on the target's states, on labels=drafter data) | draft (a standalone draft model distilled on the target's top-k distributions along its own responses, DistillSpec; on labels=drafter data; writes a Hugging Face model directory draft/) | eagle_stop (a SpecDec++ stop head on an EAGLE head's stored states, on labels=eagle_rounds data; needs no model; exports head_type=acceptance for policy=specdecpp eagle=...)"})
-    ttt_steps: int = field(default=3, metadata={"help": "eagle: training-time test, draft steps unrolled on the head's own states (1: step 1 only)"})
+    target: ModelSpec = field(
+        default_factory=ModelSpec,
+        metadata={
+            "help": (
+                "head=eagle: the target whose states the head reads (its embeddings, final norm and "
+                "output layer initialise the head); head=draft: the target the data was written with "
+                "(draft_init=truncate:N copies its layers)"
+            )
+        },
+    )
+    head: str = field(
+        default="acceptance",
+        metadata={
+            "help": (
+                "acceptance (SpecDec++; alias specdecpp) | verifier (SPRINTER; alias sprinter) | judge "
+                "(Judge decoding, on labels=judge data; needs no model) | eagle (an EAGLE-3-style draft "
+                "head on the target's states, on labels=drafter data) | draft (a standalone draft model "
+                "distilled on the target's top-k distributions along its own responses, DistillSpec; on "
+                "labels=drafter data; writes a Hugging Face model directory draft/) | eagle_stop (a "
+                "SpecDec++ stop head on an EAGLE head's stored states, on labels=eagle_rounds data; "
+                "needs no model; exports head_type=acceptance for policy=specdecpp eagle=...)"
+            )
+        },
+    )
+    ttt_steps: int = field(
+        default=3,
+        metadata={
+            "help": ("eagle: training-time test, draft steps unrolled on the head's own states (1: step 1 only)")
+        },
+    )
     ttt_decay: float = field(default=0.8, metadata={"help": "eagle: step j's loss weight is ttt_decay ** (j - 1)"})
-    vocab_file: str | None = field(default=None, metadata={"help": "eagle: a heads-vocab ranking for the pruned output layer (null: rank the training responses' tokens); draft: train the draft as it decodes with draft.vocab_file=<this> (FR-Spec; null: the full vocabulary)"})
-    vocab_top_n: int = field(default=8192, metadata={"help": "eagle, draft (with vocab_file): rows of the pruned output layer (EOS always kept)"})
-    init_head: str | None = field(default=None, metadata={"help": "eagle: start from this EAGLE head (a heads-train or heads-export head.safetensors of the same target and layers; its vocabulary subset is kept) instead of the target's last layer: continue training on more data"})
-    stop_confidence: bool = field(default=True, metadata={"help": "eagle_stop: the head reads the drafter's log-probability of the candidate, log q(y), beside its state (SpecDec++'s features); false: the state alone"})
-    draft_init: str | None = field(default=None, metadata={"help": "draft: where the draft starts: truncate:N (the target's embeddings, first N decoder layers, final norm and output layer) | a Hugging Face model directory to continue from | null: draft.path"})
-    divergence: str = field(default="fkl", metadata={"help": "draft: fkl (KL(p||q)) | rkl (KL(q||p)) | js (Jensen-Shannon) | tvd (total variation), between target p and draft q over the target's top-k tokens plus one bucket for every other token"})
-    freeze_embeddings: bool = field(default=False, metadata={"help": "draft: keep the input embeddings and the output layer (one matrix when tied) as initialised"})
-    depth: int = field(default=3, metadata={"help": "residual blocks D (0 = linear; the SPRINTER verifier is linear; eagle_stop with 0: DSpark's linear confidence head)"})
+    vocab_file: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "eagle: a heads-vocab ranking for the pruned output layer (null: rank the training "
+                "responses' tokens); draft: train the draft as it decodes with draft.vocab_file=<this> "
+                "(FR-Spec; null: the full vocabulary)"
+            )
+        },
+    )
+    vocab_top_n: int = field(
+        default=8192,
+        metadata={"help": "eagle, draft (with vocab_file): rows of the pruned output layer (EOS always kept)"},
+    )
+    init_head: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "eagle: start from this EAGLE head (a heads-train or heads-export head.safetensors of "
+                "the same target and layers; its vocabulary subset is kept) instead of the target's last "
+                "layer: continue training on more data"
+            )
+        },
+    )
+    stop_confidence: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "eagle_stop: the head reads the drafter's log-probability of the candidate, log q(y), "
+                "beside its state (SpecDec++'s features); false: the state alone"
+            )
+        },
+    )
+    draft_init: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "draft: where the draft starts: truncate:N (the target's embeddings, first N decoder "
+                "layers, final norm and output layer) | a Hugging Face model directory to continue from "
+                "| null: draft.path"
+            )
+        },
+    )
+    divergence: str = field(
+        default="fkl",
+        metadata={
+            "help": (
+                "draft: fkl (KL(p||q)) | rkl (KL(q||p)) | js (Jensen-Shannon) | tvd (total variation), "
+                "between target p and draft q over the target's top-k tokens plus one bucket for every "
+                "other token"
+            )
+        },
+    )
+    freeze_embeddings: bool = field(
+        default=False,
+        metadata={
+            "help": ("draft: keep the input embeddings and the output layer (one matrix when tied) as initialised")
+        },
+    )
+    depth: int = field(
+        default=3,
+        metadata={
+            "help": (
+                "residual blocks D (0 = linear; the SPRINTER verifier is linear; eagle_stop with 0: "
+                "DSpark's linear confidence head)"
+            )
+        },
+    )
     lam: float = field(default=1.0, metadata={"help": "verifier: label 1 when q(x) <= lam * p(x)"})
-    feature: str = field(default="previous", metadata={"help": "verifier: previous | current | previous+embedding (draft state before x, after x, or before x + x's input embedding)"})
-    class_weights: str = field(default="balanced", metadata={"help": "verifier, judge: balanced (weights 1/(2 * class share) from the training labels) | fixed (w_acc, w_rej)"})
-    roc_lambdas: list[float] = field(default_factory=list, metadata={"help": "verifier: also train one head per lambda on the same data for the ROC plot (roc.png)"})
-    label: str = field(default="soft", metadata={"help": "soft: min(1, p/q) on the state at y_i, token mixing (SpecDec++); expected: 1 - TV(p, q) on the state that produced q_i (the target's own prefix, no mixing); fsd: the FSD decision Div(p, q) < T of labels=fsd data (fsd_label), on the same state as expected"})
-    fsd_label: str = field(default="", metadata={"help": "label=fsd: <divergence>@<threshold>, one the datagen run stored (its manifest's fsd.label_columns), e.g. js@0.3"})
-    features: str = field(default="online", metadata={"help": "online: the draft runs inside training; cached: its states are stored once (fp16) and reused"})
-    cache_dir: str | None = field(default=None, metadata={"help": "features=cached: where the files go; default <data_dir>/features"})
+    feature: str = field(
+        default="previous",
+        metadata={
+            "help": (
+                "verifier: previous | current | previous+embedding (draft state before x, after x, or "
+                "before x + x's input embedding)"
+            )
+        },
+    )
+    class_weights: str = field(
+        default="balanced",
+        metadata={
+            "help": (
+                "verifier, judge: balanced (weights 1/(2 * class share) from the training labels) | "
+                "fixed (w_acc, w_rej)"
+            )
+        },
+    )
+    roc_lambdas: list[float] = field(
+        default_factory=list,
+        metadata={"help": "verifier: also train one head per lambda on the same data for the ROC plot (roc.png)"},
+    )
+    label: str = field(
+        default="soft",
+        metadata={
+            "help": (
+                "soft: min(1, p/q) on the state at y_i, token mixing (SpecDec++); expected: 1 - TV(p, q) "
+                "on the state that produced q_i (the target's own prefix, no mixing); fsd: the FSD "
+                "decision Div(p, q) < T of labels=fsd data (fsd_label), on the same state as expected"
+            )
+        },
+    )
+    fsd_label: str = field(
+        default="",
+        metadata={
+            "help": (
+                "label=fsd: <divergence>@<threshold>, one the datagen run stored (its manifest's "
+                "fsd.label_columns), e.g. js@0.3"
+            )
+        },
+    )
+    features: str = field(
+        default="online",
+        metadata={
+            "help": ("online: the draft runs inside training; cached: its states are stored once (fp16) and reused")
+        },
+    )
+    cache_dir: str | None = field(
+        default=None, metadata={"help": "features=cached: where the files go; default <data_dir>/features"}
+    )
     mix_ratio: float = field(default=0.15, metadata={"help": "token mixing ratio r"})
     w_acc: float = 1.0
     w_rej: float = 6.0
@@ -48,10 +186,34 @@ class TrainConfig:
     eval_fraction: float = 0.1
     patience: int = field(default=1, metadata={"help": "epochs without eval improvement before stopping"})
     max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
-    checkpoint_every: int = field(default=0, metadata={"help": "also checkpoint every this many optimizer steps inside an epoch (0 = at epoch ends only); a rerun resumes at that data position"})
+    checkpoint_every: int = field(
+        default=0,
+        metadata={
+            "help": (
+                "also checkpoint every this many optimizer steps inside an epoch (0 = at epoch ends "
+                "only); a rerun resumes at that data position"
+            )
+        },
+    )
     bf16: bool = field(default=True, metadata={"help": "bf16 autocast where the device supports it"})
-    threshold: float = field(default=0.7, metadata={"help": "default threshold stored in the export: acceptance stop threshold h, verifier approval threshold eta, judge delta"})
-    threads: int | None = field(default=None, metadata={"help": "torch threads per process (torch.set_num_threads); null: torch's default. Results match bit for bit only between runs with the same count (see the manifest's numerics)"})
+    threshold: float = field(
+        default=0.7,
+        metadata={
+            "help": (
+                "default threshold stored in the export: acceptance stop threshold h, verifier approval "
+                "threshold eta, judge delta"
+            )
+        },
+    )
+    threads: int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "torch threads per process (torch.set_num_threads); null: torch's default. Results match "
+                "bit for bit only between runs with the same count (see the manifest's numerics)"
+            )
+        },
+    )
     seed: int = 0
     output_dir: str = "runs/train"
     overwrite: bool = False

@@ -40,7 +40,7 @@ def collate(seqs: list, index: torch.Tensor | None, pad: int, device) -> tuple[d
     for i, s in enumerate(seqs):
         n, r = len(s.ids), s.top_ids.shape[0]
         ids[i, :n], mask[i, :n] = s.ids, 1
-        sel[i, s.start - 1: s.start - 1 + r] = True
+        sel[i, s.start - 1 : s.start - 1 + r] = True
         tids.append(s.top_ids.long() if index is None else index[s.top_ids.long()])
         logps.append(s.top_logp.float())
     x = {"ids": ids.to(device), "mask": mask.to(device), "sel": sel.to(device)}
@@ -104,5 +104,9 @@ def loss_and_stats(logits: torch.Tensor, y: dict, kind: str, stats: dict | None 
 def summarise(stats: dict, prefix: str = "eval_") -> dict:
     """Held-out figures from :func:`loss_and_stats`' sums: ``agreement``, ``accept_lb``, ``loss``, ``tokens``."""
     rows = max(stats.get("rows", 0), 1)
-    return {f"{prefix}agreement": stats.get("hits", 0) / rows, f"{prefix}accept_lb": stats.get("accept", 0.0) / rows,
-            f"{prefix}loss": stats.get("loss", 0.0) / rows, f"{prefix}tokens": stats.get("rows", 0)}
+    return {
+        f"{prefix}agreement": stats.get("hits", 0) / rows,
+        f"{prefix}accept_lb": stats.get("accept", 0.0) / rows,
+        f"{prefix}loss": stats.get("loss", 0.0) / rows,
+        f"{prefix}tokens": stats.get("rows", 0),
+    }

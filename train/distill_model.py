@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim.kernels import unroute
-from specheads.export.shim.models import ModelSpec, check_same_vocab, load_model
+from specheads.export.shim import ModelSpec, check_same_vocab, load_model, unroute
 from specheads.outputs import atomic_write_json
 
 META = "specheads.json"
@@ -94,8 +93,10 @@ def truncated(target: torch.nn.Module, n: int) -> torch.nn.Module:
     missing, unexpected = model.load_state_dict(keep, strict=False)
     tied = {"lm_head.weight"} if getattr(cfg, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
-        raise UserError(f"cannot truncate {type(target).__name__}: weights missing {sorted(missing)[:3]}, "
-                        f"unexpected {sorted(unexpected)[:3]}; start from a model directory (draft_init=<dir>)")
+        raise UserError(
+            f"cannot truncate {type(target).__name__}: weights missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]}; start from a model directory (draft_init=<dir>)"
+        )
     model.tie_weights()
     model.generation_config = copy.deepcopy(target.generation_config)
     return model
@@ -107,8 +108,10 @@ def initial_draft(cfg, target) -> tuple[torch.nn.Module, object, dict]:
     kind, arg = parse_init(cfg.draft_init)
     if kind == "truncate":
         model = truncated(target.model, arg)
-        tok, source = target.tokenizer, {"draft_init": f"truncate:{arg}", "from": target.name,
-                                         "from_fingerprint": target.fingerprint}
+        tok, source = (
+            target.tokenizer,
+            {"draft_init": f"truncate:{arg}", "from": target.name, "from_fingerprint": target.fingerprint},
+        )
     else:
         spec = copy.deepcopy(cfg.draft) if kind == "draft" else ModelSpec(path=arg)
         spec.device, spec.dtype, spec.vocab_file, spec.vocab_top_n = "cpu", "float32", None, None
@@ -118,11 +121,15 @@ def initial_draft(cfg, target) -> tuple[torch.nn.Module, object, dict]:
         check_same_vocab(target, loaded)
         model = loaded.model
         unroute(model)  # the project's CPU kernels are for inference; training runs torch's own
-        tok, source = loaded.tokenizer, {"draft_init": spec.path, "from": loaded.name,
-                                         "from_fingerprint": loaded.fingerprint}
+        tok, source = (
+            loaded.tokenizer,
+            {"draft_init": spec.path, "from": loaded.name, "from_fingerprint": loaded.fingerprint},
+        )
     if model.get_input_embeddings().weight.shape[0] != target.model.get_input_embeddings().weight.shape[0]:
-        raise UserError(f"draft_init={cfg.draft_init!r}: its vocabulary size differs from the target's; "
-                        "a draft must score the target's tokens")
+        raise UserError(
+            f"draft_init={cfg.draft_init!r}: its vocabulary size differs from the target's; "
+            "a draft must score the target's tokens"
+        )
     model.requires_grad_(True)
     if cfg.freeze_embeddings:
         model.get_input_embeddings().weight.requires_grad_(False)
@@ -147,9 +154,17 @@ def save_draft(out: Path, draft: DraftLM, tokenizer, meta: dict) -> Path:
     atomic_write_json(tmp / META, meta)
     if draft.pruned:
         ids = draft.vocab_ids.tolist()
-        atomic_write_json(tmp / VOCAB, {"format": "specheads-vocab", "version": 1, "vocab_size": lm.config.vocab_size,
-                                        "source": "the output-layer subset heads-train head=draft trained",
-                                        "ranking": ids, "counts": [1] * len(ids)})
+        atomic_write_json(
+            tmp / VOCAB,
+            {
+                "format": "specheads-vocab",
+                "version": 1,
+                "vocab_size": lm.config.vocab_size,
+                "source": "the output-layer subset heads-train head=draft trained",
+                "ranking": ids,
+                "counts": [1] * len(ids),
+            },
+        )
     old = Path(out) / f".draft.old{os.getpid()}"
     if final.exists():
         os.replace(final, old)

@@ -21,15 +21,13 @@ from pathlib import Path
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim.models import eos_ids, load_model
-from specheads.export.shim.vocab import subset_hash
+from specheads.export.shim import eos_ids, load_model, subset_hash
 from specheads.outputs import atomic_write_json
-
-from . import distill as D
-from . import distill_model as M
-from . import eagle as E
-from .config import TrainConfig
-from .task import split
+from specheads.train import distill as D
+from specheads.train import distill_model as M
+from specheads.train import eagle_data as E
+from specheads.train.config import TrainConfig
+from specheads.train.task import split
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +40,17 @@ class DraftTask:
     artifact = "draft"  # what the run writes instead of head.safetensors (a model directory)
     weights = (1.0, 1.0)  # unused: the loss is its own
 
-    def __init__(self, cfg: TrainConfig, manifest: dict, seqs: list, model, tokenizer, source: dict,
-                 vocab_ids: list[int] | None, device):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        manifest: dict,
+        seqs: list,
+        model,
+        tokenizer,
+        source: dict,
+        vocab_ids: list[int] | None,
+        device,
+    ):
         self.cfg, self.manifest, self.seqs, self.device = cfg, manifest, seqs, device
         self.model, self.tokenizer, self.source, self.vocab_ids = model, tokenizer, source, vocab_ids
         self.hidden = int(model.config.hidden_size)
@@ -80,27 +87,42 @@ class DraftTask:
         spec.device = "cpu"  # read once, for its weights (truncate:N), tokenizer and fingerprint
         target = load_model(spec, "target")
         if target.fingerprint != manifest["target"]["fingerprint"]:
-            raise UserError(f"target {target.name!r} (fingerprint {target.fingerprint}) is not the target the data was "
-                            f"written with ({manifest['target']['name']!r}); set target.path to that model")
+            raise UserError(
+                f"target {target.name!r} (fingerprint {target.fingerprint}) is not the target the data was "
+                f"written with ({manifest['target']['name']!r}); set target.path to that model"
+            )
         model, tok, source = M.initial_draft(cfg, target)
         vocab = None
         if cfg.vocab_file:
-            vocab = E.vocabulary(cfg, seqs, eos_ids(target.model, target.tokenizer),
-                                 model.get_input_embeddings().weight.shape[0])
-            log.warning("vocab_file: the draft is trained on a %d-token output layer and must decode with it "
-                        "(draft.vocab_file=%s/draft/%s); Transformers and vLLM score every token and would "
-                        "decode it much worse", len(vocab), cfg.output_dir, M.VOCAB)
-        log.info("draft: %s (%d decoder layers, %.1fM parameters), %d sequences from %s", source["draft_init"],
-                 model.config.num_hidden_layers, sum(p.numel() for p in model.parameters()) / 1e6, len(seqs),
-                 ", ".join(dirs))
+            vocab = E.vocabulary(
+                cfg, seqs, eos_ids(target.model, target.tokenizer), model.get_input_embeddings().weight.shape[0]
+            )
+            log.warning(
+                "vocab_file: the draft is trained on a %d-token output layer and must decode with it "
+                "(draft.vocab_file=%s/draft/%s); Transformers and vLLM score every token and would "
+                "decode it much worse",
+                len(vocab),
+                cfg.output_dir,
+                M.VOCAB,
+            )
+        log.info(
+            "draft: %s (%d decoder layers, %.1fM parameters), %d sequences from %s",
+            source["draft_init"],
+            model.config.num_hidden_layers,
+            sum(p.numel() for p in model.parameters()) / 1e6,
+            len(seqs),
+            ", ".join(dirs),
+        )
         return cls(cfg, manifest, seqs, model, tok, source, vocab, acc.device)
 
     @staticmethod
     def summary(cfg: TrainConfig, metrics: dict) -> str:
         before, nan = metrics.get("eval_before") or {}, float("nan")
-        return (f"draft ({cfg.divergence}): held-out greedy agreement {before.get('eval_agreement', nan):.3f}"
-                f" -> {metrics.get('eval_agreement', nan):.3f}, expected acceptance >= "
-                f"{before.get('eval_accept_lb', nan):.3f} -> {metrics.get('eval_accept_lb', nan):.3f}")
+        return (
+            f"draft ({cfg.divergence}): held-out greedy agreement {before.get('eval_agreement', nan):.3f}"
+            f" -> {metrics.get('eval_agreement', nan):.3f}, expected acceptance >= "
+            f"{before.get('eval_accept_lb', nan):.3f} -> {metrics.get('eval_accept_lb', nan):.3f}"
+        )
 
     def build_head(self) -> M.DraftLM:
         """The initial draft (it is built once per run), with its held-out figures as ``self.before``."""
@@ -111,8 +133,12 @@ class DraftTask:
         self.model = None
         head.eval()
         self.before = self.evaluate(head, self.eval_examples)
-        log.info("before training: held-out agreement %.4f, expected acceptance >= %.4f, loss %.4f",
-                 self.before["eval_agreement"], self.before["eval_accept_lb"], self.before["eval_loss"])
+        log.info(
+            "before training: held-out agreement %.4f, expected acceptance >= %.4f, loss %.4f",
+            self.before["eval_agreement"],
+            self.before["eval_accept_lb"],
+            self.before["eval_loss"],
+        )
         return head
 
     def batch(self, examples: list, epoch: int) -> tuple[dict, dict]:
@@ -126,7 +152,7 @@ class DraftTask:
         """Greedy agreement with the target's top-1, the top-k lower bound of the acceptance rate, the loss."""
         stats: dict = {}
         for i in range(0, len(examples), self.cfg.batch_size):
-            x, y = self.batch(examples[i: i + self.cfg.batch_size], 0)
+            x, y = self.batch(examples[i : i + self.cfg.batch_size], 0)
             D.loss_and_stats(head(x["ids"], x["mask"], x["sel"]), y, self.cfg.divergence, stats)
         return D.summarise(stats)
 
@@ -136,20 +162,43 @@ class DraftTask:
     def metadata(self, metrics: dict) -> dict:
         vocab = None
         if self.vocab_ids is not None:
-            vocab = {"size": len(self.vocab_ids), "sha256": subset_hash(torch.tensor(self.vocab_ids)),
-                     "vocab_file": self.cfg.vocab_file, "vocab_top_n": self.cfg.vocab_top_n,
-                     "decode_with": f"draft.vocab_file=<this directory>/{M.VOCAB} draft.vocab_top_n=null (the rows "
-                                    "outside the subset were not trained: decoding over the full vocabulary, as "
-                                    "Transformers and vLLM do, is much worse)"}
+            vocab = {
+                "size": len(self.vocab_ids),
+                "sha256": subset_hash(torch.tensor(self.vocab_ids)),
+                "vocab_file": self.cfg.vocab_file,
+                "vocab_top_n": self.cfg.vocab_top_n,
+                "decode_with": f"draft.vocab_file=<this directory>/{M.VOCAB} draft.vocab_top_n=null (the rows "
+                "outside the subset were not trained: decoding over the full vocabulary, as "
+                "Transformers and vLLM do, is much worse)",
+            }
         c = self.cfg
-        return {"format": "specheads-draft", "head_type": self.head_type, "target": self.manifest["target"],
-                "data": {"dirs": self.manifest.get("data_dirs") or [c.data_dir],
-                         "sampling": self.manifest.get("sampling"), "datagen_seed": self.manifest.get("seed"), "top_k": self.seqs[0].top_ids.shape[1]},
-                "divergence": c.divergence, "draft_init": self.source["draft_init"], "init": self.source,
-                "freeze_embeddings": c.freeze_embeddings, "draft_vocab": vocab,
-                "train": {"lr": c.lr, "batch_size": c.batch_size, "grad_accum": c.grad_accum, "seed": c.seed,
-                          "eval_fraction": c.eval_fraction, "max_steps": c.max_steps, "epochs": c.epochs},
-                "before": self.before, "metrics": metrics}
+        return {
+            "format": "specheads-draft",
+            "head_type": self.head_type,
+            "target": self.manifest["target"],
+            "data": {
+                "dirs": self.manifest.get("data_dirs") or [c.data_dir],
+                "sampling": self.manifest.get("sampling"),
+                "datagen_seed": self.manifest.get("seed"),
+                "top_k": self.seqs[0].top_ids.shape[1],
+            },
+            "divergence": c.divergence,
+            "draft_init": self.source["draft_init"],
+            "init": self.source,
+            "freeze_embeddings": c.freeze_embeddings,
+            "draft_vocab": vocab,
+            "train": {
+                "lr": c.lr,
+                "batch_size": c.batch_size,
+                "grad_accum": c.grad_accum,
+                "seed": c.seed,
+                "eval_fraction": c.eval_fraction,
+                "max_steps": c.max_steps,
+                "epochs": c.epochs,
+            },
+            "before": self.before,
+            "metrics": metrics,
+        }
 
     def save(self, out: Path, head: M.DraftLM, metrics: dict) -> None:
         """The best epoch's draft as ``out/draft/`` (see :func:`distill_model.save_draft`)."""
@@ -163,8 +212,15 @@ class DraftTask:
 
     def report(self, out: Path, acc, best: dict) -> dict:
         """``metrics.json``: held-out figures (without ``eval_``) before training and at the best epoch."""
-        strip = lambda m: {k[len("eval_"):]: v for k, v in m.items() if k.startswith("eval_")}  # noqa: E731
+        strip = lambda m: {k[len("eval_") :]: v for k, v in m.items() if k.startswith("eval_")}  # noqa: E731
         if acc.is_main_process:
-            atomic_write_json(out / "metrics.json", {"before": strip(self.before), "after": strip(best),
-                                                     "epoch": best.get("epoch"), "step": best.get("step")})
+            atomic_write_json(
+                out / "metrics.json",
+                {
+                    "before": strip(self.before),
+                    "after": strip(best),
+                    "epoch": best.get("epoch"),
+                    "step": best.get("step"),
+                },
+            )
         return {"eval_before": self.before, "draft_dir": str(out / self.artifact)}

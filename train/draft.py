@@ -10,13 +10,11 @@ from pathlib import Path
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim.hidden import HiddenCapture
-from specheads.export.shim.models import load_model
-
-from . import zero
-from .config import TrainConfig
-from .features import FeatureCache, cache_key
-from .task import EVAL_EPOCH
+from specheads.export.shim import HiddenCapture, load_model
+from specheads.train import zero
+from specheads.train.config import TrainConfig
+from specheads.train.features import FeatureCache, cache_key
+from specheads.train.task import EVAL_EPOCH
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +38,29 @@ def load_draft(cfg: TrainConfig, acc, manifest: dict) -> Draft:
     with zero.unpartitioned(acc):
         draft = load_model(cfg.draft, "draft")
     if draft.fingerprint != manifest["draft"]["fingerprint"]:
-        raise UserError(f"draft {draft.name!r} (fingerprint {draft.fingerprint}) is not the draft the data was "
-                        f"labelled with ({manifest['draft']['name']!r}, {manifest['draft']['fingerprint']}); "
-                        "set draft.path to that model")
+        raise UserError(
+            f"draft {draft.name!r} (fingerprint {draft.fingerprint}) is not the draft the data was "
+            f"labelled with ({manifest['draft']['name']!r}, {manifest['draft']['fingerprint']}); "
+            "set draft.path to that model"
+        )
     tok = draft.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    return Draft(draft.model, HiddenCapture(draft.model), pad, draft.device, draft.hidden_size, draft.name,
-                 draft.fingerprint)
+    return Draft(
+        draft.model, HiddenCapture(draft.model), pad, draft.device, draft.hidden_size, draft.name, draft.fingerprint
+    )
 
 
-def feature_cache(cfg: TrainConfig, acc, draft: Draft, label: str, mix_ratio: float,
-                  compute: Callable, epochs: int, train_examples: list, eval_examples: list) -> FeatureCache:
+def feature_cache(
+    cfg: TrainConfig,
+    acc,
+    draft: Draft,
+    label: str,
+    mix_ratio: float,
+    compute: Callable,
+    epochs: int,
+    train_examples: list,
+    eval_examples: list,
+) -> FeatureCache:
     """``features=cached``: the draft's features of the first ``epochs`` epochs and of the held-out set,
     computed once by the main process (other processes wait for the files). ``label`` and ``mix_ratio``
     enter the cache key with the draft, seed and split."""

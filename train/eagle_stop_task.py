@@ -4,7 +4,8 @@ No model is loaded: the datagen run decoded with the EAGLE head and stored its p
 labelled candidate (fp16), with the soft label ``min(1, p/q)`` (greedy: 1/0 agreement). The head is an
 :class:`~specheads.heads.AcceptanceHead` (``depth`` residual blocks) on the state and, with
 ``stop_confidence`` (the default), the drafter's ``log q(y)`` of the candidate: SpecDec++'s features.
-``depth=0 stop_confidence=false w_rej=1`` is DSpark's linear confidence head on the state, the comparison fitted with the weighted soft BCE (``w_acc``, ``w_rej``; ``w_rej=1``:
+``depth=0 stop_confidence=false w_rej=1`` is DSpark's linear confidence head on the state, the comparison fitted with
+the weighted soft BCE (``w_acc``, ``w_rej``; ``w_rej=1``:
 plain BCE). The best epoch has the lowest held-out binary KL; the held-out metrics add AUROC against the
 binarised label, ECE and Brier, and ``eval_auroc_confidence``, the AUROC of the drafter's own
 confidence ``q(y)`` (what ``policy=confidence_stop`` reads). It exports as ``head_type=acceptance``, so
@@ -22,10 +23,9 @@ import torch
 from specheads.dataset import EAGLE_ROUNDS_COLUMNS, DrafterChunkFiles, require_columns, shard_paths
 from specheads.errors import UserError
 from specheads.heads import AcceptanceHead
-
-from .config import TrainConfig
-from .loss import binary_kl, weighted_soft_bce
-from .task import calibration_metrics, describe, predict, split
+from specheads.train.config import TrainConfig
+from specheads.train.loss import binary_kl, weighted_soft_bce
+from specheads.train.task import calibration_metrics, describe, predict, split
 
 
 @dataclass
@@ -54,8 +54,9 @@ class StopStore:
             off = t["offsets"].tolist()
             rows = table.column("label").to_pylist()
             if len(off) != len(rows) + 1 or any(len(y) != off[i + 1] - off[i] for i, y in enumerate(rows)):
-                raise UserError(f"{side.path} does not match {path}; run heads-datagen verify output_dir={root} "
-                                "and relabel")
+                raise UserError(
+                    f"{side.path} does not match {path}; run heads-datagen verify output_dir={root} and relabel"
+                )
             for i, y in enumerate(rows):
                 if y:
                     self.examples.append(StopExample(len(self.examples), base + off[i], base + off[i + 1]))
@@ -64,8 +65,9 @@ class StopStore:
             states.append(t["states"])
             base += int(off[-1])
         if not self.examples:
-            raise UserError(f"{data_dir} holds no labelled candidates; decode longer responses (max_new_tokens) or "
-                            "more prompts")
+            raise UserError(
+                f"{data_dir} holds no labelled candidates; decode longer responses (max_new_tokens) or more prompts"
+            )
         self.states = torch.cat(states)
         self.labels = torch.tensor(labels, dtype=torch.float32)
         self.confidence = torch.tensor(conf, dtype=torch.float32)
@@ -102,21 +104,27 @@ class EagleStopTask:
     @classmethod
     def check(cls, cfg: TrainConfig) -> list[str]:
         if cfg.label != "soft":
-            return [f"label={cfg.label}: head=eagle_stop trains on the stored soft labels (label=soft); expected "
-                    "and fsd labels are head=acceptance's"]
+            return [
+                f"label={cfg.label}: head=eagle_stop trains on the stored soft labels (label=soft); expected "
+                "and fsd labels are head=acceptance's"
+            ]
         return []
 
     @classmethod
     def setup(cls, cfg: TrainConfig, manifest: dict, acc) -> EagleStopTask:
         if "eagle_rounds" not in manifest:
-            raise UserError(f"{cfg.data_dir}/manifest.json has no eagle_rounds section; relabel with heads-datagen "
-                            "labels=eagle_rounds")
+            raise UserError(
+                f"{cfg.data_dir}/manifest.json has no eagle_rounds section; relabel with heads-datagen "
+                "labels=eagle_rounds"
+            )
         return cls(cfg, manifest, StopStore(cfg.data_dir), acc.device)
 
     @staticmethod
     def summary(cfg: TrainConfig, metrics: dict) -> str:
-        return (f"eval binary KL {metrics.get('eval_binary_kl', float('nan')):.4f}, AUROC {metrics.get('eval_auroc')} "
-                f"(the drafter's confidence q(y): {metrics.get('eval_auroc_confidence')})")
+        return (
+            f"eval binary KL {metrics.get('eval_binary_kl', float('nan')):.4f}, AUROC {metrics.get('eval_auroc')} "
+            f"(the drafter's confidence q(y): {metrics.get('eval_auroc_confidence')})"
+        )
 
     def build_head(self) -> AcceptanceHead:
         torch.manual_seed(self.cfg.seed)
@@ -132,10 +140,15 @@ class EagleStopTask:
         x, y = predict(head, examples, cfg.batch_size, lambda batch: self.batch(batch, 0))
         hard = (y >= 0.5).cpu().numpy()
         conf = self.store.confidence[self.store.rows(examples)].numpy()
-        return {"eval_binary_kl": float(binary_kl(y, x)),
-                "eval_weighted_loss": float(weighted_soft_bce(x, y, cfg.w_acc, cfg.w_rej)),
-                "eval_auroc": _auroc(hard, x.cpu().numpy()), "eval_auroc_confidence": _auroc(hard, conf),
-                "eval_tokens": int(y.numel()), "eval_label_mean": float(y.mean()), **calibration_metrics(x, y)}
+        return {
+            "eval_binary_kl": float(binary_kl(y, x)),
+            "eval_weighted_loss": float(weighted_soft_bce(x, y, cfg.w_acc, cfg.w_rej)),
+            "eval_auroc": _auroc(hard, x.cpu().numpy()),
+            "eval_auroc_confidence": _auroc(hard, conf),
+            "eval_tokens": int(y.numel()),
+            "eval_label_mean": float(y.mean()),
+            **calibration_metrics(x, y),
+        }
 
     def score(self, metrics: dict) -> float:
         return metrics["eval_binary_kl"]
@@ -144,8 +157,15 @@ class EagleStopTask:
         rounds = self.manifest["eagle_rounds"]
         eagle = rounds["eagle"]
         feature = {**rounds["feature"], "eagle": {"file": eagle.get("file"), "tensors_sha256": eagle["tensors_sha256"]}}
-        return describe(self.cfg, self.manifest, self.hidden, metrics, label="soft", feature=feature,
-                        eagle_rounds={"k": rounds["k"]})
+        return describe(
+            self.cfg,
+            self.manifest,
+            self.hidden,
+            metrics,
+            label="soft",
+            feature=feature,
+            eagle_rounds={"k": rounds["k"]},
+        )
 
     def models(self) -> dict[str, tuple]:
         return {}  # the states were stored by the datagen run

@@ -15,15 +15,13 @@ from pathlib import Path
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim.models import load_model
-from specheads.export.shim.vocab import subset_hash
+from specheads.export.shim import load_model, subset_hash
 from specheads.heads import EagleHead
 from specheads.outputs import atomic_write_json
-
-from . import eagle as E
-from . import zero
-from .config import TrainConfig
-from .task import describe, split
+from specheads.train import eagle_data as E
+from specheads.train import zero
+from specheads.train.config import TrainConfig
+from specheads.train.task import describe, split
 
 
 class EagleTask:
@@ -33,8 +31,17 @@ class EagleTask:
     head_type = "eagle"
     weights = (1.0, 1.0)  # unused: the loss is its own
 
-    def __init__(self, cfg: TrainConfig, manifest: dict, seqs: list, layers: list[int], vocab_ids: list[int],
-                 target, device, init: dict[str, torch.Tensor] | None = None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        manifest: dict,
+        seqs: list,
+        layers: list[int],
+        vocab_ids: list[int],
+        target,
+        device,
+        init: dict[str, torch.Tensor] | None = None,
+    ):
         self.cfg, self.manifest, self.seqs, self.layers, self.device = cfg, manifest, seqs, layers, device
         self.vocab_ids = vocab_ids
         self.init = init
@@ -73,13 +80,21 @@ class EagleTask:
         with zero.unpartitioned(acc):
             target = load_model(cfg.target, "target")
         if target.fingerprint != manifest["target"]["fingerprint"]:
-            raise UserError(f"target {target.name!r} (fingerprint {target.fingerprint}) is not the target the data was "
-                            f"written with ({manifest['target']['name']!r}); set target.path to that model")
+            raise UserError(
+                f"target {target.name!r} (fingerprint {target.fingerprint}) is not the target the data was "
+                f"written with ({manifest['target']['name']!r}); set target.path to that model"
+            )
         n_layers = target.model.config.num_hidden_layers
         if not all(0 < i < n_layers for i in layers):
             raise UserError(f"the data's layers {layers} lie outside the target's decoder layers 1..{n_layers - 1}")
-        eos = [int(i) for i in ([target.model.config.eos_token_id] if isinstance(target.model.config.eos_token_id, int)
-                                else target.model.config.eos_token_id or [])]
+        eos = [
+            int(i)
+            for i in (
+                [target.model.config.eos_token_id]
+                if isinstance(target.model.config.eos_token_id, int)
+                else target.model.config.eos_token_id or []
+            )
+        ]
         init = None
         if cfg.init_head:
             init, vocab = start_from(cfg.init_head, manifest, layers)
@@ -90,16 +105,26 @@ class EagleTask:
     @staticmethod
     def summary(cfg: TrainConfig, metrics: dict) -> str:
         steps = ", ".join(f"{metrics.get(f'eval_acc_step{j}', 0):.3f}" for j in range(1, cfg.ttt_steps + 1))
-        return (f"eagle head: greedy agreement per step {steps}; accepted per round at k={cfg.ttt_steps}: "
-                f"{metrics.get('eval_accept_length', 0):.3f}")
+        return (
+            f"eagle head: greedy agreement per step {steps}; accepted per round at k={cfg.ttt_steps}: "
+            f"{metrics.get('eval_accept_length', 0):.3f}"
+        )
 
     def build_head(self) -> EagleHead:
         torch.manual_seed(self.cfg.seed)
         c = self.target.model.config
-        head = EagleHead(self.hidden, self.layers, len(self.vocab_ids), self.vocab_size, c.num_attention_heads,
-                         getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-                         getattr(c, "head_dim", None) or self.hidden // c.num_attention_heads, c.intermediate_size,
-                         c.rms_norm_eps, _rope_theta(c))
+        head = EagleHead(
+            self.hidden,
+            self.layers,
+            len(self.vocab_ids),
+            self.vocab_size,
+            c.num_attention_heads,
+            getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            getattr(c, "head_dim", None) or self.hidden // c.num_attention_heads,
+            c.intermediate_size,
+            c.rms_norm_eps,
+            _rope_theta(c),
+        )
         if self.init is not None:
             head.load_state_dict(self.init)
         else:
@@ -117,7 +142,7 @@ class EagleTask:
         """Per step: greedy agreement with the target's top-1 and loss; the mean greedy run of matching steps."""
         stats: dict = {}
         for i in range(0, len(examples), self.cfg.batch_size):
-            x, y = self.batch(examples[i: i + self.cfg.batch_size], 0)
+            x, y = self.batch(examples[i : i + self.cfg.batch_size], 0)
             E.unrolled_loss(head, self.embed, x, y, self.cfg.ttt_steps, self.cfg.ttt_decay, stats)
         runs, rows = E.run_lengths(stats.pop("hit_rows"))
         out = {"eval_accept_length": runs, "eval_rows": rows}
@@ -132,10 +157,16 @@ class EagleTask:
 
     def metadata(self, metrics: dict) -> dict:
         ids = torch.tensor(self.vocab_ids)
-        return describe(self.cfg, self.manifest, self.hidden, metrics, label="drafter",
-                        feature={"model": "target", "state": "aux", "layers": self.layers},
-                        draft_vocab={"size": len(self.vocab_ids), "hash": subset_hash(ids)},
-                        ttt_steps=self.cfg.ttt_steps)
+        return describe(
+            self.cfg,
+            self.manifest,
+            self.hidden,
+            metrics,
+            label="drafter",
+            feature={"model": "target", "state": "aux", "layers": self.layers},
+            draft_vocab={"size": len(self.vocab_ids), "hash": subset_hash(ids)},
+            ttt_steps=self.cfg.ttt_steps,
+        )
 
     def models(self) -> dict[str, tuple]:
         return {"target": (self.target.model.dtype, self.target.device)}
@@ -146,8 +177,10 @@ class EagleTask:
     def report(self, out: Path, acc, best: dict) -> dict:
         """``metrics.json``: the best epoch's held-out figures (without ``eval_``) and its epoch."""
         if acc.is_main_process:
-            atomic_write_json(out / "metrics.json", {k[len("eval_"):]: v for k, v in best.items()
-                                                     if k.startswith("eval_")} | {"epoch": best.get("epoch")})
+            atomic_write_json(
+                out / "metrics.json",
+                {k[len("eval_") :]: v for k, v in best.items() if k.startswith("eval_")} | {"epoch": best.get("epoch")},
+            )
         return {}
 
 
@@ -162,11 +195,15 @@ def start_from(path: str, manifest: dict, layers: list[int]) -> tuple[dict[str, 
         raise UserError(f"init_head={path!r} is head_type={meta.get('head_type')!r}; it must be an EAGLE head")
     want = manifest["target"]["fingerprint"]
     if meta.get("target", {}).get("fingerprint") != want:
-        raise UserError(f"init_head={path!r} was trained on target {meta.get('target', {}).get('name')!r}, not the "
-                        f"target the data was written with ({manifest['target']['name']!r})")
+        raise UserError(
+            f"init_head={path!r} was trained on target {meta.get('target', {}).get('name')!r}, not the "
+            f"target the data was written with ({manifest['target']['name']!r})"
+        )
     if list(meta.get("feature", {}).get("layers", [])) != list(layers):
-        raise UserError(f"init_head={path!r} reads target layers {meta.get('feature', {}).get('layers')} but the "
-                        f"data holds layers {layers}")
+        raise UserError(
+            f"init_head={path!r} reads target layers {meta.get('feature', {}).get('layers')} but the "
+            f"data holds layers {layers}"
+        )
     state = {k: v.float() if v.is_floating_point() else v for k, v in loaded.module.state_dict().items()}
     return state, state["vocab_ids"].tolist()
 

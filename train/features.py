@@ -23,8 +23,17 @@ from tqdm import tqdm
 
 
 def cache_key(draft_fingerprint: str, mix_ratio: float, seed: int, label: str, eval_fraction: float) -> str:
-    blob = json.dumps({"draft": draft_fingerprint, "mix_ratio": mix_ratio, "seed": seed, "label": label,
-                       "eval_fraction": eval_fraction, "format": 2}, sort_keys=True)
+    blob = json.dumps(
+        {
+            "draft": draft_fingerprint,
+            "mix_ratio": mix_ratio,
+            "seed": seed,
+            "label": label,
+            "eval_fraction": eval_fraction,
+            "format": 2,
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -52,17 +61,25 @@ class FeatureCache:
             return path
         self.root.mkdir(parents=True, exist_ok=True)
         feats, labels, counts = [], [], []
-        for i in tqdm(range(0, len(examples), self.batch_size), desc=f"caching features (epoch {epoch})",
-                      unit="batch", disable=not show):
-            x, y, rows = self.compute(examples[i: i + self.batch_size], epoch)
+        for i in tqdm(
+            range(0, len(examples), self.batch_size),
+            desc=f"caching features (epoch {epoch})",
+            unit="batch",
+            disable=not show,
+        ):
+            x, y, rows = self.compute(examples[i : i + self.batch_size], epoch)
             feats.append(x.to(torch.float16).cpu())
             labels.append(y.float().cpu())
             counts.extend(rows)
         index = torch.tensor([ex.index for ex in examples], dtype=torch.int64)
         offsets = torch.zeros(len(examples) + 1, dtype=torch.int64)
         offsets[1:] = torch.tensor(counts, dtype=torch.int64).cumsum(0)
-        tensors = {"features": torch.cat(feats).contiguous(), "labels": torch.cat(labels).contiguous(),
-                   "index": index, "offsets": offsets}
+        tensors = {
+            "features": torch.cat(feats).contiguous(),
+            "labels": torch.cat(labels).contiguous(),
+            "index": index,
+            "offsets": offsets,
+        }
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         save_file(tensors, str(tmp), metadata={"epoch": str(epoch), "examples": str(len(examples))})
         os.replace(tmp, path)

@@ -14,11 +14,10 @@ import torch
 from specheads.errors import UserError
 from specheads.heads import JudgeHead
 from specheads.outputs import atomic_write_json
-
-from . import judge as J
-from .config import TrainConfig
-from .loss import weighted_soft_bce
-from .task import EVAL_EPOCH, auroc_score, calibration_metrics, describe, predict, split
+from specheads.train import judge_data as J
+from specheads.train.config import TrainConfig
+from specheads.train.loss import weighted_soft_bce
+from specheads.train.task import EVAL_EPOCH, auroc_score, calibration_metrics, describe, predict, split
 
 
 class JudgeTask:
@@ -27,8 +26,16 @@ class JudgeTask:
     labels = ("judge",)
     head_type = "judge"
 
-    def __init__(self, cfg: TrainConfig, manifest: dict, store: J.JudgeStore, train_examples: list,
-                 eval_examples: list, weights: tuple[float, float], device):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        manifest: dict,
+        store: J.JudgeStore,
+        train_examples: list,
+        eval_examples: list,
+        weights: tuple[float, float],
+        device,
+    ):
         self.cfg, self.manifest, self.store, self.device = cfg, manifest, store, device
         self.train_examples, self.eval_examples = train_examples, eval_examples
         self.weights, self.hidden = weights, int(manifest["hidden_size"])
@@ -43,18 +50,22 @@ class JudgeTask:
         train_examples, eval_examples = split(store.examples, cfg.eval_fraction, cfg.seed)
         weights = (cfg.w_acc, cfg.w_rej)
         if cfg.class_weights == "balanced":
-            labels = torch.cat([store.labels[e.start:e.end] for e in train_examples])
+            labels = torch.cat([store.labels[e.start : e.end] for e in train_examples])
             share = float((labels >= 0.5).float().mean())
             if share in (0.0, 1.0):
-                raise UserError(f"every training token of {cfg.data_dir} has label {int(share)}: nothing to learn; "
-                                "generate or import more tuples")
+                raise UserError(
+                    f"every training token of {cfg.data_dir} has label {int(share)}: nothing to learn; "
+                    "generate or import more tuples"
+                )
             weights = (0.5 / share, 0.5 / (1 - share))
         return cls(cfg, manifest, store, train_examples, eval_examples, weights, acc.device)
 
     @staticmethod
     def summary(cfg: TrainConfig, metrics: dict) -> str:
-        return (f"judge AUROC {metrics.get('eval_auroc')}, wrong tokens accepted at delta={cfg.threshold:g}: "
-                f"{metrics.get('eval_wrong_accepted_share')}")
+        return (
+            f"judge AUROC {metrics.get('eval_auroc')}, wrong tokens accepted at delta={cfg.threshold:g}: "
+            f"{metrics.get('eval_wrong_accepted_share')}"
+        )
 
     def build_head(self) -> JudgeHead:
         torch.manual_seed(self.cfg.seed)
@@ -68,18 +79,31 @@ class JudgeTask:
         logits, labels = predict(head, examples, self.cfg.batch_size, lambda batch: self.batch(batch, EVAL_EPOCH))
         m = J.judge_metrics(torch.sigmoid(logits), labels, self.cfg.threshold)
         w_pos, w_neg = self.weights
-        return {"eval_auroc": m["auroc"], "eval_weighted_loss": float(weighted_soft_bce(logits, labels, w_pos, w_neg)),
-                "eval_negative_precision": m["negative_precision"], "eval_negative_recall": m["negative_recall"],
-                "eval_wrong_accepted_share": m["wrong_accepted_share"],
-                "eval_correct_accepted_share": m["correct_accepted_share"], "eval_tokens": m["tokens"],
-                "eval_negative_tokens": m["negative_tokens"], **calibration_metrics(logits, labels)}
+        return {
+            "eval_auroc": m["auroc"],
+            "eval_weighted_loss": float(weighted_soft_bce(logits, labels, w_pos, w_neg)),
+            "eval_negative_precision": m["negative_precision"],
+            "eval_negative_recall": m["negative_recall"],
+            "eval_wrong_accepted_share": m["wrong_accepted_share"],
+            "eval_correct_accepted_share": m["correct_accepted_share"],
+            "eval_tokens": m["tokens"],
+            "eval_negative_tokens": m["negative_tokens"],
+            **calibration_metrics(logits, labels),
+        }
 
     def score(self, metrics: dict) -> float:
         return auroc_score(metrics)
 
     def metadata(self, metrics: dict) -> dict:
-        return describe(self.cfg, self.manifest, self.hidden, metrics, label="judge", draft=self.manifest.get("draft"),
-                        feature={"model": "target", "state": "pre", "layer": -1, "position": "own"})
+        return describe(
+            self.cfg,
+            self.manifest,
+            self.hidden,
+            metrics,
+            label="judge",
+            draft=self.manifest.get("draft"),
+            feature={"model": "target", "state": "pre", "layer": -1, "position": "own"},
+        )
 
     def models(self) -> dict[str, tuple]:
         return {}  # the features were stored by the datagen run
@@ -90,6 +114,9 @@ class JudgeTask:
     def report(self, out: Path, acc, best: dict) -> dict:
         """``metrics.json``: the best epoch's held-out metrics (without ``eval_``), ``delta`` and its epoch."""
         if acc.is_main_process:
-            atomic_write_json(out / "metrics.json", {k[len("eval_"):]: v for k, v in best.items() if k.startswith("eval_")}
-                              | {"delta": self.cfg.threshold, "epoch": best.get("epoch")})
+            atomic_write_json(
+                out / "metrics.json",
+                {k[len("eval_") :]: v for k, v in best.items() if k.startswith("eval_")}
+                | {"delta": self.cfg.threshold, "epoch": best.get("epoch")},
+            )
         return {}

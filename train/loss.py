@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 
 
-def weighted_soft_bce(logits: torch.Tensor, labels: torch.Tensor, w_acc: float = 1.0, w_rej: float = 6.0,
-                      mask: torch.Tensor | None = None) -> torch.Tensor:
+def weighted_soft_bce(
+    logits: torch.Tensor, labels: torch.Tensor, w_acc: float = 1.0, w_rej: float = 6.0, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """``-sum[w_acc*b*log s + w_rej*(1-b)*log(1-s)] / sum[w_acc*b + w_rej*(1-b)]`` over the mask.
 
     Args:
@@ -27,6 +28,7 @@ def weighted_soft_bce(logits: torch.Tensor, labels: torch.Tensor, w_acc: float =
 def binary_kl(labels: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Mean unweighted ``KL(Bernoulli(b) || Bernoulli(sigmoid(logits)))`` (the eval metric)."""
     b, x = labels.float(), logits.float()
-    kl = (torch.special.xlogy(b, b) - b * F.logsigmoid(x)
-          + torch.special.xlogy(1 - b, 1 - b) - (1 - b) * F.logsigmoid(-x))
+    kl = (
+        torch.special.xlogy(b, b) - b * F.logsigmoid(x) + torch.special.xlogy(1 - b, 1 - b) - (1 - b) * F.logsigmoid(-x)
+    )
     return (kl[mask] if mask is not None else kl).mean()

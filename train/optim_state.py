@@ -17,7 +17,8 @@ def jsonable(x):
 
 
 def split_state(state: dict, prefix: str, tensors: dict, scalars: dict) -> None:
-    """Per-parameter optimizer state: tensors under ``<prefix><id>.<key>``, the scalars (as JSON) under ``<id>.<key>``."""
+    """Per-parameter optimizer state: tensors under ``<prefix><id>.<key>``, the scalars (as JSON) under
+    ``<id>.<key>``."""
     for pid, entries in state.items():
         for key, val in entries.items():
             if isinstance(val, torch.Tensor) and val.dim() > 0:

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 from specheads.errors import UserError
+from specheads.train.acceptance_task import AcceptanceTask
+from specheads.train.distill_task import DraftTask
+from specheads.train.eagle_stop_task import EagleStopTask
+from specheads.train.eagle_task import EagleTask
+from specheads.train.judge_task import JudgeTask
+from specheads.train.task import Task
+from specheads.train.verifier_task import VerifierTask
 
-from .acceptance_task import AcceptanceTask
-from .distill_task import DraftTask
-from .eagle_stop_task import EagleStopTask
-from .eagle_task import EagleTask
-from .judge_task import JudgeTask
-from .task import Task
-from .verifier_task import VerifierTask
-
-TASKS: dict[str, type[Task]] = {"acceptance": AcceptanceTask, "verifier": VerifierTask, "judge": JudgeTask,
-                                 "eagle": EagleTask, "draft": DraftTask, "eagle_stop": EagleStopTask}
+TASKS: dict[str, type[Task]] = {
+    "acceptance": AcceptanceTask,
+    "verifier": VerifierTask,
+    "judge": JudgeTask,
+    "eagle": EagleTask,
+    "draft": DraftTask,
+    "eagle_stop": EagleStopTask,
+}
 # the algorithms' names, as heads-datagen labels= and heads-decode policy= spell them
 ALIASES = {"specdecpp": "acceptance", "sprinter": "verifier"}
 
@@ -26,6 +31,8 @@ def canonical(head: str) -> str:
 def task_type(head: str) -> type[Task]:
     """The task ``head=`` names; UserError for an unknown name."""
     if canonical(head) not in TASKS:
-        raise UserError(f"head={head!r}: choose acceptance (SpecDec++; alias specdecpp), verifier (SPRINTER; "
-                        "alias sprinter), judge, eagle, draft or eagle_stop")
+        raise UserError(
+            f"head={head!r}: choose acceptance (SpecDec++; alias specdecpp), verifier (SPRINTER; "
+            "alias sprinter), judge, eagle, draft or eagle_stop"
+        )
     return TASKS[canonical(head)]

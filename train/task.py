@@ -17,8 +17,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from specheads.errors import UserError
-
-from .config import TrainConfig
+from specheads.train.config import TrainConfig
 
 EVAL_EPOCH = 0xFFF  # the held-out set's "epoch": its fixed mixing draw, its file in the feature cache
 
@@ -87,12 +86,13 @@ def param_dtype(module: torch.nn.Module) -> torch.dtype:
 
 
 @torch.no_grad()
-def predict(head: torch.nn.Module, examples: list, batch_size: int,
-            inputs: Callable[[list], tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+def predict(
+    head: torch.nn.Module, examples: list, batch_size: int, inputs: Callable[[list], tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The head's logits (fp32) over ``examples``, and the targets ``inputs`` gives with the features."""
     logits, targets = [], []
     for i in range(0, len(examples), batch_size):
-        x, y = inputs(examples[i: i + batch_size])
+        x, y = inputs(examples[i : i + batch_size])
         logits.append(head(x.to(param_dtype(head))).float())
         targets.append(y)
     return torch.cat(logits), torch.cat(targets)
@@ -114,6 +114,11 @@ def auroc_score(metrics: dict) -> float:
 
 def describe(cfg: TrainConfig, manifest: dict, hidden: int, metrics: dict, **fields) -> dict:
     """The exported metadata every head carries, and the family's ``fields`` (feature, label, draft ...)."""
-    return {"hidden_size": hidden, "target": manifest["target"], "sampling": manifest["sampling"],
-            "default_threshold": cfg.threshold, "extra": {"train": metrics, "datagen_seed": manifest.get("seed")},
-            **fields}
+    return {
+        "hidden_size": hidden,
+        "target": manifest["target"],
+        "sampling": manifest["sampling"],
+        "default_threshold": cfg.threshold,
+        "extra": {"train": metrics, "datagen_seed": manifest.get("seed")},
+        **fields,
+    }

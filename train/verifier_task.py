@@ -15,12 +15,11 @@ import torch
 
 from specheads.heads import VerifierHead
 from specheads.outputs import atomic_write_json
-
-from . import verifier as V
-from .config import TrainConfig
-from .draft import Draft, feature_cache, load_draft
-from .loss import weighted_soft_bce
-from .task import EVAL_EPOCH, auroc_score, calibration_metrics, describe, predict, split
+from specheads.train import verifier_data as V
+from specheads.train.config import TrainConfig
+from specheads.train.draft import Draft, feature_cache, load_draft
+from specheads.train.loss import weighted_soft_bce
+from specheads.train.task import EVAL_EPOCH, auroc_score, calibration_metrics, describe, predict, split
 
 
 class VerifierTask:
@@ -29,8 +28,15 @@ class VerifierTask:
     labels = ("sprinter",)
     head_type = "verifier"
 
-    def __init__(self, cfg: TrainConfig, manifest: dict, draft: Draft, train_examples: list, eval_examples: list,
-                 weights: tuple[float, float]):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        manifest: dict,
+        draft: Draft,
+        train_examples: list,
+        eval_examples: list,
+        weights: tuple[float, float],
+    ):
         self.cfg, self.manifest, self.draft = cfg, manifest, draft
         self.train_examples, self.eval_examples = train_examples, eval_examples
         self.weights, self.hidden = weights, draft.hidden
@@ -51,17 +57,22 @@ class VerifierTask:
     def setup(cls, cfg: TrainConfig, manifest: dict, acc) -> VerifierTask:
         train_examples, eval_examples = split(V.load_examples(cfg.data_dir), cfg.eval_fraction, cfg.seed)
         draft = load_draft(cfg, acc, manifest)
-        weights = V.class_weights(train_examples, cfg.lam) if cfg.class_weights == "balanced" else (cfg.w_acc, cfg.w_rej)
+        weights = (
+            V.class_weights(train_examples, cfg.lam) if cfg.class_weights == "balanced" else (cfg.w_acc, cfg.w_rej)
+        )
         task = cls(cfg, manifest, draft, train_examples, eval_examples, weights)
         if cfg.features == "cached":  # one file for every epoch (no mixing) and every lambda
-            task.cache = feature_cache(cfg, acc, draft, f"verifier:{cfg.feature}", 0.0, task.features, 1,
-                                       train_examples, eval_examples)
+            task.cache = feature_cache(
+                cfg, acc, draft, f"verifier:{cfg.feature}", 0.0, task.features, 1, train_examples, eval_examples
+            )
         return task
 
     @staticmethod
     def summary(cfg: TrainConfig, metrics: dict) -> str:
-        return (f"verifier AUROC {metrics.get('auroc')}, TPR {metrics.get('tpr_at_eta')} / FPR "
-                f"{metrics.get('fpr_at_eta')} at eta={cfg.threshold:g}")
+        return (
+            f"verifier AUROC {metrics.get('auroc')}, TPR {metrics.get('tpr_at_eta')} / FPR "
+            f"{metrics.get('fpr_at_eta')} at eta={cfg.threshold:g}"
+        )
 
     def build_head(self) -> VerifierHead:
         torch.manual_seed(self.cfg.seed)
@@ -89,10 +100,17 @@ class VerifierTask:
         roc = V.roc_metrics(torch.sigmoid(logits), ratio, cfg.lam, cfg.threshold)
         y = (ratio <= cfg.lam).float()
         w_pos, w_neg = self.weights
-        return {"eval_auroc": roc["auroc"], "eval_weighted_loss": float(weighted_soft_bce(logits, y, w_pos, w_neg)),
-                "eval_tpr_at_eta": roc["tpr_at_eta"], "eval_fpr_at_eta": roc["fpr_at_eta"],
-                "eval_accuracy_at_eta": roc["accuracy_at_eta"], "eval_alpha": roc["alpha"],
-                "eval_tokens": roc["tokens"], "eval_label_mean": roc["label_mean"], **calibration_metrics(logits, y)}
+        return {
+            "eval_auroc": roc["auroc"],
+            "eval_weighted_loss": float(weighted_soft_bce(logits, y, w_pos, w_neg)),
+            "eval_tpr_at_eta": roc["tpr_at_eta"],
+            "eval_fpr_at_eta": roc["fpr_at_eta"],
+            "eval_accuracy_at_eta": roc["accuracy_at_eta"],
+            "eval_alpha": roc["alpha"],
+            "eval_tokens": roc["tokens"],
+            "eval_label_mean": roc["label_mean"],
+            **calibration_metrics(logits, y),
+        }
 
     def _predict(self, head: torch.nn.Module, examples: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits and raw ratios (for metrics at any lambda) of held-out examples."""
@@ -103,9 +121,16 @@ class VerifierTask:
 
     def metadata(self, metrics: dict) -> dict:
         cfg = self.cfg
-        return describe(cfg, self.manifest, self.hidden, metrics, label="ratio", lam=cfg.lam,
-                        draft=self.manifest["draft"],
-                        feature={"model": "draft", "state": "post", "layer": -1, "position": cfg.feature})
+        return describe(
+            cfg,
+            self.manifest,
+            self.hidden,
+            metrics,
+            label="ratio",
+            lam=cfg.lam,
+            draft=self.manifest["draft"],
+            feature={"model": "draft", "state": "post", "layer": -1, "position": cfg.feature},
+        )
 
     def models(self) -> dict[str, tuple]:
         return {"draft": (self.draft.model.dtype, self.draft.device)}
@@ -115,9 +140,13 @@ class VerifierTask:
 
     def companions(self, out: Path) -> list[tuple[str, TrainConfig]]:
         """One more verifier per ``roc_lambdas`` value, on the same data, in ``lambda-<x>/``."""
-        return [(f"roc_lambdas: training the lambda={lam:g} verifier",
-                 replace(self.cfg, lam=lam, roc_lambdas=[], output_dir=str(out / f"lambda-{lam:g}")))
-                for lam in self._lambdas()]
+        return [
+            (
+                f"roc_lambdas: training the lambda={lam:g} verifier",
+                replace(self.cfg, lam=lam, roc_lambdas=[], output_dir=str(out / f"lambda-{lam:g}")),
+            )
+            for lam in self._lambdas()
+        ]
 
     def report(self, out: Path, acc, best: dict) -> dict:
         """``metrics.json`` and ``roc.png`` of the best head and the companions' (main process)."""
@@ -131,12 +160,24 @@ class VerifierTask:
             logits, ratio = self._predict(head, self.eval_examples)
             curves.append(V.roc_metrics(torch.sigmoid(logits), ratio, lam, cfg.threshold))
         curves.sort(key=lambda c: c["lam"])
-        png = V.roc_plot(out / "roc.png", curves, f"SPRINTER verifier ({cfg.feature}) on {Path(self.draft.name).name}\n"
-                                                   f"{curves[0]['tokens']} held-out tokens, eta={cfg.threshold:g}")
+        png = V.roc_plot(
+            out / "roc.png",
+            curves,
+            f"SPRINTER verifier ({cfg.feature}) on {Path(self.draft.name).name}\n"
+            f"{curves[0]['tokens']} held-out tokens, eta={cfg.threshold:g}",
+        )
         main = next(c for c in curves if c["lam"] == cfg.lam)
-        report = {"auroc": main["auroc"], "lam": cfg.lam, "eta": cfg.threshold, "feature": cfg.feature,
-                  "tpr_at_eta": main["tpr_at_eta"], "fpr_at_eta": main["fpr_at_eta"],
-                  "accuracy_at_eta": main["accuracy_at_eta"], "alpha": main["alpha"], "roc_png": str(png),
-                  "by_lambda": {f"{c['lam']:g}": c for c in curves}}
+        report = {
+            "auroc": main["auroc"],
+            "lam": cfg.lam,
+            "eta": cfg.threshold,
+            "feature": cfg.feature,
+            "tpr_at_eta": main["tpr_at_eta"],
+            "fpr_at_eta": main["fpr_at_eta"],
+            "accuracy_at_eta": main["accuracy_at_eta"],
+            "alpha": main["alpha"],
+            "roc_png": str(png),
+            "by_lambda": {f"{c['lam']:g}": c for c in curves},
+        }
         atomic_write_json(out / "metrics.json", report)
         return {k: report[k] for k in ("auroc", "tpr_at_eta", "fpr_at_eta", "alpha", "roc_png")}

@@ -19,9 +19,8 @@ from accelerate.utils import DistributedType
 from safetensors.torch import save_file
 
 from specheads.errors import UserError
-
-from .checkpoint import Checkpoint, fsync, zero_partition_path
-from .optim_state import jsonable, optimizer_state, param_groups, split_state
+from specheads.train.checkpoint import Checkpoint, fsync, zero_partition_path
+from specheads.train.optim_state import jsonable, optimizer_state, param_groups, split_state
 
 
 def enabled(acc) -> bool:
@@ -46,12 +45,18 @@ def configure(acc, batch_size: int, grad_accum: int, hidden: int) -> bool:
     # the head's width (its h x h weights are partitioned, biases kept whole)
     zero_cfg = ds_cfg.setdefault("zero_optimization", {})
     h = hidden
-    for key, value in (("reduce_bucket_size", h * h), ("stage3_prefetch_bucket_size", int(0.9 * h * h)),
-                       ("stage3_param_persistence_threshold", 10 * h)):
+    for key, value in (
+        ("reduce_bucket_size", h * h),
+        ("stage3_prefetch_bucket_size", int(0.9 * h * h)),
+        ("stage3_param_persistence_threshold", 10 * h),
+    ):
         if zero_cfg.get(key, "auto") == "auto":
             zero_cfg[key] = value
-    warnings.filterwarnings("ignore", category=FutureWarning,  # DeepSpeed's collectives, once per call
-                            message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)")
+    warnings.filterwarnings(
+        "ignore",
+        category=FutureWarning,  # DeepSpeed's collectives, once per call
+        message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)",
+    )
     return True
 
 
@@ -86,17 +91,23 @@ def unpartitioned(acc):
 
 # ---- each rank's optimizer partition in its own file, moved into the checkpoint folder ------------
 
+
 def _zero(optimizer):
     zero = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer
     if not hasattr(zero, "single_partition_of_fp32_groups") and not hasattr(zero, "fp32_partitioned_groups_flat"):
-        raise UserError(f"DeepSpeed optimizer {type(zero).__name__} is not a ZeRO optimizer; set zero_stage to 1, "
-                        "2 or 3 in the accelerate config")
+        raise UserError(
+            f"DeepSpeed optimizer {type(zero).__name__} is not a ZeRO optimizer; set zero_stage to 1, "
+            "2 or 3 in the accelerate config"
+        )
     return zero
 
 
 def _scaler_state(scaler) -> dict:
-    return {k: jsonable(v) for k, v in vars(scaler).items()
-            if isinstance(v, (bool, int, float, str)) or (isinstance(v, torch.Tensor) and v.dim() == 0)}
+    return {
+        k: jsonable(v)
+        for k, v in vars(scaler).items()
+        if isinstance(v, (bool, int, float, str)) or (isinstance(v, torch.Tensor) and v.dim() == 0)
+    }
 
 
 def _set_scaler_state(scaler, saved: dict) -> None:
@@ -124,10 +135,14 @@ def save_partition(out_dir: Path, step: int, optimizer, rank: int, world: int) -
         inner = sd[OPTIMIZER_STATE_DICT]
         split_state(inner["state"], "state.", tensors, scalars)
         header["stage"] = "3"
-        header["zero3"] = json.dumps({"param_groups": jsonable(inner["param_groups"]),
-                                      "loss_scaler": _scaler_state(sd[LOSS_SCALER]),
-                                      "dynamic_loss_scale": jsonable(sd["dynamic_loss_scale"]),
-                                      "overflow": jsonable(sd["overflow"])})
+        header["zero3"] = json.dumps(
+            {
+                "param_groups": jsonable(inner["param_groups"]),
+                "loss_scaler": _scaler_state(sd[LOSS_SCALER]),
+                "dynamic_loss_scale": jsonable(sd["dynamic_loss_scale"]),
+                "overflow": jsonable(sd["overflow"]),
+            }
+        )
     else:  # stages 1-2
         parts = zero.single_partition_of_fp32_groups
         for i, part in enumerate(parts):
@@ -150,12 +165,16 @@ def load_partition(ckpt: Checkpoint, optimizer, rank: int, world: int) -> None:
     zero = _zero(optimizer)
     meta, tensors = ckpt.zero_meta, ckpt.zero
     if int(meta["world"]) != world:
-        raise UserError(f"checkpoint {ckpt.path} was written by {meta['world']} DeepSpeed processes, this run has "
-                        f"{world}; resume with num_processes={meta['world']}")
+        raise UserError(
+            f"checkpoint {ckpt.path} was written by {meta['world']} DeepSpeed processes, this run has "
+            f"{world}; resume with num_processes={meta['world']}"
+        )
     stage3 = hasattr(zero, "fp32_partitioned_groups_flat")
     if stage3 != (meta.get("stage") == "3"):
-        raise UserError(f"checkpoint {ckpt.path} was written under ZeRO stage {meta.get('stage', '1-2')}; resume "
-                        "with the same zero_stage in the accelerate config")
+        raise UserError(
+            f"checkpoint {ckpt.path} was written under ZeRO stage {meta.get('stage', '1-2')}; resume "
+            "with the same zero_stage in the accelerate config"
+        )
     scalars = json.loads(meta["scalars"])
     if stage3:
         _load_zero3(zero, tensors, scalars, json.loads(meta["zero3"]), world)
@@ -184,9 +203,13 @@ def _load_zero3(zero, tensors: dict, scalars: dict, extra: dict, world: int) -> 
     _set_scaler_state(zero.loss_scaler, extra["loss_scaler"])
     groups = [tensors[f"fp32.{i}"] for i in range(len(zero.fp32_partitioned_groups_flat))]
     state = optimizer_state(tensors, scalars, prefix="state.")
-    sd = {OPTIMIZER_STATE_DICT: {"state": state, "param_groups": param_groups(extra["param_groups"])},
-          FP32_FLAT_GROUPS: groups, LOSS_SCALER: zero.loss_scaler,
-          "dynamic_loss_scale": extra["dynamic_loss_scale"], "overflow": extra["overflow"]}
+    sd = {
+        OPTIMIZER_STATE_DICT: {"state": state, "param_groups": param_groups(extra["param_groups"])},
+        FP32_FLAT_GROUPS: groups,
+        LOSS_SCALER: zero.loss_scaler,
+        "dynamic_loss_scale": extra["dynamic_loss_scale"],
+        "overflow": extra["overflow"],
+    }
     zero.checkpoint_event_prologue()
     zero.load_state_dict([sd] * world, load_optimizer_states=True, load_from_fp32_weights=True)
     zero.checkpoint_event_epilogue()

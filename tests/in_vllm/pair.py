@@ -18,9 +18,20 @@ def save_pair(root: Path, noise: float = 0.15) -> tuple[Path, Path]:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
-                      eos_token_id=2, pad_token_id=2, initializer_range=0.3, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     draft = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -17,6 +17,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 from pair import save_pair  # noqa: E402
+
 from specheads.vllm import speculative_config  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 13], [1, 7], [1, 20, 21, 22, 3, 4, 5, 6, 7, 8], [1, 5, 9, 13], [1], [1, 14, 3]]
@@ -27,8 +28,17 @@ def _run(target, spec=None):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(target), skip_tokenizer_init=True, dtype="float32", max_model_len=256, max_num_seqs=3,
-              enforce_eager=True, seed=0, disable_log_stats=False, speculative_config=spec)
+    llm = LLM(
+        model=str(target),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=3,
+        enforce_eager=True,
+        seed=0,
+        disable_log_stats=False,
+        speculative_config=spec,
+    )
     params = [SamplingParams(temperature=0.0, max_tokens=n, detokenize=False) for n in MAX_NEW]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
