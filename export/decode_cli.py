@@ -25,7 +25,7 @@ from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError
 from specheads.export import vllm_engine
 from specheads.export.api import Decoder, load_eagle, make_policy, pair_costs
-from specheads.export.decode_config import DecodeConfig, decode_schema, normalize
+from specheads.export.decode_config import DecodeConfig, decode_schema, normalize, upgrade_saved_config
 from specheads.export.shim import (
     COUNTS,
     POLICIES,
@@ -112,6 +112,8 @@ def run(cfg: DecodeConfig) -> int:
     hf_logging.disable_progress_bar()  # our own bar is the one to watch; errors stay one line
     prompts = load_prompt_files(cfg.prompts, limit=cfg.num_prompts, offset=cfg.offset)
     config_yaml = to_yaml(cfg)
+    if upgrade_saved_config(cfg.output_dir, config_yaml):
+        log.info("%s: its config.yaml, written before 0.2, now in the new spelling", cfg.output_dir)
     previous = Path(cfg.output_dir) / "config.yaml"
     same_run = previous.is_file() and previous.read_text(encoding="utf-8") == config_yaml
     out_dir = prepare_output_dir(cfg.output_dir, config_yaml, overwrite=cfg.overwrite)

@@ -12,10 +12,16 @@ from __future__ import annotations
 import functools
 import warnings
 from dataclasses import dataclass, field, fields, make_dataclass, replace
+from pathlib import Path
 from typing import Optional
 
+import yaml
+from omegaconf import OmegaConf
+
+from specheads.config import to_yaml
 from specheads.errors import UserError
 from specheads.export.shim import POLICIES, ModelSpec, SamplingConfig, Settings, policy_class
+from specheads.outputs import atomic_write_text
 
 #: The flat settings before 0.2, by name and type: each is now ``<policy>.<name>`` (``threshold``: the
 #: policy's threshold under one name).
@@ -177,7 +183,7 @@ def policy_settings(cfg) -> Settings:
     values: dict = {}
     for key, value in given.items():
         name = cls.Settings.THRESHOLD if key == "threshold" else key
-        if name not in names and key == "stop":  # drafting by the cost table: never silently dropped
+        if name not in names and key == "stop" and value != "threshold":  # the cost rule: never silently dropped
             cost = [n for n, c in POLICIES.items() if "stop" in {f.name for f in fields(c.Settings)}]
             raise UserError(f"stop={value} applies to policy={' or '.join(cost)}, not policy={cfg.policy}")
         if name not in names:
@@ -218,6 +224,30 @@ def normalize(cfg) -> Settings:
     for key in LEGACY:
         setattr(cfg, key, None)
     return settings
+
+
+def upgrade_saved_config(output_dir: str | Path, config_yaml: str) -> bool:
+    """An output directory written before 0.2 (its ``config.yaml`` in the flat spelling) holding the run that
+    ``config_yaml`` describes: its config is rewritten in the new spelling, so the run resumes there. True
+    when it was upgraded."""
+    path = Path(output_dir) / "config.yaml"
+    if not path.is_file() or path.read_text(encoding="utf-8") == config_yaml:
+        return False
+    try:
+        old = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if not isinstance(old, dict) or not any(old.get(k) is not None for k in LEGACY):
+            return False
+        schema = decode_schema()
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), old))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            normalize(cfg)
+    except Exception:  # noqa: BLE001 - not a config this version reads: another run
+        return False
+    if to_yaml(cfg) != config_yaml:
+        return False
+    atomic_write_text(path, config_yaml)
+    return True
 
 
 DecodeConfig = decode_schema()  # the built-in policies' schema (decode_schema() sees later registrations)

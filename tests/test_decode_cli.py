@@ -383,3 +383,33 @@ def test_batched_decode_writes_what_batch_one_writes(tiny_pair_dirs, prompts_fil
 def test_batched_decode_refusals(tiny_pair_dirs, prompts_file, tmp_path, capsys, extra, message):
     assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "out", *extra)) == 2
     assert message in _one_error_line(capsys)
+
+
+def test_an_output_dir_written_before_0_2_resumes(tiny_pair_dirs, prompts_file, tmp_path, caplog):
+    """A run interrupted under the flat spelling (config.yaml with k: 3, no sd section) resumes under the new
+    one: its config is rewritten in the new spelling and the finished prompts are kept."""
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert main(_args(tiny_pair_dirs, prompts_file, full, "sd.k=3")) == 0
+    assert main(_args(tiny_pair_dirs, prompts_file, cut, "sd.k=3")) == 0
+    saved = yaml.safe_load((cut / "config.yaml").read_text())
+    old = {k: v for k, v in saved.items() if k != "sd"} | {"k": 3, "h": None, "k_max": 20, "stop": "threshold"}
+    (cut / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    lines = (cut / "outputs.jsonl").read_text().splitlines(keepends=True)
+    (cut / "outputs.jsonl").write_text(lines[0])  # interrupted after the first prompt
+    with caplog.at_level(logging.INFO):
+        assert main(_args(tiny_pair_dirs, prompts_file, cut, "sd.k=3")) == 0
+    assert any("resuming: 1 of 3" in r.getMessage() for r in caplog.records)
+    configs = [yaml.safe_load((d / "config.yaml").read_text()) for d in (full, cut)]
+    assert [{k: v for k, v in c.items() if k != "output_dir"} for c in configs][0] == {
+        k: v for k, v in configs[1].items() if k != "output_dir"
+    }
+    assert "k" not in configs[1] and configs[1]["sd"] == {"k": 3}
+    rows = {
+        n: [json.loads(x)["tokens"] for x in (d / "outputs.jsonl").read_text().splitlines()]
+        for n, d in (("full", full), ("cut", cut))
+    }
+    assert rows["cut"] == rows["full"]
+    other = tmp_path / "other"  # a flat config of another run is still another run
+    assert main(_args(tiny_pair_dirs, prompts_file, other, "sd.k=2")) == 0
+    (other / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    assert main(_args(tiny_pair_dirs, prompts_file, other, "sd.k=2")) == 2
