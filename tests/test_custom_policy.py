@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 
 import pytest
+from conftest import decode_args
 
 import specheads
 from specheads.errors import UserError
@@ -67,19 +68,7 @@ def _prompts(tmp_path):
     return path
 
 
-def _common(pair_dirs, prompts, out):
-    t, d = pair_dirs
-    return [
-        f"target.path={t}",
-        "target.gguf_file=null",
-        f"draft.path={d}",
-        "target.device=cpu",
-        "draft.device=cpu",
-        f"prompts={prompts}",
-        f"output_dir={out}",
-        "max_new_tokens=12",
-        "num_prompts=null",
-    ]
+_common = decode_args  # conftest
 
 
 def _tokens(out):

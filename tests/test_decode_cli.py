@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import yaml
-from conftest import WORDS, make_tokenizer, tiny_llama
+from conftest import WORDS, decode_args, make_tokenizer, tiny_llama
 
 from specheads.export import ModelSpec, generate, load_pair
 from specheads.export.decode_cli import main
@@ -26,20 +26,7 @@ def prompts_file(tmp_path):
     return path
 
 
-def _args(pair_dirs, prompts, out, *extra):
-    t, d = pair_dirs
-    return [
-        f"target.path={t}",
-        "target.gguf_file=null",
-        f"draft.path={d}",
-        "target.device=cpu",
-        "draft.device=cpu",
-        f"prompts={prompts}",
-        f"output_dir={out}",
-        "max_new_tokens=12",
-        "num_prompts=null",
-        *extra,
-    ]
+_args = decode_args  # conftest
 
 
 def _one_error_line(capsys) -> str:

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import bigram
+from conftest import bigram, decode_args
 
 from specheads.errors import UserError
 from specheads.export.shim.loop.divergence import divergence
@@ -272,20 +272,7 @@ def test_bad_tau(tau):
         ConfidenceStop(tau)
 
 
-def _decode_args(pair_dirs, prompts, out, *extra):
-    t, d = pair_dirs
-    return [
-        f"target.path={t}",
-        "target.gguf_file=null",
-        f"draft.path={d}",
-        "target.device=cpu",
-        "draft.device=cpu",
-        f"prompts={prompts}",
-        f"output_dir={out}",
-        "max_new_tokens=12",
-        "num_prompts=null",
-        *extra,
-    ]
+_decode_args = decode_args  # conftest
 
 
 @pytest.fixture()
