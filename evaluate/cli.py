@@ -67,6 +67,8 @@ from specheads.evaluate.oracle import (
     rounds_perfect_head,
 )
 from specheads.evaluate.printout import print_summary
+from specheads.evaluate.rows import expand
+from specheads.evaluate.select import family as gated_family
 from specheads.evaluate.sweep import build_decoders, decoder, run_sweep, same_vocab_rows
 from specheads.export.api import fit_context, format_prompt, load_eagle, pair_costs
 from specheads.export.package import read_metadata, set_default_threshold
@@ -175,6 +177,10 @@ def run(cfg: EvalConfig) -> int:
 def _write_defaults(cfg: EvalConfig, summary: dict, out: Path) -> None:
     """Each chosen judge / sprinter threshold into its head file (``write_default=true``)."""
     heads = [("judge", cfg.judge), ("sprinter", cfg.verifier), *((f"judge_{n}", p) for n, p in cfg.judges.items())]
+    for row in cfg.rows:  # rows= of a head-reading policy: the family its rows are gated in
+        names = [name for name, _, settings in expand(row) if settings.get("head")]
+        if names and gated_family(names[0]):
+            heads.append((gated_family(names[0]), expand(row)[0][2]["head"]))
     for family, path in heads:
         entry = summary.get("gated", {}).get("rows", {}).get(family)
         if not path or not entry or entry["row"] is None:

@@ -3,8 +3,9 @@
 - ``policy``: a registered policy (``POLICIES``, a ``register_policy`` one too);
 - ``settings``: its fixed settings, under their own names (``{head: H, k: 10}``);
 - ``sweep``: at most one setting and its values (``{delta: [0.5, 0.9]}``), one configuration per value;
-- ``name``: the row names' prefix (``j`` gives ``j0.5``); without one, ``<policy>-<setting>`` (``margin_stop-
-  margin0.3``), or the policy's name when nothing is swept.
+- ``name``: the row names' prefix (``j`` gives ``j0.5``); without one, the names the reports know for the
+  built-in policies (:func:`default_name`: ``j0.5``, ``fsd-js-0.3``, ``h-cost``), else ``<policy>-<setting>``
+  (``margin_stop-margin0.3``), or the policy's name when nothing is swept.
 
 ``rows=[...]`` in the config gives rows directly; the per-policy fields (``ks``, ``thresholds``, ``etas``,
 ``deltas``, ``topk``, ``fsd_js`` ...) are a shorthand that :func:`shorthand_rows` turns into the same list,
@@ -38,6 +39,38 @@ def parse_tree(spec: str) -> tuple[int, int, int, str]:
         )
     depth, width, nodes = map(int, m.groups()[:3])
     return depth, width, nodes, "cost" if m[4] else "threshold"
+
+
+#: The row-name prefix of the built-in policies the reports know (``{setting}`` filled from the row's settings):
+#: a row of these without ``name`` is named as the shorthand fields name it.
+PREFIX = {
+    "sd": "k",
+    "specdecpp": "h",
+    "sprinter": "s",
+    "judge": "j",
+    "topk_verify": "t",
+    "confidence_stop": "c",
+    "fsd": "fsd-{divergence}-",
+}
+
+
+def default_name(policy: str, fixed: dict, key: str | None) -> str:
+    """A row's prefix (swept) or name (nothing swept) when the row gives none: the reports' names for the
+    built-in policies (``j``, ``fsd-js-``, ``h-cost``, ``tree-4x3x8``, ``v-slem-k2``), else ``<policy>-<setting>``
+    or the policy's name."""
+    if policy == "tree" and key is None:
+        size = f"{fixed.get('k', 4)}x{fixed.get('tree_width', 3)}x{fixed.get('tree_nodes', 8)}"
+        return f"tree-{size}" + ("-cost" if fixed.get("stop") == "cost" else "")
+    if POLICIES[policy].bridge and key is None:
+        return hetero_row(policy, fixed.get("k", 4))
+    prefix = PREFIX.get(policy)
+    if prefix is not None:
+        prefix = prefix.format(divergence=fixed.get("divergence", "js"))
+        if key is None and fixed.get("stop") == "cost":
+            return f"{prefix}-cost"
+        if key is not None:
+            return prefix
+    return f"{policy}-{key}" if key is not None else policy
 
 
 def hetero_row(method: str, k: int) -> str:
@@ -131,9 +164,9 @@ def expand(row: dict) -> list[tuple[str, str, dict]]:
     if len(sweep) > 1:
         raise UserError(f"rows: policy={policy} sweeps {sorted(sweep)}; sweep one setting per row")
     if not sweep:
-        return [(row.get("name") or policy, policy, fixed)]
+        return [(row.get("name") or default_name(policy, fixed, None), policy, fixed)]
     ((key, values),) = sweep.items()
-    prefix = row.get("name") or f"{policy}-{key}"
+    prefix = row.get("name") or default_name(policy, fixed, key)
     return [
         (
             f"{prefix}{num(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v}",

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import perturbed_copy
 
+from specheads.errors import UserError
 from specheads.evaluate.cli import main
 from specheads.evaluate.config import EvalConfig
 from specheads.evaluate.oracle import (
@@ -21,6 +22,7 @@ from specheads.evaluate.oracle import (
 )
 from specheads.evaluate.report import summarize
 from specheads.evaluate.rows import expand
+from specheads.evaluate.select import family
 from specheads.evaluate.sweep import num
 from specheads.export import Engine, GenerationStats, ModelSpec, SamplingConfig, load_pair, save_head
 from specheads.export.shim.costs.cost_table import CostTable
@@ -312,6 +314,36 @@ def test_row_names_keep_every_digit_of_a_setting():
     assert [num(x) for x in (0.99, 1.0, 0.999999, 0.9999999, 0.3)] == ["0.99", "1", "0.999999", "0.9999999", "0.3"]
     rows = {"policy": "specdecpp", "sweep": {"h": [0.9999999, 1.0]}, "name": "h"}
     assert [name for name, _, _ in expand(rows)] == ["h0.9999999", "h1"]
+
+
+def test_rows_of_built_in_policies_get_the_names_the_reports_know():
+    """A row given as rows= (no name) is named as the shorthand fields name it, so gating and the report's
+    sections find it; a policy of one's own gets <policy>-<setting>."""
+    cases = [
+        ({"policy": "judge", "settings": {"head": "J", "k": 10}, "sweep": {"delta": [0.5, 0.99]}}, ["j0.5", "j0.99"]),
+        ({"policy": "sprinter", "settings": {"head": "S"}, "sweep": {"eta": [0.5]}}, ["s0.5"]),
+        ({"policy": "fsd", "settings": {"divergence": "kl"}, "sweep": {"T": [0.3]}}, ["fsd-kl-0.3"]),
+        ({"policy": "topk_verify", "sweep": {"verify_top_k": [2]}}, ["t2"]),
+        ({"policy": "specdecpp", "settings": {"head": "H", "stop": "cost"}}, ["h-cost"]),
+        ({"policy": "confidence_stop", "sweep": {"tau": [0.4]}}, ["c0.4"]),
+        ({"policy": "tree", "settings": {"k": 4, "tree_width": 3, "tree_nodes": 8}}, ["tree-4x3x8"]),
+        ({"policy": "slem", "settings": {"k": 2}}, ["v-slem-k2"]),
+        ({"policy": "sd", "sweep": {"k": [1, 4]}}, ["k1", "k4"]),
+        ({"policy": "judge", "sweep": {"delta": [0.9]}, "name": "j-mined-"}, ["j-mined-0.9"]),
+    ]
+    for row, names in cases:
+        assert [name for name, _, _ in expand(row)] == names, row
+    assert [family(n) for n in ("j0.5", "s0.5", "fsd-kl-0.3", "t2", "j-mined-0.9")] == [
+        "judge",
+        "sprinter",
+        "fsd_kl",
+        "topk_verify",
+        "judge_mined",
+    ]
+    with pytest.raises(UserError, match="sweep one setting per row"):
+        expand({"policy": "judge", "sweep": {"delta": [0.5], "k": [4]}})
+    with pytest.raises(UserError, match="unknown policy"):
+        expand({"policy": "nope"})
 
 
 def _stats_row(new: int, wall: float, drafts: int, sizes: dict[int, int]) -> dict:

@@ -267,8 +267,10 @@ def test_exported_judge_head_decodes(judge_head, tiny_pair_dirs, tmp_path):
     assert 1 <= len(row["tokens"]) <= 10 and row["stats"]["target_calls"] >= 1
 
 
-def test_heads_eval_sweeps_the_judge_over_deltas(judge_head, tiny_pair_dirs, tmp_path):
-    """Judge rows over a delta sweep, top-K verification, SD, accuracy where a grader exists."""
+@pytest.mark.parametrize("spelling", ["shorthand", "rows"])
+def test_heads_eval_sweeps_the_judge_over_deltas(judge_head, tiny_pair_dirs, tmp_path, spelling):
+    """Judge rows over a delta sweep, top-K verification, SD, accuracy where a grader exists; the same run
+    whether the rows come from the shorthand fields or from rows= (named as the reports know them)."""
     from specheads.evaluate.cli import main as eval_main
     from specheads.export import read_metadata
 
@@ -293,11 +295,14 @@ def test_heads_eval_sweeps_the_judge_over_deltas(judge_head, tiny_pair_dirs, tmp
                 "num_prompts=null",
                 "ks=[4]",
                 "head=null",
-                f"judge={head}",
-                "deltas=[0.5,1.0]",
-                "judge_k=4",
-                "topk=[2]",
-                "topk_k=4",
+                *(
+                    [f"judge={head}", "deltas=[0.5,1.0]", "judge_k=4", "topk=[2]", "topk_k=4"]
+                    if spelling == "shorthand"
+                    else [
+                        f"rows=[{{policy: judge, settings: {{head: {head}, k: 4}}, sweep: {{delta: [0.5, 1.0]}}}}, "
+                        "{policy: topk_verify, settings: {k: 4}, sweep: {verify_top_k: [2]}}]"
+                    ]
+                ),
                 "select=max_drop:0.5",
                 "write_default=true",
             ]
