@@ -13,7 +13,7 @@ import functools
 import warnings
 from dataclasses import dataclass, field, fields, make_dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
@@ -22,6 +22,8 @@ from specheads.config import to_yaml
 from specheads.errors import UserError
 from specheads.export.shim import POLICIES, ModelSpec, SamplingConfig, Settings, policy_class
 from specheads.outputs import atomic_write_text
+
+UNSET = "<unset>"  # an old flat setting not given
 
 #: The flat settings before 0.2, by name and type: each is now ``<policy>.<name>`` (``threshold``: the
 #: policy's threshold under one name).
@@ -147,19 +149,22 @@ def _sections() -> tuple[tuple[str, type[Settings]], ...]:
 @functools.cache
 def _schema(sections: tuple[tuple[str, type[Settings]], ...]) -> type:
     own = [(name, s, field(default_factory=s, metadata={"help": f"policy={name}'s settings"})) for name, s in sections]
+    # Typed Any with a sentinel default, so that an explicit null (max_run=null: no cap) is a value given;
+    # policy_settings checks each value against its type in LEGACY.
     old = [
         (
             name,
-            Optional[tp],
+            Any,
             field(
-                default=None,
-                metadata={  # noqa: UP007 - OmegaConf reads Optional
+                default=UNSET,
+                metadata={
                     "help": f"the spelling before 0.2 (warns): write <policy>.{name}= instead",
                     "old": True,
+                    "unset": UNSET,
                 },
             ),
         )
-        for name, tp in LEGACY.items()
+        for name in LEGACY
     ]
     return make_dataclass(
         "DecodeConfig", own + old, bases=(RunConfig,), namespace={"__doc__": RunConfig.__doc__, "__module__": __name__}
@@ -172,6 +177,16 @@ def decode_schema() -> type:
     return _schema(_sections())
 
 
+def _typed(key: str, value):
+    """An old flat setting's value checked against its type (null stays null: ``max_run=null``)."""
+    tp = LEGACY[key]
+    if value is None or (isinstance(value, tp) and not isinstance(value, bool)):
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    raise UserError(f"bad value for {key!r}: {value!r} is not {'an integer' if tp is int else 'a ' + tp.__name__}")
+
+
 def policy_settings(cfg) -> Settings:
     """The chosen policy's settings: its section, with any old flat spelling moved in (a warning shows the new
     spelling; one the policy does not have is ignored, as before, with a warning). Checked."""
@@ -179,7 +194,7 @@ def policy_settings(cfg) -> Settings:
     own = getattr(cfg, cfg.policy, None) if cfg.policy in dict(_sections()) else None
     settings = own if isinstance(own, cls.Settings) else cls.Settings()
     names = {f.name for f in fields(settings)}
-    given = {k: getattr(cfg, k) for k in LEGACY if getattr(cfg, k, None) is not None}
+    given = {k: _typed(k, v) for k in LEGACY if (v := getattr(cfg, k, UNSET)) != UNSET}
     values: dict = {}
     for key, value in given.items():
         name = cls.Settings.THRESHOLD if key == "threshold" else key
@@ -222,7 +237,7 @@ def normalize(cfg) -> Settings:
     if cfg.policy in dict(_sections()):
         setattr(cfg, cfg.policy, settings)
     for key in LEGACY:
-        setattr(cfg, key, None)
+        setattr(cfg, key, UNSET)
     return settings
 
 
@@ -235,7 +250,7 @@ def upgrade_saved_config(output_dir: str | Path, config_yaml: str) -> bool:
         return False
     try:
         old = yaml.safe_load(path.read_text(encoding="utf-8"))
-        if not isinstance(old, dict) or not any(old.get(k) is not None for k in LEGACY):
+        if not isinstance(old, dict) or not any(k in old for k in LEGACY):
             return False
         schema = decode_schema()
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), old))

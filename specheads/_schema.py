@@ -217,7 +217,7 @@ def plain(value: Any) -> Any:
         return {
             f.name: plain(getattr(value, f.name))
             for f in dataclasses.fields(value)
-            if not (f.metadata.get("old") and getattr(value, f.name) is None)
+            if not (f.metadata.get("old") and getattr(value, f.name) == f.metadata.get("unset"))
         }  # an unused old spelling
     if isinstance(value, dict):
         return {str(k): plain(v) for k, v in value.items()}

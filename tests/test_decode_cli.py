@@ -10,6 +10,7 @@ import pytest
 import yaml
 from conftest import WORDS, decode_args, make_tokenizer, tiny_llama
 
+from specheads.errors import UserError
 from specheads.export import ModelSpec, generate, load_pair
 from specheads.export.decode_cli import main
 
@@ -400,3 +401,18 @@ def test_an_output_dir_written_before_0_2_resumes(tiny_pair_dirs, prompts_file, 
     assert main(_args(tiny_pair_dirs, prompts_file, other, "sd.k=2")) == 0
     (other / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
     assert main(_args(tiny_pair_dirs, prompts_file, other, "sd.k=2")) == 2
+
+
+def test_an_old_flat_null_is_a_value_given():
+    """``max_run=null`` (no cap) in the flat spelling before 0.2 reaches the policy as None, not as "unset"; a
+    bad old value is a one-line error."""
+    from specheads.config import load_config
+    from specheads.export.decode_config import decode_schema, policy_settings
+
+    cfg = load_config(decode_schema(), "decode", ["policy=sprinter", "max_run=null", "prompts=p.jsonl"])
+    with pytest.warns(FutureWarning, match="write sprinter.max_run=None"):
+        assert policy_settings(cfg).max_run is None
+    assert policy_settings(load_config(decode_schema(), "decode", ["policy=sprinter"])).max_run == 20
+    bad = load_config(decode_schema(), "decode", ["policy=sd", "k=abc"])
+    with pytest.raises(UserError, match="bad value for 'k': 'abc' is not an integer"):
+        policy_settings(bad)
