@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -121,15 +122,14 @@ class BatchEngine:
             active = [r for r in range(self.rows) if rows[r] is not None]
             if not active:
                 return
-            live: dict[int, _Row] = {r: row for r, row in enumerate(rows) if row is not None}
-            drafting = [r for r in active if self._start_round(live[r], sampling, len(active))]
+            drafting = [r for r in active if self._start_round(cast(_Row, rows[r]), sampling, len(active))]
             if isinstance(drafter, BatchEagleDrafter):
                 drafter.draft(rows, drafting)
             elif drafter is not None:
                 self._draft(rows, drafting, drafter)
             verdicts, cands = self._verify(rows, active, verifier, who)
             for r in active:
-                row = live[r]
+                row = cast(_Row, rows[r])  # an active row
                 if self._commit(row, cands[r], verdicts[r]):
                     yield row.job, self._finish(row, who)
                     rows[r] = None
