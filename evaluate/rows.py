@@ -58,15 +58,20 @@ def default_name(policy: str, fixed: dict, key: str | None) -> str:
     """A row's prefix (swept) or name (nothing swept) when the row gives none: the reports' names for the
     built-in policies (``j``, ``fsd-js-``, ``h-cost``, ``tree-4x3x8``, ``v-slem-k2``), else ``<policy>-<setting>``
     or the policy's name."""
+    defaults = POLICIES[policy].Settings()
+
+    def value(name: str):  # a setting of the row: given, else the policy's default
+        return fixed.get(name, getattr(defaults, name, None))
+
     if policy == "tree" and key is None:
-        size = f"{fixed.get('k', 4)}x{fixed.get('tree_width', 3)}x{fixed.get('tree_nodes', 8)}"
-        return f"tree-{size}" + ("-cost" if fixed.get("stop") == "cost" else "")
+        size = f"{value('k')}x{value('tree_width')}x{value('tree_nodes')}"
+        return f"tree-{size}" + ("-cost" if value("stop") == "cost" else "")
     if POLICIES[policy].bridge and key is None:
-        return hetero_row(policy, fixed.get("k", 4))
+        return hetero_row(policy, value("k"))
     prefix = PREFIX.get(policy)
     if prefix is not None:
-        prefix = prefix.format(divergence=fixed.get("divergence", "js"))
-        if key is None and fixed.get("stop") == "cost":
+        prefix = prefix.format(divergence=value("divergence"))
+        if key is None and value("stop") == "cost":
             return f"{prefix}-cost"
         if key is not None:
             return prefix
