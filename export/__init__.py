@@ -12,8 +12,8 @@ This module keeps the same names under ``specheads.export``; the names in ``_OLD
 import warnings
 
 from specheads.export.api import Decoder, generate, make_policy
-from specheads.export.package import LoadedHead, load_head, read_metadata, save_head
-from specheads.export.shim import (
+from specheads.export.package import LoadedHead, load_head, read_metadata, save_head  # noqa: F401  (importable, not in __all__)
+from specheads.export.shim import (  # noqa: F401  (importable, not in __all__: the engine and its parts)
     POLICIES,
     Engine,
     GenerationStats,
@@ -49,8 +49,6 @@ __all__ = [
     "make_policy",
     "register_policy",
 ]
-# Importable but not part of the interface (left out of __all__): the engine and the head file helpers.
-_INTERNAL = (Engine, GenerationStats, HiddenCapture, Pair, StandardSD, load_model, read_metadata, save_head)
 _OLD = {
     "Generation": ("Result", lambda: Result),
     "build_policy": ("make_policy", lambda: make_policy),
