@@ -199,15 +199,16 @@ def prompts_file(tmp_path):
     return path
 
 
+def pair_args(pair_dirs) -> list[str]:
+    """The tiny pair as any command's arguments: its two directories (no GGUF file), on the CPU."""
+    t, d = pair_dirs
+    return [f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu", "draft.device=cpu"]
+
+
 def decode_args(pair_dirs, prompts, out, *extra):
     """``heads-decode`` arguments on the tiny pair: every prompt of ``prompts``, 12 new tokens, into ``out``."""
-    t, d = pair_dirs
     return [
-        f"target.path={t}",
-        "target.gguf_file=null",
-        f"draft.path={d}",
-        "target.device=cpu",
-        "draft.device=cpu",
+        *pair_args(pair_dirs),
         f"prompts={prompts}",
         f"output_dir={out}",
         "max_new_tokens=12",
@@ -218,13 +219,8 @@ def decode_args(pair_dirs, prompts, out, *extra):
 
 def datagen_args(pair_dirs, prompts, out, *extra):
     """``heads-datagen`` acceptance labels on the tiny pair: chunks of 2 prompts, up to 6 new tokens, sampled."""
-    t, d = pair_dirs
     return [
-        f"target.path={t}",
-        "target.gguf_file=null",
-        f"draft.path={d}",
-        "target.device=cpu",
-        "draft.device=cpu",
+        *pair_args(pair_dirs),
         f"prompts={prompts}",
         f"output_dir={out}",
         "num_prompts=null",
