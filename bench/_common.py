@@ -159,26 +159,56 @@ GATED_KEYS = (
     "sd_reference",
     "tokens_per_s_vs_sd_interval",
     "accepted_per_call_vs_sd_interval",
+    "disagree_by_source",
+    "disagree_upper",
+    "within_gate_on_test",
 )
 
 
-def eval_and_gated(sweep: dict, names: dict[str, str] | None = None) -> dict:
-    """The ``eval`` (graded prompts per source, the interval method) and ``gated`` (per lossy policy, the
-    row ``select=max_drop:X`` chose with its figures, or why none was) keys of a result file. ``gated`` is
-    keyed by the policy's family (``judge``, ``sprinter``, ``topk_verify``, ``fsd_kl`` ...), renamed by
-    ``names`` where given (``{"fsd_kl": "kl_judge"}``)."""
+def eval_and_gated(sweep: dict, names: dict[str, str] | None = None, families: tuple[str, ...] = ()) -> dict:
+    """The ``eval`` (graded prompts per source, the interval method, the gate), ``competence`` (per graded
+    source, the target alone against chance), ``fidelity`` (per lossy row of ``families``, e.g. ``("judge",
+    "fsd_kl")``, matched as prefixes; all lossy rows without) and ``gated`` (per lossy policy, the row ``select=``
+    chose with its figures, or why none was) keys of a result file. ``gated`` is keyed by the policy's family
+    (``judge``, ``sprinter``, ``topk_verify``, ``fsd_kl`` ...), renamed by ``names`` where given
+    (``{"fsd_kl": "kl_judge"}``)."""
     from specheads.evaluate.intervals import DESCRIPTION
+    from specheads.evaluate.select import family
 
     target = sweep.get("accuracy", {}).get("ar", {})
     out = {
         "eval": {
             "arc_prompts": target.get("arc", {}).get("prompts", 0),
             "gsm8k_prompts": target.get("gsm8k", {}).get("prompts", 0),
+            "prompts_by_source": {src: v.get("prompts", 0) for src, v in target.items()},
             "interval": DESCRIPTION,
         }
     }
+    if "competence" in sweep:
+        out["competence"] = sweep["competence"]
+    if "fidelity" in sweep:
+        out["fidelity"] = {
+            row: e
+            for row, e in sweep["fidelity"].items()
+            if family(row) and (not families or family(row).startswith(families))
+        }
     if "gated" in sweep:
-        out["eval"].update({k: sweep["gated"][k] for k in ("max_drop", "calibration_prompts", "test_prompts")})
+        g = sweep["gated"]
+        out["eval"].update(
+            {
+                k: g.get(k)
+                for k in (
+                    "select",
+                    "max_drop",
+                    "max_disagree",
+                    "competent_sources",
+                    "note",
+                    "calibration_prompts",
+                    "test_prompts",
+                )
+                if k in g
+            }
+        )
         out["gated"] = {
             (names or {}).get(family, family): {
                 "family": family,
@@ -186,6 +216,6 @@ def eval_and_gated(sweep: dict, names: dict[str, str] | None = None) -> dict:
                 **({k: e.get(k) for k in GATED_KEYS} if e["row"] else {"reason": e["reason"]}),
                 "calibration": e.get("calibration"),
             }
-            for family, e in sweep["gated"]["rows"].items()
+            for family, e in g["rows"].items()
         }
     return out

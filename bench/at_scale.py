@@ -4,20 +4,23 @@ training_free.json from one ``heads-eval`` sweep.
     python bench/at_scale.py                       # recipe eval_at_scale: 300 ARC-Challenge + 300 GSM8K test prompts
     python bench/at_scale.py eval.num_prompts=8    # a quick look (any heads-eval override, eval. prefix optional)
 
-1. The judge and the SPRINTER verifier: ``heads-pipeline recipe=judge_quickstart`` and
-   ``recipe=sprinter_quickstart`` with ``pipeline.stages=[datagen,train,export]``, each skipped when its
-   exported head is already there (``--retrain`` runs them again).
-2. ``heads-eval recipe=eval_at_scale``: the target alone, SD, the judge at each delta, SPRINTER at each eta,
-   FSD with KL (the training-free KL judge) and JS, top-K verification, batched, every prompt graded, with
-   ``select=max_drop:0.01`` (the fastest threshold per lossy policy whose paired accuracy drop is at most
-   one point at the upper end of its 95% interval, chosen on half the prompts, reported on the other half).
-   A killed run resumes where it stopped.
+1. The judges and the SPRINTER verifier: ``heads-pipeline recipe=judge_mined_quickstart`` (swap-mined labels),
+   ``recipe=judge_quickstart`` (arithmetic labels) and ``recipe=sprinter_quickstart`` with
+   ``pipeline.stages=[datagen,train,export]``, each skipped when its exported head is already there
+   (``--retrain`` runs them again).
+2. ``heads-eval recipe=eval_at_scale``: the target alone, SD, each judge at each delta, SPRINTER, FSD with KL
+   (the training-free KL judge), top-K verification, batched, every prompt graded (the built-in fact
+   questions, ARC-Challenge, GSM8K), with the target's competence per source, each row's fidelity to the
+   target's outputs, and ``select=max_disagree:0.02`` (the fastest threshold per lossy policy whose share of
+   answers that differ from the target's is at most 2% on every graded source at the upper end of its 95%
+   interval, chosen on half the prompts, reported on the other half with its accuracy drop on the sources where
+   the target is competent). A killed run resumes where it stopped.
 3. ``bench/judge.py``, ``bench/sprinter.py`` and ``bench/training_free.py`` with ``--sweep``: each result file
    reports its own rows of the one sweep (so the target-alone and SD rows, timed side by side with the rest,
    are the same in all three).
 
-One configuration costs about 8 minutes on 2 CPU cores at the recipe's settings (600 prompts, 96 new
-tokens for GSM8K, 16 for ARC, batch 16); the recipe's ten cost under an hour and a half.
+One configuration costs about 3 to 6 minutes on 2 CPU cores at the recipe's settings (642 prompts, 96 new
+tokens for GSM8K, 16 for ARC and the facts, batch 16).
 """
 
 from __future__ import annotations
@@ -36,7 +39,12 @@ from specheads.evaluate.cli import main as eval_main
 from specheads.pipeline import main as pipeline_main
 
 ROOT = Path(__file__).resolve().parents[1]
-HEADS = {"judge": ("judge_quickstart", "judge"), "sprinter": ("sprinter_quickstart", "verifier")}
+# result file -> (the recipe whose pipeline trains its head, the head's path in the eval config)
+HEADS = {
+    "judge": ("judge_mined_quickstart", lambda cfg: cfg.judge),
+    "judge_arith": ("judge_quickstart", lambda cfg: (cfg.judges or {}).get("arith")),
+    "sprinter": ("sprinter_quickstart", lambda cfg: cfg.verifier),
+}
 
 
 def main(argv=None) -> int:
@@ -58,7 +66,7 @@ def main(argv=None) -> int:
     if cfg is None:
         return 2
     for recipe, field in [] if args.report_only else HEADS.values():
-        head = getattr(cfg, field)
+        head = field(cfg)
         if head and (args.retrain or not Path(head).is_file()):
             code = pipeline_main(
                 [
@@ -78,7 +86,7 @@ def main(argv=None) -> int:
     ]
     Path(args.results).mkdir(parents=True, exist_ok=True)
     for name, bench in (("judge", judge), ("sprinter", sprinter), ("training_free", training_free)):
-        if name in HEADS and not getattr(cfg, HEADS[name][1]):
+        if name in HEADS and not HEADS[name][1](cfg):
             continue
         out = Path(args.results) / f"{name}.json"
         report = [

@@ -160,7 +160,11 @@ def main(argv=None) -> int:
         "arc_accuracy": {
             k: _acc(acc, c, "arc") for k, c in (("target", "ar"), ("judge", pick), ("draft", "draft"), ("sd", sd))
         },
-        **eval_and_gated(sweep, names={"fsd_kl": "kl_judge", "judge": "judge_mined" if mined else "judge_arith"}),
+        **eval_and_gated(
+            sweep,
+            names={"fsd_kl": "kl_judge", "judge": "judge_mined" if mined else "judge_arith"},
+            families=("judge", "fsd_kl"),
+        ),
     }
     if mined:
         result["mining"] = {

@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         "num_prompts": sweep["num_prompts"],
         "max_new_tokens": sweep["max_new_tokens"],
         "sampling": sweep["sampling"],
-        **eval_and_gated(sweep),
+        **eval_and_gated(sweep, families=("sprinter",)),
         "datagen": {
             k: manifest.get(k)
             for k in ("prompts", "labelled_tokens", "category_shares", "prefixes_per_category", "label_mean_by_lambda")

@@ -190,7 +190,7 @@ def main(argv=None) -> int:
         "topk": [by[f"t{k}"] for k in tf["settings"]["topk"]["values"]],
         "confidence": [by[f"c{num(t)}"] for t in tf["settings"]["confidence"]["taus"]],
         "paper_claim": paper_claim(table, tf["sd_reference"]) if tf["sd_reference"] else None,
-        **eval_and_gated(sweep),
+        **eval_and_gated(sweep, families=("fsd", "topk_verify")),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -95,10 +95,12 @@ def _check(cfg: EvalConfig) -> None:
         parse_select(cfg.select)
     except UserError as exc:
         problems.append(str(exc))
+    if not 0 <= cfg.competence_margin < 1:
+        problems.append(f"competence_margin={cfg.competence_margin} must be in [0, 1) (0.1 = 10 points above chance)")
     if cfg.select and not cfg.accuracy:
-        problems.append("select= chooses by accuracy: set accuracy=true")
+        problems.append("select= chooses by graded answers: set accuracy=true")
     if cfg.write_default and not cfg.select:
-        problems.append("write_default=true writes what select= chooses: set select=max_drop:X")
+        problems.append("write_default=true writes what select= chooses: set select=max_drop:X and/or max_disagree:Y")
     problems += budget_problems("max_new_tokens_by_source", cfg.max_new_tokens_by_source)
     for spec in cfg.trees:
         try:

@@ -190,10 +190,13 @@ def _write_defaults(cfg: EvalConfig, summary: dict, out: Path) -> None:
             entry["threshold"],
             {
                 "command": f"{PROG} select={cfg.select}",
+                "gate": summary["gated"]["select"],  # which bounds chose it
+                "competent_sources": summary["gated"]["competent_sources"],
                 "sweep": str(out / "sweep.json"),
                 "prompts": cfg.prompts,
                 "acc_drop": entry["acc_drop"],
                 "acc_drop_upper": entry["acc_drop_upper"],
+                "disagree_upper": entry.get("disagree_upper"),
                 "tokens_per_s_vs_target": entry["tokens_per_s_vs_target"],
             },
         )

@@ -186,9 +186,29 @@ class EvalConfig:
         default=None,
         metadata={
             "help": (
-                "max_drop:X (e.g. max_drop:0.01): for each lossy policy (judge, sprinter, topk, fsd), "
-                "the fastest row whose accuracy drop against the target alone is <= X at the upper 95% "
-                "bound on the even-indexed prompts, reported on the odd-indexed ones (section gated)"
+                "max_drop:X, max_disagree:Y or both (max_drop:0.01,max_disagree:0.02): for each lossy policy "
+                "(judge, sprinter, topk, fsd), the fastest row whose accuracy drop against the target alone "
+                "(on the sources where the target is competent) is <= X and whose share of answers that differ "
+                "from the target's is <= Y on every graded source, each at the upper 95% bound on the "
+                "even-indexed prompts, reported on the odd-indexed ones (section gated)"
+            )
+        },
+    )
+    competence_margin: float = field(
+        default=0.1,
+        metadata={
+            "help": (
+                "a graded source is informative when the target alone's accuracy lower bound is at least this "
+                "far above chance; max_drop counts only informative sources (section competence)"
+            )
+        },
+    )
+    fidelity: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "the target's teacher-forced log-probability of each row's outputs against its own "
+                "(fidelity.<row>.logprob_gap; one batched target pass per output that differs)"
             )
         },
     )
@@ -199,7 +219,13 @@ class EvalConfig:
     k_max: int = field(default=20, metadata={"help": "specdecpp (and the oracle): most candidates per round"})
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prompts: str = field(
-        default="", metadata={"help": "held-out prompt file(s), comma-separated (JSONL, GSM8K, MT-Bench ...)"}
+        default="",
+        metadata={
+            "help": (
+                "held-out prompt file(s), comma-separated (JSONL, GSM8K, MT-Bench ...); file[500:650] takes rows "
+                "500-649 of that file; specheads:facts is the built-in fact questions"
+            )
+        },
     )
     num_prompts: int | None = field(default=None, metadata={"help": "first N prompts of each file (after offset)"})
     offset: int = 0
@@ -208,7 +234,7 @@ class EvalConfig:
         default_factory=dict,
         metadata={
             "help": (
-                "a smaller budget per prompt source (arc, gsm8k, mt_bench, alpaca, prompt, messages), "
+                "a smaller budget per prompt source (arc, gsm8k, facts, mt_bench, alpaca, prompt, messages), "
                 "e.g. {arc: 16}: ARC needs only the letter"
             )
         },

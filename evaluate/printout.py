@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from specheads.evaluate.competence import describe as describe_competence
+from specheads.evaluate.fidelity import describe as describe_fidelity
 from specheads.evaluate.report import COLUMNS
 from specheads.evaluate.select import describe as describe_gated
 from specheads.export.shim import CostTable
@@ -58,12 +60,17 @@ def print_summary(summary: dict) -> None:
                         f"({v['correct']}/{v['prompts']})"
                         + (
                             f", drop vs target {v['acc_drop']} [{v['acc_drop_low']}, {v['acc_drop_high']}]"
+                            + (" (not informative)" if v.get("acc_drop_informative") is False else "")
                             if "acc_drop" in v
                             else ""
                         )
                         for src, v in per.items()
                     )
                 )
+    if "competence" in summary:
+        print("\n".join(describe_competence(summary["competence"])))
+    if "fidelity" in summary:
+        print("\n".join(describe_fidelity(summary["fidelity"])))
     if "gated" in summary:
         print("\n".join(describe_gated(summary["gated"])))
     for name, c in summary.get("calibration", {}).items():

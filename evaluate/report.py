@@ -229,7 +229,7 @@ def build(
     if cfg.quality:
         add_quality(cfg, pair, prompts, grouped, decoders, summary)
     if cfg.accuracy:
-        add_accuracy(cfg, pair, prompts, grouped, summary)
+        add_accuracy(cfg, pair, prompts, grouped, summary, decoders)
     add_calibration(summary, grouped, out, f"{drafter_name(pair, eagle)} -> {pair.target.name}")
     tf = training_free.section(cfg, summary, grouped)
     if tf is not None:

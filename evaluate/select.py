@@ -11,9 +11,10 @@ biased towards looking good.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from specheads.errors import UserError
-from specheads.evaluate.intervals import paired_difference, paired_ratio, units
+from specheads.evaluate.intervals import mean_interval, paired_difference, paired_ratio, units
 
 # Row names of the lossy policies a threshold trades speed for quality in, and the family each belongs to:
 # FSD is one family per divergence (``fsd_kl`` is the training-free KL judge) and each named judge
@@ -41,18 +42,40 @@ def threshold(row: str) -> float:
     return float(ROW.match(row)["threshold"])
 
 
-def parse(select: str | None) -> float | None:
-    """``"max_drop:0.01"`` -> 0.01; None -> None; anything else is a UserError."""
+@dataclass(frozen=True)
+class Gate:
+    """What ``select=`` asks of a setting: an accuracy-drop bound (on the sources where the target is competent)
+    and/or an answer-disagreement bound (on every graded source), each at the upper end of its interval."""
+
+    max_drop: float | None = None
+    max_disagree: float | None = None
+
+    def __str__(self) -> str:
+        return ",".join(f"{k}:{getattr(self, k)}" for k in GATES if getattr(self, k) is not None)
+
+
+GATES = ("max_drop", "max_disagree")
+
+
+def parse(select: str | None) -> Gate | None:
+    """``"max_drop:0.01"``, ``"max_disagree:0.02"`` or both comma-separated -> a :class:`Gate`; None -> None;
+    anything else is a UserError."""
     if select is None:
         return None
-    key, _, value = select.partition(":")
-    try:
-        drop = float(value)
-    except ValueError:
-        drop = -1.0
-    if key != "max_drop" or not 0 <= drop < 1:
-        raise UserError(f"select={select!r}: expected max_drop:X with 0 <= X < 1 (an accuracy drop, 0.01 = 1 point)")
-    return drop
+    bounds: dict[str, float] = {}
+    for term in str(select).split(","):
+        key, _, value = term.strip().partition(":")
+        try:
+            bound = float(value)
+        except ValueError:
+            bound = -1.0
+        if key not in GATES or key in bounds or not 0 <= bound < 1:
+            raise UserError(
+                f"select={select!r}: expected max_drop:X, max_disagree:Y or both comma-separated, each once, "
+                "with 0 <= X, Y < 1 (0.01 = 1 point of accuracy; 0.02 = 2% of answers changed)"
+            )
+        bounds[key] = bound
+    return Gate(**bounds)
 
 
 def _speed(rows: list[dict], idx: list[int]) -> float:
@@ -60,18 +83,48 @@ def _speed(rows: list[dict], idx: list[int]) -> float:
     return sum(rows[i]["new_tokens"] for i in idx) / time if time else 0.0
 
 
-def choose(candidates: dict[str, dict], max_drop: float) -> str | None:
-    """The fastest candidate (``{"tokens_per_s", "acc_drop_high"}`` each) whose drop's upper bound is at
-    most ``max_drop``; None when no candidate's is."""
-    ok = [n for n, c in candidates.items() if c["acc_drop_high"] is not None and c["acc_drop_high"] <= max_drop]
+def choose(candidates: dict[str, dict], gate: Gate | float) -> str | None:
+    """The fastest candidate (``{"tokens_per_s", "acc_drop_high", "disagree_upper"}`` each) within every bound of
+    ``gate`` (a float: a max_drop bound alone); None when no candidate is."""
+    gate = gate if isinstance(gate, Gate) else Gate(max_drop=gate)
+
+    def within(c: dict) -> bool:
+        for key, bound in (("acc_drop_high", gate.max_drop), ("disagree_upper", gate.max_disagree)):
+            if bound is not None and (c.get(key) is None or c[key] > bound):
+                return False
+        return True
+
+    ok = [n for n, c in candidates.items() if within(c)]
     return max(ok, key=lambda n: candidates[n]["tokens_per_s"]) if ok else None
+
+
+def _figures(idx: list[int], name: str, correct, same, sources, competent: list[str]) -> dict:
+    """On the prompts ``idx``: the accuracy drop against the target over the competent sources' prompts, and per
+    graded source the share of answers that differ from the target's, each with its interval."""
+    drop_idx = [i for i in idx if sources[i] in competent]
+    drop = paired_difference([correct["ar"][i] for i in drop_idx], [correct[name][i] for i in drop_idx])
+    by_source = {}
+    for src in dict.fromkeys(sources[i] for i in idx):
+        d = mean_interval([1 - same[name][i] for i in idx if sources[i] == src])
+        by_source[src] = {"value": d["value"], "low": d["low"], "high": d["high"], "prompts": d["n"]}
+    highs = [d["high"] for d in by_source.values() if d["high"] is not None]
+    return {
+        "acc_drop": drop["value"],
+        "acc_drop_low": drop["low"],
+        "acc_drop_high": drop["high"],
+        "disagree_by_source": by_source,
+        "disagree_upper": max(highs) if highs else None,
+    }
 
 
 def gated(
     grouped: dict[str, list[dict]],
     correct: dict[str, list[int | None]],
-    max_drop: float,
+    gate: Gate | float,
     sd_reference: dict[str, str | None],
+    same: dict[str, list[int | None]] | None = None,
+    sources: list[str] | None = None,
+    competent: list[str] | None = None,
 ) -> dict:
     """The ``gated`` section: per lossy family present, the chosen row (or why none) with its test figures.
 
@@ -79,13 +132,36 @@ def gated(
         grouped: each configuration's rows in prompt order (``new_tokens``, ``wall_time``, ``accepted``,
             ``target_calls``).
         correct: each configuration's 0/1 per prompt (None where no grader fits).
-        max_drop: the largest accepted upper bound of the drop.
+        gate: the bounds (:class:`Gate`; a float: max_drop alone).
         sd_reference: per family (``fsd`` for every FSD divergence, ``judge`` for every judge), the SD row its
             speed is compared with.
+        same: each configuration's 1 where its answer is the target alone's, 0 where not, per prompt (None
+            where no grader fits); needed for max_disagree.
+        sources: each prompt's source (default: one source for all).
+        competent: the sources where the target alone is clearly above chance (default: every source): the
+            accuracy drop counts only their prompts.
     """
+    gate = gate if isinstance(gate, Gate) else Gate(max_drop=gate)
     graded = [i for i, c in enumerate(correct["ar"]) if c is not None]
+    sources = sources or ["graded"] * len(correct["ar"])
+    same = same or {n: [None if c is None else 1 for c in v] for n, v in correct.items()}
+    competent = sorted({sources[i] for i in graded}) if competent is None else list(competent)
     calib, test = graded[0::2], graded[1::2]
-    out = {"max_drop": max_drop, "calibration_prompts": len(calib), "test_prompts": len(test), "rows": {}}
+    out: dict = {
+        "select": str(gate),
+        "max_drop": gate.max_drop,
+        "max_disagree": gate.max_disagree,
+        "competent_sources": competent,
+        "calibration_prompts": len(calib),
+        "test_prompts": len(test),
+        "rows": {},
+    }
+    ignored = sorted({sources[i] for i in graded} - set(competent))
+    if gate.max_drop is not None and ignored:
+        out["note"] = (
+            f"max_drop leaves out {', '.join(ignored)}: the target alone is not clearly above chance there "
+            "(section competence)" + ("; no graded source is left for it" if not competent else "")
+        )
     ar = grouped["ar"]
     families: dict[str, list[str]] = {}
     for n in grouped:
@@ -94,22 +170,20 @@ def gated(
     for fam, names in families.items():
         candidates = {}
         for n in names:
-            drop = paired_difference([correct["ar"][i] for i in calib], [correct[n][i] for i in calib])
-            candidates[n] = {
-                "tokens_per_s": round(_speed(grouped[n], calib), 3),
-                "acc_drop": drop["value"],
-                "acc_drop_high": drop["high"],
-            }
-        pick = choose(candidates, max_drop)
+            f = _figures(calib, n, correct, same, sources, competent)
+            candidates[n] = {"tokens_per_s": round(_speed(grouped[n], calib), 3), **f}
+        pick = choose(candidates, gate)
         entry: dict = {"calibration": candidates, "row": pick}
         if pick is None:
-            entry["reason"] = (
-                f"no setting's accuracy drop is at most {max_drop} at the upper bound on the calibration half"
+            entry["reason"] = f"no setting is within {gate} at the upper bound on the calibration half" + (
+                " (max_drop has no competent source to measure on)"
+                if gate.max_drop is not None and not competent
+                else ""
             )
             out["rows"][fam] = entry
             continue
         rows = grouped[pick]
-        drop = paired_difference([correct["ar"][i] for i in test], [correct[pick][i] for i in test])
+        f = _figures(test, pick, correct, same, sources, competent)
 
         def ratio(num: str, den: str, ref: list[dict]) -> dict:
             if den == "wall_time":  # a batched row's time is its block's share: resample blocks
@@ -126,9 +200,12 @@ def gated(
         vs_target = ratio("new_tokens", "wall_time", ar)
         entry.update(
             threshold=threshold(pick),
-            acc_drop=drop["value"],
-            acc_drop_low=drop["low"],
-            acc_drop_upper=drop["high"],
+            acc_drop=f["acc_drop"],
+            acc_drop_low=f["acc_drop_low"],
+            acc_drop_upper=f["acc_drop_high"],
+            disagree_by_source=f["disagree_by_source"],
+            disagree_upper=f["disagree_upper"],
+            within_gate_on_test=choose({pick: {"tokens_per_s": 0, **f}}, gate) == pick,
             tokens_per_s_vs_target=vs_target["value"],
             tokens_per_s_vs_target_interval=[vs_target["low"], vs_target["high"]],
         )
@@ -149,19 +226,26 @@ def gated(
     return out
 
 
+def _bound(x) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
 def describe(g: dict) -> list[str]:
     """The ``gated`` section as text lines."""
     lines = [
-        f"quality-gated (accuracy drop <= {g['max_drop']} at the upper bound; chosen on {g['calibration_prompts']} "
-        f"prompts, reported on {g['test_prompts']} others):"
+        f"quality-gated ({g.get('select') or 'max_drop:' + str(g['max_drop'])} at the upper bound; chosen on "
+        f"{g['calibration_prompts']} prompts, reported on {g['test_prompts']} others):"
     ]
+    if g.get("note"):
+        lines.append(f"  {g['note']}")
     for fam, e in g["rows"].items():
         if e["row"] is None:
             lines.append(f"  {fam}: none ({e['reason']})")
             continue
         lines.append(
-            f"  {fam}: {e['row']} drop {e['acc_drop']:.4f} [{e['acc_drop_low']:.4f}, "
-            f"{e['acc_drop_upper']:.4f}], tokens/s vs target {e['tokens_per_s_vs_target']:.3f}"
+            f"  {fam}: {e['row']} drop {_bound(e['acc_drop'])} [{_bound(e['acc_drop_low'])}, "
+            f"{_bound(e['acc_drop_upper'])}], disagreement upper {_bound(e.get('disagree_upper'))}, "
+            f"tokens/s vs target {e['tokens_per_s_vs_target']:.3f}"
             + (f", vs {e['sd_reference']} {e['tokens_per_s_vs_sd']:.3f}" if "sd_reference" in e else "")
         )
     return lines

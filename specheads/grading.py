@@ -1,15 +1,18 @@
-"""Answer grading shared by the stages: GSM8K-style final numbers and ARC letters.
+"""Answer grading shared by the stages: GSM8K-style final numbers, ARC letters and single facts.
 
 ``heads-datagen labels=judge`` grades the models' answers to build correct/wrong tuples (its
 arithmetic checker, ``datagen/arith.py``, then localises the first false step of a wrong one);
 ``heads-eval`` grades every configuration's outputs for its accuracy table. A prompt is graded
-when it carries a reference: ARC by the first standalone letter A-E of the answer, a numeric
-reference by the final answer (the number after ``####``, else the last number in the text).
+when it carries a reference: ARC by the first standalone letter A-E of the answer, a fact question
+(:mod:`specheads.facts`) by the first sentence of the answer, a numeric reference by the final answer
+(the number after ``####``, else the last number in the text). :func:`chance` is what guessing scores.
 """
 
 from __future__ import annotations
 
 import re
+
+from specheads import facts
 
 NUMBER = r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+"  # 1,250 / 3.5 / -.5
 _LETTER = re.compile(r"\b([A-E])\b")
@@ -53,6 +56,8 @@ def grade(prompt, text: str) -> bool | None:
         return None
     if prompt.source == "arc":
         return letter(text) == prompt.reference.strip()
+    if prompt.source == "facts":
+        return facts.correct(text, prompt.reference.split(facts.SEPARATOR))
     try:
         float(prompt.reference.replace(",", ""))
     except ValueError:
@@ -83,4 +88,14 @@ def answer(prompt, text: str) -> str | None:
     to compare two outputs' answers; None when there is none or no grader fits the prompt."""
     if grade(prompt, text) is None:
         return None
+    if prompt.source == "facts":
+        return facts.answer(text, prompt.reference.split(facts.SEPARATOR))
     return letter(text) if prompt.source == "arc" else number(text)
+
+
+def chance(prompt) -> float:
+    """The accuracy of guessing on a graded prompt: one over its number of choices (ARC; four when the row
+    does not say), 0 for an open answer (a number, a fact), where no fixed set of answers is there to guess from."""
+    if prompt.source == "arc":
+        return 1.0 / (prompt.choices or 4)
+    return 0.0

@@ -7,7 +7,9 @@ Recognised rows (extra fields are ignored):
 - GSM8K ``{"question", "answer"}``: the reference is the final answer after ``####``;
 - Alpaca ``{"instruction", "input", "output"}`` (usually a JSON array file);
 - MT-Bench ``{"question_id", "turns"}``: the first turn;
-- ARC ``{"question", "choices": {"text", "label"}, "answerKey"}``: lettered choices.
+- ARC ``{"question", "choices": {"text", "label"}, "answerKey"}``: lettered choices;
+- facts ``{"question", "answers": [str, ...]}``: one fact, any of the answers right
+  (:mod:`specheads.facts`; the prompt file ``specheads:facts`` is its built-in question set).
 """
 
 from __future__ import annotations
@@ -18,18 +20,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from specheads.errors import UserError
+from specheads.prompt_spec import budget_problems, split_slice  # noqa: F401 (budget_problems: re-exported)
 
-RECOGNISED = "prompt, messages, question (GSM8K/ARC), instruction (Alpaca), turns (MT-Bench)"
-SOURCES = ("arc", "gsm8k", "mt_bench", "alpaca", "prompt", "messages")  # a Prompt's ``source``, by file format
-
-
-def budget_problems(key: str, budgets: dict) -> list[str]:
-    """One line per bad entry of a per-source response length setting (``{arc: 16}``) named ``key``."""
-    return [
-        f"{key}.{src}={n!r}: expected one of {list(SOURCES)} -> an int >= 1"
-        for src, n in budgets.items()
-        if src not in SOURCES or not isinstance(n, int) or isinstance(n, bool) or n < 1
-    ]
+RECOGNISED = "prompt, messages, question (GSM8K/ARC/facts), instruction (Alpaca), turns (MT-Bench)"
 
 
 _BOM = b"\xef\xbb\xbf"
@@ -48,6 +41,7 @@ class Prompt:
             ``mt_bench`` or ``arc``.
         reference_text: The data set's whole reference response when it has one (GSM8K
             solution, Alpaca output, a ``reference`` field): what text-overlap metrics compare with.
+        choices: The number of choices of a multiple-choice question (ARC), else None.
     """
 
     id: str
@@ -56,6 +50,7 @@ class Prompt:
     reference: str | None = None
     source: str = ""
     reference_text: str | None = None
+    choices: int | None = None
 
 
 def _messages(value: Any, where: str) -> list[dict]:
@@ -104,6 +99,15 @@ def _arc_text(row: dict, where: str) -> str:
     return "\n".join(lines) + "\nAnswer with the letter of the correct choice."
 
 
+def _fact(row: dict, pid: str, where: str) -> Prompt:
+    from specheads.facts import SEPARATOR
+
+    answers = row["answers"]
+    if not isinstance(answers, list) or not answers or not all(isinstance(a, str) and a.strip() for a in answers):
+        raise UserError(f"{where}: 'answers' must be a non-empty list of non-empty strings, got {_short(answers)}")
+    return Prompt(pid, text=_str_field(row, "question", where), reference=SEPARATOR.join(answers), source="facts")
+
+
 def _to_prompt(row: Any, index: int, stem: str, where: str) -> Prompt:
     """Read one row in whichever recognised layout it has."""
     if not isinstance(row, dict):
@@ -126,7 +130,9 @@ def _to_prompt(row: Any, index: int, stem: str, where: str) -> Prompt:
         return Prompt(pid, text=turns[0], reference=reference, source="mt_bench")
     if "question" in row and "choices" in row:
         ref = reference or (None if row.get("answerKey") is None else str(row["answerKey"]))
-        return Prompt(pid, text=_arc_text(row, where), reference=ref, source="arc")
+        return Prompt(pid, text=_arc_text(row, where), reference=ref, source="arc", choices=len(row["choices"]["text"]))
+    if "question" in row and "answers" in row:
+        return _fact(row, pid, where)
     if "question" in row:
         ref = reference or _gsm8k_reference(row.get("answer"))
         full = row.get("answer") if isinstance(row.get("answer"), str) else reference
@@ -208,9 +214,18 @@ def iter_prompts(path: str | Path, limit: int | None = None, offset: int = 0) ->
         UserError: Missing, empty or non-UTF-8 file, invalid JSON or an unrecognised row
             (naming the file and line), raised when the reader reaches it.
     """
-    path = Path(path)
     if limit is not None and limit < 0 or offset < 0:
         raise UserError(f"limit and offset must be >= 0, got limit={limit}, offset={offset}")
+    if str(path) == "specheads:facts":  # the built-in fact questions
+        from specheads.facts import rows
+
+        items = rows()
+        if offset >= len(items) and limit != 0:
+            raise UserError(f"specheads:facts has {len(items)} questions, none after offset={offset}; lower offset")
+        for i, row in enumerate(items[offset : None if limit is None else offset + limit], start=offset):
+            yield _fact(row, row["id"], f"specheads:facts row {i}")
+        return
+    path = Path(path)
     if not path.exists():
         raise UserError(f"prompt file {str(path)!r} not found; check the path (relative paths start at {Path.cwd()})")
     if path.is_dir():
@@ -257,12 +272,14 @@ def _paths(spec: str) -> list[str]:
 def iter_prompt_files(spec: str, limit: int | None = None, offset: int = 0) -> Iterator[Prompt]:
     """:func:`load_prompt_files`, one prompt at a time (bounded memory for JSONL files)."""
     for path in _paths(spec):
-        yield from iter_prompts(path, limit=limit, offset=offset)
+        path, n, start = split_slice(path, limit, offset)
+        yield from iter_prompts(path, limit=n, offset=start)
 
 
 def load_prompt_files(spec: str, limit: int | None = None, offset: int = 0) -> list[Prompt]:
     """Prompts from one file or several, comma-separated (``a.jsonl,b.json``), concatenated in order.
 
-    ``limit`` and ``offset`` apply to each file; ids stay unique (``<file stem>-<row>``).
+    ``limit`` and ``offset`` apply to each file, unless its name ends in a slice (``b.jsonl[500:650]``: rows
+    500 to 649 of that file); ids stay unique (``<file stem>-<row>``).
     """
     return list(iter_prompt_files(spec, limit, offset))

@@ -8,7 +8,7 @@ import pytest
 
 from specheads.errors import UserError
 from specheads.evaluate.intervals import mean_interval, paired_difference, paired_ratio, ratio_interval, speed_intervals
-from specheads.evaluate.select import choose, gated, parse
+from specheads.evaluate.select import Gate, choose, gated, parse
 
 
 def test_the_interval_of_a_proportion_matches_the_normal_approximation():
@@ -125,11 +125,82 @@ def test_every_fsd_divergence_gets_its_own_threshold_and_the_sd_reference():
     assert rows["fsd_kl"]["tokens_per_s_vs_sd"] == pytest.approx(1.6)
 
 
-@pytest.mark.parametrize("bad", ["max_drop", "max_drop:x", "drop:0.01", "max_drop:1.5", "max_drop:-0.1"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "max_drop",
+        "max_drop:x",
+        "drop:0.01",
+        "max_drop:1.5",
+        "max_drop:-0.1",
+        "max_disagree:2",
+        "max_drop:0.01,max_drop:0.02",
+        "max_drop:0.01;max_disagree:0.02",
+    ],
+)
 def test_select_spelling(bad):
-    assert parse("max_drop:0.01") == 0.01 and parse(None) is None
-    with pytest.raises(UserError, match="max_drop:X"):
+    assert parse("max_drop:0.01") == Gate(max_drop=0.01) and parse(None) is None
+    assert parse("max_disagree:0.02") == Gate(max_disagree=0.02)
+    both = parse("max_drop:0.01, max_disagree:0.02")
+    assert both == Gate(0.01, 0.02) and str(both) == "max_drop:0.01,max_disagree:0.02"
+    with pytest.raises(UserError, match="max_drop:X, max_disagree:Y"):
         parse(bad)
+
+
+def _answers_study(n=2000):
+    """Two sources of n/2 prompts each: ``facts`` (the target right on all) and ``arc`` (the target right on none,
+    as at chance). j0.2 (2x the target's speed) keeps every fact but changes half the ARC answers to other wrong
+    ones: no accuracy lost anywhere. j0.6 (1.5x) changes the answer of one ARC prompt in 200."""
+    sources = ["facts" if i < n // 2 else "arc" for i in range(n)]
+    grouped = {
+        "ar": _rows(n, 10, 1.0, calls=10),
+        "k4": _rows(n, 10, 0.8, accepted=6, calls=4),
+        "j0.2": _rows(n, 10, 0.5, accepted=8, calls=2),
+        "j0.6": _rows(n, 10, 2 / 3, accepted=7, calls=3),
+    }
+    correct = {k: [int(s == "facts") for s in sources] for k in grouped}
+    same = {
+        "ar": [1] * n,
+        "k4": [1] * n,
+        "j0.2": [0 if s == "arc" and i % 4 < 2 else 1 for i, s in enumerate(sources)],
+        "j0.6": [0 if s == "arc" and i % 400 in (3, 4) else 1 for i, s in enumerate(sources)],
+    }
+    return grouped, correct, same, sources
+
+
+def test_max_disagree_refuses_a_setting_that_changes_answers_without_losing_accuracy():
+    """The accuracy gate cannot see j0.2 change half of ARC's answers (all wrong either way); the agreement gate
+    does, on the source where it happens, and picks j0.6."""
+    grouped, correct, same, sources = _answers_study()
+    by_drop = gated(grouped, correct, Gate(max_drop=0.01), {"judge": "k4"}, same, sources, ["facts"])
+    assert by_drop["rows"]["judge"]["row"] == "j0.2"
+    g = gated(grouped, correct, Gate(max_disagree=0.02), {"judge": "k4"}, same, sources, ["facts"])
+    e = g["rows"]["judge"]
+    assert e["row"] == "j0.6" and e["within_gate_on_test"] and e["disagree_upper"] <= 0.02
+    worst = e["calibration"]["j0.2"]["disagree_by_source"]
+    assert worst["arc"]["value"] == pytest.approx(0.5, abs=0.05) and worst["facts"]["value"] == 0.0
+    assert set(e["disagree_by_source"]) == {"facts", "arc"} and g["select"] == "max_disagree:0.02"
+    # both gates: each bound must hold
+    both = gated(grouped, correct, Gate(0.01, 0.02), {"judge": "k4"}, same, sources, ["facts"])
+    assert both["rows"]["judge"]["row"] == "j0.6"
+    strict = gated(grouped, correct, Gate(max_disagree=0.0), {"judge": "k4"}, same, sources, ["facts"])
+    assert strict["rows"]["judge"]["row"] is None and "max_disagree:0.0" in strict["rows"]["judge"]["reason"]
+
+
+def test_max_drop_counts_only_the_sources_where_the_target_is_competent():
+    """j0.2 now loses every ARC prompt the target got right on ARC, where the target is not competent: the drop
+    over the competent source (facts) is 0, so max_drop picks it, and the gate says which source it left out.
+    With no competent source max_drop has nothing to measure and chooses nothing."""
+    grouped, correct, same, sources = _answers_study()
+    correct["ar"] = [1] * len(sources)  # the target right everywhere, j0.2 wrong on every ARC prompt
+    correct["k4"] = correct["j0.6"] = list(correct["ar"])
+    g = gated(grouped, correct, Gate(max_drop=0.01), {"judge": "k4"}, same, sources, ["facts"])
+    assert g["rows"]["judge"]["row"] == "j0.2" and g["rows"]["judge"]["acc_drop_upper"] == 0.0
+    assert "leaves out arc" in g["note"] and g["competent_sources"] == ["facts"]
+    everywhere = gated(grouped, correct, Gate(max_drop=0.01), {"judge": "k4"}, same, sources, ["facts", "arc"])
+    assert everywhere["rows"]["judge"]["row"] == "j0.6"
+    none = gated(grouped, correct, Gate(max_drop=0.01), {"judge": "k4"}, same, sources, [])
+    assert none["rows"]["judge"]["row"] is None and "no competent source" in none["rows"]["judge"]["reason"]
 
 
 def test_batched_time_resamples_blocks_not_prompts():

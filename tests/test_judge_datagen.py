@@ -303,7 +303,8 @@ def test_heads_eval_sweeps_the_judge_over_deltas(judge_head, tiny_pair_dirs, tmp
                         "{policy: topk_verify, settings: {k: 4}, sweep: {verify_top_k: [2]}}]"
                     ]
                 ),
-                "select=max_drop:0.5",
+                "select=max_drop:0.5,max_disagree:0.9",
+                "competence_margin=0",  # the random tiny target is at chance: trust its accuracy anyway
                 "write_default=true",
             ]
         )
@@ -312,6 +313,10 @@ def test_heads_eval_sweeps_the_judge_over_deltas(judge_head, tiny_pair_dirs, tmp
     summary = json.loads((ev / "sweep.json").read_text())
     by = {r["config"]: r for r in summary["table"]}
     assert set(by) == {"ar", "draft", "k4", "t2", "j0.5", "j1"}
+    assert summary["competence"]["gsm8k"]["informative"] and summary["competence"]["gsm8k"]["chance"] == 0.0
+    assert set(summary["fidelity"]) == {"k4", "t2", "j0.5", "j1"}  # every row but the target and the draft alone
+    assert summary["fidelity"]["j1"]["exact_match"]["value"] == 1.0  # delta = 1 is SD: the target's outputs
+    assert summary["fidelity"]["j1"]["logprob_gap"]["value"] == 0.0
     rows = [json.loads(x) for x in (ev / "rows.jsonl").read_text().splitlines()]
     toks = {(r["index"], r["config"]): r["tokens"] for r in rows}
     assert all(toks[(i, "j1")] == toks[(i, "k4")] for i in range(3))  # delta = 1 is SD at the same K
@@ -329,7 +334,9 @@ def test_heads_eval_sweeps_the_judge_over_deltas(judge_head, tiny_pair_dirs, tmp
     assert chosen["row"] in ("j0.5", "j1") and chosen["sd_reference"] == "k4" and chosen["written_to"] == str(head)
     meta = read_metadata(head)
     assert meta["default_threshold"] == chosen["threshold"]
-    assert meta["default_threshold_chosen_by"]["command"] == "heads-eval select=max_drop:0.5"
+    chosen_by = meta["default_threshold_chosen_by"]
+    assert chosen_by["command"] == "heads-eval select=max_drop:0.5,max_disagree:0.9"
+    assert chosen_by["gate"] == "max_drop:0.5,max_disagree:0.9" and chosen_by["competent_sources"] == ["gsm8k"]
     assert gated["rows"]["topk_verify"]["row"] == "t2" or gated["rows"]["topk_verify"]["row"] is None
 
 
@@ -362,6 +369,7 @@ def test_named_judges_sweep_side_by_side_and_gate_apart(judge_head, tiny_pair_di
         "deltas=[1.0]",
         "judge_k=4",
         "select=max_drop:0.5",
+        "competence_margin=0",
         "write_default=true",
         "quality=false",
     ]

@@ -1,0 +1,136 @@
+"""Fidelity to the target: how far each row's outputs moved from the target alone's, prompt by prompt.
+
+Accuracy only tells where the target is competent (:mod:`.competence`); fidelity tells everywhere. For every
+row but the target alone and the draft alone, paired by prompt with the target's output, each with its 95%
+bootstrap interval (:mod:`.intervals`):
+
+* ``agreement``: per graded source, the share of prompts whose answer (:func:`specheads.grading.answer`: the
+  ARC letter, the final number, the fact) is the target's; two outputs without an answer agree;
+* ``exact_match``: the share of prompts whose whole output is the target's, token for token;
+* ``rouge_l``: ROUGE-L F-measure (``rouge-score``) of the output against the target's;
+* ``logprob_gap``: the target's mean log-probability per token of the row's output minus that of its own
+  output, teacher-forced on the prompt (:func:`mean_logprobs`, batched). 0 where the outputs are equal,
+  negative where the row wrote what the target finds less likely; it needs no grader.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specheads.evaluate.intervals import mean_interval
+
+BATCH_TOKENS = 4096  # tokens per teacher-forced forward
+
+
+@torch.no_grad()
+def mean_logprobs(model, items: list[tuple[list[int], list[int]]], pad: int, batch_tokens: int = BATCH_TOKENS):
+    """For each ``(prompt_ids, output_ids)``, the model's mean log-probability per output token, teacher-forced
+    (None for an empty output). Sequences are grouped by length, at most ``batch_tokens`` padded tokens a forward;
+    the vocabulary projection runs on the output positions only."""
+    out: list[float | None] = [None] * len(items)
+    order = sorted((i for i, (_, o) in enumerate(items) if o), key=lambda i: len(items[i][0]) + len(items[i][1]))
+    device = next(model.parameters()).device
+    head = model.get_output_embeddings()
+    body = getattr(model, "model", None)
+    start = 0
+    while start < len(order):
+        width = len(items[order[start]][0]) + len(items[order[start]][1])
+        stop = start + 1
+        while stop < len(order):
+            longest = len(items[order[stop]][0]) + len(items[order[stop]][1])
+            if longest * (stop - start + 1) > batch_tokens:
+                break
+            width, stop = longest, stop + 1
+        part = order[start:stop]
+        ids = torch.full((len(part), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(part), width), dtype=torch.long)
+        for row, i in enumerate(part):
+            seq = items[i][0] + items[i][1]
+            ids[row, : len(seq)] = torch.tensor(seq)
+            mask[row, : len(seq)] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        if body is not None and head is not None:
+            states = body(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        else:
+            states = None
+            logits_all = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        for row, i in enumerate(part):
+            p, o = items[i]
+            at = torch.arange(len(p) - 1, len(p) + len(o) - 1, device=device)  # the positions predicting o
+            logits = head(states[row, at]) if states is not None else logits_all[row, at]
+            lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, torch.tensor(o, device=device)[:, None])
+            out[i] = float(lp.mean())
+        start = stop
+    return out
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+def _interval(values: list[float]) -> dict:
+    m = mean_interval(values)
+    return {"value": _round(m["value"]), "low": _round(m["low"]), "high": _round(m["high"]), "prompts": m["n"]}
+
+
+def _rouge_l(candidates: list[str], references: list[str]) -> list[float]:
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    return [scorer.score(r, c)["rougeL"].fmeasure if (r or c) else 1.0 for c, r in zip(candidates, references)]
+
+
+def fidelity(
+    names: list[str],
+    grouped: dict[str, list[dict]],
+    texts: dict[str, list[str]],
+    same: dict[str, list[int | None]],
+    sources: list[str],
+    logprob=None,
+) -> dict:
+    """The ``fidelity`` section: per row in ``names``, its figures against the target alone (``ar``).
+
+    Args:
+        names: the rows to report.
+        grouped: each configuration's rows in prompt order (``tokens``).
+        texts: each configuration's output texts in prompt order.
+        same: each configuration's 1 / 0 per prompt where its answer is / is not the target's (None: ungraded).
+        sources: each prompt's source.
+        logprob: ``callable(prompt_index, tokens) -> mean log-probability or None`` (the target's, teacher-forced);
+            None leaves the log-probability gap out.
+    """
+    ar = grouped["ar"]
+    out = {}
+    for n in names:
+        rows = grouped[n]
+        entry: dict = {"agreement": {}}
+        for src in dict.fromkeys(s for s, v in zip(sources, same[n]) if v is not None):
+            entry["agreement"][src] = _interval([v for s, v in zip(sources, same[n]) if s == src and v is not None])
+        entry["exact_match"] = _interval([int(r["tokens"] == a["tokens"]) for r, a in zip(rows, ar)])
+        entry["rouge_l"] = _interval(_rouge_l(texts[n], texts["ar"]))
+        if logprob is not None:
+            gaps = []
+            for i, (r, a) in enumerate(zip(rows, ar)):
+                if r["tokens"] == a["tokens"]:
+                    gaps.append(0.0)
+                    continue
+                mine, target = logprob(i, r["tokens"]), logprob(i, a["tokens"])
+                if mine is not None and target is not None:
+                    gaps.append(mine - target)
+            entry["logprob_gap"] = _interval(gaps)
+        out[n] = entry
+    return out
+
+
+def describe(block: dict) -> list[str]:
+    """The ``fidelity`` section as text lines."""
+    lines = []
+    for n, e in block.items():
+        agree = ", ".join(f"{s} {v['value']} [{v['low']}, {v['high']}]" for s, v in e["agreement"].items())
+        gap = e.get("logprob_gap")
+        lines.append(
+            f"fidelity {n}: answers as target's {agree or '-'}; exact match {e['exact_match']['value']}, "
+            f"ROUGE-L {e['rouge_l']['value']}"
+            + (f", log-prob gap {gap['value']} [{gap['low']}, {gap['high']}]" if gap else "")
+        )
+    return lines

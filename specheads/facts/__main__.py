@@ -1,0 +1,3 @@
+from specheads.facts import main
+
+raise SystemExit(main())
