@@ -60,6 +60,62 @@ def section(path: Path) -> list[str]:
     table = data.get("table")
     if isinstance(table, list) and table and all(isinstance(r, dict) for r in table):
         out += _table(table) + [""]
+    return out + _quality(data)
+
+
+def _value(x: dict | None) -> str:
+    """``{"value", "low", "high"}`` as ``v [low, high]``."""
+    if not x or x.get("value") is None:
+        return "-"
+    return f"{_cell(x['value'])} [{_cell(x['low'])}, {_cell(x['high'])}]"
+
+
+def _quality(data: dict) -> list[str]:
+    """The quality blocks of a lossy-policy result file: competence, fidelity and the gated choices."""
+    out = []
+    if isinstance(data.get("competence"), dict):
+        out += ["Competence (the target alone against chance, per graded source):", ""]
+        rows = [
+            {
+                "source": src,
+                "target_accuracy": f"{_cell(c['target_accuracy'])} [{_cell(c['target_accuracy_low'])}, "
+                f"{_cell(c['target_accuracy_high'])}]",
+                "prompts": c["prompts"],
+                "chance": c["chance"],
+                "informative": c["informative"],
+            }
+            for src, c in data["competence"].items()
+        ]
+        out += _table(rows) + [""]
+    if isinstance(data.get("fidelity"), dict) and data["fidelity"]:
+        out += ["Fidelity to the target's outputs (paired by prompt, 95% intervals):", ""]
+        rows = [
+            {
+                "row": row,
+                **{f"agreement {src}": _value(v) for src, v in f["agreement"].items()},
+                "exact_match": _value(f["exact_match"]),
+                "rouge_l": _value(f["rouge_l"]),
+                "logprob_gap": _value(f.get("logprob_gap")),
+            }
+            for row, f in data["fidelity"].items()
+        ]
+        out += _table(rows) + [""]
+    if isinstance(data.get("gated"), dict) and data["gated"]:
+        gate = (data.get("eval") or {}).get("select") or f"max_drop:{(data.get('eval') or {}).get('max_drop')}"
+        out += [f"Gated (`select={gate}`: chosen on one half of the prompts, reported on the other):", ""]
+        rows = [
+            {
+                "policy": name,
+                "row": e.get("row") or "none",
+                "disagree_upper": e.get("disagree_upper"),
+                "acc_drop_upper": e.get("acc_drop_upper"),
+                "accepted_per_call_vs_sd": e.get("accepted_per_call_vs_sd"),
+                "tokens_per_s_vs_sd": e.get("tokens_per_s_vs_sd"),
+                "reason": e.get("reason") or "",
+            }
+            for name, e in data["gated"].items()
+        ]
+        out += _table(rows) + [""]
     return out
 
 

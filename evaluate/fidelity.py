@@ -15,6 +15,9 @@ bootstrap interval (:mod:`.intervals`):
 
 from __future__ import annotations
 
+import copy
+import inspect
+
 import torch
 
 from specheads.evaluate.intervals import mean_interval
@@ -25,42 +28,52 @@ BATCH_TOKENS = 4096  # tokens per teacher-forced forward
 @torch.no_grad()
 def mean_logprobs(model, items: list[tuple[list[int], list[int]]], pad: int, batch_tokens: int = BATCH_TOKENS):
     """For each ``(prompt_ids, output_ids)``, the model's mean log-probability per output token, teacher-forced
-    (None for an empty output). Sequences are grouped by length, at most ``batch_tokens`` padded tokens a forward;
-    the vocabulary projection runs on the output positions only."""
+    (None for an empty output).
+
+    The outputs of one prompt share its forward: the prompt runs once, its key/value cache is repeated for
+    the prompt's outputs, which then run together (right-padded, at most ``batch_tokens`` tokens a forward;
+    a causal model's padding after a sequence cannot change it). The vocabulary projection runs on the
+    output positions only where the model exposes its decoder body (``model.model``)."""
     out: list[float | None] = [None] * len(items)
-    order = sorted((i for i, (_, o) in enumerate(items) if o), key=lambda i: len(items[i][0]) + len(items[i][1]))
     device = next(model.parameters()).device
-    head = model.get_output_embeddings()
     body = getattr(model, "model", None)
-    start = 0
-    while start < len(order):
-        width = len(items[order[start]][0]) + len(items[order[start]][1])
-        stop = start + 1
-        while stop < len(order):
-            longest = len(items[order[stop]][0]) + len(items[order[stop]][1])
-            if longest * (stop - start + 1) > batch_tokens:
-                break
-            width, stop = longest, stop + 1
-        part = order[start:stop]
-        ids = torch.full((len(part), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(part), width), dtype=torch.long)
-        for row, i in enumerate(part):
-            seq = items[i][0] + items[i][1]
-            ids[row, : len(seq)] = torch.tensor(seq)
-            mask[row, : len(seq)] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        if body is not None and head is not None:
-            states = body(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-        else:
-            states = None
-            logits_all = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        for row, i in enumerate(part):
-            p, o = items[i]
-            at = torch.arange(len(p) - 1, len(p) + len(o) - 1, device=device)  # the positions predicting o
-            logits = head(states[row, at]) if states is not None else logits_all[row, at]
-            lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, torch.tensor(o, device=device)[:, None])
-            out[i] = float(lp.mean())
-        start = stop
+    head = model.get_output_embeddings() if body is not None else None
+    cache_kw = "cache" if "cache" in inspect.signature((body or model).forward).parameters else "past_key_values"
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (p, o) in enumerate(items):
+        if o:
+            groups.setdefault(tuple(p), []).append(i)
+    for prompt, members in groups.items():
+        prefix = torch.tensor([list(prompt[:-1])], device=device)
+        cache = None
+        if prefix.shape[1]:
+            first = (body or model)(input_ids=prefix, use_cache=True)
+            cache = getattr(first, "cache", None) or first.past_key_values
+        width = max(len(items[i][1]) for i in members)
+        step = max(1, batch_tokens // width)
+        for start in range(0, len(members), step):
+            part = members[start : start + step]
+            ids = torch.full((len(part), width), pad, dtype=torch.long, device=device)
+            for row, i in enumerate(part):
+                seq = [prompt[-1], *items[i][1][:-1]]
+                ids[row, : len(seq)] = torch.tensor(seq)
+            past = None
+            if cache is not None:
+                past = copy.deepcopy(cache) if start + step < len(members) else cache
+                past.batch_repeat_interleave(len(part))
+            positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + width, device=device)[None].expand(
+                len(part), -1
+            )
+            kwargs = {"input_ids": ids, "position_ids": positions, cache_kw: past, "use_cache": past is not None}
+            if head is not None:
+                states = body(**kwargs).last_hidden_state
+            else:
+                logits_all = model(**kwargs).logits
+            for row, i in enumerate(part):
+                o = items[i][1]
+                logits = head(states[row, : len(o)]) if head is not None else logits_all[row, : len(o)]
+                lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, torch.tensor(o, device=device)[:, None])
+                out[i] = float(lp.mean())
     return out
 
 

@@ -76,9 +76,11 @@ def test_mean_logprobs_equals_one_sequence_at_a_time():
     g = torch.Generator().manual_seed(0)
     items = [
         (torch.randint(3, 40, (n,), generator=g).tolist(), torch.randint(3, 40, (m,), generator=g).tolist())
-        for n, m in ((5, 3), (9, 1), (2, 6), (7, 0), (4, 4))
+        for n, m in ((5, 3), (9, 1), (2, 6), (7, 0), (4, 4), (1, 3))
     ]
-    got = mean_logprobs(model, items, pad=2, batch_tokens=24)
+    shared = items[0][0]  # one prompt's outputs share its cache, over several forwards (batch_tokens)
+    items += [(shared, torch.randint(3, 40, (m,), generator=g).tolist()) for m in (2, 5, 1, 4)]
+    got = mean_logprobs(model, items, pad=2, batch_tokens=12)
     for (p, o), value in zip(items, got):
         if not o:
             assert value is None
