@@ -174,3 +174,17 @@ def test_real_pair_hf_generate_with_a_head_equals_target(real_pair, tmp_path):
         ref = target.generate(x, **kw)
         assert torch.equal(target.generate(x, assistant_model=d.model, custom_generate=assistant, **kw), ref)
         assert assistant.stats.accepted > 0
+
+
+def test_the_shared_target_is_competent_on_the_fact_task(real_pair):
+    """The fact task exists to be graded where the shared target is well above chance (0 for an open answer):
+    the lower bound of its accuracy on 32 of the questions clears 30%."""
+    from specheads.evaluate.intervals import mean_interval
+    from specheads.facts import NAME
+    from specheads.grading import grade
+    from specheads.prompts import load_prompt_files
+
+    prompts = load_prompt_files(NAME, limit=32)
+    target = generate(real_pair, prompts, policy="ar", max_new_tokens=12, batch_size=16)
+    ok = [int(grade(p, r.text)) for p, r in zip(prompts, target)]
+    assert mean_interval(ok)["low"] > 0.3
