@@ -121,6 +121,7 @@ def main(argv=None) -> int:
             "tokens_per_s": r["tokens_per_s"],
             "accepted_per_call": r["accepted_per_call"],
             "tokens_per_call": r["tokens_per_call"],
+            "facts_accuracy": _acc(acc, r["config"], "facts"),
             "gsm8k_accuracy": _acc(acc, r["config"], "gsm8k"),
             "arc_accuracy": _acc(acc, r["config"], "arc"),
             **intervals(sweep, r),
@@ -171,6 +172,9 @@ def main(argv=None) -> int:
         "arc_accuracy": {
             k: _acc(acc, c, "arc") for k, c in (("target", "ar"), ("judge", pick), ("draft", "draft"), ("sd", sd))
         },
+        "facts_accuracy": {
+            k: _acc(acc, c, "facts") for k, c in (("target", "ar"), ("judge", pick), ("draft", "draft"), ("sd", sd))
+        },
         **eval_and_gated(
             sweep,
             names={"fsd_kl": "kl_judge", "judge": "judge_mined" if mined else "judge_arith"},
@@ -197,7 +201,7 @@ def main(argv=None) -> int:
         result["comparison"] = comparison(result["gated"], table, sd)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    cols = ("config", "tokens_per_s", "accepted_per_call", "gsm8k_accuracy", "arc_accuracy")
+    cols = ("config", "tokens_per_s", "accepted_per_call", "facts_accuracy", "gsm8k_accuracy", "arc_accuracy")
     print(" | ".join(cols))
     for r in table:
         print(" | ".join("-" if r[c] is None else str(r[c]) for c in cols))
