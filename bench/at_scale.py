@@ -19,7 +19,7 @@ training_free.json from one ``heads-eval`` sweep.
    reports its own rows of the one sweep (so the target-alone and SD rows, timed side by side with the rest,
    are the same in all three).
 
-One configuration costs about 3 to 6 minutes on 2 CPU cores at the recipe's settings (642 prompts, 96 new
+One configuration costs about 3 to 6 minutes on 2 CPU cores at the recipe's settings (612 prompts, 96 new
 tokens for GSM8K, 16 for ARC and the facts, batch 16).
 """
 
