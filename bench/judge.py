@@ -78,7 +78,7 @@ def comparison(gated: dict, table: list[dict], sd: str | None) -> dict:
         "mined_at_least_1_5x_sd": mined >= 1.5 * sd_row if mined and sd_row else None,
         "mined_vs_kl_accepted_per_call": round(mined / kl, 4) if mined and kl else None,
         "mined_at_least_kl": mined >= kl if mined is not None and kl is not None else None,
-        "note": "a policy without a gated row (none within the drop bound) is left out; see gated.<name>.reason",
+        "note": "a policy without a gated row (none within the gate) is left out; see gated.<name>.reason",
     }
     return out
 
