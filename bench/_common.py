@@ -165,6 +165,10 @@ GATED_KEYS = (
 )
 
 
+# what a result file's ``eval`` block repeats of the sweep's gate
+GATE_KEYS = ("select", "max_drop", "max_disagree", "competent_sources", "note", "calibration_prompts", "test_prompts")
+
+
 def eval_and_gated(sweep: dict, names: dict[str, str] | None = None, families: tuple[str, ...] = ()) -> dict:
     """The ``eval`` (graded prompts per source, the interval method, the gate), ``competence`` (per graded
     source, the target alone against chance), ``fidelity`` (per lossy row of ``families``, e.g. ``("judge",
@@ -194,21 +198,7 @@ def eval_and_gated(sweep: dict, names: dict[str, str] | None = None, families: t
         }
     if "gated" in sweep:
         g = sweep["gated"]
-        out["eval"].update(
-            {
-                k: g.get(k)
-                for k in (
-                    "select",
-                    "max_drop",
-                    "max_disagree",
-                    "competent_sources",
-                    "note",
-                    "calibration_prompts",
-                    "test_prompts",
-                )
-                if k in g
-            }
-        )
+        out["eval"].update({k: g[k] for k in GATE_KEYS if k in g})
         out["gated"] = {
             (names or {}).get(family, family): {
                 "family": family,
