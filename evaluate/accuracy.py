@@ -44,7 +44,8 @@ def output_text(pair, config: str, tokens: list[int]) -> str:
     return tok.decode(tokens, skip_special_tokens=True)
 
 
-def _prompt_ids(cfg, pair, prompts, decoders) -> list[list[int]]:
+def prompt_ids(cfg, pair, prompts, decoders) -> list[list[int]]:
+    """Each prompt's token ids as the sweep decoded it: chat-formatted, cut to the target-alone row's context."""
     from specheads.export.api import fit_context, format_prompt
 
     context = decoders["ar"].context if decoders and "ar" in decoders else None
@@ -57,7 +58,7 @@ def _prompt_ids(cfg, pair, prompts, decoders) -> list[list[int]]:
 def _logprob(cfg, pair, prompts, grouped, names, decoders):
     """The target's teacher-forced mean log-probability per token, for every output of ``names`` that differs
     from the target alone's and for the target's own there, in batched forwards: ``f(prompt_index, tokens)``."""
-    ids = _prompt_ids(cfg, pair, prompts, decoders)
+    ids = prompt_ids(cfg, pair, prompts, decoders)
     ar = grouped["ar"]
     wanted = {}
     for n in names:

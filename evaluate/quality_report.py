@@ -4,9 +4,8 @@ SPRINTER's alpha and its section."""
 from __future__ import annotations
 
 from specheads.evaluate import quality
-from specheads.evaluate.accuracy import output_text
+from specheads.evaluate.accuracy import output_text, prompt_ids
 from specheads.evaluate.sweep import total
-from specheads.export.api import fit_context, format_prompt
 from specheads.export.package import read_metadata
 
 
@@ -34,8 +33,7 @@ def add_quality(cfg, pair, prompts, grouped: dict[str, list[dict]], decoders, su
     if not sprinter:
         return
     pad = tok.pad_token_id if tok.pad_token_id is not None else pair.eos_token_ids[0]
-    ar = decoders["ar"]
-    ids = [fit_context(format_prompt(tok, p, cfg.chat_template), cfg.max_new_tokens, ar.context)[0] for p in prompts]
+    ids = prompt_ids(cfg, pair, prompts, decoders)
     section: dict = {"verifier": cfg.verifier, "max_run": cfg.max_run, "by_eta": {}}
     for row in sprinter:
         rows = grouped[row["config"]]
