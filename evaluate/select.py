@@ -83,10 +83,9 @@ def _speed(rows: list[dict], idx: list[int]) -> float:
     return sum(rows[i]["new_tokens"] for i in idx) / time if time else 0.0
 
 
-def choose(candidates: dict[str, dict], gate: Gate | float) -> str | None:
+def choose(candidates: dict[str, dict], gate: Gate) -> str | None:
     """The fastest candidate (``{"tokens_per_s", "acc_drop_high", "disagree_upper"}`` each) within every bound of
-    ``gate`` (a float: a max_drop bound alone); None when no candidate is."""
-    gate = gate if isinstance(gate, Gate) else Gate(max_drop=gate)
+    ``gate``; None when no candidate is."""
 
     def within(c: dict) -> bool:
         for key, bound in (("acc_drop_high", gate.max_drop), ("disagree_upper", gate.max_disagree)):
@@ -120,7 +119,7 @@ def _figures(idx: list[int], name: str, correct, same, sources, competent: list[
 def gated(
     grouped: dict[str, list[dict]],
     correct: dict[str, list[int | None]],
-    gate: Gate | float,
+    gate: Gate,
     sd_reference: dict[str, str | None],
     same: dict[str, list[int | None]] | None = None,
     sources: list[str] | None = None,
@@ -132,7 +131,7 @@ def gated(
         grouped: each configuration's rows in prompt order (``new_tokens``, ``wall_time``, ``accepted``,
             ``target_calls``).
         correct: each configuration's 0/1 per prompt (None where no grader fits).
-        gate: the bounds (:class:`Gate`; a float: max_drop alone).
+        gate: the bounds.
         sd_reference: per family (``fsd`` for every FSD divergence, ``judge`` for every judge), the SD row its
             speed is compared with.
         same: each configuration's 1 where its answer is the target alone's, 0 where not, per prompt (None
@@ -141,7 +140,6 @@ def gated(
         competent: the sources where the target alone is clearly above chance (default: every source): the
             accuracy drop counts only their prompts.
     """
-    gate = gate if isinstance(gate, Gate) else Gate(max_drop=gate)
     graded = [i for i, c in enumerate(correct["ar"]) if c is not None]
     sources = sources or ["graded"] * len(correct["ar"])
     same = same or {n: [None if c is None else 1 for c in v] for n, v in correct.items()}
@@ -233,7 +231,7 @@ def _bound(x) -> str:
 def describe(g: dict) -> list[str]:
     """The ``gated`` section as text lines."""
     lines = [
-        f"quality-gated ({g.get('select') or 'max_drop:' + str(g['max_drop'])} at the upper bound; chosen on "
+        f"quality-gated ({g['select']} at the upper bound; chosen on "
         f"{g['calibration_prompts']} prompts, reported on {g['test_prompts']} others):"
     ]
     if g.get("note"):

@@ -65,9 +65,9 @@ def test_choose_refuses_a_faster_threshold_whose_bound_exceeds_max_drop():
         "j0.5": {"tokens_per_s": 25.0, "acc_drop_high": 0.010},
         "j0.9": {"tokens_per_s": 20.0, "acc_drop_high": -0.01},
     }
-    assert choose(cands, 0.01) == "j0.5"
-    assert choose(cands, 0.02) == "j0.2"
-    assert choose(cands, -0.02) is None
+    assert choose(cands, Gate(max_drop=0.01)) == "j0.5"
+    assert choose(cands, Gate(max_drop=0.02)) == "j0.2"
+    assert choose(cands, Gate(max_drop=-0.02)) is None
 
 
 def _rows(n, tokens, seconds, accepted=0, calls=1):
@@ -86,7 +86,7 @@ def test_gated_chooses_on_one_half_and_reports_on_the_other():
         "j0.6": _rows(n, 10, 2 / 3, accepted=7, calls=3),
     }
     correct = {"ar": target, "k4": target, "j0.2": [0 if i % 5 == 0 else 1 for i in range(n)], "j0.6": target}
-    g = gated(grouped, correct, 0.01, {"judge": "k4"})
+    g = gated(grouped, correct, Gate(max_drop=0.01), {"judge": "k4"})
     assert (g["calibration_prompts"], g["test_prompts"]) == (200, 200)
     e = g["rows"]["judge"]
     assert e["row"] == "j0.6" and e["threshold"] == 0.6
@@ -94,7 +94,7 @@ def test_gated_chooses_on_one_half_and_reports_on_the_other():
     assert (e["acc_drop"], e["acc_drop_upper"]) == (0.0, 0.0)
     assert e["tokens_per_s_vs_target"] == pytest.approx(1.5) and e["tokens_per_s_vs_sd"] == pytest.approx(1.2)
     assert e["accepted_per_call_vs_sd"] == pytest.approx((7 / 3) / (6 / 4))
-    none = gated(grouped, {**correct, "j0.6": correct["j0.2"]}, 0.01, {"judge": None})["rows"]["judge"]
+    none = gated(grouped, {**correct, "j0.6": correct["j0.2"]}, Gate(max_drop=0.01), {"judge": None})["rows"]["judge"]
     assert none["row"] is None and "no setting" in none["reason"]
 
 
@@ -117,7 +117,7 @@ def test_every_fsd_divergence_gets_its_own_threshold_and_the_sd_reference():
         "fsd-kl-0.3": target,
         "fsd-js-0.1": target,
     }
-    rows = gated(grouped, correct, 0.01, {"fsd": "k4"})["rows"]
+    rows = gated(grouped, correct, Gate(max_drop=0.01), {"fsd": "k4"})["rows"]
     assert set(rows) == {"fsd_kl", "fsd_js"}
     assert (rows["fsd_kl"]["row"], rows["fsd_kl"]["threshold"]) == ("fsd-kl-0.3", 0.3)
     assert (rows["fsd_js"]["row"], rows["fsd_js"]["threshold"]) == ("fsd-js-0.1", 0.1)
