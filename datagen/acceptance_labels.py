@@ -105,8 +105,10 @@ def response_logits(model, prompts: list[list[int]], responses: list[list[int]],
         device = model.get_input_embeddings().weight.device
         ids, mask = pad_batch(seqs, pad, device)
         hid = model.model(input_ids=ids, attention_mask=mask).last_hidden_state  # after the final norm
-        rows = torch.cat([torch.full((len(r),), b) for b, r in enumerate(responses)]).to(device)
-        cols = torch.cat([torch.arange(len(p) - 1, len(p) - 1 + len(r)) for p, r in zip(prompts, responses)]).to(device)
+        # indices on the device the states come out on (a target split over GPUs: its last, not its first)
+        rows = torch.cat([torch.full((len(r),), b) for b, r in enumerate(responses)]).to(hid.device)
+        cols = torch.cat([torch.arange(len(p) - 1, len(p) - 1 + len(r)) for p, r in zip(prompts, responses)])
+        cols = cols.to(hid.device)
         logits = model.get_output_embeddings()(hid[rows, cols])
         return list(logits.split([len(r) for r in responses]))
     first = min(len(p) for p in prompts)
@@ -191,7 +193,7 @@ def label_responses(
     """
     cfg, pair = job.cfg, job.pair
     seed = shards.chunk_seed(cfg.seed, chunk)
-    gen = torch.Generator(device=pair.target.device).manual_seed(seed)
+    gen = torch.Generator(device=pair.target.output_device).manual_seed(seed)  # where p and q meet
     names = (*PER_TOKEN, *extra_columns)
     cols: dict[str, list] = {k: [] for k in (*ACCEPTANCE_COLUMNS, *extra_columns)}
     labelled, skipped = 0, []

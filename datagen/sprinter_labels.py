@@ -25,7 +25,14 @@ import torch
 from specheads.datagen import shards
 from specheads.datagen.labelling import Job, Labelled, Labeller, skip_record
 from specheads.dataset import SPRINTER_COLUMNS, chunk_files
-from specheads.export.shim import SamplingConfig, batch_generate, probs_from_logits, sample_finite, usable_logits
+from specheads.export.shim import (
+    SamplingConfig,
+    batch_generate,
+    probs_from_logits,
+    sample_finite,
+    uniform,
+    usable_logits,
+)
 from specheads.ratio import label_distributions
 from specheads.states import logits_at
 
@@ -82,9 +89,7 @@ def build_contexts(
                 y = sample_finite(probs_from_logits(q_logits, sampling), generator).tolist()
             else:
                 y = q_logits.argmax(-1).tolist()
-            swap = (
-                torch.rand(len(y), generator=generator, device=generator.device if generator else None) < mix_prob
-            ).tolist()
+            swap = (uniform(len(y), torch.device("cpu"), generator) < mix_prob).tolist()
             conts[i] = [yi if s else xi for xi, yi, s in zip(conts[i], y, swap)]
     contexts = []
     for i, (ids, cat) in enumerate(zip(prompts, categories)):
@@ -218,7 +223,7 @@ class SprinterLabeller(Labeller):
     def label_chunk(self, job: Job, items: list, chunk: int) -> Labelled:
         cfg, pair = job.cfg, job.pair
         seed = shards.chunk_seed(cfg.seed, chunk)
-        gen = torch.Generator(device=pair.target.device).manual_seed(seed)
+        gen = torch.Generator(device=pair.target.output_device).manual_seed(seed)  # where p and q meet
         cols: dict[str, list] = {k: [] for k in SPRINTER_COLUMNS}
         labelled, skipped = 0, []
         # Batches hold whole groups of four consecutive prompts (one per category) so that each

@@ -52,7 +52,7 @@ def _policy_head(
         pair=pair,
         sampling=sampling or SamplingConfig(),
         strict=strict,
-        device=model.device,
+        device=model.output_device,  # where the states it reads come out (a split target: its last GPU)
         eagle=eagle.metadata if eagle is not None else None,
     )
     dtype = next(eagle.module.parameters()).dtype if drafts else model.model.dtype

@@ -147,12 +147,14 @@ def logits_at(model, seqs: list[list[int]], positions: list[list[int]], pad: int
     """
     device = model.get_input_embeddings().weight.device
     ids, mask = pad_batch(seqs, pad, device)
-    rows = torch.cat([torch.full((len(p),), b, dtype=torch.long) for b, p in enumerate(positions)]).to(device)
-    cols = torch.cat([torch.tensor(p, dtype=torch.long) - 1 for p in positions]).to(device)
+    rows = torch.cat([torch.full((len(p),), b, dtype=torch.long) for b, p in enumerate(positions)])
+    cols = torch.cat([torch.tensor(p, dtype=torch.long) - 1 for p in positions])
     body = getattr(model, "model", None)
+    # the indices go where the states come out (a model split over GPUs: its last device, not its first)
     if body is not None and callable(body):
         hid = body(input_ids=ids, attention_mask=mask).last_hidden_state
-        logits = model.get_output_embeddings()(hid[rows, cols])
+        logits = model.get_output_embeddings()(hid[rows.to(hid.device), cols.to(hid.device)])
     else:
-        logits = model(input_ids=ids, attention_mask=mask).logits[rows, cols]
+        full = model(input_ids=ids, attention_mask=mask).logits
+        logits = full[rows.to(full.device), cols.to(full.device)]
     return list(logits.split([len(p) for p in positions]))

@@ -26,7 +26,14 @@ from specheads.export.shim.costs.cost_table import PROFILES, CostTable, cost_tab
 from specheads.export.shim.loop.divergence import DIVERGENCES, divergence
 from specheads.export.shim.loop.engine import Engine
 from specheads.export.shim.loop.rounds import Result
-from specheads.export.shim.loop.sampling import SamplingConfig, probs_from_logits, sample, sample_finite, usable_logits
+from specheads.export.shim.loop.sampling import (
+    SamplingConfig,
+    probs_from_logits,
+    sample,
+    sample_finite,
+    uniform,
+    usable_logits,
+)
 from specheads.export.shim.loop.stats import COUNTS, GenerationStats
 from specheads.export.shim.loop.tree_loop import tree_problems
 from specheads.export.shim.policies import (
@@ -57,7 +64,7 @@ from specheads.export.shim.policies import (
     standard_verify,
 )
 from specheads.export.shim.runners.fused import supports
-from specheads.export.shim.runners.hidden import HiddenCapture
+from specheads.export.shim.runners.hidden import HiddenCapture, output_device
 from specheads.export.shim.runners.kernels import describe as describe_kernels
 from specheads.export.shim.runners.kernels import unroute
 from specheads.export.shim.runners.model_runner import make_runner
@@ -96,6 +103,7 @@ __all__ = [
     "probs_from_logits",
     "sample",
     "sample_finite",
+    "uniform",
     "usable_logits",
     "DIVERGENCES",
     "divergence",
@@ -135,6 +143,7 @@ __all__ = [
     "load_pair",
     "make_runner",
     "HiddenCapture",
+    "output_device",
     "supports",
     "context_length",
     "eos_ids",

@@ -151,7 +151,8 @@ def hf_generate(model, prompts, max_new_tokens, sampling, generator, eos, pad) -
             "top_k": sampling.top_k or None,
             "top_p": sampling.top_p,
         }
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator is not None else 0
+        # drawn on the generator's own device: a CUDA generator cannot draw into a CPU tensor
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device)) if generator else 0
         torch.manual_seed(seed)
     gen = model.generate(
         ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos or None, **kwargs

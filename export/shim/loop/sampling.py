@@ -70,10 +70,36 @@ def probs_from_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor
     return warp_logits(logits, cfg).softmax(-1)
 
 
+def on_generator(generator: torch.Generator | None, device: torch.device) -> bool:
+    """Whether draws with ``generator`` can land on ``device`` directly (a CUDA generator draws only into
+    tensors on its own GPU, a CPU one only on the CPU)."""
+    if generator is None:
+        return True
+    g, d = generator.device, torch.device(device)
+    return g.type == d.type and (g.type == "cpu" or (g.index or 0) == (d.index or 0))
+
+
+def multinomial(flat: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """``torch.multinomial(flat, 1)`` drawn with ``generator`` on its own device, the result on ``flat``'s (the
+    same draws wherever ``flat`` lives: a target split over GPUs hands its logits back on its last)."""
+    if on_generator(generator, flat.device):
+        return torch.multinomial(flat, 1, generator=generator)
+    assert generator is not None
+    return torch.multinomial(flat.to(generator.device), 1, generator=generator).to(flat.device)
+
+
+def uniform(n: int, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """``n`` uniforms on ``device``, drawn with ``generator`` on its own device."""
+    if on_generator(generator, device):
+        return torch.rand(n, device=device, generator=generator)
+    assert generator is not None
+    return torch.rand(n, device=generator.device, generator=generator).to(device)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One draw per row of ``probs`` ``[..., V]`` -> ``[...]`` token ids (long)."""
     flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    return multinomial(flat, generator).reshape(probs.shape[:-1])
 
 
 def usable_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -89,4 +115,4 @@ def sample_finite(probs: torch.Tensor, generator: torch.Generator | None) -> tor
     flat = probs.reshape(-1, probs.shape[-1])
     bad = ~(torch.isfinite(flat).all(-1) & (flat.sum(-1) > 0))
     flat = torch.where(bad[:, None], torch.ones_like(flat), flat)
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    return multinomial(flat, generator).reshape(probs.shape[:-1])

@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 import torch
 
 from specheads.export.shim.costs.cost_table import CostTable
-from specheads.export.shim.loop.sampling import SamplingConfig, probs_from_logits, sample
+from specheads.export.shim.loop.sampling import SamplingConfig, probs_from_logits, sample, uniform
 from specheads.export.shim.policies.settings import HeadSpec, Settings
 
 
@@ -264,7 +264,7 @@ def sd_accepts(p: torch.Tensor, q: torch.Tensor, cand: torch.Tensor, generator) 
     draw for draw."""
     n = cand.shape[0]
     idx = torch.arange(n, device=p.device)
-    u = torch.rand(n, device=p.device, generator=generator)
+    u = uniform(n, p.device, generator)
     return u * q[idx, cand] <= p[idx, cand]
 
 

@@ -55,6 +55,7 @@ class Judge(Policy):
         super().__init__(k)
         self.head, self.delta = head, delta
         self._dtype = next(head.parameters()).dtype
+        self._device = next(head.parameters()).device
         self.judge_only = 0
 
     @classmethod
@@ -82,7 +83,8 @@ class Judge(Policy):
             return standard_verify(rnd, logits)
         cand = rnd.candidates(logits.device)
         assert hidden is not None  # target_hidden is set: the engine passes the target's states
-        judge = self.head(hidden[1 : n + 1].to(self._dtype)).float().reshape(n).sigmoid().to(logits.device) > self.delta
+        states = hidden[1 : n + 1].to(self._device, self._dtype)  # the target's states may sit on another GPU
+        judge = self.head(states).float().reshape(n).sigmoid().to(logits.device) > self.delta
         if rnd.sampling.do_sample:
             p = probs_from_logits(logits, rnd.sampling)
             q = torch.stack(rnd.q).to(p.device)

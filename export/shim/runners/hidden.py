@@ -17,6 +17,17 @@ def final_norm(model) -> torch.nn.Module:
     raise UserError(f"cannot find the final norm of {type(model).__name__}; hidden-state heads need one")
 
 
+def output_device(model) -> torch.device:
+    """Where a model's final states and logits come out: the output layer's device (the last GPU of a target
+    split over several by ``device_map``; the embeddings' device otherwise). Tensors that index or are combined
+    with its outputs (row/column indices, a head reading its states) belong there, not on the input device."""
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(out, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.device.type != "meta":
+        return weight.device
+    return model.get_input_embeddings().weight.device
+
+
 class HiddenCapture:
     """Captures the last layer's state before (``pre``) and after (``post``) the final norm.
 
@@ -76,7 +87,9 @@ class AuxCapture:
 
     @property
     def states(self) -> torch.Tensor:
-        return torch.cat([self._seen[i] for i in self.layers], dim=-1)
+        """The captured layers joined; layers that live on different GPUs (a split target) meet on the last's."""
+        last = self._seen[self.layers[-1]].device
+        return torch.cat([self._seen[i].to(last) for i in self.layers], dim=-1)
 
     def remove(self) -> None:
         for h in self._handles:

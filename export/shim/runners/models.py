@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from specheads.errors import UserError
+from specheads.export.shim.runners.hidden import output_device
 from specheads.export.shim.runners.kernels import route
 from specheads.export.shim.runners.model_facts import context_length, eos_ids, pad_batch  # noqa: F401
 from specheads.export.shim.vocab.vocab_pruning import prune, read_ranking, subset_from_ranking, vocab_info
@@ -35,7 +36,8 @@ class ModelSpec:
     )
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer location; defaults to path"})
     dtype: str = field(
-        default="float32", metadata={"help": "float32 | bfloat16 | float16 | auto (bf16 on GPU, else fp32)"}
+        default="auto",
+        metadata={"help": "auto (bf16 on a GPU that supports it, else fp32) | float32 | bfloat16 | float16"},
     )
     device: str = field(default="auto", metadata={"help": "cpu | cuda | cuda:N | auto"})
     device_map: str | None = field(
@@ -80,6 +82,11 @@ class LoadedModel:
     @property
     def device(self) -> torch.device:
         return self.model.get_input_embeddings().weight.device
+
+    @property
+    def output_device(self) -> torch.device:
+        """Where its logits and final states come out (the last GPU of a split model)."""
+        return output_device(self.model)
 
     @property
     def hidden_size(self) -> int:
