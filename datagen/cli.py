@@ -64,6 +64,7 @@ from specheads.export import load_pair
 from specheads.export.shim import context_length
 from specheads.numerics import check_resume, numerics_settings, use_threads, without
 from specheads.outputs import MetricsWriter, holds_other_run, prepare_output_dir
+from specheads.plan import run_plan
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +164,8 @@ def _load(cfg: DatagenConfig, needs_draft: bool) -> Job:
 
 def run(cfg: DatagenConfig) -> int:
     """Labels this process's unfinished chunks, then (main process) writes the manifest."""
+    if cfg.plan:  # before any check against files or any model: the plan reads shapes only
+        return run_plan("datagen", cfg)
     _check(cfg)
     with use_threads(cfg.threads):  # before any model work: the thread count changes the last bits
         return _run(cfg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specheads.export.shim import ModelSpec, SamplingConfig
+from specheads.plan_inputs import PLAN_HELP
 
 PROG = "heads-datagen"
 
@@ -213,6 +214,13 @@ class DatagenConfig:
             )
         },
     )
+    plan: bool = field(default=False, metadata={"help": PLAN_HELP["plan"]})
+    nodes: int = field(default=1, metadata={"help": PLAN_HELP["nodes"]})
+    gpus: int = field(default=8, metadata={"help": PLAN_HELP["gpus"]})
+    gpu_memory_gb: float = field(default=80.0, metadata={"help": PLAN_HELP["gpu_memory_gb"]})
+    gpu_bandwidth_gbs: float = field(default=3350.0, metadata={"help": PLAN_HELP["gpu_bandwidth_gbs"]})
+    tokens_per_s: float | None = field(default=None, metadata={"help": PLAN_HELP["tokens_per_s"]})
+    prompt_tokens: int = field(default=256, metadata={"help": PLAN_HELP["prompt_tokens"]})
     seed: int = 0
     output_dir: str = "runs/datagen"
     overwrite: bool = False

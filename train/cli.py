@@ -31,6 +31,7 @@ from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError
 from specheads.numerics import use_threads
 from specheads.outputs import prepare_output_dir, write_manifest
+from specheads.plan import run_plan
 from specheads.train.config import TrainConfig
 from specheads.train.fsd_data import parse_label
 from specheads.train.registry import canonical, task_type
@@ -84,6 +85,8 @@ def _check(cfg: TrainConfig) -> None:
 
 def run(cfg: TrainConfig) -> int:
     """Validates, prepares the output directory (resuming the same run), trains."""
+    if cfg.plan:  # before any check against files or any model: the plan reads shapes only
+        return run_plan("train", cfg)
     _check(cfg)
     cfg.head = canonical(cfg.head)  # an alias is recorded under the task's own name
     hf_logging.disable_progress_bar()
