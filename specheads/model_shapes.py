@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from specheads.errors import UserError
@@ -120,6 +120,8 @@ def shape_of(spec, role: str) -> Shape:
     Raises:
         UserError: neither a local ``config.json`` nor a known name; the message says how to fix it.
     """
+    if not spec.path:
+        raise UserError(f"plan: {role}.path is not set; pass {role}.path=<a model directory or Hub name>")
     path = Path(str(spec.path)).expanduser()
     config = path / "config.json"
     if config.is_file():
@@ -137,6 +139,16 @@ def shape_of(spec, role: str) -> Shape:
     )
 
 
-def with_vocab(shape: Shape, vocab: int) -> Shape:
-    """The same shape over another vocabulary (a pruned draft output layer keeps the embeddings' size)."""
-    return replace(shape, vocab=vocab)
+def safetensors_params(path: str | Path) -> int:
+    """Parameters in a safetensors file, from its JSON header alone (no tensor is read)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    total = 0
+    for name, info in header.items():
+        if name != "__metadata__":
+            n = 1
+            for dim in info["shape"]:
+                n *= dim
+            total += n
+    return total

@@ -19,9 +19,10 @@ config (this module imports no stage).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from specheads.errors import UserError
-from specheads.model_shapes import Shape, shape_of
+from specheads.model_shapes import Shape, safetensors_params, shape_of
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
 LABEL_COLUMNS = {"acceptance": 3, "fsd": 3, "sprinter": 5, "drafter": 1, "judge": 1, "eagle_rounds": 6}
@@ -101,8 +102,9 @@ def datagen_memory(cfg, batch: int, fp8: bool = False, span: int | None = None) 
     new = cfg.max_new_tokens
     rows = batch * (cfg.prompt_tokens + new)
     weights = {"target": target.params() * tb, "draft": draft.params() * db if draft else 0.0, "head": 0.0}
-    if cfg.labels == "eagle_rounds":
-        weights["head"] = eagle_head_params(target, target.vocab) * act_b
+    if cfg.labels == "eagle_rounds":  # the exported head's own count when it is here, else a full-vocabulary one
+        here = Path(cfg.eagle).is_file() if cfg.eagle else False
+        weights["head"] = (safetensors_params(cfg.eagle) if here else eagle_head_params(target, target.vocab)) * act_b
     models = [(target, act_b)] + ([(draft, max(db, 2))] if draft else [])
     activations = max(rows * layer_values(s) * b for s, b in models)
     kv_target = rows * target.kv_bytes_per_token(act_b)
