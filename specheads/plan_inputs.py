@@ -16,8 +16,8 @@ from specheads.plan_memory import datagen_disk, datagen_rows
 #: Help of the plan's settings, the same on both CLIs' schemas (``DatagenConfig``, ``TrainConfig``).
 PLAN_HELP = {
     "plan": (
-        "print the run's memory per process, disk and time on the cluster below, then stop (loads no model, "
-        "downloads nothing); exit code 2 with one line when it cannot fit"
+        "print the run's memory per process, disk and time on nodes x gpus GPUs of gpu_memory_gb, then stop "
+        "(loads no model, downloads nothing); exit code 2 with one line when it cannot fit"
     ),
     "nodes": "plan: nodes of the cluster",
     "gpus": "plan: GPUs per node",
@@ -27,8 +27,8 @@ PLAN_HELP = {
         "no rate is given or recorded"
     ),
     "tokens_per_s": (
-        "plan: tokens per second of one process (null: the rate an earlier run in output_dir recorded; "
-        "datagen: else the memory-bandwidth bound)"
+        "plan: tokens per second of one process (null: for heads-datagen the rate an earlier run in "
+        "output_dir recorded, else the memory-bandwidth bound; heads-train gives no time without it)"
     ),
     "prompt_tokens": "plan: prompt length in tokens (a forward's rows: batch x (prompt_tokens + max_new_tokens))",
 }
