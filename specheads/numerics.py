@@ -10,6 +10,7 @@ or a checkpoint; :func:`check_resume` warns in one line when a resume differs fr
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -47,13 +48,33 @@ def _name(value: Any) -> str | None:
     return None if value is None else str(value).removeprefix("torch.")
 
 
+def device_kind(value: Any) -> str | None:
+    """A device as the numerics see it: its type without its index (``cuda:3`` -> ``cuda``), and for a
+    GPU visible here its model (``cuda (NVIDIA H100 80GB HBM3)``).
+
+    Which GPU of a node a process runs on changes no result, so one process per GPU records what one
+    process records; the GPU's model (its kernels) can change the last bits, so it is kept.
+    """
+    if value is None:
+        return None
+    text = _name(value)
+    kind = text.split(":", 1)[0]
+    if kind == "cuda" and torch.cuda.is_available():
+        try:
+            return f"cuda ({torch.cuda.get_device_name(torch.device(text))})"
+        except (RuntimeError, AssertionError, ValueError):  # an index this process cannot see
+            return kind
+    return kind
+
+
 def numerics_settings(processes: int | None, dtypes: Mapping[str, Any], devices: Mapping[str, Any]) -> dict:
     """The settings in force now that decide results bit for bit, as JSON-able values.
 
     Args:
         processes: The run's process count (``None`` where it is not known).
         dtypes: Role -> dtype, e.g. ``{"target": torch.float32, "draft": torch.float32}``.
-        devices: Role -> device, e.g. ``{"target": "cpu", "draft": "cpu"}``.
+        devices: Role -> device, e.g. ``{"target": "cpu", "draft": "cuda:0"}`` (recorded by
+            :func:`device_kind`: ``cpu``, ``cuda (<GPU model>)``, never an index).
 
     Returns:
         ``threads`` (``torch.get_num_threads()``), ``processes``, ``dtypes``, ``devices``,
@@ -65,7 +86,7 @@ def numerics_settings(processes: int | None, dtypes: Mapping[str, Any], devices:
             "threads": torch.get_num_threads(),
             "processes": processes,
             "dtypes": {k: _name(v) for k, v in dtypes.items()},
-            "devices": {k: _name(v) for k, v in devices.items()},
+            "devices": {k: device_kind(v) for k, v in devices.items()},
             "torch": torch.__version__,
             "kernel_path": kernel_path() if kernel_path is not None else None,
         }
@@ -111,9 +132,19 @@ def differences(recorded: Mapping[str, Any], current: Mapping[str, Any], ignore:
     """Setting -> (recorded, current) for each differing setting, as dotted paths (``kernel_path.policy``);
     :data:`HISTORY` and ``ignore`` (dotted paths or their prefixes) left out."""
     names = [*HISTORY, *ignore]
-    old, new = _flat(recorded), _flat(current)
+    old, new = _indexless(_flat(recorded)), _indexless(_flat(current))
     keys = [k for k in dict.fromkeys([*old, *new]) if not _skipped(k, names)]
     return {k: (old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)}
+
+
+def _indexless(flat: dict) -> dict:
+    """Devices recorded with an index (``cuda:1``, before :func:`device_kind`) compared without it."""
+    out = dict(flat)
+    for k, v in flat.items():
+        indexed = re.fullmatch(r"(\w+):\d+", v) if k.startswith("devices.") and isinstance(v, str) else None
+        if indexed:
+            out[k] = indexed.group(1)
+    return out
 
 
 def check_resume(
