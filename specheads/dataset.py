@@ -197,7 +197,7 @@ class JudgeChunkFiles:
     ) -> None:
         from safetensors.torch import save_file
 
-        from specheads.outputs import atomic_write_text
+        from specheads.outputs import atomic_write_text, durable_replace
 
         self.features_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.features_path.with_name(f".{self.features_path.name}.{os.getpid()}.tmp")
@@ -205,7 +205,7 @@ class JudgeChunkFiles:
             {"features": features.contiguous(), "labels": labels.contiguous(), "offsets": offsets.contiguous()},
             str(tmp),
         )
-        os.replace(tmp, self.features_path)
+        durable_replace(tmp, self.features_path)  # on disk before the chunk file that marks it done
         for path, lines in ((self.tuples_path, tuples), (self.review_path, review), (self.mined_path, mined)):
             if lines is None:
                 continue
@@ -260,10 +260,12 @@ class DrafterChunkFiles:
     def write(self, tensors: dict) -> None:
         from safetensors.torch import save_file
 
+        from specheads.outputs import durable_replace
+
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-        os.replace(tmp, self.path)
+        durable_replace(tmp, self.path)  # on disk before the chunk file that marks it done
 
     def load(self, skip: tuple[str, ...] = ()) -> dict:
         """Every tensor but those named in ``skip`` (``skip=("states",)``: what a standalone draft reads)."""

@@ -39,6 +39,35 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
+def fsync_dir(path: str | Path) -> None:
+    """Makes the renames and creations inside directory ``path`` durable (where the platform can open a
+    directory; elsewhere a no-op)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # a filesystem that cannot sync a directory (some network mounts)
+        pass
+    finally:
+        os.close(fd)
+
+
+def durable_replace(tmp: str | Path, path: str | Path) -> Path:
+    """Renames the written temporary file ``tmp`` onto ``path``, durably and in order.
+
+    The file's bytes are fsynced before the rename and its directory after it, so after a crash
+    ``path`` is the old file or the whole new one, and whatever is written after this call (e.g. the
+    chunk file that marks a side file's chunk done) cannot outlive it.
+    """
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fsync_dir(Path(path).parent)
+    return Path(path)
+
+
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write ``text`` so that readers see the old file or the whole new one, never a part.
 
@@ -57,6 +86,7 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
     return path
 
 
