@@ -44,6 +44,7 @@ import itertools
 import logging
 import shutil
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -85,6 +86,8 @@ def _check(cfg: DatagenConfig) -> None:
         problems.append(f"offset={cfg.offset} must be >= 0")
     if cfg.threads is not None and cfg.threads < 1:
         problems.append(f"threads={cfg.threads} must be >= 1 (or null: torch's default)")
+    if cfg.dist_timeout_s <= 0:
+        problems.append(f"dist_timeout_s={cfg.dist_timeout_s} must be > 0")
     problems += vllm_responses.problems(cfg)
     if problems:
         raise UserError("; ".join(problems))
@@ -176,7 +179,7 @@ def _run(cfg: DatagenConfig) -> int:
 
     hf_logging.disable_progress_bar()
     family = labeller(cfg.labels)
-    state = PartialState(cpu=not torch.cuda.is_available())
+    state = PartialState(cpu=not torch.cuda.is_available(), timeout=timedelta(seconds=cfg.dist_timeout_s))
     out = _prepare(cfg, state.is_local_main_process)  # one per node: nodes need not share a filesystem
     n_items = family.count(cfg)
     if not n_items:  # e.g. an offset past the end of a tuple file

@@ -214,6 +214,15 @@ class DatagenConfig:
             )
         },
     )
+    dist_timeout_s: int = field(
+        default=1800,
+        metadata={
+            "help": (
+                "seconds a process waits at a collective (a barrier, a gather) for the others before the "
+                "launch fails (the process group's timeout; NCCL's own default is 600)"
+            )
+        },
+    )
     plan: bool = field(default=False, metadata={"help": PLAN_HELP["plan"]})
     nodes: int = field(default=1, metadata={"help": PLAN_HELP["nodes"]})
     gpus: int = field(default=8, metadata={"help": PLAN_HELP["gpus"]})

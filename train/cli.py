@@ -73,6 +73,8 @@ def _check(cfg: TrainConfig) -> None:
         problems.append(f"max_steps={cfg.max_steps} must be >= 1 (or null: no limit)")
     if cfg.threads is not None and cfg.threads < 1:
         problems.append(f"threads={cfg.threads} must be >= 1 (or null: torch's default)")
+    if cfg.dist_timeout_s <= 0:
+        problems.append(f"dist_timeout_s={cfg.dist_timeout_s} must be > 0")
     if cfg.checkpoint_every < 0:
         problems.append(f"checkpoint_every={cfg.checkpoint_every} must be >= 0 (0 = at epoch ends only)")
     if cfg.lr <= 0 or cfg.w_acc <= 0 or cfg.w_rej <= 0:

@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import shutil
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -51,6 +52,7 @@ def train(cfg: TrainConfig, out: Path, fresh: bool = False) -> dict:
     newest checkpoint in ``out``, if any, unless ``fresh`` (``out`` held another run, overwritten: its
     state is removed)."""
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
 
     cuda = torch.cuda.is_available()
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"  # set by accelerate launch
@@ -59,6 +61,7 @@ def train(cfg: TrainConfig, out: Path, fresh: bool = False) -> dict:
         cpu=not cuda and not deepspeed,
         gradient_accumulation_steps=cfg.grad_accum if deepspeed else 1,
         mixed_precision="bf16" if cfg.bf16 and cuda and torch.cuda.is_bf16_supported() else "no",
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout_s))],
     )
     manifest = data_manifest(cfg)
     kind = task_type(cfg.head)
