@@ -114,17 +114,6 @@ def _chunks_of(items, size: int):
         chunk += 1
 
 
-def _clean_temporaries(out: Path, rank: int, world: int) -> None:
-    """Removes the half-written files a killed run of this process's chunks left behind."""
-    for tmp in out.glob("*/.chunk-*.tmp*"):
-        try:
-            chunk = int(tmp.name.split("-")[1].split(".")[0])
-        except (IndexError, ValueError):
-            continue
-        if shards.owner(chunk, world) == rank:
-            tmp.unlink(missing_ok=True)
-
-
 def _models(pair) -> dict:
     return {
         "target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
@@ -187,10 +176,10 @@ def _run(cfg: DatagenConfig) -> int:
     state.wait_for_everyone()
     total = shards.num_chunks(n_items, cfg.chunk_size)
     rank, world = state.process_index, state.num_processes
-    _clean_temporaries(out, rank, world)
-    mine = set(shards.my_chunks(out, total, rank, world))
+    # vLLM generates a process's responses up front, so its chunks are fixed then; the others are claimed one by one
+    share = shards.share_chunks(out, total, rank, world, shards.launch_exchange(world), cfg.engine != "vllm")
     if cfg.engine == "vllm":  # before the models load: vLLM gets the GPUs first, once for every chunk left
-        chunks = ((c, items) for c, items in _chunks_of(family.items(cfg), cfg.chunk_size) if c in mine)
+        chunks = ((c, items) for c, items in _chunks_of(family.items(cfg), cfg.chunk_size) if c in share.chunks)
         vllm_responses.generate_up_front(cfg, out, chunks, state.local_process_index)
     job = _load(cfg, family.needs_draft(cfg))
     family.check_models(job)
@@ -204,11 +193,13 @@ def _run(cfg: DatagenConfig) -> int:
     models = {**_models(job.pair), "numerics": without(numerics, ("processes",))}  # the count changes no chunk
     started, labelled = time.perf_counter(), 0
     with (
-        tqdm(total=len(mine), unit="chunk", desc=f"{PROG} rank {rank}", disable=not state.is_main_process) as bar,
+        tqdm(
+            total=len(share.chunks), unit="chunk", desc=f"{PROG} rank {rank}", disable=not state.is_main_process
+        ) as bar,
         MetricsWriter(out, f"metrics.rank{rank}.jsonl") as metrics,
     ):
         for chunk, items in _chunks_of(family.items(cfg), cfg.chunk_size):
-            if chunk not in mine:
+            if not share.take(chunk):
                 continue
             t0 = time.perf_counter()
             job.pregenerated = vllm_responses.take(job, items, chunk) if cfg.engine == "vllm" else None
@@ -227,9 +218,11 @@ def _run(cfg: DatagenConfig) -> int:
                 vllm_responses.finish(out, chunk)  # landed: its responses are in the chunk now
             labelled += result.tokens
             metrics.write(chunk_metrics(chunk, info), rank=rank, seconds=round(time.perf_counter() - t0, 3))
-            bar.update()
+            if state.is_main_process:  # what this process's group has finished (one directory listing)
+                bar.update(share.finished() - bar.n)
             bar.set_postfix(labelled_tok_s=f"{labelled / (time.perf_counter() - started):.1f}")
     state.wait_for_everyone()
+    share.close()
     if cfg.engine == "vllm" and state.is_local_main_process:
         vllm_responses.finish(out)
     if state.is_main_process:

@@ -1,22 +1,38 @@
 """Resumable, rank-independent output: one Parquet file per chunk of prompts (layout: :mod:`specheads.dataset`).
 
 Chunk ``c`` holds the examples of prompts ``[c*S, (c+1)*S)``; its random draws are seeded from
-``(seed, c)``, so its content does not depend on which process labels it. Chunk ``c`` belongs to
-process ``c % world``: each process knows its share without looking at the others' files (no
-shared filesystem needed) and a restart, with any process count, finds every unfinished chunk
-owned by exactly one process. A chunk file appears atomically (written under a temporary name,
-fsynced, then renamed) and only when the whole chunk is labelled, so a killed run loses at most
-the chunks in flight. Each file carries its own record in the Parquet footer, from which the
-finished run's ``manifest.json`` is built (``manifest.py``).
+``(seed, c)``, so its content does not depend on which process labels it. The processes of a launch
+hand the chunks out dynamically (:func:`share_chunks`): a process takes the next chunk that has no
+file and that no process of this launch has claimed, claiming it by creating
+``.claims/chunk-N.claim`` with ``O_CREAT | O_EXCL`` in the output directory, so a slow process holds
+up the others by one chunk at most, never by its whole share. A launch removes the claims of earlier
+launches before it claims anything (a process killed mid-chunk left its claim there), so a restart,
+with any process count, labels every unfinished chunk exactly once. Processes that do not share
+the output directory's filesystem (nodes without a shared disk: each writes its own copy, joined
+by ``heads-datagen merge``) find each other out at the start and split the chunks between their
+filesystems statically, chunk ``c`` to group ``c % groups``. A chunk file appears atomically
+(written under a temporary name, fsynced, then renamed, its directory fsynced) and only when the
+whole chunk is labelled, so a killed run loses at most the chunks in flight. Each file carries its
+own record in the Parquet footer, from which the finished run's ``manifest.json`` is built
+(``manifest.py``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
+import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
-from specheads.dataset import FOOTER_KEY, SCHEMA_VERSION, chunk_path
+from specheads.dataset import FOOTER_KEY, SCHEMA_VERSION, chunk_files, chunk_path
+from specheads.outputs import durable_replace
+
+#: The folder of a launch's claim files and of its processes' presence marks (removed when the run finishes).
+CLAIMS = ".claims"
 
 
 def num_chunks(num_prompts: int, chunk_size: int) -> int:
@@ -29,18 +45,111 @@ def pending_chunks(out_dir: Path, num_prompts: int, chunk_size: int) -> list[int
 
 
 def owner(chunk: int, world: int) -> int:
-    """The process that labels ``chunk`` in a run of ``world`` processes."""
+    """The process of ``world`` that labels ``chunk`` when the chunks are split statically (``engine=vllm``)."""
     return chunk % world
 
 
 def my_chunks(out_dir: Path, total: int, rank: int, world: int) -> list[int]:
-    """This process's unfinished chunks (a function of the rank, the count and its own files only)."""
+    """This process's unfinished chunks of a static split (a function of the rank, the count and its own files)."""
     return [c for c in range(rank, total, world) if not chunk_path(out_dir, c).exists()]
 
 
 def chunk_seed(seed: int, chunk: int) -> int:
     """The RNG seed of one chunk (independent of which process labels it)."""
     return ((seed & 0xFFFFFFFF) << 20) + chunk
+
+
+#: ``exchange(obj)``: every process of the launch passes one object and gets the list of all of them,
+#: indexed by rank (a collective: it returns once every process has called it).
+Exchange = Callable[[object], list]
+
+
+def launch_exchange(world: int) -> Exchange:
+    """The :data:`Exchange` of the running ``accelerate`` launch (one process: no communication)."""
+    if world == 1:
+        return lambda obj: [obj]
+    from accelerate.utils import gather_object
+
+    return lambda obj: gather_object([obj])
+
+
+class ChunkShare:
+    """The chunks one process may label in one launch, handed out by claim files or by a static split.
+
+    Args:
+        out: the output directory.
+        chunks: the chunks this process may take (its filesystem group's unfinished chunks, or its static share).
+        claims: the claim folder (``None``: a static share, every chunk of ``chunks`` is this process's).
+        leader: whether this process removes the claim folder when the run is over.
+        label: what a claim file says of its process (for a person reading the folder).
+    """
+
+    def __init__(self, out: Path, chunks: list[int], claims: Path | None, leader: bool, label: str = ""):
+        self.out, self.claims, self.leader, self.label = out, claims, leader, label
+        self.chunks = frozenset(chunks)
+        self._finished, self._listed = 0, float("-inf")
+
+    def take(self, chunk: int) -> bool:
+        """Whether this process labels ``chunk`` (claimed now, atomically, when the chunks are handed out)."""
+        if chunk not in self.chunks:
+            return False
+        if self.claims is None:
+            return True
+        try:  # O_EXCL: of all processes that try, exactly one creates the file
+            fd = os.open(self.claims / f"chunk-{chunk:06d}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as fh:
+            fh.write(self.label)
+        return True
+
+    def finished(self, every_s: float = 10.0) -> int:
+        """How many of :attr:`chunks` have their file (one directory listing, at most every ``every_s`` seconds:
+        a run of 100k chunks must not list its folder after every chunk)."""
+        if time.monotonic() - self._listed >= every_s:
+            self._listed = time.monotonic()
+            self._finished = sum(1 for p in chunk_files(self.out) if int(p.stem.split("-")[1]) in self.chunks)
+        return self._finished
+
+    def close(self) -> None:
+        """After the launch's last barrier: the claims are of no use to anyone any more."""
+        if self.leader:
+            shutil.rmtree(self.out / CLAIMS, ignore_errors=True)
+
+
+def share_chunks(out: Path, total: int, rank: int, world: int, exchange: Exchange, dynamic: bool = True) -> ChunkShare:
+    """Every process of a launch calls this together, before any of them writes a chunk.
+
+    Finds which processes share this process's filesystem (each writes a presence mark holding the
+    launch's id, then reads which marks it sees), has the first process of each such group remove what
+    earlier launches left behind (their claims and half-written temporary files), and returns this
+    process's :class:`ChunkShare`: the group's unfinished chunks, claimed one at a time, or with
+    ``dynamic=False`` the static share ``c % world == rank``.
+    """
+    attempt = exchange(uuid.uuid4().hex)[0]  # rank 0's: one id per launch
+    claims = out / CLAIMS
+    claims.mkdir(parents=True, exist_ok=True)
+    (claims / f"present-{rank}").write_text(attempt, encoding="utf-8")
+    exchange(None)  # every mark written
+    sees = tuple(r for r in range(world) if _read(claims / f"present-{r}") == attempt)
+    groups = sorted(set(map(tuple, exchange(sees))))
+    leader = rank == sees[0]
+    if leader:  # nobody of this launch has claimed or written anything yet
+        for stale in [*claims.glob("chunk-*.claim"), *out.glob("*/.chunk-*.tmp*")]:
+            stale.unlink(missing_ok=True)
+    exchange(None)  # the stale claims are gone before anyone claims
+    if not dynamic:
+        return ChunkShare(out, my_chunks(out, total, rank, world), None, leader)
+    group, count = groups.index(sees), len(groups)
+    mine = [c for c in range(group, total, count) if not chunk_path(out, c).exists()]
+    return ChunkShare(out, mine, claims, leader, f"{attempt} rank {rank} {socket.gethostname()} pid {os.getpid()}\n")
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def write_chunk(out_dir: Path, chunk: int, columns: dict[str, list], info: dict) -> Path:
@@ -57,7 +166,4 @@ def write_chunk(out_dir: Path, chunk: int, columns: dict[str, list], info: dict)
     meta = dict(table.schema.metadata or {})
     meta[FOOTER_KEY] = json.dumps({"chunk": chunk, "schema_version": SCHEMA_VERSION, **info}).encode()
     pq.write_table(table.replace_schema_metadata(meta), str(tmp))
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    return path
+    return durable_replace(tmp, path)

@@ -58,7 +58,8 @@ def test_manifest_lists_every_shard_and_verify_passes(reference, capsys):
 
 
 def test_chunk_owners_do_not_depend_on_other_processes_files(tmp_path):
-    """Chunk c belongs to rank c % world: the shares of any count partition the unfinished chunks."""
+    """The static split (engine=vllm): chunk c belongs to rank c % world, the shares of any count partition
+    the unfinished chunks."""
     (tmp_path / "data").mkdir()
     for c in (0, 3, 5):
         dataset.chunk_path(tmp_path, c).write_bytes(b"x")
@@ -82,12 +83,14 @@ def test_sigkill_loop_then_resume_labels_every_prompt_once(reference, tiny_pair_
         assert len(list((out / "data").glob("chunk-*.parquet"))) == done
         temporaries = [p.name for p in (out / "data").glob(".chunk-*")]  # the earlier attempts' are removed
         assert len(temporaries) == 1 and temporaries[0].startswith(f".chunk-{done:06d}.parquet.")
+        assert (out / shards.CLAIMS / f"chunk-{done:06d}.claim").is_file()  # the killed chunk's claim stays
     finished = subprocess.run(
         [sys.executable, "-m", "specheads.datagen.cli", *args], capture_output=True, text=True, timeout=300
     )
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert f"resuming: {done} of 16 chunks" in finished.stderr
     assert not list((out / "data").glob(".chunk-*"))  # the killed attempts' temporaries removed
+    assert not (out / shards.CLAIMS).exists()  # and their claims
     assert _indices(out) == list(range(32))
     assert _shas(out) == _shas(ref)
     assert main([f"output_dir={out}", "verify"]) == 0
@@ -110,8 +113,9 @@ def test_a_kill_between_a_chunks_rename_and_its_metrics_line_loses_no_line(tiny_
 
 
 def test_a_run_started_by_four_processes_is_finished_by_two(reference, tiny_pair_dirs, tmp_path):
-    """Ranks 0 and 2 of a 4-process run finished their chunks before the run died; two processes
-    (accelerate launch, gloo) finish the rest: the same files as one uninterrupted process."""
+    """Half the chunks were finished before a 4-process run died, with chunk 1 claimed and half-written and
+    chunk 7 claimed; two processes (accelerate launch, gloo) claim the rest from one chunk queue: the same
+    files as one uninterrupted process, and no claim left behind."""
     import shutil
 
     prompts, ref = reference
@@ -122,6 +126,9 @@ def test_a_run_started_by_four_processes_is_finished_by_two(reference, tiny_pair
         if shards.owner(c, 4) in (0, 2):
             shutil.copy(dataset.chunk_path(ref, c), dataset.chunk_path(out, c))
     (out / "data" / ".chunk-000001.parquet.999.tmp").write_bytes(b"half")  # rank 1 died mid-write
+    (out / shards.CLAIMS).mkdir()
+    for c in (1, 7):  # the dead launch's claims must not block this one
+        (out / shards.CLAIMS / f"chunk-{c:06d}.claim").write_text("old launch rank 1\n")
     (out / "config.yaml").write_text((ref / "config.yaml").read_text().replace(str(ref), str(out)))
     cmd = [
         sys.executable,
@@ -144,7 +151,8 @@ def test_a_run_started_by_four_processes_is_finished_by_two(reference, tiny_pair
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert _shas(out) == _shas(ref)
-    assert not list((out / "data").glob(".chunk-*"))  # its owner (rank 1 of 2) cleaned it up
+    assert not list((out / "data").glob(".chunk-*"))  # the new launch cleaned it up before claiming
+    assert not (out / shards.CLAIMS).exists()
     assert main([f"output_dir={out}", "verify"]) == 0
 
 
