@@ -52,7 +52,7 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from specheads.config import cli_main, to_yaml
-from specheads.datagen import shards, vllm_responses
+from specheads.datagen import shards, vllm_responses, vllm_states
 from specheads.datagen.config import PROG, DatagenConfig
 from specheads.datagen.labelling import Job
 from specheads.datagen.manifest import chunk_metrics, finish
@@ -183,6 +183,7 @@ def _run(cfg: DatagenConfig) -> int:
         vllm_responses.generate_up_front(cfg, out, chunks, state.local_process_index)
     job = _load(cfg, family.needs_draft(cfg))
     family.check_models(job)
+    job.states = vllm_states.server(cfg, job, state.local_process_index)  # engine=vllm: the target's states too
     numerics = _numerics(job.pair, world)
     if state.is_main_process:
         done = total - len(shards.pending_chunks(out, n_items, cfg.chunk_size))
@@ -221,6 +222,7 @@ def _run(cfg: DatagenConfig) -> int:
             if state.is_main_process:  # what this process's group has finished (one directory listing)
                 bar.update(share.finished() - bar.n)
             bar.set_postfix(labelled_tok_s=f"{labelled / (time.perf_counter() - started):.1f}")
+    vllm_states.close(job)
     state.wait_for_everyone()
     share.close()
     if cfg.engine == "vllm" and state.is_local_main_process:

@@ -21,6 +21,7 @@ import torch
 from specheads.datagen import shards
 from specheads.datagen.acceptance_labels import generate_responses, response_logits
 from specheads.datagen.labelling import Job, Labelled, Labeller, skip_record
+from specheads.datagen.vllm_states import drafter_states
 from specheads.dataset import DRAFTER_COLUMNS, DrafterChunkFiles, chunk_files
 from specheads.errors import UserError
 from specheads.export.shim import make_runner
@@ -75,6 +76,7 @@ def label_chunk(job: Job, items: list, chunk: int) -> Labelled:
     for b in range(0, len(items), cfg.batch_size):
         batch = items[b : b + cfg.batch_size]
         ids = job.prompt_ids(batch)
+        picked = {}  # engine=vllm: the target's top-k from vLLM, by row
         if job.pregenerated is None:
             responses, logits = generate_responses(
                 model, ids, cfg.max_new_tokens, cfg.sampling, seed + b, job.pad, job.eos
@@ -84,19 +86,22 @@ def label_chunk(job: Job, items: list, chunk: int) -> Labelled:
             keep = [i for i, (r, lg) in enumerate(zip(responses, logits)) if r and bool(torch.isfinite(lg).all())]
             seqs = [ids[i] + responses[i] for i in keep]
             got = sequence_states(model, seqs, layers) if seqs else []
-        else:  # engine=vllm: the responses from vLLM; states and distributions from one pass here
+        else:  # engine=vllm: the responses from vLLM
             responses, ok = map(
                 list, zip(*(job.response(str(job.first_index(chunk) + b + i)) for i in range(len(batch))))
             )
             live = [i for i, r in enumerate(responses) if r and ok[i]]
-            got, lgs = (
-                sequence_states(model, [ids[i] + responses[i] for i in live], layers, [len(responses[i]) for i in live])
-                if live
-                else ([], [])
-            )
-            logits = dict(zip(live, lgs))
-            keep = [i for i in live if bool(torch.isfinite(logits[i]).all())]
-            got = [st for i, st in zip(live, got) if i in keep]
+            seqs, lens = [ids[i] + responses[i] for i in live], [len(responses[i]) for i in live]
+            if job.states is not None:  # and the states and top-k from vLLM too: no target pass here
+                res = drafter_states(job, seqs, layers, lens, cfg.drafter_top_k)
+                picked = {i: r[1] for i, r in zip(live, res)}
+                keep = [i for i, r in zip(live, res) if r[2]]
+                got = [r[0] for r in res if r[2]]
+            else:
+                got, lgs = sequence_states(model, seqs, layers, lens) if live else ([], [])
+                logits = dict(zip(live, lgs))
+                keep = [i for i in live if bool(torch.isfinite(logits[i]).all())]
+                got = [st for i, st in zip(live, got) if i in keep]
         for i, p in enumerate(batch):
             if i not in keep:
                 skipped.append(
@@ -105,7 +110,7 @@ def label_chunk(job: Job, items: list, chunk: int) -> Labelled:
                     )
                 )
         for i, st in zip(keep, got):
-            t_ids, t_logp = top_k(logits[i], cfg.drafter_top_k)
+            t_ids, t_logp = picked[i] if picked else top_k(logits[i], cfg.drafter_top_k)
             states.append(st)
             tops.append(t_ids)
             logps.append(t_logp)

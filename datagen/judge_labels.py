@@ -25,6 +25,7 @@ from specheads.datagen import mining
 from specheads.datagen.judge_tuples import COUNTS, Answer, _answers, _tuples, build_tuples, summarise, tuple_rows  # noqa: F401
 from specheads.datagen.labelling import Job, Labelled, Labeller
 from specheads.datagen.tuples import IGNORE, load_tuples
+from specheads.datagen.vllm_states import judge_features
 from specheads.dataset import JUDGE_COLUMNS, JudgeChunkFiles
 from specheads.export.api import format_prompt
 from specheads.export.shim import HiddenCapture, pad_batch
@@ -108,7 +109,11 @@ class JudgeLabeller(Labeller):
                 counts["too_long"] += 1
                 continue
             rows.append(r)
-        feats, labels, per_row, bad = target_features(pair.target.model, rows, job.pad, cfg.batch_size)
+        feats, labels, per_row, bad = (
+            judge_features(job, rows)  # engine=vllm: the target's states from vLLM
+            if job.states is not None
+            else target_features(pair.target.model, rows, job.pad, cfg.batch_size)
+        )
         skipped = []
         for i in bad:  # a tuple side whose target states hold NaN/Inf is counted, never written
             skipped.append(

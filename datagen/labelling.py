@@ -33,6 +33,9 @@ class Job:
         limit: the shortest context length of the loaded models.
         pregenerated: ``engine=vllm``: the chunk's side file (the target's responses vLLM generated, by key:
             ``vllm_responses.requests_for``); None: the labeller generates them.
+        states: ``engine=vllm``: the vLLM child that gives the target's hidden states
+            (:class:`specheads.datagen.vllm_states.StatesServer`; drafter, judge, sprinter); None: the labeller
+            runs the Transformers target.
     """
 
     cfg: DatagenConfig
@@ -41,6 +44,7 @@ class Job:
     eos: list[int]
     limit: int
     pregenerated: dict | None = None
+    states: object | None = None
 
     def response(self, key: str) -> tuple[list[int], bool]:
         """A pre-generated target response (``engine=vllm``) and whether its log-probabilities were finite."""

@@ -18,12 +18,14 @@ its index; every chunk keeps the same number of prefixes of each category, chose
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from specheads.datagen import shards
 from specheads.datagen.labelling import Job, Labelled, Labeller, skip_record
+from specheads.datagen.vllm_states import target_logits as vllm_target_logits
 from specheads.dataset import SPRINTER_COLUMNS, chunk_files
 from specheads.export.shim import (
     SamplingConfig,
@@ -135,11 +137,14 @@ def label_prompts(
     mix_prob: float,
     generator: torch.Generator,
     given: dict[int, list[int]] | None = None,
+    target_logits=None,
 ) -> list[dict]:
     """Labels one group of prompts: contexts, balanced prefixes, draws and ratios.
 
     Returns one dict per prompt with ``category``, ``input_ids`` (the context ``s``),
     ``positions`` (kept prefix lengths) and the columns of :func:`label_distributions` as lists.
+    ``target_logits(seqs, positions)``: the target's logits as :func:`logits_at` gives them, from elsewhere
+    (``engine=vllm``: vLLM's states); None: a pass of ``target``.
     """
     categories = [category_of(i) for i in indices]
     contexts = build_contexts(
@@ -154,7 +159,7 @@ def label_prompts(
     if not live:
         return rows
     seqs, pos = [r["input_ids"] for r in live], [r["positions"] for r in live]
-    p_logits = torch.cat(logits_at(target, seqs, pos, pad))
+    p_logits = torch.cat(logits_at(target, seqs, pos, pad) if target_logits is None else target_logits(seqs, pos))
     q_logits = torch.cat(logits_at(draft, seqs, pos, pad)).to(p_logits.device)
     sizes = [len(p) for p in pos]
     finite = (torch.isfinite(p_logits).all(-1) & usable_logits(q_logits)).cpu()  # a pruned draft's -inf is fine
@@ -252,6 +257,7 @@ class SprinterLabeller(Labeller):
                 cfg.mix_prob,
                 gen,
                 given,
+                None if job.states is None else partial(vllm_target_logits, job),  # engine=vllm: vLLM's states
             )
             for p, index, row in zip(batch, indices, rows):
                 if row.get("nonfinite"):

@@ -249,6 +249,57 @@ def chunk_rows(out):
     return rows
 
 
+class HFStates:
+    """A stand-in for ``heads-datagen engine=vllm``'s states child (``datagen/vllm_states.StatesServer``) on the
+    Transformers target: the same states (``[T, len(layers), d]``, layer ``n`` the output before the final norm)
+    and top-k, from one forward per sequence of its own copy of the target. ``calls`` counts the sequences asked,
+    ``target_passes`` the forwards of the run's own Transformers target (``watch``)."""
+
+    def __init__(self, model, watch=None):
+        self.model, self.calls, self.target_passes = model, 0, 0
+        if watch is not None:  # its first decoder layer runs in every forward of the run's target
+            watch.model.layers[0].register_forward_pre_hook(
+                lambda *a: setattr(self, "target_passes", self.target_passes + 1)
+            )
+
+    @torch.inference_mode()
+    def states(self, seqs, layers, top_k=0):
+        from specheads.export.shim import HiddenCapture
+
+        out = []
+        for seq in seqs:
+            self.calls += 1
+            with HiddenCapture(self.model) as cap:
+                o = self.model(torch.tensor([seq]), output_hidden_states=True)
+            n = self.model.config.num_hidden_layers
+            st = torch.stack([cap.pre[0] if i == n else o.hidden_states[i][0] for i in layers], 1).float()
+            top = None
+            if top_k:
+                best = torch.log_softmax(o.logits[0, :-1].float(), -1).topk(top_k, -1)
+                top = (best.indices.to(torch.int32), best.values)
+            out.append((st, top))
+        return out
+
+    def close(self):
+        pass
+
+
+def fake_states(monkeypatch) -> list:
+    """Routes ``engine=vllm``'s states to :class:`HFStates`; returns the list of servers made (one per run)."""
+    from specheads.datagen import vllm_states
+
+    made = []
+
+    def server(cfg, job, local_rank=0):
+        if cfg.engine != "vllm" or cfg.labels not in vllm_states.FAMILIES:
+            return None
+        made.append(HFStates(AutoModelForCausalLM.from_pretrained(cfg.target.path).eval(), job.pair.target.model))
+        return made[-1]
+
+    monkeypatch.setattr(vllm_states, "server", server)
+    return made
+
+
 @pytest.fixture(scope="module")
 def labelled(tmp_path_factory, tiny_pair_dirs):
     """Acceptance labels of 10 prompts (up to 10 new tokens each) on the tiny pair, for heads-train."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DATAGEN_PROMPTS, SPRINTER_PROMPTS, chunk_rows, datagen_args
+from conftest import DATAGEN_PROMPTS, SPRINTER_PROMPTS, chunk_rows, datagen_args, fake_states
 
 from specheads.datagen import vllm_responses
 from specheads.datagen.cli import main
@@ -108,11 +108,15 @@ def test_engine_vllm_gives_the_specheads_labels_on_greedy_prompts(
     assert main(datagen_args(tiny_pair_dirs, prompts, ours, *common)) == 0
     calls: list = []
     monkeypatch.setattr(vllm_responses, "run_vllm", fake_vllm(calls))
+    states = fake_states(monkeypatch)  # drafter, judge, sprinter: the target's states from "vLLM" too
     assert (
         main(datagen_args(tiny_pair_dirs, prompts, theirs, *common, "engine=vllm", f"vllm_python={os.sys.executable}"))
         == 0
     )
     assert len(calls) == 1  # one generation run for every chunk
+    assert len(states) == (labels in ("drafter", "judge", "sprinter"))  # one states server per run
+    if states:  # the states from "vLLM", and not one forward of the Transformers target
+        assert (labels == "judge" or states[0].calls > 0) and states[0].target_passes == 0
     a, b = chunk_rows(ours), chunk_rows(theirs)
     assert (a or labels == "judge") and len(a) == len(b)  # the tiny pair's answers give no judge tuples:
     for x, y in zip(a, b):
@@ -197,7 +201,6 @@ def test_a_side_file_for_other_requests_is_generated_again(tiny_pair_dirs, promp
     [
         (["engine=fast"], "engine='fast'"),
         (["labels=eagle_rounds", "eagle=h.safetensors"], "run it on engine=specheads"),
-        (["labels=judge", "mining=swap"], "mining=swap"),
         (["labels=judge", "tuples=t.jsonl"], "generates none"),
         (["vllm_tensor_parallel=0"], "vllm_tensor_parallel=0"),
         (["vllm_python=/nowhere/python"], "does not exist"),
