@@ -142,3 +142,71 @@ def test_more_rows_than_slots_is_an_error(pair):
 def test_common_prefix():
     assert common_prefix(np.array([1, 2, 3]), np.array([1, 2, 4, 5])) == 2
     assert common_prefix(np.array([1, 2]), np.array([1, 2, 3])) == 2 and common_prefix(np.array([]), np.array([1])) == 0
+
+
+def _slot_of(proposer, seq: list[int]) -> int:
+    return next(s for s, v in enumerate(proposer.seen) if v is not None and list(v) == seq)
+
+
+def test_a_budget_bounds_the_cache_and_long_rows_draft_from_their_latest_tokens(pair):
+    """With ``max_tokens`` the buffer is allocated once and never grows; a request longer than its share drafts
+    from its latest tokens (the draft's greedy continuation of that window), and the outputs stay the target's."""
+    target, draft = pair
+    draft = target  # every candidate accepted until the windows start: the rows grow fast
+    proposer = RowProposer(draft, StandardSD(3), 2, eos=[EOS], max_tokens=2 * 40)  # 40 per slot: 23 usable
+    shapes = [k.shape for k in proposer.runner.keys]
+    assert proposer.runner.capacity == 40 and proposer.window == 23
+    prompts = [[1, 5, 9, 13], [1, 20, 21, 22, 23]]
+    seqs = [list(p) for p in prompts]
+    while min(map(len, seqs)) <= 56:  # well past the 40 slots
+        got = proposer.propose(dict(enumerate(seqs)))
+        for row, seq in enumerate(seqs):
+            s = _slot_of(proposer, seq)
+            assert got[row] == greedy(draft, seq[proposer.offset[s] :], 3), (row, len(seq))
+            ok = greedy(target, seq, len(got[row]) + 1, stop_at_eos=False)
+            seq += ok[: common_prefix(np.array(got[row]), np.array(ok)) + 1]
+            assert proposer.runner.length(s) <= proposer.window
+    assert [k.shape for k in proposer.runner.keys] == shapes
+    assert proposer.stats["windowed"] >= 4
+    assert seqs == [p + greedy(target, p, len(q) - len(p), stop_at_eos=False) for p, q in zip(prompts, seqs)]
+
+
+def test_a_budget_too_small_for_the_candidates_is_an_error(pair):
+    with pytest.raises(ValueError, match="usable tokens"):
+        RowProposer(pair[1], StandardSD(6), 4, max_tokens=4 * 20)
+
+
+def test_a_joining_prompt_longer_than_the_window_is_windowed_at_once(pair):
+    target, draft = pair
+    proposer = RowProposer(draft, StandardSD(2), 1, eos=[EOS], max_tokens=40)  # window 23
+    seq = list(range(3, 43))
+    got = proposer.propose({0: seq})[0]
+    assert proposer.offset[0] == 40 - 11 and got == greedy(draft, seq[29:], 2)
+
+
+@pytest.mark.parametrize("rows", [8, 24])
+def test_matching_is_linear_in_the_batch(pair, rows):
+    """Continuing requests are each confirmed against one slot; a new request sharing a long prompt with free
+    caches is compared with at most PROBES of them; no row is compared with every slot (the pairwise matching
+    made rows x slots comparisons per call)."""
+    draft = pair[1]
+    proposer = RowProposer(draft, StandardSD(2), rows + 2, eos=[])
+    system = [1, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40]
+    seqs = {j: system + [3 + j % 40, 4 + j // 40] for j in range(rows)}
+    rng = random.Random(0)
+    per_call = []
+    for step in range(6):
+        if step == 3:  # two requests finish and two new ones, sharing the long prompt, join
+            for j in (0, 1):
+                del seqs[j]
+            seqs.update({rows + 10: system + [44, 45], rows + 11: system + [45, 44]})
+        order = list(seqs)
+        rng.shuffle(order)
+        before = proposer.stats["compared"]
+        got = proposer.propose({row: seqs[j] for row, j in enumerate(order)})
+        per_call.append(proposer.stats["compared"] - before)
+        for row, j in enumerate(order):
+            seqs[j] = seqs[j] + got[row][:1] + [5 + step]
+    assert per_call[1:3] == [rows, rows] and per_call[4:] == [rows, rows]  # one confirmation per continuing row
+    assert per_call[0] <= len(system) and rows - 2 <= per_call[3] <= rows - 2 + 2 * 4
+    assert proposer.stats["prefills"] == 1  # the joining requests reused a finished one's cached prompt

@@ -14,6 +14,11 @@ that is not enough.
 A row that joins (a new prompt) is prefilled in a forward of the joining rows alone, on their own
 small buffers, then copied into its row: the other rows skip those slots.
 
+A ``fixed`` buffer (a serving engine's memory budget) is allocated whole at its start-up capacity and never
+grows: a joining row is copied into its own row's first slots (it is empty, so they are free and the cursor
+does not move for it), and a forward that compaction cannot make room for raises :class:`CacheFull`; the
+caller keeps its rows short enough (see :class:`~.row_proposer.RowProposer`).
+
 Runs on the fused forward (:mod:`.fused`), which covers Llama-family models.
 """
 
@@ -22,6 +27,10 @@ from __future__ import annotations
 import torch
 
 from specheads.export.shim.runners.fused import FusedShape, decoder_layers, output_logits, rms_norm, supports
+
+
+class CacheFull(RuntimeError):
+    """A forward needs more slots than a fixed buffer has, even compacted."""
 
 
 class BatchRunner:
@@ -35,6 +44,7 @@ class BatchRunner:
         capacity: initial slots per row; grows when compaction is not enough.
         aux: decoder-layer indices whose entering residual stream each forward keeps, per row fed, in
             ``aux_states`` (``row -> (first position, [n, len(aux) * d])``: what an EAGLE head reads), or None.
+        fixed: allocate ``capacity`` slots per row now and never grow (see the module docstring).
     """
 
     keys: list[torch.Tensor]
@@ -49,6 +59,7 @@ class BatchRunner:
         vocab_size: int | None = None,
         capacity: int = 256,
         aux: list[int] | None = None,
+        fixed: bool = False,
     ):
         why = supports(model)
         if why is not None:
@@ -62,8 +73,8 @@ class BatchRunner:
         self.forwards = 0  # forwards with at least one row, prefills included
         self.aux = [int(i) for i in aux] if aux else None
         self.aux_states: dict[int, tuple[int, torch.Tensor]] = {}
-        self.capacity = 0
-        self._grow(max(int(capacity), 8))
+        self.capacity, self.fixed = 0, fixed
+        self._grow(int(capacity) if fixed else max(int(capacity), 8))
 
     # ---- the buffer ---------------------------------------------------------------------------
 
@@ -103,6 +114,10 @@ class BatchRunner:
                 self.valid[r, : len(s)] = True
                 self.slots[r] = list(range(len(s)))
             self.end = longest
+        if self.fixed:
+            if self.end + width > self.capacity:
+                raise CacheFull(f"{width} new tokens after {self.end} held do not fit {self.capacity} slots per row")
+            return
         capacity = self.capacity
         while self.end + width > capacity * 3 // 4:  # keep a quarter free, or compaction runs every step
             capacity *= 2
@@ -135,7 +150,11 @@ class BatchRunner:
         if not rows:
             return
         width = max(len(tokens[r]) for r in rows)
-        self._room(width)
+        if not self.fixed:
+            self._room(width)
+        elif width > self.capacity:
+            raise CacheFull(f"a {width}-token prefill does not fit {self.capacity} slots per row")
+        at0 = 0 if self.fixed else self.end  # where the rows' tokens go
         s = self.shape
         b = len(rows)
         ids = torch.zeros(b, width, dtype=torch.long, device=self.device)
@@ -157,12 +176,12 @@ class BatchRunner:
         self._keep_aux(seen, {r: (i, 0, len(tokens[r])) for i, r in enumerate(rows)})
         at = torch.tensor(rows, device=self.device)
         for big, small in zip(self.keys + self.values, keys + values):
-            big[at, :, self.end : self.end + width] = small
+            big[at, :, at0 : at0 + width] = small
         for i, r in enumerate(rows):
             n = len(tokens[r])
-            self.valid[r, self.end : self.end + n] = True
-            self.slots[r] = list(range(self.end, self.end + n))
-        self.end += width
+            self.valid[r, at0 : at0 + n] = True
+            self.slots[r] = list(range(at0, at0 + n))
+        self.end = max(self.end, at0 + width)
         self.forwards += 1
 
     def forward(
