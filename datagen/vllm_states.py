@@ -59,17 +59,18 @@ class StatesServer:
         in the order given; ``top`` (``top_k > 0``) ``(ids [len(seq) - 1, k] int32, logp fp32)``, else None."""
         if not seqs:
             return []
-        want = sorted(set(layers))
         if self._proc is None:
-            self._start(want, top_k)
-        elif want != self.layers or top_k > self.top_k:
-            raise UserError(f"vLLM states: started for layers {self.layers}, top_k {self.top_k}; asked {want}, {top_k}")
+            self._start(sorted(set(layers)), top_k)
+        elif not set(layers) <= set(self.layers) or top_k > self.top_k:
+            raise UserError(
+                f"vLLM states: the child runs layers {self.layers} and top_k {self.top_k}; asked {layers}, {top_k}"
+            )
         folder = tempfile.mkdtemp(dir=self._work.name)
         self._send({"dir": folder, "seqs": [list(map(int, s)) for s in seqs], "top_k": top_k})
         got = self._receive()
         self.seconds += got["seconds"]
         self.tokens += got["tokens"]
-        order = [want.index(i) for i in layers]
+        order = [self.layers.index(i) for i in layers]
         return [self._load(folder, i, order, top_k) for i in range(len(seqs))]
 
     def close(self) -> None:

@@ -1,0 +1,134 @@
+"""The target's hidden states from vLLM (``heads-datagen engine=vllm``, :mod:`specheads.datagen.vllm_states`): with
+vLLM (``SPECHEADS_VLLM_PYTHON``: the python of vLLM's virtualenv), the states child's states at chosen layers,
+the last layer's output before the final norm, the top-k and the judge's features equal the Transformers
+target's within 1e-3 relative in fp32, and ``labels=drafter`` and ``labels=sprinter`` give the Transformers
+engine's rows. A child that dies is a one-line error."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import chunk_rows
+
+from specheads.datagen import vllm_states
+from specheads.datagen.cli import main
+from specheads.datagen.config import DatagenConfig
+from specheads.errors import UserError
+
+VLLM_PYTHON = os.environ.get("SPECHEADS_VLLM_PYTHON")
+needs_vllm = pytest.mark.skipif(not VLLM_PYTHON, reason="SPECHEADS_VLLM_PYTHON (vLLM's python) is not set")
+SEQS = [[1, 5, 9, 13, 4, 4], [1, 7], [1, 20, 21, 22, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 3]]
+
+
+def config(target, tmp_path, python) -> DatagenConfig:
+    cfg = DatagenConfig()
+    cfg.target.path, cfg.target.gguf_file, cfg.target.device, cfg.target.dtype = str(target), None, "cpu", "float32"
+    cfg.output_dir, cfg.vllm_python, cfg.vllm_threads = str(tmp_path), python, 2
+    return cfg
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference of a row, over that row's norm."""
+    return float(((a.float() - b.float()).norm(dim=-1) / b.float().norm(dim=-1).clamp_min(1e-12)).max())
+
+
+@pytest.fixture(scope="module")
+def vllm_pair(tmp_path_factory):
+    from in_vllm.pair import save_pair
+
+    return save_pair(tmp_path_factory.mktemp("vllm-pair"))
+
+
+@needs_vllm
+def test_vllms_states_top_k_and_judge_features_are_the_transformers_targets(vllm_pair, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from specheads.datagen.judge_labels import target_features
+    from specheads.export.shim import HiddenCapture
+
+    target = vllm_pair[0]
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    server = vllm_states.StatesServer(config(target, tmp_path, VLLM_PYTHON), limit=64)
+    try:
+        got = server.states(SEQS, [2, 1], top_k=3)  # layer 2 of 2: the output before the final norm
+        job = SimpleNamespace(states=server, pair=SimpleNamespace(target=SimpleNamespace(model=model, hidden_size=128)))
+        rows = [
+            {"input_ids": s, "answer_start": 2, "labels": [-100 if j % 3 else j % 2 for j in range(len(s) - 2)]}
+            for s in SEQS
+        ]
+        feats = vllm_states.judge_features(job, rows)
+    finally:
+        server.close()
+    assert not list(tmp_path.glob("vllm-states-*"))  # the exchange folder goes with the child
+    for seq, (st, (ids, logp)) in zip(SEQS, got):
+        with torch.inference_mode(), HiddenCapture(model) as cap:
+            out = model(torch.tensor([seq]), output_hidden_states=True)
+        assert st.shape == (len(seq), 2, 128) and st.dtype == torch.float32
+        assert relative(st[:, 0], cap.pre[0]) < 1e-3 and relative(st[:, 1], out.hidden_states[1][0]) < 1e-3
+        best = torch.log_softmax(out.logits[0, :-1], -1).topk(3, -1)
+        assert torch.equal(ids, best.indices.to(torch.int32))
+        torch.testing.assert_close(logp, best.values, atol=1e-4, rtol=0)
+    want = target_features(model, rows, pad=2, batch_size=2)
+    assert feats[2:] == want[2:] and torch.equal(feats[1], want[1])
+    assert relative(feats[0], want[0]) < 1e-3
+
+
+@needs_vllm
+@pytest.mark.parametrize("labels", ["drafter", "sprinter"])
+def test_vllm_engine_gives_the_transformers_engines_rows(vllm_pair, tmp_path, labels):
+    from specheads.dataset import DrafterChunkFiles
+
+    target, draft = vllm_pair
+    prompts = tmp_path / "p.jsonl"
+    words = ["the cat sat on", "one two three", "why is the sun", "a big red dog ran", "the moon", "two four six"]
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in words[:4]))
+    common = [
+        f"target.path={target}",
+        "target.gguf_file=null",
+        f"draft.path={draft}",
+        "target.device=cpu",
+        "draft.device=cpu",
+        "target.dtype=float32",
+        "draft.dtype=float32",
+        f"prompts={prompts}",
+        "num_prompts=null",
+        "offset=0",
+        "max_new_tokens=12",
+        "batch_size=4",
+        "chunk_size=4",
+        "chat_template=false",
+        "sampling.do_sample=false",
+        f"labels={labels}",
+        "drafter_top_k=4",
+    ]
+    ours, theirs = tmp_path / "ours", tmp_path / "vllm"
+    assert main([*common, f"output_dir={ours}"]) == 0
+    assert main([*common, f"output_dir={theirs}", "engine=vllm", f"vllm_python={VLLM_PYTHON}"]) == 0
+    a, b = chunk_rows(ours), chunk_rows(theirs)
+    assert a and [r["input_ids"] for r in a] == [r["input_ids"] for r in b]
+    for x, y in zip(a, b):
+        for key in x:
+            if key in ("p_token", "ratio", "tv"):
+                torch.testing.assert_close(torch.tensor(y[key]), torch.tensor(x[key]), rtol=1e-4, atol=1e-6)
+            else:
+                assert x[key] == y[key], key
+    if labels == "drafter":
+        s, t = DrafterChunkFiles(ours, 0).load(), DrafterChunkFiles(theirs, 0).load()
+        assert torch.equal(s["top_ids"], t["top_ids"]) and torch.equal(s["offsets"], t["offsets"])
+        torch.testing.assert_close(t["top_logp"], s["top_logp"], atol=1e-4, rtol=0)
+        assert relative(t["states"], s["states"]) < 1e-3  # fp16 on disk: one rounding step apart at most
+
+
+def test_a_states_child_that_dies_is_a_one_line_error(tmp_path):
+    import sys
+
+    server = vllm_states.StatesServer(config(tmp_path / "nowhere", tmp_path, sys.executable), limit=64)
+    server.cfg.vllm_python = sys.executable  # this python: the child fails before vLLM starts
+    with pytest.raises(UserError, match="failed with exit code") as err:
+        server.states(SEQS, [1])
+    assert len(str(err.value).splitlines()) == 1
+    server.close()
