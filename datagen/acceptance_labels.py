@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from specheads.datagen import shards
+from specheads.datagen import shards, vllm_logprobs
 from specheads.datagen.labelling import Job, Labelled, Labeller, skip_record
 from specheads.dataset import ACCEPTANCE_COLUMNS, chunk_files
 from specheads.export.shim import (
@@ -205,12 +205,15 @@ def label_responses(
                 pair.target.model, ids, cfg.max_new_tokens, cfg.sampling, seed + b, job.pad, job.eos
             )
             vllm_ok = [True] * len(batch)
-        else:  # engine=vllm: greedy acceptance needs no target pass (p's argmax is the response token)
-            responses, vllm_ok = map(
-                list, zip(*(job.response(str(job.first_index(chunk) + b + i)) for i in range(len(batch))))
-            )
-            greedy = not cfg.sampling.do_sample and extra_labels is None
-            p_logits = [torch.tensor(r, device=pair.target.device) for r in responses] if greedy else None
+        else:  # engine=vllm: no target pass (greedy: p's argmax is the response token; sampled: vLLM's logprobs)
+            keys = [str(job.first_index(chunk) + b + i) for i in range(len(batch))]
+            responses, vllm_ok = map(list, zip(*(job.response(k) for k in keys)))
+            if extra_labels is not None:  # labels=fsd: its divergences on the Transformers target's pass
+                p_logits = None
+            elif not cfg.sampling.do_sample:
+                p_logits = [torch.tensor(r, device=pair.target.device) for r in responses]
+            else:  # None when the run asked vLLM for no log-probabilities (vllm_logprobs=false)
+                p_logits = vllm_logprobs.target_logits(job, keys, pair.target.device)
         p_all, q_all, rows = teacher_forced_pair(pair.target.model, pair.draft.model, ids, responses, job.pad, p_logits)
         ok = [a and v for a, v in zip(finite_rows(p_all, q_all, rows), vllm_ok)]
         if not all(ok):  # a sample with NaN/Inf logits is counted, never written

@@ -173,9 +173,9 @@ class DatagenConfig:
         metadata={
             "help": (
                 "specheads (this package generates the target's responses with Transformers) | vllm "
-                "(vLLM generates every response the run needs, all chunks in one offline run up front; "
-                "labels=acceptance, fsd, sprinter, drafter, judge with mining=arith; greedy responses "
-                "are the specheads engine's, sampled ones are seeded per prompt and differ)"
+                "(vLLM generates every response the run needs, all chunks in one offline run up front, "
+                "and mining=swap's continuations; labels=acceptance, fsd, sprinter, drafter, judge; greedy "
+                "responses are the specheads engine's, sampled ones are seeded per prompt and differ)"
             )
         },
     )
@@ -202,6 +202,34 @@ class DatagenConfig:
                 "engine=vllm: GPUs vLLM splits the target over (its tensor_parallel_size); under "
                 "accelerate launch each process is one data-parallel vLLM on its own "
                 "vllm_tensor_parallel GPUs"
+            )
+        },
+    )
+    vllm_pipeline_parallel: int = field(
+        default=1,
+        metadata={
+            "help": (
+                "engine=vllm: pipeline stages vLLM splits the target's layers over (its "
+                "pipeline_parallel_size); a process uses vllm_tensor_parallel x vllm_pipeline_parallel GPUs"
+            )
+        },
+    )
+    vllm_executor_backend: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "engine=vllm: vLLM's distributed_executor_backend: mp (one node) | ray (several nodes) | uni | "
+                "external_launcher; null: vLLM's choice"
+            )
+        },
+    )
+    vllm_logprobs: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "engine=vllm, sampled acceptance: the target's log-probabilities come from vLLM (the top "
+                "sampling.top_k per token, or the whole vocabulary without top-k: exact either way) and no "
+                "Transformers target pass runs; false: the Transformers target scores vLLM's responses"
             )
         },
     )

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from specheads.datagen import checkers
+from specheads.datagen import checkers, vllm_mining
 from specheads.datagen.mined_rows import counts, judge_rows, record  # noqa: F401
 from specheads.datagen.mining_search import Budget, Mark, Search, _groups  # noqa: F401
 from specheads.dataset import JudgeChunkFiles
@@ -55,18 +55,22 @@ COUNTS = (
     "budget_hits",
     "continuation_tokens",
 )
+VLLM_COUNTS = ("prompt_tokens", "cached_tokens")  # engine=vllm: its target calls' prompt tokens, those from its cache
 
 
-def greedy_tokens(target, draft, eos: list[int], pad: int):
+def greedy_tokens(target, draft, eos: list[int], pad: int, remote=None):
     """The two model calls the search makes, on a loaded pair: ``generate(contexts, max_new)`` (the target's
     greedy responses, EOS kept) and ``predict(seqs, positions)`` (the draft's greedy token after each prefix
     ``seq[:t]``, teacher-forced, in one forward). When one model pads its vocabulary, both pick among the
-    tokens the two share (as the decoding engine does), so a padding row never becomes a mismatch."""
+    tokens the two share (as the decoding engine does), so a padding row never becomes a mismatch.
+    ``remote`` (``engine=vllm``: :class:`.vllm_mining.TargetServer`) generates the target's tokens instead."""
     greedy = SamplingConfig()
     vt, vd = target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0]
     vocab = min(vt, vd)
 
     def generate(contexts: list[list[int]], max_new: int) -> list[list[int]]:
+        if remote is not None:
+            return remote.generate(contexts, max_new, vocab if vt != vd else None)
         return [
             list(r)
             for r in batch_generate(
@@ -185,7 +189,9 @@ def chunk_rows(job, items: list, chunk: int) -> tuple[list[dict], list[str], dic
     index of each row's ``tuple_id`` and its counts (``items`` and :data:`COUNTS`)."""
     cfg, pair = job.cfg, job.pair
     tok = pair.tokenizer
-    generate, predict = greedy_tokens(pair.target.model, pair.draft.model, job.eos, job.pad)
+    remote = vllm_mining.server_for(cfg)
+    before = dict(remote.stats) if remote else {}
+    generate, predict = greedy_tokens(pair.target.model, pair.draft.model, job.eos, job.pad, remote)
     if cfg.checker == "auto":
         loose = sorted({p.source for p in items} - {"gsm8k", "arc"})
         if loose:
@@ -214,7 +220,8 @@ def chunk_rows(job, items: list, chunk: int) -> tuple[list[dict], list[str], dic
         index_of[tid] = lo + i
         rows += judge_rows(s, tid, cfg.mine_label_matches)
         lines.append(json.dumps(record(s, p, lo + i, lambda t: tok.decode([t])), ensure_ascii=False))
-    return rows, lines, index_of, {"items": len(items), **counts(searches)}
+    served = {f"vllm_{k}": remote.stats[k] - before[k] for k in VLLM_COUNTS} if remote else {}
+    return rows, lines, index_of, {"items": len(items), **counts(searches), **served}
 
 
 def summary(totals: dict, out) -> dict:
@@ -232,5 +239,7 @@ def summary(totals: dict, out) -> dict:
         seconds += sec
         tried += JudgeChunkFiles(Path(out), chunk).counts().get("mismatches_tried", 0)
     block = {k: totals.get(k, 0) for k in COUNTS}
+    if "vllm_prompt_tokens" in totals:  # engine=vllm: how much of the continuations' prefill the cache saved
+        block |= {f"vllm_{k}": totals[f"vllm_{k}"] for k in VLLM_COUNTS}
     block["mismatches_per_minute"] = round(tried / (seconds / 60), 2) if seconds else None
     return block

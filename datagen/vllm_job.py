@@ -1,4 +1,5 @@
-"""The job file of the vLLM child that generates heads-datagen's responses, and each process's devices."""
+"""The job file of the vLLM child that generates heads-datagen's responses, each process's devices, and vLLM's
+parallelism settings."""
 
 from __future__ import annotations
 
@@ -55,3 +56,70 @@ def device_slice(local_rank: int, tp: int, visible: list[str]) -> list[str]:
             f"(vllm_tensor_parallel={tp}) but {len(visible)} are visible; start fewer processes"
         )
     return visible[lo : lo + tp]
+
+
+EXECUTOR_BACKENDS = ("mp", "ray", "uni", "external_launcher")
+
+
+def parallel_header(cfg) -> dict:
+    """The vLLM child's parallelism: ``tensor_parallel``, ``pipeline_parallel`` and ``executor_backend`` (None:
+    vLLM's choice, ``mp`` on one node; ``ray`` spans nodes)."""
+    return {
+        "tensor_parallel": cfg.vllm_tensor_parallel,
+        "pipeline_parallel": cfg.vllm_pipeline_parallel,
+        "executor_backend": cfg.vllm_executor_backend,
+    }
+
+
+def parallel_problems(cfg) -> list[str]:
+    """One line per invalid parallelism setting of ``engine=vllm``."""
+    out = [
+        f"{key}={getattr(cfg, key)} must be >= 1"
+        for key in ("vllm_tensor_parallel", "vllm_pipeline_parallel")
+        if getattr(cfg, key) < 1
+    ]
+    if cfg.vllm_executor_backend is not None and cfg.vllm_executor_backend not in EXECUTOR_BACKENDS:
+        out.append(
+            f"vllm_executor_backend={cfg.vllm_executor_backend!r}: choose {', '.join(EXECUTOR_BACKENDS)} or null "
+            "(vLLM's choice)"
+        )
+    return out
+
+
+def cpu_binding(workers: int, cores: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``workers`` CPU workers (tensor x pipeline parallel) on ``cores`` cores:
+    consecutive equal slices, or one core each, shared round robin, when there are fewer cores than workers
+    (vLLM's own default binds one NUMA node per worker and refuses more workers than nodes)."""
+    if cores < workers:
+        return "|".join(str(i % cores) for i in range(workers))
+    per = cores // workers
+    return "|".join(f"{i * per}-{i * per + per - 1}" if per > 1 else str(i) for i in range(workers))
+
+
+def target_header(cfg) -> dict:
+    """The target as vLLM reads it (``target``: a GGUF file converted once into a Hugging Face directory) and
+    its ``dtype`` (``target.dtype``; ``auto``: bf16 on a GPU that has it, fp32 on a CPU)."""
+    from specheads.export.shim import resolve_device, resolve_dtype
+    from specheads.export.vllm_engine import target_dir
+
+    target = target_dir(cfg.target) if cfg.target.gguf_file or os.path.exists(cfg.target.path) else cfg.target.path
+    dtype = str(resolve_dtype(cfg.target.dtype, resolve_device(cfg.target.device))).split(".")[-1]
+    return {"target": str(target), "dtype": dtype}
+
+
+def child_environment(cfg, python: str, local_rank: int) -> dict:
+    """vLLM's environment: its CPU settings, and this process's GPUs (``tensor x pipeline`` of them) or, on a
+    CPU with several workers, their cores (``VLLM_CPU_OMP_THREADS_BIND``, unless set)."""
+    import torch
+
+    from specheads.export.vllm_engine import environment
+
+    env = environment(python, cfg.vllm_threads)
+    workers = cfg.vllm_tensor_parallel * cfg.vllm_pipeline_parallel
+    if torch.cuda.is_available():
+        seen = env.get("CUDA_VISIBLE_DEVICES")
+        visible = seen.split(",") if seen else [str(i) for i in range(torch.cuda.device_count())]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(device_slice(local_rank, workers, visible))
+    elif workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(workers, cfg.vllm_threads or os.cpu_count() or 1)
+    return env

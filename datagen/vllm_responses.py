@@ -10,13 +10,14 @@ digest is not generated again, so a run killed while vLLM runs resumes where it 
 Transformers models load and each labeller takes its target responses from the side file
 (``Job.response``) instead of generating; the side file is removed when the chunk's Parquet file lands.
 
-What each family still runs on the Transformers target (``TARGET_PASS``): none of them needs only the
-log-probabilities of given tokens, so ``prompt_logprobs`` has no use here. Acceptance's label
-``min(1, p(y)/q(y))`` asks ``p`` at the draft's token ``y``, which is not a token of the sequence
-(``prompt_logprobs`` scores the sequence's own tokens); its expected label, FSD's divergences and SPRINTER's
-TV ask the whole distribution; the drafter's and the judge's labels are hidden states. Greedy acceptance
-needs ``p``'s argmax only, which along a greedy response is the response token itself: it runs no
-target pass at all.
+What each family still runs on the Transformers target (``TARGET_PASS``): acceptance none. Greedy
+acceptance needs ``p``'s argmax only, which along a greedy response is the response token itself; sampled
+acceptance asks vLLM, while it generates each response, for the target's log-probabilities at every
+response token (the top ``sampling.top_k``, or the whole vocabulary: exact either way, see
+:mod:`.vllm_logprobs`), written beside the side file. FSD's divergences and SPRINTER's TV ask the whole
+distribution at positions vLLM does not generate from; the drafter's and the judge's labels are hidden states.
+``mining=swap`` continues the target from each tried mismatch: those continuations are requests to one vLLM
+process that lives through the run (:mod:`.vllm_mining`, prefix caching on).
 
 Seeds: a sampled request's seed is a hash of ``(seed, prompt index, setting)``, so a response does not
 depend on chunking, batching or the process count. vLLM's sampled responses differ from the Transformers
@@ -37,34 +38,47 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from specheads.datagen import vllm_mining
 from specheads.datagen.labelling import Job
-from specheads.datagen.vllm_job import device_slice, light_job  # noqa: F401
+from specheads.datagen.vllm_job import (  # noqa: F401 (device_slice: the tests' and other callers' name)
+    child_environment,
+    device_slice,
+    light_job,
+    parallel_header,
+    parallel_problems,
+    target_header,
+)
+from specheads.datagen.vllm_logprobs import max_logprobs, wanted
 from specheads.errors import UserError
 from specheads.export.shim import SamplingConfig
+from specheads.vllm_jobs import logprobs_name
 
 SIDE = "vllm"
 ENGINES = ("specheads", "vllm")
 TARGET_PASS = {
-    "acceptance": "greedy: none (the target's argmax is its response token); sampled: one teacher-forced pass "
-    "(its whole distribution at every response token)",
+    "acceptance": "none (greedy: the target's argmax is its response token; sampled: vLLM's log-probabilities "
+    "of every response token's distribution; vllm_logprobs=false: one teacher-forced pass)",
     "fsd": "one teacher-forced pass (the whole distribution: divergences)",
     "drafter": "one teacher-forced pass (states at the chosen layers; its top-k from the same pass)",
     "sprinter": "one pass at the kept prefixes (the whole distribution: TV); the draft's own continuations "
     "stay on the draft",
-    "judge": "one pass over the tuples (hidden states); the draft's answers stay on the draft",
+    "judge": "one pass over the tuples (hidden states); the draft's answers stay on the draft (mining=swap: its "
+    "predictions; the target's continuations are vLLM requests)",
 }
 
 
 @dataclass
 class Request:
     """One response the target must generate: ``key`` (unique in its chunk), the prompt's token ids, the
-    sampling settings (``SamplingConfig.to_dict()``), the seed of a sampled draw and the budget."""
+    sampling settings (``SamplingConfig.to_dict()``), the seed of a sampled draw, the budget and the
+    log-probabilities to return per response token (:func:`.vllm_logprobs.wanted`)."""
 
     key: str
     prompt: list[int]
     sampling: dict
     seed: int
     max_new_tokens: int
+    logprobs: int | None = None
 
 
 def problems(cfg) -> list[str]:
@@ -83,13 +97,7 @@ def problems(cfg) -> list[str]:
         )
     elif cfg.labels == "judge" and cfg.tuples:
         out.append("engine=vllm: labels=judge tuples= imports its answers and generates none; use engine=specheads")
-    elif cfg.labels == "judge" and cfg.mining == "swap":
-        out.append(
-            "engine=vllm: mining=swap continues the target step by step after each tried mismatch; "
-            "use engine=specheads (or mining=arith)"
-        )
-    if cfg.vllm_tensor_parallel < 1:
-        out.append(f"vllm_tensor_parallel={cfg.vllm_tensor_parallel} must be >= 1")
+    out += parallel_problems(cfg)
     if cfg.vllm_max_num_seqs < 1:
         out.append(f"vllm_max_num_seqs={cfg.vllm_max_num_seqs} must be >= 1")
     if cfg.vllm_threads is not None and cfg.vllm_threads < 1:
@@ -115,6 +123,8 @@ def requests_for(job: Job, items: list, chunk: int) -> list[Request]:
     from specheads.datagen.sprinter_labels import category_of
 
     cfg = job.cfg
+    if cfg.labels == "judge" and cfg.mining == "swap":  # its target calls go to vllm_mining's process
+        return []
     first = job.first_index(chunk)
     ids = job.prompt_ids(items)
     out = []
@@ -141,7 +151,12 @@ def requests_for(job: Job, items: list, chunk: int) -> list[Request]:
         elif cfg.labels != "sprinter" or category_of(index) in ("target", "mixed"):
             out.append(
                 Request(
-                    str(index), x, cfg.sampling.to_dict(), prompt_seed(cfg.seed, index, "response"), cfg.max_new_tokens
+                    str(index),
+                    x,
+                    cfg.sampling.to_dict(),
+                    prompt_seed(cfg.seed, index, "response"),
+                    cfg.max_new_tokens,
+                    wanted(cfg),
                 )
             )
     return out
@@ -166,34 +181,25 @@ def read_side(out: Path, chunk: int, want: str) -> dict | None:
         data = json.loads(side_path(out, chunk).read_text())
     except (OSError, ValueError):
         return None
+    if data.get("logprobs") and not (Path(out) / SIDE / data["logprobs"]).is_file():
+        return None
     return data if data.get("digest") == want else None
 
 
 def run_vllm(cfg, header: dict, lines: list[dict], work: Path, local_rank: int) -> dict:
     """Generates ``lines`` (one per chunk) in one vLLM child process; returns its ``run.json``."""
-    import torch
-
-    from specheads.export.shim import resolve_device, resolve_dtype
-    from specheads.export.vllm_engine import environment, target_dir, vllm_python
+    from specheads.export.vllm_engine import vllm_python
 
     python = vllm_python(cfg.vllm_python)
-    target = target_dir(cfg.target) if cfg.target.gguf_file or os.path.exists(cfg.target.path) else cfg.target.path
-    dtype = str(resolve_dtype(cfg.target.dtype, resolve_device(cfg.target.device))).split(".")[-1]
-    longest = max(len(r["prompt"]) + r["max_new_tokens"] for line in lines for r in line["requests"])
+    requests = [r for line in lines for r in line["requests"]]
+    longest = max(len(r["prompt"]) + r["max_new_tokens"] for r in requests)
     job = work / f"job.{os.getpid()}.jsonl"
     with open(job, "w", encoding="utf-8") as fh:
         fh.write(
-            json.dumps(
-                {**header, "target": str(target), "dtype": dtype, "max_model_len": max(longest, 256), "dir": str(work)}
-            )
-            + "\n"
+            json.dumps({**header, **target_header(cfg), "max_model_len": max(longest, 256), "dir": str(work)}) + "\n"
         )
         fh.writelines(json.dumps(line) + "\n" for line in lines)
-    env = environment(python, cfg.vllm_threads)
-    if torch.cuda.is_available():
-        seen = env.get("CUDA_VISIBLE_DEVICES")
-        visible = seen.split(",") if seen else [str(i) for i in range(torch.cuda.device_count())]
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(device_slice(local_rank, cfg.vllm_tensor_parallel, visible))
+    env = child_environment(cfg, python, local_rank)
     try:
         code = subprocess.call([python, "-m", "specheads.vllm_jobs", str(job)], env=env)
     finally:
@@ -210,21 +216,28 @@ def generate_up_front(cfg, out: Path, chunks, local_rank: int = 0, generate=None
     """Every response the chunks ``chunks`` (``(chunk, items)`` pairs: this process's unfinished ones)
     need, generated in one vLLM run into their side files; chunks whose side file is already whole are
     skipped. ``generate(cfg, header, lines, work, local_rank)`` runs the job (tests pass a fake).
+    ``mining=swap`` generates nothing up front: its vLLM process starts here (:mod:`.vllm_mining`).
     Returns its statistics (None: nothing to generate)."""
     work = Path(out) / SIDE
     work.mkdir(parents=True, exist_ok=True)
     light = light_job(cfg)
+    if cfg.labels == "judge" and cfg.mining == "swap":  # its target calls: one vLLM process through the run
+        prompts = [x for _, items in chunks for x in light.prompt_ids(items)]
+        if prompts:
+            vllm_mining.start(cfg, out, light.eos, prompts, local_rank)
+        return None
     lines = []
     for chunk, items in chunks:
         reqs = requests_for(light, items, chunk)
         d = digest(reqs, light.eos, _target_name(cfg))
-        if read_side(out, chunk, d) is None:
+        if reqs and read_side(out, chunk, d) is None:
             lines.append({"chunk": chunk, "digest": d, "requests": [asdict(r) for r in reqs]})
     if not lines:
         return None
     header = {
         "batch_size": cfg.vllm_max_num_seqs,
-        "tensor_parallel": cfg.vllm_tensor_parallel,
+        **parallel_header(cfg),
+        "max_logprobs": max_logprobs([r for line in lines for r in line["requests"]]),
         "eos": light.eos,
         "seed": cfg.seed,
     }
@@ -237,8 +250,10 @@ def _target_name(cfg) -> str:
 
 def take(job: Job, items: list, chunk: int) -> dict:
     """The chunk's side file, checked against the requests the loaded models give (same prompts, EOS ids)."""
-    want = digest(requests_for(job, items, chunk), job.eos, _target_name(job.cfg))
-    data = read_side(Path(job.cfg.output_dir), chunk, want)
+    reqs = requests_for(job, items, chunk)
+    if not reqs:  # nothing of the target's to take (mining=swap; a SPRINTER chunk of draft prompts only)
+        return {"responses": {}, "finite": {}}
+    data = read_side(Path(job.cfg.output_dir), chunk, digest(reqs, job.eos, _target_name(job.cfg)))
     if data is None:
         raise UserError(
             f"engine=vllm: chunk {chunk}'s responses ({side_path(job.cfg.output_dir, chunk)}) are missing "
@@ -248,14 +263,16 @@ def take(job: Job, items: list, chunk: int) -> dict:
 
 
 def finish(out: Path, chunk: int | None = None) -> None:
-    """Removes a landed chunk's side file (``chunk=None``: the folder, once the run is done and it is empty
-    of chunks)."""
+    """Removes a landed chunk's side file (``chunk=None``: the run is done: the folder, once it is empty of
+    chunks, and this process's ``mining=swap`` vLLM process)."""
     if chunk is not None:
-        side_path(out, chunk).unlink(missing_ok=True)
+        side_path(out, chunk).unlink(missing_ok=True)  # first: a side file whose logprobs file is gone is redone
+        (Path(out) / SIDE / logprobs_name(chunk)).unlink(missing_ok=True)
         return
+    vllm_mining.stop(out)
     work = Path(out) / SIDE
     (work / "run.json").unlink(missing_ok=True)
-    if work.is_dir() and not any(work.glob("chunk-*.json")):
+    if work.is_dir() and not any(work.glob("chunk-*")):
         for tmp in work.glob(".*"):
             tmp.unlink(missing_ok=True)
         work.rmdir()
