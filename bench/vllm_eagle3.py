@@ -49,7 +49,7 @@ GGUF_DIR, GGUF = SHARED / "models/smollm2-135m-instruct", "SmolLM2-135M-Instruct
 
 def write_target(out: Path) -> None:
     """The GGUF target, dequantised to fp32, as a plain Hugging Face directory (+ tokenizer)."""
-    from specheads.export.vllm_engine import convert_gguf
+    from specheads.export.vllm_target import convert_gguf
 
     if (out / "config.json").is_file():
         return

@@ -22,6 +22,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from specheads.errors import UserError
+from specheads.vllm_options import HELP as VLLM_HELP
+from specheads.vllm_options import problems as serving_problems
 
 log = logging.getLogger(__name__)
 UNSUPPORTED = (
@@ -53,7 +55,7 @@ def problems(cfg) -> list[str]:
     )
     if not cfg.draft.path:
         out.append("engine=vllm needs draft.path (vLLM's draft_model and the proposer draft with it)")
-    return out
+    return out + serving_problems(cfg)
 
 
 def rows(cfg) -> dict[str, dict]:
@@ -80,6 +82,7 @@ def row_config(cfg, row: dict, python: str):
     values = {k: v for k, v in row.items() if k != "policy"}
     run = SimpleNamespace(
         policy=row["policy"],
+        target=cfg.target,
         draft=cfg.draft,
         max_new_tokens=cfg.max_new_tokens,
         batch_size=cfg.batch_size,
@@ -87,6 +90,7 @@ def row_config(cfg, row: dict, python: str):
         sampling=cfg.sampling,
         vllm_python=python,
         vllm_threads=cfg.vllm_threads,
+        **{k: getattr(cfg, k) for k in VLLM_HELP},
         profile=cfg.profile,
     )
     return run, settings_for(row["policy"], **values)

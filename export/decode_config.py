@@ -22,6 +22,7 @@ from specheads.config import to_yaml
 from specheads.errors import UserError
 from specheads.export.shim import POLICIES, ModelSpec, SamplingConfig, Settings, policy_class
 from specheads.outputs import atomic_write_text
+from specheads.vllm_options import HELP as VLLM_HELP
 
 UNSET = "<unset>"  # an old flat setting not given
 
@@ -137,6 +138,11 @@ class RunConfig:
     vllm_threads: int | None = field(
         default=None, metadata={"help": "engine=vllm: OMP_NUM_THREADS for vLLM on a CPU (default: the machine's cores)"}
     )
+    vllm_tensor_parallel: int = field(default=1, metadata={"help": VLLM_HELP["vllm_tensor_parallel"]})
+    vllm_pipeline_parallel: int = field(default=1, metadata={"help": VLLM_HELP["vllm_pipeline_parallel"]})
+    vllm_executor_backend: str | None = field(default=None, metadata={"help": VLLM_HELP["vllm_executor_backend"]})
+    vllm_enforce_eager: bool | None = field(default=None, metadata={"help": VLLM_HELP["vllm_enforce_eager"]})
+    vllm_draft_cache_mb: float | None = field(default=None, metadata={"help": VLLM_HELP["vllm_draft_cache_mb"]})
     stream: bool = field(default=False, metadata={"help": "print each completion to stdout as it is generated"})
 
 

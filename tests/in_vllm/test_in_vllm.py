@@ -69,3 +69,19 @@ def test_greedy_through_the_proposer_equals_vllms_target_alone(tmp_path):
     assert mine["candidates"] >= drafted and mine["draft_forwards"] > 0  # vLLM drops a finished request's
     assert mine["matched_tokens"] > sum(map(len, PROMPTS))  # the caches were kept from step to step
     assert mine["prefills"] <= len(PROMPTS)  # one per request at most: none lost to reordering
+
+
+def test_the_settings_travel_in_vllms_own_speculative_config(tmp_path):
+    """vLLM's SpeculativeConfig (validated, pickled to its workers) keeps the settings the proposer reads back."""
+    import pickle
+
+    from vllm.config import SpeculativeConfig
+
+    from specheads.vllm import read_settings
+
+    _, draft = save_pair(tmp_path)
+    spec = speculative_config(str(draft), policy="confidence_stop", threshold=0.3, k_max=4, cache_mb=64.0)
+    config = pickle.loads(pickle.dumps(SpeculativeConfig(**spec)))
+    assert config.method == "custom_class" and config.num_speculative_tokens == 4
+    got = read_settings(config)
+    assert (got.draft, got.threshold, got.k_max, got.cache_mb) == (os.path.abspath(draft), 0.3, 4, 64.0)

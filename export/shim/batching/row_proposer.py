@@ -115,6 +115,11 @@ class RowProposer:
         }
 
     @staticmethod
+    def tokens_for(length: int, slots: int) -> int:
+        """The ``max_tokens`` whose window holds ``length`` tokens in each of ``slots`` slots."""
+        return slots * max(length + CATCH_UP + 1, -(-8 * length // 7))
+
+    @staticmethod
     def bytes_per_token(draft) -> int:
         """Bytes of the draft's KV cache per token (keys and values of every layer)."""
         cfg, emb = draft.config, draft.get_input_embeddings().weight

@@ -1,0 +1,118 @@
+"""How vLLM serves the target for ``engine=vllm`` (``heads-decode``, ``heads-eval`` and their vLLM cost profile):
+the ``vllm_*`` settings of their configs (the same names ``heads-datagen`` uses), checked here, the ``LLM(...)``
+arguments that vLLM's child process builds from them, and the proposer's memory.
+
+The dtype is the target's own setting (``target.dtype``; ``auto``: bf16 on a GPU that supports it, fp32 on a CPU);
+the proposer's draft follows ``draft.dtype`` (``auto``: the dtype vLLM runs the target in). The settings go into
+the child's job file as plain JSON (:func:`job_args`) and are read back there (:func:`llm_args`), so the child
+needs nothing of this package's configuration.
+"""
+
+from __future__ import annotations
+
+from specheads.errors import UserError
+
+BACKENDS = ("mp", "ray", "uni", "external_launcher")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+#: The help of the ``vllm_*`` config fields these commands share (``heads-decode``, ``heads-eval``).
+HELP = {
+    "vllm_tensor_parallel": (
+        "engine=vllm: GPUs vLLM splits each layer of the target over (its tensor_parallel_size; the target's "
+        "attention heads must divide by it)"
+    ),
+    "vllm_pipeline_parallel": (
+        "engine=vllm: stages vLLM splits the target's layers into (its pipeline_parallel_size, e.g. one per "
+        "node); vLLM uses vllm_tensor_parallel x vllm_pipeline_parallel GPUs"
+    ),
+    "vllm_executor_backend": (
+        "engine=vllm: vLLM's distributed_executor_backend: mp (one node) | ray (several nodes: start the Ray "
+        "cluster first) | uni | external_launcher; null: vLLM's choice"
+    ),
+    "vllm_enforce_eager": "engine=vllm: true: no CUDA graphs; null: eager on a CPU, CUDA graphs on a GPU",
+    "vllm_draft_cache_mb": (
+        "engine=vllm, the specheads proposer: its draft KV cache in MiB per vLLM worker, allocated at start-up "
+        "inside vLLM's memory profile (a request longer than its share drafts from its latest tokens); null: "
+        "room for every row at max_model_len"
+    ),
+}
+
+
+def problems(cfg) -> list[str]:
+    """What is wrong with ``cfg``'s ``vllm_*`` settings and ``target.dtype``, one line each."""
+    out = []
+    for name in ("vllm_tensor_parallel", "vllm_pipeline_parallel"):
+        if getattr(cfg, name) < 1:
+            out.append(f"{name}={getattr(cfg, name)} must be >= 1")
+    if cfg.vllm_executor_backend is not None and cfg.vllm_executor_backend not in BACKENDS:
+        out.append(f"vllm_executor_backend={cfg.vllm_executor_backend!r}; choose one of {list(BACKENDS)} or null")
+    if cfg.vllm_draft_cache_mb is not None and not cfg.vllm_draft_cache_mb > 0:
+        out.append(f"vllm_draft_cache_mb={cfg.vllm_draft_cache_mb} must be > 0 (or null)")
+    for role in ("target", "draft"):
+        dtype = getattr(getattr(cfg, role, None), "dtype", "auto")
+        if dtype not in DTYPES:
+            out.append(f"{role}.dtype={dtype!r}; engine=vllm takes one of {list(DTYPES)}")
+    return out
+
+
+def job_args(cfg) -> dict:
+    """The serving settings the child reads (:func:`llm_args`), as JSON."""
+    return {
+        "dtype": cfg.target.dtype,
+        "tensor_parallel_size": cfg.vllm_tensor_parallel,
+        "pipeline_parallel_size": cfg.vllm_pipeline_parallel,
+        "distributed_executor_backend": cfg.vllm_executor_backend,
+        "enforce_eager": cfg.vllm_enforce_eager,
+    }
+
+
+def llm_args(job: dict | None) -> dict:
+    """``LLM(...)``'s keyword arguments in vLLM's process, from :func:`job_args`'s dict (None: the defaults):
+    ``auto`` dtype resolved here, where the device is known; eager on a CPU unless told otherwise."""
+    import torch
+
+    from specheads.export.shim import resolve_dtype
+
+    job = dict(job or {})
+    cuda = torch.cuda.is_available()
+    eager = job.get("enforce_eager")
+    out = {
+        "dtype": str(resolve_dtype(job.get("dtype") or "auto", "cuda" if cuda else "cpu")).removeprefix("torch."),
+        "enforce_eager": (not cuda) if eager is None else bool(eager),
+        "tensor_parallel_size": int(job.get("tensor_parallel_size") or 1),
+        "pipeline_parallel_size": int(job.get("pipeline_parallel_size") or 1),
+    }
+    if job.get("distributed_executor_backend"):
+        out["distributed_executor_backend"] = job["distributed_executor_backend"]
+    return out
+
+
+def cache_tokens(cache_mb: float | None, per_token: int, slots: int, max_len: int, device: str) -> int:
+    """Tokens of the proposer's draft cache: ``cache_mb`` MiB' worth, or (None) enough for every one of ``slots``
+    rows at ``max_len`` tokens; refused (one line) when that is more than the device's free memory."""
+    from specheads.export.shim import RowProposer
+
+    tokens = int(cache_mb * 2**20) // per_token if cache_mb else RowProposer.tokens_for(max_len, slots)
+    free = free_memory(device)
+    if free is not None and tokens * per_token > free:
+        given = f"cache_mb={cache_mb}" if cache_mb else f"max_num_seqs={slots} rows of max_model_len={max_len} tokens"
+        raise UserError(
+            f"the proposer's draft cache for {given} needs {tokens * per_token / 2**30:.2f} GiB and "
+            f"{device} has {free / 2**30:.2f} GiB free: set cache_mb (heads-decode, heads-eval: "
+            "vllm_draft_cache_mb) to what it may take; longer requests then draft from their latest tokens"
+        )
+    return tokens
+
+
+def free_memory(device: str) -> int | None:
+    """Free bytes on ``device`` (a CUDA device's, or the machine's available memory), None where unknown."""
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            line = next(x for x in fh if x.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        return None
