@@ -148,7 +148,9 @@ def export_head(cfg: ExportConfig, out: Path) -> dict:
         meta["extra"]["training_data"] = data
     hf, spec = cfg.format == "hf", cfg.format == "speculators"
     if spec:
-        path = speculators.write(out, head, meta, verifier=cfg.verifier or None)
+        path = speculators.write(
+            out, head, meta, verifier=cfg.verifier or None, max_position_embeddings=cfg.max_position_embeddings
+        )
         back = speculators.read(out).module
     else:
         path = save_head(out / (hub.WEIGHTS if hf else "head.safetensors"), head, loaded.metadata["head_type"], meta)

@@ -40,6 +40,15 @@ class ExportConfig:
             )
         },
     )
+    max_position_embeddings: int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "format=speculators: the context length written into the Eagle-3 layer's config; default: the "
+                "target's (the config of verifier=, else of the target recorded at training)"
+            )
+        },
+    )
     output_dir: str = field(
         default="runs/export",
         metadata={

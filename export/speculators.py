@@ -26,6 +26,10 @@ What vLLM reads (checked against vLLM 0.32.0's ``transformers_utils/configs/spec
     is passed as the model (then ``verifier.name_or_path`` must name the target). ``specheads`` carries
     this project's metadata (ignored by vLLM).
 
+``max_position_embeddings`` (in ``transformer_layer_config``)
+    The target's context length (its config's, see :func:`target_positions`): vLLM caps the draft's
+    ``max_model_len`` at it, so a smaller number would cut speculation short on long requests.
+
 ``eagle_aux_hidden_state_layer_ids``
     vLLM's Llama records ``hidden_states + residual`` for id ``L`` before running decoder layer ``L``
     (id 0: the embeddings), i.e. the residual stream entering layer ``L``: Hugging Face's
@@ -61,6 +65,7 @@ from specheads.errors import UserError
 from specheads.export.header import FORMAT_VERSION
 from specheads.export.package import LoadedHead, _digest, fill
 from specheads.export.speculators_card import card  # noqa: F401
+from specheads.export.vllm_target import target_positions
 from specheads.heads.eagle_head import EagleHead
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
@@ -120,13 +125,21 @@ def config(
     meta: dict,
     verifier: str | None = None,
     speculative_tokens: int | None = None,
-    max_position_embeddings: int = 8192,
+    max_position_embeddings: int | None = None,
 ) -> dict:
     """The ``config.json`` of the directory (see the module docstring); ``meta``: the head's specheads
-    metadata, stored under ``specheads``."""
+    metadata, stored under ``specheads``. ``max_position_embeddings``: the target's (default:
+    :func:`target_positions`; one line :class:`UserError` where nothing states it)."""
     _check(head)
     target = meta.get("target") or {}
     name = verifier or target.get("name") or ""
+    positions = max_position_embeddings or target_positions(meta, verifier)
+    if not positions:
+        raise UserError(
+            f"format=speculators writes the target's max_position_embeddings, and neither verifier={verifier!r} nor "
+            f"the target recorded at training ({target.get('name')!r}) is a model config readable here: pass "
+            "verifier=<the target's directory> or max_position_embeddings=<its context length>"
+        )
     k = int(speculative_tokens or meta.get("ttt_steps") or 3)
     layer = {
         "model_type": "llama",
@@ -141,7 +154,7 @@ def config(
         "hidden_act": "silu",
         "rope_theta": head.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": head.rope_theta},
-        "max_position_embeddings": max_position_embeddings,
+        "max_position_embeddings": int(positions),
         "vocab_size": head.vocab_size,
         "attention_bias": False,
         "mlp_bias": False,
@@ -175,6 +188,7 @@ def write(
     meta: dict,
     verifier: str | None = None,
     speculative_tokens: int | None = None,
+    max_position_embeddings: int | None = None,
 ) -> Path:
     """Writes ``config.json``, ``model.safetensors`` and ``README.md`` into ``directory``; ``meta``: the head's
     specheads metadata (``head_type``, ``head_config``, ``target``, ...), completed here with
@@ -192,7 +206,7 @@ def write(
         "layout": "speculators",
         "tensors_sha256": _digest(state),
     }
-    cfg = config(head, meta, verifier, speculative_tokens)
+    cfg = config(head, meta, verifier, speculative_tokens, max_position_embeddings)
     tmp = d / (WEIGHTS + ".tmp")
     save_file(tensors(head), str(tmp), metadata={"format": "pt"})
     tmp.replace(d / WEIGHTS)

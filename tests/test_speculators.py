@@ -30,7 +30,7 @@ ARGS = dict(
 META = {
     "hidden_size": H,
     "feature": {"model": "target", "state": "aux", "layers": [1, 2, 4]},
-    "target": {"name": "tiny-target", "fingerprint": "abc"},
+    "target": {"name": "tiny-target", "fingerprint": "abc", "max_position_embeddings": 4096},
     "sampling": {"temperature": 0.0},
     "ttt_steps": 4,
     "extra": {"note": "test"},
@@ -134,6 +134,28 @@ def test_config_fields(tmp_path):
     assert (
         json.loads((d2 / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == "tiny-target"
     )
+
+
+def test_max_position_embeddings_is_the_targets(tmp_path):
+    """The Eagle-3 layer's context length is the target's: the verifier's config, else the metadata's, else the
+    config of the target recorded at training; with none of them readable, a one-line error."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 131072}))
+
+    def written(meta, **kw):
+        d = speculators.write(tmp_path / f"d{len(list(tmp_path.iterdir()))}", _head(), meta, **kw)
+        return json.loads((d / "config.json").read_text())["transformer_layer_config"]["max_position_embeddings"]
+
+    assert written(META, verifier=str(target)) == 131072
+    assert written(META) == 4096
+    recorded = {**META, "target": {"name": str(target), "fingerprint": "abc"}}
+    assert written(recorded) == 131072
+    assert written(recorded, max_position_embeddings=2048) == 2048
+    unknown = {**META, "target": {"name": "tiny-target", "fingerprint": "abc"}}
+    with pytest.raises(UserError, match="max_position_embeddings=") as err:
+        written(unknown, verifier="org/target")
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
