@@ -183,32 +183,31 @@ def unrolled_attention(
     step's keys at positions ``<= t`` (the states the target fed) and, of every later step, only its own
     row's key (what it drafted itself on the way), as it does while decoding.
 
+    One :func:`torch.nn.functional.scaled_dot_product_attention` call over the steps' keys joined along the
+    sequence (``j * T`` keys) under a boolean mask: causal over the first step's, the diagonal of every later
+    step's. The ``[B, heads, T, T]`` scores are left to the kernel (which need not hold them); the mask is
+    ``[T, j*T]`` (``[B, 1, T, j*T]`` with a ``key_mask``).
+
     Args:
         qs, ks, vs: per step so far, ``[B, heads, T, hd]`` queries (only the last is used) and
             ``[B, kv_heads, T, hd]`` keys/values.
-        key_mask: ``[B, T]`` bool, False at padding (None: no padding).
+        key_mask: ``[B, T]`` bool, False at padding (None: no padding); it masks the first step's keys only.
 
     Returns:
         ``[B, heads, T, hd]``.
     """
     q = qs[-1]
-    b, h, t, hd = q.shape
-    rep = h // ks[0].shape[1]
-    k1, v1 = ks[0].repeat_interleave(rep, 1), vs[0].repeat_interleave(rep, 1)
-    scale = hd**-0.5
-    main = (q @ k1.transpose(-1, -2)) * scale  # [B, h, T, T]
-    allowed = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    t = q.shape[2]
+    steps = len(ks)
+    first = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     if key_mask is not None:
-        allowed = allowed[None, None] & key_mask[:, None, None, :]
-    main = main.masked_fill(~allowed, float("-inf"))
-    diag_k = [k.repeat_interleave(rep, 1) for k in ks[1:]]
-    diag_v = [v.repeat_interleave(rep, 1) for v in vs[1:]]
-    diag = [((q * k).sum(-1, keepdim=True) * scale) for k in diag_k]  # [B, h, T, 1] each
-    weights = torch.softmax(torch.cat([main, *diag], dim=-1).float(), dim=-1).to(q.dtype)
-    out = weights[..., :t] @ v1
-    for i, v in enumerate(diag_v):
-        out = out + weights[..., t + i : t + i + 1] * v
-    return out
+        first = first[None, None] & key_mask.to(q.device)[:, None, None, :]
+    own = torch.eye(t, dtype=torch.bool, device=q.device).expand(*first.shape[:-2], t, t)
+    mask = torch.cat([first, *[own] * (steps - 1)], dim=-1)  # [T, steps*T] or [B, 1, T, steps*T]
+    k = torch.cat(ks, dim=2) if steps > 1 else ks[0]
+    v = torch.cat(vs, dim=2) if steps > 1 else vs[0]
+    gqa = q.shape[1] != k.shape[1]
+    return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 def unrolled_forward(

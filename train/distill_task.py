@@ -26,7 +26,9 @@ from specheads.outputs import atomic_write_json
 from specheads.train import distill as D
 from specheads.train import distill_model as M
 from specheads.train import eagle_data as E
+from specheads.train import zero
 from specheads.train.config import TrainConfig
+from specheads.train.drafter_data import DrafterData
 from specheads.train.task import split
 
 log = logging.getLogger(__name__)
@@ -44,14 +46,14 @@ class DraftTask:
         self,
         cfg: TrainConfig,
         manifest: dict,
-        seqs: list,
+        data: DrafterData,
         model,
         tokenizer,
         source: dict,
         vocab_ids: list[int] | None,
         device,
     ):
-        self.cfg, self.manifest, self.seqs, self.device = cfg, manifest, seqs, device
+        self.cfg, self.manifest, self.data, self.device = cfg, manifest, data, device
         self.model, self.tokenizer, self.source, self.vocab_ids = model, tokenizer, source, vocab_ids
         self.hidden = int(model.config.hidden_size)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -59,7 +61,7 @@ class DraftTask:
         if vocab_ids is not None:
             self.index = torch.full((model.get_input_embeddings().weight.shape[0],), -1, dtype=torch.long)
             self.index[torch.tensor(vocab_ids)] = torch.arange(len(vocab_ids))
-        self.train_examples, self.eval_examples = split(list(range(len(seqs))), cfg.eval_fraction, cfg.seed)
+        self.train_examples, self.eval_examples = split(list(range(len(data))), cfg.eval_fraction, cfg.seed)
         self.before: dict = {}
 
     @classmethod
@@ -82,20 +84,22 @@ class DraftTask:
     @classmethod
     def setup(cls, cfg: TrainConfig, manifest: dict, acc) -> DraftTask:
         dirs = manifest.get("data_dirs") or [cfg.data_dir]
-        seqs, _ = E.load_sequences(dirs, states=False)
+        data = DrafterData(dirs, states=False)
         spec = copy.deepcopy(cfg.target)
         spec.device = "cpu"  # read once, for its weights (truncate:N), tokenizer and fingerprint
-        target = load_model(spec, "target")
+        with zero.unpartitioned(acc):  # whole models: ZeRO-3 partitions the draft when prepared
+            target = load_model(spec, "target")
         if target.fingerprint != manifest["target"]["fingerprint"]:
             raise UserError(
                 f"target {target.name!r} (fingerprint {target.fingerprint}) is not the target the data was "
                 f"written with ({manifest['target']['name']!r}); set target.path to that model"
             )
-        model, tok, source = M.initial_draft(cfg, target)
+        with zero.unpartitioned(acc):
+            model, tok, source = M.initial_draft(cfg, target)
         vocab = None
         if cfg.vocab_file:
             vocab = E.vocabulary(
-                cfg, seqs, eos_ids(target.model, target.tokenizer), model.get_input_embeddings().weight.shape[0]
+                cfg, data, eos_ids(target.model, target.tokenizer), model.get_input_embeddings().weight.shape[0]
             )
             log.warning(
                 "vocab_file: the draft is trained on a %d-token output layer and must decode with it "
@@ -110,10 +114,10 @@ class DraftTask:
             source["draft_init"],
             model.config.num_hidden_layers,
             sum(p.numel() for p in model.parameters()) / 1e6,
-            len(seqs),
+            len(data),
             ", ".join(dirs),
         )
-        return cls(cfg, manifest, seqs, model, tok, source, vocab, acc.device)
+        return cls(cfg, manifest, data, model, tok, source, vocab, acc.device)
 
     @staticmethod
     def summary(cfg: TrainConfig, metrics: dict) -> str:
@@ -142,7 +146,7 @@ class DraftTask:
         return head
 
     def batch(self, examples: list, epoch: int) -> tuple[dict, dict]:
-        return D.collate([self.seqs[i] for i in examples], self.index, self.pad, self.device)
+        return D.collate(self.data.rows(examples), self.index, self.pad, self.device)
 
     def loss(self, head, x: dict, y: dict) -> torch.Tensor:
         return D.loss_and_stats(head(x["ids"], x["mask"], x["sel"]), y, self.cfg.divergence)
@@ -180,7 +184,7 @@ class DraftTask:
                 "dirs": self.manifest.get("data_dirs") or [c.data_dir],
                 "sampling": self.manifest.get("sampling"),
                 "datagen_seed": self.manifest.get("seed"),
-                "top_k": self.seqs[0].top_ids.shape[1],
+                "top_k": self.data.top_k,
             },
             "divergence": c.divergence,
             "draft_init": self.source["draft_init"],

@@ -9,80 +9,28 @@ whose top-k holds no token of the subset is left out of the loss, and counts as 
 
 from __future__ import annotations
 
-import json
 from collections import Counter
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Mapping
 
 import torch
 
-from specheads.dataset import DRAFTER_COLUMNS, DrafterChunkFiles, require_columns, shard_paths
-from specheads.errors import UserError
 from specheads.export.shim import read_ranking, subset_from_ranking
 from specheads.heads.eagle_head import EagleHead
+from specheads.train.drafter_data import DrafterData, Sequence
+from specheads.train.target_tensors import from_model
 
 
-@dataclass
-class Sequence:
-    """One prompt + response: ``ids`` ``[T]``, ``states`` ``[T, k*d]`` fp16, ``top_ids``/``top_logp``
-    ``[R, K]`` for the response's ``R`` tokens, which start at position ``start``."""
-
-    ids: torch.Tensor
-    states: torch.Tensor
-    top_ids: torch.Tensor
-    top_logp: torch.Tensor
-    start: int
-
-
-def load_sequences(dirs: list[str], states: bool = True) -> tuple[list[Sequence], list[int]]:
-    """Every sequence of the ``labels=drafter`` runs in ``dirs`` and the layers their states are of (one
-    set of layers across them all). ``states=False``: the states are not read (each sequence gets an
-    empty ``[0, 0]`` tensor) and runs of other layers mix: what a standalone draft trains on."""
-    import pyarrow.parquet as pq
-
-    seqs, layers = [], None
-    none = torch.zeros(0, 0, dtype=torch.float16)
-    for d in dirs:
-        manifest = json.loads((Path(d) / "manifest.json").read_text())
-        got = (manifest.get("drafter") or {}).get("layers")
-        if states and layers is not None and got != layers:
-            raise UserError(
-                f"{d} stores the target's states at layers {got}, {dirs[0]} at {layers}; mix only "
-                "drafter data of the same layers"
-            )
-        layers = got
-        for path in shard_paths(Path(d)):
-            require_columns(path, DRAFTER_COLUMNS)
-            table = pq.read_table(str(path), columns=["input_ids", "response_start"])
-            side = DrafterChunkFiles(Path(d), int(path.stem.split("-")[1])).load(() if states else ("states",))
-            off, roff = side["offsets"].tolist(), side["response_offsets"].tolist()
-            for i, (ids, start) in enumerate(
-                zip(table.column("input_ids").to_pylist(), table.column("response_start").to_pylist())
-            ):
-                seqs.append(
-                    Sequence(
-                        torch.tensor(ids),
-                        side["states"][off[i] : off[i + 1]] if states else none,
-                        side["top_ids"][roff[i] : roff[i + 1]].long(),
-                        side["top_logp"][roff[i] : roff[i + 1]],
-                        int(start),
-                    )
-                )
-    if not seqs:
-        raise UserError(f"{', '.join(dirs)} holds no sequences; run heads-datagen labels=drafter with more prompts")
-    return seqs, layers
-
-
-def vocabulary(cfg, seqs: list[Sequence], eos: list[int], vocab_size: int) -> list[int]:
+def vocabulary(cfg, data: DrafterData, eos: list[int], vocab_size: int) -> list[int]:
     """The pruned output layer's target ids, sorted: ``vocab_top_n`` of ``vocab_file``'s ranking, or of the
-    training responses' tokens when no file is given (EOS always kept)."""
+    responses' tokens and the target's top-1 at each when no file is given (EOS always kept; read chunk by
+    chunk, no states)."""
     if cfg.vocab_file:
         ranking = read_ranking(cfg.vocab_file)
     else:
         counts = Counter()
-        for s in seqs:
-            counts.update(s.ids[s.start :].tolist())
-            counts.update(s.top_ids[:, 0].tolist())
+        for response, top1 in data.response_tokens():
+            counts.update(response)
+            counts.update(top1)
         ranking = {"ranking": [t for t, _ in counts.most_common()], "vocab_size": vocab_size}
     return sorted(subset_from_ranking(ranking, min(cfg.vocab_top_n, vocab_size), eos, vocab_size))
 
@@ -181,28 +129,30 @@ def run_lengths(batches: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> tuple
 def init_from_target(head: EagleHead, target, vocab_ids: list[int], seed: int) -> None:
     """Starts the head from the target: its last decoder layer (the state half of the attention inputs;
     the embedding half small and random), final norm and output-layer rows; ``fc`` passes the highest
-    layer's state through."""
+    layer's state through. ``target``: :meth:`TargetCheckpoint.tensors` (the rows of ``vocab_ids``) or a
+    loaded causal LM."""
+    if not isinstance(target, Mapping):
+        target = from_model(target, vocab_ids)
     gen = torch.Generator().manual_seed(seed)
-    last, ly = target.model.layers[-1], head.layer
+    ly = head.layer
     d, parts = head.hidden_size, len(head.layer_ids)
     with torch.no_grad():
         for name in ("q_proj", "k_proj", "v_proj"):
-            w = getattr(last.self_attn, name).weight.detach().float()
+            w = target[f"self_attn.{name}"].float()
             noise = torch.randn(w.shape, generator=gen) * 0.02
             getattr(ly.self_attn, name).weight.copy_(torch.cat([noise, w], dim=1))
-        ly.self_attn.o_proj.weight.copy_(last.self_attn.o_proj.weight.float())
+        ly.self_attn.o_proj.weight.copy_(target["self_attn.o_proj"].float())
         for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(ly.mlp, name).weight.copy_(getattr(last.mlp, name).weight.float())
+            getattr(ly.mlp, name).weight.copy_(target[f"mlp.{name}"].float())
         for mine, theirs in (
-            (ly.input_layernorm, last.input_layernorm),
-            (ly.hidden_norm, last.input_layernorm),
-            (ly.post_attention_layernorm, last.post_attention_layernorm),
-            (head.norm, target.model.norm),
+            (ly.input_layernorm, "input_layernorm"),
+            (ly.hidden_norm, "input_layernorm"),
+            (ly.post_attention_layernorm, "post_attention_layernorm"),
+            (head.norm, "norm"),
         ):
-            mine.weight.copy_(theirs.weight.float())
+            mine.weight.copy_(target[theirs].float())
         fc = torch.randn(d, parts * d, generator=gen) * 0.01
         fc[:, (parts - 1) * d :] += torch.eye(d)
         head.fc.weight.copy_(fc)
-        ids = torch.tensor(vocab_ids, dtype=torch.long)
-        head.lm_head.weight.copy_(target.get_output_embeddings().weight.detach().float()[ids])
-        head.vocab_ids.copy_(ids)
+        head.lm_head.weight.copy_(target["lm_head"].float())
+        head.vocab_ids.copy_(torch.tensor(vocab_ids, dtype=torch.long))

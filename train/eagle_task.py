@@ -1,8 +1,9 @@
 """Training the EAGLE-3-style draft head (``head=eagle``) on ``labels=drafter`` data.
 
-The head (:class:`specheads.heads.EagleHead`) reads the target's states the datagen run stored; the
-target itself is loaded once for its token embeddings (frozen, never part of the head) and to
-initialise the head from its last layer, final norm and output layer. The loss is the soft
+The head (:class:`specheads.heads.EagleHead`) reads the target's states the datagen run stored, a batch
+at a time (``drafter_data.py``); of the target it reads from the checkpoint files only its token
+embeddings (frozen, never part of the head) and what initialises the head: its last layer, final norm
+and the kept output-layer rows (``target_tensors.py``; the whole target is never loaded). The loss is the soft
 cross-entropy against the target's distribution, unrolled ``ttt_steps`` steps on the head's own states
 (training-time test, ``eagle.py``). The best epoch has the longest mean greedy run of matching steps
 (``eval_accept_length``: tokens a round at ``k = ttt_steps`` would keep).
@@ -15,12 +16,13 @@ from pathlib import Path
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim import load_model, subset_hash
+from specheads.export.shim import subset_hash
 from specheads.heads import EagleHead
 from specheads.outputs import atomic_write_json
 from specheads.train import eagle_data as E
-from specheads.train import zero
 from specheads.train.config import TrainConfig
+from specheads.train.drafter_data import DrafterData
+from specheads.train.target_tensors import TargetCheckpoint
 from specheads.train.task import describe, split
 
 
@@ -35,25 +37,25 @@ class EagleTask:
         self,
         cfg: TrainConfig,
         manifest: dict,
-        seqs: list,
-        layers: list[int],
+        data: DrafterData,
         vocab_ids: list[int],
-        target,
+        target: TargetCheckpoint,
+        tensors: dict[str, torch.Tensor],
         device,
         init: dict[str, torch.Tensor] | None = None,
     ):
-        self.cfg, self.manifest, self.seqs, self.layers, self.device = cfg, manifest, seqs, layers, device
+        self.cfg, self.manifest, self.data, self.layers, self.device = cfg, manifest, data, data.layers, device
         self.vocab_ids = vocab_ids
         self.init = init
-        self.target = target
-        model = target.model
-        self.embed = model.get_input_embeddings().weight.detach().float().contiguous().to(device)
+        self.config, self.target_read = target.config, {"bytes": target.bytes_read, "of": target.bytes_total}
+        self.start = None if init is not None else {k: v for k, v in tensors.items() if k != "embed"}
+        # stored dtype (fp32 from GGUF); rows are cast to the head's after the lookup, which is exact
+        self.embed = tensors["embed"].detach().contiguous().to(device)
         self.vocab_size = self.embed.shape[0]
         self.index = torch.full((self.vocab_size,), -1, dtype=torch.long)
         self.index[torch.tensor(vocab_ids)] = torch.arange(len(vocab_ids))
-        self.hidden = model.config.hidden_size
-        order = list(range(len(seqs)))
-        self.train_examples, self.eval_examples = split(order, cfg.eval_fraction, cfg.seed)
+        self.hidden = self.config.hidden_size
+        self.train_examples, self.eval_examples = split(list(range(len(data))), cfg.eval_fraction, cfg.seed)
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> list[str]:
@@ -75,32 +77,27 @@ class EagleTask:
     @classmethod
     def setup(cls, cfg: TrainConfig, manifest: dict, acc) -> EagleTask:
         dirs = manifest.get("data_dirs") or [cfg.data_dir]
-        seqs, layers = E.load_sequences(dirs)
-        cfg.target.device = str(acc.device) if cfg.target.device == "auto" else cfg.target.device
-        with zero.unpartitioned(acc):
-            target = load_model(cfg.target, "target")
+        data = DrafterData(dirs)
+        target = TargetCheckpoint(cfg.target, "target")
         if target.fingerprint != manifest["target"]["fingerprint"]:
             raise UserError(
                 f"target {target.name!r} (fingerprint {target.fingerprint}) is not the target the data was "
                 f"written with ({manifest['target']['name']!r}); set target.path to that model"
             )
-        n_layers = target.model.config.num_hidden_layers
-        if not all(0 < i < n_layers for i in layers):
-            raise UserError(f"the data's layers {layers} lie outside the target's decoder layers 1..{n_layers - 1}")
-        eos = [
-            int(i)
-            for i in (
-                [target.model.config.eos_token_id]
-                if isinstance(target.model.config.eos_token_id, int)
-                else target.model.config.eos_token_id or []
+        n_layers = target.layers
+        if not all(0 < i < n_layers for i in data.layers):
+            raise UserError(
+                f"the data's layers {data.layers} lie outside the target's decoder layers 1..{n_layers - 1}"
             )
-        ]
+        eos = target.config.eos_token_id
+        eos = [int(i) for i in ([eos] if isinstance(eos, int) else eos or [])]
         init = None
         if cfg.init_head:
-            init, vocab = start_from(cfg.init_head, manifest, layers)
+            init, vocab = start_from(cfg.init_head, manifest, data.layers)
         else:
-            vocab = E.vocabulary(cfg, seqs, eos, target.model.config.vocab_size)
-        return cls(cfg, manifest, seqs, layers, vocab, target, acc.device, init)
+            vocab = E.vocabulary(cfg, data, eos, target.config.vocab_size)
+        tensors = target.tensors(None if init is not None else vocab)
+        return cls(cfg, manifest, data, vocab, target, tensors, acc.device, init)
 
     @staticmethod
     def summary(cfg: TrainConfig, metrics: dict) -> str:
@@ -112,7 +109,7 @@ class EagleTask:
 
     def build_head(self) -> EagleHead:
         torch.manual_seed(self.cfg.seed)
-        c = self.target.model.config
+        c = self.config
         head = EagleHead(
             self.hidden,
             self.layers,
@@ -128,11 +125,12 @@ class EagleTask:
         if self.init is not None:
             head.load_state_dict(self.init)
         else:
-            E.init_from_target(head, self.target.model, self.vocab_ids, self.cfg.seed)
+            E.init_from_target(head, self.start, self.vocab_ids, self.cfg.seed)
+            self.start = None  # the head holds them now
         return head
 
     def batch(self, examples: list, epoch: int) -> tuple[dict, dict]:
-        return E.collate([self.seqs[i] for i in examples], self.index, self.device)
+        return E.collate(self.data.rows(examples), self.index, self.device)
 
     def loss(self, head, x: dict, y: dict) -> torch.Tensor:
         return E.unrolled_loss(head, self.embed, x, y, self.cfg.ttt_steps, self.cfg.ttt_decay)
@@ -169,19 +167,24 @@ class EagleTask:
         )
 
     def models(self) -> dict[str, tuple]:
-        return {"target": (self.target.model.dtype, self.target.device)}
+        return {"target": (self.embed.dtype, self.embed.device)}
 
     def companions(self, out: Path) -> list[tuple[str, TrainConfig]]:
         return []
 
     def report(self, out: Path, acc, best: dict) -> dict:
-        """``metrics.json``: the best epoch's held-out figures (without ``eval_``) and its epoch."""
+        """``metrics.json``: the best epoch's held-out figures (without ``eval_``) and its epoch; the manifest gets
+        the target bytes read (of the checkpoint files' total) and the data's size."""
         if acc.is_main_process:
             atomic_write_json(
                 out / "metrics.json",
                 {k[len("eval_") :]: v for k, v in best.items() if k.startswith("eval_")} | {"epoch": best.get("epoch")},
             )
-        return {}
+        return {
+            "target_bytes_read": self.target_read["bytes"],
+            "target_bytes_total": self.target_read["of"],
+            "train_data": {"sequences": len(self.data), "tokens": self.data.tokens()},
+        }
 
 
 def start_from(path: str, manifest: dict, layers: list[int]) -> tuple[dict[str, torch.Tensor], list[int]]:
