@@ -27,6 +27,7 @@ from specheads.export.shim import (
 )
 
 PER_TOKEN = ("draft_token", "label", "expected_label")  # acceptance_labels' columns, one value per response token
+LABEL_BUFFER_BYTES = 1 << 30  # fp32 p, q and min(p, q) of sampled labels: at most this much at once
 
 
 def acceptance_labels(
@@ -53,6 +54,21 @@ def acceptance_labels(
         y = q_logits.argmax(-1)
         agree = ((p_logits if p_logits.dim() == 1 else p_logits.argmax(-1)) == y).float()
         return {"draft_token": y, "label": agree, "expected_label": agree.clone()}
+    # fp32 p, q and min(p, q) over the full vocabulary, a block of rows at a time: a 128k vocabulary at batch
+    # 16 x 512 tokens would otherwise hold about 4 GB per buffer; the draws follow the rows in order either way
+    rows = max(1, LABEL_BUFFER_BYTES // (12 * q_logits.shape[-1]))
+    if q_logits.shape[0] <= rows:
+        return _sampled_labels(p_logits, q_logits, sampling, generator)
+    parts = [
+        _sampled_labels(p_logits[lo : lo + rows], q_logits[lo : lo + rows], sampling, generator)
+        for lo in range(0, q_logits.shape[0], rows)
+    ]
+    return {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
+
+
+def _sampled_labels(
+    p_logits: torch.Tensor, q_logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
+) -> dict[str, torch.Tensor]:
     p, q = probs_from_logits(p_logits, sampling), probs_from_logits(q_logits, sampling)
     y = sample(q, generator)
     py = p.gather(-1, y[:, None]).squeeze(-1)

@@ -82,3 +82,21 @@ def test_one_pass_labels_equal_teacher_forced_labels(tiny_pair):
             assert torch.equal(a["draft_token"], b["draft_token"])
             torch.testing.assert_close(a["label"], b["label"], atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(a["expected_label"], b["expected_label"], atol=1e-4, rtol=1e-4)
+
+
+def test_sampled_labels_in_row_blocks_equal_one_pass(monkeypatch):
+    """A large vocabulary's fp32 buffers are built a block of rows at a time, with the same labels and draws."""
+    from specheads.datagen import acceptance_labels as labels
+
+    torch.manual_seed(0)
+    p, q = torch.randn(50, 300), torch.randn(50, 300)
+    sampling = SamplingConfig(do_sample=True, temperature=0.8)
+    whole = acceptance_labels(p, q, sampling, torch.Generator().manual_seed(1))
+    blocks: list[int] = []
+    one = labels._sampled_labels
+    monkeypatch.setattr(labels, "_sampled_labels", lambda a, *rest: blocks.append(a.shape[0]) or one(a, *rest))
+    monkeypatch.setattr(labels, "LABEL_BUFFER_BYTES", 12 * 300 * 7)  # 7 rows per block
+    split = acceptance_labels(p, q, sampling, torch.Generator().manual_seed(1))
+    assert blocks == [7] * 7 + [1]
+    for key in whole:
+        assert torch.equal(whole[key], split[key]), key
