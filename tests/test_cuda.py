@@ -127,3 +127,12 @@ def test_numerics_fingerprint_names_no_device_index():
         if torch.cuda.get_device_name(i) == torch.cuda.get_device_name(0):
             assert numerics_settings(1, {"t": torch.bfloat16}, {"t": torch.device(f"cuda:{i}")}) == first
     assert "cuda:0" not in str(first["devices"])
+
+
+def test_draft_beside_a_split_target_goes_to_the_freest_gpu():
+    from specheads.export.shim.runners.model_facts import freest_gpu
+
+    dev = freest_gpu()
+    i = int(dev.split(":")[1])
+    free = [torch.cuda.mem_get_info(j)[0] for j in range(torch.cuda.device_count())]
+    assert free[i] == max(free) or abs(free[i] - max(free)) < 2**28  # the freest, give or take what moved since

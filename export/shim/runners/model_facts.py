@@ -1,8 +1,13 @@
-"""Facts read off a loaded model: its end-of-sequence ids and context length; a batch of prompts padded."""
+"""Facts read off a loaded model: its end-of-sequence ids and context length; a batch of prompts padded; the
+freest GPU."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -37,3 +42,14 @@ def pad_batch(seqs: list[list[int]], pad: int, device=None, left: bool = False) 
         ids[i, cols] = torch.tensor(s, dtype=torch.long)
         mask[i, cols] = 1
     return ids.to(device), mask.to(device)
+
+
+def freest_gpu() -> str:
+    """The visible GPU with the most free memory now (``cpu`` without one): where a draft goes beside a target
+    that ``device_map`` spread over the node's GPUs."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    free = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]
+    best = max(range(len(free)), key=free.__getitem__)
+    log.info("draft on cuda:%d (%.1f GiB free, the most of %d GPUs)", best, free[best] / 2**30, len(free))
+    return f"cuda:{best}"

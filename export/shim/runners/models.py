@@ -7,7 +7,7 @@ import importlib.util
 import logging
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ import torch
 from specheads.errors import UserError
 from specheads.export.shim.runners.hidden import output_device
 from specheads.export.shim.runners.kernels import route
-from specheads.export.shim.runners.model_facts import context_length, eos_ids, pad_batch  # noqa: F401
+from specheads.export.shim.runners.model_facts import context_length, eos_ids, freest_gpu, pad_batch  # noqa: F401
 from specheads.export.shim.vocab.vocab_pruning import prune, read_ranking, subset_from_ranking, vocab_info
 
 log = logging.getLogger(__name__)
@@ -284,6 +284,8 @@ def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
 def load_pair(target: ModelSpec, draft: ModelSpec | None, same_vocab: bool = True) -> Pair:
     """Loads target and draft; with ``same_vocab`` checks they share a vocabulary."""
     t = load_model(target, "target")
+    if draft is not None and draft.path and draft.device == "auto" and (target.device_map or target.load_in_8bit):
+        draft = replace(draft, device=freest_gpu())  # not cuda:0 by default, which the split target may fill
     d = load_model(draft, "draft") if draft is not None and draft.path else None
     if d is not None and same_vocab:
         check_same_vocab(t, d)
