@@ -139,7 +139,7 @@ def init_from_target(head: EagleHead, target, vocab_ids: list[int], seed: int) -
     with torch.no_grad():
         for name in ("q_proj", "k_proj", "v_proj"):
             w = target[f"self_attn.{name}"].float()
-            noise = torch.randn(w.shape, generator=gen) * 0.02
+            noise = torch.randn(w.shape, generator=gen).to(w.device) * 0.02  # seeded on the CPU, any device
             getattr(ly.self_attn, name).weight.copy_(torch.cat([noise, w], dim=1))
         ly.self_attn.o_proj.weight.copy_(target["self_attn.o_proj"].float())
         for name in ("gate_proj", "up_proj", "down_proj"):
