@@ -1,6 +1,6 @@
 """GPU probes for ``bench/gpu_smoke.sh``: figures the CUDA tests do not give (run on a GPU machine only).
 
-``python bench/gpu_probe.py WORKDIR``: writes the smoke's tiny pair (``WORKDIR/pair/{target,draft}``, word-level
+``python bench/gpu_probe.py WORKDIR [all|none]``: writes the smoke's tiny pair (``WORKDIR/pair/{target,draft}``, word-level
 tokenizer, nothing downloaded) and its prompt files, then prints one ``PASS``/``FAIL`` line per probe:
 the fused forward against the model's own on CUDA (agreement and ms per one-token forward), the batched row
 proposer's host time per call by batch, and the EAGLE head's training-time-test peak memory at Llama-3.1-8B
@@ -146,8 +146,8 @@ def main() -> int:
     work = Path(sys.argv[1])
     work.mkdir(parents=True, exist_ok=True)
     write_pair(work)
-    if not torch.cuda.is_available():
-        print("SKIP   probes: no CUDA device")
+    if not torch.cuda.is_available() or sys.argv[2:] == ["none"]:
+        print("SKIP   probes: " + ("none asked for" if torch.cuda.is_available() else "no CUDA device"))
         return 0
     run("fused_vs_hf_cuda", fused_vs_hf)
     run("row_proposer_cuda", row_proposer)

@@ -17,6 +17,7 @@ DEV=${SMOKE_DEVICE:-cuda} # SMOKE_DEVICE=cpu SMOKE_INSTALL=0: the same command l
 step() { # step NAME TIMEOUT_S CMD...
     local name=$1 t=$2
     shift 2
+    if [ -n "${SMOKE_ONLY:-}" ] && ! [[ $name =~ $SMOKE_ONLY ]]; then return; fi # SMOKE_ONLY=regex: a subset
     local s=$SECONDS
     timeout "$t" "$@" >"$OUT/$name.log" 2>&1
     local rc=$? st=PASS
@@ -48,7 +49,9 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,dri
 # ---- the CUDA tests and the probes --------------------------------------------------------------------------
 step cuda_tests 300 $PY -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider
 grep -E '[0-9]+ (passed|failed)' "$OUT/cuda_tests.log" | tail -1 | sed 's/^/INFO   cuda tests: /' >>"$SUM"
-$PY bench/gpu_probe.py "$W" >"$OUT/probe.log" 2>&1
+PROBES=all
+[ "${SMOKE_PROBES:-1}" = 1 ] || PROBES=none # SMOKE_PROBES=0: write the tiny pair only
+$PY bench/gpu_probe.py "$W" "$PROBES" >"$OUT/probe.log" 2>&1
 grep -E '^(PASS|FAIL|SKIP)' "$OUT/probe.log" | tee -a "$SUM"
 
 # ---- every command on the tiny pair, bf16, CUDA ----------------------------------------------------------------
