@@ -10,7 +10,7 @@ import random
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import SHARED, datagen_args, tiny_llama
+from conftest import SHARED, datagen_args, same_heads, tiny_llama
 from safetensors import safe_open
 
 from specheads.datagen.cli import main as datagen_main
@@ -208,3 +208,75 @@ def test_eagle_training_never_loads_the_whole_target(drafter_dir, tiny_pair_dirs
     manifest = json.loads((out / "manifest.json").read_text())
     assert 0 < manifest["target_bytes_read"] < manifest["target_bytes_total"]
     assert manifest["train_data"]["sequences"] == len(PROMPTS)
+
+
+def _deepspeed_ok() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def draft_args(pair_dirs, data, out, *extra):
+    return [
+        f"data_dir={data}",
+        "head=draft",
+        "draft_init=truncate:1",
+        f"target.path={pair_dirs[0]}",
+        "target.gguf_file=null",
+        "draft.gguf_file=null",
+        f"output_dir={out}",
+        "batch_size=2",
+        "grad_accum=1",
+        "epochs=2",
+        "lr=3e-3",
+        "eval_fraction=0.3",
+        "patience=2",
+        *extra,
+    ]
+
+
+def _same_drafts(a, b, atol):
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(a / "draft" / "model.safetensors")), load_file(str(b / "draft" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _deepspeed_ok(), reason="needs the deepspeed extra (pip install -e '.[deepspeed]')")
+@pytest.mark.parametrize("stage", ["deepspeed_zero2", "deepspeed_zero3"])
+@pytest.mark.parametrize("head", ["eagle", "draft"])
+def test_eagle_and_draft_train_under_deepspeed_zero(head, stage, drafter_dir, tiny_pair_dirs, tmp_path):
+    """The shipped launcher config on one CPU process, as the acceptance head's ZeRO test runs it (accelerate
+    runs DeepSpeed multi-process only on accelerators): the engine trains the head (ZeRO-3: partitioned,
+    gathered for evaluation, export and checkpoints) to the head of the plain loop, and each checkpoint holds
+    the rank's optimizer partition."""
+    import os
+    import subprocess
+    import sys
+    from importlib.resources import files
+
+    make = eagle_args if head == "eagle" else draft_args
+    extra = ("checkpoint_every=2", "threads=1")
+    config = files("specheads.recipes") / "accelerate" / f"{stage}.yaml"
+    launcher = ["--config_file", str(config), "--num_processes", "1", "--mixed_precision", "no"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher, "-m", "specheads.train.cli"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(
+        [*cmd, *make(tiny_pair_dirs, drafter_dir, tmp_path / "ds", *extra)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckpt = sorted((tmp_path / "ds").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
+    step = ckpt.name.split("-")[1]
+    assert [p.name for p in ckpt.iterdir() if p.name.startswith(".zero")] == [f".zero-{step}-rank0.safetensors"]
+    assert train_main(make(tiny_pair_dirs, drafter_dir, tmp_path / "plain", *extra)) == 0
+    if head == "eagle":  # same math, other summation order
+        same_heads(tmp_path / "ds", tmp_path / "plain", atol=1e-3)
+    else:
+        _same_drafts(tmp_path / "ds", tmp_path / "plain", atol=1e-3)

@@ -39,6 +39,8 @@ def configure(acc, batch_size: int, grad_accum: int, hidden: int) -> bool:
     ds_cfg["train_micro_batch_size_per_gpu"] = batch_size
     ds_cfg["gradient_accumulation_steps"] = grad_accum
     ds_cfg.pop("train_batch_size", None)  # derived by accelerate from the two above
+    if ds_cfg.get("gradient_clipping", "auto") == "auto":  # accelerate would fill in 1.0; the plain loop never clips
+        ds_cfg["gradient_clipping"] = 0.0
     if stage(acc) != 3:
         return False
     # accelerate fills these "auto" values from model.config, which a head lacks: the same rule from
