@@ -79,7 +79,8 @@ def unrolled_loss(
     head, embed: torch.Tensor, x: dict, y: dict, steps: int, decay: float, stats: dict | None = None
 ) -> torch.Tensor:
     """The weighted soft cross-entropy over the unrolled steps (step ``j`` weighs ``decay ** (j - 1)``);
-    ``stats`` (when given) gets per step the summed loss, hits of the target's top-1 and row counts."""
+    ``stats`` (when given) gets per step the summed loss, hits of the target's top-1 and row counts, and under
+    ``runs`` the summed greedy runs and the rows they are over (:func:`run_lengths`)."""
     rows = step_rows(x, y, steps)
     dtype = next(head.parameters()).dtype
     out = head(x["states"].to(dtype), step_embeds(embed, x["ids"], steps).to(dtype), x["mask"], rows)
@@ -102,8 +103,10 @@ def unrolled_loss(
             s["hits"] += int((logq.argmax(-1) == tid[:, 0]).sum())
             s["rows"] += int(sel.sum())
             hits.append((sel, logq.argmax(-1) == tid[:, 0]))
-    if stats is not None:
-        stats.setdefault("hit_rows", []).append(hits)
+    if stats is not None:  # the greedy runs of this batch, summed (held-out memory stays one batch's)
+        runs = stats.setdefault("runs", [0.0, 0])
+        runs[0], full = _run_sums(hits, runs[0])
+        runs[1] += full
     return total / max(weights, 1e-12)
 
 
@@ -113,17 +116,23 @@ def run_lengths(batches: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> tuple
     batch, per step, the scored rows and their hits."""
     total, count = 0.0, 0
     for steps in batches:
-        full = steps[0][0].clone()
-        for sel, _ in steps[1:]:
-            full &= sel
-        run = torch.ones(int(full.sum()), dtype=torch.long)
-        for sel, hit in steps:
-            per_row = torch.zeros_like(sel, dtype=torch.bool)
-            per_row[sel] = hit
-            run = run * per_row[full].long()
-            total += float(run.sum())
-        count += int(full.sum())
+        got, rows = _run_sums(steps, total)
+        total, count = got, count + rows
     return (total / count if count else 0.0), count
+
+
+def _run_sums(steps: list[tuple[torch.Tensor, torch.Tensor]], total: float = 0.0) -> tuple[float, int]:
+    """One batch's leading-match runs added to ``total`` (step by step, in order), and its rows every step scores."""
+    full = steps[0][0].clone()
+    for sel, _ in steps[1:]:
+        full &= sel
+    run = torch.ones(int(full.sum()), dtype=torch.long)
+    for sel, hit in steps:
+        per_row = torch.zeros_like(sel, dtype=torch.bool)
+        per_row[sel] = hit
+        run = run * per_row[full].long()
+        total += float(run.sum())
+    return total, int(full.sum())
 
 
 def init_from_target(head: EagleHead, target, vocab_ids: list[int], seed: int) -> None:

@@ -142,7 +142,8 @@ class EagleTask:
         for i in range(0, len(examples), self.cfg.batch_size):
             x, y = self.batch(examples[i : i + self.cfg.batch_size], 0)
             E.unrolled_loss(head, self.embed, x, y, self.cfg.ttt_steps, self.cfg.ttt_decay, stats)
-        runs, rows = E.run_lengths(stats.pop("hit_rows"))
+        total, rows = stats.pop("runs")
+        runs = total / rows if rows else 0.0
         out = {"eval_accept_length": runs, "eval_rows": rows}
         for j, s in sorted(stats.items()):
             out[f"eval_acc_step{j}"] = s["hits"] / max(s["rows"], 1)
