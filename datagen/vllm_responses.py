@@ -15,7 +15,9 @@ acceptance needs ``p``'s argmax only, which along a greedy response is the respo
 acceptance asks vLLM, while it generates each response, for the target's log-probabilities at every
 response token (the top ``sampling.top_k``, or the whole vocabulary: exact either way, see
 :mod:`.vllm_logprobs`), written beside the side file. FSD's divergences and SPRINTER's TV ask the whole
-distribution at positions vLLM does not generate from; the drafter's and the judge's labels are hidden states.
+distribution at positions vLLM does not generate from (SPRINTER's comes from vLLM's last-layer states through the
+target's output layer); the drafter's and the judge's hidden states come from a second vLLM child
+(:mod:`.vllm_states`: ``extract_hidden_states`` and this package's connector).
 ``mining=swap`` continues the target from each tried mismatch: those continuations are requests to one vLLM
 process that lives through the run (:mod:`.vllm_mining`, prefix caching on).
 
@@ -59,11 +61,11 @@ TARGET_PASS = {
     "acceptance": "none (greedy: the target's argmax is its response token; sampled: vLLM's log-probabilities "
     "of every response token's distribution; vllm_logprobs=false: one teacher-forced pass)",
     "fsd": "one teacher-forced pass (the whole distribution: divergences)",
-    "drafter": "one teacher-forced pass (states at the chosen layers; its top-k from the same pass)",
-    "sprinter": "one pass at the kept prefixes (the whole distribution: TV); the draft's own continuations "
-    "stay on the draft",
-    "judge": "one pass over the tuples (hidden states); the draft's answers stay on the draft (mining=swap: its "
-    "predictions; the target's continuations are vLLM requests)",
+    "drafter": "none: the states at the chosen layers and the top-k from vLLM (vllm_states)",
+    "sprinter": "the output layer only, over vLLM's last-layer states at the kept prefixes (the whole "
+    "distribution: TV); the draft's own continuations stay on the draft",
+    "judge": "none: the states over the tuples from vLLM (vllm_states); the draft's answers stay on the draft "
+    "(mining=swap: its predictions; the target's continuations are vLLM requests)",
 }
 
 

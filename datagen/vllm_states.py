@@ -89,35 +89,28 @@ class StatesServer:
             self._work = None
 
     def _start(self, layers: list[int], top_k: int) -> None:
-        from specheads.datagen.vllm_job import device_slice
-        from specheads.export.shim import resolve_device, resolve_dtype
-        from specheads.export.vllm_engine import environment, target_dir, vllm_python
+        from specheads.datagen.vllm_job import child_environment, parallel_header, target_header
+        from specheads.export.vllm_engine import vllm_python
 
         cfg = self.cfg
         python = vllm_python(cfg.vllm_python)
-        spec = cfg.target
-        target = target_dir(spec) if spec.gguf_file or os.path.exists(spec.path) else spec.path
-        device = resolve_device(spec.device)
         self._work = tempfile.TemporaryDirectory(prefix="vllm-states-", dir=cfg.output_dir)
         header = {
-            "target": str(target),
-            "dtype": str(resolve_dtype(spec.dtype, device)).split(".")[-1],
+            **target_header(cfg),
+            **parallel_header(cfg),
             "max_model_len": max(int(self.limit), 16),
             "batch_size": cfg.vllm_max_num_seqs,
-            "tensor_parallel": cfg.vllm_tensor_parallel,
             "seed": cfg.seed,
             "layers": layers,
-            "top_k": top_k,
+            "max_logprobs": max(top_k, 1),
         }
-        env = environment(python, cfg.vllm_threads)
-        if torch.cuda.is_available():
-            seen = env.get("CUDA_VISIBLE_DEVICES")
+        env = child_environment(cfg, python, self.local_rank)
+        if torch.cuda.is_available():  # this process keeps its models on those GPUs: vLLM takes most of what is free
+            seen = os.environ.get("CUDA_VISIBLE_DEVICES")
             visible = seen.split(",") if seen else [str(i) for i in range(torch.cuda.device_count())]
-            mine = device_slice(self.local_rank, cfg.vllm_tensor_parallel, visible)
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
-            # this process keeps its models on these GPUs: vLLM takes most of what is free, not 90% of the card
-            share = min(free / total for free, total in (torch.cuda.mem_get_info(visible.index(g)) for g in mine))
-            header.update(cuda=True, gpu_memory_utilization=round(0.9 * share, 3))
+            mine = [visible.index(g) for g in env["CUDA_VISIBLE_DEVICES"].split(",")]
+            share = min(free / total for free, total in map(torch.cuda.mem_get_info, mine))
+            header["gpu_memory_utilization"] = round(0.9 * share, 3)
         path = Path(self._work.name) / "header.json"
         path.write_text(json.dumps(header))
         read, write = os.pipe()

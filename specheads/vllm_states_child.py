@@ -1,10 +1,11 @@
 """The vLLM child that hands ``heads-datagen engine=vllm`` the target's hidden states of given sequences.
 
 ``python -m specheads.vllm_states_child HEADER REPLY_FD`` runs in vLLM's own Python (vLLM, torch and the standard
-library only). ``HEADER`` is a JSON file: the target's Hugging Face directory, dtype, ``max_model_len``,
-``max_num_seqs``, tensor- and pipeline-parallel sizes, the seed, ``layers`` (increasing: ``i`` is the residual
-stream entering decoder layer ``i``, ``n`` the last layer's output before the final norm), ``top_k`` (the most
-prompt log-probabilities a request may ask) and, on a GPU, ``gpu_memory_utilization``. vLLM starts once
+library only). ``HEADER`` is a JSON file: what :func:`specheads.vllm_jobs.start` reads (the target's Hugging Face
+directory, dtype, ``max_model_len``, ``batch_size``, tensor and pipeline parallelism, executor backend, seed,
+``max_logprobs``: the most prompt log-probabilities a request may ask), ``layers`` (increasing: ``i`` is the
+residual stream entering decoder layer ``i``, ``n`` the last layer's output before the final norm) and, on a
+GPU, ``gpu_memory_utilization``. vLLM starts once
 (``LLM`` with its ``extract_hidden_states`` speculative method and :class:`~specheads.vllm_states.StatesConnector`),
 so tensor and pipeline parallelism are vLLM's own.
 
@@ -33,31 +34,22 @@ CONNECTOR = {
 
 
 def start(header: dict):
-    """vLLM with the hidden-states method at ``header["layers"]`` and the connector that writes them."""
-    from vllm import LLM
+    """vLLM (:func:`specheads.vllm_jobs.start`: target, dtype, lengths, parallelism) with the hidden-states
+    method at ``header["layers"]`` and the connector that writes them."""
+    from specheads.vllm_jobs import start as start_llm
 
-    extra = {}
-    if header.get("gpu_memory_utilization"):
-        extra["gpu_memory_utilization"] = header["gpu_memory_utilization"]
-    return LLM(
-        model=header["target"],
-        dtype=header["dtype"],
-        max_model_len=header["max_model_len"],
-        max_num_seqs=header["batch_size"],
-        tensor_parallel_size=header.get("tensor_parallel", 1),
-        pipeline_parallel_size=header.get("pipeline_parallel", 1),
-        seed=header["seed"],
-        enforce_eager=not header.get("cuda", False),
+    gpu = header.get("gpu_memory_utilization")
+    return start_llm(
+        header,
         skip_tokenizer_init=True,
         enable_prefix_caching=False,  # every state from this request's own forward, as the Transformers engine's
-        max_logprobs=max(int(header.get("top_k", 0)), 1),
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(header["layers"])}},
         },
         kv_transfer_config=CONNECTOR,
-        **extra,
+        **({"gpu_memory_utilization": gpu} if gpu else {}),
     )
 
 
