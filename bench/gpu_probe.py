@@ -1,6 +1,6 @@
 """GPU probes for ``bench/gpu_smoke.sh``: figures the CUDA tests do not give (run on a GPU machine only).
 
-``python bench/gpu_probe.py WORKDIR [all|none]``: writes the smoke's tiny pair (``WORKDIR/pair/{target,draft}``, word-level
+``python bench/gpu_probe.py WORKDIR [all|none|NAME,...]``: writes the smoke's tiny pair (``WORKDIR/pair/{target,draft}``, word-level
 tokenizer, nothing downloaded) and its prompt files, then prints one ``PASS``/``FAIL`` line per probe:
 the fused forward against the model's own on CUDA (agreement and ms per one-token forward), the batched row
 proposer's host time per call by batch, and the EAGLE head's training-time-test peak memory at Llama-3.1-8B
@@ -83,10 +83,15 @@ def run(name: str, fn) -> None:
 
 
 def fused_vs_hf() -> str:
+    """Both shapes: 8 layers 2048 wide (a 1B-class draft) and the shared target's (30 layers, 576 wide)."""
+    return " | ".join(_fused_vs_hf(*shape) for shape in ((8, 2048, 16, 8, 5632, 32000), (30, 576, 9, 3, 1536, 49152)))
+
+
+def _fused_vs_hf(layers: int, hidden: int, heads: int, kv: int, inter: int, vocab: int) -> str:
     from specheads.export.shim.runners.model_runner import FusedRunner, ModelRunner
 
-    mid = llama(8, 2048, 16, 8, 5632, 32000, device="cuda", dtype=torch.bfloat16)
-    ids = torch.randint(3, 32000, (1, 100), device="cuda")
+    mid = llama(layers, hidden, heads, kv, inter, vocab, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(3, vocab, (1, 100), device="cuda")
     runners = {"hf": ModelRunner(mid, capacity=256), "fused": FusedRunner(mid, capacity=256)}
     lh, _ = runners["hf"].forward(ids, n_logits=100)
     lf, _ = runners["fused"].forward(ids, n_logits=100)
@@ -105,7 +110,7 @@ def fused_vs_hf() -> str:
         ms[name] = round((time.perf_counter() - t) / 30 * 1e3, 2)
     if agree <= 0.9:
         raise AssertionError(f"argmax agreement {agree:.2f}")
-    return f"argmax agreement {agree:.3f}, ms per one-token forward {ms} (8 layers, 2048 wide, bf16)"
+    return f"{layers} layers {hidden} wide bf16: argmax agreement {agree:.3f}, ms per one-token forward {ms}"
 
 
 def row_proposer() -> str:
@@ -146,12 +151,13 @@ def main() -> int:
     work = Path(sys.argv[1])
     work.mkdir(parents=True, exist_ok=True)
     write_pair(work)
-    if not torch.cuda.is_available() or sys.argv[2:] == ["none"]:
+    probes = {"fused_vs_hf_cuda": fused_vs_hf, "row_proposer_cuda": row_proposer, "eagle_ttt_memory": eagle_ttt_memory}
+    wanted = sys.argv[2].split(",") if len(sys.argv) > 2 and sys.argv[2] != "all" else list(probes)
+    if not torch.cuda.is_available() or wanted == ["none"]:
         print("SKIP   probes: " + ("none asked for" if torch.cuda.is_available() else "no CUDA device"))
         return 0
-    run("fused_vs_hf_cuda", fused_vs_hf)
-    run("row_proposer_cuda", row_proposer)
-    run("eagle_ttt_memory", eagle_ttt_memory)
+    for name in wanted:
+        run(name, probes[name])
     return 0
 
 

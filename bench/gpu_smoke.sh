@@ -49,9 +49,8 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,dri
 # ---- the CUDA tests and the probes --------------------------------------------------------------------------
 step cuda_tests 300 $PY -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider
 grep -E '[0-9]+ (passed|failed)' "$OUT/cuda_tests.log" | tail -1 | sed 's/^/INFO   cuda tests: /' >>"$SUM"
-PROBES=all
-[ "${SMOKE_PROBES:-1}" = 1 ] || PROBES=none # SMOKE_PROBES=0: write the tiny pair only
-$PY bench/gpu_probe.py "$W" "$PROBES" >"$OUT/probe.log" 2>&1
+# SMOKE_PROBES=none: write the tiny pair only; or a comma-separated list of bench/gpu_probe.py's probes
+$PY bench/gpu_probe.py "$W" "${SMOKE_PROBES:-all}" >"$OUT/probe.log" 2>&1
 grep -E '^(PASS|FAIL|SKIP)' "$OUT/probe.log" | tee -a "$SUM"
 
 # ---- every command on the tiny pair, bf16, CUDA ----------------------------------------------------------------
