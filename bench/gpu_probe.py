@@ -1,10 +1,10 @@
 """GPU probes for ``bench/gpu_smoke.sh``: figures the CUDA tests do not give (run on a GPU machine only).
 
-``python bench/gpu_probe.py WORKDIR [all|none|NAME,...]``: writes the smoke's tiny pair (``WORKDIR/pair/{target,draft}``, word-level
-tokenizer, nothing downloaded) and its prompt files, then prints one ``PASS``/``FAIL`` line per probe:
-the fused forward against the model's own on CUDA (agreement and ms per one-token forward), the batched row
-proposer's host time per call by batch, and the EAGLE head's training-time-test peak memory at Llama-3.1-8B
-head shape by sequence length."""
+``python bench/gpu_probe.py WORKDIR [all|none|NAME,...]``: writes the smoke's tiny pair
+(``WORKDIR/pair/{target,draft}``, word-level tokenizer, nothing downloaded) and its prompt files, then prints
+one ``PASS``/``FAIL`` line per probe: the fused forward against the model's own on CUDA (agreement and ms per
+one-token forward), the batched row proposer's host time per call by batch, and the EAGLE head's
+training-time-test peak memory at Llama-3.1-8B head shape by sequence length."""
 
 from __future__ import annotations
 
