@@ -136,3 +136,21 @@ def test_draft_beside_a_split_target_goes_to_the_freest_gpu():
     i = int(dev.split(":")[1])
     free = [torch.cuda.mem_get_info(j)[0] for j in range(torch.cuda.device_count())]
     assert free[i] == max(free) or abs(free[i] - max(free)) < 2**28  # the freest, give or take what moved since
+
+
+def test_eagle_head_trains_and_evaluates_on_cuda(tiny_pair_dirs, prompts_file, tmp_path):
+    """labels=drafter data written on the GPU, then heads-train head=eagle on it there (its evaluation included:
+    the greedy runs once summed a CPU tensor with the GPU's hits)."""
+    from conftest import datagen_args
+
+    from specheads.datagen.cli import main as datagen_main
+    from specheads.train.cli import main as train_main
+
+    data, out = tmp_path / "dg", tmp_path / "tr"
+    cuda = ["target.device=cuda", "draft.device=cuda"]
+    drafter = ["labels=drafter", "sampling.do_sample=false", "max_new_tokens=8", "drafter_top_k=5"]
+    assert datagen_main([*datagen_args(tiny_pair_dirs, prompts_file, data, *drafter), *cuda]) == 0
+    train = [f"data_dir={data}", "head=eagle", f"target.path={tiny_pair_dirs[0]}", "target.gguf_file=null"]
+    train += ["target.device=cuda", f"output_dir={out}", "batch_size=2", "epochs=1", "eval_fraction=0.3"]
+    assert train_main([*train, "ttt_steps=2", "vocab_top_n=20"]) == 0
+    assert (out / "head.safetensors").is_file()

@@ -126,7 +126,7 @@ def _run_sums(steps: list[tuple[torch.Tensor, torch.Tensor]], total: float = 0.0
     full = steps[0][0].clone()
     for sel, _ in steps[1:]:
         full &= sel
-    run = torch.ones(int(full.sum()), dtype=torch.long)
+    run = torch.ones(int(full.sum()), dtype=torch.long, device=full.device)
     for sel, hit in steps:
         per_row = torch.zeros_like(sel, dtype=torch.bool)
         per_row[sel] = hit
