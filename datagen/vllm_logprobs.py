@@ -18,8 +18,9 @@ What the labels need of the target's distribution ``p`` at each response positio
     on a CPU at 49k). That is exact too; where it is too heavy, ``vllm_logprobs=false`` runs the Transformers
     target pass over vLLM's responses instead.
 
-  What is not exact: vLLM's kernels are not Transformers' (fp32: log-probabilities differ in the last
-  digits, labels by about 1e-5), and a tie at the ``k``-th value (which the Transformers warp keeps, vLLM's
+  What is not exact: vLLM's kernels are not Transformers' (fp32 log-probabilities differ in the last digits;
+  on the shared pair the labels differ by at most 5e-5 with the top 50 or the whole vocabulary,
+  ``bench/scale_vllm_labels.py``), and a tie at the ``k``-th value (which the Transformers warp keeps, vLLM's
   top ``k`` cuts).
 
 ``labels=fsd`` (divergences over the whole distribution) keeps its Transformers target pass.
