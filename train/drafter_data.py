@@ -5,9 +5,9 @@ A run's chunk is a Parquet file (``input_ids``, ``response_start``) and a side f
 response token, and the offsets that cut them into rows). :class:`DrafterData` keeps, per chunk, only its
 two offset vectors (``rows + 1`` integers each); a batch's rows are read when it is built: their states and
 top-k rows sliced out of the side file through safetensors' memory map (``safe_open(...).get_slice``, which
-reads those bytes only, and the map is closed again), their ids from the chunk's Parquet file (the last few
-chunks' ids kept). The training loop's seeded permutation picks the rows, so each process reads only the
-rows of its own micro-batches, in the same order on every run with the same seed.
+reads those bytes only; they are copied out, so the map is closed again), their ids from the chunk's Parquet
+file (the last few chunks' ids kept). The training loop's seeded permutation picks the rows, so each process
+reads only the rows of its own micro-batches, in the same order on every run with the same seed.
 """
 
 from __future__ import annotations
@@ -109,8 +109,11 @@ class DrafterData:
                 for pos, r in wanted:
                     a, b = int(chunk.offsets[r]), int(chunk.offsets[r + 1])
                     ra, rb = int(chunk.response_offsets[r]), int(chunk.response_offsets[r + 1])
-                    states = f.get_slice("states")[a:b] if self.states else torch.zeros(0, 0, dtype=torch.float16)
-                    top_ids, top_logp = f.get_slice("top_ids")[ra:rb], f.get_slice("top_logp")[ra:rb]
+                    # copies: a slice is a view of the whole file's map, which would stay mapped while it lives
+                    states = (
+                        f.get_slice("states")[a:b].clone() if self.states else torch.zeros(0, 0, dtype=torch.float16)
+                    )
+                    top_ids, top_logp = f.get_slice("top_ids")[ra:rb].clone(), f.get_slice("top_logp")[ra:rb].clone()
                     self.bytes_read += sum(x.numel() * x.element_size() for x in (states, top_ids, top_logp))
                     out[pos] = Sequence(torch.tensor(ids[r]), states, top_ids.long(), top_logp, int(starts[r]))
         return out  # type: ignore[return-value]  # every position was filled
@@ -154,5 +157,6 @@ def _open(path: Path):
 
 
 def _read(path: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Copies of the named tensors (a tensor safetensors gives keeps the file mapped while it lives)."""
     with _open(path) as f:
-        return {k: f.get_tensor(k) for k in names}
+        return {k: f.get_tensor(k).clone() for k in names}
