@@ -25,6 +25,7 @@ from specheads.errors import UserError
 from specheads.heads import AcceptanceHead
 from specheads.train.config import TrainConfig
 from specheads.train.loss import binary_kl, weighted_soft_bce
+from specheads.train.side_rows import SideRows, read_small
 from specheads.train.task import calibration_metrics, describe, predict, split
 
 
@@ -38,19 +39,21 @@ class StopExample:
 
 
 class StopStore:
-    """Every chunk's states, labels and draft confidences in memory, and one example per prompt."""
+    """Every chunk's labels and draft confidences in memory, its states read per batch (``side_rows.py``), and
+    one example per prompt."""
 
     def __init__(self, data_dir: str | Path):
         import pyarrow.parquet as pq
 
         root = Path(data_dir)
-        states, labels, conf, self.examples = [], [], [], []
+        labels, conf, self.examples = [], [], []
+        self.states = SideRows("states")
         base = 0
         for path in shard_paths(root):
             require_columns(path, EAGLE_ROUNDS_COLUMNS)
             table = pq.read_table(str(path), columns=["label", "q_token"])
             side = DrafterChunkFiles(root, int(path.stem.split("-")[1]))
-            t = side.load()
+            t, _ = read_small(side.path, ("offsets",))
             off = t["offsets"].tolist()
             rows = table.column("label").to_pylist()
             if len(off) != len(rows) + 1 or any(len(y) != off[i + 1] - off[i] for i, y in enumerate(rows)):
@@ -62,13 +65,12 @@ class StopStore:
                     self.examples.append(StopExample(len(self.examples), base + off[i], base + off[i + 1]))
                 labels += y
             conf += [q for qs in table.column("q_token").to_pylist() for q in qs]
-            states.append(t["states"])
+            self.states.add(side.path, int(off[-1]))
             base += int(off[-1])
         if not self.examples:
             raise UserError(
                 f"{data_dir} holds no labelled candidates; decode longer responses (max_new_tokens) or more prompts"
             )
-        self.states = torch.cat(states)
         self.labels = torch.tensor(labels, dtype=torch.float32)
         self.confidence = torch.tensor(conf, dtype=torch.float32)
 
@@ -78,7 +80,7 @@ class StopStore:
     def batch(self, examples: list[StopExample], device, confidence: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Features ``[N, d]`` (``confidence``: ``[N, d + 1]``, ``log q(y)`` last) and soft labels ``[N]``."""
         idx = self.rows(examples)
-        x = self.states[idx].float()
+        x = self.states.take([(e.start, e.end) for e in examples]).float()
         if confidence:
             x = AcceptanceHead.features(x, self.confidence[idx].log())
         return x.to(device), self.labels[idx].to(device)

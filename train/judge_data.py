@@ -2,7 +2,8 @@
 
 The datagen run already holds the target's pre-norm states (fp16) at every labelled answer token,
 so training needs neither model: an example is one tuple (both its sides), its tokens' features
-and labels (1 correct, 0 the wrong answer's first mistake).
+and labels (1 correct, 0 the wrong answer's first mistake). The labels are held; the features are read
+from the side files a batch at a time (``side_rows.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from specheads.dataset import JudgeChunkFiles, shard_paths
 from specheads.errors import UserError
+from specheads.train.side_rows import SideRows, read_small
 
 
 @dataclass
@@ -27,7 +29,7 @@ class JudgeExample:
 
 
 class JudgeStore:
-    """Every chunk's features and labels in memory (these sets are small) and the examples over them."""
+    """Every chunk's labels in memory, its features read per batch, and the examples over them."""
 
     def __init__(self, data_dir: str | Path):
         """``data_dir``: one ``labels=judge`` output_dir, or several comma-separated (mixed: the examples of
@@ -41,7 +43,8 @@ class JudgeStore:
             if not found:
                 raise UserError(f"no chunk-*.parquet under {d / 'data'}; run heads-datagen labels=judge first")
             files += [(f"{k}:" if len(dirs) > 1 else "", d, p) for p in found]
-        feats, labels, self.examples = [], [], []
+        labels, self.examples = [], []
+        self.features = SideRows("features")
         base = 0
         spans: dict[str, list[int]] = {}
         order: list[str] = []
@@ -52,7 +55,7 @@ class JudgeStore:
                 raise UserError(
                     f"{side.features_path} is missing; re-run heads-datagen labels=judge to finish the chunk"
                 )
-            t = side.load()
+            t, _ = read_small(side.features_path, ("labels", "offsets"))
             ids = [prefix + t for t in pq.read_table(path, columns=["tuple_id"]).column("tuple_id").to_pylist()]
             off = t["offsets"].tolist()
             if len(off) != len(ids) + 1:
@@ -66,10 +69,9 @@ class JudgeStore:
                     order.append(tid)
                 else:
                     spans[tid][1] = base + off[i + 1]
-            feats.append(t["features"])
+            self.features.add(side.features_path, int(off[-1]))
             labels.append(t["labels"])
             base += int(off[-1])
-        self.features = torch.cat(feats) if feats else torch.empty(0)
         self.labels = torch.cat(labels) if labels else torch.empty(0)
         self.examples = [
             JudgeExample(i, tid, *spans[tid]) for i, tid in enumerate(order) if spans[tid][1] > spans[tid][0]
@@ -79,7 +81,8 @@ class JudgeStore:
 
     def batch(self, epoch: int, examples: list[JudgeExample], device) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.cat([torch.arange(e.start, e.end) for e in examples])
-        return self.features[idx].float().to(device), self.labels[idx].to(device)
+        x = self.features.take([(e.start, e.end) for e in examples])
+        return x.float().to(device), self.labels[idx].to(device)
 
 
 def judge_metrics(scores: torch.Tensor, labels: torch.Tensor, delta: float) -> dict:
