@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import tempfile
 from pathlib import Path
@@ -52,7 +54,7 @@ class StatesServer:
         self.tokens = 0
         self._proc = None
         self._reply = None
-        self._work: tempfile.TemporaryDirectory | None = None
+        self._work: Path | None = None
 
     def states(self, seqs: list[list[int]], layers: list[int], top_k: int = 0):
         """Per sequence, ``(states, top)``: ``states`` ``[len(seq), len(layers), d]`` on the CPU, the layers
@@ -65,7 +67,7 @@ class StatesServer:
             raise UserError(
                 f"vLLM states: the child runs layers {self.layers} and top_k {self.top_k}; asked {layers}, {top_k}"
             )
-        folder = tempfile.mkdtemp(dir=self._work.name)
+        folder = tempfile.mkdtemp(dir=self._work)
         self._send({"dir": folder, "seqs": [list(map(int, s)) for s in seqs], "top_k": top_k})
         got = self._receive()
         self.seconds += got["seconds"]
@@ -85,7 +87,7 @@ class StatesServer:
             self._reply.close()
             self._proc = None
         if self._work is not None:
-            self._work.cleanup()
+            shutil.rmtree(self._work, ignore_errors=True)
             self._work = None
 
     def _start(self, layers: list[int], top_k: int) -> None:
@@ -94,7 +96,11 @@ class StatesServer:
 
         cfg = self.cfg
         python = vllm_python(cfg.vllm_python)
-        self._work = tempfile.TemporaryDirectory(prefix="vllm-states-", dir=cfg.output_dir)
+        # beside the output (a batch's states can be gigabytes), one folder per node and process: a killed
+        # run's is cleared by the next
+        self._work = Path(cfg.output_dir) / f".vllm-states-{socket.gethostname()}-{self.local_rank}"
+        shutil.rmtree(self._work, ignore_errors=True)
+        self._work.mkdir(parents=True)
         header = {
             **target_header(cfg),
             **parallel_header(cfg),
@@ -111,7 +117,7 @@ class StatesServer:
             mine = [visible.index(g) for g in env["CUDA_VISIBLE_DEVICES"].split(",")]
             share = min(free / total for free, total in map(torch.cuda.mem_get_info, mine))
             header["gpu_memory_utilization"] = round(0.9 * share, 3)
-        path = Path(self._work.name) / "header.json"
+        path = self._work / "header.json"
         path.write_text(json.dumps(header))
         read, write = os.pipe()
         self._proc = subprocess.Popen(

@@ -2,7 +2,8 @@
 vLLM (``SPECHEADS_VLLM_PYTHON``: the python of vLLM's virtualenv), the states child's states at chosen layers,
 the last layer's output before the final norm, the top-k and the judge's features equal the Transformers
 target's within 1e-3 relative in fp32, and ``labels=drafter`` and ``labels=sprinter`` give the Transformers
-engine's rows. A child that dies is a one-line error."""
+engine's rows. Without vLLM: the judge's features and SPRINTER's logits built from states (here the Transformers
+target's own, ``conftest.HFStates``) are the Transformers engine's; a child that dies is a one-line error."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import chunk_rows
+from conftest import HFStates, chunk_rows
 
 from specheads.datagen import vllm_states
 from specheads.datagen.cli import main
@@ -63,7 +64,7 @@ def test_vllms_states_top_k_and_judge_features_are_the_transformers_targets(vllm
         feats = vllm_states.judge_features(job, rows)
     finally:
         server.close()
-    assert not list(tmp_path.glob("vllm-states-*"))  # the exchange folder goes with the child
+    assert not list(tmp_path.glob(".vllm-states-*"))  # the exchange folder goes with the child
     for seq, (st, (ids, logp)) in zip(SEQS, got):
         with torch.inference_mode(), HiddenCapture(model) as cap:
             out = model(torch.tensor([seq]), output_hidden_states=True)
@@ -121,6 +122,25 @@ def test_vllm_engine_gives_the_transformers_engines_rows(vllm_pair, tmp_path, la
         assert torch.equal(s["top_ids"], t["top_ids"]) and torch.equal(s["offsets"], t["offsets"])
         torch.testing.assert_close(t["top_logp"], s["top_logp"], atol=1e-4, rtol=0)
         assert relative(t["states"], s["states"]) < 1e-3  # fp16 on disk: one rounding step apart at most
+
+
+def test_judge_features_and_sprinters_logits_from_states_are_the_transformers_targets(tiny_pair):
+    from specheads.datagen.judge_labels import target_features
+    from specheads.states import logits_at
+
+    model = tiny_pair[0]
+    job = SimpleNamespace(
+        states=HFStates(model), pair=SimpleNamespace(target=SimpleNamespace(model=model, hidden_size=32))
+    )
+    seqs = [[3, 5, 9, 13, 4, 4, 7], [3, 7, 8], [3, 20, 21, 22, 6, 4, 5]]
+    rows = [
+        {"input_ids": s, "answer_start": 1, "labels": [-1 if j % 3 else j % 2 for j in range(len(s) - 1)]} for s in seqs
+    ]
+    got, want = vllm_states.judge_features(job, rows), target_features(model, rows, pad=0, batch_size=2)
+    assert got[2:] == want[2:] and torch.equal(got[1], want[1]) and relative(got[0], want[0]) < 1e-3
+    positions = [[1, 4, 7], [3], [2, 5]]
+    for a, b in zip(vllm_states.target_logits(job, seqs, positions), logits_at(model, seqs, positions, pad=0)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_a_states_child_that_dies_is_a_one_line_error(tmp_path):
