@@ -53,7 +53,6 @@ from specheads.datagen.vllm_job import (  # noqa: F401 (device_slice: the tests'
 from specheads.datagen.vllm_logprobs import max_logprobs, wanted
 from specheads.errors import UserError
 from specheads.export.shim import SamplingConfig
-from specheads.vllm_jobs import logprobs_name
 
 SIDE = "vllm"
 ENGINES = ("specheads", "vllm")
@@ -269,7 +268,7 @@ def finish(out: Path, chunk: int | None = None) -> None:
     chunks, and this process's ``mining=swap`` vLLM process)."""
     if chunk is not None:
         side_path(out, chunk).unlink(missing_ok=True)  # first: a side file whose logprobs file is gone is redone
-        (Path(out) / SIDE / logprobs_name(chunk)).unlink(missing_ok=True)
+        side_path(out, chunk).with_suffix(".logprobs.safetensors").unlink(missing_ok=True)  # vllm_jobs.logprobs_name
         return
     vllm_mining.stop(out)
     work = Path(out) / SIDE

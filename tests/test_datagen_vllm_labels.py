@@ -305,3 +305,10 @@ def test_vllm_swap_mining_finds_the_transformers_engines_mismatches(tmp_path):
     assert chunk_rows(tmp_path / "ours") == chunk_rows(tmp_path / "vllm")
     mined = json.loads((tmp_path / "vllm" / "manifest.json").read_text())["mining"]
     assert mined["vllm_prompt_tokens"] > 0
+
+
+def test_the_logprobs_file_name_is_the_childs(tmp_path):
+    """The run removes the log-probabilities file the vLLM child wrote beside a chunk's side file."""
+    from specheads.datagen.vllm_responses import side_path
+
+    assert side_path(tmp_path, 3).with_suffix(".logprobs.safetensors").name == logprobs_name(3)

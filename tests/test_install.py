@@ -24,7 +24,9 @@ STAGES = {
     "heads": BASE,
     "export": BASE,
     "datagen": BASE | set(extras.EXTRAS["train"]),
-    "train": BASE | set(extras.EXTRAS["train"]) | {"deepspeed"},
+    # gguf: a GGUF target's tensors read by name for the EAGLE head (train/target_tensors.py), which says in one
+    # line to install the [gguf] extra when it is missing, as loading a GGUF model anywhere does
+    "train": BASE | set(extras.EXTRAS["train"]) | {"deepspeed", "gguf"},
     "evaluate": BASE | set(extras.EXTRAS["eval"]),
 }
 
