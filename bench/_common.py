@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -209,3 +210,21 @@ def eval_and_gated(sweep: dict, names: dict[str, str] | None = None, families: t
             for family, e in g["rows"].items()
         }
     return out
+
+
+def run_datagen(recipe: str, extra: list[str], out: Path) -> tuple[float, dict]:
+    """One ``heads-datagen`` run in this process; its wall seconds and manifest."""
+    from specheads.datagen.cli import main
+
+    t = time.perf_counter()
+    code = main([f"recipe={recipe}", *extra, f"output_dir={out}"])
+    if code:
+        raise RuntimeError(f"heads-datagen recipe={recipe} {' '.join(extra)} exited {code}")
+    return time.perf_counter() - t, json.loads((out / "manifest.json").read_text())
+
+
+def rows(out: Path) -> list[dict]:
+    """A datagen output's rows, chunk by chunk."""
+    import pyarrow.parquet as pq
+
+    return [r for p in sorted((out / "data").glob("chunk-*.parquet")) for r in pq.read_table(p).to_pylist()]

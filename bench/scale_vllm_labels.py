@@ -35,6 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", str(ROOT.parent / "shared")))
 os.environ["SPECHEADS_SHARED"] = str(SHARED)  # the recipes' model and prompt paths, from any directory
+sys.path.insert(0, str(ROOT / "bench"))
+from _common import rows, run_datagen  # noqa: E402
+
 ACCEPTANCE = "specdecpp_draft_quickstart"
 SAMPLED = ["sampling.do_sample=true", "sampling.temperature=1.0", "max_new_tokens=48"]
 CASES = {  # recipe, overrides, the engine=vllm runs (tensor-parallel sizes), whether the HF run's rows must equal
@@ -48,23 +51,6 @@ CASES = {  # recipe, overrides, the engine=vllm runs (tensor-parallel sizes), wh
         True,
     ),
 }
-
-
-def run_datagen(recipe: str, extra: list[str], out: Path) -> tuple[float, dict]:
-    """One ``heads-datagen`` run; its wall seconds and manifest."""
-    from specheads.datagen.cli import main
-
-    t = time.perf_counter()
-    code = main([f"recipe={recipe}", *extra, f"output_dir={out}"])
-    if code:
-        raise RuntimeError(f"heads-datagen recipe={recipe} {' '.join(extra)} exited {code}")
-    return time.perf_counter() - t, json.loads((out / "manifest.json").read_text())
-
-
-def rows(out: Path) -> list[dict]:
-    import pyarrow.parquet as pq
-
-    return [r for p in sorted((out / "data").glob("chunk-*.parquet")) for r in pq.read_table(p).to_pylist()]
 
 
 def label_gap(cfg, out: Path) -> float:

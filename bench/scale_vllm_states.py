@@ -40,28 +40,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", str(ROOT.parent / "shared")))
 os.environ["SPECHEADS_SHARED"] = str(SHARED)  # the recipes' model and prompt paths, from any directory
+sys.path.insert(0, str(ROOT / "bench"))
+from _common import rows, run_datagen  # noqa: E402
+
 FAMILIES = {  # recipe and the overrides that keep each run to a minute or two on 2 cores
     "drafter": ("eagle_smollm2", ["max_new_tokens=40", "drafter_top_k=8"]),
     "judge": ("judge_quickstart", ["max_new_tokens=112", "answer_samples=0", "answer_models=[target]"]),
     "sprinter": ("sprinter_quickstart", ["max_new_tokens=32"]),  # its two prompt files: prompts from each
 }
-
-
-def run_datagen(recipe: str, extra: list[str], out: Path) -> tuple[float, dict]:
-    """One ``heads-datagen`` run; its wall seconds and manifest."""
-    from specheads.datagen.cli import main
-
-    t = time.perf_counter()
-    code = main([f"recipe={recipe}", *extra, f"output_dir={out}"])
-    if code:
-        raise RuntimeError(f"heads-datagen recipe={recipe} {' '.join(extra)} exited {code}")
-    return time.perf_counter() - t, json.loads((out / "manifest.json").read_text())
-
-
-def rows(out: Path) -> list[dict]:
-    import pyarrow.parquet as pq
-
-    return [r for p in sorted((out / "data").glob("chunk-*.parquet")) for r in pq.read_table(p).to_pylist()]
 
 
 def same_rows(family: str, a: list[dict], b: list[dict], lambdas: list[float]) -> tuple[bool, float]:

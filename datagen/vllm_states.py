@@ -181,15 +181,6 @@ def close(job) -> None:
         job.states.close()
 
 
-def _final_norm(model) -> torch.nn.Module:
-    base = getattr(model, "base_model", model)
-    for name in ("norm", "ln_f", "final_layer_norm", "final_layernorm", "final_norm"):
-        mod = getattr(base, name, None)
-        if isinstance(mod, torch.nn.Module):
-            return mod
-    raise UserError(f"engine=vllm: cannot find the final norm of {type(model).__name__} (SPRINTER's p needs it)")
-
-
 def drafter_states(job, seqs: list[list[int]], layers: list[int], responses: list[int], top_k: int):
     """Per sequence (prompt + response, the response ``responses[i]`` tokens long): the stream entering
     ``layers`` at every position, ``[T, len(layers) * d]`` fp16, the target's top ``top_k`` at each response
@@ -211,10 +202,10 @@ def final_states(job, seqs: list[list[int]]) -> list[torch.Tensor]:
 def target_logits(job, seqs: list[list[int]], positions: list[list[int]]) -> list[torch.Tensor]:
     """Per row, the target's logits ``[len(positions[b]), V]`` after each prefix ``seqs[b][:t]`` (as
     :func:`specheads.states.logits_at`): vLLM's final states through the target's final norm and output layer."""
-    from specheads.export.shim import output_device
+    from specheads.export.shim import final_norm, output_device
 
     model = job.pair.target.model
-    norm, head, device = _final_norm(model), model.get_output_embeddings(), output_device(model)
+    norm, head, device = final_norm(model), model.get_output_embeddings(), output_device(model)
     out = []
     with torch.inference_mode():
         for st, pos in zip(final_states(job, seqs), positions):

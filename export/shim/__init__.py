@@ -64,7 +64,7 @@ from specheads.export.shim.policies import (
     standard_verify,
 )
 from specheads.export.shim.runners.fused import supports
-from specheads.export.shim.runners.hidden import HiddenCapture, output_device
+from specheads.export.shim.runners.hidden import HiddenCapture, final_norm, output_device
 from specheads.export.shim.runners.kernels import describe as describe_kernels
 from specheads.export.shim.runners.kernels import unroute
 from specheads.export.shim.runners.model_runner import make_runner
@@ -144,6 +144,7 @@ __all__ = [
     "make_runner",
     "HiddenCapture",
     "output_device",
+    "final_norm",
     "supports",
     "context_length",
     "eos_ids",
