@@ -71,19 +71,27 @@ def part(name: str) -> dict:
     if name == "train":
         from scale_train import measure as train
 
-        return train()
+        return nest(train(), ("eagle_train_peak_rss_4x_over_1x", "eagle_target_bytes_read_over_total"), "eagle_train")
     if name == "vllm_labels":
         from scale_vllm_labels import measure as labels
 
-        return labels()
+        return nest(labels(), ("vllm_vs_hf_labels", "datagen_tokens_per_s"), "vllm_labels_setup")
     from scale_vllm_states import measure as states
 
     return {"vllm_vs_hf_states": states()}
 
 
+def nest(got: dict, top: tuple[str, ...], rest: str) -> dict:
+    """A part's headline keys at the top of the result, the rest of what it measured under ``rest``; the
+    ``_stale`` keys (how an earlier version laid them out) are dropped from the file."""
+    return {**{k: got[k] for k in top}, rest: {k: v for k, v in got.items() if k not in top}, "_stale": list(got)}
+
+
 def merge(old: dict, new: dict) -> dict:
     """``new``'s keys over ``old``'s; the two ``vllm_vs_hf_labels`` sources are joined into one entry."""
-    out = dict(old)
+    new = dict(new)
+    stale = set(new.pop("_stale", [])) - set(new)
+    out = {k: v for k, v in old.items() if k not in stale}
     for key, value in new.items():
         if key == "vllm_vs_hf_states":
             labels = dict(out.get("vllm_vs_hf_labels") or {})
