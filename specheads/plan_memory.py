@@ -9,7 +9,7 @@ Every figure is a product of shapes (:mod:`specheads.model_shapes`) and settings
 * KV cache: ``rows x 2 x layers x kv_heads x head_dim`` per model that runs with a cache;
 * label buffers: what a family holds besides (acceptance/FSD/SPRINTER: both models' logits over the
   full vocabulary for ``batch x max_new_tokens`` rows, and fp32 ``p``, ``q``, ``min(p, q)`` when the
-  labels need probabilities);
+  labels need probabilities: sampled acceptance builds them a block of rows at a time, at most 1 GiB);
 * disk: the stored states (``rows x width x 2`` bytes, fp16) and the label columns (4 bytes a value).
 
 ``rows`` is ``batch_size x (prompt_tokens + max_new_tokens)``. Settings are read by name from the CLI's
@@ -120,6 +120,9 @@ def datagen_memory(cfg, batch: int, fp8: bool = False, span: int | None = None) 
     )
 
 
+ACCEPTANCE_BLOCK_BYTES = 1 << 30  # datagen/acceptance_labels.py's LABEL_BUFFER_BYTES (a stage: not imported)
+
+
 def label_buffers(cfg, target: Shape, batch: int, act_b: float) -> float:
     """What a family holds besides the forwards (module docstring)."""
     new, v, h = cfg.max_new_tokens, target.vocab, target.hidden
@@ -128,8 +131,11 @@ def label_buffers(cfg, target: Shape, batch: int, act_b: float) -> float:
         logits = 2 * n * v * act_b
         if cfg.labels == "fsd":  # probabilities in steps of 256 rows (fsd_labels.ROWS_PER_STEP)
             return logits + 3 * min(n, 256) * v * 4
-        probabilities = cfg.sampling.do_sample or cfg.labels == "sprinter"
-        return logits + (3 * n * v * 4 if probabilities else 0.0)
+        if cfg.labels == "sprinter":
+            return logits + 3 * n * v * 4
+        # sampled acceptance: fp32 p, q, min(p, q) a block of rows at a time, at most 1 GiB together
+        # (datagen/acceptance_labels.py, LABEL_BUFFER_BYTES)
+        return logits + (min(3 * n * v * 4, ACCEPTANCE_BLOCK_BYTES) if cfg.sampling.do_sample else 0.0)
     if cfg.labels == "drafter":  # the responses' logits, then one sequence's fp32 log-softmax and states
         layers = len(cfg.drafter_layers) or 3
         return n * v * act_b + new * v * 4 + (cfg.prompt_tokens + new) * layers * h * 4

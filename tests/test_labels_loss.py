@@ -100,3 +100,10 @@ def test_sampled_labels_in_row_blocks_equal_one_pass(monkeypatch):
     assert blocks == [7] * 7 + [1]
     for key in whole:
         assert torch.equal(whole[key], split[key]), key
+
+
+def test_the_plan_counts_the_label_block_the_labeller_uses():
+    from specheads.datagen.acceptance_labels import LABEL_BUFFER_BYTES
+    from specheads.plan_memory import ACCEPTANCE_BLOCK_BYTES
+
+    assert ACCEPTANCE_BLOCK_BYTES == LABEL_BUFFER_BYTES
