@@ -71,7 +71,8 @@ def continuations(
         if i in out or not bucket:
             continue
         stats["compared"] += 1
-        if np.array_equal(rows[i][:n], seen[bucket[-1]]):  # the hash found it; the tokens confirm it
+        held = seen[bucket[-1]]
+        if held is not None and np.array_equal(rows[i][:n], held):  # the hash found it; the tokens confirm it
             out[i] = bucket.pop()
     return out
 
@@ -97,11 +98,12 @@ def shared_prompts(
     for s in reversed(idle):  # each list ends with the slot idle longest
         if s in taken or not len(held[s]):
             continue
-        if held_hash[s] is None:
-            held_hash[s] = hasher.of(held[s])
+        prefix = held_hash[s]
+        if prefix is None:
+            prefix = held_hash[s] = hasher.of(held[s])
         q = 1
         while q <= len(held[s]):
-            starts.setdefault((q, int(held_hash[s][q])), []).append(s)
+            starts.setdefault((q, int(prefix[q])), []).append(s)
             q *= 2
     out: dict[int, int] = {}
     for i in sorted(rest, key=lambda i: -len(rows[i])):
