@@ -227,9 +227,9 @@ def label_responses(
             if extra_labels is not None:  # labels=fsd: its divergences on the Transformers target's pass
                 p_logits = None
             elif not cfg.sampling.do_sample:
-                p_logits = [torch.tensor(r, device=pair.target.device) for r in responses]
+                p_logits = [torch.tensor(r, device=pair.target.output_device) for r in responses]
             else:  # None when the run asked vLLM for no log-probabilities (vllm_logprobs=false)
-                p_logits = vllm_logprobs.target_logits(job, keys, pair.target.device)
+                p_logits = vllm_logprobs.target_logits(job, keys, pair.target.output_device)
         p_all, q_all, rows = teacher_forced_pair(pair.target.model, pair.draft.model, ids, responses, job.pad, p_logits)
         ok = [a and v for a, v in zip(finite_rows(p_all, q_all, rows), vllm_ok)]
         if not all(ok):  # a sample with NaN/Inf logits is counted, never written
