@@ -285,6 +285,10 @@ def summarise(out: Path) -> dict:
 class AcceptanceLabeller(Labeller):
     """``labels=acceptance``: SpecDec++ soft labels at every token of the target's responses."""
 
+    def target_under_vllm(self, cfg) -> str:
+        # greedy: p is the response token itself; sampled: vLLM's log-probabilities (unless turned off)
+        return "config" if not cfg.sampling.do_sample or cfg.vllm_logprobs else "model"
+
     def label_chunk(self, job: Job, items: list, chunk: int) -> Labelled:
         return label_responses(job, items, chunk)
 

@@ -54,7 +54,7 @@ from transformers.utils import logging as hf_logging
 from specheads.config import cli_main, to_yaml
 from specheads.datagen import shards, vllm_responses, vllm_states
 from specheads.datagen.config import PROG, DatagenConfig
-from specheads.datagen.labelling import Job
+from specheads.datagen.labelling import Job, Labeller
 from specheads.datagen.manifest import chunk_metrics, finish
 from specheads.datagen.mined_view import show
 from specheads.datagen.registry import LABELLERS, labeller
@@ -66,6 +66,7 @@ from specheads.export.shim import context_length
 from specheads.numerics import check_resume, numerics_settings, use_threads, without
 from specheads.outputs import MetricsWriter, holds_other_run, prepare_output_dir
 from specheads.plan import run_plan
+from specheads.target_shell import load_target
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +136,12 @@ def _numerics(pair, processes: int) -> dict:
     )
 
 
-def _load(cfg: DatagenConfig, needs_draft: bool) -> Job:
-    """The models, with the padding token, EOS ids and the shortest context length."""
-    pair = load_pair(cfg.target, cfg.draft if needs_draft or cfg.draft.path else None, same_vocab=True)
+def _load(cfg: DatagenConfig, family: Labeller) -> Job:
+    """The models, with the padding token, EOS ids and the shortest context length. With ``engine=vllm`` the
+    Transformers target holds only what the family still needs of it (often its config alone)."""
+    needs_draft = family.needs_draft(cfg)
+    target = load_target(cfg.target, family.target_under_vllm(cfg) if cfg.engine == "vllm" else "model")
+    pair = load_pair(cfg.target, cfg.draft if needs_draft or cfg.draft.path else None, True, target)
     if pair.draft is None and needs_draft:
         raise UserError("heads-datagen needs a draft model; set draft.path")
     eos = pair.eos_token_ids
@@ -181,7 +185,7 @@ def _run(cfg: DatagenConfig) -> int:
     if cfg.engine == "vllm":  # before the models load: vLLM gets the GPUs first, once for every chunk left
         chunks = ((c, items) for c, items in _chunks_of(family.items(cfg), cfg.chunk_size) if c in share.chunks)
         vllm_responses.generate_up_front(cfg, out, chunks, state.local_process_index)
-    job = _load(cfg, family.needs_draft(cfg))
+    job = _load(cfg, family)
     family.check_models(job)
     job.states = vllm_states.server(cfg, job, state.local_process_index)  # engine=vllm: the target's states too
     numerics = _numerics(job.pair, world)

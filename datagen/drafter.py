@@ -203,6 +203,9 @@ class DrafterLabeller(StatesLabeller):
     def needs_draft(self, cfg) -> bool:
         return False
 
+    def target_under_vllm(self, cfg) -> str:
+        return "config"  # states and top-k from vLLM
+
     def check_models(self, job: Job) -> None:
         model = job.pair.target.model
         n = model.config.num_hidden_layers

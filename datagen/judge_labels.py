@@ -86,6 +86,9 @@ class JudgeLabeller(Labeller):
     def needs_draft(self, cfg) -> bool:
         return cfg.mining == "swap" or not (cfg.tuples or "draft" not in cfg.answer_models)
 
+    def target_under_vllm(self, cfg) -> str:
+        return "config"  # answers, swap regenerations and states from vLLM
+
     def items(self, cfg):
         if not cfg.tuples:
             return super().items(cfg)

@@ -109,8 +109,8 @@ def _answers(cfg, pair, batch, ids, seed: int, pad: int, eos: list[int], given=N
 
     out = [[] for _ in batch]
     for mi, name in enumerate(cfg.answer_models):
-        model = (pair.target if name == "target" else pair.draft).model
-        device = model.get_input_embeddings().weight.device
+        loaded = pair.target if name == "target" else pair.draft
+        model, device = loaded.model, loaded.device  # engine=vllm: a target without weights, its spec's device
         for si in range(1 + cfg.answer_samples):
             setting = "greedy" if si == 0 else f"sample-{si}"
             sampling = (

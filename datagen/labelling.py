@@ -90,6 +90,11 @@ class Labeller:
     def needs_draft(self, cfg: DatagenConfig) -> bool:
         return True
 
+    def target_under_vllm(self, cfg: DatagenConfig) -> str:
+        """What ``engine=vllm`` still needs of the Transformers target (one of
+        :data:`specheads.target_shell.USES`): ``model`` (a pass of it), ``output_layer`` or ``config``."""
+        return "model"
+
     def check_models(self, job: Job) -> None:
         """Raises UserError when a setting does not fit the loaded models (checked before any chunk)."""
 

@@ -212,6 +212,9 @@ def summarise(out: Path, lambdas: list[float]) -> dict:
 class SprinterLabeller(Labeller):
     """``labels=sprinter``: draft tokens at prefixes of four categories, with ``q(x)``, ``p(x)``, ratio and TV."""
 
+    def target_under_vllm(self, cfg) -> str:
+        return "output_layer"  # p: vLLM's last-layer states through the target's final norm and output layer
+
     def problems(self, cfg) -> list[str]:
         out = super().problems(cfg)
         if cfg.chunk_size % len(CATEGORIES):

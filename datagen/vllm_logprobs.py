@@ -66,8 +66,13 @@ def target_logits(job, keys: list[str], device) -> list[torch.Tensor] | None:
     for :func:`~specheads.datagen.acceptance_labels.acceptance_labels`: warping is shift-invariant); None when
     the run asked vLLM for none (the labeller then runs the Transformers target pass)."""
     name = (job.pregenerated or {}).get("logprobs")
-    if wanted(job.cfg) is None or not name:
+    if wanted(job.cfg) is None:
         return None
+    if not name:  # the target beside vLLM has no weights for a pass (specheads/target_shell.py)
+        raise UserError(
+            f"engine=vllm: a chunk's responses in {Path(job.cfg.output_dir) / 'vllm'} come without the target's "
+            "log-probabilities (written with vllm_logprobs=false?); set vllm_logprobs=false, or delete that folder"
+        )
     from safetensors import safe_open
 
     path = Path(job.cfg.output_dir) / "vllm" / name

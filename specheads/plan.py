@@ -13,8 +13,9 @@ from :mod:`specheads.plan_memory`. GB here is 10^9 bytes.
 from __future__ import annotations
 
 from specheads.errors import UserError
+from specheads.model_shapes import shape_of
 from specheads.plan_inputs import count_prompts, recorded_rate, train_data
-from specheads.plan_memory import Memory, datagen_disk, datagen_memory, datagen_rows, train_memory
+from specheads.plan_memory import Memory, datagen_disk, datagen_memory, datagen_rows, dtype_bytes, train_memory
 
 GB = 1e9
 #: Share of each GPU's memory a plan counts on: vLLM's default ``gpu_memory_utilization`` (the rest: the
@@ -124,7 +125,7 @@ def datagen_plan(cfg) -> dict:
     mem, usable = datagen_memory(cfg, cfg.batch_size, span=span), _usable(cfg)
     prompts, how = count_prompts(cfg)
     rows = datagen_rows(cfg, prompts)
-    target = mem.weights["target"]
+    target = shape_of(cfg.target, "target").params() * dtype_bytes(cfg.target)  # vLLM's copy, or this process's
     out = {"cli": "heads-datagen", "what": f"labels={cfg.labels}", "engine": cfg.engine}
     processes = cfg.nodes if span > 1 else cfg.nodes * cfg.gpus
     fits = mem.fullest_gpu() <= usable

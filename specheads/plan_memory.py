@@ -76,6 +76,18 @@ def needs_draft(cfg) -> bool:
     return True
 
 
+def target_under_vllm(cfg) -> str:
+    """What ``heads-datagen engine=vllm`` loads of the Transformers target beside vLLM (the labellers'
+    ``target_under_vllm``): ``model``, ``output_layer`` or ``config`` (no weight)."""
+    if cfg.labels in ("drafter", "judge"):
+        return "config"
+    if cfg.labels == "sprinter":
+        return "output_layer"
+    if cfg.labels == "acceptance" and (not cfg.sampling.do_sample or cfg.vllm_logprobs):
+        return "config"
+    return "model"
+
+
 def eagle_head_params(shape: Shape, vocab: int, n_layers: int = 3) -> int:
     """An EAGLE-3 head on ``shape``: the fuse layer, one decoder layer over ``2 x hidden`` and its output layer."""
     h, d = shape.hidden, shape.dim
@@ -102,12 +114,15 @@ def datagen_memory(cfg, batch: int, fp8: bool = False, span: int | None = None) 
     new = cfg.max_new_tokens
     rows = batch * (cfg.prompt_tokens + new)
     weights = {"target": target.params() * tb, "draft": draft.params() * db if draft else 0.0, "head": 0.0}
+    use = target_under_vllm(cfg) if cfg.engine == "vllm" else "model"  # vLLM's own weights: plan.py counts them
+    if use != "model":
+        weights["target"] = (target.vocab + 1) * target.hidden * tb if use == "output_layer" else 0.0
     if cfg.labels == "eagle_rounds":  # the exported head's own count when it is here, else a full-vocabulary one
         here = Path(cfg.eagle).is_file() if cfg.eagle else False
         weights["head"] = (safetensors_params(cfg.eagle) if here else eagle_head_params(target, target.vocab)) * act_b
-    models = [(target, act_b)] + ([(draft, max(db, 2))] if draft else [])
-    activations = max(rows * layer_values(s) * b for s, b in models)
-    kv_target = rows * target.kv_bytes_per_token(act_b)
+    models = ([(target, act_b)] if use == "model" else []) + ([(draft, max(db, 2))] if draft else [])
+    activations = max((rows * layer_values(s) * b for s, b in models), default=0.0)
+    kv_target = rows * target.kv_bytes_per_token(act_b) if use == "model" else 0.0
     kv = kv_target + (rows * draft.kv_bytes_per_token(max(db, 2)) if draft else 0.0)
     gpus = span or (cfg.gpus if cfg.target.device_map else 1)
     return Memory(

@@ -152,7 +152,8 @@ def test_sampled_acceptance_labels_vllms_responses_with_a_target_pass(
     calls: list = []
     monkeypatch.setattr(vllm_responses, "run_vllm", fake_vllm(calls))
     out = tmp_path / "dg"
-    assert main(datagen_args(tiny_pair_dirs, prompts_file, out, "engine=vllm", f"vllm_python={os.sys.executable}")) == 0
+    args = ["engine=vllm", "vllm_logprobs=false", f"vllm_python={os.sys.executable}"]
+    assert main(datagen_args(tiny_pair_dirs, prompts_file, out, *args)) == 0
     rows = chunk_rows(out)
     assert len(rows) == len(DATAGEN_PROMPTS) and calls == [[0, 1, 2]]
     target, draft = (AutoModelForCausalLM.from_pretrained(d).eval() for d in tiny_pair_dirs)

@@ -18,6 +18,7 @@ from conftest import DATAGEN_PROMPTS, chunk_rows, datagen_args, pair_args
 
 from specheads.datagen import acceptance_labels, vllm_mining, vllm_responses
 from specheads.datagen.cli import main
+from specheads.datagen.judge_labels import JudgeLabeller
 from specheads.datagen.vllm_job import child_environment, cpu_binding
 from specheads.datagen.vllm_logprobs import MISSING, dense
 from specheads.vllm_jobs import logprob_tensors, logprobs_name, side_name, write_atomic, write_tensors
@@ -214,6 +215,7 @@ def test_swap_mining_continues_the_target_in_one_vllm_process(tiny_pair_dirs, pr
         from specheads.datagen import vllm_states
 
         monkeypatch.setattr(vllm_states, "server", lambda *args, **kwargs: None)
+        monkeypatch.setattr(JudgeLabeller, "target_under_vllm", lambda self, cfg: "model")  # so a pass is allowed
     except ImportError:
         pass
     FakeServer.made = []

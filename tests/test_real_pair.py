@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import SHARED
 
 from specheads.export import ModelSpec, generate, load_pair
@@ -188,3 +189,18 @@ def test_the_shared_target_is_competent_on_the_fact_task(real_pair):
     target = generate(real_pair, prompts, policy="ar", max_new_tokens=12, batch_size=16)
     ok = [int(grade(p, r.text)) for p, r in zip(prompts, target)]
     assert mean_interval(ok)["low"] > 0.3
+
+
+def test_the_real_targets_shell_matches_it(real_pair):
+    """engine=vllm's target without weights (specheads/target_shell.py), from the GGUF file: the loaded target's
+    fingerprint and EOS ids, and its output layer (dequantised from the file alone) gives its logits."""
+    from specheads.export.shim import eos_ids, final_norm
+    from specheads.target_shell import load_shell
+
+    whole = real_pair.target
+    shell = load_shell(whole.spec, output_layer=True)
+    assert shell.fingerprint == whole.fingerprint and eos_ids(shell.model, shell.tokenizer) == [2]
+    assert sum(p.numel() for p in shell.model.parameters() if p.device.type != "meta") == 576 + 49152 * 576
+    x = torch.randn(4, 576)
+    logits = shell.model.get_output_embeddings()(final_norm(shell.model)(x))
+    torch.testing.assert_close(logits, whole.model.get_output_embeddings()(final_norm(whole.model)(x)))

@@ -13,12 +13,12 @@ import torch
 from conftest import SHARED, datagen_args, same_heads, tiny_llama
 from safetensors import safe_open
 
+from specheads.checkpoint_tensors import TargetCheckpoint, from_model
 from specheads.datagen.cli import main as datagen_main
 from specheads.export.shim import ModelSpec, load_model
 from specheads.heads.eagle_head import unrolled_attention
 from specheads.train.cli import main as train_main
 from specheads.train.drafter_data import DrafterData
-from specheads.train.target_tensors import TargetCheckpoint, from_model
 
 PROMPTS = ["the cat sat", "a dog ran up", "one two three", "why is the sun red", "big moon", "yes no up down"]
 PROMPTS += ["left right", "the red sun", "two three four", "who was it", "ten nine", "blue mat"]

@@ -81,12 +81,15 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
-        return self.model.get_input_embeddings().weight.device
+        """Where its inputs go; for a target loaded without its weights (``specheads.target_shell``), its spec's."""
+        weight = self.model.get_input_embeddings().weight
+        return weight.device if weight.device.type != "meta" else torch.device(resolve_device(self.spec.device))
 
     @property
     def output_device(self) -> torch.device:
         """Where its logits and final states come out (the last GPU of a split model)."""
-        return output_device(self.model)
+        out = output_device(self.model)
+        return out if out.type != "meta" else self.device
 
     @property
     def hidden_size(self) -> int:
@@ -281,9 +284,12 @@ def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
     )
 
 
-def load_pair(target: ModelSpec, draft: ModelSpec | None, same_vocab: bool = True) -> Pair:
-    """Loads target and draft; with ``same_vocab`` checks they share a vocabulary."""
-    t = load_model(target, "target")
+def load_pair(
+    target: ModelSpec, draft: ModelSpec | None, same_vocab: bool = True, loaded: LoadedModel | None = None
+) -> Pair:
+    """Loads target and draft; with ``same_vocab`` checks they share a vocabulary. ``loaded``: the target,
+    already loaded (e.g. without its weights, ``specheads.target_shell``)."""
+    t = loaded if loaded is not None else load_model(target, "target")
     if draft is not None and draft.path and draft.device == "auto" and (target.device_map or target.load_in_8bit):
         draft = replace(draft, device=freest_gpu())  # not cuda:0 by default, which the split target may fill
     d = load_model(draft, "draft") if draft is not None and draft.path else None

@@ -95,6 +95,13 @@ class TargetCheckpoint:
             out[part] = self._get(f"layers.{last}.{part}")
         return out
 
+    def output_layer(self) -> dict[str, torch.Tensor] | None:
+        """``norm`` ``[d]`` and the whole output layer ``lm_head`` ``[V, d]`` (a tied one: the embedding);
+        None for a checkpoint neither reader knows."""
+        if self.reader is None:
+            return None
+        return {"norm": self._get("norm"), "lm_head": self._get("lm_head" if self.reader.has("lm_head") else "embed")}
+
     def _get(self, key: str, rows: list[int] | None = None) -> torch.Tensor:
         tensor, nbytes = self.reader.get(key, rows)
         self.bytes_read += nbytes
