@@ -148,6 +148,16 @@ class EvalConfig:
         },
     )
     confidence_k_max: int = field(default=10, metadata={"help": "draft-confidence stopping: most candidates per round"})
+    confidence_estimates: list[str] = field(
+        default_factory=lambda: ["q", "online", "entropy"],
+        metadata={
+            "help": (
+                "with confidence=[...] and cost_stop: the training-free acceptance estimates the cost rule runs with, "
+                "one row each: q (row c-cost: q(y)), online (c-online-cost: a logistic model on logit(max q) "
+                "learnt while decoding, vLLM's estimator), entropy (c-entropy-cost: AdaEDL's entropy bound)"
+            )
+        },
+    )
     hetero: list[str] = field(
         default_factory=list,
         metadata={

@@ -71,6 +71,8 @@ def default_name(policy: str, fixed: dict, key: str | None) -> str:
     prefix = PREFIX.get(policy)
     if prefix is not None:
         prefix = prefix.format(divergence=value("divergence"))
+        if policy == "confidence_stop" and value("estimate") != "q":  # c-online-cost, c-entropy0.5
+            prefix = f"c-{value('estimate')}"
         if key is None and value("stop") == "cost":
             return f"{prefix}-cost"
         if key is not None:
@@ -122,12 +124,12 @@ def shorthand_rows(cfg, cost_rows: bool) -> list[dict]:
                 "name": "c",
             }
         )
-        if cost_rows and cfg.cost_stop:
+        for estimate in getattr(cfg, "confidence_estimates", ["q"]) if cost_rows and cfg.cost_stop else []:
             out.append(
                 {
                     "policy": "confidence_stop",
-                    "settings": {"k_max": cfg.confidence_k_max, "stop": "cost"},
-                    "name": "c-cost",
+                    "settings": {"k_max": cfg.confidence_k_max, "stop": "cost", "estimate": estimate},
+                    "name": "c-cost" if estimate == "q" else f"c-{estimate}-cost",
                 }
             )
     judges = ({"": cfg.judge} if getattr(cfg, "judge", None) else {}) | dict(getattr(cfg, "judges", {}) or {})

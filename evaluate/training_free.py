@@ -75,7 +75,11 @@ def settings(cfg) -> dict:
             "greedy": not cfg.sampling.do_sample,
         },
         "topk": {"values": list(cfg.topk), "k": cfg.topk_k},
-        "confidence": {"taus": list(cfg.confidence), "k_max": cfg.confidence_k_max},
+        "confidence": {
+            "taus": list(cfg.confidence),
+            "k_max": cfg.confidence_k_max,
+            "estimates": list(getattr(cfg, "confidence_estimates", ["q"])) if cfg.cost_stop else [],
+        },
     }
 
 

@@ -52,6 +52,7 @@ def _policies():
         "sd4": StandardSD(4),
         "confidence": ConfidenceStop(tau=0.3, k_max=5),
         "confidence_cost": ConfidenceStop(k_max=6, stop="cost", costs=COSTS),
+        "online_cost": ConfidenceStop(k_max=6, stop="cost", costs=COSTS, estimate="online"),
         "confidence_gated": ConfidenceStop(k_max=6, stop="cost", costs=GATED, gate=True),
         "specdecpp": SpecDecPP(acc, threshold=0.5, k_min=1, k_max=5),
         "topk": TopKVerify(3, 2),

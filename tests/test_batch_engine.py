@@ -65,6 +65,8 @@ def _policies(lossy: bool):
             "draft": DraftOnly(),
             "confidence": ConfidenceStop(tau=0.5, k_max=5),
             "confidence_cost_gated": ConfidenceStop(k_max=6, stop="cost", costs=COSTS, gate=True),
+            "online_cost": ConfidenceStop(k_max=6, stop="cost", costs=COSTS, estimate="online"),
+            "entropy": ConfidenceStop(tau=0.3, k_max=5, estimate="entropy", entropy_gamma=0.5),
             "specdecpp": SpecDecPP(acc, threshold=0.5, k_min=1, k_max=6),
             "specdecpp_cost": SpecDecPP(acc, k_min=1, k_max=6, stop="cost", costs=COSTS),
         }

@@ -429,6 +429,8 @@ def test_heads_eval_sweeps_the_eagle_head(stop_head, setup, tmp_path, capsys):
         "tree-4x2x6-cost",
         "c0.5",
         "c-cost",
+        "c-online-cost",
+        "c-entropy-cost",
     ]  # no draft model: no draft row
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     ar = {r["index"]: r["tokens"] for r in rows if r["config"] == "ar"}

@@ -357,7 +357,8 @@ def test_heads_eval_training_free_rows(tiny_pair_dirs, prompts_file, tmp_path, c
     assert main(args + extra) == 0
     s = json.loads((out / "sweep.json").read_text())
     names = [r["config"] for r in s["table"]]
-    assert names == ["ar", "draft", "k3", "t2", "fsd-js-0", "fsd-js-0.2", "fsd-tv-1.5", "c0", "c0.5", "c-cost"]
+    free = ["c0", "c0.5", "c-cost", "c-online-cost", "c-entropy-cost"]
+    assert names == ["ar", "draft", "k3", "t2", "fsd-js-0", "fsd-js-0.2", "fsd-tv-1.5", *free]
     tf = s["training_free"]
     assert tf["sd_reference"] == "k3" and tf["quality_metric"] == "ROUGE-L vs target-only outputs"
     assert tf["settings"]["fsd"] == {
@@ -368,11 +369,11 @@ def test_heads_eval_training_free_rows(tiny_pair_dirs, prompts_file, tmp_path, c
         "fsd_dist": "raw",
         "greedy": True,
     }
-    assert tf["settings"]["confidence"] == {"taus": [0.0, 0.5], "k_max": 3}
+    assert tf["settings"]["confidence"] == {"taus": [0.0, 0.5], "k_max": 3, "estimates": ["q", "online", "entropy"]}
     rows = tf["rows"]
-    assert set(rows) == {"t2", "fsd-js-0", "fsd-js-0.2", "fsd-tv-1.5", "c0", "c0.5", "c-cost"}
+    assert set(rows) == {"t2", "fsd-js-0", "fsd-js-0.2", "fsd-tv-1.5", *free}
     assert rows["fsd-js-0"]["accepted_per_call"] == 0 and rows["fsd-js-0"]["quality"] == 1.0  # target-exact
-    assert rows["c0.5"]["quality"] == 1.0 and rows["c0"]["quality"] == 1.0 == rows["c-cost"]["quality"]  # lossless
+    assert all(rows[c]["quality"] == 1.0 for c in free)  # lossless
     by = {r["config"]: r for r in s["table"]}
     assert rows["fsd-tv-1.5"]["accepted_per_call"] > by["k3"]["accepted_per_call"]
     assert rows["fsd-tv-1.5"]["fuzzy_only"] > 0  # TV <= 1 < T: every candidate, also those SD rejects

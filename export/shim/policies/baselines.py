@@ -3,7 +3,7 @@ top-K verification and draft-confidence stopping; and the draft gate the cost-aw
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -11,6 +11,7 @@ from specheads.export.shim.costs.cost_rules import DraftGate, draft_more
 from specheads.export.shim.costs.cost_table import CostTable
 from specheads.export.shim.loop.sampling import probs_from_logits, sample
 from specheads.export.shim.policies.base import Policy, Round, Verdict
+from specheads.export.shim.policies.estimates import ESTIMATES, OnlineLogistic, entropy_bound, features
 from specheads.export.shim.policies.settings import Check, K, Settings, bounds
 
 STOPS = ("threshold", "cost")  # how SpecDecPP and ConfidenceStop decide to stop drafting
@@ -156,6 +157,8 @@ class ConfidenceSettings(Settings):
     stop: str = "threshold"
     k_min: int = 1
     gate: bool = False
+    estimate: str = "q"
+    entropy_gamma: float = 1.0
     THRESHOLD = "tau"
     CHECKS = {
         "tau": Check(
@@ -164,6 +167,8 @@ class ConfidenceSettings(Settings):
             "{key}={values}: every tau must be in [0, 1]",
         ),
         "stop": STOP,
+        "estimate": Check(lambda e: e in ESTIMATES, "{key}={value!r}: expected one of " + ", ".join(ESTIMATES)),
+        "entropy_gamma": Check(lambda g: g > 0, "{key}={value} must be > 0"),
     }
 
     def relations(self) -> list[str]:
@@ -179,6 +184,7 @@ class _Survival:
 
     keep: float = 1.0
     total: float = 0.0
+    zs: list = field(default_factory=list)  # each candidate's logit(max q), for the online estimate
 
 
 class ConfidenceStop(_Gated):
@@ -191,6 +197,10 @@ class ConfidenceStop(_Gated):
     ``stop="cost"``: no ``tau``; the rule of :class:`SpecDecPP` ``stop="cost"`` with ``q_i(y_i)`` as
     the acceptance estimate of ``y_i`` (every candidate has one as soon as it is drawn; the next
     candidate gets the newest one's).
+
+    ``estimate``: the acceptance estimate both rules read in place of ``q_i(y_i)``: ``q`` (that), ``entropy``
+    (AdaEDL's bound, with ``entropy_gamma``) or ``online`` (a logistic model on ``logit(max q)`` learnt from
+    the rounds already verified); see :mod:`.estimates`.
 
     Args:
         tau: confidence threshold in [0, 1]; larger stops sooner.
@@ -212,15 +222,20 @@ class ConfidenceStop(_Gated):
         costs: CostTable | None = None,
         k_min: int = 1,
         gate: bool = False,
+        estimate: str = "q",
+        entropy_gamma: float = 1.0,
     ):
-        ConfidenceSettings(tau, k_max, stop, k_min, gate).check(*cost_problems(stop, costs))
+        ConfidenceSettings(tau, k_max, stop, k_min, gate, estimate, entropy_gamma).check(*cost_problems(stop, costs))
         super().__init__(k_max)
         self.tau, self.k_min, self.stop, self.costs = float(tau), k_min, stop, costs
         self.gate = DraftGate(costs) if gate else None
+        self.estimate, self.entropy_gamma = estimate, float(entropy_gamma)
+        self.online = OnlineLogistic() if estimate == "online" else None
 
     @classmethod
     def from_settings(cls, s, pair=None, head=None, costs=None) -> Policy:
-        return cls(DEFAULT_TAU if s.tau is None else s.tau, s.k_max, s.stop, costs, s.k_min, s.gate)
+        tau = DEFAULT_TAU if s.tau is None else s.tau
+        return cls(tau, s.k_max, s.stop, costs, s.k_min, s.gate, s.estimate, s.entropy_gamma)
 
     def describe(self) -> dict:
         return {
@@ -228,18 +243,49 @@ class ConfidenceStop(_Gated):
             "tau": self.tau if self.stop == "threshold" else None,
             "k_max": self.k,
             "gate": self.gate is not None,
+            "estimate": self.estimate,
+            **({"entropy_gamma": self.entropy_gamma} if self.estimate == "entropy" else {}),
         }
 
+    def reset(self) -> None:
+        super().reset()
+        if self.online is not None:
+            self.online.reset()
+
     def start_round(self, rnd: Round) -> None:
-        if self.stop == "cost":
-            rnd.state = _Survival()
+        rnd.state = _Survival()
+        self._round = rnd.state  # end_round hands the outcome to the online estimate with these features
+
+    def end_round(self, drafted: int, accepted: int) -> None:
+        super().end_round(drafted, accepted)
+        if self.online is not None and drafted:
+            self.online.observe(self._round.zs[:drafted], accepted)
+
+    def trace(self) -> dict:
+        if self.online is None:
+            return {}
+        o = self.online  # rounded: a batched forward's logits differ from one row's in the last bits
+        return {"online": {"w": round(o.w, 4), "b": round(o.b, 4), "observed": o.seen}}
+
+    def _confidence(self, rnd: Round) -> float:
+        """The newest candidate's acceptance estimate (``estimate``)."""
+        logits = rnd.draft_logits[-1]  # [V]
+        if self.estimate == "q":
+            logits = logits.float()
+            return float((logits[rnd.tokens[-1]] - logits.logsumexp(-1)).exp())
+        _, z, ent = features(logits, int(rnd.tokens[-1]))
+        rnd.state.zs.append(z)
+        if self.estimate == "entropy":
+            return entropy_bound(ent, self.entropy_gamma)
+        return self.online.predict(z)
 
     def stop_drafting(self, rnd: Round) -> bool:
         n = rnd.n
         if n >= self.k:
+            if self.online is not None:
+                self._confidence(rnd)  # its features: the round's outcome teaches the estimate about it too
             return True
-        logits = rnd.draft_logits[-1].float()  # [V]
-        confidence = float((logits[rnd.tokens[-1]] - logits.logsumexp(-1)).exp())
+        confidence = self._confidence(rnd)
         if self.stop == "cost":
             s = rnd.state
             s.keep *= confidence
