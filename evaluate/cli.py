@@ -72,7 +72,7 @@ from specheads.evaluate.select import family as gated_family
 from specheads.evaluate.sweep import build_decoders, decoder, run_sweep, same_vocab_rows
 from specheads.export.api import fit_context, format_prompt, load_eagle, pair_costs
 from specheads.export.package import read_metadata, set_default_threshold
-from specheads.export.shim import GenerationStats, SpecDecPP, load_pair, same_vocabulary
+from specheads.export.shim import ConfidenceStop, GenerationStats, SpecDecPP, load_pair, same_vocabulary
 from specheads.outputs import holds_other_run, prepare_output_dir, write_manifest
 from specheads.prompts import load_prompt_files
 
@@ -80,25 +80,37 @@ log = logging.getLogger(__name__)
 PROG = "heads-eval"
 
 
-def _eagle_oracle(cfg: EvalConfig, pair, eagle, prompts, ar_rows: list[dict], lag: int | None):
-    """The greedy oracle and perfect head of an EAGLE drafter: every prompt decoded with SD at ``k_max`` on the
-    head (:class:`~.oracle.RoundRecorder`), its rounds turned into the oracle's and the perfect head's."""
+def _eagle_oracle(cfg: EvalConfig, pair, eagle, prompts, ar_rows: list[dict], lags: list[int]):
+    """The greedy oracle and the perfect heads (one per lag in ``lags``) of an EAGLE drafter: every prompt decoded
+    with SD at ``k_max`` on the head (:class:`~.oracle.RoundRecorder`), its rounds turned into the oracle's and
+    the perfect heads'."""
     dec = decoder(cfg, pair, RoundRecorder(cfg.k_max), eagle)
     oracle = GenerationStats(prompts=0)
-    perfect = GenerationStats(prompts=0) if lag is not None else None
+    perfect = {lag: GenerationStats(prompts=0) for lag in lags}
     differ = 0
     for i, (prompt, row) in enumerate(zip(prompts, ar_rows)):
         res = dec.decode(prompt, i, name=f"prompt {prompt.id}")
         differ += res.tokens != row["tokens"]
         rounds = dec.policy.rounds
         oracle = GenerationStats.total([oracle, rounds_oracle(rounds, res.stats.new_tokens)])
-        if perfect is not None:
-            perfect = GenerationStats.total(
-                [perfect, rounds_perfect_head(rounds, res.stats.new_tokens, cfg.k_min, lag)]
-            )
+        for lag in lags:
+            one = rounds_perfect_head(rounds, res.stats.new_tokens, cfg.k_min, lag)
+            perfect[lag] = GenerationStats.total([perfect[lag], one])
     if differ:  # greedy SD is lossless: only numerics (a tie in the target's argmax) can part them
         log.warning("the oracle's SD decode differs from the target alone on %d of %d prompts", differ, len(prompts))
     return oracle, perfect
+
+
+def _row_lags(decoders) -> dict[str, int]:
+    """Each stop row's lag: how many drafts after a candidate its rule scores it (a SpecDec++ head's ``lag``;
+    the training-free confidence rules score a candidate as it is drawn: 0)."""
+    out = {}
+    for name, d in decoders.items():
+        if isinstance(d.policy, SpecDecPP):
+            out[name] = d.policy.lag
+        elif isinstance(d.policy, ConfidenceStop):
+            out[name] = 0
+    return out
 
 
 def run(cfg: EvalConfig) -> int:
@@ -130,15 +142,17 @@ def run(cfg: EvalConfig) -> int:
     log.info("%s", costs.describe())
     decoders = build_decoders(cfg, pair, costs, eagle)
     grouped = run_sweep(decoders, prompts, out / "rows.jsonl", batch_size=cfg.batch_size)
-    oracle = perfect = None
+    oracle, perfects = None, {}
     lag = next((d.policy.lag for d in decoders.values() if isinstance(d.policy, SpecDecPP)), None)
+    row_lags = _row_lags(decoders)
+    lags = sorted(set(row_lags.values()) | ({0, 1} if row_lags else set()))  # both ceilings beside any stop row
     if cfg.oracle and not shared:
         log.info("the oracle needs one vocabulary; skipped for this heterogeneous pair")
     elif cfg.oracle and not cfg.sampling.do_sample and eagle is not None:
-        oracle, perfect = _eagle_oracle(cfg, pair, eagle, prompts, grouped["ar"], lag)
+        oracle, perfects = _eagle_oracle(cfg, pair, eagle, prompts, grouped["ar"], lags)
     elif cfg.oracle and not cfg.sampling.do_sample:
         oracle = GenerationStats(prompts=0)
-        perfect = GenerationStats(prompts=0) if lag is not None else None
+        perfects = {each: GenerationStats(prompts=0) for each in lags}
         ar = decoders["ar"]
         for prompt, row in zip(prompts, grouped["ar"]):
             ids, _ = fit_context(
@@ -146,14 +160,16 @@ def run(cfg: EvalConfig) -> int:
             )
             agree = draft_agreement(pair.draft.model, ids, row["tokens"], cfg.fused_forward, ar.engine.vocab_size)
             oracle = GenerationStats.total([oracle, oracle_schedule(agree, cfg.k_max)])
-            if perfect is not None:
-                perfect = GenerationStats.total([perfect, perfect_head_schedule(agree, cfg.k_min, cfg.k_max, lag)])
+            for each in lags:
+                one = perfect_head_schedule(agree, cfg.k_min, cfg.k_max, each)
+                perfects[each] = GenerationStats.total([perfects[each], one])
     elif cfg.oracle:
         log.warning("the oracle is defined for greedy decoding only (sampling.do_sample=false); skipped")
     eagle_info = report.eagle_section(cfg.eagle, eagle.metadata) if eagle is not None else None
-    summary = report.build(
-        cfg, pair, prompts, grouped, decoders, oracle, perfect, head_meta, costs, out, eagle=eagle_info
-    )
+    perfect = perfects.get(lag) if lag is not None else None
+    ceilings = (perfects, row_lags) if perfects else None
+    args = (cfg, pair, prompts, grouped, decoders, oracle, perfect, head_meta, costs, out)
+    summary = report.build(*args, eagle=eagle_info, ceilings=ceilings)
     if cfg.write_default:
         _write_defaults(cfg, summary, out)
     report.write(out, summary)

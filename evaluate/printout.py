@@ -7,6 +7,7 @@ from specheads.evaluate.fidelity import describe as describe_fidelity
 from specheads.evaluate.report import COLUMNS
 from specheads.evaluate.select import describe as describe_gated
 from specheads.export.shim import CostTable
+from specheads.pipeline_report import ceiling_lines
 
 
 def print_summary(summary: dict) -> None:
@@ -24,6 +25,8 @@ def print_summary(summary: dict) -> None:
                 f"{o['discard_rate']}, predicted {o['model_cost_ms_per_token']} ms/token "
                 f"({o['predicted_tokens_per_s']} tokens/s)"
             )
+    if summary.get("ceilings"):  # the honest ceilings: each stop row beside the perfect rule of its own lag
+        print("\n".join(ceiling_lines(summary)))
     if "best_lossless" in summary:
         b = summary["best_lossless"]
         print(

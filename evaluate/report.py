@@ -99,10 +99,12 @@ def summarize(
     head_meta: dict | None,
     perfect: GenerationStats | None = None,
     costs: CostTable | None = None,
+    ceilings: tuple[dict[int, GenerationStats], dict[str, int]] | None = None,
 ) -> dict:
     """The sweep table, measured forward times, oracle, perfect-head bound, ratios and Pareto check;
     every cost-model figure at the cost table ``costs`` (without one, the scalar model at the baselines'
-    per-forward times)."""
+    per-forward times). ``ceilings``: the perfect head at each lag and each stop row's lag
+    (:func:`add_ceilings`)."""
     ar = total(grouped["ar"])
     t_t = ar.wall_time / ar.target_calls if ar.target_calls else float("nan")
     t_d, t_draft_source = float("nan"), None
@@ -180,14 +182,17 @@ def summarize(
     if rules:
         best_rule = max(rules, key=lambda r: r["tokens_per_s"])
         out["best_stop_rule"] = best_rule["config"]
-        if fixed and perfect is not None:  # measured gain of the best stop rule / predicted gain of a perfect head
-            k_ms, p_ms = best_k["predicted_ms_per_token"], out["perfect_head"]["predicted_ms_per_token"]
-            bound = _gain(k_ms, p_ms)  # (1/p_ms) / (1/k_ms) - 1
-            got = _gain(best_rule["tokens_per_s"], best_k["tokens_per_s"])
+        if fixed and perfect is not None:  # the best stop rule's predicted gain / the perfect head's, both predicted
+            k_ms = min(r["predicted_ms_per_token"] or float("inf") for r in fixed)
+            p_ms, r_ms = out["perfect_head"]["predicted_ms_per_token"], best_rule["predicted_ms_per_token"]
+            bound = _gain(k_ms, p_ms) if k_ms != float("inf") else None  # (1/p_ms) / (1/k_ms) - 1
+            got = _gain(k_ms, r_ms) if bound is not None else None
             ratios["share_of_perfect_head_gain"] = (
                 round(got / bound, 4) if bound and bound > 0 and got is not None else None
             )
     out["ratios"] = ratios
+    if ceilings is not None and fixed:
+        add_ceilings(out, ceilings, fixed, t_d, t_t, costs)
     if head_meta is not None:
         train = head_meta.get("extra", {}).get("train", {})
         out["head"] = {
@@ -198,6 +203,32 @@ def summarize(
             "default_threshold": head_meta.get("default_threshold"),
         }
     return out
+
+
+def add_ceilings(
+    out: dict, ceilings: tuple[dict[int, GenerationStats], dict[str, int]], fixed: list[dict], t_d, t_t, costs
+) -> None:
+    """The honest ceiling of each stop row, in the cost model: the perfect head with the row's own lag (and
+    ``k_max``), its predicted speed over the best fixed K's predicted speed (``ceilings``: ``lag<L>`` ->
+    ``vs_best_fixed_k``), and on each stop row of the table ``ceiling_vs_best_fixed_k`` and
+    ``share_of_ceiling`` (the row's predicted gain over the best fixed K, over the ceiling's gain; None where
+    the ceiling is no gain: no stop rule can pay there)."""
+    perfects, row_lags = ceilings
+    k_ms = min((r["predicted_ms_per_token"] for r in fixed if r["predicted_ms_per_token"]), default=None)
+    if not k_ms:
+        return
+    out["ceilings"] = {}
+    for lag, stats in sorted(perfects.items()):
+        p_ms = ideal_figures(stats, t_d, t_t, costs)["predicted_ms_per_token"]
+        out["ceilings"][f"lag{lag}"] = {"vs_best_fixed_k": round(k_ms / p_ms, 4) if p_ms else None}
+    for r in out["table"]:
+        lag = row_lags.get(r["config"])
+        ceiling = out["ceilings"].get(f"lag{lag}", {}).get("vs_best_fixed_k") if lag is not None else None
+        if ceiling is None:
+            continue
+        got = k_ms / r["predicted_ms_per_token"] - 1 if r["predicted_ms_per_token"] else None
+        r["ceiling_vs_best_fixed_k"] = ceiling
+        r["share_of_ceiling"] = round(got / (ceiling - 1), 4) if got is not None and ceiling > 1 else None
 
 
 def build(
@@ -212,10 +243,11 @@ def build(
     costs: CostTable | None,
     out: Path,
     eagle: dict | None = None,
+    ceilings: tuple[dict[int, GenerationStats], dict[str, int]] | None = None,
 ) -> dict:
     """The whole summary of a sweep (``sweep.json``), with its plots drawn into ``out``; ``eagle``: the EAGLE
     head the rows drafted with (:func:`eagle_section`), recorded as ``eagle``."""
-    summary = summarize(cfg, grouped, oracle, head_meta, perfect, costs)
+    summary = summarize(cfg, grouped, oracle, head_meta, perfect, costs, ceilings)
     if eagle is not None:
         summary["eagle"] = eagle
     for r in summary["table"]:
@@ -223,6 +255,8 @@ def build(
     if getattr(cfg, "batch_size", 1) > 1:  # the cost table prices batch-1 forwards: no prediction for a batch
         for r in summary["table"]:
             r["predicted_ms_per_token"] = r["predicted_over_measured"] = None
+            r.pop("ceiling_vs_best_fixed_k", None), r.pop("share_of_ceiling", None)
+        summary.pop("ceilings", None)
         if "best_lossless" in summary:
             summary["best_lossless"]["predicted_tokens_per_s"] = None
         summary["cost_model"] = "batch 1 only: the predicted columns and the oracle's price are not this batch's"

@@ -123,11 +123,39 @@ def gains(ev: dict) -> list[str]:
             line += "; training-free " + ", ".join(
                 f"{r['config']} {_x(r['tokens_per_s'], k['tokens_per_s'])}" for r in free
             )
-        bound = (ev.get("ratios") or {}).get("perfect_head_cost_gain_vs_best_fixed_k")
-        if bound:
-            line += f"; a perfect stop head: {bound:.3f}x (cost model)"
         lines.append(line)
+        lines += ceiling_lines(ev)
     return lines
+
+
+PAYS = 1.05  # a ceiling below this over the best fixed K leaves no stop rule room to pay (noise is a few %)
+
+
+def ceiling_lines(ev: dict) -> list[str]:
+    """The honest ceilings in words: what a perfect stop rule (the row's own lag) would gain over the best fixed
+    K in the cost model, each stop row's share of it, and whether any rule can pay here at all."""
+    ceilings = ev.get("ceilings") or {}
+    if not ceilings:
+        bound = (ev.get("ratios") or {}).get("perfect_head_cost_gain_vs_best_fixed_k")
+        return [f"ceiling: a perfect stop head {bound:.3f}x the best fixed K (cost model)"] if bound else []
+    figures = {k: v["vs_best_fixed_k"] for k, v in ceilings.items() if v.get("vs_best_fixed_k")}
+    if not figures:
+        return []
+    line = "ceiling (a perfect stop rule over the best fixed K, cost model): " + ", ".join(
+        f"{x:.3f}x at lag {k.removeprefix('lag')}" for k, x in sorted(figures.items())
+    )
+    shares = [
+        f"{r['config']} {r['share_of_ceiling']:.2f}" for r in ev["table"] if r.get("share_of_ceiling") is not None
+    ]
+    if shares:
+        line += "; share of its ceiling: " + ", ".join(shares)
+    out = [line]
+    if max(figures.values()) < PAYS:
+        out.append(
+            f"no stop rule can pay here: even a perfect one gains at most {max(figures.values()):.3f}x over the best "
+            "fixed K (short acceptance runs; stop rules pay with longer runs, sampling or compute-bound batches)"
+        )
+    return out
 
 
 def print_summary(summary: dict, file=None) -> None:

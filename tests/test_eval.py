@@ -375,7 +375,11 @@ def test_summary_costs_and_stop_rule_ratios_by_hand():
     perfect = GenerationStats(
         prompts=0, new_tokens=100, target_calls=20, draft_forwards=80, target_pass_sizes={5: 20}
     )  # (80 + 14 * 20) / 100 = 3.6 ms
-    s = summarize(EvalConfig(), grouped, None, None, perfect, table)
+    lag0 = GenerationStats(
+        prompts=0, new_tokens=100, target_calls=20, draft_forwards=70, target_pass_sizes={4: 10, 5: 10}
+    )  # (70 + 13 * 10 + 14 * 10) / 100 = 3.4 ms
+    lags = {"h0.5": 1, "h-cost": 1, "c-cost": 0}
+    s = summarize(EvalConfig(), grouped, None, None, perfect, table, ({0: lag0, 1: perfect}, lags))
     by = {r["config"]: r for r in s["table"]}
     assert [by[n]["predicted_ms_per_token"] for n in ("ar", "draft", "k2", "k4", "h0.5", "h-cost")] == [
         10.0,
@@ -390,8 +394,14 @@ def test_summary_costs_and_stop_rule_ratios_by_hand():
     r = s["ratios"]
     tps = {n: 100 / rows[0]["wall_time"] for n, rows in grouped.items()}
     assert r["cost_aware_vs_best_fixed_k"] == pytest.approx(tps["h-cost"] / tps["k2"], abs=1e-4)  # 0.8 / 0.6
-    # best stop rule h-cost: measured gain 0.8 / 0.6 - 1 = 1/3; perfect head: 5.6 / 3.6 - 1 = 5/9
-    assert r["share_of_perfect_head_gain"] == pytest.approx((1 / 3) / (5 / 9), abs=1e-4)
+    # predicted against predicted, from the best fixed K's predicted 4.5 ms (k4): best stop rule h-cost
+    # 4.5 / 4.2 - 1; perfect head 4.5 / 3.6 - 1
+    assert r["share_of_perfect_head_gain"] == pytest.approx((4.5 / 4.2 - 1) / (4.5 / 3.6 - 1), abs=1e-4)
+    assert s["ceilings"] == {"lag0": {"vs_best_fixed_k": round(4.5 / 3.4, 4)}, "lag1": {"vs_best_fixed_k": 1.25}}
+    assert by["h-cost"]["ceiling_vs_best_fixed_k"] == 1.25  # its own lag's
+    assert by["h-cost"]["share_of_ceiling"] == pytest.approx((4.5 / 4.2 - 1) / 0.25, abs=1e-4)
+    assert by["h0.5"]["share_of_ceiling"] == pytest.approx((4.5 / 4.8 - 1) / 0.25, abs=1e-4)  # a loss: negative
+    assert "ceiling_vs_best_fixed_k" not in by["k2"] and "ceiling_vs_best_fixed_k" not in by["ar"]
     assert r["perfect_head_cost_gain_vs_best_fixed_k"] == pytest.approx(5.6 / 3.6, abs=1e-4)
     assert s["perfect_head"]["predicted_tokens_per_s"] == pytest.approx(1000 / 3.6, abs=1e-2)
     assert s["best_lossless"] == {

@@ -221,7 +221,17 @@ def test_an_eagle_pipeline_labels_trains_exports_and_sweeps_on_the_head(tiny_pai
     assert list(summary["stage_seconds"]) == ["datagen", "train", "export", "eval"]
     assert not (runs / "vocab.json").exists()
     assert summary["datagen"]["labels"] == "eagle_rounds" and summary["train"]["eval_auroc_confidence"] is not None
-    assert [r["config"] for r in summary["eval"]["table"]] == ["ar", "k1", "k2", "h0.5", "h-cost", "c0.5", "c-cost"]
+    assert [r["config"] for r in summary["eval"]["table"]] == [
+        "ar",
+        "k1",
+        "k2",
+        "h0.5",
+        "h-cost",
+        "c0.5",
+        "c-cost",
+        "c-online-cost",
+        "c-entropy-cost",
+    ]
     assert summary["eval"]["eagle"]["path"] == eagle and summary["eval"]["drafter"] == f"EAGLE head {eagle}"
     ev_cfg = yaml.safe_load((runs / "ev" / "config.yaml").read_text())
     assert ev_cfg["head"] == str(runs / "ex" / "head.safetensors") and ev_cfg["eagle"] == eagle
@@ -242,3 +252,20 @@ def test_the_drafter_gain_counts_every_lossless_row_and_the_stop_gain_the_stop_r
     drafter, stop = gains({"table": table, "best_fixed_k": "k2", "drafter": "EAGLE head"})
     assert "tree-3x2x4 30.0 tokens/s = 1.500x" in drafter  # top-K verification (t2) is lossy: not counted
     assert "h-cost 24.0 tokens/s = 0.960x" in stop
+
+
+def test_the_main_job_shows_each_stop_rows_ceiling_and_says_when_none_can_pay():
+    from specheads.pipeline_report import ceiling_lines
+
+    table = [
+        {"config": "k2", "tokens_per_s": 25.0},
+        {"config": "h-cost", "tokens_per_s": 24.0, "ceiling_vs_best_fixed_k": 1.03, "share_of_ceiling": -0.5},
+        {"config": "c-cost", "tokens_per_s": 25.5, "ceiling_vs_best_fixed_k": 1.04, "share_of_ceiling": 0.25},
+    ]
+    low = {"table": table, "ceilings": {"lag0": {"vs_best_fixed_k": 1.04}, "lag1": {"vs_best_fixed_k": 1.03}}}
+    line, verdict = ceiling_lines(low)
+    assert "1.040x at lag 0, 1.030x at lag 1" in line and "h-cost -0.50, c-cost 0.25" in line
+    assert verdict.startswith("no stop rule can pay here: even a perfect one gains at most 1.040x")
+    high = {"table": table, "ceilings": {"lag0": {"vs_best_fixed_k": 1.3}, "lag1": {"vs_best_fixed_k": 1.2}}}
+    assert len(ceiling_lines(high)) == 1  # room to pay: no verdict
+    assert ceiling_lines({"table": table}) == []
