@@ -80,10 +80,11 @@ log = logging.getLogger(__name__)
 PROG = "heads-eval"
 
 
-def _eagle_oracle(cfg: EvalConfig, pair, eagle, prompts, ar_rows: list[dict], lags: list[int]):
-    """The greedy oracle and the perfect heads (one per lag in ``lags``) of an EAGLE drafter: every prompt decoded
-    with SD at ``k_max`` on the head (:class:`~.oracle.RoundRecorder`), its rounds turned into the oracle's and
-    the perfect heads'."""
+def _rounds_oracle(cfg: EvalConfig, pair, eagle, prompts, ar_rows: list[dict], lags: list[int]):
+    """The oracle and the perfect heads (one per lag in ``lags``) from recorded rounds: every prompt decoded with
+    SD at ``k_max`` (:class:`~.oracle.RoundRecorder`; on the EAGLE head, else the draft), its rounds turned into
+    the oracle's and the perfect heads'. Sampled, a round's outcome is its draws': a rule that stops right after
+    the first rejected candidate keeps the same tokens under the same draws, so the ceilings are those draws'."""
     dec = decoder(cfg, pair, RoundRecorder(cfg.k_max), eagle)
     oracle = GenerationStats(prompts=0)
     perfect = {lag: GenerationStats(prompts=0) for lag in lags}
@@ -96,7 +97,7 @@ def _eagle_oracle(cfg: EvalConfig, pair, eagle, prompts, ar_rows: list[dict], la
         for lag in lags:
             one = rounds_perfect_head(rounds, res.stats.new_tokens, cfg.k_min, lag)
             perfect[lag] = GenerationStats.total([perfect[lag], one])
-    if differ:  # greedy SD is lossless: only numerics (a tie in the target's argmax) can part them
+    if differ and not cfg.sampling.do_sample:  # greedy SD is lossless: only numerics (an argmax tie) can part them
         log.warning("the oracle's SD decode differs from the target alone on %d of %d prompts", differ, len(prompts))
     return oracle, perfect
 
@@ -148,8 +149,8 @@ def run(cfg: EvalConfig) -> int:
     lags = sorted(set(row_lags.values()) | ({0, 1} if row_lags else set()))  # both ceilings beside any stop row
     if cfg.oracle and not shared:
         log.info("the oracle needs one vocabulary; skipped for this heterogeneous pair")
-    elif cfg.oracle and not cfg.sampling.do_sample and eagle is not None:
-        oracle, perfects = _eagle_oracle(cfg, pair, eagle, prompts, grouped["ar"], lags)
+    elif cfg.oracle and (eagle is not None or cfg.sampling.do_sample):
+        oracle, perfects = _rounds_oracle(cfg, pair, eagle, prompts, grouped["ar"], lags)
     elif cfg.oracle and not cfg.sampling.do_sample:
         oracle = GenerationStats(prompts=0)
         perfects = {each: GenerationStats(prompts=0) for each in lags}
@@ -163,8 +164,6 @@ def run(cfg: EvalConfig) -> int:
             for each in lags:
                 one = perfect_head_schedule(agree, cfg.k_min, cfg.k_max, each)
                 perfects[each] = GenerationStats.total([perfects[each], one])
-    elif cfg.oracle:
-        log.warning("the oracle is defined for greedy decoding only (sampling.do_sample=false); skipped")
     eagle_info = report.eagle_section(cfg.eagle, eagle.metadata) if eagle is not None else None
     perfect = perfects.get(lag) if lag is not None else None
     ceilings = (perfects, row_lags) if perfects else None

@@ -167,9 +167,10 @@ def summarize(
             ratios["oracle_gain_fraction"] = (
                 round((c_k - c_h) / (c_k - c_o), 4) if None not in (c_k, c_h, c_o) and c_k != c_o else None
             )
-        if perfect is not None:  # the most any head could gain over the best fixed K, in the cost model
+        if perfect is not None:  # the most any head could gain over the best fixed K, both in the cost model
             c_p = out["perfect_head"]["model_cost_ms_per_token"]
-            ratios["perfect_head_cost_gain_vs_best_fixed_k"] = round(c_k / c_p, 4) if c_k and c_p else None
+            c_best = min((r["model_cost_ms_per_token"] for r in fixed if r["model_cost_ms_per_token"]), default=None)
+            ratios["perfect_head_cost_gain_vs_best_fixed_k"] = round(c_best / c_p, 4) if c_best and c_p else None
             ratios["specdecpp_cost_gain_vs_best_fixed_k"] = round(c_k / c_h, 4) if c_k and c_h else None
     if fixed:
         for name, key in (

@@ -257,6 +257,15 @@ def test_eval_sweep_end_to_end(tiny_pair_dirs, head_file, prompts_file, table_fi
     )
     assert s["best_stop_rule"] in ("h0.3", "h0.7", "h-cost") and s["best_lossless"]["config"] in by
     assert "cost table t_d 0.5 ms" in printed and "predicted_ms_per_token" in printed
+    # the honest ceilings: a perfect rule scoring at lag 0 is at least as fast as one at lag 1; each head row
+    # carries its own lag's (the head's lag 1)
+    lag0, lag1 = (s["ceilings"][f"lag{n}"]["vs_best_fixed_k"] for n in (0, 1))
+    assert (
+        lag0 >= lag1 > 0
+        and s["ceilings"]["lag1"]["vs_best_fixed_k"] == s["ratios"]["perfect_head_cost_gain_vs_best_fixed_k"]
+    )
+    assert all(by[n]["ceiling_vs_best_fixed_k"] == lag1 for n in ("h0.3", "h0.7", "h-cost"))
+    assert "ceiling_vs_best_fixed_k" not in by["k2"] and "ceiling (a perfect stop rule" in printed
     assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 8
     assert {"config.yaml", "manifest.json", "metrics.json"} <= {p.name for p in out.iterdir()}
@@ -402,7 +411,7 @@ def test_summary_costs_and_stop_rule_ratios_by_hand():
     assert by["h-cost"]["share_of_ceiling"] == pytest.approx((4.5 / 4.2 - 1) / 0.25, abs=1e-4)
     assert by["h0.5"]["share_of_ceiling"] == pytest.approx((4.5 / 4.8 - 1) / 0.25, abs=1e-4)  # a loss: negative
     assert "ceiling_vs_best_fixed_k" not in by["k2"] and "ceiling_vs_best_fixed_k" not in by["ar"]
-    assert r["perfect_head_cost_gain_vs_best_fixed_k"] == pytest.approx(5.6 / 3.6, abs=1e-4)
+    assert r["perfect_head_cost_gain_vs_best_fixed_k"] == pytest.approx(4.5 / 3.6, abs=1e-4)  # the predicted best K
     assert s["perfect_head"]["predicted_tokens_per_s"] == pytest.approx(1000 / 3.6, abs=1e-2)
     assert s["best_lossless"] == {
         "config": "h-cost",
@@ -450,3 +459,15 @@ def test_a_smaller_budget_per_prompt_source(tiny_pair_dirs, prompts_file, table_
         main(_args(tiny_pair_dirs, prompts_file, tmp_path / "bad", *common, "max_new_tokens_by_source={arcs: 16}")) == 2
     )
     assert "max_new_tokens_by_source.arcs" in capsys.readouterr().err
+
+
+def test_sampled_sweeps_get_their_ceilings_from_the_recorded_rounds(tiny_pair_dirs, prompts_file, table_file, tmp_path):
+    """Sampled, the oracle and the perfect rules come from SD's recorded rounds under the same draws."""
+    out = tmp_path / "ev"
+    extra = [f"profile={table_file}", "head=null", "thresholds=[]", "confidence=[0.5]", "confidence_k_max=20"]
+    assert main(_args(tiny_pair_dirs, prompts_file, out, *extra, "sampling.do_sample=true", "quality=false")) == 0
+    s = json.loads((out / "sweep.json").read_text())
+    by = {r["config"]: r for r in s["table"]}
+    assert s["oracle"]["tokens"] > 0 and s["oracle"]["discard_rate"] == 0.0
+    assert s["ceilings"]["lag0"]["vs_best_fixed_k"] >= s["ceilings"]["lag1"]["vs_best_fixed_k"]
+    assert by["c-online-cost"]["ceiling_vs_best_fixed_k"] == s["ceilings"]["lag0"]["vs_best_fixed_k"]
