@@ -168,6 +168,16 @@ class DatagenConfig:
             )
         },
     )
+    eagle_position: str = field(
+        default="own",
+        metadata={
+            "help": (
+                "eagle_rounds: which head state a candidate is stored with: own (after consuming it; the lag-1 "
+                "SpecDec++ head, every candidate but a round's last) | previous (the state that drew it; a lag-0 "
+                "head scores every candidate as soon as it is drawn)"
+            )
+        },
+    )
     engine: str = field(
         default="specheads",
         metadata={

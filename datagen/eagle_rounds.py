@@ -12,11 +12,15 @@ pass and ``q_j`` the distribution ``y_j`` was drawn from, both warped by the sam
 every candidate, so the candidates after a round's first rejection are labelled too (the stop head met
 them while drafting); ``outcome`` says what the rule did with each (1 kept, 0 rejected, -1 not reached).
 
-The feature of ``y_j`` is the head's state at ``y_j``'s own position (after consuming ``y_j``): the state
-the drafter returns with ``y_{j+1}``, which ``policy=specdecpp`` (reference order) scores ``y_j`` with.
-A round's last candidate has none (the round stops before the step that consumes it; SpecDec++ never
-scores it either) and is not stored. ``q_token`` is ``q_j(y_j)`` (greedy: from the temperature-1 softmax,
-the draft confidence ``policy=confidence_stop`` reads), ``p_token`` the target's ``p_j(y_j)`` alike.
+The feature of ``y_j`` (``eagle_position=own``, lag 1) is the head's state at ``y_j``'s own position (after
+consuming ``y_j``): the state the drafter returns with ``y_{j+1}``, which ``policy=specdecpp`` (reference
+order) scores ``y_j`` with. A round's last candidate has none (the round stops before the step that consumes
+it; SpecDec++ never scores it either) and is not stored. ``eagle_position=previous`` (lag 0) stores instead
+the state that produced ``y_j`` (the one ``q_j`` came from), for every candidate, the last included: a head on
+it scores ``y_j`` as soon as it is drawn. ``q_token`` is ``q_j(y_j)`` (greedy: from the temperature-1
+softmax, the draft confidence ``policy=confidence_stop`` reads), ``p_token`` the target's ``p_j(y_j)`` alike;
+``q_entropy`` and ``q_margin`` are the entropy and top-1 margin of that same distribution of ``q_j``
+(:func:`specheads.heads.acceptance_head.distribution_signals`).
 
 Every prompt decodes at batch 1 (the drafter's), its draws seeded by ``(seed, prompt index)``: a chunk's
 bytes do not depend on which process labels it. The Parquet file holds
@@ -34,11 +38,18 @@ import torch
 
 from specheads.datagen.drafter import StatesLabeller
 from specheads.datagen.labelling import Job, Labelled, skip_record
-from specheads.dataset import EAGLE_ROUNDS_COLUMNS, DrafterChunkFiles, chunk_files
+from specheads.dataset import EAGLE_ROUNDS_COLUMNS, EAGLE_ROUNDS_SIGNALS, DrafterChunkFiles, chunk_files
 from specheads.export.shim import Engine, Policy, Round, Verdict, probs_from_logits, standard_verify
+from specheads.heads.acceptance_head import distribution_signals
 
-PER_CANDIDATE = ("round_start", "step", "draft_token", "q_token", "p_token", "label", "outcome")
-FEATURE = {"model": "eagle", "state": "post", "layer": -1, "position": "own"}
+PER_CANDIDATE = ("round_start", "step", "draft_token", "q_token", "p_token", "label", "outcome", *EAGLE_ROUNDS_SIGNALS)
+POSITIONS = ("own", "previous")
+
+
+def feature(position: str) -> dict:
+    """The stored states' ``feature`` (the manifest's, then the head's): the EAGLE head's post-norm state at the
+    candidate's own position (lag 1) or at the one before it (lag 0)."""
+    return {"model": "eagle", "state": "post", "layer": -1, "position": position}
 
 
 @dataclass
@@ -52,6 +63,8 @@ class RoundRecord:
     label: list[float]
     states: torch.Tensor
     accepted: int = 0
+    entropy: list[float] | None = None
+    margin: list[float] | None = None
 
 
 class RecordingSD(Policy):
@@ -90,21 +103,27 @@ def record_round(rnd: Round, logits: torch.Tensor) -> RoundRecord:
         p = probs_from_logits(target, rnd.sampling)[idx, cand]
         q = torch.stack(rnd.q).to(logits.device).float()[idx, cand]
         label = torch.where(q > 0, (p / q.clamp_min(1e-30)).clamp(max=1.0), torch.ones_like(p))
+        logq = torch.stack(rnd.q).to(logits.device).float().log()
     else:
         draft = torch.stack(rnd.draft_logits).to(logits.device).float()
         p, q = target.softmax(-1)[idx, cand], draft.softmax(-1)[idx, cand]
         label = (target.argmax(-1) == cand).float()
+        logq = draft.log_softmax(-1)
+    ent, margin = distribution_signals(logq)
     states = torch.stack(rnd.draft_hidden).to(torch.float16).cpu()
-    return RoundRecord(rnd.position, cand.tolist(), q.tolist(), p.tolist(), label.tolist(), states)
+    return RoundRecord(
+        rnd.position, cand.tolist(), q.tolist(), p.tolist(), label.tolist(), states, 0, ent.tolist(), margin.tolist()
+    )
 
 
-def prompt_rows(rounds: list[RoundRecord], width: int) -> tuple[dict[str, list], torch.Tensor]:
-    """A prompt's stored candidates (those with an own-position state: every one but a round's last) and
-    their states ``[M, width]``."""
+def prompt_rows(rounds: list[RoundRecord], width: int, position: str = "own") -> tuple[dict[str, list], torch.Tensor]:
+    """A prompt's stored candidates and their states ``[M, width]``: ``own``, those with an own-position state
+    (every one but a round's last); ``previous``, every candidate with the state that drew it."""
     out: dict[str, list] = {k: [] for k in PER_CANDIDATE}
     states = []
+    lag = 1 if position == "own" else 0
     for r in rounds:
-        for j in range(len(r.tokens) - 1):  # y_{j+1}'s own state came with y_{j+2}
+        for j in range(len(r.tokens) - lag):  # own: y_{j+1}'s own state came with y_{j+2}
             out["round_start"].append(r.start)
             out["step"].append(j + 1)
             out["draft_token"].append(r.tokens[j])
@@ -112,7 +131,9 @@ def prompt_rows(rounds: list[RoundRecord], width: int) -> tuple[dict[str, list],
             out["p_token"].append(r.p[j])
             out["label"].append(r.label[j])
             out["outcome"].append(1 if j < r.accepted else 0 if j == r.accepted else -1)
-        states.append(r.states[1:])
+            out["q_entropy"].append(r.entropy[j])
+            out["q_margin"].append(r.margin[j])
+        states.append(r.states[lag : len(r.tokens)])
     return out, torch.cat(states) if states else torch.zeros(0, width, dtype=torch.float16)
 
 
@@ -132,8 +153,15 @@ class EagleRoundsLabeller(StatesLabeller):
             out.append(
                 "labels=eagle_rounds needs eagle=<an exported EAGLE head> (heads-train head=eagle, then heads-export)"
             )
-        if cfg.eagle_k < 2:
-            out.append(f"eagle_k={cfg.eagle_k} must be >= 2 (a round's last candidate has no head state to label)")
+        if cfg.eagle_position not in POSITIONS:
+            out.append(f"eagle_position={cfg.eagle_position!r}: choose own (lag 1) or previous (lag 0)")
+        elif cfg.eagle_k < (2 if cfg.eagle_position == "own" else 1):
+            out.append(
+                f"eagle_k={cfg.eagle_k} must be >= 2 with eagle_position=own (a round's last candidate has no "
+                "own-position state to label)"
+                if cfg.eagle_position == "own"
+                else f"eagle_k={cfg.eagle_k} must be >= 1"
+            )
         return out
 
     def needs_draft(self, cfg) -> bool:
@@ -157,7 +185,7 @@ class EagleRoundsLabeller(StatesLabeller):
         engine = Engine(target.model, None, job.eos, eagle=head.module)
         policy = RecordingSD(cfg.eagle_k)
         gen = torch.Generator(device=target.device)
-        cols: dict[str, list] = {k: [] for k in EAGLE_ROUNDS_COLUMNS}
+        cols: dict[str, list] = {k: [] for k in (*EAGLE_ROUNDS_COLUMNS, *EAGLE_ROUNDS_SIGNALS)}
         states, lengths, skipped = [], [], []
         labelled = 0
         first = job.first_index(chunk)
@@ -167,7 +195,7 @@ class EagleRoundsLabeller(StatesLabeller):
             if not policy.finite:
                 skipped.append(skip_record(prompt, first + i, "non-finite logits or head states"))
                 continue
-            rows, st = prompt_rows(policy.rounds, head.module.hidden_size)
+            rows, st = prompt_rows(policy.rounds, head.module.hidden_size, cfg.eagle_position)
             cols["prompt_id"].append(prompt.id)
             cols["prompt_index"].append(first + i)
             cols["input_ids"].append(ids + out.tokens)
@@ -198,7 +226,7 @@ class EagleRoundsLabeller(StatesLabeller):
         }
         return stats, {
             "hidden_size": models["hidden_size"],
-            "eagle_rounds": {"k": cfg.eagle_k, "eagle": eagle, "feature": FEATURE},
+            "eagle_rounds": {"k": cfg.eagle_k, "eagle": eagle, "feature": feature(cfg.eagle_position)},
         }
 
 
@@ -208,7 +236,7 @@ def summarise(out: Path, k: int) -> dict:
 
     prompts = tokens = 0
     total = 0.0
-    per_step = {j: [0, 0.0, 0] for j in range(1, k)}  # step -> candidates, label sum, kept
+    per_step: dict[int, list] = {}  # step -> candidates, label sum, kept
     for path in chunk_files(out):
         table = pq.read_table(str(path), columns=["step", "label", "outcome"])
         prompts += table.num_rows

@@ -7,6 +7,7 @@ import torch
 from specheads.heads.mlp import ResidualMLP
 
 LOGQ_FLOOR = -30.0  # the confidence feature's floor: log q(y) below it (or -inf) reads as this
+SIGNALS = ("entropy", "margin", "step")  # scalar features of the drafter's distribution a head may read too
 
 
 class AcceptanceHead(ResidualMLP):
@@ -17,20 +18,50 @@ class AcceptanceHead(ResidualMLP):
         depth: number of residual blocks ``D``.
         confidence: the feature is the state joined to one more number, the drafter's log-probability
             ``log q(y)`` of the scored token (:meth:`features`): SpecDec++'s state and probability.
+        signals: more numbers after it, of :data:`SIGNALS`, in that order (needs ``confidence``): the entropy
+            ``H(q)`` of the distribution the token was drawn from (nats), its top-1 margin (``log q`` of the
+            most likely token minus the second's, at most 30) and the token's step in its round
+            (``min(step, 16) / 16``): :func:`signal_values`.
     """
 
-    def __init__(self, hidden_size: int, depth: int = 3, confidence: bool = False):
-        super().__init__(hidden_size + int(confidence), depth)
-        self.hidden_size, self.confidence = hidden_size, confidence
+    def __init__(self, hidden_size: int, depth: int = 3, confidence: bool = False, signals: tuple[str, ...] = ()):
+        signals = tuple(signals)
+        if any(s not in SIGNALS for s in signals) or (signals and not confidence):
+            raise ValueError(f"signals={list(signals)}: choose from {list(SIGNALS)}, with confidence=True")
+        super().__init__(hidden_size + int(confidence) + len(signals), depth)
+        self.hidden_size, self.confidence, self.signals = hidden_size, confidence, signals
 
     @staticmethod
-    def features(state: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-        """``[..., d]`` states and ``[...]`` log-probabilities -> the ``[..., d + 1]`` input of a confidence head."""
+    def features(state: torch.Tensor, logq: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """``[..., d]`` states and ``[...]`` log-probabilities (and ``[..., s]`` signals) -> the head's input
+        ``[..., d + 1 (+ s)]``."""
         logq = torch.nan_to_num(logq.to(state.dtype), neginf=LOGQ_FLOOR).clamp(LOGQ_FLOOR, 0.0)
-        return torch.cat([state, logq.unsqueeze(-1)], dim=-1)
+        parts = [state, logq.unsqueeze(-1)] + ([extra.to(state.dtype)] if extra is not None else [])
+        return torch.cat(parts, dim=-1)
 
     def config(self) -> dict:
         """Constructor arguments, stored in exported metadata (``head_config``)."""
-        return {"hidden_size": self.hidden_size, "depth": self.depth} | (
-            {"confidence": True} if self.confidence else {}
+        return (
+            {"hidden_size": self.hidden_size, "depth": self.depth}
+            | ({"confidence": True} if self.confidence else {})
+            | ({"signals": list(self.signals)} if self.signals else {})
         )
+
+
+MARGIN_CAP = 30.0
+STEP_CAP = 16
+
+
+def distribution_signals(logq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entropy ``H(q)`` (nats) and the top-1 margin of log-probabilities ``[..., V]`` (``-inf`` allowed)."""
+    logq = logq.float()
+    ent = -torch.special.xlogy(logq.exp(), logq.exp()).sum(-1)
+    top = logq.topk(min(2, logq.shape[-1]), dim=-1).values
+    margin = (top[..., 0] - top[..., -1]).nan_to_num(posinf=MARGIN_CAP).clamp(0.0, MARGIN_CAP)
+    return ent, margin
+
+
+def signal_values(names, entropy: torch.Tensor, margin: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """The ``[..., len(names)]`` signals a head reads (:class:`AcceptanceHead`'s ``signals``) from their raw values."""
+    raw = {"entropy": entropy.float(), "margin": margin.float(), "step": step.float().clamp(max=STEP_CAP) / STEP_CAP}
+    return torch.stack([raw[n] for n in names], dim=-1)

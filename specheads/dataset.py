@@ -71,6 +71,8 @@ EAGLE_ROUNDS_COLUMNS = (
     "label",
     "outcome",
 )
+# eagle_rounds' per-candidate signals of the distribution a candidate was drawn from (a head with signals reads them)
+EAGLE_ROUNDS_SIGNALS = ("q_entropy", "q_margin")
 
 
 def chunk_path(out_dir: Path, chunk: int) -> Path:

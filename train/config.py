@@ -89,6 +89,15 @@ class TrainConfig:
             )
         },
     )
+    stop_signals: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": (
+                "eagle_stop (with stop_confidence): more features of the distribution the candidate was drawn "
+                "from, of entropy (H(q)), margin (top-1 minus top-2 log q) and step (its index in the round)"
+            )
+        },
+    )
     draft_init: str | None = field(
         default=None,
         metadata={

@@ -20,9 +20,16 @@ from pathlib import Path
 
 import torch
 
-from specheads.dataset import EAGLE_ROUNDS_COLUMNS, DrafterChunkFiles, require_columns, shard_paths
+from specheads.dataset import (
+    EAGLE_ROUNDS_COLUMNS,
+    EAGLE_ROUNDS_SIGNALS,
+    DrafterChunkFiles,
+    require_columns,
+    shard_paths,
+)
 from specheads.errors import UserError
 from specheads.heads import AcceptanceHead
+from specheads.heads.acceptance_head import SIGNALS, signal_values
 from specheads.train.config import TrainConfig
 from specheads.train.loss import binary_kl, weighted_soft_bce
 from specheads.train.side_rows import SideRows, read_small
@@ -42,16 +49,18 @@ class StopStore:
     """Every chunk's labels and draft confidences in memory, its states read per batch (``side_rows.py``), and
     one example per prompt."""
 
-    def __init__(self, data_dir: str | Path):
+    def __init__(self, data_dir: str | Path, signals: bool = False):
         import pyarrow.parquet as pq
 
         root = Path(data_dir)
         labels, conf, self.examples = [], [], []
+        extra: dict[str, list] = {"step": [], "outcome": [], "q_entropy": [], "q_margin": []}
         self.states = SideRows("states")
         base = 0
         for path in shard_paths(root):
-            require_columns(path, EAGLE_ROUNDS_COLUMNS)
-            table = pq.read_table(str(path), columns=["label", "q_token"])
+            require_columns(path, (*EAGLE_ROUNDS_COLUMNS, *(EAGLE_ROUNDS_SIGNALS if signals else ())))
+            names = [c for c in extra if signals or c in ("step", "outcome")]
+            table = pq.read_table(str(path), columns=["label", "q_token", *names])
             side = DrafterChunkFiles(root, int(path.stem.split("-")[1]))
             t, _ = read_small(side.path, ("offsets",))
             off = t["offsets"].tolist()
@@ -65,6 +74,8 @@ class StopStore:
                     self.examples.append(StopExample(len(self.examples), base + off[i], base + off[i + 1]))
                 labels += y
             conf += [q for qs in table.column("q_token").to_pylist() for q in qs]
+            for name in names:
+                extra[name] += [v for vs in table.column(name).to_pylist() for v in vs]
             self.states.add(side.path, int(off[-1]))
             base += int(off[-1])
         if not self.examples:
@@ -73,17 +84,28 @@ class StopStore:
             )
         self.labels = torch.tensor(labels, dtype=torch.float32)
         self.confidence = torch.tensor(conf, dtype=torch.float32)
+        self.extra = {k: torch.tensor(v, dtype=torch.float32) for k, v in extra.items() if v}
 
     def rows(self, examples: list[StopExample]) -> torch.Tensor:
         return torch.cat([torch.arange(e.start, e.end) for e in examples])
 
-    def batch(self, examples: list[StopExample], device, confidence: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Features ``[N, d]`` (``confidence``: ``[N, d + 1]``, ``log q(y)`` last) and soft labels ``[N]``."""
+    def batch(
+        self, examples: list[StopExample], device, confidence: bool = False, signals: tuple[str, ...] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features ``[N, d]`` (``confidence``: ``[N, d + 1]``, ``log q(y)`` after the state, then ``signals``)
+        and soft labels ``[N]``."""
         idx = self.rows(examples)
         x = self.states.take([(e.start, e.end) for e in examples]).float()
         if confidence:
-            x = AcceptanceHead.features(x, self.confidence[idx].log())
+            e = self.extra
+            extra = signal_values(signals, e["q_entropy"][idx], e["q_margin"][idx], e["step"][idx]) if signals else None
+            x = AcceptanceHead.features(x, self.confidence[idx].log(), extra)
         return x.to(device), self.labels[idx].to(device)
+
+    def decided(self, examples: list[StopExample]) -> torch.Tensor:
+        """Which of the examples' candidates the round reached (all earlier ones accepted): the rows where a stop
+        decision is made, SpecDec++'s conditional."""
+        return self.extra["outcome"][self.rows(examples)] >= 0
 
 
 def _auroc(hard, scores) -> float | None:
@@ -105,12 +127,18 @@ class EagleStopTask:
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> list[str]:
+        out = []
         if cfg.label != "soft":
-            return [
+            out.append(
                 f"label={cfg.label}: head=eagle_stop trains on the stored soft labels (label=soft); expected "
                 "and fsd labels are head=acceptance's"
-            ]
-        return []
+            )
+        bad = [s for s in cfg.stop_signals if s not in SIGNALS]
+        if bad or len(set(cfg.stop_signals)) != len(cfg.stop_signals):
+            out.append(f"stop_signals={list(cfg.stop_signals)}: choose each at most once from {', '.join(SIGNALS)}")
+        elif cfg.stop_signals and not cfg.stop_confidence:
+            out.append("stop_signals needs stop_confidence=true (the signals follow log q(y) in the features)")
+        return out
 
     @classmethod
     def setup(cls, cfg: TrainConfig, manifest: dict, acc) -> EagleStopTask:
@@ -119,21 +147,25 @@ class EagleStopTask:
                 f"{cfg.data_dir}/manifest.json has no eagle_rounds section; relabel with heads-datagen "
                 "labels=eagle_rounds"
             )
-        return cls(cfg, manifest, StopStore(cfg.data_dir), acc.device)
+        return cls(cfg, manifest, StopStore(cfg.data_dir, bool(cfg.stop_signals)), acc.device)
 
     @staticmethod
     def summary(cfg: TrainConfig, metrics: dict) -> str:
         return (
             f"eval binary KL {metrics.get('eval_binary_kl', float('nan')):.4f}, AUROC {metrics.get('eval_auroc')} "
-            f"(the drafter's confidence q(y): {metrics.get('eval_auroc_confidence')})"
+            f"(the drafter's confidence q(y): {metrics.get('eval_auroc_confidence')}); where a stop is decided "
+            f"{metrics.get('eval_auroc_decisions')} (q(y): {metrics.get('eval_auroc_confidence_decisions')})"
         )
 
     def build_head(self) -> AcceptanceHead:
         torch.manual_seed(self.cfg.seed)
-        return AcceptanceHead(self.hidden, self.cfg.depth, confidence=self.cfg.stop_confidence)
+        return AcceptanceHead(self.hidden, self.cfg.depth, self.cfg.stop_confidence, self._signals())
+
+    def _signals(self) -> tuple[str, ...]:
+        return tuple(s for s in SIGNALS if s in self.cfg.stop_signals)  # the head's order
 
     def batch(self, examples: list, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.store.batch(examples, self.device, self.cfg.stop_confidence)
+        return self.store.batch(examples, self.device, self.cfg.stop_confidence, self._signals())
 
     @torch.no_grad()
     def evaluate(self, head: torch.nn.Module, examples: list) -> dict:
@@ -142,11 +174,15 @@ class EagleStopTask:
         x, y = predict(head, examples, cfg.batch_size, lambda batch: self.batch(batch, 0))
         hard = (y >= 0.5).cpu().numpy()
         conf = self.store.confidence[self.store.rows(examples)].numpy()
+        at = self.store.decided(examples).numpy()  # the rows where a stop decision is made
         return {
             "eval_binary_kl": float(binary_kl(y, x)),
             "eval_weighted_loss": float(weighted_soft_bce(x, y, cfg.w_acc, cfg.w_rej)),
             "eval_auroc": _auroc(hard, x.cpu().numpy()),
             "eval_auroc_confidence": _auroc(hard, conf),
+            "eval_auroc_decisions": _auroc(hard[at], x.cpu().numpy()[at]),
+            "eval_auroc_confidence_decisions": _auroc(hard[at], conf[at]),
+            "eval_decision_rows": int(at.sum()),
             "eval_tokens": int(y.numel()),
             "eval_label_mean": float(y.mean()),
             **calibration_metrics(x, y),

@@ -12,6 +12,7 @@ from specheads.export.shim.costs.cost_table import CostTable
 from specheads.export.shim.policies.base import Policy, Round
 from specheads.export.shim.policies.baselines import STOP, _Gated, cost_problems, gate_problems
 from specheads.export.shim.policies.settings import Check, HeadSpec, Settings, bounds
+from specheads.heads.acceptance_head import distribution_signals, signal_values
 
 POSITIONS = ("own", "previous")  # which draft state the head was trained to read (see SpecDecPP)
 
@@ -105,6 +106,7 @@ class SpecDecPP(_Gated):
         self.gate = DraftGate(costs) if gate else None
         self.head, self.threshold, self.k_min = head, threshold, k_min
         self.with_confidence = bool(getattr(head, "confidence", False))  # the head also reads log q(y)
+        self.signals = tuple(getattr(head, "signals", ()))  # and these of the distribution y was drawn from
         self.stop, self.costs = stop, costs
         self.lag = 1 if position == "own" else 0  # how many candidates behind the newest the scored one is
         self._prompt_betas = [0.0, 0]  # this prompt's scores: sum, count (stop="cost")
@@ -158,7 +160,9 @@ class SpecDecPP(_Gated):
         if n > self.lag:  # own: the state returned with y_n belongs to y_{n-1}; the head has the draft's dtype
             state = rnd.draft_hidden[n - 1]
             if self.with_confidence:
-                state = self.head.features(state, _log_q(rnd, n - self.lag - 1))  # type: ignore[operator]
+                j = n - self.lag - 1
+                extra = _signals(rnd, j, self.signals).to(state.device) if self.signals else None
+                state = self.head.features(state, _log_q(rnd, j), extra)  # type: ignore[operator]
             logit = self.head(state)  # type: ignore[operator]  # an nn.Module
             log_beta = float(torch.nn.functional.logsigmoid(logit.float()))
             s.scores.append((n - self.lag, math.exp(log_beta)))
@@ -176,6 +180,14 @@ class SpecDecPP(_Gated):
             beta = s.beta if s.beta is not None else (total / count if count else 1.0)
             return not draft_more(self.costs, n, n - self.lag, math.exp(s.log_keep), s.total, beta, self.batch)
         return 1.0 - math.exp(s.log_keep) > self.threshold
+
+
+def _signals(rnd: Round, j: int, names: tuple[str, ...]) -> torch.Tensor:
+    """The ``[len(names)]`` signals of candidate ``j`` (0-based) as ``labels=eagle_rounds`` stores them: of the
+    distribution it was drawn from (warped when sampling, else the raw softmax), and its step ``j + 1``."""
+    logq = rnd.q[j].float().log() if rnd.q else rnd.draft_logits[j].float().log_softmax(-1)
+    ent, margin = distribution_signals(logq)
+    return signal_values(names, ent, margin, torch.tensor(float(j + 1), device=ent.device))
 
 
 def _log_q(rnd: Round, j: int) -> torch.Tensor:

@@ -1,0 +1,199 @@
+"""Where a stop rule can pay: every fixed K, the training-free stop rules and the learned heads beside the
+honest ceilings (the perfect rule of each lag) and the oracle, per drafter, regime and prompt set.
+
+Each cell is one ``heads-eval`` run (its rows interleaved prompt by prompt, one process, one cost table) on
+prompts no training read: GSM8K-test and MT-Bench first turns past the quickstart's, Alpaca rows past every
+drafter recipe's. Rows: ``k1..k4``; the confidence stop at ``tau`` (``c<tau>``) and the cost rule with each
+training-free acceptance estimate (``c-cost``: q(y); ``c-online-cost``: vLLM's online logistic on
+logit(max q); ``c-entropy-cost``: AdaEDL's entropy bound); with ``--stop-head`` (EAGLE) or ``--draft-head``
+(draft model) the learned SpecDec++ head at its thresholds and ``h-cost``. Regimes: ``greedy`` and ``t1``
+(temperature 1), batch 1 (the cost table prices batch-1 forwards; batched regimes are not run here).
+
+    python bench/heads_pay.py --stop-head runs/quickstart-export/head.safetensors
+    python bench/heads_pay.py --n 2 --max-new 32 --regimes greedy --sets gsm8k --out /tmp/p.json   # a quick look
+
+Writes ``bench/results/heads_pay.json``: per cell the table (tokens/s, predicted ms/token, ceiling and share
+of it per stop row), the ceilings, the oracle, and the ratios ``head_vs_best_training_free``,
+``head_vs_best_fixed_k``, ``best_training_free_vs_best_fixed_k`` (measured tokens/s) and
+``lossless_identical`` (greedy: every lossless row's tokens are the target alone's); a summary over cells.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+from _common import run_info
+
+from specheads.evaluate.cli import main as eval_main
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
+SETS = {  # prompts no training read: past the quickstart's eval slice and the drafter recipes' Alpaca rows
+    "gsm8k": ("data/gsm8k/test.jsonl", 200),
+    "mt_bench": ("data/mt_bench/question.jsonl", 40),
+    "alpaca": ("data/alpaca/alpaca_5000.json", 4600),
+}
+REGIMES = {"greedy": ["sampling.do_sample=false"], "t1": ["sampling.do_sample=true", "sampling.temperature=1.0"]}
+DRAFTERS = {"eagle": "quickstart", "draft": "specdecpp_draft_quickstart"}
+LOSSLESS = ("k", "h", "c")  # row prefixes of the lossless rules run here
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cell_args(drafter: str, regime: str, name: str, args, out: Path) -> list[str]:
+    path, offset = SETS[name]
+    head = args.stop_head if drafter == "eagle" else args.draft_head
+    return [
+        f"recipe={DRAFTERS[drafter]}",
+        f"prompts={SHARED / path}[{offset}:{offset + args.n}]",
+        "offset=0",
+        "num_prompts=null",
+        f"max_new_tokens={args.max_new}",
+        "ks=[1,2,3,4]",
+        "k_min=1",
+        f"k_max={args.k_max}",
+        f"confidence=[{args.tau}]",
+        f"confidence_k_max={args.k_max}",
+        "confidence_estimates=[q,online,entropy]",
+        "cost_stop=true",
+        "trees=[]",
+        "oracle=true",
+        "quality=false",
+        "fidelity=false",
+        f"seed={args.seed}",
+        f"output_dir={out}",
+        "overwrite=true",
+        *([f"head={head}", f"thresholds={args.thresholds}"] if head else ["head=null", "thresholds=[]"]),
+        *([] if drafter == "eagle" else ["eagle=null"]),
+        *REGIMES[regime],
+    ]
+
+
+def best(table: list[dict], pick) -> dict | None:
+    rows = [r for r in table if pick(r["config"])]
+    return max(rows, key=lambda r: r["tokens_per_s"]) if rows else None
+
+
+def ratio(a: dict | None, b: dict | None) -> float | None:
+    return round(a["tokens_per_s"] / b["tokens_per_s"], 4) if a and b and b["tokens_per_s"] else None
+
+
+def summarise_cell(sweep: dict, rows: list[dict], greedy: bool) -> dict:
+    table = sweep["table"]
+    fixed = best(table, lambda c: c.startswith("k"))
+    free = best(table, lambda c: c.startswith("c"))
+    head = best(table, lambda c: c.startswith("h"))
+    ar = {r["index"]: r["tokens"] for r in rows if r["config"] == "ar"}
+    lossless = [r for r in rows if r["config"].startswith(LOSSLESS)]
+    keep = (
+        "config",
+        "tokens_per_s",
+        "tokens_per_call",
+        "predicted_ms_per_token",
+        "predicted_over_measured",
+        "ceiling_vs_best_fixed_k",
+        "share_of_ceiling",
+    )
+    return {
+        "table": [{k: r.get(k) for k in keep} for r in table],
+        "ceilings": sweep.get("ceilings"),
+        "oracle_predicted_tokens_per_s": (sweep.get("oracle") or {}).get("predicted_tokens_per_s"),
+        "best_fixed_k": fixed and fixed["config"],
+        "best_training_free": free and free["config"],
+        "best_head": head and head["config"],
+        "best_training_free_vs_best_fixed_k": ratio(free, fixed),
+        "head_vs_best_fixed_k": ratio(head, fixed),
+        "head_vs_best_training_free": ratio(head, free),
+        "share_of_perfect_head_gain": sweep.get("ratios", {}).get("share_of_perfect_head_gain"),
+        "lossless_identical": all(r["tokens"] == ar[r["index"]] for r in lossless) if greedy else None,
+    }
+
+
+def summary(cells: dict) -> dict:
+    out: dict = {}
+    for key in ("head_vs_best_training_free", "head_vs_best_fixed_k", "best_training_free_vs_best_fixed_k"):
+        vals = [c[key] for c in cells.values() if c.get(key) is not None]
+        out[key] = {"min": min(vals), "median": statistics.median(vals)} if vals else None
+    by_ceiling = {
+        name: max((c["ceilings"] or {}).get(f"lag{lag}", {}).get("vs_best_fixed_k") or 0 for lag in (0, 1))
+        for name, c in cells.items()
+    }
+    out["largest_ceiling_cell"] = max(by_ceiling, key=by_ceiling.get) if by_ceiling else None
+    out["largest_ceiling"] = max(by_ceiling.values()) if by_ceiling else None
+    greedy = [c["lossless_identical"] for c in cells.values() if c["lossless_identical"] is not None]
+    out["lossless_identical"] = all(greedy) if greedy else None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stop-head", default=None, help="the learned SpecDec++ head on the EAGLE drafter")
+    ap.add_argument("--draft-head", default=None, help="the learned SpecDec++ head on the draft model")
+    ap.add_argument("--drafters", default="eagle", help="comma-separated of: " + ", ".join(DRAFTERS))
+    ap.add_argument("--regimes", default="greedy,t1", help="comma-separated of: " + ", ".join(REGIMES))
+    ap.add_argument("--sets", default=",".join(SETS), help="comma-separated of: " + ", ".join(SETS))
+    ap.add_argument("--n", type=int, default=6, help="prompts per set")
+    ap.add_argument("--max-new", type=int, default=96)
+    ap.add_argument("--k-max", type=int, default=8)
+    ap.add_argument("--tau", type=float, default=0.5)
+    ap.add_argument("--thresholds", default="[0.5,0.7]")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--work", default="runs/heads_pay")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/heads_pay.json"))
+    args = ap.parse_args(argv)
+    picks = {k: [x for x in getattr(args, k).split(",") if x] for k in ("drafters", "regimes", "sets")}
+    for key, allowed in (("drafters", DRAFTERS), ("regimes", REGIMES), ("sets", SETS)):
+        bad = [x for x in picks[key] if x not in allowed]
+        if bad:
+            print(f"heads_pay.py: error: --{key} {bad}: choose from {', '.join(allowed)}", file=sys.stderr)
+            return 2
+    cells = {}
+    for drafter in picks["drafters"]:
+        for regime in picks["regimes"]:
+            for name in picks["sets"]:
+                cell = f"{drafter}/{regime}/{name}"
+                out = Path(args.work) / cell.replace("/", "-")
+                print(f"== {cell}", flush=True)
+                code = eval_main(cell_args(drafter, regime, name, args, out))
+                if code:
+                    print(f"heads_pay.py: error: heads-eval failed on {cell} (exit {code})", file=sys.stderr)
+                    return code
+                sweep = json.loads((out / "sweep.json").read_text())
+                rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+                cells[cell] = summarise_cell(sweep, rows, regime == "greedy")
+    result = {
+        **run_info(__file__, argv, f"fp32, batch 1, {args.n} prompts per set x {args.max_new} new tokens"),
+        "cpu": cpu_model(),
+        "cells": cells,
+        "summary": summary(cells),
+    }
+    print(f"\n{'cell':<24} {'best K':>7} {'free/K':>7} {'head/K':>7} {'head/free':>9} {'ceil0':>6} {'ceil1':>6}")
+    for cell, c in cells.items():
+        ce = c["ceilings"] or {}
+        print(
+            f"{cell:<24} {c['best_fixed_k'] or '-':>7} {c['best_training_free_vs_best_fixed_k'] or '-':>7} "
+            f"{c['head_vs_best_fixed_k'] or '-':>7} {c['head_vs_best_training_free'] or '-':>9} "
+            f"{ce.get('lag0', {}).get('vs_best_fixed_k', '-'):>6} {ce.get('lag1', {}).get('vs_best_fixed_k', '-'):>6}"
+        )
+    print(json.dumps(result["summary"]))
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"-> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The lag-0 stop head on the EAGLE drafter: labels=eagle_rounds eagle_position=previous stores every candidate with
+the state that drew it and the signals of its distribution; heads-train head=eagle_stop stop_signals=[...] fits a
+head on them; policy=specdecpp scores each candidate as it is drawn, from exactly the stored features."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import chunk_rows
+from safetensors.torch import load_file
+from test_eagle_stop import (  # noqa: F401  (PROMPTS: the setup's)
+    PROMPTS,
+    K,
+    Recorder,
+    rounds_args,
+    setup,  # noqa: F401  (the module fixture)
+    stop_args,
+)
+
+from specheads.datagen.cli import main as datagen_main
+from specheads.export import read_metadata
+from specheads.export.api import load_eagle
+from specheads.export.decode_cli import main as decode_main
+from specheads.export.shim.loop.engine import Engine
+from specheads.export.shim.loop.sampling import SamplingConfig
+from specheads.export.shim.policies import SpecDecPP
+from specheads.heads.acceptance_head import AcceptanceHead, signal_values
+from specheads.train.cli import main as train_main
+
+SIGNALS = ("entropy", "margin", "step")
+
+
+class SignalRecorder(Recorder):
+    signals = SIGNALS
+
+    def __init__(self):
+        super().__init__(confidence=True)
+
+
+@pytest.fixture(scope="module", params=["greedy", "sampled"])
+def lag0_rounds(request, setup):  # noqa: F811
+    out = setup["root"] / f"lag0-{request.param}"
+    sampling = ["sampling.do_sample=false"] if request.param == "greedy" else ["sampling.do_sample=true", "seed=5"]
+    assert datagen_main(rounds_args(setup, out, "eagle_position=previous", *sampling)) == 0
+    return out, request.param == "greedy"
+
+
+def _stored(out):
+    side = [load_file(str(p)) for p in sorted((out / "states").glob("chunk-*.safetensors"))]
+    states, offsets, base = [], [], 0
+    for s in side:
+        states.append(s["states"])
+        offsets += [base + int(x) for x in s["offsets"][:-1]]
+        base += int(s["offsets"][-1])
+    return torch.cat(states), offsets
+
+
+def test_every_candidate_is_stored_with_the_state_that_drew_it(lag0_rounds, setup):  # noqa: F811
+    """Per round of n candidates, steps 1..n are stored (lag 1 stores 1..n-1), and policy=specdecpp at lag 0
+    scores each as soon as it is drawn (but the round's last, where no decision is left), from the stored
+    state, log q(y) and signals."""
+    out, greedy = lag0_rounds
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["eagle_rounds"]["feature"]["position"] == "previous"
+    pair = setup["pair"]
+    eagle = load_eagle(str(setup["eagle"]), pair)
+    engine = Engine(pair.target.model, None, pair.eos_token_ids, eagle=eagle.module)
+    states, offsets = _stored(out)
+    sampling = SamplingConfig() if greedy else SamplingConfig(do_sample=True)
+    seen_last = False
+    for r, row in enumerate(chunk_rows(out)):
+        assert min(row["step"]) == 1 and max(row["step"]) <= K
+        head = SignalRecorder()
+        gen = None
+        if not greedy:  # the datagen run's draws for this prompt
+            from specheads.datagen.eagle_rounds import stream
+
+            gen = torch.Generator().manual_seed(stream(5, row["prompt_index"]))
+        policy = SpecDecPP(head, 0.5, K, K, position="previous")
+        got = engine.generate(row["input_ids"][: row["response_start"]], policy, 14, sampling, gen)
+        assert got.tokens == row["input_ids"][row["response_start"] :]
+        drafted: dict[int, int] = {}  # round -> its candidates (all stored)
+        for start in row["round_start"]:
+            drafted[start] = drafted.get(start, 0) + 1
+        keep = [i for i, (start, step) in enumerate(zip(row["round_start"], row["step"])) if step < drafted[start]]
+        assert len(head.seen) == len(keep) > 0  # every candidate with a decision after it, scored as drawn
+        seen = torch.stack(head.seen)
+        at = torch.tensor(keep)
+        torch.testing.assert_close(seen[:, :32], states[offsets[r] + at].float(), atol=2e-3, rtol=2e-3)
+        logq = torch.tensor(row["q_token"])[at].log()
+        col = lambda name: torch.tensor(row[name])[at]  # noqa: E731
+        want = signal_values(SIGNALS, col("q_entropy"), col("q_margin"), col("step"))
+        torch.testing.assert_close(seen[:, 32], logq, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(seen[:, 33:], want, atol=1e-4, rtol=1e-4)
+        seen_last |= any(s == K for s in row["step"])
+    assert seen_last  # a round's last candidate is stored too
+
+
+def test_a_lag0_head_with_signals_trains_exports_and_decodes_losslessly(lag0_rounds, setup, tmp_path):  # noqa: F811
+    out, greedy = lag0_rounds
+    if not greedy:
+        pytest.skip("one training run suffices")
+    trained = tmp_path / "stop"
+    assert train_main(stop_args(out, trained, "depth=1", "stop_signals=[step,entropy,margin]")) == 0
+    meta = read_metadata(trained / "head.safetensors")
+    assert meta["head_config"] == {"hidden_size": 32, "depth": 1, "confidence": True, "signals": list(SIGNALS)}
+    assert meta["feature"]["position"] == "previous"
+    metrics = json.loads((trained / "best_metrics.json").read_text())
+    assert metrics["eval_decision_rows"] > 0 and "eval_auroc_decisions" in metrics
+    ar, ours = tmp_path / "ar", tmp_path / "ours"
+    common = [
+        f"target.path={setup['target']}",
+        "target.gguf_file=null",
+        "target.device=cpu",
+        f"prompts={setup['prompts']}",
+        "max_new_tokens=12",
+        "num_prompts=4",
+    ]
+    assert decode_main([*common, f"output_dir={ar}", "policy=ar"]) == 0
+    head = f"head={trained / 'head.safetensors'}"
+    assert (
+        decode_main(
+            [*common, f"output_dir={ours}", "policy=specdecpp", "stop=cost", "k_max=6", head, f"eagle={setup['eagle']}"]
+        )
+        == 0
+    )
+    read = lambda d: [json.loads(x)["tokens"] for x in (d / "outputs.jsonl").read_text().splitlines()]  # noqa: E731
+    assert read(ours) == read(ar)
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["stop_signals=[vibes]"], "stop_signals=['vibes']"),
+        (["stop_signals=[step]", "stop_confidence=false"], "stop_signals needs stop_confidence=true"),
+    ],
+)
+def test_bad_signals_are_one_line_errors(lag0_rounds, tmp_path, capsys, extra, message):
+    out, _ = lag0_rounds
+    assert train_main(stop_args(out, tmp_path / "x", *extra)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_head_refuses_signals_without_confidence():
+    with pytest.raises(ValueError, match="signals"):
+        AcceptanceHead(8, 1, confidence=False, signals=("step",))
