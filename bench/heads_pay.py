@@ -5,11 +5,13 @@ Each cell is one ``heads-eval`` run (its rows interleaved prompt by prompt, one 
 prompts no training read: GSM8K-test and MT-Bench first turns past the quickstart's, Alpaca rows past every
 drafter recipe's. Rows: ``k1..k4``; the confidence stop at ``tau`` (``c<tau>``) and the cost rule with each
 training-free acceptance estimate (``c-cost``: q(y); ``c-online-cost``: vLLM's online logistic on
-logit(max q); ``c-entropy-cost``: AdaEDL's entropy bound); with ``--stop-head`` (EAGLE) or ``--draft-head``
-(draft model) the learned SpecDec++ head at its thresholds and ``h-cost``. Regimes: ``greedy`` and ``t1``
-(temperature 1), batch 1 (the cost table prices batch-1 forwards; batched regimes are not run here).
+logit(max q); ``c-entropy-cost``: AdaEDL's entropy bound); with ``--stop-head`` (EAGLE, lag 1) or
+``--draft-head`` (draft model) the learned SpecDec++ head at its thresholds and ``h-cost``; with ``--lag0-head``
+(EAGLE, ``eagle_position=previous``) the lag-0 head's ``h0-<h>`` and ``h0-cost``. Regimes: ``greedy`` and
+``t1`` (temperature 1), batch 1 (the cost table prices batch-1 forwards; batched regimes are not run here).
 
-    python bench/heads_pay.py --stop-head runs/quickstart-export/head.safetensors
+    python bench/heads_pay.py --stop-head runs/quickstart-export/head.safetensors \
+        --lag0-head runs/lag0-export/head.safetensors
     python bench/heads_pay.py --n 2 --max-new 32 --regimes greedy --sets gsm8k --out /tmp/p.json   # a quick look
 
 Writes ``bench/results/heads_pay.json``: per cell the table (tokens/s, predicted ms/token, ceiling and share
@@ -57,6 +59,12 @@ def cpu_model() -> str:
 def cell_args(drafter: str, regime: str, name: str, args, out: Path) -> list[str]:
     path, offset = SETS[name]
     head = args.stop_head if drafter == "eagle" else args.draft_head
+    lag0 = args.lag0_head if drafter == "eagle" else None
+    stop = {"head": lag0, "k_min": 1, "k_max": args.k_max}
+    rows = (
+        f"rows=[{{policy: specdecpp, settings: {json.dumps(stop)}, sweep: {{h: {args.thresholds}}}, name: h0-}}, "
+        f"{{policy: specdecpp, settings: {json.dumps({**stop, 'stop': 'cost'})}, name: h0-cost}}]"
+    )
     return [
         f"recipe={DRAFTERS[drafter]}",
         f"prompts={SHARED / path}[{offset}:{offset + args.n}]",
@@ -79,6 +87,7 @@ def cell_args(drafter: str, regime: str, name: str, args, out: Path) -> list[str
         "overwrite=true",
         *([f"head={head}", f"thresholds={args.thresholds}"] if head else ["head=null", "thresholds=[]"]),
         *([] if drafter == "eagle" else ["eagle=null"]),
+        *([rows] if lag0 else []),
         *REGIMES[regime],
     ]
 
@@ -96,7 +105,8 @@ def summarise_cell(sweep: dict, rows: list[dict], greedy: bool) -> dict:
     table = sweep["table"]
     fixed = best(table, lambda c: c.startswith("k"))
     free = best(table, lambda c: c.startswith("c"))
-    head = best(table, lambda c: c.startswith("h"))
+    head = best(table, lambda c: c.startswith("h") and not c.startswith("h0-"))
+    lag0 = best(table, lambda c: c.startswith("h0-"))
     ar = {r["index"]: r["tokens"] for r in rows if r["config"] == "ar"}
     lossless = [r for r in rows if r["config"].startswith(LOSSLESS)]
     keep = (
@@ -115,9 +125,12 @@ def summarise_cell(sweep: dict, rows: list[dict], greedy: bool) -> dict:
         "best_fixed_k": fixed and fixed["config"],
         "best_training_free": free and free["config"],
         "best_head": head and head["config"],
+        "best_lag0_head": lag0 and lag0["config"],
         "best_training_free_vs_best_fixed_k": ratio(free, fixed),
         "head_vs_best_fixed_k": ratio(head, fixed),
         "head_vs_best_training_free": ratio(head, free),
+        "lag0_head_vs_best_fixed_k": ratio(lag0, fixed),
+        "lag0_head_vs_best_training_free": ratio(lag0, free),
         "share_of_perfect_head_gain": sweep.get("ratios", {}).get("share_of_perfect_head_gain"),
         "lossless_identical": all(r["tokens"] == ar[r["index"]] for r in lossless) if greedy else None,
     }
@@ -125,7 +138,13 @@ def summarise_cell(sweep: dict, rows: list[dict], greedy: bool) -> dict:
 
 def summary(cells: dict) -> dict:
     out: dict = {}
-    for key in ("head_vs_best_training_free", "head_vs_best_fixed_k", "best_training_free_vs_best_fixed_k"):
+    for key in (
+        "head_vs_best_training_free",
+        "head_vs_best_fixed_k",
+        "lag0_head_vs_best_training_free",
+        "lag0_head_vs_best_fixed_k",
+        "best_training_free_vs_best_fixed_k",
+    ):
         vals = [c[key] for c in cells.values() if c.get(key) is not None]
         out[key] = {"min": min(vals), "median": statistics.median(vals)} if vals else None
     by_ceiling = {
@@ -142,6 +161,7 @@ def summary(cells: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stop-head", default=None, help="the learned SpecDec++ head on the EAGLE drafter")
+    ap.add_argument("--lag0-head", default=None, help="a lag-0 SpecDec++ head on the EAGLE drafter")
     ap.add_argument("--draft-head", default=None, help="the learned SpecDec++ head on the draft model")
     ap.add_argument("--drafters", default="eagle", help="comma-separated of: " + ", ".join(DRAFTERS))
     ap.add_argument("--regimes", default="greedy,t1", help="comma-separated of: " + ", ".join(REGIMES))
@@ -181,14 +201,21 @@ def main(argv: list[str] | None = None) -> int:
         "cells": cells,
         "summary": summary(cells),
     }
-    print(f"\n{'cell':<24} {'best K':>7} {'free/K':>7} {'head/K':>7} {'head/free':>9} {'ceil0':>6} {'ceil1':>6}")
+    cols = ("free/K", "head/K", "head/free", "lag0/K", "lag0/free", "ceil0", "ceil1")
+    print(f"\n{'cell':<24} {'best K':>7} " + " ".join(f"{c:>9}" for c in cols))
     for cell, c in cells.items():
         ce = c["ceilings"] or {}
-        print(
-            f"{cell:<24} {c['best_fixed_k'] or '-':>7} {c['best_training_free_vs_best_fixed_k'] or '-':>7} "
-            f"{c['head_vs_best_fixed_k'] or '-':>7} {c['head_vs_best_training_free'] or '-':>9} "
-            f"{ce.get('lag0', {}).get('vs_best_fixed_k', '-'):>6} {ce.get('lag1', {}).get('vs_best_fixed_k', '-'):>6}"
-        )
+        values = [
+            c["best_training_free_vs_best_fixed_k"],
+            c["head_vs_best_fixed_k"],
+            c["head_vs_best_training_free"],
+            c["lag0_head_vs_best_fixed_k"],
+            c["lag0_head_vs_best_training_free"],
+            ce.get("lag0", {}).get("vs_best_fixed_k"),
+            ce.get("lag1", {}).get("vs_best_fixed_k"),
+        ]
+        shown = " ".join(f"{v if v is not None else '-':>9}" for v in values)
+        print(f"{cell:<24} {c['best_fixed_k'] or '-':>7} {shown}")
     print(json.dumps(result["summary"]))
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"-> {args.out}")

@@ -14,7 +14,8 @@ class AcceptanceHead(ResidualMLP):
     """``depth`` residual blocks and an output layer on the draft's hidden state (``depth=0``: linear).
 
     Args:
-        hidden_size: width ``d`` of the draft state.
+        hidden_size: width ``d`` of the draft state; 0: the head reads no state, only ``log q(y)`` and the
+            signals (with ``depth=0``, Platt scaling of the drafter's confidence).
         depth: number of residual blocks ``D``.
         confidence: the feature is the state joined to one more number, the drafter's log-probability
             ``log q(y)`` of the scored token (:meth:`features`): SpecDec++'s state and probability.

@@ -146,3 +146,35 @@ def test_bad_signals_are_one_line_errors(lag0_rounds, tmp_path, capsys, extra, m
 def test_the_head_refuses_signals_without_confidence():
     with pytest.raises(ValueError, match="signals"):
         AcceptanceHead(8, 1, confidence=False, signals=("step",))
+
+
+def test_q_calibrated_on_log_q_and_step_is_a_stateless_linear_head(lag0_rounds, setup, tmp_path):  # noqa: F811
+    """depth=0 stop_state=false stop_signals=[step]: Platt scaling of q(y) on [log q, step], fitted on the same data;
+    it decodes losslessly and reads no state."""
+    out, greedy = lag0_rounds
+    if not greedy:
+        pytest.skip("one training run suffices")
+    trained = tmp_path / "platt"
+    args = stop_args(out, trained, "depth=0", "stop_state=false", "stop_signals=[step]", "w_rej=1")
+    assert train_main(args) == 0
+    meta = read_metadata(trained / "head.safetensors")
+    assert meta["head_config"] == {"hidden_size": 0, "depth": 0, "confidence": True, "signals": ["step"]}
+    from specheads.export import load_head
+
+    head = load_head(trained / "head.safetensors").module
+    assert sum(p.numel() for p in head.parameters()) == 3  # w_logq, w_step, bias
+    pair = setup["pair"]
+    eagle = load_eagle(str(setup["eagle"]), pair)
+    engine = Engine(pair.target.model, None, pair.eos_token_ids, eagle=eagle.module)
+    alone = Engine(pair.target.model, None, pair.eos_token_ids)
+    from specheads.export.shim.policies import TargetOnly
+
+    for ids in ([5, 9, 11], [7, 3, 40]):
+        got = engine.generate(ids, SpecDecPP(head, 0.5, 1, 6, position="previous"), 12)
+        assert got.tokens == alone.generate(ids, TargetOnly(), 12).tokens and got.stats.drafted > 0
+
+
+def test_stop_state_false_needs_the_confidence_feature(lag0_rounds, tmp_path, capsys):
+    out, _ = lag0_rounds
+    assert train_main(stop_args(out, tmp_path / "x", "stop_state=false", "stop_confidence=false")) == 2
+    assert "stop_state=false needs stop_confidence=true" in capsys.readouterr().err

@@ -89,6 +89,15 @@ class TrainConfig:
             )
         },
     )
+    stop_state: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "eagle_stop: the head reads the drafter's state; false (with stop_confidence): log q(y) and "
+                "stop_signals alone, e.g. depth=0 stop_signals=[step] w_rej=1: q calibrated on [log q, step] (Platt)"
+            )
+        },
+    )
     stop_signals: list[str] = field(
         default_factory=list,
         metadata={

@@ -90,12 +90,20 @@ class StopStore:
         return torch.cat([torch.arange(e.start, e.end) for e in examples])
 
     def batch(
-        self, examples: list[StopExample], device, confidence: bool = False, signals: tuple[str, ...] = ()
+        self,
+        examples: list[StopExample],
+        device,
+        confidence: bool = False,
+        signals: tuple[str, ...] = (),
+        state: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Features ``[N, d]`` (``confidence``: ``[N, d + 1]``, ``log q(y)`` after the state, then ``signals``)
-        and soft labels ``[N]``."""
+        """Features ``[N, d]`` (``confidence``: ``[N, d + 1]``, ``log q(y)`` after the state, then ``signals``;
+        without ``state``, no state columns) and soft labels ``[N]``."""
         idx = self.rows(examples)
-        x = self.states.take([(e.start, e.end) for e in examples]).float()
+        if state:
+            x = self.states.take([(e.start, e.end) for e in examples]).float()
+        else:  # the states are never read
+            x = torch.zeros(len(idx), 0)
         if confidence:
             e = self.extra
             extra = signal_values(signals, e["q_entropy"][idx], e["q_margin"][idx], e["step"][idx]) if signals else None
@@ -138,6 +146,8 @@ class EagleStopTask:
             out.append(f"stop_signals={list(cfg.stop_signals)}: choose each at most once from {', '.join(SIGNALS)}")
         elif cfg.stop_signals and not cfg.stop_confidence:
             out.append("stop_signals needs stop_confidence=true (the signals follow log q(y) in the features)")
+        if not cfg.stop_state and not cfg.stop_confidence:
+            out.append("stop_state=false needs stop_confidence=true (a head that reads nothing cannot learn)")
         return out
 
     @classmethod
@@ -159,13 +169,14 @@ class EagleStopTask:
 
     def build_head(self) -> AcceptanceHead:
         torch.manual_seed(self.cfg.seed)
-        return AcceptanceHead(self.hidden, self.cfg.depth, self.cfg.stop_confidence, self._signals())
+        width = self.hidden if self.cfg.stop_state else 0
+        return AcceptanceHead(width, self.cfg.depth, self.cfg.stop_confidence, self._signals())
 
     def _signals(self) -> tuple[str, ...]:
         return tuple(s for s in SIGNALS if s in self.cfg.stop_signals)  # the head's order
 
     def batch(self, examples: list, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.store.batch(examples, self.device, self.cfg.stop_confidence, self._signals())
+        return self.store.batch(examples, self.device, self.cfg.stop_confidence, self._signals(), self.cfg.stop_state)
 
     @torch.no_grad()
     def evaluate(self, head: torch.nn.Module, examples: list) -> dict:

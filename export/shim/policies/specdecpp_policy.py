@@ -107,6 +107,7 @@ class SpecDecPP(_Gated):
         self.head, self.threshold, self.k_min = head, threshold, k_min
         self.with_confidence = bool(getattr(head, "confidence", False))  # the head also reads log q(y)
         self.signals = tuple(getattr(head, "signals", ()))  # and these of the distribution y was drawn from
+        self.stateless = getattr(head, "hidden_size", None) == 0  # a calibration of q(y): no state read
         self.stop, self.costs = stop, costs
         self.lag = 1 if position == "own" else 0  # how many candidates behind the newest the scored one is
         self._prompt_betas = [0.0, 0]  # this prompt's scores: sum, count (stop="cost")
@@ -159,6 +160,8 @@ class SpecDecPP(_Gated):
         s = rnd.state
         if n > self.lag:  # own: the state returned with y_n belongs to y_{n-1}; the head has the draft's dtype
             state = rnd.draft_hidden[n - 1]
+            if self.stateless:
+                state = state[..., :0]
             if self.with_confidence:
                 j = n - self.lag - 1
                 extra = _signals(rnd, j, self.signals).to(state.device) if self.signals else None
