@@ -7,7 +7,9 @@ drafter recipe's. Rows: ``k1..k4``; the confidence stop at ``tau`` (``c<tau>``) 
 training-free acceptance estimate (``c-cost``: q(y); ``c-online-cost``: vLLM's online logistic on
 logit(max q); ``c-entropy-cost``: AdaEDL's entropy bound); with ``--stop-head`` (EAGLE, lag 1) or
 ``--draft-head`` (draft model) the learned SpecDec++ head at its thresholds and ``h-cost``; with ``--lag0-head``
-(EAGLE, ``eagle_position=previous``) the lag-0 head's ``h0-<h>`` and ``h0-cost``. Regimes: ``greedy`` and
+(EAGLE, ``eagle_position=previous``) the lag-0 head's ``h0-<h>`` and ``h0-cost``; with ``--calibrated-head``
+(``stop_state=false depth=0``: q(y) calibrated on [log q, step], lag 0) its cost rule ``cq-cost``, counted with the
+training-free rules (three numbers fitted on the head's data, no state). Regimes: ``greedy`` and
 ``t1`` (temperature 1), batch 1 (the cost table prices batch-1 forwards; batched regimes are not run here).
 
     python bench/heads_pay.py --stop-head runs/quickstart-export/head.safetensors \
@@ -17,7 +19,9 @@ logit(max q); ``c-entropy-cost``: AdaEDL's entropy bound); with ``--stop-head`` 
 Writes ``bench/results/heads_pay.json``: per cell the table (tokens/s, predicted ms/token, ceiling and share
 of it per stop row), the ceilings, the oracle, and the ratios ``head_vs_best_training_free``,
 ``head_vs_best_fixed_k``, ``best_training_free_vs_best_fixed_k`` (measured tokens/s) and
-``lossless_identical`` (greedy: every lossless row's tokens are the target alone's); a summary over cells.
+``lossless_identical`` (greedy: every lossless row's tokens are the target alone's), the profiled
+``target_t4_over_t1`` (a 4-token verification pass over a 1-token step, on this CPU: ``cpu``); a summary over
+cells.
 """
 
 from __future__ import annotations
@@ -61,10 +65,14 @@ def cell_args(drafter: str, regime: str, name: str, args, out: Path) -> list[str
     head = args.stop_head if drafter == "eagle" else args.draft_head
     lag0 = args.lag0_head if drafter == "eagle" else None
     stop = {"head": lag0, "k_min": 1, "k_max": args.k_max}
-    rows = (
-        f"rows=[{{policy: specdecpp, settings: {json.dumps(stop)}, sweep: {{h: {args.thresholds}}}, name: h0-}}, "
-        f"{{policy: specdecpp, settings: {json.dumps({**stop, 'stop': 'cost'})}, name: h0-cost}}]"
-    )
+    extra = []
+    if lag0:
+        extra.append(f"{{policy: specdecpp, settings: {json.dumps(stop)}, sweep: {{h: {args.thresholds}}}, name: h0-}}")
+        extra.append(f"{{policy: specdecpp, settings: {json.dumps({**stop, 'stop': 'cost'})}, name: h0-cost}}")
+    if drafter == "eagle" and args.calibrated_head:
+        platt = {**stop, "head": args.calibrated_head, "stop": "cost"}
+        extra.append(f"{{policy: specdecpp, settings: {json.dumps(platt)}, name: cq-cost}}")
+    rows = f"rows=[{', '.join(extra)}]"
     return [
         f"recipe={DRAFTERS[drafter]}",
         f"prompts={SHARED / path}[{offset}:{offset + args.n}]",
@@ -87,7 +95,7 @@ def cell_args(drafter: str, regime: str, name: str, args, out: Path) -> list[str
         "overwrite=true",
         *([f"head={head}", f"thresholds={args.thresholds}"] if head else ["head=null", "thresholds=[]"]),
         *([] if drafter == "eagle" else ["eagle=null"]),
-        *([rows] if lag0 else []),
+        *([rows] if extra else []),
         *REGIMES[regime],
     ]
 
@@ -118,7 +126,9 @@ def summarise_cell(sweep: dict, rows: list[dict], greedy: bool) -> dict:
         "ceiling_vs_best_fixed_k",
         "share_of_ceiling",
     )
+    t_t = (sweep.get("cost_table") or {}).get("t_target_ms") or []
     return {
+        "target_t4_over_t1": round(t_t[3] / t_t[0], 4) if len(t_t) > 3 and t_t[0] else None,
         "table": [{k: r.get(k) for k in keep} for r in table],
         "ceilings": sweep.get("ceilings"),
         "oracle_predicted_tokens_per_s": (sweep.get("oracle") or {}).get("predicted_tokens_per_s"),
@@ -153,6 +163,8 @@ def summary(cells: dict) -> dict:
     }
     out["largest_ceiling_cell"] = max(by_ceiling, key=by_ceiling.get) if by_ceiling else None
     out["largest_ceiling"] = max(by_ceiling.values()) if by_ceiling else None
+    ratios = [c["target_t4_over_t1"] for c in cells.values() if c.get("target_t4_over_t1")]
+    out["target_t4_over_t1"] = ratios[0] if ratios else None  # one cost table per drafter: every cell reads it
     greedy = [c["lossless_identical"] for c in cells.values() if c["lossless_identical"] is not None]
     out["lossless_identical"] = all(greedy) if greedy else None
     return out
@@ -162,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stop-head", default=None, help="the learned SpecDec++ head on the EAGLE drafter")
     ap.add_argument("--lag0-head", default=None, help="a lag-0 SpecDec++ head on the EAGLE drafter")
+    ap.add_argument("--calibrated-head", default=None, help="q calibrated on [log q, step] (stop_state=false)")
     ap.add_argument("--draft-head", default=None, help="the learned SpecDec++ head on the draft model")
     ap.add_argument("--drafters", default="eagle", help="comma-separated of: " + ", ".join(DRAFTERS))
     ap.add_argument("--regimes", default="greedy,t1", help="comma-separated of: " + ", ".join(REGIMES))
