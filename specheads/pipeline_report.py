@@ -51,6 +51,7 @@ def summarize(cfgs: dict, times: dict) -> dict:
                 "table",
                 "oracle",
                 "perfect_head",
+                "ceilings",
                 "ratios",
                 "best_fixed_k",
                 "best_threshold",
@@ -154,6 +155,16 @@ def ceiling_lines(ev: dict) -> list[str]:
         out.append(
             f"no stop rule can pay here: even a perfect one gains at most {max(figures.values()):.3f}x over the best "
             "fixed K (short acceptance runs; stop rules pay with longer runs, sampling or compute-bound batches)"
+        )
+        return out
+    low = [k for k, x in sorted(figures.items()) if x < PAYS]
+    for key in low:  # a lag whose perfect rule cannot pay, while another's can
+        lag = key.removeprefix("lag")
+        rows = [r["config"] for r in ev["table"] if r.get("ceiling_vs_best_fixed_k") == figures[key]]
+        out.append(
+            f"no lag-{lag} stop rule can pay here ({', '.join(rows) or 'none run'}): even a perfect one is "
+            f"{figures[key]:.3f}x the best fixed K; one that scores a candidate as it is drawn (lag 0) can reach "
+            f"{max(figures.values()):.3f}x"
         )
     return out
 

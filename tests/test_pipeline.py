@@ -237,6 +237,7 @@ def test_an_eagle_pipeline_labels_trains_exports_and_sweeps_on_the_head(tiny_pai
     assert ev_cfg["head"] == str(runs / "ex" / "head.safetensors") and ev_cfg["eagle"] == eagle
     assert f"drafter gain (EAGLE head {eagle}): its fastest lossless row" in out
     assert "stop head gain over the best fixed K" in out and "h-cost" in out and "training-free c0.5" in out
+    assert set(summary["eval"]["ceilings"]) == {"lag0", "lag1"} and "ceiling (a perfect stop rule" in out
 
 
 def test_the_drafter_gain_counts_every_lossless_row_and_the_stop_gain_the_stop_rules():
@@ -268,4 +269,11 @@ def test_the_main_job_shows_each_stop_rows_ceiling_and_says_when_none_can_pay():
     assert verdict.startswith("no stop rule can pay here: even a perfect one gains at most 1.040x")
     high = {"table": table, "ceilings": {"lag0": {"vs_best_fixed_k": 1.3}, "lag1": {"vs_best_fixed_k": 1.2}}}
     assert len(ceiling_lines(high)) == 1  # room to pay: no verdict
+    table[1]["ceiling_vs_best_fixed_k"] = 0.97  # the quickstart's case: lag 1 below the best K, lag 0 above
+    split = {"table": table, "ceilings": {"lag0": {"vs_best_fixed_k": 1.1}, "lag1": {"vs_best_fixed_k": 0.97}}}
+    _, verdict = ceiling_lines(split)
+    assert (
+        verdict.startswith("no lag-1 stop rule can pay here (h-cost): even a perfect one is 0.970x")
+        and "1.100x" in verdict
+    )
     assert ceiling_lines({"table": table}) == []
