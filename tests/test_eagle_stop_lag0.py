@@ -178,3 +178,20 @@ def test_stop_state_false_needs_the_confidence_feature(lag0_rounds, tmp_path, ca
     out, _ = lag0_rounds
     assert train_main(stop_args(out, tmp_path / "x", "stop_state=false", "stop_confidence=false")) == 2
     assert "stop_state=false needs stop_confidence=true" in capsys.readouterr().err
+
+
+def test_the_signals_of_a_warped_distribution_with_zeros_are_finite_and_exact():
+    """Top-k/top-p leave zeros in q (log q = -inf): the entropy counts them as 0 log 0 = 0, the margin stays finite."""
+    from specheads.heads.acceptance_head import distribution_signals
+
+    q = torch.softmax(torch.randn(5, 100, generator=torch.Generator().manual_seed(0)), -1)
+    q[:, :50] = 0
+    q /= q.sum(-1, keepdim=True)
+    ent, margin = distribution_signals(q.log())
+    torch.testing.assert_close(ent, -torch.special.xlogy(q, q).sum(-1), atol=1e-6, rtol=1e-6)
+    top = q.topk(2).values.log()
+    torch.testing.assert_close(margin, top[:, 0] - top[:, 1])
+    point = torch.full((10,), float("-inf"))
+    point[3] = 0.0
+    ent, margin = distribution_signals(point)
+    assert float(ent) == 0.0 and float(margin) == 30.0  # a point mass: capped margin
