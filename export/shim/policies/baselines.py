@@ -275,7 +275,7 @@ class ConfidenceStop(_Gated):
             return float((logits[rnd.tokens[-1]] - logits.logsumexp(-1)).exp())
         _, z, ent = features(logits, int(rnd.tokens[-1]))
         rnd.state.zs.append(z)
-        if self.estimate == "entropy":
+        if self.online is None:  # estimate == "entropy"
             return entropy_bound(ent, self.entropy_gamma)
         return self.online.predict(z)
 
