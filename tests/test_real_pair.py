@@ -201,6 +201,9 @@ def test_the_real_targets_shell_matches_it(real_pair):
     shell = load_shell(whole.spec, output_layer=True)
     assert shell.fingerprint == whole.fingerprint and eos_ids(shell.model, shell.tokenizer) == [2]
     assert sum(p.numel() for p in shell.model.parameters() if p.device.type != "meta") == 576 + 49152 * 576
+    for part in (lambda m: m.get_output_embeddings().weight, lambda m: final_norm(m).weight):  # the same tensors
+        torch.testing.assert_close(part(shell.model), part(whole.model), rtol=0, atol=0)
     x = torch.randn(4, 576)
     logits = shell.model.get_output_embeddings()(final_norm(shell.model)(x))
-    torch.testing.assert_close(logits, whole.model.get_output_embeddings()(final_norm(whole.model)(x)))
+    want = whole.model.get_output_embeddings()(final_norm(whole.model)(x))  # its linears may take another kernel
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
