@@ -53,11 +53,16 @@ MARGIN_CAP = 30.0
 STEP_CAP = 16
 
 
+def entropy(logq: torch.Tensor) -> torch.Tensor:
+    """``H(q)`` in nats of fp32 log-probabilities ``[..., V]`` (``-inf`` allowed: ``0 log 0 = 0``)."""
+    # -inf clamped to the lowest finite value, where p = 0 makes the product 0; 3x faster than xlogy
+    return -(logq.exp() * logq.clamp_min(torch.finfo(torch.float32).min)).sum(-1)
+
+
 def distribution_signals(logq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The entropy ``H(q)`` (nats) and the top-1 margin of log-probabilities ``[..., V]`` (``-inf`` allowed)."""
     logq = logq.float()
-    # p log p, with 0 where p = 0 (log q = -inf: clamped to the lowest finite value); 3x faster than xlogy
-    ent = -(logq.exp() * logq.clamp_min(torch.finfo(torch.float32).min)).sum(-1)
+    ent = entropy(logq)
     top = logq.topk(min(2, logq.shape[-1]), dim=-1).values
     margin = (top[..., 0] - top[..., -1]).nan_to_num(posinf=MARGIN_CAP).clamp(0.0, MARGIN_CAP)
     return ent, margin

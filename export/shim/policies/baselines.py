@@ -274,9 +274,9 @@ class ConfidenceStop(_Gated):
             logits = logits.float()
             return float((logits[rnd.tokens[-1]] - logits.logsumexp(-1)).exp())
         _, z, ent = features(logits, int(rnd.tokens[-1]))
-        rnd.state.zs.append(z)
         if self.online is None:  # estimate == "entropy"
             return entropy_bound(ent, self.entropy_gamma)
+        rnd.state.zs.append(z)
         return self.online.predict(z)
 
     def stop_drafting(self, rnd: Round) -> bool:

@@ -23,6 +23,8 @@ import math
 
 import torch
 
+from specheads.heads.acceptance_head import entropy
+
 ESTIMATES = ("q", "entropy", "online")
 _Z_CLIP = 12.0  # logit(max q) of a near point mass: bounded so that one outcome cannot swing w without limit
 
@@ -30,9 +32,7 @@ _Z_CLIP = 12.0  # logit(max q) of a near point mass: bounded so that one outcome
 def features(logits: torch.Tensor, token: int) -> tuple[float, float, float]:
     """``(q(y), logit(max q), H(q))`` of a drafter's raw logits ``[V]`` and its candidate ``token``: one sync."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    top = logp.max()
-    ent = -(logp.exp() * logp).sum()
-    q_y, top, ent = torch.stack([logp[token], top, ent]).tolist()
+    q_y, top, ent = torch.stack([logp[token], logp.max(), entropy(logp)]).tolist()
     p_top = math.exp(top)
     z = math.log(p_top) - math.log1p(-p_top) if p_top < 1.0 else _Z_CLIP
     return math.exp(q_y), max(-_Z_CLIP, min(_Z_CLIP, z)), max(ent, 0.0)

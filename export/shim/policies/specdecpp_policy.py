@@ -189,7 +189,7 @@ def _signals(rnd: Round, j: int, names: tuple[str, ...]) -> torch.Tensor:
     """The ``[len(names)]`` signals of candidate ``j`` (0-based) as ``labels=eagle_rounds`` stores them: of the
     distribution it was drawn from (warped when sampling, else the raw softmax), and its step ``j + 1``."""
     step = torch.tensor(float(j + 1))
-    if names == ("step",):  # no pass over the vocabulary for a head that reads the step alone
+    if "entropy" not in names and "margin" not in names:  # no pass over the vocabulary for the step alone
         return signal_values(names, step, step, step)
     logq = rnd.q[j].float().log() if rnd.q else rnd.draft_logits[j].float().log_softmax(-1)
     ent, margin = distribution_signals(logq)
