@@ -87,6 +87,11 @@ def drafter_name(pair, eagle: dict | None = None) -> str:
     return f"EAGLE {eagle['path']}" if eagle else pair.draft.name if pair.draft is not None else "no drafter"
 
 
+def _fastest(rows: list[dict], key: str) -> float | None:
+    """The smallest ``key`` (a cost in ms per token) of ``rows``; None when no row has one."""
+    return min((r[key] for r in rows if r[key]), default=None)
+
+
 def _gain(x: float | None, base: float | None) -> float | None:
     """``x / base - 1``; None when either is missing or zero."""
     return x / base - 1 if x and base else None
@@ -169,7 +174,7 @@ def summarize(
             )
         if perfect is not None:  # the most any head could gain over the best fixed K, both in the cost model
             c_p = out["perfect_head"]["model_cost_ms_per_token"]
-            c_best = min((r["model_cost_ms_per_token"] for r in fixed if r["model_cost_ms_per_token"]), default=None)
+            c_best = _fastest(fixed, "model_cost_ms_per_token")
             ratios["perfect_head_cost_gain_vs_best_fixed_k"] = round(c_best / c_p, 4) if c_best and c_p else None
             ratios["specdecpp_cost_gain_vs_best_fixed_k"] = round(c_k / c_h, 4) if c_k and c_h else None
     if fixed:
@@ -184,9 +189,9 @@ def summarize(
         best_rule = max(rules, key=lambda r: r["tokens_per_s"])
         out["best_stop_rule"] = best_rule["config"]
         if fixed and perfect is not None:  # the best stop rule's predicted gain / the perfect head's, both predicted
-            k_ms = min(r["predicted_ms_per_token"] or float("inf") for r in fixed)
+            k_ms = _fastest(fixed, "predicted_ms_per_token")
             p_ms, r_ms = out["perfect_head"]["predicted_ms_per_token"], best_rule["predicted_ms_per_token"]
-            bound = _gain(k_ms, p_ms) if k_ms != float("inf") else None  # (1/p_ms) / (1/k_ms) - 1
+            bound = _gain(k_ms, p_ms)  # (1/p_ms) / (1/k_ms) - 1
             got = _gain(k_ms, r_ms) if bound is not None else None
             ratios["share_of_perfect_head_gain"] = (
                 round(got / bound, 4) if bound and bound > 0 and got is not None else None
@@ -215,7 +220,7 @@ def add_ceilings(
     ``share_of_ceiling`` (the row's predicted gain over the best fixed K, over the ceiling's gain; None where
     the ceiling is no gain: no stop rule can pay there)."""
     perfects, row_lags = ceilings
-    k_ms = min((r["predicted_ms_per_token"] for r in fixed if r["predicted_ms_per_token"]), default=None)
+    k_ms = _fastest(fixed, "predicted_ms_per_token")
     if not k_ms:
         return
     out["ceilings"] = {}
