@@ -217,7 +217,7 @@ class EagleRoundsLabeller(StatesLabeller):
     def summarise(self, cfg, out: Path, models: dict) -> tuple[dict, dict]:
         from specheads.export.package import read_metadata
 
-        stats = summarise(out, cfg.eagle_k)
+        stats = summarise(out)
         meta = read_metadata(cfg.eagle)
         eagle = {
             "file": Path(cfg.eagle).name,
@@ -230,7 +230,7 @@ class EagleRoundsLabeller(StatesLabeller):
         }
 
 
-def summarise(out: Path, k: int) -> dict:
+def summarise(out: Path) -> dict:
     """Counts, the mean label, the mean label and the share kept per step, streamed from the chunk files."""
     import pyarrow.parquet as pq
 

@@ -1,4 +1,5 @@
-"""The few target tensors an EAGLE head trains with, read by name from the checkpoint files.
+"""The few target tensors an EAGLE head trains with (and the output layer of ``specheads.target_shell``), read
+by name from the checkpoint files.
 
 The head needs of the target only its token embeddings (every step's input), and to start from: its final
 norm, the output layer's rows of the kept vocabulary and its last decoder layer. A 405B target is about
