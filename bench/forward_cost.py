@@ -6,6 +6,8 @@ few tokens should cost about what one token costs. This measures it on the share
 
 * ``fused``: the fused forward with the linear kernels measured fastest on this machine (the
   default decoding path on CPU; :mod:`specheads.export.shim.runners.kernels`);
+* ``fused_library``: the same forward with the kernels measured fastest among the libraries' only (the
+  picker without the ``smallm`` kernel built here: :mod:`specheads.export.shim.runners.smallm`);
 * ``fused_torch``: the same forward with ``F.linear`` on the stored weights (the fused path
   before kernel selection);
 * ``model``: the model's own (Hugging Face) forward with its linears routed through the kernels;
@@ -16,6 +18,7 @@ and the draft's one-token forward with its output layer pruned to the most frequ
 configurations are interleaved repetition by repetition; each figure is a median.
 
     python bench/forward_cost.py                 # writes bench/results/forward_cost.json
+    python bench/forward_cost.py --out bench/results/forward_cost_xeon.json   # on an Intel Xeon
     python bench/forward_cost.py --reps 10 --out /tmp/fc.json
 """
 
@@ -31,15 +34,20 @@ from pathlib import Path
 import torch
 from _common import run_info
 
-from specheads.export.shim.runners import kernels
+from specheads.export.shim.runners import kernels, smallm
 from specheads.export.shim.runners.model_runner import FusedRunner, ModelRunner
 from specheads.export.shim.runners.models import ModelSpec, load_model
 from specheads.export.shim.vocab.vocab_pruning import prune, read_ranking, subset_from_ranking
+from specheads.machine import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
-PATHS = ("fused", "fused_torch", "model", "model_torch")
+PATHS = ("fused", "fused_library", "fused_torch", "model", "model_torch")
+
+
+def _policy(path: str) -> str:
+    return "torch" if path.endswith("_torch") else "library" if path.endswith("_library") else "auto"
 
 
 def _runner(path: str, model):
@@ -71,23 +79,46 @@ def measure(models: dict, reps: int, sizes=SIZES) -> list[dict]:
         for name, (fused_copy, own_copy) in models.items():
             for path in PATHS:
                 model = fused_copy if path.startswith("fused") else own_copy
+                kernels.set_policy(_policy(path))
                 kernels.prepare(model, rows=sizes)
+                kernels.set_policy("auto")
                 r = _runner(path, model)
                 r.forward(prefix, n_logits=1)
                 for s in sizes:  # warm-up
-                    _time(r, "torch" if path.endswith("_torch") else "auto", prefix, new[:, :s])
+                    _time(r, _policy(path), prefix, new[:, :s])
                 runners[(name, path)] = r
         times = {(n, p, s): [] for (n, p) in runners for s in sizes}
         for rep in range(reps):
             for (name, path), r in runners.items():
                 for s in sizes:
-                    times[(name, path, s)].append(
-                        _time(r, "torch" if path.endswith("_torch") else "auto", prefix, new[:, :s])
-                    )
+                    times[(name, path, s)].append(_time(r, _policy(path), prefix, new[:, :s]))
     return [
         {"model": n, "path": p, "tokens": s, "ms": round(1000 * statistics.median(v), 3)}
         for (n, p, s), v in times.items()
     ]
+
+
+def gemm_stack(model, reps: int, sizes=range(1, 9)) -> list[dict]:
+    """ms for every decoder layer's four projections (the fused target's own weights, in decoding order, so
+    each weight comes from memory) through each linear-kernel candidate, at 1-8 rows, interleaved: where a
+    library kernel's cost jumps with the row count, and whether ``smallm`` stays flat."""
+    from specheads.export.shim.runners.fused import fused_weights
+
+    weights = [w for layer in fused_weights(model).layers for w in (layer[1], layer[3], layer[6], layer[7])]
+    cands = kernels._candidates(torch.float32, 1)
+    gen = torch.Generator().manual_seed(2)
+    xs = {m: {w.shape[1]: torch.randn(m, w.shape[1], generator=gen) for w in weights} for m in sizes}
+    times = {(c, m): [] for c in cands for m in sizes}
+    with torch.inference_mode():
+        for rep in range(reps + 1):  # the first round builds the layout copies, and is dropped
+            for m in sizes:
+                for c in cands:
+                    t = time.perf_counter()
+                    for w in weights:
+                        kernels._run(c, xs[m][w.shape[1]], w, None)
+                    if rep:
+                        times[(c, m)].append(time.perf_counter() - t)
+    return [{"kernel": c, "rows": m, "ms": round(1000 * statistics.median(v), 3)} for (c, m), v in times.items()]
 
 
 def pruned_draft(draft, ranking_path: str, tops: list[int], reps: int) -> list[dict]:
@@ -159,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     models = {n: (load_model(s, n).model, load_model(s, n).model) for n, s in specs.items()}
     table = measure(models, args.reps)
+    stack = gemm_stack(models["target"][0], args.reps)
     prune_rows = pruned_draft(models["draft"][0], args.vocab, [int(x) for x in args.tops.split(",")], args.reps)
 
     def ms(model, path, s):
@@ -169,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     for model in ("target", "draft"):
         for path in PATHS:
             print(f"| {model} | {path} | " + " | ".join(f"{ms(model, path, s):.1f}" for s in SIZES) + " |")
+    cands = list(dict.fromkeys(r["kernel"] for r in stack))
+    print("\n| target's projections, 30 layers: kernel | " + " | ".join(f"{m} rows" for m in range(1, 9)) + " |")
+    print("|---|" + "---|" * 8)
+    for c in cands:
+        print(f"| {c} | " + " | ".join(f"{r['ms']:.1f}" for r in stack if r["kernel"] == c) + " |")
     print("\n| draft output layer | tokens | ms (1-token forward) | corpus coverage |\n|---|---|---|---|")
     for r in prune_rows:
         print(f"| {r['draft_output_layer']} | {r['tokens']} | {r['ms']:.2f} | {r['corpus_coverage']} |")
@@ -176,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {
         "target_t2_over_t1": round(ms("target", "fused", 2) / ms("target", "fused", 1), 4),
         "target_t4_over_t1": round(ms("target", "fused", 4) / ms("target", "fused", 1), 4),
+        "target_library_t4_over_t1": round(ms("target", "fused_library", 4) / ms("target", "fused_library", 1), 4),
+        "target_t4_over_library_t4": round(ms("target", "fused", 4) / ms("target", "fused_library", 4), 4),
         "target_t8_over_t1": round(ms("target", "fused", 8) / ms("target", "fused", 1), 4),
         "draft_t4_over_t1": round(ms("draft", "fused", 4) / ms("draft", "fused", 1), 4),
         "draft_pruned_over_full": round(prune_rows[1]["ms"] / full, 4),
@@ -185,8 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + json.dumps(ratios, indent=1))
     out = {
         **run_info(__file__, argv, "fp32, batch 1, 100-token prefix, median of interleaved repetitions"),
+        "cpu": cpu_model(),
+        "smallm": smallm.available() or smallm.why_not(),
         "kernels": kernels.describe(),
         "table": table,
+        "gemm_stack": stack,
         "draft_pruning": prune_rows,
         "ratios": ratios,
     }

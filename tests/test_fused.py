@@ -12,7 +12,7 @@ from specheads.export.shim.batching import batch_generate as batched
 from specheads.export.shim.loop.engine import Engine
 from specheads.export.shim.loop.sampling import SamplingConfig
 from specheads.export.shim.policies import StandardSD
-from specheads.export.shim.runners.fused import fused_weights, supports, unfuse
+from specheads.export.shim.runners.fused import _row_major_ok, fused_weights, supports, unfuse
 from specheads.export.shim.runners.model_runner import FusedRunner, ModelRunner, make_runner
 
 COMMON = dict(
@@ -99,15 +99,33 @@ def test_fusing_shares_storage_and_keeps_the_model_working():
     assert fused_weights(model) is not w
     r, f = ModelRunner(model), FusedRunner(model)
     assert_close(f.forward(ids, 4)[0], r.forward(ids, 4)[0], atol=1e-5, rtol=1e-5)
-    # On CPU every weight is stored transposed (the fast F.linear path); the tie survives.
-    assert attn.o_proj.weight.stride() == (1, attn.o_proj.weight.shape[0])
-    assert model.get_input_embeddings().weight.stride()[0] == 1
-    assert model.get_output_embeddings().weight.stride()[0] == 1
+    # On CPU without smallm every weight is stored transposed (F.linear's fast path); with it, row-major.
+    col = not _row_major_ok()
+    assert (attn.o_proj.weight.stride() == (1, attn.o_proj.weight.shape[0])) == col
+    assert (model.get_input_embeddings().weight.stride()[0] == 1) == col
+    assert (model.get_output_embeddings().weight.stride()[0] == 1) == col
     mid = model(ids).logits
     unfuse(model)
     assert attn.k_proj.weight.data_ptr() != attn.q_proj.weight.data_ptr() + attn.q_proj.weight.nbytes
     assert all(p.is_contiguous() for p in model.parameters())
     assert_close(model(ids).logits, mid)
+
+
+@pytest.mark.parametrize("layout", ["auto", "col"])
+def test_fused_layout_follows_smallm_and_the_setting(monkeypatch, layout):
+    """Row-major where smallm runs row-major weights at 1-8 rows; column-major without it, or when asked."""
+    from specheads.export.shim.runners import smallm
+
+    monkeypatch.setenv("SPECHEADS_FUSED_LAYOUT", layout)
+    model = tiny_llama(40, seed=3)
+    ids = torch.tensor([[3, 5, 7, 9]])
+    before = model(ids).logits
+    _, qkv, _, wo, _, _, gu, wd = fused_weights(model).layers[0]
+    want_col = layout == "col" or not smallm.available()
+    for w in (qkv, wo, gu, wd):
+        assert (w.stride()[0] == 1 and not w.is_contiguous()) == want_col
+    assert _row_major_ok() == (not want_col)
+    assert_close(FusedRunner(model).forward(ids, 4)[0], before[0], atol=1e-5, rtol=1e-5)
 
 
 def test_fusing_keeps_tied_embeddings_tied():

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import tiny_llama
 
 from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.runners import kernels
+from specheads.export.shim.runners import kernels, smallm
 from specheads.export.shim.runners.fused import unfuse
 
 
@@ -33,8 +33,9 @@ def test_every_candidate_equals_f_linear(dtype, rows):
     x = torch.randn(1, rows, 64, generator=g).to(dtype)
     want = F.linear(x.float(), w.float(), b.float())
     tol = 1e-4 if dtype == torch.float32 else 5e-2
-    cands = kernels._candidates(dtype)
+    cands = kernels._candidates(dtype, rows)
     assert "torch:row" in cands and "torch:col" in cands
+    assert ("smallm:row" in cands) == (dtype == torch.float32 and rows <= 8 and smallm.available())
     with torch.inference_mode():
         for c in cands:
             got = kernels._run(c, x, w, b)
@@ -52,8 +53,8 @@ def test_choice_is_measured_once_then_read_from_the_machine_file(monkeypatch, tm
     assert len(files) == 1
     saved = json.loads(files[0].read_text())
     ((name, choice),) = saved["choices"].items()
-    assert name == "48x32:float32:nobias:r3:row" and choice in kernels._candidates(torch.float32)
-    assert set(saved["times_us"][name]) == set(kernels._candidates(torch.float32))
+    assert name == "48x32:float32:nobias:r3:row" and choice in kernels._candidates(torch.float32, 3)
+    assert set(saved["times_us"][name]) == set(kernels._candidates(torch.float32, 3))
     assert saved["machine"]["threads"] == torch.get_num_threads()
     # A new process (empty memo) reads the file: no timing.
     monkeypatch.setattr(kernels, "_choices", {})
@@ -75,9 +76,25 @@ def test_a_forced_choice_is_used(monkeypatch, tmp_path):
     seen = []
     run = kernels._run
     monkeypatch.setattr(kernels, "_run", lambda c, *a: seen.append(c) or run(c, *a))
+    w = w.clone()  # a weight remembers its own choice: a new one (as in a new process) reads the file
     with torch.inference_mode():
         kernels.linear(x, w)
+        kernels.linear(x, w)  # the second call takes the weight's memo
     assert seen == ["torch:col"]
+    assert w._specheads_kernel[1][(2, False, torch.get_num_threads(), "auto")][0] == "torch"
+
+
+def test_a_weight_changed_in_place_is_not_served_from_its_memo(monkeypatch):
+    monkeypatch.setattr(kernels, "_choose", lambda *a, **k: "torch:col")  # a column-major copy of a row-major w
+    w = torch.randn(24, 16)
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        kernels.linear(x, w)
+        kernels.linear(x, w)
+    with torch.no_grad():
+        w.mul_(2.0)  # a training step: the version moves on, every cached layout copy is stale
+    with torch.inference_mode():
+        torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
 def test_autograd_and_other_devices_stay_on_f_linear(monkeypatch):
@@ -126,3 +143,59 @@ def test_fused_forward_is_the_default_on_cpu_only(monkeypatch):
     assert not use_fused(meta)
     monkeypatch.setenv("SPECHEADS_FUSED_CUDA", "1")
     assert use_fused(meta)
+
+
+needs_smallm = pytest.mark.skipif(not smallm.available(), reason=f"smallm not built here: {smallm.why_not()}")
+
+
+@needs_smallm
+@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("shape", [(96, 64), (19, 37), (200, 576), (7, 16)])
+def test_smallm_equals_f_linear_for_every_row_count_and_shape(rows, shape):
+    """Every row count takes its own unrolled path; odd widths go through the scalar tail and the
+    single-weight-row path after the last block of eight."""
+    g = torch.Generator().manual_seed(rows * 1000 + shape[0])
+    w, b = torch.randn(*shape, generator=g), torch.randn(shape[0], generator=g)
+    x = torch.randn(rows, shape[1], generator=g)
+    with torch.inference_mode():
+        torch.testing.assert_close(smallm.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(smallm.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@needs_smallm
+def test_smallm_keeps_leading_dims_and_reads_strided_rows():
+    w = torch.randn(40, 32)
+    x = torch.randn(1, 6, 64)[..., ::2]  # [1, 6, 32], not contiguous
+    with torch.inference_mode():
+        got = smallm.linear(x, w)
+    assert got.shape == (1, 6, 40)
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@needs_smallm
+def test_smallm_refuses_what_it_does_not_compute():
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match="1 to 8 rows"):
+            smallm.linear(torch.randn(9, 16), torch.randn(8, 16))
+        with pytest.raises(RuntimeError, match="float32 only"):
+            smallm.linear(torch.randn(2, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64))
+
+
+@needs_smallm
+def test_smallm_is_timed_where_it_can_run_and_only_there():
+    assert "smallm:row" in kernels._candidates(torch.float32, 8)
+    assert "smallm:row" not in kernels._candidates(torch.float32, 16)
+    assert "smallm:row" not in kernels._candidates(torch.bfloat16, 4)
+    assert kernels.signature() == "auto+smallm"
+    # a column-major weight is given to it row-major (a cached copy), and the result is the same product
+    w, x = torch.randn(64, 48).t().contiguous().t(), torch.randn(4, 48)
+    with torch.inference_mode():
+        torch.testing.assert_close(kernels._run("smallm:row", x, w, None, "col"), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_smallm_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("SPECHEADS_SMALLM", "0")
+    monkeypatch.setattr(smallm, "_state", {})
+    assert not smallm.available() and smallm.why_not() == "SPECHEADS_SMALLM=0"
+    assert "smallm:row" not in kernels._candidates(torch.float32, 4)
+    assert kernels.signature() == "auto"

@@ -179,7 +179,7 @@ def _kernel_policy() -> str | None:
         from specheads.export.shim.runners import kernels
     except ImportError:
         return None
-    policy = getattr(kernels, "policy", None)
+    policy = getattr(kernels, "signature", None) or getattr(kernels, "policy", None)
     return policy() if callable(policy) else None
 
 

@@ -76,8 +76,8 @@ class _Fused:
     def __init__(self, model):
         self.model = weakref.ref(model)
         self.layers = []
-        # Column-major on CPU: see _column_major.
-        cm = model.get_input_embeddings().weight.device.type == "cpu"
+        # Column-major on CPU unless the smallm kernel is built here: see _column_major.
+        cm = model.get_input_embeddings().weight.device.type == "cpu" and not _row_major_ok()
         # Normal (not inference-mode) tensors: the rebound parameters must stay usable by autograd.
         with torch.inference_mode(False), torch.no_grad():
             for layer in model.model.layers:
@@ -144,6 +144,17 @@ def _fuse(linears, attr: str, column_major: bool) -> torch.Tensor:
         setattr(lin, attr, torch.nn.Parameter(fused[start : start + n], requires_grad=p.requires_grad))
         start += n
     return fused
+
+
+def _row_major_ok() -> bool:
+    """Whether CPU weights may stay row-major: where the picker can run a row-major weight on ``smallm`` at
+    1-8 rows (:mod:`.smallm`), the reason for :func:`_column_major` is gone, and one layout per weight keeps
+    a decoding step from streaming two copies of it (``SPECHEADS_FUSED_LAYOUT=col`` keeps column-major)."""
+    from specheads.export.shim.runners import kernels, smallm
+
+    if os.environ.get("SPECHEADS_FUSED_LAYOUT", "auto") == "col":
+        return False
+    return kernels.policy() == "auto" and smallm.available()
 
 
 def _column_major(module) -> None:

@@ -9,9 +9,13 @@ weight took 2-4x longer for 2-8 rows than for one, while oneDNN's linear
 within 1.5x. No fixed table is right everywhere, so the choice is measured:
 
 * candidates: ``F.linear`` and oneDNN's linear (CPU, fp32/bf16), each on the weight stored
-  row-major and column-major (a column-major copy is made on first need);
+  row-major and column-major (a column-major copy is made on first need); and for float32 at 1 to 8 rows
+  ``smallm`` (:mod:`.smallm`, built on this machine), which keeps a 4-row pass near the cost of one row where
+  the libraries do not (on one Intel Xeon, 2 threads: MKL's ``F.linear`` over a 30-layer stack of the target's
+  projections 15 / 17 / 19 / 28 ms at 1-4 rows, ``smallm`` 15 / 15 / 16 / 17 ms; ``bench/kernels.py``);
 * for each weight shape, dtype and row-count bucket (1..8, 16, 32, 64, 256), the candidates are
-  timed on random data of that shape (interleaved, best of several rounds) the first time that
+  timed on random data of that shape (interleaved, best of several rounds; each round runs over copies of
+  the weight that together exceed the core's caches, as a decoding forward's weights do) the first time that
   shape is used, and the winner is kept in ``$SPECHEADS_CACHE/kernels/<machine>.json``;
   the machine key covers the CPU model, torch and its math libraries, and the thread count;
 * the file is written under a lock, so several processes starting together measure once and
@@ -21,7 +25,8 @@ Every candidate computes the same product; results agree with ``F.linear`` to fl
 (tested), so greedy outputs are unchanged up to near-ties. Under autograd (a weight or input
 that requires grad) and on GPUs, ``F.linear`` is always used.
 
-Policy (``SPECHEADS_KERNELS`` or :func:`set_policy`): ``auto`` (measured, the default), ``torch``
+Policy (``SPECHEADS_KERNELS`` or :func:`set_policy`): ``auto`` (measured, the default), ``library`` (measured,
+among the library kernels only: the picker before ``smallm``, for comparisons), ``torch``
 (always ``F.linear`` on the stored weight), ``onednn`` (always oneDNN where it applies; for tests).
 """
 
@@ -37,24 +42,32 @@ import torch
 import torch.nn.functional as F
 
 from specheads.errors import UserError
+from specheads.export.shim.runners import smallm
 from specheads.machine import cache_dir, locked, machine_info, read_json, settings_key
 from specheads.outputs import atomic_write_json
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("auto", "torch", "onednn")
+POLICIES = ("auto", "library", "torch", "onednn")
 BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 256)
 _BUCKET_OF = [0] + [next(b for b in BUCKETS if b >= r) for r in range(1, BUCKETS[-1] + 1)]
 #: A candidate that needs a copy of the weight in the other layout must be this much faster.
 COPY_MARGIN = 0.9
+#: Any other candidate must be this much faster than ``F.linear`` on the stored weight (a tie stays on it).
+SWITCH_MARGIN = 0.95
+#: Candidates are timed on weights this large together (several copies of a small one): out of cache.
+COLD_BYTES = 48 << 20
+MAX_COPIES = 64
+#: Bumped when the way candidates are timed changes (old choices files are then not read).
+TIMING = "cold-2"
 
 _policy = os.environ.get("SPECHEADS_KERNELS", "auto")
-_choices: dict[tuple, str] = {}  # (out, in, dtype, bias, bucket, threads) -> "kernel:layout"
+_choices: dict[tuple, str] = {}  # (out, in, dtype, bias, bucket, threads, layout, own) -> "kernel:layout"
 _used: dict[str, str] = {}  # readable key -> choice, for describe()
 
 
 def set_policy(name: str) -> None:
-    """``auto`` | ``torch`` | ``onednn``; see the module docstring."""
+    """``auto`` | ``library`` | ``torch`` | ``onednn``; see the module docstring."""
     global _policy
     if name not in POLICIES:
         raise UserError(f"kernels={name!r} is not one of {list(POLICIES)}")
@@ -63,6 +76,11 @@ def set_policy(name: str) -> None:
 
 def policy() -> str:
     return _policy
+
+
+def signature() -> str:
+    """The policy and, under ``auto``, whether ``smallm`` is a candidate (cost tables are keyed by it)."""
+    return f"{_policy}+smallm" if _policy == "auto" and smallm.available() else _policy
 
 
 def _onednn_ok(dtype: torch.dtype) -> bool:
@@ -107,55 +125,74 @@ def _run(
     wl = _in_layout(w, layout, stored)
     if kernel == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, wl, b, "none", [], "")
+    if kernel == "smallm":
+        return smallm.linear(x, wl, b)
     return F.linear(x, wl, b)
 
 
-def _candidates(dtype: torch.dtype) -> list[str]:
+def _smallm_ok(dtype: torch.dtype, rows: int) -> bool:
+    return dtype == torch.float32 and 1 <= rows <= smallm.MAX_ROWS and smallm.available()
+
+
+def _candidates(dtype: torch.dtype, rows: int = 1, own: bool = True) -> list[str]:
+    """The kernels timed for ``dtype`` at ``rows`` rows (``own=False``: the library kernels only)."""
     kernels = ["torch"] + (["onednn"] if _onednn_ok(dtype) else [])
-    return [f"{k}:{lay}" for k in kernels for lay in ("row", "col")]
+    mine = ["smallm:row"] if own and _smallm_ok(dtype, rows) else []
+    return [f"{k}:{lay}" for k in kernels for lay in ("row", "col")] + mine
 
 
 def _time(choices: list[str], rows: int, out: int, inp: int, dtype: torch.dtype, bias: bool) -> dict[str, float]:
-    """Seconds per call of each candidate, best of interleaved rounds on random data."""
+    """Seconds per call of each candidate, best of interleaved rounds on random data.
+
+    Each round calls the candidate once on every one of several copies of the weight, together at least
+    :data:`COLD_BYTES`, so that no call finds its weight in the core's caches: a decoding forward streams
+    weights far larger than the caches, and a kernel that wins on a cache-resident weight (compute-bound)
+    can lose on a streamed one (bound by reading it), and the other way round."""
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(out, inp, generator=gen).to(dtype)
+    size = out * inp * torch.empty((), dtype=dtype).element_size()
+    copies = max(1, min(MAX_COPIES, -(-COLD_BYTES // size)))
+    ws = [torch.empty(out, inp, dtype=torch.float32).uniform_(-1, 1, generator=gen).to(dtype) for _ in range(copies)]
     x = torch.randn(rows, inp, generator=gen).to(dtype)
     b = torch.randn(out, generator=gen).to(dtype) if bias else None
     with torch.inference_mode():
-        t0 = time.perf_counter()
-        for c in choices:  # warm-up (also builds the layout copy)
-            _run(c, x, w, b)
-        per = (time.perf_counter() - t0) / len(choices)
-        reps = max(1, min(50, int(2e-3 / max(per, 1e-7))))
+        for c in choices:  # warm-up (also builds the layout copies)
+            for w in ws:
+                _run(c, x, w, b)
+        reps = max(1, -(-8 // copies))  # at least 8 calls per timing
         best = {c: float("inf") for c in choices}
         for _ in range(5):
             for c in choices:
                 t = time.perf_counter()
                 for _ in range(reps):
-                    _run(c, x, w, b)
-                best[c] = min(best[c], (time.perf_counter() - t) / reps)
+                    for w in ws:
+                        _run(c, x, w, b)
+                best[c] = min(best[c], (time.perf_counter() - t) / (reps * copies))
     return best
 
 
-def _file() -> Path:
-    info = machine_info("cpu")
+def _file(own: bool = True) -> Path:
+    """The machine's choices file: keyed by the machine and by whether ``smallm`` is among the candidates."""
+    info = {**machine_info("cpu"), "smallm": own and smallm.available(), "timing": TIMING}
     return cache_dir("kernels") / f"{settings_key(info)}.json"
 
 
-def _choose(out: int, inp: int, dtype: torch.dtype, bias: bool, bucket: int, stored: str) -> str:
+def _choose(out: int, inp: int, dtype: torch.dtype, bias: bool, bucket: int, stored: str, own: bool = True) -> str:
     """The measured best candidate for this shape and bucket (read from the machine's file, or timed)."""
     name = f"{out}x{inp}:{str(dtype).replace('torch.', '')}:{'bias' if bias else 'nobias'}:r{bucket}:{stored}"
-    path = _file()
+    path = _file(own)
     with locked(path):
         saved = read_json(path) or {}
         choice = saved.get("choices", {}).get(name)
         if choice is None:
-            cands = _candidates(dtype)
+            cands = _candidates(dtype, bucket, own)
             times = _time(cands, bucket, out, inp, dtype, bias)
-            own = {c: t for c, t in times.items() if c.endswith(":" + stored)} or times
-            best_own = min(own, key=lambda c: own[c])
+            in_place = {c: t for c, t in times.items() if c.endswith(":" + stored)} or times
+            best_own = min(in_place, key=lambda c: in_place[c])
             best_any = min(times, key=lambda c: times[c])
             choice = best_any if times[best_any] < COPY_MARGIN * times[best_own] else best_own
+            default = f"torch:{stored}"
+            if default in times and times[choice] > SWITCH_MARGIN * times[default]:
+                choice = default  # within noise of F.linear on the stored weight: keep it
             saved.setdefault("machine", machine_info("cpu"))
             saved.setdefault("choices", {})[name] = choice
             saved.setdefault("times_us", {})[name] = {c: round(t * 1e6, 2) for c, t in times.items()}
@@ -166,12 +203,16 @@ def _choose(out: int, inp: int, dtype: torch.dtype, bias: bool, bucket: int, sto
                 choice,
                 ", ".join(f"{c} {t * 1e6:.0f} us" for c, t in sorted(times.items(), key=lambda kv: kv[1])),
             )
-    _used[name] = choice
+    _used[name if own else name + ":library"] = choice
     return choice
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, b)`` through the kernel chosen for this shape and row count."""
+    """``F.linear(x, w, b)`` through the kernel chosen for this shape and row count.
+
+    A weight remembers its choices (``w._specheads_kernel``: its stamp, then per row bucket, bias, thread
+    count and policy the kernel and the weight in that kernel's layout), so a call after the first costs one
+    attribute read and one dict lookup on top of the kernel."""
     if (
         _policy == "torch"
         or x.device.type != "cpu"
@@ -182,26 +223,36 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if _policy == "onednn":
         return _run("onednn:row", x, w, b) if _onednn_ok(w.dtype) else F.linear(x, w, b)
     rows = x.numel() // x.shape[-1] if x.numel() else 1
+    bucket = _BUCKET_OF[min(rows, BUCKETS[-1])]
+    fast = (bucket, b is not None, torch.get_num_threads(), _policy)
+    memo = getattr(w, "_specheads_kernel", None)
+    stamp = _stamp(w)
+    if memo is not None and memo[0] == stamp:
+        hit = memo[1].get(fast)
+        if hit is not None:
+            kernel, wl = hit
+            if kernel == "torch":
+                return F.linear(x, wl, b)
+            if kernel == "smallm":
+                return smallm.linear(x, wl, b)
+            return torch.ops.mkldnn._linear_pointwise(x, wl, b, "none", [], "")
     stored = _layout_of(w)
-    key = (
-        w.shape[0],
-        w.shape[1],
-        w.dtype,
-        b is not None,
-        _BUCKET_OF[min(rows, BUCKETS[-1])],
-        torch.get_num_threads(),
-        stored,
-    )
+    key = (w.shape[0], w.shape[1], w.dtype, b is not None, bucket, fast[2], stored, _policy == "auto")
     choice = _choices.get(key)
     if choice is None:
-        choice = _choices[key] = _choose(key[0], key[1], key[2], key[3], key[4], stored)
-    return _run(choice, x, w, b, stored)
+        choice = _choices[key] = _choose(key[0], key[1], key[2], key[3], key[4], stored, key[7])
+    out = _run(choice, x, w, b, stored)
+    kernel, layout = choice.split(":")
+    table = memo[1] if memo is not None and memo[0] == stamp else {}
+    table[fast] = (kernel, _in_layout(w, layout, stored))
+    w._specheads_kernel = (stamp, table)  # type: ignore[attr-defined]  # our memo, on the weight
+    return out
 
 
 def prepare(model: torch.nn.Module, rows=range(1, 9)) -> None:
     """Measures (or reads) the choice for every linear shape of ``model`` at these row counts now,
     so that no timing happens inside a decode that is being measured."""
-    if _policy != "auto":
+    if _policy not in ("auto", "library"):
         return
     with torch.inference_mode():
         seen = set()
