@@ -88,8 +88,9 @@ def available() -> bool:
             _load()
             _state["ok"] = True
         except Exception as exc:  # no compiler, no headers, a failed build: one candidate fewer
-            _state.update(ok=False, why=str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else repr(exc))
-            log.warning("the smallm linear kernel is not available here (%s); the library kernels remain", _state["why"])
+            text = str(exc).strip()
+            _state.update(ok=False, why=text.splitlines()[-1][:300] if text else repr(exc))
+            log.warning("the smallm kernel is not available here (%s); the library kernels remain", _state["why"])
     return bool(_state["ok"])
 
 
