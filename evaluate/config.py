@@ -267,6 +267,15 @@ class EvalConfig:
             )
         },
     )
+    packed: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "batch_size > 1: each forward's projections and MLP run on the rows' real tokens only, packed "
+                "(a row that stops drafting early costs fewer rows); false pads every row to the widest"
+            )
+        },
+    )
     engine: str = field(
         default="specheads",
         metadata={

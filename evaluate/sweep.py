@@ -53,7 +53,16 @@ def decoder(cfg, pair, policy, eagle=None) -> Decoder:
     """A decoder of the sweep: ``policy`` on the loaded pair with the sweep's budget, seed and sampling settings
     (drafting with the EAGLE head ``eagle`` when given)."""
     d = Decoder(
-        pair, policy, cfg.max_new_tokens, 1, cfg.sampling, cfg.seed, cfg.chat_template, cfg.fused_forward, eagle=eagle
+        pair,
+        policy,
+        cfg.max_new_tokens,
+        1,
+        cfg.sampling,
+        cfg.seed,
+        cfg.chat_template,
+        cfg.fused_forward,
+        eagle=eagle,
+        packed=getattr(cfg, "packed", True),
     )
     d.budgets = dict(getattr(cfg, "max_new_tokens_by_source", {}) or {})
     return d

@@ -81,6 +81,8 @@ class Decoder:
             False keeps each model's own forward.
         eagle: an EAGLE head (an exported ``head_type=eagle`` file, or a :class:`LoadedHead` of one): the
             same-vocabulary policies draft with it from the target's own states; no draft model is needed.
+        packed: in batches (``decode_many``), each forward's projections run on the rows' real tokens only
+            (a row that drafted fewer candidates costs less); False pads every row to the widest.
     """
 
     def __init__(
@@ -94,7 +96,9 @@ class Decoder:
         chat_template: bool = True,
         fused_forward: bool = True,
         eagle=None,
+        packed: bool = True,
     ):
+        self.packed = packed
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens={max_new_tokens} must be >= 1")
         self.sampling = sampling or SamplingConfig()
@@ -227,7 +231,7 @@ class Decoder:
             jobs.append(BatchJob(ids, gen, max_new_tokens=self._budget(prompt)))
             dropped.append(cut)
         tok = self._tokenizer()
-        for j, g in BatchEngine(self.engine, batch_size).generate(
+        for j, g in BatchEngine(self.engine, batch_size, packed=self.packed).generate(
             jobs, self.policy, self.max_new_tokens, self.sampling
         ):
             g.text, g.truncated_prompt_tokens = tok.decode(g.tokens, skip_special_tokens=True), dropped[j]

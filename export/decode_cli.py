@@ -152,6 +152,7 @@ def run(cfg: DecodeConfig) -> int:
         chat_template=cfg.chat_template,
         fused_forward=cfg.fused_forward,
         eagle=eagle,
+        packed=cfg.packed,
     )
     problem = decoder.batch_problem() if cfg.batch_size > 1 else None
     if problem:

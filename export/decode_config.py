@@ -113,6 +113,15 @@ class RunConfig:
             )
         },
     )
+    packed: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "batch_size > 1: each forward's projections and MLP run on the rows' real tokens only, packed "
+                "(a row that stops drafting early costs fewer rows); false pads every row to the widest"
+            )
+        },
+    )
     fused_forward: bool = field(
         default=True,
         metadata={"help": "Llama-family models run a fused forward (same outputs, faster); false: the model's own"},

@@ -246,3 +246,40 @@ def test_a_jobs_own_budget_is_batch_ones_at_that_budget(engine, prompts):
     out = dict(BatchEngine(engine, 3).generate(jobs, StandardSD(3), NEW, SamplingConfig()))
     assert [_counts(out[i]) for i in range(len(prompts))] == [_counts(g) for g in alone]
     assert all(len(out[i].tokens) <= (b or NEW) for i, b in enumerate(budgets))
+
+
+def test_packed_forward_equals_the_padded_one_and_computes_only_real_tokens(engine):
+    """Rows fed 1, 3 and no tokens (a row below the last fed one): the packed forward gives the padded one's
+    logits, final-norm states and captured layer states, and its products cover the 4 real tokens, not 3 x 3."""
+    runners = [BatchRunner(engine.target, 3, hidden="post", capacity=16, aux=[1], packed=p) for p in (True, False)]
+    outs = []
+    for runner in runners:
+        runner.prefill({0: [5, 6, 7], 1: [8], 2: [9, 10]})
+        got = runner.forward({0: [11], 2: [12, 13, 14]}, {0: 1, 2: 3})
+        outs.append((got, dict(runner.aux_states)))
+    (packed, aux_p), (padded, aux_d) = outs
+    for r in (0, 2):
+        torch.testing.assert_close(packed[r][0], padded[r][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed[r][1], padded[r][1], atol=1e-5, rtol=1e-5)
+        assert aux_p[r][0] == aux_d[r][0]
+        torch.testing.assert_close(aux_p[r][1], aux_d[r][1], atol=1e-5, rtol=1e-5)
+    assert set(aux_p) == set(aux_d) == {0, 2}
+    assert runners[0].fed_tokens == runners[1].fed_tokens == 4
+    assert runners[0].computed_tokens == 4 and runners[1].computed_tokens == 9
+    # the caches agree too: a next step reads what both wrote
+    nxt = [r.forward({0: [15], 1: [16], 2: [17]}, {0: 1, 1: 1, 2: 1}) for r in runners]
+    for r in (0, 1, 2):
+        torch.testing.assert_close(nxt[0][r][0], nxt[1][r][0], atol=1e-5, rtol=1e-5)
+    assert runners[0].computed_tokens == 4 + 3  # equal widths: nothing to pack
+
+
+@pytest.mark.parametrize("name", ["confidence", "specdecpp_cost"])
+def test_packed_and_padded_batches_decode_alike(engine, prompts, name):
+    """Rows that stop drafting at different points: packing changes what is computed, not the outputs."""
+    jobs = lambda: [BatchJob(p, torch.Generator().manual_seed(100 + i)) for i, p in enumerate(prompts)]  # noqa: E731
+    runs = []
+    for packed in (True, False):
+        out = dict(BatchEngine(engine, 3, packed=packed).generate(jobs(), _policies(False)[name], NEW))
+        runs.append([_counts(out[i]) for i in range(len(prompts))])
+    assert runs[0] == runs[1]
+    assert len({c[4] for c in runs[0]}) > 1  # rows drafted different numbers of candidates

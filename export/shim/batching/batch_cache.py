@@ -45,6 +45,9 @@ class BatchRunner:
         aux: decoder-layer indices whose entering residual stream each forward keeps, per row fed, in
             ``aux_states`` (``row -> (first position, [n, len(aux) * d])``: what an EAGLE head reads), or None.
         fixed: allocate ``capacity`` slots per row now and never grow (see the module docstring).
+        packed: the projections and MLP of a forward run on the fed rows' real tokens only, packed together
+            (a row with 1 new token costs 1 row of the products, not the widest row's count); False pads every
+            row up to the widest (and rows not fed below the last fed one) as attention does.
     """
 
     keys: list[torch.Tensor]
@@ -60,6 +63,7 @@ class BatchRunner:
         capacity: int = 256,
         aux: list[int] | None = None,
         fixed: bool = False,
+        packed: bool = True,
     ):
         why = supports(model)
         if why is not None:
@@ -73,7 +77,9 @@ class BatchRunner:
         self.forwards = 0  # forwards with at least one row, prefills included
         self.aux = [int(i) for i in aux] if aux else None
         self.aux_states: dict[int, tuple[int, torch.Tensor]] = {}
-        self.capacity, self.fixed = 0, fixed
+        self.capacity, self.fixed, self.packed = 0, fixed, packed
+        self.fed_tokens = 0  # real tokens fed to forwards (prefills apart)
+        self.computed_tokens = 0  # rows of the products those forwards computed (padding included)
         self._grow(int(capacity) if fixed else max(int(capacity), 8))
 
     # ---- the buffer ---------------------------------------------------------------------------
@@ -223,6 +229,14 @@ class BatchRunner:
         )
         seen = dict.fromkeys(self.aux) if self.aux else None
         top = max(rows) + 1
+        fed = sum(len(tokens[r]) for r in rows)
+        pack = None
+        if self.packed and fed < top * width:
+            pack = torch.tensor(
+                [r * width + j for r in rows for j in range(len(tokens[r]))], dtype=torch.long, device=self.device
+            )
+        self.fed_tokens += fed
+        self.computed_tokens += fed if pack is not None else top * width
         x = decoder_layers(
             self.shape,
             self.model.get_input_embeddings()(ids[:top]),
@@ -235,6 +249,7 @@ class BatchRunner:
             mask[:top, None],
             False,
             seen,
+            pack,
         )
         self._keep_aux(seen, {r: (r, len(self.slots[r]), len(tokens[r])) for r in rows})
         for r in rows:

@@ -76,12 +76,15 @@ class BatchEngine:
         rows: the batch size ``B``.
         capacity: initial cache slots per row (default ``2 * max_new_tokens + 256``); the caches compact
             and grow as needed.
+        packed: each forward's projections and MLP run on the rows' real tokens only, packed together, so a
+            row that drafted fewer candidates (or is not fed) costs fewer rows of the products
+            (:class:`~.batch_cache.BatchRunner`); False pads every row to the widest.
     """
 
-    def __init__(self, engine: Engine, rows: int, capacity: int | None = None):
+    def __init__(self, engine: Engine, rows: int, capacity: int | None = None, packed: bool = True):
         if rows < 1:
             raise ValueError(f"batch rows must be >= 1, got {rows}")
-        self.engine, self.rows, self.capacity = engine, rows, capacity
+        self.engine, self.rows, self.capacity, self.packed = engine, rows, capacity, packed
 
     @torch.inference_mode()
     def generate(
@@ -107,11 +110,12 @@ class BatchEngine:
             eng.vocab_size,
             capacity,
             aux=eng.eagle.layer_ids if eagle else None,
+            packed=self.packed,
         )
         drafter = (
             BatchEagleDrafter(eng.eagle, eng.target, verifier, self.rows, capacity)
             if eagle
-            else BatchRunner(eng.draft, self.rows, policy.draft_hidden, eng.vocab_size, capacity)
+            else BatchRunner(eng.draft, self.rows, policy.draft_hidden, eng.vocab_size, capacity, packed=self.packed)
             if drafts
             else None
         )

@@ -236,6 +236,7 @@ def decoder_layers(
     mask: torch.Tensor | None,
     causal: bool,
     aux: dict[int, torch.Tensor | None] | None = None,
+    pack: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All decoder layers on the fused weights, for a batch ``x`` ``[B, S, d]`` at cache slots ``start:end``.
 
@@ -247,16 +248,25 @@ def decoder_layers(
         causal: plain causal attention over ``0:end`` (only with ``start == 0`` and no mask).
         aux: layer index ``L`` -> filled with the residual stream entering layer ``L`` (Hugging Face's
             ``hidden_states[L]``), ``[B, S, d]``: the states an EAGLE head reads.
+        pack: the positions of ``x.view(B * S, d)`` that hold real tokens (the rest is padding), or None:
+            the projections, norms and MLP then run on those rows only, packed together, and only
+            attention sees the padded ``[B, S]`` layout (each row on its own cache, under ``mask``); the
+            padded positions of the result and of the cache writes are zeros.
 
     Returns:
         the last layer's output ``[B, S, d]`` (before the final norm).
     """
     b, s = x.shape[:2]
     h, kv_h, hd = shape.heads, shape.kv_heads, shape.head_dim
+    if pack is not None:
+        x = x.reshape(b * s, -1)[pack]  # [T, d]: the real tokens only
     for i, (n1, qkv, qkv_b, wo, bo, n2, gu, wd) in enumerate(shape.weights.layers):
         if aux is not None and i in aux:
-            aux[i] = x
-        q, k, v = linear(rms_norm(n1, x), qkv, qkv_b).split(shape.sizes, dim=-1)
+            aux[i] = x if pack is None else _unpack(x, pack, b, s)
+        qkv_out = linear(rms_norm(n1, x), qkv, qkv_b)
+        if pack is not None:
+            qkv_out = _unpack(qkv_out, pack, b, s)
+        q, k, v = qkv_out.split(shape.sizes, dim=-1)
         q = _rotate(q.view(b, s, h, hd).transpose(1, 2), cos, sin)
         k = _rotate(k.view(b, s, kv_h, hd).transpose(1, 2), cos, sin)
         keys[i][:, :, start:end] = k
@@ -264,10 +274,20 @@ def decoder_layers(
         o = F.scaled_dot_product_attention(
             q, keys[i][:, :, :end], values[i][:, :, :end], attn_mask=mask, is_causal=causal, enable_gqa=kv_h != h
         )
-        x = x + linear(o.transpose(1, 2).reshape(b, s, h * hd), wo, bo)
+        o = o.transpose(1, 2).reshape(b, s, h * hd)
+        if pack is not None:
+            o = o.reshape(b * s, -1)[pack]
+        x = x + linear(o, wo, bo)
         gate, up = linear(rms_norm(n2, x), gu).chunk(2, dim=-1)
         x = x + linear(F.silu(gate) * up, wd)
-    return x
+    return x if pack is None else _unpack(x, pack, b, s)
+
+
+def _unpack(x: torch.Tensor, pack: torch.Tensor, b: int, s: int) -> torch.Tensor:
+    """Packed rows ``[T, n]`` back to ``[B, S, n]`` at the positions ``pack`` of ``B * S`` (zeros elsewhere)."""
+    out = x.new_zeros(b * s, x.shape[-1])
+    out[pack] = x
+    return out.view(b, s, -1)
 
 
 def output_logits(weights: _Fused, x: torch.Tensor) -> torch.Tensor:
