@@ -252,12 +252,15 @@ def test_packed_forward_equals_the_padded_one_and_computes_only_real_tokens(engi
     """Rows fed 1, 3 and no tokens (a row below the last fed one): the packed forward gives the padded one's
     logits, final-norm states and captured layer states, and its products cover the 4 real tokens, not 3 x 3."""
     runners = [BatchRunner(engine.target, 3, hidden="post", capacity=16, aux=[1], packed=p) for p in (True, False)]
-    outs = []
+    outs, prefills = [], []
     for runner in runners:
-        runner.prefill({0: [5, 6, 7], 1: [8], 2: [9, 10]})
+        runner.prefill({0: [5, 6, 7], 1: [8], 2: [9, 10]})  # prompts of unequal length: packed as well
+        prefills.append(dict(runner.aux_states))
         got = runner.forward({0: [11], 2: [12, 13, 14]}, {0: 1, 2: 3})
         outs.append((got, dict(runner.aux_states)))
     (packed, aux_p), (padded, aux_d) = outs
+    for r in (0, 1, 2):
+        torch.testing.assert_close(prefills[0][r][1], prefills[1][r][1], atol=1e-5, rtol=1e-5)
     for r in (0, 2):
         torch.testing.assert_close(packed[r][0], padded[r][0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(packed[r][1], padded[r][1], atol=1e-5, rtol=1e-5)

@@ -176,8 +176,10 @@ class BatchRunner:
         mask = (causal[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
         cos, sin = self.cos[:width], self.sin[:width]  # right-padded: row positions are 0, 1, ...
         seen = dict.fromkeys(self.aux) if self.aux else None
+        flat = real.flatten()
+        pack = flat.nonzero().squeeze(1) if self.packed and not bool(flat.all()) else None  # prompts of unequal length
         decoder_layers(
-            s, self.model.get_input_embeddings()(ids), cos, sin, keys, values, 0, width, mask[:, None], False, seen
+            s, self.model.get_input_embeddings()(ids), cos, sin, keys, values, 0, width, mask[:, None], False, seen, pack
         )
         self._keep_aux(seen, {r: (i, 0, len(tokens[r])) for i, r in enumerate(rows)})
         at = torch.tensor(rows, device=self.device)
