@@ -267,15 +267,7 @@ class EvalConfig:
             )
         },
     )
-    packed: bool = field(
-        default=True,
-        metadata={
-            "help": (
-                "batch_size > 1: each forward's projections and MLP run on the rows' real tokens only, packed "
-                "(a row that stops drafting early costs fewer rows); false pads every row to the widest"
-            )
-        },
-    )
+    packed: bool = field(default=True, metadata={"help": "batch_size > 1: heads-decode packed (rows' real tokens only)"})
     engine: str = field(
         default="specheads",
         metadata={
