@@ -267,7 +267,7 @@ class EvalConfig:
             )
         },
     )
-    packed: bool = field(default=True, metadata={"help": "batch_size > 1: heads-decode packed (rows' real tokens only)"})
+    packed: bool = field(default=True, metadata={"help": "batch_size > 1: heads-decode packed (real tokens only)"})
     engine: str = field(
         default="specheads",
         metadata={
