@@ -179,7 +179,18 @@ class BatchRunner:
         flat = real.flatten()
         pack = flat.nonzero().squeeze(1) if self.packed and not bool(flat.all()) else None  # prompts of unequal length
         decoder_layers(
-            s, self.model.get_input_embeddings()(ids), cos, sin, keys, values, 0, width, mask[:, None], False, seen, pack
+            s,
+            self.model.get_input_embeddings()(ids),
+            cos,
+            sin,
+            keys,
+            values,
+            0,
+            width,
+            mask[:, None],
+            False,
+            seen,
+            pack,
         )
         self._keep_aux(seen, {r: (i, 0, len(tokens[r])) for i, r in enumerate(rows)})
         at = torch.tensor(rows, device=self.device)
