@@ -11,8 +11,9 @@ within 1.5x. No fixed table is right everywhere, so the choice is measured:
 * candidates: ``F.linear`` and oneDNN's linear (CPU, fp32/bf16), each on the weight stored
   row-major and column-major (a column-major copy is made on first need); and for float32 at 1 to 8 rows
   ``smallm`` (:mod:`.smallm`, built on this machine), which keeps a 4-row pass near the cost of one row where
-  the libraries do not (on one Intel Xeon, 2 threads: MKL's ``F.linear`` over a 30-layer stack of the target's
-  projections 15 / 17 / 19 / 28 ms at 1-4 rows, ``smallm`` 15 / 15 / 16 / 17 ms; ``bench/kernels.py``);
+  the libraries do not (on one Intel Xeon, 2 threads: MKL's ``F.linear`` over the target's 30 layers of
+  projections 16.8 / 17.4 / 19.2 / 29.0 ms at 1-4 rows, ``smallm`` 16.4 / 17.5 / 18.3 / 18.9 ms;
+  ``gemm_stack`` in ``bench/results/forward_cost_xeon.json``);
 * for each weight shape, dtype and row-count bucket (1..8, 16, 32, 64, 256), the candidates are
   timed on random data of that shape (interleaved, best of several rounds; each round runs over copies of
   the weight that together exceed the core's caches, as a decoding forward's weights do) the first time that
