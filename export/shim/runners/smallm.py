@@ -1,11 +1,12 @@
 """The ``smallm`` linear kernel: float32 ``y = x @ w.T + b`` for 1 to 8 rows, built on this machine.
 
-On an Intel Xeon (AVX-512, 2 threads) every library kernel ``kernels.py`` can pick runs a verification
-pass's 4 rows at 1.4-1.8x the cost of one row (MKL's ``F.linear`` jumps at 4 rows), although 4 rows read the
-same weights and a forward is bound by reading them. ``smallm.cpp`` reads each weight row once and multiplies
-it into every input row while it is in registers, eight weight rows at a time with a prefetch ahead on each, so
-its cost stays near the one-row cost up to 8 rows. It is one more candidate for the picker, timed against the
-others per machine, shape and row count; it never replaces them unmeasured.
+On an Intel Xeon (AVX-512, 2 threads), over the target's 30 layers of projections, the fastest library kernel
+``kernels.py`` can pick ran a verification pass's 4 rows at 1.38x the best one-row cost (MKL's ``F.linear``
+1.73x: it jumps at 4 rows), although 4 rows read the same weights and a forward is bound by reading them.
+``smallm.cpp`` reads each weight row once and multiplies it into every input row while it is in registers,
+eight weight rows at a time with a prefetch ahead on each: 1.15x at 4 rows, 1.5x at 8 (``gemm_stack`` in
+``bench/results/forward_cost_xeon.json``). It is one more candidate for the picker, timed against the others per
+machine, shape and row count; it never replaces them unmeasured.
 
 It is compiled once per machine (about 10 s; ``-O3 -march=native``, OpenMP through ATen's ``parallel_for``, so
 it shares torch's threads) with the compiler torch's C++ extensions use, into ``$SPECHEADS_BUILD`` (default
