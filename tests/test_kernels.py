@@ -199,3 +199,30 @@ def test_smallm_can_be_turned_off(monkeypatch):
     assert not smallm.available() and smallm.why_not() == "SPECHEADS_SMALLM=0"
     assert "smallm:row" not in kernels._candidates(torch.float32, 4)
     assert kernels.signature() == "auto"
+
+
+def test_empty_input_and_a_strided_bias_are_taken_like_f_linear():
+    w, b = torch.randn(24, 16), torch.randn(48)[::2]  # a bias that is not contiguous
+    with torch.inference_mode():
+        for rows in (0, 3):
+            x = torch.randn(rows, 16)
+            for _ in range(2):  # the first call chooses, the second takes the weight's memo
+                torch.testing.assert_close(kernels.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        if smallm.available():
+            torch.testing.assert_close(smallm.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_the_memo_holds_no_reference_to_its_own_weight():
+    import gc
+    import weakref
+
+    w = torch.randn(24, 16)
+    with torch.inference_mode():
+        kernels.linear(torch.randn(2, 16), w)
+    ref = weakref.ref(w)
+    gc.disable()
+    try:
+        del w
+        assert ref() is None  # freed at once, not left to the cycle collector
+    finally:
+        gc.enable()

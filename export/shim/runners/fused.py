@@ -77,7 +77,8 @@ class _Fused:
         self.model = weakref.ref(model)
         self.layers = []
         # Column-major on CPU unless the smallm kernel is built here: see _column_major.
-        cm = model.get_input_embeddings().weight.device.type == "cpu" and not _row_major_ok()
+        emb_w = model.get_input_embeddings().weight
+        cm = emb_w.device.type == "cpu" and not _row_major_ok(emb_w.dtype)
         # Normal (not inference-mode) tensors: the rebound parameters must stay usable by autograd.
         with torch.inference_mode(False), torch.no_grad():
             for layer in model.model.layers:
@@ -146,15 +147,16 @@ def _fuse(linears, attr: str, column_major: bool) -> torch.Tensor:
     return fused
 
 
-def _row_major_ok() -> bool:
+def _row_major_ok(dtype: torch.dtype = torch.float32) -> bool:
     """Whether CPU weights may stay row-major: where the picker can run a row-major weight on ``smallm`` at
     1-8 rows (:mod:`.smallm`), the reason for :func:`_column_major` is gone, and one layout per weight keeps
-    a decoding step from streaming two copies of it (``SPECHEADS_FUSED_LAYOUT=col`` keeps column-major)."""
+    a decoding step from streaming two copies of it (``SPECHEADS_FUSED_LAYOUT=col`` keeps column-major). smallm is
+    float32 only: other dtypes stay column-major."""
     from specheads.export.shim.runners import kernels, smallm
 
     if os.environ.get("SPECHEADS_FUSED_LAYOUT", "auto") == "col":
         return False
-    return kernels.policy() == "auto" and smallm.available()
+    return dtype == torch.float32 and kernels.policy() == "auto" and smallm.available()
 
 
 def _column_major(module) -> None:

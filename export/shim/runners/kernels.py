@@ -212,8 +212,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """``F.linear(x, w, b)`` through the kernel chosen for this shape and row count.
 
     A weight remembers its choices (``w._specheads_kernel``: its stamp, then per row bucket, bias, thread
-    count and policy the kernel and the weight in that kernel's layout), so a call after the first costs one
-    attribute read and one dict lookup on top of the kernel."""
+    count and policy the kernel and the weight's copy in that kernel's layout, None for the weight itself),
+    so a call after the first costs one attribute read and one dict lookup on top of the kernel."""
     if (
         _policy == "torch"
         or x.device.type != "cpu"
@@ -223,7 +223,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         return F.linear(x, w, b)
     if _policy == "onednn":
         return _run("onednn:row", x, w, b) if _onednn_ok(w.dtype) else F.linear(x, w, b)
-    rows = x.numel() // x.shape[-1] if x.numel() else 1
+    if not x.numel():
+        return F.linear(x, w, b)
+    rows = x.numel() // x.shape[-1]
     bucket = _BUCKET_OF[min(rows, BUCKETS[-1])]
     fast = (bucket, b is not None, torch.get_num_threads(), _policy)
     memo = getattr(w, "_specheads_kernel", None)
@@ -231,7 +233,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if memo is not None and memo[0] == stamp:
         hit = memo[1].get(fast)
         if hit is not None:
-            kernel, wl = hit
+            kernel, copy = hit
+            wl = w if copy is None else copy
             if kernel == "torch":
                 return F.linear(x, wl, b)
             if kernel == "smallm":
@@ -245,7 +248,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     out = _run(choice, x, w, b, stored)
     kernel, layout = choice.split(":")
     table = memo[1] if memo is not None and memo[0] == stamp else {}
-    table[fast] = (kernel, _in_layout(w, layout, stored))
+    wl = _in_layout(w, layout, stored)
+    table[fast] = (kernel, None if wl is w else wl)  # never the weight itself: no reference cycle keeps it alive
     w._specheads_kernel = (stamp, table)  # type: ignore[attr-defined]  # our memo, on the weight
     return out
 

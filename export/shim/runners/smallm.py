@@ -70,6 +70,9 @@ def _load() -> None:
     where = build_dir() / name
     where.mkdir(parents=True, exist_ok=True)
     with locked(where / "build"):  # several processes starting together build once
+        # torch's own baton file: left behind by a build that was killed, it would make every later load wait
+        # forever; no other process can be building while we hold our lock
+        (where / "lock").unlink(missing_ok=True)
         cpp_extension.load(
             name=name,
             sources=[str(SOURCE)],
@@ -105,5 +108,5 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     rows = x.reshape(-1, x.shape[-1])
     if not rows.is_contiguous():
         rows = rows.contiguous()
-    out = torch.ops.specheads_smallm.linear(rows, w, b)
+    out = torch.ops.specheads_smallm.linear(rows, w, b.contiguous() if b is not None else None)
     return out.view(*x.shape[:-1], w.shape[0])
