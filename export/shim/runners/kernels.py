@@ -56,11 +56,8 @@ _BUCKET_OF = [0] + [next(b for b in BUCKETS if b >= r) for r in range(1, BUCKETS
 COPY_MARGIN = 0.9
 #: Any other candidate must be this much faster than ``F.linear`` on the stored weight (a tie stays on it).
 SWITCH_MARGIN = 0.95
-#: Candidates are timed on weights this large together (several copies of a small one): out of cache.
-COLD_BYTES = 48 << 20
-MAX_COPIES = 64
-#: Bumped when the way candidates are timed changes (old choices files are then not read).
-TIMING = "cold-2"
+COLD_BYTES, MAX_COPIES = 48 << 20, 64  # candidates are timed on copies of a weight this large together
+TIMING = "cold-2"  # bumped when the way candidates are timed changes (old choices files are then not read)
 
 _policy = os.environ.get("SPECHEADS_KERNELS", "auto")
 _choices: dict[tuple, str] = {}  # (out, in, dtype, bias, bucket, threads, layout, own) -> "kernel:layout"
