@@ -150,13 +150,12 @@ def _fuse(linears, attr: str, column_major: bool) -> torch.Tensor:
 def _row_major_ok(dtype: torch.dtype = torch.float32) -> bool:
     """Whether CPU weights may stay row-major: where the picker can run a row-major weight on ``smallm`` at
     1-8 rows (:mod:`.smallm`), the reason for :func:`_column_major` is gone, and one layout per weight keeps
-    a decoding step from streaming two copies of it (``SPECHEADS_FUSED_LAYOUT=col`` keeps column-major). smallm is
-    float32 only: other dtypes stay column-major."""
+    a decoding step from streaming two copies of it (``SPECHEADS_FUSED_LAYOUT=col`` keeps column-major); float32
+    only, as smallm is."""
     from specheads.export.shim.runners import kernels, smallm
 
-    if os.environ.get("SPECHEADS_FUSED_LAYOUT", "auto") == "col":
-        return False
-    return dtype == torch.float32 and kernels.policy() == "auto" and smallm.available()
+    col = os.environ.get("SPECHEADS_FUSED_LAYOUT", "auto") == "col"
+    return not col and dtype == torch.float32 and kernels.policy() == "auto" and smallm.available()
 
 
 def _column_major(module) -> None:
