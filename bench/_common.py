@@ -13,13 +13,23 @@ import torch
 
 
 def run_info(script: str, argv: list[str] | None, setting: str) -> dict:
-    """``command`` (to rerun it) and ``machine`` (where it ran) for a result file."""
+    """``command`` (to rerun it), ``machine`` and ``cpu`` (where it ran) for a result file."""
+    from specheads.machine import cpu_model
+
     args = argv if argv is not None else sys.argv[1:]
     return {
         "command": f"python bench/{Path(script).name} " + " ".join(args),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, {setting}",
+        "cpu": cpu_model(),
     }
+
+
+def write_result(path: str | Path, result: dict) -> None:
+    """Writes a result file (its folder created) and says where on stderr."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def eval_config(prog: str, recipe: str, overrides: list[str]):

@@ -38,7 +38,6 @@ from specheads.export.shim.runners import kernels, smallm
 from specheads.export.shim.runners.model_runner import FusedRunner, ModelRunner
 from specheads.export.shim.runners.models import ModelSpec, load_model
 from specheads.export.shim.vocab.vocab_pruning import prune, read_ranking, subset_from_ranking
-from specheads.machine import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
@@ -224,7 +223,6 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + json.dumps(ratios, indent=1))
     out = {
         **run_info(__file__, argv, "fp32, batch 1, 100-token prefix, median of interleaved repetitions"),
-        "cpu": cpu_model(),
         "smallm": smallm.available() or smallm.why_not(),
         "kernels": kernels.describe(),
         "table": table,

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -48,16 +47,6 @@ SETS = {  # prompts no training read: past the quickstart's eval slice and the d
 REGIMES = {"greedy": ["sampling.do_sample=false"], "t1": ["sampling.do_sample=true", "sampling.temperature=1.0"]}
 DRAFTERS = {"eagle": "quickstart", "draft": "specdecpp_draft_quickstart"}
 LOSSLESS = ("k", "h", "c")  # row prefixes of the lossless rules run here
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def cell_args(drafter: str, regime: str, name: str, args, out: Path) -> list[str]:
@@ -229,7 +218,6 @@ def main(argv: list[str] | None = None) -> int:
                 cells[cell] = summarise_cell(sweep, rows, regime == "greedy")
     result = {
         **run_info(__file__, argv, f"fp32, batch 1, {args.n} prompts per set x {args.max_new} new tokens"),
-        "cpu": cpu_model(),
         "cells": cells,
         "summary": summary(cells),
     }

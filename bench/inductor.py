@@ -18,18 +18,16 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-from _common import run_info
+from _common import run_info, write_result
 
 from specheads.export.shim.runners import kernels
 from specheads.export.shim.runners.fused import decoder_layers
 from specheads.export.shim.runners.model_runner import FusedRunner
 from specheads.export.shim.runners.models import ModelSpec, load_model
-from specheads.machine import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
@@ -103,15 +101,12 @@ def main(argv=None) -> int:
     print(json.dumps(ratios, indent=1))
     result = {
         **run_info(__file__, argv, "fp32, batch 1, decoder stack after a 100-token prefix, interleaved medians"),
-        "cpu": cpu_model(),
         "compile_s": compile_s,
         "max_abs_diff_over_scale": exact,
         "table": rows,
         "ratios": ratios,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_result(args.out, result)
     return 0
 
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import run_info
+from _common import run_info, write_result
 
 from specheads.export import load_pair
 from specheads.export.api import load_eagle
@@ -33,7 +33,6 @@ from specheads.export.shim.loop.engine import Engine
 from specheads.export.shim.policies import StandardSD, TargetOnly
 from specheads.export.shim.runners import eagle_drafter, model_runner
 from specheads.export.shim.runners.models import ModelSpec
-from specheads.machine import cpu_model
 from specheads.prompts import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,14 +143,12 @@ def main(argv=None) -> int:
     print(json.dumps(summary, indent=1))
     result = {
         **run_info(__file__, argv, "greedy, fp32, batch 1"),
-        "cpu": cpu_model(),
         "prompts": f"gsm8k/test.jsonl [{args.offset}:{args.offset + args.n}]",
         "cost_tables": {k: t.describe() for k, t in tables.items()},
         "table": rows,
         "ratios": summary,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)
     return 0
 
 

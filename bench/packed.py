@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import run_info
+from _common import run_info, write_result
 
 from specheads.export import load_pair
 from specheads.export.api import Decoder, load_eagle
@@ -168,7 +168,6 @@ def main(argv=None) -> int:
     print(json.dumps(ratios, indent=1))
     result = {
         **run_info(__file__, argv, "greedy, fp32, EAGLE head, batch sizes " + ", ".join(map(str, sizes))),
-        "cpu": cpu_model(),
         "prompts": [
             f"gsm8k/test.jsonl [{args.offset}:{args.offset + half}]",
             f"mt_bench/question.jsonl [{args.mtbench_offset}:{args.mtbench_offset + args.n - half}]",
@@ -183,9 +182,7 @@ def main(argv=None) -> int:
         "greedy_identical_to_target": all(r["identical_to_target"] for r in table),
         "ratios": ratios,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_result(args.out, result)
     return 0
 
 

@@ -30,17 +30,28 @@ def cache_dir(sub: str = "") -> Path:
     return path
 
 
-@lru_cache(maxsize=1)
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` of ``/proc/cpuinfo`` (None where there is no such file or field)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
             for line in fh:
-                if line.startswith("model name"):
+                if line.startswith(field):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+@lru_cache(maxsize=1)
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> str:
+    """The CPU's feature flags (``/proc/cpuinfo``; empty elsewhere): what ``-march=native`` compiles for."""
+    return _cpuinfo("flags") or ""
 
 
 @lru_cache(maxsize=1)

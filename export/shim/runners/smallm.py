@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from specheads.machine import cpu_model, locked
+from specheads.machine import cpu_flags, cpu_model, locked
 
 log = logging.getLogger(__name__)
 
@@ -40,19 +40,9 @@ def build_dir() -> Path:
     return root
 
 
-def _flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 def _name() -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), cpu_model().encode(), _flags().encode()):
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), cpu_model().encode(), cpu_flags().encode()):
         h.update(part)
     return f"specheads_smallm_{h.hexdigest()[:12]}"
 
