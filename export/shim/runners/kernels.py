@@ -120,12 +120,16 @@ def _run(
     choice: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stored: str | None = None
 ) -> torch.Tensor:
     kernel, layout = choice.split(":")
-    wl = _in_layout(w, layout, stored)
-    if kernel == "onednn":
-        return torch.ops.mkldnn._linear_pointwise(x, wl, b, "none", [], "")
+    return _call(kernel, x, _in_layout(w, layout, stored), b)
+
+
+def _call(kernel: str, x: torch.Tensor, wl: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``kernel`` (``torch``, ``onednn`` or ``smallm``) on the weight already in its layout."""
+    if kernel == "torch":
+        return F.linear(x, wl, b)
     if kernel == "smallm":
         return smallm.linear(x, wl, b)
-    return F.linear(x, wl, b)
+    return torch.ops.mkldnn._linear_pointwise(x, wl, b, "none", [], "")
 
 
 def _smallm_ok(dtype: torch.dtype, rows: int) -> bool:
@@ -231,12 +235,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         hit = memo[1].get(fast)
         if hit is not None:
             kernel, copy = hit
-            wl = w if copy is None else copy
-            if kernel == "torch":
-                return F.linear(x, wl, b)
-            if kernel == "smallm":
-                return smallm.linear(x, wl, b)
-            return torch.ops.mkldnn._linear_pointwise(x, wl, b, "none", [], "")
+            return _call(kernel, x, w if copy is None else copy, b)
     stored = _layout_of(w)
     key = (w.shape[0], w.shape[1], w.dtype, b is not None, bucket, fast[2], stored, _policy == "auto")
     choice = _choices.get(key)
