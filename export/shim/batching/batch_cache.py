@@ -176,8 +176,7 @@ class BatchRunner:
         mask = (causal[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=self.device)[None]
         cos, sin = self.cos[:width], self.sin[:width]  # right-padded: row positions are 0, 1, ...
         seen = dict.fromkeys(self.aux) if self.aux else None
-        flat = real.flatten()
-        pack = flat.nonzero().squeeze(1) if self.packed and not bool(flat.all()) else None  # prompts of unequal length
+        pack = self._pack(real, sum(len(tokens[r]) for r in rows))  # prompts of unequal length
         decoder_layers(
             s,
             self.model.get_input_embeddings()(ids),
@@ -243,11 +242,7 @@ class BatchRunner:
         seen = dict.fromkeys(self.aux) if self.aux else None
         top = max(rows) + 1
         fed = sum(len(tokens[r]) for r in rows)
-        pack = None
-        if self.packed and fed < top * width:
-            pack = torch.tensor(
-                [r * width + j for r in rows for j in range(len(tokens[r]))], dtype=torch.long, device=self.device
-            )
+        pack = self._pack(real[:top], fed)
         self.fed_tokens += fed
         self.computed_tokens += fed if pack is not None else top * width
         x = decoder_layers(
@@ -283,6 +278,13 @@ class BatchRunner:
             out[r] = (logits[at : at + k], hid[at : at + k] if hid is not None else None)
             at += k
         return out
+
+    def _pack(self, real: torch.Tensor, fed: int) -> torch.Tensor | None:
+        """The positions of ``real.flatten()`` that hold the ``fed`` real tokens, when packing is on and saves
+        rows (None: every position is computed)."""
+        if not self.packed or fed == real.numel():
+            return None
+        return real.flatten().nonzero().squeeze(1)
 
     def _keep_aux(self, seen, fed: dict[int, tuple[int, int, int]]) -> None:
         """``aux_states`` of the forward that just ran: per row ``r`` in ``fed`` (``(batch index, first position,
