@@ -1,6 +1,6 @@
 """Whether Inductor (``torch.compile``) on the CPU cuts the non-GEMM part of a decoding forward, and exactly.
 
-A 1-token fused forward of the shared target spends about 21 of 29 ms in its linear layers (bound by reading the
+A 1-token fused forward of the shared target spends most of its time in its linear layers (bound by reading the
 weights) and the rest in norms, rotary, attention, adds and Python. gpt-fast removes that class of overhead on
 GPUs with ``torch.compile``. This compiles the fused decoder stack (``decoder_layers``, the 30 layers, at a
 fixed cache position after a 100-token prefix; ``F.linear`` inside, ``SPECHEADS_KERNELS=torch``, since the picker's
