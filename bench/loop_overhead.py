@@ -45,7 +45,7 @@ class Clock:
     ``draft`` and ``commit``, forwards and drafting logic together): ``(who, seconds)`` per call."""
 
     def __init__(self, target):
-        self.target, self.log = target, []
+        self.log: list[tuple[str, float]] = []
         self._wrap(model_runner.FusedRunner, "forward", lambda runner: "target" if runner.model is target else None)
         for cls in (engine_mod._SameVocabulary, eagle_drafter.EagleDrafter):
             for name in ("draft", "commit"):
@@ -57,8 +57,9 @@ class Clock:
         def timed(obj, *a, **k):
             t = time.perf_counter()
             out = orig(obj, *a, **k)
-            if who(obj) is not None:  # the draft model's forwards are inside its drafter's calls
-                log.append((who(obj), time.perf_counter() - t))
+            name = who(obj)
+            if name is not None:  # the draft model's forwards are inside its drafter's calls
+                log.append((name, time.perf_counter() - t))
             return out
 
         setattr(cls, name, timed)
