@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,7 +34,8 @@ from specheads import extras
 from specheads.config import _setup_logging, help_text, load_config, schema_for
 from specheads.errors import UserError
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, write_manifest
-from specheads.pipeline_report import gains, print_summary, summarize  # noqa: F401  (re-exported)
+from specheads.pipeline_gains import where_heads_pay
+from specheads.pipeline_report import print_summary, summarize
 
 log = logging.getLogger(__name__)
 PROG = "heads-pipeline"
@@ -49,6 +51,14 @@ class PipelineConfig:
         default="runs/pipeline", metadata={"help": "summary.json, metrics.jsonl, config.yaml, manifest.json"}
     )
     overwrite: bool = False
+    regimes: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "more decoding regimes, each run through datagen -> train -> export -> eval again after the "
+            "recipe's own (outputs <dir>-<regime>): greedy, or t<temperature> (t1, t0.7); the summary names the "
+            "regime with the largest stop-rule ceiling and compares the learned head with the training-free rules there"
+        },
+    )
 
 
 def _split(argv: list[str]) -> tuple[str | None, dict[str, list[str]], list[str]]:
@@ -67,6 +77,39 @@ def _split(argv: list[str]) -> tuple[str | None, dict[str, list[str]], list[str]
 
 def _top_level(schema) -> set[str]:
     return {f.name for f in dataclasses.fields(schema)}
+
+
+REGIME_STAGES = ("datagen", "train", "export", "eval")
+
+
+def regime_args(name: str) -> list[str]:
+    """The overrides that make the recipe's run regime ``name``: ``greedy`` or ``t<temperature>``."""
+    if name == "greedy":
+        return ["sampling.do_sample=false"]
+    match = re.fullmatch(r"t(\d+(?:\.\d*)?)", name)
+    if not match or not float(match[1]) > 0:
+        raise UserError(f"pipeline.regimes: {name!r} is not a regime; write greedy or t<temperature> (t1, t0.7)")
+    # trees are verified greedily: a sampled regime has none
+    return ["sampling.do_sample=true", f"sampling.temperature={float(match[1])}", "eval.trees=[]"]
+
+
+def recipe_regime(cfgs: dict) -> str:
+    """The regime the recipe itself runs (named as in ``pipeline.regimes``)."""
+    s = cfgs["datagen"].sampling
+    return f"t{s.temperature:g}" if s.do_sample else "greedy"
+
+
+def regime_configs(argv: list[str], pipe: PipelineConfig, cfgs: dict) -> dict[str, dict]:
+    """Each of ``pipe.regimes``' stage configs: the recipe's, with its sampling and each output_dir + ``-<name>``."""
+    out = {}
+    for name in pipe.regimes:
+        if name == recipe_regime(cfgs) or name in out:
+            raise UserError(
+                f"pipeline.regimes: {name!r} is listed twice (the recipe itself runs {recipe_regime(cfgs)})"
+            )
+        dirs = [f"{s}.output_dir={cfgs[s].output_dir}-{name}" for s in REGIME_STAGES if s in cfgs]
+        out[name] = load_configs([*argv, *regime_args(name), *dirs])[1]
+    return out
 
 
 def load_configs(argv: list[str]) -> tuple[PipelineConfig, dict]:
@@ -160,6 +203,7 @@ def run(argv: list[str]) -> int:
     from specheads.config import to_yaml
 
     pipe, cfgs = load_configs(argv)
+    more = regime_configs(argv, pipe, cfgs)  # every regime's configs checked before anything runs
     for stage in pipe.stages:  # every stage's extra up front, not after hours of the earlier stages
         if STAGE_EXTRAS.get(stage):
             extras.require(STAGE_EXTRAS[stage])
@@ -167,19 +211,32 @@ def run(argv: list[str]) -> int:
         f"{s}:\n" + "".join(f"  {line}\n" for line in to_yaml(cfgs[s]).splitlines()) for s in STAGES if s in cfgs
     )
     out = prepare_output_dir(pipe.output_dir, to_yaml(pipe) + text, overwrite=pipe.overwrite)
-    times = {}
+    plan = [(None, pipe.stages, cfgs)] + [(n, [s for s in pipe.stages if s != "vocab"], c) for n, c in more.items()]
+    times: dict = {}
     with MetricsWriter(out) as metrics:
-        for stage in pipe.stages:
-            log.info("== %s ==", stage)
-            t0 = time.perf_counter()
-            code = _runner(stage)(cfgs[stage])
-            times[stage] = time.perf_counter() - t0
-            metrics.write(stage=stage, seconds=round(times[stage], 3), exit_code=code or 0)
-            if code:
-                return code
-    summary = summarize(cfgs, times)
+        for regime, stages, stage_cfgs in plan:
+            mine = times.setdefault(regime, {})
+            for stage in stages:
+                log.info("== %s%s ==", stage, f" ({regime})" if regime else "")
+                t0 = time.perf_counter()
+                code = _runner(stage)(stage_cfgs[stage])
+                mine[stage] = time.perf_counter() - t0
+                metrics.write(
+                    stage=stage,
+                    **({"regime": regime} if regime else {}),
+                    seconds=round(mine[stage], 3),
+                    exit_code=code or 0,
+                )
+                if code:
+                    return code
+    summary = summarize(cfgs, times.pop(None))
+    if more:
+        summary["regime"] = recipe_regime(cfgs)
+        summary["regimes"] = {name: summarize(more[name], times[name]) for name in more}
+        summary["where_heads_pay"] = where_heads_pay({summary["regime"]: summary, **summary["regimes"]})
     atomic_write_json(out / "summary.json", summary)
-    write_manifest(out, command=PROG, stages=pipe.stages, seconds=round(sum(times.values()), 1))
+    seconds = sum(sum(t.values()) for t in times.values()) + sum(summary["stage_seconds"].values())
+    write_manifest(out, command=PROG, stages=pipe.stages, regimes=pipe.regimes, seconds=round(seconds, 1))
     print_summary(summary)
     return 0
 

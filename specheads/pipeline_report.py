@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from specheads.pipeline_gains import gains, where_lines
+
 
 def summarize(cfgs: dict, times: dict) -> dict:
     """Facts from the stages' outputs: labels, head quality, the sweep's headline rows."""
@@ -79,100 +81,23 @@ def summarize(cfgs: dict, times: dict) -> dict:
     return out
 
 
-def _row(table: list[dict], name: str | None) -> dict | None:
-    return next((r for r in table if r["config"] == name), None)
-
-
-def _x(a: float | None, b: float | None) -> str:
-    return f"{a / b:.3f}x" if a and b else "-"
-
-
-LOSSLESS_DRAFTING = (
-    "k",
-    "h",
-    "c",
-    "v-",
-    "tree-",
-)  # rows that draft, lossless: SD, SpecDec++, confidence, TLI/SLEM, trees
-
-
-def gains(ev: dict) -> list[str]:
-    """The two gains the main job shows, as lines: the drafter's (its fastest lossless row against the target
-    alone) and the stop rules' (each stop-head and confidence row against the fastest fixed K)."""
-    table, lines = ev["table"], []
-    ar, k = _row(table, "ar"), _row(table, ev.get("best_fixed_k"))
-    drafting = [r for r in table if r["config"].startswith(LOSSLESS_DRAFTING)]
-    if ar and drafting:
-        best = max(drafting, key=lambda r: r["tokens_per_s"])
-        lines.append(
-            f"drafter gain ({ev.get('drafter') or 'drafter'}): its fastest lossless row {best['config']} "
-            f"{best['tokens_per_s']} tokens/s = {_x(best['tokens_per_s'], ar['tokens_per_s'])} the target "
-            f"alone ({ar['tokens_per_s']} tokens/s)"
-            + (f"; best fixed K {k['config']} {_x(k['tokens_per_s'], ar['tokens_per_s'])}" if k else "")
-        )
-    heads = [r for r in table if r["config"].startswith("h")]
-    free = [r for r in table if r["config"].startswith("c")]
-    if k and (heads or free):
-        line = f"stop head gain over the best fixed K ({k['config']}, {k['tokens_per_s']} tokens/s): " + (
-            ", ".join(
-                f"{r['config']} {r['tokens_per_s']} tokens/s = {_x(r['tokens_per_s'], k['tokens_per_s'])}"
-                for r in heads
-            )
-            or "no stop-head row"
-        )
-        if free:
-            line += "; training-free " + ", ".join(
-                f"{r['config']} {_x(r['tokens_per_s'], k['tokens_per_s'])}" for r in free
-            )
-        lines.append(line)
-        lines += ceiling_lines(ev)
-    return lines
-
-
-PAYS = 1.05  # a ceiling below this over the best fixed K leaves no stop rule room to pay (noise is a few %)
-
-
-def ceiling_lines(ev: dict) -> list[str]:
-    """The honest ceilings in words: what a perfect stop rule (the row's own lag) would gain over the best fixed
-    K in the cost model, each stop row's share of it, and whether any rule can pay here at all."""
-    ceilings = ev.get("ceilings") or {}
-    if not ceilings:
-        bound = (ev.get("ratios") or {}).get("perfect_head_cost_gain_vs_best_fixed_k")
-        return [f"ceiling: a perfect stop head {bound:.3f}x the best fixed K (cost model)"] if bound else []
-    figures = {k: v["vs_best_fixed_k"] for k, v in ceilings.items() if v.get("vs_best_fixed_k")}
-    if not figures:
-        return []
-    line = "ceiling (a perfect stop rule over the best fixed K, cost model): " + ", ".join(
-        f"{x:.3f}x at lag {k.removeprefix('lag')}" for k, x in sorted(figures.items())
-    )
-    shares = [
-        f"{r['config']} {r['share_of_ceiling']:.2f}" for r in ev["table"] if r.get("share_of_ceiling") is not None
-    ]
-    if shares:
-        line += "; share of its ceiling: " + ", ".join(shares)
-    out = [line]
-    if max(figures.values()) < PAYS:
-        out.append(
-            f"no stop rule can pay here: even a perfect one gains at most {max(figures.values()):.3f}x over the best "
-            "fixed K (short acceptance runs; stop rules pay with longer runs, sampling or compute-bound batches)"
-        )
-        return out
-    low = [k for k, x in sorted(figures.items()) if x < PAYS]
-    for key in low:  # a lag whose perfect rule cannot pay, while another's can
-        lag = key.removeprefix("lag")
-        rows = [r["config"] for r in ev["table"] if r.get("ceiling_vs_best_fixed_k") == figures[key]]
-        out.append(
-            f"no lag-{lag} stop rule can pay here ({', '.join(rows) or 'none run'}): even a perfect one is "
-            f"{figures[key]:.3f}x the best fixed K; one that scores a candidate as it is drawn (lag 0) can reach "
-            f"{max(figures.values()):.3f}x"
-        )
-    return out
-
-
 def print_summary(summary: dict, file=None) -> None:
+    """The summary as printed at the end of ``heads-pipeline``: the recipe's run, each further regime's, and
+    where a stop head can pay."""
     file = file or sys.stdout
     p = lambda *a: print(*a, file=file)  # noqa: E731
-    p("\n== heads-pipeline summary ==")
+    p("\n== heads-pipeline summary ==" + (f" ({summary['regime']})" if summary.get("regime") else ""))
+    _print_run(summary, p)
+    for name, sub in (summary.get("regimes") or {}).items():
+        p(f"\n== regime {name} ==")
+        _print_run(sub, p)
+    if summary.get("regimes"):
+        p("")
+        for line in where_lines(summary.get("where_heads_pay")):
+            p(line)
+
+
+def _print_run(summary: dict, p) -> None:
     p("stage seconds: " + ", ".join(f"{k} {v}" for k, v in summary["stage_seconds"].items()))
     if "datagen" in summary:
         d = summary["datagen"]

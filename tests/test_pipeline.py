@@ -196,10 +196,8 @@ def _eagle_head(target_dir, path):
     return path
 
 
-def test_an_eagle_pipeline_labels_trains_exports_and_sweeps_on_the_head(tiny_pair_dirs, tmp_path, capsys):
-    """The quickstart's shape on tiny models: labels=eagle_rounds -> head=eagle_stop (a confidence head, d + 1
-    inputs) -> export -> heads-eval eagle=; the vocab section is skipped (no draft model), and the summary
-    prints the drafter's gain over the target alone and the stop rules' over the best fixed K."""
+def _eagle_recipe(tiny_pair_dirs, tmp_path):
+    """The quickstart's shape on tiny models, priced by a synthetic cost table (no timing decides a test)."""
     from specheads.export.shim.costs.cost_table import CostTable
 
     path, runs = _recipe(tmp_path, tiny_pair_dirs)
@@ -215,6 +213,15 @@ def test_an_eagle_pipeline_labels_trains_exports_and_sweeps_on_the_head(tiny_pai
         eagle=eagle, thresholds=[0.5], confidence=[0.5], confidence_k_max=4, k_min=1, k_max=4, profile=str(table)
     )
     path.write_text(yaml.safe_dump(recipe))
+    return path, runs, eagle
+
+
+def test_an_eagle_pipeline_labels_trains_exports_and_sweeps_on_the_head(tiny_pair_dirs, tmp_path, capsys):
+    """The quickstart's shape on tiny models: labels=eagle_rounds -> head=eagle_stop (a confidence head, d + 1
+    inputs) -> export -> heads-eval eagle=; the vocab section is skipped (no draft model), and the summary
+    prints the drafter's gain over the target alone and the stop rules' over the best fixed K."""
+
+    path, runs, eagle = _eagle_recipe(tiny_pair_dirs, tmp_path)
     assert main([f"recipe={path}"]) == 0
     out = capsys.readouterr().out
     summary = json.loads((runs / "pipe" / "summary.json").read_text())
@@ -241,7 +248,7 @@ def test_an_eagle_pipeline_labels_trains_exports_and_sweeps_on_the_head(tiny_pai
 
 
 def test_the_drafter_gain_counts_every_lossless_row_and_the_stop_gain_the_stop_rules():
-    from specheads.pipeline import gains
+    from specheads.pipeline_gains import gains
 
     table = [
         {"config": "ar", "tokens_per_s": 20.0},
@@ -256,7 +263,7 @@ def test_the_drafter_gain_counts_every_lossless_row_and_the_stop_gain_the_stop_r
 
 
 def test_the_main_job_shows_each_stop_rows_ceiling_and_says_when_none_can_pay():
-    from specheads.pipeline_report import ceiling_lines
+    from specheads.pipeline_gains import ceiling_lines
 
     table = [
         {"config": "k2", "tokens_per_s": 25.0},
@@ -277,3 +284,67 @@ def test_the_main_job_shows_each_stop_rows_ceiling_and_says_when_none_can_pay():
         and "1.100x" in verdict
     )
     assert ceiling_lines({"table": table}) == []
+
+
+def test_a_sampled_regime_reruns_the_chain_and_the_summary_says_where_a_head_can_pay(tiny_pair_dirs, tmp_path, capsys):
+    """``pipeline.regimes=[t1]`` runs datagen -> train -> export -> eval again at temperature 1 into
+    ``<dir>-t1`` (each stage chained to its own regime's outputs), and the summary adds the regime's table and
+    names the regime with the largest ceiling."""
+    path, runs, _ = _eagle_recipe(tiny_pair_dirs, tmp_path)
+    assert main([f"recipe={path}", "pipeline.regimes=[t1]"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((runs / "pipe" / "summary.json").read_text())
+    assert summary["regime"] == "greedy" and list(summary["regimes"]) == ["t1"]
+    t1 = summary["regimes"]["t1"]
+    assert list(t1["stage_seconds"]) == ["datagen", "train", "export", "eval"]
+    assert [r["config"] for r in t1["eval"]["table"]] == [r["config"] for r in summary["eval"]["table"]]
+    dg = yaml.safe_load((runs / "dg-t1" / "config.yaml").read_text())
+    assert dg["sampling"]["do_sample"] and dg["sampling"]["temperature"] == 1.0
+    tr = yaml.safe_load((runs / "tr-t1" / "config.yaml").read_text())
+    ev = yaml.safe_load((runs / "ev-t1" / "config.yaml").read_text())
+    assert tr["data_dir"] == str(runs / "dg-t1") and ev["head"] == str(runs / "ex-t1" / "head.safetensors")
+    assert (
+        ev["sampling"]["do_sample"]
+        and not yaml.safe_load((runs / "ev" / "config.yaml").read_text())["sampling"]["do_sample"]
+    )
+    where = summary["where_heads_pay"]
+    assert set(where["ceilings"]) == {"greedy", "t1"} and where["ceiling"] == max(where["ceilings"].values())
+    assert "== regime t1 ==" in out and f"where a stop head can pay: {where['regime']}" in out
+    lines = [json.loads(x) for x in (runs / "pipe" / "metrics.jsonl").read_text().splitlines()]
+    assert [(x["stage"], x.get("regime")) for x in lines][-4:] == [
+        ("datagen", "t1"),
+        ("train", "t1"),
+        ("export", "t1"),
+        ("eval", "t1"),
+    ]
+
+
+def test_a_regime_that_is_not_one_or_is_listed_twice_stops_before_any_stage(tiny_pair_dirs, tmp_path, capsys):
+    path, runs = _recipe(tmp_path, tiny_pair_dirs)
+    for bad, words in (("[t0]", "'t0' is not a regime"), ("[hot]", "'hot' is not a regime"), ("[greedy]", "twice")):
+        assert main([f"recipe={path}", f"pipeline.regimes={bad}"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, err
+    assert not runs.exists()
+
+
+def test_where_a_head_can_pay_picks_the_largest_ceiling_and_names_the_fastest_rule_there():
+    from specheads.pipeline_gains import where_heads_pay, where_lines
+
+    def run(ceiling, rows):
+        table = [{"config": c, "tokens_per_s": v} for c, v in rows.items()]
+        return {"eval": {"table": table, "ceilings": {"lag0": {"vs_best_fixed_k": ceiling}, "lag1": {}}}}
+
+    greedy = run(1.03, {"ar": 30.0, "k1": 40.0, "h-cost": 39.0, "c-cost": 41.0})
+    t1 = run(1.16, {"ar": 30.0, "k1": 36.0, "k2": 35.0, "h-cost": 38.0, "c0.5": 37.0, "c-cost": 36.5})
+    where = where_heads_pay({"greedy": greedy, "t1": t1})
+    assert where["regime"] == "t1" and where["ceiling"] == 1.16 and where["pays"]
+    assert (where["best_fixed_k"], where["best_training_free"], where["best_head"]) == ("k1", "c0.5", "h-cost")
+    assert where["head_vs_best_training_free"] == round(38 / 37, 4)
+    lines = where_lines(where)
+    assert "greedy 1.030x, t1 1.160x" in lines[0] and lines[-1] == "fastest rule there: h-cost (the learned head pays)"
+    t1["eval"]["table"][3]["tokens_per_s"] = 35.0  # the head slower than the training-free rule
+    assert where_lines(where_heads_pay({"t1": t1}))[-1] == "fastest rule there: c0.5"
+    low = where_heads_pay({"greedy": greedy})
+    assert not low["pays"] and "in no regime run here can a stop rule pay" in where_lines(low)[-1]
+    assert where_heads_pay({"greedy": {"eval": {"table": []}}}) is None and where_lines(None) == []
