@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from specheads.heads.mlp import ResidualMLP
 
@@ -23,14 +24,42 @@ class AcceptanceHead(ResidualMLP):
             ``H(q)`` of the distribution the token was drawn from (nats), its top-1 margin (``log q`` of the
             most likely token minus the second's, at most 30) and the token's step in its round
             (``min(step, 16) / 16``): :func:`signal_values`.
+        skip: (needs ``confidence``) the logit is a linear function of ``log q(y)`` and the signals plus the
+            residual body's output on everything, which starts at zero: the head starts as the drafter's own
+            confidence (its ranking of candidates is q(y)'s) and the state only corrects it, so a head trained
+            on little data is not worse than q(y) from the start.
     """
 
-    def __init__(self, hidden_size: int, depth: int = 3, confidence: bool = False, signals: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        hidden_size: int,
+        depth: int = 3,
+        confidence: bool = False,
+        signals: tuple[str, ...] = (),
+        skip: bool = False,
+    ):
         signals = tuple(signals)
         if any(s not in SIGNALS for s in signals) or (signals and not confidence):
             raise ValueError(f"signals={list(signals)}: choose from {list(SIGNALS)}, with confidence=True")
+        if skip and not confidence:
+            raise ValueError("skip=True reads log q(y): it needs confidence=True")
         super().__init__(hidden_size + int(confidence) + len(signals), depth)
         self.hidden_size, self.confidence, self.signals = hidden_size, confidence, signals
+        self.skip = nn.Linear(1 + len(signals), 1) if skip else None
+        if self.skip is not None:
+            with torch.no_grad():  # logit = log q(y) at the start: the confidence's own order
+                self.skip.weight.zero_()
+                self.skip.weight[0, 0] = 1.0
+                self.skip.bias.zero_()
+                self.out.weight.zero_()
+                self.out.bias.zero_()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """``h``: ``[..., d + 1 (+ s)]`` (:meth:`features`) -> logits ``[...]``."""
+        logit = super().forward(h)
+        if self.skip is not None:
+            logit = logit + self.skip(h[..., self.hidden_size :]).squeeze(-1)
+        return logit
 
     @staticmethod
     def features(state: torch.Tensor, logq: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
@@ -46,6 +75,7 @@ class AcceptanceHead(ResidualMLP):
             {"hidden_size": self.hidden_size, "depth": self.depth}
             | ({"confidence": True} if self.confidence else {})
             | ({"signals": list(self.signals)} if self.signals else {})
+            | ({"skip": True} if self.skip is not None else {})
         )
 
 

@@ -163,12 +163,17 @@ def test_q_calibrated_on_log_q_and_step_is_a_stateless_linear_head(lag0_rounds, 
 
     head = load_head(trained / "head.safetensors").module
     assert sum(p.numel() for p in head.parameters()) == 3  # w_logq, w_step, bias
+    _decodes_as_the_target_alone(head, setup)
+
+
+def _decodes_as_the_target_alone(head, setup) -> None:  # noqa: F811
+    """SD on the EAGLE head, stopped by ``head`` at lag 0, gives the target alone's tokens and drafts."""
+    from specheads.export.shim.policies import TargetOnly
+
     pair = setup["pair"]
     eagle = load_eagle(str(setup["eagle"]), pair)
     engine = Engine(pair.target.model, None, pair.eos_token_ids, eagle=eagle.module)
     alone = Engine(pair.target.model, None, pair.eos_token_ids)
-    from specheads.export.shim.policies import TargetOnly
-
     for ids in ([5, 9, 11], [7, 3, 40]):
         got = engine.generate(ids, SpecDecPP(head, 0.5, 1, 6, position="previous"), 12)
         assert got.tokens == alone.generate(ids, TargetOnly(), 12).tokens and got.stats.drafted > 0
@@ -195,3 +200,35 @@ def test_the_signals_of_a_warped_distribution_with_zeros_are_finite_and_exact():
     point[3] = 0.0
     ent, margin = distribution_signals(point)
     assert float(ent) == 0.0 and float(margin) == 30.0  # a point mass: capped margin
+
+
+def test_a_skip_head_starts_as_the_drafters_confidence():
+    """skip=True: the logit is linear in [log q(y), signals] plus the residual body, which starts at zero, so an
+    untrained head ranks candidates exactly as q(y) does, whatever the state."""
+    head = AcceptanceHead(8, 2, confidence=True, signals=("step",), skip=True)
+    state, logq = torch.randn(5, 8), torch.rand(5).log()
+    x = AcceptanceHead.features(state, logq, torch.rand(5, 1))
+    assert torch.equal(head(x), logq) and head.config()["skip"] is True
+    with torch.no_grad():
+        head.out.weight.fill_(0.1)  # once trained, the state moves it
+    assert not torch.allclose(head(x), logq)
+    assert "skip" not in AcceptanceHead(8, 2, confidence=True).config()
+    with pytest.raises(ValueError, match="needs confidence=True"):
+        AcceptanceHead(8, 1, skip=True)
+
+
+def test_a_skip_head_trains_exports_and_decodes_losslessly(lag0_rounds, setup, tmp_path, capsys):  # noqa: F811
+    out, greedy = lag0_rounds
+    if not greedy:
+        pytest.skip("one training run suffices")
+    assert train_main(stop_args(out, tmp_path / "x", "stop_skip=true", "stop_confidence=false")) == 2
+    assert "stop_skip=true starts the head at log q(y): it needs stop_confidence=true" in capsys.readouterr().err
+    trained = tmp_path / "skip"
+    assert train_main(stop_args(out, trained, "depth=1", "stop_skip=true", "stop_signals=[step]")) == 0
+    meta = read_metadata(trained / "head.safetensors")
+    assert meta["head_config"] == {"hidden_size": 32, "depth": 1, "confidence": True, "signals": ["step"], "skip": True}
+    from specheads.export import load_head
+
+    head = load_head(trained / "head.safetensors").module
+    assert head.skip is not None and head.skip.weight.shape == (1, 2)
+    _decodes_as_the_target_alone(head, setup)

@@ -98,6 +98,15 @@ class TrainConfig:
             )
         },
     )
+    stop_skip: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "eagle_stop (with stop_confidence): the logit is linear in log q(y) and the signals plus the residual "
+                "body's correction, which starts at zero: the head starts as q(y)'s ranking and the state corrects it"
+            )
+        },
+    )
     stop_signals: list[str] = field(
         default_factory=list,
         metadata={

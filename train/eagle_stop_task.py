@@ -148,6 +148,8 @@ class EagleStopTask:
             out.append("stop_signals needs stop_confidence=true (the signals follow log q(y) in the features)")
         if not cfg.stop_state and not cfg.stop_confidence:
             out.append("stop_state=false needs stop_confidence=true (a head that reads nothing cannot learn)")
+        if cfg.stop_skip and not cfg.stop_confidence:
+            out.append("stop_skip=true starts the head at log q(y): it needs stop_confidence=true")
         return out
 
     @classmethod
@@ -170,7 +172,7 @@ class EagleStopTask:
     def build_head(self) -> AcceptanceHead:
         torch.manual_seed(self.cfg.seed)
         width = self.hidden if self.cfg.stop_state else 0
-        return AcceptanceHead(width, self.cfg.depth, self.cfg.stop_confidence, self._signals())
+        return AcceptanceHead(width, self.cfg.depth, self.cfg.stop_confidence, self._signals(), self.cfg.stop_skip)
 
     def _signals(self) -> tuple[str, ...]:
         return tuple(s for s in SIGNALS if s in self.cfg.stop_signals)  # the head's order
