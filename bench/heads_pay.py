@@ -9,8 +9,11 @@ logit(max q); ``c-entropy-cost``: AdaEDL's entropy bound); with ``--stop-head`` 
 ``--draft-head`` (draft model) the learned SpecDec++ head at its thresholds and ``h-cost``; with ``--lag0-head``
 (EAGLE, ``eagle_position=previous``) the lag-0 head's ``h0-<h>`` and ``h0-cost``; with ``--calibrated-head``
 (``stop_state=false depth=0``: q(y) calibrated on [log q, step], lag 0) its cost rule ``cq-cost``, counted with the
-training-free rules (three numbers fitted on the head's data, no state). Regimes: ``greedy`` and
-``t1`` (temperature 1), batch 1 (the cost table prices batch-1 forwards; batched regimes are not run here).
+training-free rules (three numbers fitted on the head's data, no state). Regimes: ``greedy``, ``t1``
+(temperature 1) and ``t0.7`` at batch 1, and ``greedy-b16`` / ``t1-b16``: 16 prompts decoded together, packed
+(each row verifies only its own candidates), every stop rule priced at the batch; ``--n-batch`` prompts of
+``--max-new-batch`` tokens per set so that the batch stays full. The cost table prices batch-1 rounds, so the
+B = 16 cells have no ceiling or oracle.
 
     python bench/heads_pay.py --stop-head runs/quickstart-export/head.safetensors \
         --lag0-head runs/lag0-export/head.safetensors
@@ -36,6 +39,7 @@ from pathlib import Path
 from _common import run_info
 
 from specheads.evaluate.cli import main as eval_main
+from specheads.pipeline_gains import fastest, speed_ratio
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
@@ -44,30 +48,52 @@ SETS = {  # prompts no training read: past the quickstart's eval slice and the d
     "mt_bench": ("data/mt_bench/question.jsonl", 40),
     "alpaca": ("data/alpaca/alpaca_5000.json", 4600),
 }
-REGIMES = {"greedy": ["sampling.do_sample=false"], "t1": ["sampling.do_sample=true", "sampling.temperature=1.0"]}
+GREEDY, T1 = ["sampling.do_sample=false"], ["sampling.do_sample=true", "sampling.temperature=1.0"]
+BATCH = ["batch_size=16", "packed=true", "oracle=false"]  # the cost table prices batch-1 rounds: no ceiling at B = 16
+REGIMES = {
+    "greedy": GREEDY,
+    "t1": T1,
+    "t0.7": ["sampling.do_sample=true", "sampling.temperature=0.7"],
+    "greedy-b16": GREEDY + BATCH,
+    "t1-b16": T1 + BATCH,
+}
 DRAFTERS = {"eagle": "quickstart", "draft": "specdecpp_draft_quickstart"}
 LOSSLESS = ("k", "h", "c")  # row prefixes of the lossless rules run here
 
 
+def for_regime(value: str | None, regime: str) -> str | None:
+    """A head flag's file for ``regime``: the flag itself, or from ``regime=path,...`` pairs (a B = 16 regime reads
+    its batch-1 regime's head; a regime without a pair runs without that head)."""
+    if not value or "=" not in value:
+        return value
+    pairs = dict(item.split("=", 1) for item in value.split(","))
+    return pairs.get(regime.removesuffix("-b16"))
+
+
 def cell_args(drafter: str, regime: str, name: str, args, out: Path) -> list[str]:
     path, offset = SETS[name]
-    head = args.stop_head if drafter == "eagle" else args.draft_head
-    lag0 = args.lag0_head if drafter == "eagle" else None
+    n, max_new = (args.n_batch, args.max_new_batch) if regime.endswith("-b16") else (args.n, args.max_new)
+    head = for_regime(args.stop_head if drafter == "eagle" else args.draft_head, regime)
+    lag0 = for_regime(args.lag0_head, regime) if drafter == "eagle" else None
+    platt = for_regime(args.calibrated_head, regime) if drafter == "eagle" else None
     stop = {"head": lag0, "k_min": 1, "k_max": args.k_max}
     extra = []
     if lag0:
-        extra.append(f"{{policy: specdecpp, settings: {json.dumps(stop)}, sweep: {{h: {args.thresholds}}}, name: h0-}}")
+        if args.thresholds.strip("[] "):
+            extra.append(
+                f"{{policy: specdecpp, settings: {json.dumps(stop)}, sweep: {{h: {args.thresholds}}}, name: h0-}}"
+            )
         extra.append(f"{{policy: specdecpp, settings: {json.dumps({**stop, 'stop': 'cost'})}, name: h0-cost}}")
-    if drafter == "eagle" and args.calibrated_head:
-        platt = {**stop, "head": args.calibrated_head, "stop": "cost"}
-        extra.append(f"{{policy: specdecpp, settings: {json.dumps(platt)}, name: cq-cost}}")
+    if platt:
+        cq = {**stop, "head": platt, "stop": "cost"}
+        extra.append(f"{{policy: specdecpp, settings: {json.dumps(cq)}, name: cq-cost}}")
     rows = f"rows=[{', '.join(extra)}]"
     return [
         f"recipe={DRAFTERS[drafter]}",
-        f"prompts={SHARED / path}[{offset}:{offset + args.n}]",
+        f"prompts={SHARED / path}[{offset}:{offset + n}]",
         "offset=0",
         "num_prompts=null",
-        f"max_new_tokens={args.max_new}",
+        f"max_new_tokens={max_new}",
         "ks=[1,2,3,4]",
         "k_min=1",
         f"k_max={args.k_max}",
@@ -76,7 +102,7 @@ def cell_args(drafter: str, regime: str, name: str, args, out: Path) -> list[str
         "confidence_estimates=[q,online,entropy]",
         "cost_stop=true",
         "trees=[]",
-        "oracle=true",
+        *([] if regime.endswith("-b16") else ["oracle=true"]),
         "quality=false",
         "fidelity=false",
         f"seed={args.seed}",
@@ -89,21 +115,12 @@ def cell_args(drafter: str, regime: str, name: str, args, out: Path) -> list[str
     ]
 
 
-def best(table: list[dict], pick) -> dict | None:
-    rows = [r for r in table if pick(r["config"])]
-    return max(rows, key=lambda r: r["tokens_per_s"]) if rows else None
-
-
-def ratio(a: dict | None, b: dict | None) -> float | None:
-    return round(a["tokens_per_s"] / b["tokens_per_s"], 4) if a and b and b["tokens_per_s"] else None
-
-
 def summarise_cell(sweep: dict, rows: list[dict], greedy: bool) -> dict:
     table = sweep["table"]
-    fixed = best(table, lambda c: c.startswith("k"))
-    free = best(table, lambda c: c.startswith("c"))
-    head = best(table, lambda c: c.startswith("h") and not c.startswith("h0-"))
-    lag0 = best(table, lambda c: c.startswith("h0-"))
+    fixed = fastest(table, lambda c: c.startswith("k"))
+    free = fastest(table, lambda c: c.startswith("c"))
+    head = fastest(table, lambda c: c.startswith("h") and not c.startswith("h0-"))
+    lag0 = fastest(table, lambda c: c.startswith("h0-"))
     ar = {r["index"]: r["tokens"] for r in rows if r["config"] == "ar"}
     lossless = [r for r in rows if r["config"].startswith(LOSSLESS)]
     keep = (
@@ -125,11 +142,11 @@ def summarise_cell(sweep: dict, rows: list[dict], greedy: bool) -> dict:
         "best_training_free": free and free["config"],
         "best_head": head and head["config"],
         "best_lag0_head": lag0 and lag0["config"],
-        "best_training_free_vs_best_fixed_k": ratio(free, fixed),
-        "head_vs_best_fixed_k": ratio(head, fixed),
-        "head_vs_best_training_free": ratio(head, free),
-        "lag0_head_vs_best_fixed_k": ratio(lag0, fixed),
-        "lag0_head_vs_best_training_free": ratio(lag0, free),
+        "best_training_free_vs_best_fixed_k": speed_ratio(free, fixed),
+        "head_vs_best_fixed_k": speed_ratio(head, fixed),
+        "head_vs_best_training_free": speed_ratio(head, free),
+        "lag0_head_vs_best_fixed_k": speed_ratio(lag0, fixed),
+        "lag0_head_vs_best_training_free": speed_ratio(lag0, free),
         "share_of_perfect_head_gain": sweep.get("ratios", {}).get("share_of_perfect_head_gain"),
         "lossless_identical": all(r["tokens"] == ar[r["index"]] for r in lossless) if greedy else None,
     }
@@ -172,7 +189,11 @@ def headline(summ: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--stop-head", default=None, help="the learned SpecDec++ head on the EAGLE drafter")
+    ap.add_argument(
+        "--stop-head",
+        default=None,
+        help="the learned SpecDec++ head on the EAGLE drafter: a file, or regime=file,... (one per regime)",
+    )
     ap.add_argument("--lag0-head", default=None, help="a lag-0 SpecDec++ head on the EAGLE drafter")
     ap.add_argument("--calibrated-head", default=None, help="q calibrated on [log q, step] (stop_state=false)")
     ap.add_argument("--draft-head", default=None, help="the learned SpecDec++ head on the draft model")
@@ -181,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sets", default=",".join(SETS), help="comma-separated of: " + ", ".join(SETS))
     ap.add_argument("--n", type=int, default=6, help="prompts per set")
     ap.add_argument("--max-new", type=int, default=96)
+    ap.add_argument("--n-batch", type=int, default=32, help="prompts per set in the B = 16 regimes")
+    ap.add_argument("--max-new-batch", type=int, default=48, help="new tokens per prompt in the B = 16 regimes")
     ap.add_argument("--k-max", type=int, default=8)
     ap.add_argument("--tau", type=float, default=0.5)
     ap.add_argument("--thresholds", default="[0.5,0.7]")
@@ -215,9 +238,16 @@ def main(argv: list[str] | None = None) -> int:
                     return code
                 sweep = json.loads((out / "sweep.json").read_text())
                 rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
-                cells[cell] = summarise_cell(sweep, rows, regime == "greedy")
+                cells[cell] = summarise_cell(sweep, rows, regime.startswith("greedy"))
     result = {
-        **run_info(__file__, argv, f"fp32, batch 1, {args.n} prompts per set x {args.max_new} new tokens"),
+        **run_info(
+            __file__,
+            argv,
+            (
+                f"fp32, {args.n} prompts per set x {args.max_new} new tokens at batch 1, "
+                f"{args.n_batch} x {args.max_new_batch} at B = 16 (packed)"
+            ),
+        ),
         "cells": cells,
         "summary": summary(cells),
     }

@@ -95,6 +95,16 @@ def ceiling_lines(ev: dict) -> list[str]:
     return out
 
 
+def fastest(table: list[dict], pick) -> dict | None:
+    """The row of ``table`` with the most tokens/s among those whose ``config`` satisfies ``pick``."""
+    return max((r for r in table if pick(r["config"])), key=lambda r: r["tokens_per_s"], default=None)
+
+
+def speed_ratio(a: dict | None, b: dict | None) -> float | None:
+    """Row ``a``'s tokens/s over row ``b``'s (4 places; None when either is missing)."""
+    return round(a["tokens_per_s"] / b["tokens_per_s"], 4) if a and b and b["tokens_per_s"] else None
+
+
 def where_heads_pay(summaries: dict[str, dict]) -> dict | None:
     """The regime with the largest stop-rule ceiling (the perfect rule of either lag over the best fixed K, cost
     model) and there the fastest learned-head row against the fastest training-free and fixed-K rows (measured).
@@ -111,14 +121,8 @@ def where_heads_pay(summaries: dict[str, dict]) -> dict | None:
         return None
     name = max(ceilings, key=lambda n: ceilings[n])
     table = summaries[name]["eval"]["table"]
-
-    def fastest(prefix: str) -> dict | None:
-        return max((r for r in table if r["config"].startswith(prefix)), key=lambda r: r["tokens_per_s"], default=None)
-
-    def ratio(a: dict | None, b: dict | None) -> float | None:
-        return round(a["tokens_per_s"] / b["tokens_per_s"], 4) if a and b and b["tokens_per_s"] else None
-
-    fixed, free, head = fastest("k"), fastest("c"), fastest("h")
+    fixed, free, head = (fastest(table, lambda c, p=p: c.startswith(p)) for p in ("k", "c", "h"))
+    ratio = speed_ratio
     return {
         "regime": name,
         "ceiling": ceilings[name],
