@@ -18,6 +18,7 @@ B = 16 cells have no ceiling or oracle.
     python bench/heads_pay.py --stop-head runs/quickstart-export/head.safetensors \
         --lag0-head runs/lag0-export/head.safetensors
     python bench/heads_pay.py --n 2 --max-new 32 --regimes greedy --sets gsm8k --out /tmp/p.json   # a quick look
+    python bench/heads_pay.py --merge --drafters draft --draft-head greedy=A,t1=B   # add the draft's cells
 
 Writes ``bench/results/heads_pay.json``: per cell the table (tokens/s, predicted ms/token, ceiling and share
 of it per stop row), the ceilings, the oracle, and the ratios ``head_vs_best_training_free``,
@@ -109,10 +110,17 @@ def cell_args(drafter: str, regime: str, name: str, args, out: Path) -> list[str
         f"output_dir={out}",
         "overwrite=true",
         *([f"head={head}", f"thresholds={args.thresholds}"] if head else ["head=null", "thresholds=[]"]),
-        *([] if drafter == "eagle" else ["eagle=null"]),
+        *([] if drafter == "eagle" else ["eagle=null", *draft_vocab(args)]),
         *([rows] if extra else []),
         *REGIMES[regime],
     ]
+
+
+def draft_vocab(args) -> list[str]:
+    """The draft's pruned output layer the draft's stop heads were trained with (heads-pipeline chains it)."""
+    if not args.draft_vocab or not Path(args.draft_vocab).is_file():
+        return []
+    return [f"draft.vocab_file={args.draft_vocab}", f"draft.vocab_top_n={args.draft_vocab_top_n}"]
 
 
 def summarise_cell(sweep: dict, rows: list[dict], greedy: bool) -> dict:
@@ -197,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lag0-head", default=None, help="a lag-0 SpecDec++ head on the EAGLE drafter")
     ap.add_argument("--calibrated-head", default=None, help="q calibrated on [log q, step] (stop_state=false)")
     ap.add_argument("--draft-head", default=None, help="the learned SpecDec++ head on the draft model")
+    ap.add_argument(
+        "--draft-vocab",
+        default="runs/specdecpp_draft_quickstart-vocab/vocab.json",
+        help="the heads-vocab ranking the draft's head was trained with ('' : the full vocabulary)",
+    )
+    ap.add_argument("--draft-vocab-top-n", type=int, default=8192)
     ap.add_argument("--drafters", default="eagle", help="comma-separated of: " + ", ".join(DRAFTERS))
     ap.add_argument("--regimes", default="greedy,t1", help="comma-separated of: " + ", ".join(REGIMES))
     ap.add_argument("--sets", default=",".join(SETS), help="comma-separated of: " + ", ".join(SETS))
@@ -211,6 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="runs/heads_pay")
     ap.add_argument("--out", default=str(ROOT / "bench/results/heads_pay.json"))
     ap.add_argument("--resummarise", action="store_true", help="recompute --out's summary from its cells; no decoding")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep --out's other cells (each cell is its own side-by-side run) and add or replace the ones run now",
+    )
     args = ap.parse_args(argv)
     if args.resummarise:
         result = json.loads(Path(args.out).read_text())
@@ -225,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             print(f"heads_pay.py: error: --{key} {bad}: choose from {', '.join(allowed)}", file=sys.stderr)
             return 2
-    cells = {}
+    kept = json.loads(Path(args.out).read_text()) if args.merge and Path(args.out).exists() else {}
+    cells = dict(kept.get("cells", {}))
     for drafter in picks["drafters"]:
         for regime in picks["regimes"]:
             for name in picks["sets"]:
@@ -251,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         "cells": cells,
         "summary": summary(cells),
     }
+    if kept:
+        result["merged_from"] = [*kept.get("merged_from", []), kept.get("command")]
     result["ratios"] = headline(result["summary"])
     cols = ("free/K", "head/K", "head/free", "lag0/K", "lag0/free", "ceil0", "ceil1")
     print(f"\n{'cell':<24} {'best K':>7} " + " ".join(f"{c:>9}" for c in cols))
