@@ -25,7 +25,8 @@ class DatagenConfig:
                 "< T decisions) | sprinter (ratio-threshold labels, four prefix categories) | judge "
                 "(correct/wrong tuples, token labels, target features) | drafter (the target's "
                 "responses, its states at chosen layers and top-k distributions: what heads-train "
-                "head=eagle and head=draft learn from) | eagle_rounds (SpecDec++ labels of an EAGLE "
+                "head=eagle and head=draft learn from) | prompts (user turns the target writes itself, "
+                "Magpie-style: output_dir/prompts.jsonl) | eagle_rounds (SpecDec++ labels of an EAGLE "
                 "head's candidates, from SD decoding with it: what heads-train head=eagle_stop learns "
                 "from)"
             )
@@ -154,6 +155,14 @@ class DatagenConfig:
         default=20,
         metadata={"help": "drafter: most likely tokens of the target's distribution stored per response token"},
     )
+    prompt_kinds: list[str] = field(
+        default_factory=lambda: ["writing", "reasoning", "code", "extraction", "facts", "chat"],
+        metadata={
+            "help": "prompts: the kinds of request the target writes, in turn (writing, reasoning, code, extraction, "
+            "facts, chat; or name:<system message>)"
+        },
+    )
+    prompt_min_tokens: int = field(default=8, metadata={"help": "prompts: shortest user turn kept, in tokens"})
     eagle: str = field(
         default="",
         metadata={

@@ -8,6 +8,7 @@ from specheads.datagen.eagle_rounds import EagleRoundsLabeller
 from specheads.datagen.fsd_labels import FsdLabeller
 from specheads.datagen.judge_labels import JudgeLabeller
 from specheads.datagen.labelling import Labeller
+from specheads.datagen.self_prompts import PromptsLabeller
 from specheads.datagen.sprinter_labels import SprinterLabeller
 from specheads.errors import UserError
 
@@ -18,6 +19,7 @@ LABELLERS: dict[str, Labeller] = {
     "judge": JudgeLabeller(),
     "drafter": DrafterLabeller(),
     "eagle_rounds": EagleRoundsLabeller(),
+    "prompts": PromptsLabeller(),
 }
 
 

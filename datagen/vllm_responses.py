@@ -63,6 +63,7 @@ TARGET_PASS = {
     "drafter": "none: the states at the chosen layers and the top-k from vLLM (vllm_states)",
     "sprinter": "the output layer only, over vLLM's last-layer states at the kept prefixes (the whole "
     "distribution: TV); the draft's own continuations stay on the draft",
+    "prompts": "none: vLLM writes the user turns",
     "judge": "none: the states over the tuples from vLLM (vllm_states); the draft's answers stay on the draft "
     "(mining=swap: its predictions; the target's continuations are vLLM requests)",
 }

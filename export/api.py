@@ -28,6 +28,7 @@ from specheads.export.shim import (
     supports,
     tree_problems,
 )
+from specheads.prompt_spec import open_user_turn
 
 log = logging.getLogger(__name__)
 __all__ = ["Decoder", "Result", "fit_context", "format_prompt", "generate", "make_policy", "pair_costs"]
@@ -36,13 +37,15 @@ __all__ = ["Decoder", "Result", "fit_context", "format_prompt", "generate", "mak
 def format_prompt(tokenizer, prompt, chat_template: bool = True) -> list[int]:
     """Token ids for a prompt: a string, a list of chat messages, or an object with ``text``/``messages``.
 
-    With ``chat_template`` and a tokenizer that has one, the prompt is rendered as a user turn
-    (or the given messages) plus the generation prompt; otherwise the raw text is tokenised.
+    With ``chat_template`` and a tokenizer that has one, the prompt is rendered as a user turn (or the given
+    messages) plus the generation prompt, an open last user turn (no content) up to its words; else raw text.
     """
     messages = getattr(prompt, "messages", None)
     text = getattr(prompt, "text", None)
     if messages is None and text is None:
         messages, text = (prompt, None) if isinstance(prompt, list) else (None, prompt)
+    if messages and messages[-1] == {"role": "user", "content": None}:
+        return open_user_turn(tokenizer, messages)
     if chat_template and getattr(tokenizer, "chat_template", None):
         messages = messages or [{"role": "user", "content": text}]
         rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -41,6 +41,8 @@ def count_prompts(cfg) -> tuple[int, str]:
     files when they are readable here, else ``num_prompts`` per file."""
     from specheads.prompts import iter_prompt_files
 
+    if cfg.labels == "prompts":  # the turns it writes: no file is read
+        return cfg.num_prompts or 0, "num_prompts"
     tuples = cfg.labels == "judge" and cfg.tuples
     spec = cfg.tuples if tuples else cfg.prompts
     try:

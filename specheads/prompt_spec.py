@@ -1,4 +1,4 @@
-"""How prompt settings are spelled: per-source response budgets and row slices of a prompt file."""
+"""How prompt settings are spelled: per-source response budgets, row slices of a prompt file, open user turns."""
 
 from __future__ import annotations
 
@@ -31,3 +31,15 @@ def split_slice(path: str, limit: int | None, offset: int) -> tuple[str, int | N
     if stop is not None and stop <= start:
         raise UserError(f"prompt file {path!r}: the slice is empty; use file[start:stop] with start < stop")
     return m["path"], None if stop is None else stop - start, start
+
+
+def open_user_turn(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` (the last: a user turn without content) rendered by the chat template up to where
+    the user's words begin: what a model continues to write a user's request (Magpie; ``labels=prompts``)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("an open user turn needs a tokenizer with a chat template")
+    mark = "\u2063open-user-turn\u2063"  # rendered in place of the words, then cut off with them
+    rendered = tokenizer.apply_chat_template([*messages[:-1], {"role": "user", "content": mark}], tokenize=False)
+    if mark not in rendered:
+        raise UserError("the tokenizer's chat template drops the user's words; it cannot render an open user turn")
+    return tokenizer(rendered[: rendered.index(mark)], add_special_tokens=False)["input_ids"]
