@@ -29,8 +29,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from specheads import extras
+from specheads import extras, pipeline_parts
 from specheads.config import _setup_logging, help_text, load_config, schema_for
 from specheads.errors import UserError
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, write_manifest
@@ -57,6 +58,20 @@ class PipelineConfig:
             "help": "more decoding regimes, each run through datagen -> train -> export -> eval again after the "
             "recipe's own (outputs <dir>-<regime>): greedy, or t<temperature> (t1, t0.7); the summary names the "
             "regime with the largest stop-rule ceiling and compares the learned head with the training-free rules there"
+        },
+    )
+    datagen_parts: list[dict[str, Any]] = field(
+        default_factory=list,
+        metadata={
+            "help": "datagen runs in order, each the recipe's datagen section with these keys changed (own output_dir; "
+            "labels=prompts parts write a prompt file for later parts); training reads the others' data"
+        },
+    )
+    train_stages: list[dict[str, Any]] = field(
+        default_factory=list,
+        metadata={
+            "help": "training runs in order, each the recipe's train section with these keys changed, each starting "
+            "from the one before's head (init_head); export reads the last"
         },
     )
 
@@ -126,9 +141,9 @@ def load_configs(argv: list[str]) -> tuple[PipelineConfig, dict]:
     if problems:
         raise UserError("; ".join(problems))
 
-    def stage_args(stage: str, chained: list[str]) -> list[str]:
+    def stage_args(stage: str, chained: list[str], last: list[str] = ()) -> list[str]:  # type: ignore[assignment]
         mine = [c for c in common if c.partition("=")[0].partition(".")[0] in _top_level(schema_for(stage))]
-        return base + chained + mine + per_stage[stage]
+        return base + chained + mine + per_stage[stage] + list(last)
 
     # A common key the pipeline itself has (overwrite) applies to it too.
     own = [c for c in common if c.partition("=")[0] in _top_level(PipelineConfig)]
@@ -146,8 +161,8 @@ def load_configs(argv: list[str]) -> tuple[PipelineConfig, dict]:
         try:
             cfgs[stage] = load_config(schema_for(stage), stage, stage_args(stage, chained.get(stage, [])))
         except UserError as err:
-            if stage == "vocab" and "has no 'vocab' section" in str(err):  # no pruning in this recipe
-                pipe.stages = [s for s in pipe.stages if s != "vocab"]
+            if f"has no '{stage}' section" in str(err) and (stage == "vocab" or stage not in pipe.stages):
+                pipe.stages = [s for s in pipe.stages if s != stage]  # a stage the recipe does not run
                 continue
             problems.append(f"[{stage}] {err}")
             continue
@@ -161,7 +176,7 @@ def load_configs(argv: list[str]) -> tuple[PipelineConfig, dict]:
         elif stage == "train":
             chained["export"] = [f"train_dir={cfgs[stage].output_dir}"]
         elif stage == "export":  # a verifier feeds SPRINTER's rows, a judge the judge's, an acceptance head SpecDec++'s
-            key = {"verifier": "verifier", "judge": "judge"}.get(
+            key = {"verifier": "verifier", "judge": "judge", "eagle": "eagle"}.get(
                 getattr(cfgs.get("train"), "head", "acceptance"), "head"
             )
             out = Path(cfgs[stage].output_dir)
@@ -170,6 +185,9 @@ def load_configs(argv: list[str]) -> tuple[PipelineConfig, dict]:
             )
     if problems:
         raise UserError("; ".join(problems))
+    pipeline_parts.expand(
+        pipe, cfgs, chained, stage_args, lambda stage, args: load_config(schema_for(stage), stage, args)
+    )
     if "vocab" in pipe.stages and not _loads_a_draft(pipe, cfgs):  # nothing to prune (e.g. an EAGLE drafter)
         log.info("no later stage loads a draft model (draft.path): the vocab stage is skipped")
         pipe.stages = [s for s in pipe.stages if s != "vocab"]
@@ -217,19 +235,23 @@ def run(argv: list[str]) -> int:
         for regime, stages, stage_cfgs in plan:
             mine = times.setdefault(regime, {})
             for stage in stages:
-                log.info("== %s%s ==", stage, f" ({regime})" if regime else "")
-                t0 = time.perf_counter()
-                code = _runner(stage)(stage_cfgs[stage])
-                mine[stage] = time.perf_counter() - t0
-                metrics.write(
-                    stage=stage,
-                    **({"regime": regime} if regime else {}),
-                    seconds=round(mine[stage], 3),
-                    exit_code=code or 0,
-                )
-                if code:
-                    return code
+                for label, cfg in pipeline_parts.runs(stage_cfgs, stage):
+                    name = f"{stage} {label}" if label else stage
+                    log.info("== %s%s ==", name, f" ({regime})" if regime else "")
+                    t0 = time.perf_counter()
+                    code = _runner(stage)(cfg)
+                    mine[name] = time.perf_counter() - t0
+                    metrics.write(
+                        stage=stage,
+                        **({"run": label} if label else {}),
+                        **({"regime": regime} if regime else {}),
+                        seconds=round(mine[name], 3),
+                        exit_code=code or 0,
+                    )
+                    if code:
+                        return code
     summary = summarize(cfgs, times.pop(None))
+    summary["cost"] = pipeline_parts.cost(cfgs, summary["stage_seconds"])
     if more:
         summary["regime"] = recipe_regime(cfgs)
         summary["regimes"] = {name: summarize(more[name], times[name]) for name in more}

@@ -8,14 +8,25 @@ import sys
 from pathlib import Path
 
 from specheads.pipeline_gains import gains, where_lines
+from specheads.pipeline_parts import cost_lines
 
 
 def summarize(cfgs: dict, times: dict) -> dict:
     """Facts from the stages' outputs: labels, head quality, the sweep's headline rows."""
     out: dict = {"stage_seconds": {k: round(v, 1) for k, v in times.items()}}
-    dg = Path(cfgs["datagen"].output_dir) / "manifest.json"
-    if dg.is_file():
-        m = json.loads(dg.read_text())
+    made = cfgs.get("datagen_parts") or ([cfgs["datagen"]] if "datagen" in cfgs else [])
+    runs = [c for c in made if c.labels != "prompts"]
+    found = [json.loads(f.read_text()) for c in runs if (f := Path(c.output_dir) / "manifest.json").is_file()]
+    if len(found) > 1:  # datagen parts: their totals (the training set)
+        out["datagen"] = {
+            "labels": found[0].get("labels"),
+            "parts": len(found),
+            "prompts": sum(m.get("prompts") or 0 for m in found),
+            "labelled_tokens": sum(m.get("labelled_tokens") or 0 for m in found),
+            "label_mean": None,
+        }
+    elif found:
+        m = found[0]
         out["datagen"] = {
             k: m.get(k)
             for k in (
@@ -28,8 +39,8 @@ def summarize(cfgs: dict, times: dict) -> dict:
                 "label_mean_by_lambda",
             )
         }
-    best = Path(cfgs["train"].output_dir) / "best_metrics.json"
-    if best.is_file():
+    best = Path(cfgs["train"].output_dir) / "best_metrics.json" if "train" in cfgs else None
+    if best and best.is_file():
         b = json.loads(best.read_text())
         out["train"] = {
             k: b.get(k)
@@ -44,8 +55,8 @@ def summarize(cfgs: dict, times: dict) -> dict:
                 "eval_wrong_accepted_share",
             )
         }
-    sweep = Path(cfgs["eval"].output_dir) / "sweep.json"
-    if sweep.is_file():
+    sweep = Path(cfgs["eval"].output_dir) / "sweep.json" if "eval" in cfgs else None
+    if sweep and sweep.is_file():
         s = json.loads(sweep.read_text())
         out["eval"] = {
             k: s.get(k)
@@ -99,10 +110,14 @@ def print_summary(summary: dict, file=None) -> None:
 
 def _print_run(summary: dict, p) -> None:
     p("stage seconds: " + ", ".join(f"{k} {v}" for k, v in summary["stage_seconds"].items()))
+    if len(summary.get("cost") or []) > 2:  # several datagen parts or training stages: what each cost
+        for line in cost_lines(summary["cost"]):
+            p(line)
     if "datagen" in summary:
         d = summary["datagen"]
         p(
-            f"datagen: {d['prompts']} prompts, {d['labelled_tokens']} labelled tokens, mean label {d['label_mean']}"
+            f"datagen: {d['prompts']} prompts, {d['labelled_tokens']} labelled tokens"
+            + (f" in {d['parts']} parts" if d.get("parts") else f", mean label {d['label_mean']}")
             + (f" (labels={d['labels']})" if d.get("labels") else "")
         )
     if "train" in summary:
