@@ -32,7 +32,13 @@ from pathlib import Path
 import torch
 from _common import interleave, run_info, shared_pair
 
-from specheads.evaluate.oracle import draft_agreement, eagle_oracle, oracle_schedule, predicted_ms_per_token
+from specheads.evaluate.oracle import (
+    draft_agreement,
+    eagle_oracle,
+    oracle_schedule,
+    per_position_acceptance,
+    predicted_ms_per_token,
+)
 from specheads.evaluate.sweep import parse_tree
 from specheads.export import load_pair
 from specheads.export.api import format_prompt, load_eagle, pair_costs
@@ -46,6 +52,7 @@ from specheads.prompts import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
+STEPS = 6  # draft steps whose acceptance is reported
 
 
 def model_oracle(draft, vocab_size, prompts, outputs, k_max: int) -> GenerationStats:
@@ -78,15 +85,19 @@ def run_set(label: str, prompts, configs: dict, tables: dict, oracles: dict) -> 
     for name in configs:
         same = sum(a == b for a, b in zip(outputs[name], ref))
         rows.append(row(name, GenerationStats.total(stats[name]), same, len(prompts), tables.get(name.split("_")[0])))
-    oracle_rows = {}
+    oracle_rows, by_step = {}, {}
     for drafter, fn in oracles.items():
-        o = fn(prompts, ref)
-        ms = predicted_ms_per_token(o, tables[drafter])
+        rounds: list = []
+        o = fn(prompts, ref, rounds)
+        ms = predicted_ms_per_token(o, tables[drafter.removesuffix("_old")])
         oracle_rows[drafter] = {
             "tokens_per_call": round(o.tokens_per_call, 3),
             "predicted_ms_per_token": round(ms, 3),
             "predicted_tokens_per_s": round(1000 / ms, 3),
         }
+        if rounds:  # an EAGLE head's SD rounds at the oracle's k_max: acceptance at each draft step
+            by_step[drafter] = per_position_acceptance(rounds, STEPS)
+            print(f"acceptance by draft step, {drafter}: {by_step[drafter]}")
     print(f"\n== {label} ({len(prompts)} prompts) ==")
     cols = [
         "config",
@@ -103,7 +114,7 @@ def run_set(label: str, prompts, configs: dict, tables: dict, oracles: dict) -> 
         print(f"oracle {d} | {o['predicted_tokens_per_s']} (predicted) | {o['tokens_per_call']}")
     lossless = [r for r in rows if r["config"] != "ar"]  # every row verifies with the target: all lossless
     identical = all(r["identical_to_target"] == f"{len(prompts)}/{len(prompts)}" for r in lossless)
-    return {"table": rows, "oracle": oracle_rows, "greedy_identical": identical}
+    return {"table": rows, "oracle": oracle_rows, "acceptance_by_step": by_step, "greedy_identical": identical}
 
 
 def ratios(sets: dict) -> dict:
@@ -157,6 +168,9 @@ def main(argv=None) -> int:
         help="the heads-vocab ranking a distilled draft was trained pruned "
         "with (its draft/vocab.json or the run's vocab_file); top 8192",
     )
+    ap.add_argument(
+        "--old-eagle", default="", help="an earlier EAGLE head: its acceptance by draft step beside --eagle's (no rows)"
+    )
     ap.add_argument("--stop-head", default="", help="a SpecDec++ head trained on the EAGLE head's rounds")
     ap.add_argument("--confidence-head", default="", help="a linear confidence head on the EAGLE head's state")
     ap.add_argument(
@@ -196,9 +210,12 @@ def main(argv=None) -> int:
     configs = {"ar": lambda ids: shared.generate_ar(ids, mx)}
     configs.update({f"shared_k{k}": (lambda ids, k=k: shared.generate(ids, StandardSD(k), mx)) for k in dks})
     oracles = {
-        "shared": lambda ps, outs: model_oracle(pair.draft.model, shared.vocab_size, ps, outs, args.oracle_k_max),
-        "eagle": lambda ps, outs: eagle_oracle(head, ps, mx, args.oracle_k_max),
+        "shared": lambda ps, outs, _: model_oracle(pair.draft.model, shared.vocab_size, ps, outs, args.oracle_k_max),
+        "eagle": lambda ps, outs, rounds: eagle_oracle(head, ps, mx, args.oracle_k_max, rounds),
     }
+    if args.old_eagle:  # its rounds only (acceptance by step, the oracle), no timed rows
+        old = Engine(pair.target.model, eos_token_ids=pair.eos_token_ids, eagle=load_eagle(args.old_eagle, pair).module)
+        oracles["eagle_old"] = lambda ps, outs, rounds: eagle_oracle(old, ps, mx, args.oracle_k_max, rounds)
     if args.distilled:
         dpair = load_pair(
             ModelSpec(
@@ -216,7 +233,7 @@ def main(argv=None) -> int:
         distilled = Engine(pair.target.model, dpair.draft.model, pair.eos_token_ids)
         tables["distilled"] = pair_costs(dpair, k_top)
         configs.update({f"distilled_k{k}": (lambda ids, k=k: distilled.generate(ids, StandardSD(k), mx)) for k in dks})
-        oracles["distilled"] = lambda ps, outs: model_oracle(
+        oracles["distilled"] = lambda ps, outs, _: model_oracle(
             dpair.draft.model, distilled.vocab_size, ps, outs, args.oracle_k_max
         )
     configs.update({f"eagle_k{k}": (lambda ids, k=k: head.generate(ids, StandardSD(k), mx)) for k in ks})

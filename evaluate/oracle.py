@@ -131,15 +131,31 @@ def rounds_perfect_head(rounds: list[tuple[int, int]], new_tokens: int, k_min: i
     )
 
 
-def eagle_oracle(engine, prompts: list[list[int]], max_new_tokens: int, k_max: int) -> GenerationStats:
+def eagle_oracle(
+    engine, prompts: list[list[int]], max_new_tokens: int, k_max: int, rounds: list | None = None
+) -> GenerationStats:
     """The greedy oracle of an engine drafting with an EAGLE head over ``prompts`` (token ids): each prompt
-    decoded with SD at ``k_max`` (:class:`RoundRecorder`), its rounds turned into :func:`rounds_oracle`'s."""
+    decoded with SD at ``k_max`` (:class:`RoundRecorder`), its rounds turned into :func:`rounds_oracle`'s
+    (and added to ``rounds`` when given: :func:`per_position_acceptance` reads them)."""
     total = GenerationStats(prompts=0)
     for ids in prompts:
         rec = RoundRecorder(k_max)
         out = engine.generate(ids, rec, max_new_tokens)
         total = GenerationStats.total([total, rounds_oracle(rec.rounds, out.stats.new_tokens)])
+        if rounds is not None:
+            rounds.extend(rec.rounds)
     return total
+
+
+def per_position_acceptance(rounds: list[tuple[int, int]], steps: int) -> list[float | None]:
+    """Per draft step ``j = 1..steps``, the share of SD rounds whose candidate ``j`` was accepted among those that
+    drafted it with candidates ``1..j-1`` accepted (None where no round got there): how deep a drafter's
+    agreement lasts, from :class:`RoundRecorder`'s ``(drafted, accepted)``."""
+    out: list[float | None] = []
+    for j in range(1, steps + 1):
+        reached = [a for d, a in rounds if d >= j and a >= j - 1]
+        out.append(round(sum(a >= j for a in reached) / len(reached), 4) if reached else None)
+    return out
 
 
 @torch.inference_mode()

@@ -16,6 +16,7 @@ from specheads.evaluate.oracle import (
     below_curve,
     draft_agreement,
     oracle_schedule,
+    per_position_acceptance,
     perfect_head_schedule,
     rounds_oracle,
     rounds_perfect_head,
@@ -76,6 +77,14 @@ def test_rounds_oracle_and_perfect_head_hand_cases(rounds, k_min, lag, drafts, d
     p = rounds_perfect_head(rounds, n, k_min, lag)
     assert (p.target_calls, p.draft_forwards, p.discarded, p.new_tokens) == (len(rounds), drafts, discarded, n)
     assert sum(p.target_pass_sizes.values()) == len(rounds)
+
+
+def test_per_position_acceptance_counts_only_the_rounds_that_reached_the_step():
+    rounds = [(4, 2), (4, 4), (4, 0), (1, 1), (2, 1)]
+    # step 1: 5 rounds drafted it, 4 accepted; step 2: (4,2) (4,4) (2,1) reached it, 2 accepted;
+    # step 3: (4,2) (4,4) reached it, 1 accepted; step 4: (4,4) alone; step 5: no round drafted it
+    assert per_position_acceptance(rounds, 5) == [0.8, round(2 / 3, 4), 0.5, 1.0, None]
+    assert per_position_acceptance([], 2) == [None, None]
 
 
 @pytest.mark.parametrize("k_max, k_min, lag", [(3, 1, 0), (6, 2, 1)])
