@@ -145,6 +145,17 @@ def start(header: dict, **extra):
     )
 
 
+def whole_prefills(chunks: list[dict], cuda: bool, max_model_len: int) -> dict:
+    """``LLM`` arguments that keep every prefill whole when seeded sampled requests run on a CPU: vLLM rewinds a
+    request's generator after a partial prefill's discarded sample by its offset, which a CPU generator does not
+    have (``RuntimeError: CPU Generator does not use offset`` once a batch's prompts overflow a step's budget);
+    without chunked prefill no sample is discarded (vLLM's CPU platform does the same for MLA models)."""
+    sampled = any(r["sampling"].get("do_sample") for c in chunks for r in c["requests"])
+    if cuda or not sampled:
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048)}
+
+
 def run(path: str) -> int:
     from vllm.inputs import TokensPrompt
 
@@ -152,7 +163,7 @@ def run(path: str) -> int:
         header = json.loads(fh.readline())
         chunks = [json.loads(line) for line in fh if line.strip()]
     t = time.perf_counter()
-    llm = start(header)
+    llm = start(header, **whole_prefills(chunks, _has_cuda(), header["max_model_len"]))
     vocab = llm.llm_engine.model_config.get_vocab_size()
     first = next((c["requests"][0] for c in chunks if c["requests"]), None)
     if first is not None:  # warm-up (kernels built on first use): part of the start-up, not of generation

@@ -235,6 +235,18 @@ def test_sampled_seeds_depend_on_the_prompt_not_the_chunking():
     assert a != vllm_responses.prompt_seed(1, 5, "response") and 0 <= a < 2**62
 
 
+def test_seeded_sampling_on_a_cpu_keeps_every_prefill_whole():
+    """vLLM rewinds a seeded request's generator after a partial prefill by its offset, which a CPU generator lacks:
+    sampled jobs on a CPU run without chunked prefill (a step's budget holds the longest prompt); others keep it."""
+    from specheads.vllm_jobs import whole_prefills
+
+    sampled = [{"requests": [{"sampling": {"do_sample": False}}, {"sampling": {"do_sample": True}}]}]
+    greedy = [{"requests": [{"sampling": {"do_sample": False}}]}, {"requests": []}]
+    assert whole_prefills(sampled, False, 4096) == {"enable_chunked_prefill": False, "max_num_batched_tokens": 4096}
+    assert whole_prefills(sampled, False, 396)["max_num_batched_tokens"] == 2048
+    assert whole_prefills(sampled, True, 4096) == {} and whole_prefills(greedy, False, 4096) == {}
+
+
 @pytest.mark.skipif(not VLLM_PYTHON, reason="SPECHEADS_VLLM_PYTHON (vLLM's python) is not set")
 def test_vllm_gives_the_transformers_engines_greedy_responses_and_labels(tmp_path):
     from in_vllm.pair import save_pair
