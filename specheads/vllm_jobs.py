@@ -33,6 +33,8 @@ import os
 import sys
 import time
 
+from specheads.vllm_options import whole_prefill_args
+
 GROUP_BATCHES = 8  # a generate() call holds at least this many batches of requests
 
 
@@ -146,14 +148,9 @@ def start(header: dict, **extra):
 
 
 def whole_prefills(chunks: list[dict], cuda: bool, max_model_len: int) -> dict:
-    """``LLM`` arguments that keep every prefill whole when seeded sampled requests run on a CPU: vLLM rewinds a
-    request's generator after a partial prefill's discarded sample by its offset, which a CPU generator does not
-    have (``RuntimeError: CPU Generator does not use offset`` once a batch's prompts overflow a step's budget);
-    without chunked prefill no sample is discarded (vLLM's CPU platform does the same for MLA models)."""
+    """:func:`~specheads.vllm_options.whole_prefill_args` for a job's chunks (sampled when any request is)."""
     sampled = any(r["sampling"].get("do_sample") for c in chunks for r in c["requests"])
-    if cuda or not sampled:
-        return {}
-    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048)}
+    return whole_prefill_args(sampled, cuda, max_model_len)
 
 
 def run(path: str) -> int:

@@ -87,6 +87,16 @@ def llm_args(job: dict | None) -> dict:
     return out
 
 
+def whole_prefill_args(sampled: bool, cuda: bool, max_model_len: int) -> dict:
+    """``LLM`` arguments that keep every prefill whole when seeded sampled requests run on a CPU: vLLM rewinds a
+    request's generator by its offset after a partial prefill's discarded sample, which a CPU generator does not
+    have (``RuntimeError: CPU Generator does not use offset`` once a step's token budget splits a prompt); without
+    chunked prefill no sample is discarded (vLLM's CPU platform does the same for MLA models)."""
+    if cuda or not sampled:
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048)}
+
+
 def cache_tokens(cache_mb: float | None, per_token: int, slots: int, max_len: int, device: str) -> int:
     """Tokens of the proposer's draft cache: ``cache_mb`` MiB' worth, or (None) enough for every one of ``slots``
     rows at ``max_len`` tokens; refused (one line) when that is more than the device's free memory."""

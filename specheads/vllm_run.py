@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 
 from specheads.vllm import _proposer_stats, first_stats, speculative_config
-from specheads.vllm_options import llm_args
+from specheads.vllm_options import llm_args, whole_prefill_args
 
 
 def run_job(path: str) -> int:
     """Decodes a job file's prompts (token ids) with vLLM and writes the result file it names."""
     import time
 
+    import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -28,16 +29,18 @@ def run_job(path: str) -> int:
     proposer = bool(spec and "specheads" in spec)
     if proposer:
         spec = speculative_config(**spec["specheads"])
-    longest = max(len(p) for p in job["prompts"]) + job["max_new_tokens"]
+    longest = max(max(len(p) for p in job["prompts"]) + job["max_new_tokens"], 256)
+    sampled = (job["sampling"].get("temperature") or 0) > 0
     t = time.perf_counter()
     llm = LLM(
         model=job["target"],
-        max_model_len=max(longest, 256),
+        max_model_len=longest,
         max_num_seqs=job["batch_size"],
         seed=job["seed"],
         disable_log_stats=False,
         speculative_config=spec or None,
         **llm_args(job.get("serving")),
+        **whole_prefill_args(sampled, torch.cuda.is_available(), longest),
     )
     startup = time.perf_counter() - t
     sampling = job["sampling"]
