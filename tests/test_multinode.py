@@ -265,6 +265,9 @@ def stalled(self, job, items, chunk):
     if os.environ.get("RANK") == "1":  # this rank hangs in its first chunk, as a stuck GPU would
         open(os.path.join(mark, "stalled"), "w").write(str(chunk))
         time.sleep(600)
+    deadline = time.time() + 300  # rank 0 labels once rank 1 holds its chunk, however loaded the machine is
+    while not os.path.exists(os.path.join(mark, "stalled")) and time.time() < deadline:
+        time.sleep(0.1)
     return real(self, job, items, chunk)
 
 
