@@ -73,6 +73,8 @@ EAGLE_ROUNDS_COLUMNS = (
 )
 # eagle_rounds' per-candidate signals of the distribution a candidate was drawn from (a head with signals reads them)
 EAGLE_ROUNDS_SIGNALS = ("q_entropy", "q_margin")
+#: The heads whose training mixes several data sets (``data_dir=a,b``), each of the labels it names.
+MIXED_DATA_LABELS = {"judge": "judge", "eagle": "drafter", "draft": "drafter"}
 
 
 def chunk_path(out_dir: Path, chunk: int) -> Path:

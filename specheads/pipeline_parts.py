@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specheads import _schema
+from specheads.dataset import MIXED_DATA_LABELS
 from specheads.errors import UserError
 
 NOT_TRAINING_DATA = ("prompts",)  # labels whose output is a prompt file, not examples
-MIXABLE = {"judge": "judge", "eagle": "drafter", "draft": "drafter"}  # heads that read several data sets, of labels
 
 
 def overrides(keys: dict[str, Any]) -> list[str]:
@@ -68,7 +68,7 @@ def expand(
         problems.append("pipeline.datagen_parts: every part writes prompts (labels=prompts); add one with examples")
     head = getattr(cfgs.get("train"), "head", None)
     labels = {p.labels for p in parts if p.labels not in NOT_TRAINING_DATA}
-    if len(data) > 1 and "train" in cfgs and (head not in MIXABLE or labels != {MIXABLE[head]}):
+    if len(data) > 1 and "train" in cfgs and (head not in MIXED_DATA_LABELS or labels != {MIXED_DATA_LABELS[head]}):
         problems.append(
             "pipeline.datagen_parts: several parts feed one training set only for head=judge (labels=judge) and "
             f"head=eagle or draft (labels=drafter); here head={head}, labels={sorted(labels)}"

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 from specheads.config import to_yaml
+from specheads.dataset import MIXED_DATA_LABELS
 from specheads.errors import UserError
 from specheads.outputs import holds_other_run
 from specheads.train.config import TrainConfig
@@ -43,8 +44,8 @@ def data_manifest(cfg: TrainConfig) -> dict:
             raise UserError(f"{path} not found; data_dir must be a finished heads-datagen output_dir")
         manifests.append(json.loads(path.read_text()))
     if len(dirs) > 1:
-        mixable = {"judge": "judge", "eagle": "drafter", "draft": "drafter"}
-        if cfg.head not in mixable or any(m.get("labels") != mixable[cfg.head] for m in manifests):
+        want = MIXED_DATA_LABELS.get(cfg.head)
+        if want is None or any(m.get("labels") != want for m in manifests):
             raise UserError(
                 f"data_dir={cfg.data_dir}: several data sets are mixed only for head=judge (labels=judge) "
                 "and head=eagle or draft (labels=drafter)"
