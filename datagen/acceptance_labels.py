@@ -92,7 +92,7 @@ def teacher_forced_logits(model, seqs: list[list[int]], first: int, pad: int) ->
 
 
 def generate_responses(
-    model, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig, seed: int, pad: int, eos: list[int]
+    model, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig, seed, pad: int, eos, logits=True
 ) -> tuple[list[list[int]], list[torch.Tensor] | None]:
     """The target's responses to a batch of prompts, generated as one batch.
 
@@ -101,11 +101,12 @@ def generate_responses(
     teacher-forced distributions along its own response, so labelling needs no second target
     pass. Other models use their own ``generate`` (logits: None). Sampling uses the deployment
     settings and a generator seeded with ``seed``, so a batch's responses depend only on its
-    prompts and seed. EOS ends a response (and is kept).
+    prompts and seed. EOS ends a response (and is kept). ``logits=False``: the tokens alone (logits None).
     """
     device = model.get_input_embeddings().weight.device
     gen = torch.Generator(device=device).manual_seed(seed) if sampling.do_sample else None
-    return batch_generate(model, prompts, max_new_tokens, sampling, gen, eos, pad, record_logits=True)
+    out = batch_generate(model, prompts, max_new_tokens, sampling, gen, eos, pad, record_logits=logits)
+    return out if logits else (out, None)
 
 
 @torch.inference_mode()

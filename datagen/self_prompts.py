@@ -10,8 +10,9 @@ the end of the run the kept texts are deduplicated over the whole run (case and 
 ``heads-datagen labels=drafter prompts=<output_dir>/prompts.jsonl``. Item ``i`` has kind
 ``prompt_kinds[i % len]``, so the mix is even and does not depend on chunking.
 
-The Parquet chunk holds every generated text (``prompt_index``, ``prompt_id``, ``kind``, ``text``, ``tokens``,
-``kept``, ``reason``), so the filter's verdicts can be read back; ``engine=vllm`` generates them in one vLLM run.
+The Parquet chunk holds every generated text (``prompt_id``, ``prompt_index``, ``kind``, ``text``, ``tokens``,
+``reason``: empty when kept), so the filter's verdicts can be read back; ``engine=vllm`` generates them in one
+vLLM run.
 """
 
 from __future__ import annotations
@@ -21,13 +22,11 @@ import re
 from collections import Counter
 from pathlib import Path
 
-import torch
-
 from specheads.datagen import shards
+from specheads.datagen.acceptance_labels import generate_responses
 from specheads.datagen.labelling import Job, Labelled, Labeller
 from specheads.dataset import chunk_files
 from specheads.errors import UserError
-from specheads.export.shim import batch_generate
 from specheads.outputs import atomic_write_text
 from specheads.prompts import Prompt
 
@@ -43,7 +42,7 @@ KINDS = {
 }
 SYSTEM = "You are a helpful AI assistant. {}"
 FILE = "prompts.jsonl"
-COLUMNS = ("prompt_id", "prompt_index", "kind", "text", "tokens", "kept", "reason")
+COLUMNS = ("prompt_id", "prompt_index", "kind", "text", "tokens", "reason")  # reason "": kept
 
 
 def kinds(cfg) -> list[tuple[str, str]]:
@@ -133,11 +132,17 @@ class PromptsLabeller(Labeller):
         seed, tokens = shards.chunk_seed(cfg.seed, chunk), 0
         for b in range(0, len(items), cfg.batch_size):
             batch = items[b : b + cfg.batch_size]
-            if job.pregenerated is None:  # sampled as the acceptance family's responses are, keeping no logits
-                model = job.pair.target.model
-                gen = torch.Generator(device=model.get_input_embeddings().weight.device).manual_seed(seed + b)
-                ids = job.prompt_ids(batch)
-                responses = batch_generate(model, ids, cfg.max_new_tokens, cfg.sampling, gen, job.eos, job.pad)
+            if job.pregenerated is None:
+                responses, _ = generate_responses(
+                    job.pair.target.model,
+                    job.prompt_ids(batch),
+                    cfg.max_new_tokens,
+                    cfg.sampling,
+                    seed + b,
+                    job.pad,
+                    job.eos,
+                    logits=False,
+                )
             else:
                 first = job.first_index(chunk) + b
                 responses = [job.response(str(first + i))[0] for i in range(len(batch))]
@@ -150,7 +155,6 @@ class PromptsLabeller(Labeller):
                 cols["kind"].append(p.source)
                 cols["text"].append(text)
                 cols["tokens"].append(len(r))
-                cols["kept"].append(not why)
                 cols["reason"].append(why)
                 tokens += len(r)
         return Labelled(cols, tokens, [])

@@ -83,8 +83,8 @@ def test_the_prompt_file_is_deduplicated_over_the_run(tmp_path):
         cols = {k: [r[i] for r in rows] for i, k in enumerate(COLUMNS)}
         shards.write_chunk(tmp_path, c, cols, {})
 
-    chunk(0, [("a", 0, "code", "Fix  my loop", 5, True, ""), ("b", 1, "chat", "x", 9, False, "truncated")])
-    chunk(1, [("c", 2, "code", "fix my loop ", 5, True, ""), ("d", 3, "facts", "Why is the sky blue?", 7, True, "")])
+    chunk(0, [("a", 0, "code", "Fix  my loop", 5, ""), ("b", 1, "chat", "x", 9, "truncated")])
+    chunk(1, [("c", 2, "code", "fix my loop ", 5, ""), ("d", 3, "facts", "Why is the sky blue?", 7, "")])
     stats = write_prompts(tmp_path)
     rows = [json.loads(x) for x in (tmp_path / "prompts.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == ["a", "d"]
