@@ -141,9 +141,9 @@ def load_configs(argv: list[str]) -> tuple[PipelineConfig, dict]:
     if problems:
         raise UserError("; ".join(problems))
 
-    def stage_args(stage: str, chained: list[str], last: list[str] = ()) -> list[str]:  # type: ignore[assignment]
+    def stage_args(stage: str, chained: list[str], last: list[str] | None = None) -> list[str]:
         mine = [c for c in common if c.partition("=")[0].partition(".")[0] in _top_level(schema_for(stage))]
-        return base + chained + mine + per_stage[stage] + list(last)
+        return base + chained + mine + per_stage[stage] + (last or [])
 
     # A common key the pipeline itself has (overwrite) applies to it too.
     own = [c for c in common if c.partition("=")[0] in _top_level(PipelineConfig)]

@@ -122,7 +122,6 @@ def where_heads_pay(summaries: dict[str, dict]) -> dict | None:
     name = max(ceilings, key=lambda n: ceilings[n])
     table = summaries[name]["eval"]["table"]
     fixed, free, head = (fastest(table, lambda c, p=p: c.startswith(p)) for p in ("k", "c", "h"))
-    ratio = speed_ratio
     return {
         "regime": name,
         "ceiling": ceilings[name],
@@ -131,9 +130,9 @@ def where_heads_pay(summaries: dict[str, dict]) -> dict | None:
         "best_fixed_k": fixed and fixed["config"],
         "best_training_free": free and free["config"],
         "best_head": head and head["config"],
-        "head_vs_best_training_free": ratio(head, free),
-        "head_vs_best_fixed_k": ratio(head, fixed),
-        "best_training_free_vs_best_fixed_k": ratio(free, fixed),
+        "head_vs_best_training_free": speed_ratio(head, free),
+        "head_vs_best_fixed_k": speed_ratio(head, fixed),
+        "best_training_free_vs_best_fixed_k": speed_ratio(free, fixed),
         "head_share_of_ceiling": head.get("share_of_ceiling") if head else None,
     }
 
