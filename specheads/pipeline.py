@@ -231,6 +231,7 @@ def run(argv: list[str]) -> int:
     out = prepare_output_dir(pipe.output_dir, to_yaml(pipe) + text, overwrite=pipe.overwrite)
     plan = [(None, pipe.stages, cfgs)] + [(n, [s for s in pipe.stages if s != "vocab"], c) for n, c in more.items()]
     times: dict = {}
+    earlier = pipeline_parts.earlier_seconds(out / "metrics.jsonl")  # a resumed pipeline's cost counts every try
     with MetricsWriter(out) as metrics:
         for regime, stages, stage_cfgs in plan:
             mine = times.setdefault(regime, {})
@@ -251,7 +252,7 @@ def run(argv: list[str]) -> int:
                     if code:
                         return code
     summary = summarize(cfgs, times.pop(None))
-    summary["cost"] = pipeline_parts.cost(cfgs, summary["stage_seconds"])
+    summary["cost"] = pipeline_parts.cost(cfgs, summary["stage_seconds"], earlier)
     if more:
         summary["regime"] = recipe_regime(cfgs)
         summary["regimes"] = {name: summarize(more[name], times[name]) for name in more}

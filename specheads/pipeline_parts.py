@@ -122,9 +122,27 @@ def _disk_bytes(out: str) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.is_dir() else 0
 
 
-def cost(cfgs: dict, seconds: dict[str, float]) -> list[dict]:
-    """One row per run of the datagen and train stages: seconds (this invocation's; a resumed run counts only what
-    it did), tokens, disk, and what it wrote."""
+def earlier_seconds(metrics: Path) -> dict[str, float]:
+    """Per run (``"datagen part 1"``, ``"train"``), the seconds that earlier invocations into this pipeline
+    directory recorded in its ``metrics.jsonl`` (a run that was killed records nothing for that try)."""
+    out: dict[str, float] = {}
+    if not metrics.is_file():
+        return out
+    for line in metrics.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash
+        if isinstance(row, dict) and "stage" in row and "seconds" in row and "regime" not in row:
+            name = f"{row['stage']} {row['run']}" if row.get("run") else row["stage"]
+            out[name] = out.get(name, 0.0) + float(row["seconds"])
+    return out
+
+
+def cost(cfgs: dict, seconds: dict[str, float], earlier: dict[str, float] | None = None) -> list[dict]:
+    """One row per run of the datagen and train stages: seconds (this invocation's), ``seconds_total`` (with
+    every ``earlier`` invocation's: what a run resumed over several tries cost), tokens, disk, what it wrote."""
+    earlier = earlier or {}
     rows = []
     for stage in ("datagen", "train"):
         if stage not in cfgs:
@@ -137,6 +155,7 @@ def cost(cfgs: dict, seconds: dict[str, float]) -> list[dict]:
                     "run": name,
                     "output_dir": cfg.output_dir,
                     "seconds": round(seconds.get(name, 0.0), 1),
+                    "seconds_total": round(seconds.get(name, 0.0) + earlier.get(name, 0.0), 1),
                     "tokens": m.get("labelled_tokens") if stage == "datagen" else None,
                     "steps": m.get("step") if stage == "train" else None,
                     "disk_bytes": _disk_bytes(cfg.output_dir),
@@ -156,9 +175,9 @@ def cost_lines(rows: list[dict]) -> list[str]:
         tokens = "-" if r["tokens"] is None else f"{r['tokens']:,}"
         steps = "-" if r.get("steps") is None else str(r["steps"])
         out.append(
-            f"{r['run']:<22} {r['seconds'] / 60:>8.1f} {tokens:>10} {steps:>7} {r['disk_bytes'] / 2**20:>9.1f}  "
+            f"{r['run']:<22} {r['seconds_total'] / 60:>8.1f} {tokens:>10} {steps:>7} {r['disk_bytes'] / 2**20:>9.1f}  "
             f"{r['output_dir']}"
         )
-    total = sum(r["seconds"] for r in rows) / 60
+    total = sum(r["seconds_total"] for r in rows) / 60
     out.append(f"{'total':<22} {total:>8.1f} {'':>10} {'':>7} {sum(r['disk_bytes'] for r in rows) / 2**20:>9.1f}")
     return out

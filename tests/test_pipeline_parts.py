@@ -97,6 +97,10 @@ def test_the_pipeline_runs_every_part_and_stage_then_resumes_as_a_no_op(tiny_pai
     before = (runs / "ex" / "head.safetensors").read_bytes()
     assert main([f"recipe={path}", "train.threads=1", "datagen.threads=1"]) == 0  # every run resumes: nothing new
     assert (runs / "ex" / "head.safetensors").read_bytes() == before
+    again = json.loads((runs / "pipe" / "summary.json").read_text())["cost"]
+    for first, second in zip(summary["cost"], again):  # the second try's cost holds the first's
+        assert second["seconds_total"] == pytest.approx(first["seconds_total"] + second["seconds"], abs=0.2)
+        assert second["seconds_total"] >= first["seconds_total"] > 0
 
 
 @pytest.mark.parametrize(
@@ -144,3 +148,18 @@ def test_parts_and_stages_get_what_the_pipeline_chains():
     one, two = cfgs["train_stages"]
     assert one.data_dir == two.data_dir == cfgs["datagen"].output_dir and one.epochs == 1
     assert two.output_dir == cfgs["export"].train_dir
+
+
+def test_earlier_seconds_sums_each_run_over_tries_and_skips_regimes_and_torn_lines(tmp_path):
+    from specheads.pipeline_parts import earlier_seconds
+
+    path = tmp_path / "metrics.jsonl"
+    assert earlier_seconds(path) == {}
+    rows = [
+        {"stage": "datagen", "run": "part 1", "seconds": 10.0, "exit_code": 0},
+        {"stage": "datagen", "run": "part 1", "seconds": 2.5, "exit_code": 0},
+        {"stage": "train", "seconds": 4.0, "exit_code": 0},
+        {"stage": "train", "regime": "t1", "seconds": 99.0, "exit_code": 0},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"stage": "exp')
+    assert earlier_seconds(path) == {"datagen part 1": 12.5, "train": 4.0}
