@@ -131,7 +131,9 @@ def ratios(sets: dict) -> dict:
         if best:
             s["eagle_best_lossless"] = best["config"]
             s["eagle_best_lossless_vs_target"] = round(best["tokens_per_s"] / ar, 4)
-            s["eagle_tokens_per_call"] = best["tokens_per_call"]
+            s["eagle_best_lossless_tokens_per_call"] = best["tokens_per_call"]
+            most = max(eagle, key=lambda r: r["tokens_per_call"])  # the best chain or tree row by tokens per call
+            s["eagle_tokens_per_call"], s["eagle_tokens_per_call_row"] = most["tokens_per_call"], most["config"]
         if best_fixed:
             s["eagle_best_fixed_k"] = best_fixed["config"]
             for stop in ("eagle_specdecpp", "eagle_confidence_cost", "eagle_confidence_head"):
@@ -191,6 +193,11 @@ def main(argv=None) -> int:
         default="4x3x8",
         help="draft trees on the EAGLE head, DEPTHxWIDTHxNODES[-cost], "
         "comma-separated (rows eagle_tree_DxWxN; -cost: sized per round by the cost table; empty: none)",
+    )
+    ap.add_argument(
+        "--training-summary",
+        default="",
+        help="the heads-pipeline summary.json that built --eagle (recipe eagle_smollm2): its cost goes in the result",
     )
     ap.add_argument("--oracle-k-max", type=int, default=8)
     ap.add_argument("--vocab", default=str(ROOT / "runs/specdecpp_draft_quickstart-vocab/vocab.json"))
@@ -291,6 +298,13 @@ def main(argv=None) -> int:
         "greedy_identical": all(r["greedy_identical"] for r in results.values()),
         "ratios": ratios(results),
     }
+    if args.distilled:  # heads-train head=draft writes draft/ beside metrics.json (held-out before / after)
+        held = json.loads((Path(args.distilled).parent / "metrics.json").read_text())
+        result["distilled_draft"] = {"path": args.distilled, **held}
+        result["ratios"]["distilled_draft_agreement"] = round(held["after"]["agreement"], 4)
+    if args.training_summary:
+        summary = json.loads(Path(args.training_summary).read_text())
+        result["training_cost"] = {"summary": args.training_summary, **summary.get("cost", {})}
     print(json.dumps(result["ratios"], indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
