@@ -28,43 +28,91 @@ from specheads.datagen.tuples import IGNORE, load_tuples
 from specheads.datagen.vllm_states import judge_features
 from specheads.dataset import JUDGE_COLUMNS, JudgeChunkFiles
 from specheads.export.api import format_prompt
-from specheads.export.shim import HiddenCapture, pad_batch
+from specheads.export.shim import HiddenCapture, output_device, pad_batch
+from specheads.heads.judge_head import JUDGE_SIGNALS, judge_signal_values
 
 log = logging.getLogger(__name__)
 
 
+Features = tuple[torch.Tensor, torch.Tensor, list[int], list[int], torch.Tensor]
+
+
+def labelled_positions(row: dict) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """A row's labelled answer tokens (label != IGNORE): their indices in the answer, their positions in
+    ``input_ids`` and their token ids."""
+    keep = [j for j, v in enumerate(row["labels"]) if v != IGNORE]
+    pos = torch.tensor([row["answer_start"] + j for j in keep], dtype=torch.long)
+    return keep, pos, torch.tensor(row["input_ids"], dtype=torch.long)[pos]
+
+
+def gather_features(rows: list[dict], states, verdicts) -> Features:
+    """Features ``[M, d]`` fp16, labels ``[M]``, tokens per kept row, the rows left out, signals ``[M, 4]`` fp32.
+
+    ``states(i)`` is row ``i``'s pre-final-norm target states ``[T, d]`` (or None: left out, non-finite);
+    ``verdicts(i, prev, tokens)`` the target's :data:`~specheads.heads.judge_head.JUDGE_SIGNALS` on ``tokens``
+    from its logits at positions ``prev`` (each token's position minus one)."""
+    feats, labels, counts, bad, signals = [], [], [], [], []
+    for i, r in enumerate(rows):
+        pre = states(i)
+        if pre is None:
+            bad.append(i)
+            continue
+        keep, pos, tokens = labelled_positions(r)
+        feats.append(pre[pos.to(pre.device)].to(torch.float16).cpu())
+        signals.append(verdicts(i, pos - 1, tokens).cpu())
+        labels.append(torch.tensor([r["labels"][j] for j in keep], dtype=torch.float32))
+        counts.append(len(keep))
+    if not feats:
+        return torch.empty(0, 0, dtype=torch.float16), torch.empty(0), counts, bad, torch.empty(0, len(JUDGE_SIGNALS))
+    return torch.cat(feats), torch.cat(labels), counts, bad, torch.cat(signals)
+
+
+def verdicts_from(model, final):
+    """``verdicts(i, prev, tokens)`` for :func:`gather_features`: the target's output layer on ``final(i)``, row
+    ``i``'s states after the final norm (``[T, d]``), at ``prev``, then
+    :func:`~specheads.heads.judge_head.judge_signal_values`."""
+    head, device = model.get_output_embeddings(), output_device(model)
+
+    def verdicts(i: int, prev: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            post = final(i)
+            rows = post[prev.to(post.device)].to(device=device, dtype=head.weight.dtype)
+            return judge_signal_values(head(rows), tokens)
+
+    return verdicts
+
+
 @torch.inference_mode()
-def target_features(
-    model, rows: list[dict], pad: int, batch_size: int
-) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
-    """The target's pre-final-norm states at every labelled answer token (label != IGNORE), fp16.
+def target_features(model, rows: list[dict], pad: int, batch_size: int) -> Features:
+    """The target's pre-final-norm states at every labelled answer token (label != IGNORE), fp16, and its
+    verdict on each (:data:`~specheads.heads.judge_head.JUDGE_SIGNALS`, from the logits one position earlier).
 
     A row whose states hold a NaN or Inf anywhere in the sequence is left out.
 
-    Returns features ``[M, d]``, labels ``[M]``, the number of tokens per kept row and the
-    indices of the rows left out.
+    Returns features ``[M, d]``, labels ``[M]``, the number of tokens per kept row, the indices of the rows
+    left out and the signals ``[M, 4]``.
     """
     device = model.get_input_embeddings().weight.device
-    feats, labels, counts, bad = [], [], [], []
+    parts: list[Features] = []
     with HiddenCapture(model) as cap:
         for i in range(0, len(rows), batch_size):
             batch = rows[i : i + batch_size]
             ids, mask = pad_batch([r["input_ids"] for r in batch], pad, device)
             model(input_ids=ids, attention_mask=mask, logits_to_keep=1)
-            finite = (torch.isfinite(cap.pre).all(-1) | ~mask.bool().to(cap.pre.device)).all(-1).tolist()
-            for b, r in enumerate(batch):
-                if not finite[b]:
-                    bad.append(i + b)
-                    continue
-                keep = [j for j, v in enumerate(r["labels"]) if v != IGNORE]
-                pos = torch.tensor([r["answer_start"] + j for j in keep], dtype=torch.long, device=cap.pre.device)
-                feats.append(cap.pre[b].index_select(0, pos).to(torch.float16).cpu())
-                labels.append(torch.tensor([r["labels"][j] for j in keep], dtype=torch.float32))
-                counts.append(len(keep))
+            pre, post = cap.pre, cap.post
+            finite = (torch.isfinite(pre).all(-1) | ~mask.bool().to(pre.device)).all(-1).tolist()
+            verdicts = verdicts_from(model, lambda b, post=post: post[b])
+            got = gather_features(batch, lambda b, pre=pre: pre[b] if finite[b] else None, verdicts)
+            parts.append((got[0], got[1], got[2], [i + b for b in got[3]], got[4]))
     d = model.config.hidden_size
-    if not feats:
-        return torch.empty(0, d, dtype=torch.float16), torch.empty(0), counts, bad
-    return torch.cat(feats), torch.cat(labels), counts, bad
+    feats = [p[0] for p in parts if p[0].numel()]
+    return (
+        torch.cat(feats) if feats else torch.empty(0, d, dtype=torch.float16),
+        torch.cat([p[1] for p in parts]) if parts else torch.empty(0),
+        [c for p in parts for c in p[2]],
+        [b for p in parts for b in p[3]],
+        torch.cat([p[4] for p in parts]) if parts else torch.empty(0, len(JUDGE_SIGNALS)),
+    )
 
 
 class JudgeLabeller(Labeller):
@@ -112,7 +160,7 @@ class JudgeLabeller(Labeller):
                 counts["too_long"] += 1
                 continue
             rows.append(r)
-        feats, labels, per_row, bad = (
+        feats, labels, per_row, bad, signals = (
             judge_features(job, rows)  # engine=vllm: the target's states from vLLM
             if job.states is not None
             else target_features(pair.target.model, rows, job.pad, cfg.batch_size)
@@ -133,6 +181,8 @@ class JudgeLabeller(Labeller):
         offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
         if rows:
             offsets[1:] = torch.tensor(per_row, dtype=torch.int64).cumsum(0)
+        if not feats.numel():
+            feats = torch.empty(0, pair.target.hidden_size, dtype=torch.float16)
         JudgeChunkFiles(cfg.output_dir, chunk).write(
             feats,
             labels,
@@ -141,6 +191,7 @@ class JudgeLabeller(Labeller):
             [json.dumps(x, ensure_ascii=False) for x in review],
             counts,
             mined,
+            signals,
         )
         cols = {k: [] for k in JUDGE_COLUMNS}
         for r in rows:
@@ -180,5 +231,5 @@ class JudgeLabeller(Labeller):
             "answer_temperature": cfg.answer_temperature,
             "tuples_imported_from": cfg.tuples,
             "hidden_size": models["hidden_size"],
-            "feature": {"model": "target", "state": "pre", "layer": -1},
+            "feature": {"model": "target", "state": "pre", "layer": -1, "signals": list(JUDGE_SIGNALS)},
         }

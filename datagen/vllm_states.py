@@ -214,21 +214,23 @@ def target_logits(job, seqs: list[list[int]], positions: list[list[int]]) -> lis
     return out
 
 
-def judge_features(job, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+def judge_features(job, rows: list[dict]):
     """:func:`specheads.datagen.judge_labels.target_features` from vLLM's states: features ``[M, d]`` fp16 at
-    the labelled answer tokens, their labels, tokens per kept row, the rows left out (non-finite states)."""
-    from specheads.datagen.tuples import IGNORE
+    the labelled answer tokens, their labels, tokens per kept row, the rows left out (non-finite states) and the
+    target's verdict on each token (signals ``[M, 4]``, through the target's final norm and output layer)."""
+    from specheads.datagen.judge_labels import gather_features, verdicts_from
+    from specheads.export.shim import final_norm
 
-    feats, labels, counts, bad = [], [], [], []
-    for i, (r, pre) in enumerate(zip(rows, final_states(job, [r["input_ids"] for r in rows]))):
-        if not bool(torch.isfinite(pre).all()):
-            bad.append(i)
-            continue
-        keep = [j for j, v in enumerate(r["labels"]) if v != IGNORE]
-        feats.append(pre[torch.tensor([r["answer_start"] + j for j in keep], dtype=torch.long)].to(torch.float16))
-        labels.append(torch.tensor([r["labels"][j] for j in keep], dtype=torch.float32))
-        counts.append(len(keep))
-    if not feats:
-        d = job.pair.target.hidden_size
-        return torch.empty(0, d, dtype=torch.float16), torch.empty(0), counts, bad
-    return torch.cat(feats), torch.cat(labels), counts, bad
+    model = job.pair.target.model
+    norm = final_norm(model)
+    states = final_states(job, [r["input_ids"] for r in rows])
+
+    def post(i: int) -> torch.Tensor:
+        return norm(states[i].to(dtype=model.get_output_embeddings().weight.dtype))
+
+    got = gather_features(
+        rows, lambda i: states[i] if bool(torch.isfinite(states[i]).all()) else None, verdicts_from(model, post)
+    )
+    if not got[0].numel():
+        return (torch.empty(0, job.pair.target.hidden_size, dtype=torch.float16), *got[1:])
+    return got

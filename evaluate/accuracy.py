@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+from specheads.errors import UserError
 from specheads.evaluate.competence import MARGIN, competence
-from specheads.evaluate.fidelity import fidelity, mean_logprobs
+from specheads.evaluate.fidelity import fidelity, mean_logprobs, prompt_gaps
 from specheads.evaluate.intervals import mean_interval, paired_difference
 from specheads.evaluate.select import gated
 from specheads.evaluate.select import parse as parse_select
@@ -119,10 +120,13 @@ def add_accuracy(cfg, pair, prompts, grouped: dict[str, list[dict]], summary: di
                 if "acc_drop" in fig and not block[src]["informative"]:
                     fig["acc_drop_informative"] = False
     names = [n for n in grouped if n not in ("ar", "draft")]
+    logprob = None
     if names:
         logprob = _logprob(cfg, pair, prompts, grouped, names, decoders) if getattr(cfg, "fidelity", True) else None
         summary["fidelity"] = fidelity(names, grouped, texts, same, sources, logprob)
     gate = parse_select(getattr(cfg, "select", None))
+    if gate is not None and gate.max_gap is not None and logprob is None:
+        raise UserError(f"select={cfg.select}: max_gap needs the target's log-probabilities; set fidelity=true")
     if gate is not None:
         table = {r["config"]: r for r in summary["table"]}
         fastest = max(
@@ -136,10 +140,17 @@ def add_accuracy(cfg, pair, prompts, grouped: dict[str, list[dict]], summary: di
             grouped,
             correct,
             gate,
-            {"judge": sd(cfg.judge_k), "sprinter": sd(None), "topk_verify": sd(cfg.topk_k), "fsd": sd(cfg.fsd_k)},
+            {
+                "judge": sd(cfg.judge_k),
+                "sprinter": sd(None),
+                "topk_verify": sd(cfg.topk_k),
+                "fsd": sd(cfg.fsd_k),
+                "relaxed": sd(None),
+            },
             same=same,
             sources=sources,
             competent=[s for s, c in block.items() if c["informative"]],
+            gaps={n: prompt_gaps(grouped[n], grouped["ar"], logprob) for n in names} if logprob else None,
         )
     judges = [r for r in summary["table"] if r["config"].startswith("j")]
     if not judges:

@@ -122,17 +122,22 @@ def fidelity(
         entry["exact_match"] = _interval([int(r["tokens"] == a["tokens"]) for r, a in zip(rows, ar)])
         entry["rouge_l"] = _interval(_rouge_l(texts[n], texts["ar"]))
         if logprob is not None:
-            gaps = []
-            for i, (r, a) in enumerate(zip(rows, ar)):
-                if r["tokens"] == a["tokens"]:
-                    gaps.append(0.0)
-                    continue
-                mine, target = logprob(i, r["tokens"]), logprob(i, a["tokens"])
-                if mine is not None and target is not None:
-                    gaps.append(mine - target)
-            entry["logprob_gap"] = _interval(gaps)
+            entry["logprob_gap"] = _interval([g for g in prompt_gaps(rows, ar, logprob) if g is not None])
         out[n] = entry
     return out
+
+
+def prompt_gaps(rows: list[dict], ar: list[dict], logprob) -> list[float | None]:
+    """Per prompt, the target's mean log-probability per token of the row's output minus that of its own
+    (0 where the two are equal; None where either was not scored)."""
+    gaps: list[float | None] = []
+    for i, (r, a) in enumerate(zip(rows, ar)):
+        if r["tokens"] == a["tokens"]:
+            gaps.append(0.0)
+            continue
+        mine, target = logprob(i, r["tokens"]), logprob(i, a["tokens"])
+        gaps.append(mine - target if mine is not None and target is not None else None)
+    return gaps
 
 
 def describe(block: dict) -> list[str]:

@@ -20,19 +20,22 @@ from specheads.evaluate.intervals import mean_interval, paired_difference, paire
 # FSD is one family per divergence (``fsd_kl`` is the training-free KL judge) and each named judge
 # (``judges=``, rows ``j-<name>-<delta>``) one of its own, so each gets its own gated threshold.
 ROW = re.compile(
-    r"^(?:(?P<judge>j)|j-(?P<named>\w+)-|(?P<sprinter>s)|(?P<topk_verify>t)|fsd-(?P<fsd>kl_rev|kl|js|tv)-)"
-    r"(?P<threshold>\d[\d.e+-]*)$"
+    r"^(?:(?P<judge>j)|j-(?P<named>\w+)-|(?P<sprinter>s)|(?P<topk_verify>t)|fsd-(?P<fsd>kl_rev|kl|js|tv)-"
+    r"|r-(?P<relaxed>\w+)-)(?P<threshold>\d[\d.e+-]*)$"
 )
 
 
 def family(row: str) -> str | None:
     """The gated family of a row name (``j0.9`` judge, ``j-mined-0.9`` judge_mined, ``fsd-kl-1`` fsd_kl, ``s0.5``
-    sprinter, ``t2`` topk_verify), None for a row no threshold makes lossy."""
+    sprinter, ``t2`` topk_verify, ``r-top3-0.5`` relaxed_top3: relaxed acceptance, rows named ``r-<name>-`` in
+    ``rows=``), None for a row no threshold makes lossy."""
     m = ROW.match(row)
     if m is None:
         return None
     if m["named"]:
         return f"judge_{m['named']}"
+    if m["relaxed"]:
+        return f"relaxed_{m['relaxed']}"
     if m["fsd"]:
         return f"fsd_{m['fsd']}"
     return next(k for k in ("judge", "sprinter", "topk_verify") if m[k])
@@ -44,22 +47,25 @@ def threshold(row: str) -> float:
 
 @dataclass(frozen=True)
 class Gate:
-    """What ``select=`` asks of a setting: an accuracy-drop bound (on the sources where the target is competent)
-    and/or an answer-disagreement bound (on every graded source), each at the upper end of its interval."""
+    """What ``select=`` asks of a setting, each bound at the bad end of its 95% interval: the accuracy drop and
+    the share of answers changed, both on the sources where the target is competent (a source where it is near
+    chance says nothing about quality: reported, never gated), and the target's log-probability gap per token
+    (nats) on every source, which needs no grader."""
 
     max_drop: float | None = None
     max_disagree: float | None = None
+    max_gap: float | None = None
 
     def __str__(self) -> str:
         return ",".join(f"{k}:{getattr(self, k)}" for k in GATES if getattr(self, k) is not None)
 
 
-GATES = ("max_drop", "max_disagree")
+GATES = ("max_drop", "max_disagree", "max_gap")
 
 
 def parse(select: str | None) -> Gate | None:
-    """``"max_drop:0.01"``, ``"max_disagree:0.02"`` or both comma-separated -> a :class:`Gate`; None -> None;
-    anything else is a UserError."""
+    """``"max_drop:0.01"``, ``"max_disagree:0.02"``, ``"max_gap:0.1"`` or several comma-separated -> a
+    :class:`Gate`; None -> None; anything else is a UserError."""
     if select is None:
         return None
     bounds: dict[str, float] = {}
@@ -69,10 +75,11 @@ def parse(select: str | None) -> Gate | None:
             bound = float(value)
         except ValueError:
             bound = -1.0
-        if key not in GATES or key in bounds or not 0 <= bound < 1:
+        if key not in GATES or key in bounds or not 0 <= bound < (100 if key == "max_gap" else 1):
             raise UserError(
-                f"select={select!r}: expected max_drop:X, max_disagree:Y or both comma-separated, each once, "
-                "with 0 <= X, Y < 1 (0.01 = 1 point of accuracy; 0.02 = 2% of answers changed)"
+                f"select={select!r}: expected max_drop:X, max_disagree:Y and/or max_gap:Z comma-separated, each "
+                "once, with 0 <= X, Y < 1 (0.01 = 1 point of accuracy; 0.02 = 2% of answers changed) and Z >= 0 "
+                "(nats per token the target's log-probability of the output may fall)"
             )
         bounds[key] = bound
     return Gate(**bounds)
@@ -91,29 +98,46 @@ def choose(candidates: dict[str, dict], gate: Gate) -> str | None:
         for key, bound in (("acc_drop_high", gate.max_drop), ("disagree_upper", gate.max_disagree)):
             if bound is not None and (c.get(key) is None or c[key] > bound):
                 return False
-        return True
+        return gate.max_gap is None or (c.get("gap_lower") is not None and c["gap_lower"] >= -gate.max_gap)
 
     ok = [n for n, c in candidates.items() if within(c)]
     return max(ok, key=lambda n: candidates[n]["tokens_per_s"]) if ok else None
 
 
-def _figures(idx: list[int], name: str, correct, same, sources, competent: list[str]) -> dict:
-    """On the prompts ``idx``: the accuracy drop against the target over the competent sources' prompts, and per
-    graded source the share of answers that differ from the target's, each with its interval."""
+def _interval_row(values: list) -> dict:
+    d = mean_interval(values)
+    return {"value": d["value"], "low": d["low"], "high": d["high"], "prompts": d["n"]}
+
+
+def _figures(idx: list[int], name: str, correct, same, sources, competent: list[str], gaps=None) -> dict:
+    """On the prompts ``idx``: the accuracy drop against the target over the competent sources' prompts; per
+    graded source the share of answers that differ from the target's (``disagree_upper``: the largest upper
+    bound over the competent sources); per source the log-probability gap (``gap_lower``: the lowest lower
+    bound over every source), each with its interval."""
     drop_idx = [i for i in idx if sources[i] in competent]
     drop = paired_difference([correct["ar"][i] for i in drop_idx], [correct[name][i] for i in drop_idx])
-    by_source = {}
-    for src in dict.fromkeys(sources[i] for i in idx):
-        d = mean_interval([1 - same[name][i] for i in idx if sources[i] == src])
-        by_source[src] = {"value": d["value"], "low": d["low"], "high": d["high"], "prompts": d["n"]}
-    highs = [d["high"] for d in by_source.values() if d["high"] is not None]
-    return {
+    by_source = {
+        src: _interval_row([1 - same[name][i] for i in idx if sources[i] == src])
+        for src in dict.fromkeys(sources[i] for i in idx)
+    }
+    highs = [d["high"] for s, d in by_source.items() if d["high"] is not None and s in competent]
+    out = {
         "acc_drop": drop["value"],
         "acc_drop_low": drop["low"],
         "acc_drop_high": drop["high"],
         "disagree_by_source": by_source,
         "disagree_upper": max(highs) if highs else None,
     }
+    if gaps is not None:
+        mine, here = gaps.get(name) or [], set(idx)
+        gap = {}
+        for src in dict.fromkeys(sources):
+            vals = [mine[i] for i in range(len(mine)) if i in here and sources[i] == src and mine[i] is not None]
+            if vals:
+                gap[src] = _interval_row(vals)
+        lows = [g["low"] for g in gap.values() if g["low"] is not None]
+        out.update(gap_by_source=gap, gap_lower=min(lows) if lows else None)
+    return out
 
 
 def gated(
@@ -124,6 +148,7 @@ def gated(
     same: dict[str, list[int | None]] | None = None,
     sources: list[str] | None = None,
     competent: list[str] | None = None,
+    gaps: dict[str, list[float | None]] | None = None,
 ) -> dict:
     """The ``gated`` section: per lossy family present, the chosen row (or why none) with its test figures.
 
@@ -138,7 +163,9 @@ def gated(
             where no grader fits); needed for max_disagree.
         sources: each prompt's source (default: one source for all).
         competent: the sources where the target alone is clearly above chance (default: every source): the
-            accuracy drop counts only their prompts.
+            accuracy drop and the answers changed count only their prompts.
+        gaps: each configuration's log-probability gap to the target's output per prompt (``fidelity``); needed
+            for max_gap.
     """
     graded = [i for i, c in enumerate(correct["ar"]) if c is not None]
     sources = sources or ["graded"] * len(correct["ar"])
@@ -149,16 +176,18 @@ def gated(
         "select": str(gate),
         "max_drop": gate.max_drop,
         "max_disagree": gate.max_disagree,
+        "max_gap": gate.max_gap,
         "competent_sources": competent,
         "calibration_prompts": len(calib),
         "test_prompts": len(test),
         "rows": {},
     }
     ignored = sorted({sources[i] for i in graded} - set(competent))
-    if gate.max_drop is not None and ignored:
+    if (gate.max_drop is not None or gate.max_disagree is not None) and ignored:
         out["note"] = (
-            f"max_drop leaves out {', '.join(ignored)}: the target alone is not clearly above chance there "
-            "(section competence)" + ("; no graded source is left for it" if not competent else "")
+            f"max_drop and max_disagree leave out {', '.join(ignored)}: the target alone is not clearly above "
+            "chance there (section competence); reported, not gated"
+            + ("; no graded source is left for them" if not competent else "")
         )
     ar = grouped["ar"]
     families: dict[str, list[str]] = {}
@@ -168,20 +197,20 @@ def gated(
     for fam, names in families.items():
         candidates = {}
         for n in names:
-            f = _figures(calib, n, correct, same, sources, competent)
+            f = _figures(calib, n, correct, same, sources, competent, gaps)
             candidates[n] = {"tokens_per_s": round(_speed(grouped[n], calib), 3), **f}
         pick = choose(candidates, gate)
         entry: dict = {"calibration": candidates, "row": pick}
         if pick is None:
             entry["reason"] = f"no setting is within {gate} at the upper bound on the calibration half" + (
-                " (max_drop has no competent source to measure on)"
-                if gate.max_drop is not None and not competent
+                " (max_drop and max_disagree have no competent source to measure on)"
+                if (gate.max_drop is not None or gate.max_disagree is not None) and not competent
                 else ""
             )
             out["rows"][fam] = entry
             continue
         rows = grouped[pick]
-        f = _figures(test, pick, correct, same, sources, competent)
+        f = _figures(test, pick, correct, same, sources, competent, gaps)
 
         def ratio(num: str, den: str, ref: list[dict]) -> dict:
             if den == "wall_time":  # a batched row's time is its block's share: resample blocks
@@ -203,11 +232,12 @@ def gated(
             acc_drop_upper=f["acc_drop_high"],
             disagree_by_source=f["disagree_by_source"],
             disagree_upper=f["disagree_upper"],
+            **({"gap_by_source": f["gap_by_source"], "gap_lower": f["gap_lower"]} if "gap_lower" in f else {}),
             within_gate_on_test=choose({pick: {"tokens_per_s": 0, **f}}, gate) == pick,
             tokens_per_s_vs_target=vs_target["value"],
             tokens_per_s_vs_target_interval=[vs_target["low"], vs_target["high"]],
         )
-        sd = sd_reference.get(fam.split("_")[0] if fam.startswith(("fsd", "judge")) else fam)
+        sd = sd_reference.get(fam.split("_")[0] if fam.startswith(("fsd", "judge", "relaxed")) else fam)
         if sd is not None:
             by_time, by_call = (
                 ratio("new_tokens", "wall_time", grouped[sd]),
@@ -243,7 +273,8 @@ def describe(g: dict) -> list[str]:
         lines.append(
             f"  {fam}: {e['row']} drop {_bound(e['acc_drop'])} [{_bound(e['acc_drop_low'])}, "
             f"{_bound(e['acc_drop_upper'])}], disagreement upper {_bound(e.get('disagree_upper'))}, "
-            f"tokens/s vs target {e['tokens_per_s_vs_target']:.3f}"
+            + (f"log-prob gap lower {_bound(e['gap_lower'])}, " if "gap_lower" in e else "")
+            + f"tokens/s vs target {e['tokens_per_s_vs_target']:.3f}"
             + (f", vs {e['sd_reference']} {e['tokens_per_s_vs_sd']:.3f}" if "sd_reference" in e else "")
         )
     return lines

@@ -169,10 +169,11 @@ class JudgeChunkFiles:
     """The side files of one ``labels=judge`` chunk, written before its Parquet file (which marks it done).
 
     ``features/chunk-N.safetensors``: ``features`` ``[M, d]`` fp16 (the target's states at the
-    labelled answer tokens), ``labels`` ``[M]`` and ``offsets`` ``[rows + 1]`` (row ``i``'s tokens are
-    ``offsets[i]:offsets[i+1]``, rows in Parquet order). ``tuples/chunk-N.jsonl``,
-    ``review/chunk-N.jsonl`` and ``tuples/chunk-N.counts.json``: the chunk's tuples, review items
-    and counts, merged into ``tuples.jsonl``, ``review.jsonl`` and the manifest at the end; with
+    labelled answer tokens), ``labels`` ``[M]``, ``offsets`` ``[rows + 1]`` (row ``i``'s tokens are
+    ``offsets[i]:offsets[i+1]``, rows in Parquet order) and ``signals`` ``[M, 4]`` fp32 (the target's verdict on
+    each token, :data:`~specheads.heads.judge_head.JUDGE_SIGNALS`; absent in data written before it).
+    ``tuples/chunk-N.jsonl``, ``review/chunk-N.jsonl`` and ``tuples/chunk-N.counts.json``: the chunk's tuples,
+    review items and counts, merged into ``tuples.jsonl``, ``review.jsonl`` and the manifest at the end; with
     ``mining=swap`` also ``mined/chunk-N.jsonl`` (one searched prompt per line), merged into ``mined.jsonl``.
     """
 
@@ -198,6 +199,7 @@ class JudgeChunkFiles:
         review: list[str],
         counts: dict,
         mined: list[str] | None = None,
+        signals=None,
     ) -> None:
         from safetensors.torch import save_file
 
@@ -205,10 +207,10 @@ class JudgeChunkFiles:
 
         self.features_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.features_path.with_name(f".{self.features_path.name}.{os.getpid()}.tmp")
-        save_file(
-            {"features": features.contiguous(), "labels": labels.contiguous(), "offsets": offsets.contiguous()},
-            str(tmp),
-        )
+        tensors = {"features": features.contiguous(), "labels": labels.contiguous(), "offsets": offsets.contiguous()}
+        if signals is not None:
+            tensors["signals"] = signals.float().contiguous()
+        save_file(tensors, str(tmp))
         durable_replace(tmp, self.features_path)  # on disk before the chunk file that marks it done
         for path, lines in ((self.tuples_path, tuples), (self.review_path, review), (self.mined_path, mined)):
             if lines is None:

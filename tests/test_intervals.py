@@ -168,23 +168,46 @@ def _answers_study(n=2000):
     return grouped, correct, same, sources
 
 
-def test_max_disagree_refuses_a_setting_that_changes_answers_without_losing_accuracy():
+def test_max_disagree_refuses_a_setting_that_changes_answers_where_the_target_is_competent():
     """The accuracy gate cannot see j0.2 change half of ARC's answers (all wrong either way); the agreement gate
-    does, on the source where it happens, and picks j0.6."""
+    does once ARC counts as competent, and picks j0.6. Where ARC is not competent its changed answers are
+    reported (disagree_by_source) but never gated: the target's answers there are near chance."""
     grouped, correct, same, sources = _answers_study()
     by_drop = gated(grouped, correct, Gate(max_drop=0.01), {"judge": "k4"}, same, sources, ["facts"])
     assert by_drop["rows"]["judge"]["row"] == "j0.2"
-    g = gated(grouped, correct, Gate(max_disagree=0.02), {"judge": "k4"}, same, sources, ["facts"])
+    g = gated(grouped, correct, Gate(max_disagree=0.02), {"judge": "k4"}, same, sources, ["facts", "arc"])
     e = g["rows"]["judge"]
     assert e["row"] == "j0.6" and e["within_gate_on_test"] and e["disagree_upper"] <= 0.02
     worst = e["calibration"]["j0.2"]["disagree_by_source"]
     assert worst["arc"]["value"] == pytest.approx(0.5, abs=0.05) and worst["facts"]["value"] == 0.0
     assert set(e["disagree_by_source"]) == {"facts", "arc"} and g["select"] == "max_disagree:0.02"
+    facts_only = gated(grouped, correct, Gate(max_disagree=0.02), {"judge": "k4"}, same, sources, ["facts"])
+    f = facts_only["rows"]["judge"]
+    assert f["row"] == "j0.2" and f["disagree_by_source"]["arc"]["value"] > 0.2  # reported, not gated
+    assert "leave out arc" in facts_only["note"]
     # both gates: each bound must hold
-    both = gated(grouped, correct, Gate(0.01, 0.02), {"judge": "k4"}, same, sources, ["facts"])
+    both = gated(grouped, correct, Gate(0.01, 0.02), {"judge": "k4"}, same, sources, ["facts", "arc"])
     assert both["rows"]["judge"]["row"] == "j0.6"
-    strict = gated(grouped, correct, Gate(max_disagree=0.0), {"judge": "k4"}, same, sources, ["facts"])
+    strict = gated(grouped, correct, Gate(max_disagree=0.0), {"judge": "k4"}, same, sources, ["facts", "arc"])
     assert strict["rows"]["judge"]["row"] is None and "max_disagree:0.0" in strict["rows"]["judge"]["reason"]
+
+
+def test_max_gap_bounds_the_targets_log_probability_on_every_source():
+    """The log-probability gap needs no grader and no competence: j0.2 writes what the target finds less likely
+    on ARC (gap -0.5 nats per token there), so max_gap:0.1 refuses it on every source and picks j0.6."""
+    grouped, correct, same, sources = _answers_study()
+    gaps = {n: [0.0] * len(sources) for n in grouped}
+    gaps["j0.2"] = [-0.5 if s == "arc" else 0.0 for s in sources]
+    g = gated(grouped, correct, Gate(max_gap=0.1), {"judge": "k4"}, same, sources, ["facts"], gaps)
+    e = g["rows"]["judge"]
+    assert e["row"] == "j0.6" and e["gap_lower"] == 0.0 and g["max_gap"] == 0.1
+    assert e["calibration"]["j0.2"]["gap_by_source"]["arc"]["value"] == pytest.approx(-0.5)
+    assert (
+        gated(grouped, correct, Gate(max_gap=0.6), {"judge": "k4"}, same, sources, ["facts"], gaps)["rows"]["judge"][
+            "row"
+        ]
+        == "j0.2"
+    )
 
 
 def test_max_drop_counts_only_the_sources_where_the_target_is_competent():
@@ -196,7 +219,7 @@ def test_max_drop_counts_only_the_sources_where_the_target_is_competent():
     correct["k4"] = correct["j0.6"] = list(correct["ar"])
     g = gated(grouped, correct, Gate(max_drop=0.01), {"judge": "k4"}, same, sources, ["facts"])
     assert g["rows"]["judge"]["row"] == "j0.2" and g["rows"]["judge"]["acc_drop_upper"] == 0.0
-    assert "leaves out arc" in g["note"] and g["competent_sources"] == ["facts"]
+    assert "leave out arc" in g["note"] and g["competent_sources"] == ["facts"]
     everywhere = gated(grouped, correct, Gate(max_drop=0.01), {"judge": "k4"}, same, sources, ["facts", "arc"])
     assert everywhere["rows"]["judge"]["row"] == "j0.6"
     none = gated(grouped, correct, Gate(max_drop=0.01), {"judge": "k4"}, same, sources, [])

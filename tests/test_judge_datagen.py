@@ -69,11 +69,25 @@ def test_imported_tuples_give_labels_and_target_features(tiny_pair, tiny_pair_di
     a, b = first["offsets"][1].item(), first["offsets"][2].item()
     torch.testing.assert_close(first["features"][a:b].float(), want, atol=2e-2, rtol=1e-2)
     assert first["labels"][a:b].tolist() == [1.0, 0.0]
+    # the target's verdict on each labelled token, from its logits one position earlier (teacher-forced)
+    with torch.no_grad():
+        logp = target(input_ids=torch.tensor([wrong["input_ids"]])).logits[0].float().log_softmax(-1)
+    for row, pos in zip(first["signals"][a:b], keep):
+        y, lp = wrong["input_ids"][pos], logp[pos - 1]
+        assert row[0].item() == pytest.approx(lp[y].item(), abs=1e-3)  # logp
+        assert row[1].item() == pytest.approx((lp[y] - lp.max()).item(), abs=1e-3)  # gap
+        assert row[2].item() == pytest.approx(-(lp.exp() * lp).sum().item(), abs=1e-3)  # entropy
+        assert (row[3].item() == 0.0) == bool(lp[y] >= lp.max())  # rank 0 for the target's own choice
+    assert manifest_signals(out) == ["logp", "gap", "entropy", "rank"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["labels"] == "judge" and manifest["tuple_counts"]["tuples"] == 3
     assert manifest["positive_tokens"] + manifest["negative_tokens"] == manifest["labelled_tokens"]
     assert manifest["negative_tokens"] == 2 and manifest["feature"]["state"] == "pre"
     assert len((out / "tuples.jsonl").read_text().splitlines()) == 3
+
+
+def manifest_signals(out):
+    return json.loads((out / "manifest.json").read_text())["feature"]["signals"]
 
 
 GSM = [
@@ -265,6 +279,48 @@ def test_exported_judge_head_decodes(judge_head, tiny_pair_dirs, tmp_path):
     )
     row = json.loads((dec / "outputs.jsonl").read_text().splitlines()[0])
     assert 1 <= len(row["tokens"]) <= 10 and row["stats"]["target_calls"] >= 1
+
+
+def test_a_judge_on_the_targets_verdict_trains_exports_and_decodes(judge_data, tiny_pair_dirs, tmp_path):
+    """judge_signals: the head reads the target's state and its verdict on the token (stored by datagen);
+    exported, it rebuilds itself from its header and decodes, with the margin floor too."""
+    from specheads.export import read_metadata
+    from specheads.export.cli import main as export_main
+    from specheads.export.decode_cli import main as decode_main
+    from specheads.train.cli import main as train_main
+
+    tr, exp = tmp_path / "tr", tmp_path / "exp"
+    args = [f"data_dir={judge_data}", f"output_dir={tr}", "head=judge", "depth=1", "epochs=2", "lr=1e-2"]
+    args += ["batch_size=2", "grad_accum=1", "eval_fraction=0.25", "draft.path=unused"]
+    assert train_main(args + ["judge_signals=[logp,gap,entropy,rank,logp]"]) == 2  # each signal at most once
+    assert train_main(args + ["judge_signals=[gap,rank]"]) == 0
+    assert export_main([f"train_dir={tr}", f"output_dir={exp}"]) == 0
+    meta = read_metadata(exp / "head.safetensors")
+    assert meta["head_config"] == {"in_features": 32, "depth": 1, "signals": ["gap", "rank"]}
+    assert meta["feature"]["signals"] == ["gap", "rank"]
+    t, d = tiny_pair_dirs
+    for extra in ([], ["judge.max_gap=0.5"]):
+        dec = tmp_path / f"dec{len(extra)}"
+        argv = [f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu"]
+        argv += ["draft.device=cpu", f"prompts={_one_prompt(tmp_path)}", f"output_dir={dec}", "max_new_tokens=10"]
+        argv += ["policy=judge", "judge.k=4", f"judge.head={exp / 'head.safetensors'}", *extra]
+        assert decode_main(argv) == 0
+        row = json.loads((dec / "outputs.jsonl").read_text().splitlines()[0])
+        assert 1 <= len(row["tokens"]) <= 10
+
+
+def test_a_judge_asking_for_signals_the_data_lacks_is_told_to_regenerate(judge_data, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    from specheads.train.cli import main as train_main
+
+    old = tmp_path / "old"
+    shutil.copytree(judge_data, old)
+    for path in (old / "features").glob("chunk-*.safetensors"):  # data written before the signals existed
+        save_file({k: v for k, v in load_file(str(path)).items() if k != "signals"}, str(path))
+    args = [f"data_dir={old}", f"output_dir={tmp_path / 'tr'}", "head=judge", "judge_signals=[gap]"]
+    assert train_main(args + ["draft.path=unused", "eval_fraction=0.25"]) == 2
+    assert "holds no signals" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("spelling", ["shorthand", "rows"])

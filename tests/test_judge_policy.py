@@ -105,3 +105,44 @@ def test_topk_verify_with_top1_is_greedy_sd_and_larger_k_accepts_more(tiny_pair)
         wide = engine.generate(prompt, TopKVerify(k=3, top_k=40), 24, SamplingConfig(), None)
         # every candidate is within the top 40 of a 41-token vocabulary unless it is the least likely one
         assert wide.stats.accepted >= one.stats.accepted
+
+
+def test_relaxed_acceptance_between_greedy_sd_and_top_k(tiny_pair):
+    """verify_delta=0 accepts only the target's own choice (greedy SD); a huge delta is top-K alone."""
+    from specheads.export.shim.policies import TopKVerify
+
+    target, draft = tiny_pair
+    engine = Engine(target, draft, [2])
+    for prompt in PROMPTS:
+        sd = engine.generate(prompt, StandardSD(3), 24, SamplingConfig(), None)
+        zero = engine.generate(prompt, TopKVerify(k=3, top_k=5, delta=0.0), 24, SamplingConfig(), None)
+        assert zero.tokens == sd.tokens and zero.stats.accepted == sd.stats.accepted
+        top = engine.generate(prompt, TopKVerify(k=3, top_k=5), 24, SamplingConfig(), None)
+        wide = engine.generate(prompt, TopKVerify(k=3, top_k=5, delta=1e6), 24, SamplingConfig(), None)
+        assert wide.tokens == top.tokens
+    with pytest.raises(UserError, match="delta"):
+        TopKVerify(k=3, top_k=2, delta=-1.0)
+
+
+def test_margin_floor_zero_is_greedy_sd_and_signals_are_the_targets_verdict(tiny_pair):
+    """max_gap=0 lets the judge accept only the target's own choice: greedy SD even with a judge that accepts
+    everything. judge_signal_values: log p(y), its gap to the top, the entropy and y's rank, by hand."""
+    from specheads.heads.judge_head import JudgeHead, judge_signal_values
+
+    target, draft = tiny_pair
+    engine = Engine(target, draft, [2])
+    for prompt in PROMPTS:
+        floor = engine.generate(prompt, Judge(ConstantJudge(50.0), 0.5, 3, max_gap=0.0), 24, SamplingConfig(), None)
+        sd = engine.generate(prompt, StandardSD(3), 24, SamplingConfig(), None)
+        assert floor.tokens == sd.tokens
+    logits = torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    got = judge_signal_values(logits, torch.tensor([1, 2]))
+    lp = logits.log_softmax(-1)
+    assert got[0, 0].item() == pytest.approx(lp[0, 1].item()) and got[0, 1].item() == pytest.approx(-1.0)
+    assert got[1, 1].item() == 0.0 and got[1, 3].item() == 0.0  # ties: nothing is preferred to y
+    assert got[1, 2].item() == pytest.approx(torch.log(torch.tensor(3.0)).item())
+    assert got[0, 3].item() > 0 and judge_signal_values(logits, torch.tensor([0, 0]), ("rank",)).shape == (2, 1)
+    head = JudgeHead(8, 1, ("gap", "rank"))
+    assert head.in_features == 10 and JudgeHead(**head.config()).in_features == 10
+    with pytest.raises(ValueError, match="signals"):
+        JudgeHead(8, 0, ("margin",))

@@ -116,6 +116,15 @@ class TrainConfig:
             )
         },
     )
+    judge_signals: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": (
+                "judge: the target's verdict on the token beside its state, of logp (log p(y)), gap (log p(y) "
+                "minus the largest log p), entropy (of p) and rank (of y under p); needs data with signals"
+            )
+        },
+    )
     draft_init: str | None = field(
         default=None,
         metadata={

@@ -15,6 +15,7 @@ import torch
 
 from specheads.dataset import JudgeChunkFiles, shard_paths
 from specheads.errors import UserError
+from specheads.heads.judge_head import JUDGE_SIGNALS
 from specheads.train.side_rows import SideRows, read_small
 
 
@@ -31,9 +32,10 @@ class JudgeExample:
 class JudgeStore:
     """Every chunk's labels in memory, its features read per batch, and the examples over them."""
 
-    def __init__(self, data_dir: str | Path):
+    def __init__(self, data_dir: str | Path, signals: tuple[str, ...] = ()):
         """``data_dir``: one ``labels=judge`` output_dir, or several comma-separated (mixed: the examples of
-        the ``k``-th get ids ``k:<tuple id>``)."""
+        the ``k``-th get ids ``k:<tuple id>``); ``signals``: of the target's verdicts the data stores
+        (:data:`~specheads.heads.judge_head.JUDGE_SIGNALS`), those each example's features end with."""
         import pyarrow.parquet as pq
 
         dirs = [Path(d.strip()) for d in str(data_dir).split(",") if d.strip()]
@@ -43,8 +45,9 @@ class JudgeStore:
             if not found:
                 raise UserError(f"no chunk-*.parquet under {d / 'data'}; run heads-datagen labels=judge first")
             files += [(f"{k}:" if len(dirs) > 1 else "", d, p) for p in found]
-        labels, self.examples = [], []
+        labels, verdicts, self.examples = [], [], []
         self.features = SideRows("features")
+        pick = [JUDGE_SIGNALS.index(n) for n in signals]
         base = 0
         spans: dict[str, list[int]] = {}
         order: list[str] = []
@@ -55,7 +58,14 @@ class JudgeStore:
                 raise UserError(
                     f"{side.features_path} is missing; re-run heads-datagen labels=judge to finish the chunk"
                 )
-            t, _ = read_small(side.features_path, ("labels", "offsets"))
+            t, shapes = read_small(side.features_path, ("labels", "offsets"))
+            if pick:
+                if "signals" not in shapes:
+                    raise UserError(
+                        f"{side.features_path} holds no signals (written before the judge read the target's "
+                        "verdict); re-run heads-datagen labels=judge into a new output_dir, or drop judge_signals"
+                    )
+                verdicts.append(read_small(side.features_path, ("signals",))[0]["signals"][:, pick])
             ids = [prefix + t for t in pq.read_table(path, columns=["tuple_id"]).column("tuple_id").to_pylist()]
             off = t["offsets"].tolist()
             if len(off) != len(ids) + 1:
@@ -73,6 +83,7 @@ class JudgeStore:
             labels.append(t["labels"])
             base += int(off[-1])
         self.labels = torch.cat(labels) if labels else torch.empty(0)
+        self.signals = torch.cat(verdicts) if verdicts else None
         self.examples = [
             JudgeExample(i, tid, *spans[tid]) for i, tid in enumerate(order) if spans[tid][1] > spans[tid][0]
         ]
@@ -81,8 +92,10 @@ class JudgeStore:
 
     def batch(self, epoch: int, examples: list[JudgeExample], device) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.cat([torch.arange(e.start, e.end) for e in examples])
-        x = self.features.take([(e.start, e.end) for e in examples])
-        return x.float().to(device), self.labels[idx].to(device)
+        x = self.features.take([(e.start, e.end) for e in examples]).float()
+        if self.signals is not None:
+            x = torch.cat([x, self.signals[idx]], dim=-1)
+        return x.to(device), self.labels[idx].to(device)
 
 
 def judge_metrics(scores: torch.Tensor, labels: torch.Tensor, delta: float) -> dict:

@@ -13,6 +13,7 @@ import torch
 
 from specheads.errors import UserError
 from specheads.heads import JudgeHead
+from specheads.heads.judge_head import JUDGE_SIGNALS
 from specheads.outputs import atomic_write_json
 from specheads.train import judge_data as J
 from specheads.train.config import TrainConfig
@@ -42,11 +43,14 @@ class JudgeTask:
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> list[str]:
+        bad = [s for s in cfg.judge_signals if s not in JUDGE_SIGNALS]
+        if bad or len(set(cfg.judge_signals)) < len(cfg.judge_signals):
+            return [f"judge_signals={list(cfg.judge_signals)}: choose each at most once from {list(JUDGE_SIGNALS)}"]
         return []
 
     @classmethod
     def setup(cls, cfg: TrainConfig, manifest: dict, acc) -> JudgeTask:
-        store = J.JudgeStore(cfg.data_dir)
+        store = J.JudgeStore(cfg.data_dir, tuple(cfg.judge_signals))
         train_examples, eval_examples = split(store.examples, cfg.eval_fraction, cfg.seed)
         weights = (cfg.w_acc, cfg.w_rej)
         if cfg.class_weights == "balanced":
@@ -69,7 +73,7 @@ class JudgeTask:
 
     def build_head(self) -> JudgeHead:
         torch.manual_seed(self.cfg.seed)
-        return JudgeHead(self.hidden, self.cfg.depth)
+        return JudgeHead(self.hidden, self.cfg.depth, tuple(self.cfg.judge_signals))
 
     def batch(self, examples: list, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.store.batch(epoch, examples, self.device)
@@ -102,7 +106,8 @@ class JudgeTask:
             metrics,
             label="judge",
             draft=self.manifest.get("draft"),
-            feature={"model": "target", "state": "pre", "layer": -1, "position": "own"},
+            feature={"model": "target", "state": "pre", "layer": -1, "position": "own"}
+            | ({"signals": list(self.cfg.judge_signals)} if self.cfg.judge_signals else {}),
         )
 
     def models(self) -> dict[str, tuple]:

@@ -9,6 +9,7 @@ import torch
 from specheads.export.shim.loop.sampling import probs_from_logits
 from specheads.export.shim.policies.base import Policy, Round, Verdict, sd_accepts, sd_token, standard_verify
 from specheads.export.shim.policies.settings import Check, HeadSpec, K, Settings
+from specheads.heads.judge_head import judge_signal_values
 
 
 @dataclass
@@ -16,12 +17,14 @@ class JudgeSettings(Settings):
     head: str | None = None  # the exported judge head
     delta: float | None = None  # None: the head's default_threshold, else 0.5
     k: int = 4
+    max_gap: float | None = None  # the judge accepts y only where log p(y) >= max log p - max_gap (None: anywhere)
     THRESHOLD = "delta"
     CHECKS = {
         "delta": Check(
             lambda d: 0 <= d <= 1, "{key}={value} must be in [0, 1]", "{key}={values}: every delta must be in [0, 1]"
         ),
         "k": K,
+        "max_gap": Check(lambda g: g is None or g >= 0, "{key}={value} must be >= 0 (nats)"),
     }
 
 
@@ -32,7 +35,11 @@ class Judge(Policy):
     (greedy: its argmax; sampling: a token from ``norm(max(0, p - q))``, as SD does).
 
     The head reads the target's last hidden state before the final norm at each candidate's own
-    position, from the verification pass itself (no extra forward). When every candidate is
+    position, from the verification pass itself (no extra forward), and, when it was trained with them
+    (its ``signals``), the target's verdict on the candidate from the same pass's logits: log p(y), its gap to
+    the target's most likely token, the entropy, y's rank (:func:`~specheads.heads.judge_head.judge_signal_values`).
+    ``max_gap`` is a margin floor: the judge may accept y only where log p(y) is within ``max_gap`` nats of the
+    target's largest log-probability (0: only the target's own choice, i.e. SD; None: no floor). When every candidate is
     accepted, the target's bonus token follows as in SD, unless the judge accepted the last
     candidate: then the round ends there (its verdict has no token of its own) and the draft
     continues from it. So ``delta = 1`` (the judge never accepts) is SD, draw for draw, and a judge
@@ -40,9 +47,10 @@ class Judge(Policy):
     candidates that the SD rule rejected.
 
     Args:
-        head: module mapping a target state ``[n, d]`` to logits ``[n]``.
+        head: module mapping a target state ``[n, d]`` (and its ``signals``, ``[n, s]``) to logits ``[n]``.
         delta: judge threshold in [0, 1]; larger accepts less.
         k: candidates per round.
+        max_gap: the margin floor in nats (None: none).
     """
 
     name = "judge"
@@ -50,22 +58,25 @@ class Judge(Policy):
     HEAD = HeadSpec("judge", "target", 0.5)
     target_hidden = "pre"
 
-    def __init__(self, head: torch.nn.Module, delta: float = 0.5, k: int = 10):
-        JudgeSettings(None, delta, k).check()
+    def __init__(self, head: torch.nn.Module, delta: float = 0.5, k: int = 10, max_gap: float | None = None):
+        JudgeSettings(None, delta, k, max_gap).check()
         super().__init__(k)
-        self.head, self.delta = head, delta
+        self.head, self.delta, self.max_gap = head, delta, max_gap
+        self.signals = tuple(getattr(head, "signals", ()))
         self._dtype = next(head.parameters()).dtype
         self._device = next(head.parameters()).device
         self.judge_only = 0
 
     @classmethod
     def from_settings(cls, s, pair=None, head=None, costs=None) -> Policy:
-        policy = cls(head.module, cls.HEAD.threshold_for(s.delta, head), s.k)
+        policy = cls(head.module, cls.HEAD.threshold_for(s.delta, head), s.k, s.max_gap)
         policy.head_file = s.head
         return policy
 
     def describe(self) -> dict:
-        return {"head": self.head_file, "delta": self.delta, "k": self.k}
+        return {"head": self.head_file, "delta": self.delta, "k": self.k} | (
+            {"max_gap": self.max_gap} if self.max_gap is not None else {}
+        )
 
     def reset(self) -> None:
         self.judge_only = 0
@@ -84,7 +95,13 @@ class Judge(Policy):
         cand = rnd.candidates(logits.device)
         assert hidden is not None  # target_hidden is set: the engine passes the target's states
         states = hidden[1 : n + 1].to(self._device, self._dtype)  # the target's states may sit on another GPU
+        if self.signals or self.max_gap is not None:
+            verdict = judge_signal_values(logits[:n], cand, self.signals + ("gap",))
+        if self.signals:
+            states = torch.cat([states, verdict[:, :-1].to(self._device, self._dtype)], dim=-1)
         judge = self.head(states).float().reshape(n).sigmoid().to(logits.device) > self.delta
+        if self.max_gap is not None:
+            judge &= verdict[:, -1].to(judge.device) >= -self.max_gap
         if rnd.sampling.do_sample:
             p = probs_from_logits(logits, rnd.sampling)
             q = torch.stack(rnd.q).to(p.device)
