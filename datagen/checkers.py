@@ -8,8 +8,11 @@ the response gives none). ``prompt`` is a :class:`specheads.prompts.Prompt` (``t
 
 * ``gsm8k``: the final number (after ``####``, else the last number in the text), as a number;
 * ``arc``: the chosen letter (the first standalone A-E), as :mod:`specheads.grading` reads it;
+* ``named``: for the fact and extraction questions (``specheads:facts``, ``specheads:extract``), the accepted
+  answer when the first sentence names it, else that sentence's words (:func:`specheads.grading.answer`);
 * ``exact``: the whole response, normalised (case, whitespace, surrounding punctuation);
-* ``auto`` (default): ``gsm8k`` for GSM8K prompts, ``arc`` for ARC, ``exact`` for the rest.
+* ``auto`` (default): ``gsm8k`` for GSM8K prompts, ``arc`` for ARC, ``named`` for facts and extraction
+  questions, ``exact`` for the rest.
 
 A checker whose answer, once a response gives one, stays put as text is appended (ARC's first letter) is
 *prefix-stable*: a response cut at the length limit still has a trustworthy answer when it had the same one a
@@ -27,7 +30,7 @@ import re
 from typing import Any, Callable
 
 from specheads.errors import UserError
-from specheads.grading import letter, number
+from specheads.grading import answer, letter, number
 
 Checker = Callable[[Any, str], Any]
 _SPACE = re.compile(r"\s+")
@@ -45,8 +48,16 @@ def exact(prompt, text: str) -> str:
     return _SPACE.sub(" ", text).strip().strip(".,;:!?\"'").strip().lower()
 
 
+def named(prompt, text: str) -> str | None:
+    """A fact or extraction question's answer (:func:`specheads.grading.answer`): the accepted answer when the
+    first sentence names it, else that sentence's words."""
+    return answer(prompt, text)
+
+
 def auto(prompt, text: str):
-    return {"gsm8k": gsm8k, "arc": arc}.get(getattr(prompt, "source", None), exact)(prompt, text)
+    return {"gsm8k": gsm8k, "arc": arc, "facts": named, "extract": named}.get(getattr(prompt, "source", None), exact)(
+        prompt, text
+    )
 
 
 arc.prefix_stable = True
@@ -59,7 +70,7 @@ def stable(checker: Checker, prompt) -> bool:
     return getattr(checker, "prefix_stable", False) is True
 
 
-CHECKERS: dict[str, Checker] = {"auto": auto, "gsm8k": gsm8k, "arc": arc, "exact": exact}
+CHECKERS: dict[str, Checker] = {"auto": auto, "gsm8k": gsm8k, "arc": arc, "named": named, "exact": exact}
 
 
 def resolve(name: str) -> Checker:

@@ -193,7 +193,7 @@ def chunk_rows(job, items: list, chunk: int) -> tuple[list[dict], list[str], dic
     before = dict(remote.stats) if remote else {}
     generate, predict = greedy_tokens(pair.target.model, pair.draft.model, job.eos, job.pad, remote)
     if cfg.checker == "auto":
-        loose = sorted({p.source for p in items} - {"gsm8k", "arc"})
+        loose = sorted({p.source for p in items} - {"gsm8k", "arc", "facts", "extract"})
         if loose:
             log.warning(
                 "checker=auto compares the whole normalised text for %s prompts: almost every swap changes "

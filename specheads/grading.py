@@ -56,7 +56,7 @@ def grade(prompt, text: str) -> bool | None:
         return None
     if prompt.source == "arc":
         return letter(text) == prompt.reference.strip()
-    if prompt.source == "facts":
+    if prompt.source in ("facts", "extract"):  # graded by naming an accepted answer (specheads.facts)
         return facts.correct(text, prompt.reference.split(facts.SEPARATOR))
     try:
         float(prompt.reference.replace(",", ""))
@@ -88,7 +88,7 @@ def answer(prompt, text: str) -> str | None:
     to compare two outputs' answers; None when there is none or no grader fits the prompt."""
     if grade(prompt, text) is None:
         return None
-    if prompt.source == "facts":
+    if prompt.source in ("facts", "extract"):
         return facts.answer(text, prompt.reference.split(facts.SEPARATOR))
     return letter(text) if prompt.source == "arc" else number(text)
 

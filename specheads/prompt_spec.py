@@ -6,7 +6,16 @@ import re
 
 from specheads.errors import UserError
 
-SOURCES = ("arc", "gsm8k", "facts", "mt_bench", "alpaca", "prompt", "messages")  # a Prompt's ``source``, by file format
+SOURCES = (
+    "arc",
+    "gsm8k",
+    "facts",
+    "extract",
+    "mt_bench",
+    "alpaca",
+    "prompt",
+    "messages",
+)  # a Prompt's ``source``, by file format
 
 
 def budget_problems(key: str, budgets: dict) -> list[str]:

@@ -99,13 +99,19 @@ def _arc_text(row: dict, where: str) -> str:
     return "\n".join(lines) + "\nAnswer with the letter of the correct choice."
 
 
+ANSWER_SOURCES = ("facts", "extract")  # rows {question, answers} graded by naming an answer (specheads.facts)
+
+
 def _fact(row: dict, pid: str, where: str) -> Prompt:
     from specheads.facts import SEPARATOR
 
     answers = row["answers"]
     if not isinstance(answers, list) or not answers or not all(isinstance(a, str) and a.strip() for a in answers):
         raise UserError(f"{where}: 'answers' must be a non-empty list of non-empty strings, got {_short(answers)}")
-    return Prompt(pid, text=_str_field(row, "question", where), reference=SEPARATOR.join(answers), source="facts")
+    source = row.get("source", "facts")
+    if source not in ANSWER_SOURCES:
+        raise UserError(f"{where}: 'source' of a row with answers must be one of {list(ANSWER_SOURCES)}")
+    return Prompt(pid, text=_str_field(row, "question", where), reference=SEPARATOR.join(answers), source=source)
 
 
 def _to_prompt(row: Any, index: int, stem: str, where: str) -> Prompt:
@@ -216,14 +222,14 @@ def iter_prompts(path: str | Path, limit: int | None = None, offset: int = 0) ->
     """
     if limit is not None and limit < 0 or offset < 0:
         raise UserError(f"limit and offset must be >= 0, got limit={limit}, offset={offset}")
-    if str(path) == "specheads:facts":  # the built-in fact questions
-        from specheads.facts import rows
+    if str(path).startswith(("specheads:facts", "specheads:extract")):  # the built-in graded questions
+        from specheads.facts import builtin_rows
 
-        items = rows()
+        items = builtin_rows(str(path))
         if offset >= len(items) and limit != 0:
-            raise UserError(f"specheads:facts has {len(items)} questions, none after offset={offset}; lower offset")
+            raise UserError(f"{path} has {len(items)} questions, none after offset={offset}; lower offset")
         for i, row in enumerate(items[offset : None if limit is None else offset + limit], start=offset):
-            yield _fact(row, row["id"], f"specheads:facts row {i}")
+            yield _fact(row, row["id"], f"{path} row {i}")
         return
     path = Path(path)
     if not path.exists():

@@ -156,3 +156,29 @@ def test_token_labels_multibyte_and_straddling(bpe):
     assert all(v == 1 for v in labels_e[: pieces_e[0]]) and all(v == IGNORE for v in labels_e[pieces_e[-1] + 1 :])
     ids_c, labels_c = token_labels(bpe, "le café coûte 12 €", None)
     assert labels_c == [1] * len(ids_c)
+
+
+def test_extraction_questions_are_seeded_split_by_kind_and_graded_by_the_named_answer():
+    """specheads:extract: the same questions every run; a kind subset holds exactly the full set's questions of
+    those kinds; graded (and mined) by naming the field's value."""
+    from specheads.datagen.checkers import auto
+    from specheads.errors import UserError
+    from specheads.facts import builtin_rows
+    from specheads.grading import chance, grade
+    from specheads.prompts import iter_prompt_files
+
+    every = list(iter_prompt_files("specheads:extract"))
+    assert len(every) == 360 and {p.source for p in every} == {"extract"}
+    again = list(iter_prompt_files("specheads:extract"))
+    assert [(p.id, p.text, p.reference) for p in every] == [(p.id, p.text, p.reference) for p in again]
+    some = list(iter_prompt_files("specheads:extract:phone+age"))
+    assert [p.id for p in some] == [p.id for p in every if p.id.split("-")[1] in ("phone", "age")]
+    p = some[0]
+    assert p.reference in p.text and grade(p, f"{p.reference}.") and not grade(p, "I cannot tell.")
+    assert chance(p) == 0.0 and auto(p, f"It is {p.reference}.") == p.reference
+    facts = list(iter_prompt_files("specheads:facts:capital+symbol"))
+    assert len(facts) == 190 and {q.id.split("-")[1] for q in facts} == {"capital", "symbol"}
+    assert len(builtin_rows("specheads:facts")) == 392
+    for bad in ("specheads:extract:colour", "specheads:nothing", "specheads:facts:"):
+        with pytest.raises(UserError):
+            builtin_rows(bad)

@@ -8,9 +8,10 @@ grade right). :func:`rows` turns it into questions with a seeded generator: one 
 drawn from its kind's templates, the rows in a seeded order, so that the even (calibration) and odd
 (test) halves of ``heads-eval select=`` mix the kinds alike.
 
-Use it as a prompt file named ``specheads:facts`` (``heads-eval prompts=specheads:facts``), or write
-it out with ``python -m specheads.facts facts.jsonl``: rows ``{"id", "question", "answers", "kind"}``,
-read back as source ``facts``.
+Use it as a prompt file named ``specheads:facts`` (``heads-eval prompts=specheads:facts``; one kind or several:
+``specheads:facts:capital+symbol``), or write it out with ``python -m specheads.facts facts.jsonl``: rows
+``{"id", "question", "answers", "kind"}``, read back as source ``facts``. :mod:`specheads.facts.extract` is a
+second such task (``specheads:extract``).
 
 The checker (:func:`correct`) reads the first sentence of the answer and accepts it when one of the
 accepted answers appears in it as whole words (accents and case folded; an answer of one or two
@@ -111,6 +112,25 @@ def answer(text: str, answers: list[str]) -> str:
     """What the output answers, to compare two outputs: the accepted answer when it is right, else its first
     sentence (folded to words), so two wrong outputs agree only when they say the same thing."""
     return answers[0] if correct(text, answers) else _words(first_sentence(text), False).strip()
+
+
+def builtin_rows(name: str) -> list[dict]:
+    """The rows of a built-in question set: ``specheads:facts`` or ``specheads:extract``
+    (:mod:`specheads.facts.extract`), optionally with ``:<kind>+<kind>`` (only those kinds, in the set's order);
+    UserError for an unknown set or kind."""
+    from specheads.errors import UserError
+    from specheads.facts import extract
+
+    base, sep, spec = name.partition(":")[2].partition(":")
+    known = {"facts": sorted(TEMPLATES), "extract": list(extract.KINDS)}
+    if base not in known:
+        raise UserError(f"prompt file {name!r}: the built-in sets are specheads:facts and specheads:extract")
+    kinds = [k for k in spec.split("+") if k] if sep else None
+    bad = [k for k in kinds or [] if k not in known[base]]
+    if bad or (sep and not kinds):
+        raise UserError(f"prompt file {name!r}: unknown kind {bad or spec!r}; choose from {'+'.join(known[base])}")
+    items = rows() if base == "facts" else extract.rows()
+    return [r for r in items if kinds is None or r["kind"] in kinds]
 
 
 def main(argv: list[str] | None = None) -> int:
