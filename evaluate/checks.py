@@ -128,11 +128,17 @@ def _check(cfg: EvalConfig) -> None:
 
 def eagle_conflicts(cfg: EvalConfig) -> list[str]:
     """The configured settings whose rows need a draft model's states or vocabulary, which an EAGLE head lacks:
-    SPRINTER's verifier, the judges, FSD and the heterogeneous-vocabulary methods."""
-    keys = ["verifier", "judge", "judges", *(f"fsd_{d}" for d in DIVERGENCES), "hetero"]
-    reads = ("sprinter", "judge", "fsd", *(n for n, p in POLICIES.items() if p.bridge))
-    given = [f"rows (policy={r.get('policy')})" for r in cfg.rows if isinstance(r, dict) and r.get("policy") in reads]
-    return [f"{k}=" for k in keys if getattr(cfg, k)] + given
+    SPRINTER's verifier (trained on the draft's states), an FSD row with a head, and the
+    heterogeneous-vocabulary methods. The judges read the target's states and FSD without a head compares the
+    two distributions: both run on an EAGLE head."""
+    reads = ("sprinter", *(n for n, p in POLICIES.items() if p.bridge))
+    given = [
+        f"rows (policy={r.get('policy')})"
+        for r in cfg.rows
+        if isinstance(r, dict)
+        and (r.get("policy") in reads or (r.get("policy") == "fsd" and (r.get("settings") or {}).get("head")))
+    ]
+    return [f"{k}=" for k in ("verifier", "hetero") if getattr(cfg, k)] + given
 
 
 def _most(settings: dict) -> int:

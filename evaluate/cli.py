@@ -38,11 +38,11 @@ ratios, Pareto check, ``accuracy``, ``sprinter``, ``judge``, ``training_free``),
 summary, the sections and the files from the decoded rows.
 
 With ``eagle=<an exported EAGLE head>`` the same-vocabulary rows (``k``, ``h``, ``h-cost``, ``c``, ``c-cost``,
-``t``) draft with that head from the target's own states (``head=``: a stop head trained on them), priced by
-the head's cost table; no draft model is needed (without ``draft.path`` there is no ``draft`` row), and the
-greedy oracle and perfect head come from the rounds of SD at ``k_max`` on the head
-(:func:`~.oracle.rounds_oracle`). The rows that read a draft model (``verifier=``, ``judge=``, ``judges=``,
-``fsd_*=``, ``hetero=``) are refused with it.
+``t``, the judges, FSD) draft with that head from the target's own states (``head=``: a stop head trained on
+them), priced by the head's cost table; no draft model is needed (without ``draft.path`` there is no ``draft``
+row), and the greedy oracle and perfect head come from the rounds of SD at ``k_max`` on the head
+(:func:`~.oracle.rounds_oracle`). The rows that read a draft model's states (``verifier=``, an FSD row with a
+head) or vocabulary (``hetero=``) are refused with it.
 """
 
 from __future__ import annotations

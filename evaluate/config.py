@@ -25,10 +25,10 @@ class EvalConfig:
         metadata={
             "help": (
                 "an exported EAGLE head (heads-train head=eagle): the same-vocabulary rows (k, h, "
-                "h-cost, c, c-cost, t) draft with it from the target's own states instead of with the "
+                "h-cost, c, c-cost, t, j, fsd) draft with it from the target's own states instead of with the "
                 "draft model (tree rows at batch 1; head= then needs a stop head trained on its states, "
                 "heads-train head=eagle_stop); no draft model needed (without draft.path no draft row); "
-                "not with verifier=, judge=, judges=, fsd_*= or hetero="
+                "not with verifier= (trained on the draft's states) or hetero="
             )
         },
     )

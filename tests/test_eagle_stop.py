@@ -487,15 +487,31 @@ def test_heads_eval_eagle_rows_run_batched(stop_head, setup, tmp_path):
     "extra, message",
     [
         (["verifier=v.safetensors"], "verifier="),
-        (["judge=j.safetensors"], "judge="),
-        (["fsd_js=[0.1]"], "fsd_js="),
         (["hetero=[tli]"], "hetero="),
+        (["rows=[{policy: fsd, settings: {head: f.safetensors, divergence: js}, sweep: {T: [0.1]}}]"], "fsd"),
     ],
 )
 def test_heads_eval_eagle_with_draft_model_rows_is_a_one_line_error(extra, message, setup, tmp_path, capsys):
     assert eval_main(eval_args(setup, tmp_path / "x", f"eagle={setup['eagle']}", *extra)) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "eagle=" in err and len(err.splitlines()) == 1
+
+
+def test_heads_eval_runs_the_lossy_training_free_rows_on_the_eagle_head(setup, tmp_path):
+    """FSD (no head) and relaxed acceptance (top-K within delta nats of the top token) draft with the EAGLE
+    head: relaxed with delta 0 is lossless (greedy SD), with a huge delta it is top-K."""
+    out = tmp_path / "ev"
+    relaxed = "{policy: topk_verify, settings: {k: 2, verify_top_k: 3}, sweep: {verify_delta: [0.0, 1000.0]}, "
+    relaxed += "name: r-top3-}"
+    extra = ["fsd_js=[0.3]", "fsd_k=2", "topk=[3]", "topk_k=2", f"rows=[{relaxed}]", "ks=[2]"]
+    assert eval_main(eval_args(setup, out, f"eagle={setup['eagle']}", *extra)) == 0
+    rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+    by = {}
+    for r in rows:
+        by.setdefault(r["config"], {})[r["index"]] = r["tokens"]
+    assert {"ar", "k2", "fsd-js-0.3", "t3", "r-top3-0", "r-top3-1000"} <= set(by)
+    assert by["r-top3-0"] == by["ar"] and by["r-top3-1000"] == by["t3"]
+    assert sum(r["drafted"] for r in rows if r["config"] == "fsd-js-0.3") > 0
 
 
 @pytest.mark.parametrize(
