@@ -190,7 +190,8 @@ def run(cfg: EvalConfig) -> int:
 
 
 def _write_defaults(cfg: EvalConfig, summary: dict, out: Path) -> None:
-    """Each chosen judge / sprinter threshold into its head file (``write_default=true``)."""
+    """Each chosen judge / sprinter threshold into its head file (``write_default=true``), when the chosen row is
+    within the gate on the test half too (else the head keeps its threshold and ``not_written`` says why)."""
     heads = [("judge", cfg.judge), ("sprinter", cfg.verifier), *((f"judge_{n}", p) for n, p in cfg.judges.items())]
     for row in cfg.rows:  # rows= of a head-reading policy: the family its rows are gated in
         names = [name for name, _, settings in expand(row) if settings.get("head")]
@@ -199,6 +200,16 @@ def _write_defaults(cfg: EvalConfig, summary: dict, out: Path) -> None:
     for family, path in heads:
         entry = summary.get("gated", {}).get("rows", {}).get(family)
         if not path or not entry or entry["row"] is None:
+            continue
+        if not entry.get("within_gate_on_test"):  # chosen on one half, it must hold on the other to be written
+            entry["not_written"] = "outside the gate on the test half"
+            log.warning(
+                "%s: %s passed %s on the calibration half but not on the test half; %s keeps its threshold",
+                family,
+                entry["row"],
+                summary["gated"]["select"],
+                path,
+            )
             continue
         set_default_threshold(
             path,
@@ -212,6 +223,8 @@ def _write_defaults(cfg: EvalConfig, summary: dict, out: Path) -> None:
                 "acc_drop": entry["acc_drop"],
                 "acc_drop_upper": entry["acc_drop_upper"],
                 "disagree_upper": entry.get("disagree_upper"),
+                "gap_lower": entry.get("gap_lower"),
+                "sources": sorted(entry.get("disagree_by_source", {})),
                 "tokens_per_s_vs_target": entry["tokens_per_s_vs_target"],
             },
         )

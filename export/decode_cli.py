@@ -26,6 +26,7 @@ from specheads.errors import UserError
 from specheads.export import vllm_engine
 from specheads.export.api import Decoder, load_eagle, make_policy, pair_costs
 from specheads.export.decode_config import DecodeConfig, decode_schema, normalize, upgrade_saved_config
+from specheads.export.package import outside_gate, read_metadata
 from specheads.export.shim import (
     COUNTS,
     POLICIES,
@@ -125,6 +126,11 @@ def run(cfg: DecodeConfig) -> int:
     if done:
         log.info("resuming: %d of %d prompts already done in %s", len(done), len(prompts), out_dir)
     family = POLICIES[cfg.policy]
+    lossy_head = getattr(settings, "head", None) if cfg.policy in ("judge", "sprinter") else None
+    if lossy_head:
+        why = outside_gate(read_metadata(lossy_head), {p.source for p in prompts})
+        if why:
+            log.warning("%s head %s: %s", cfg.policy, lossy_head, why)
     # TLI and SLEM bridge two vocabularies; the draft alone needs none of the target's.
     pair = load_pair(
         cfg.target,

@@ -87,6 +87,24 @@ def set_default_threshold(path: str | Path, value: float, chosen_by: dict) -> Pa
     return path
 
 
+def outside_gate(meta: dict, sources) -> str | None:
+    """Why a lossy head's threshold is unmeasured on prompts of ``sources``: it was chosen by ``heads-eval
+    select=`` (``default_threshold_chosen_by``) on competent sources that do not include some of them; None when
+    they are all inside its gate, or when no gate chose it."""
+    chosen = meta.get("default_threshold_chosen_by")
+    if not chosen:
+        return None
+    gated = set(chosen.get("competent_sources") or [])
+    outside = sorted(set(sources) - gated)
+    if not outside:
+        return None
+    return (
+        f"its threshold {meta.get('default_threshold')} was chosen by select={chosen.get('gate')} on "
+        f"{', '.join(sorted(gated)) or 'no competent source'}; these prompts' {', '.join(outside)} lie outside that "
+        "gate, where the answers it changes were never measured"
+    )
+
+
 def read_metadata(path: str | Path) -> dict:
     """The header metadata of an exported head (a file, a ``format=hf`` directory or a Hub repo id), without
     loading tensors."""

@@ -281,6 +281,23 @@ def test_exported_judge_head_decodes(judge_head, tiny_pair_dirs, tmp_path):
     assert 1 <= len(row["tokens"]) <= 10 and row["stats"]["target_calls"] >= 1
 
 
+def test_heads_decode_warns_when_a_gated_judge_decodes_outside_its_gate(judge_head, tiny_pair_dirs, tmp_path, caplog):
+    import logging
+
+    from specheads.export.decode_cli import main as decode_main
+    from specheads.export.package import set_default_threshold
+
+    head = tmp_path / "gated.safetensors"
+    shutil.copy(judge_head, head)
+    set_default_threshold(head, 0.9, {"gate": "max_drop:0.01", "competent_sources": ["facts"]})
+    t, d = tiny_pair_dirs
+    argv = [f"target.path={t}", "target.gguf_file=null", f"draft.path={d}", "target.device=cpu", "draft.device=cpu"]
+    argv += [f"prompts={_one_prompt(tmp_path)}", f"output_dir={tmp_path / 'dec'}", "max_new_tokens=4"]
+    with caplog.at_level(logging.WARNING):
+        assert decode_main(argv + ["policy=judge", "judge.k=2", f"judge.head={head}"]) == 0
+    assert any("outside that gate" in r.getMessage() and "prompt" in r.getMessage() for r in caplog.records)
+
+
 def test_a_judge_on_the_targets_verdict_trains_exports_and_decodes(judge_data, tiny_pair_dirs, tmp_path):
     """judge_signals: the head reads the target's state and its verdict on the token (stored by datagen);
     exported, it rebuilds itself from its header and decodes, with the margin floor too."""

@@ -92,6 +92,38 @@ def test_a_chosen_default_threshold_is_written_into_the_header(tmp_path, pair):
         set_default_threshold(path, 0.6, {})
 
 
+def test_a_head_gated_on_some_sources_names_the_prompts_outside_its_gate():
+    from specheads.export.package import outside_gate
+
+    meta = {
+        "default_threshold": 0.9,
+        "default_threshold_chosen_by": {"gate": "max_drop:0.01", "competent_sources": ["facts"]},
+    }
+    assert outside_gate(meta, {"facts"}) is None and outside_gate({"default_threshold": 0.5}, {"gsm8k"}) is None
+    why = outside_gate(meta, {"facts", "gsm8k", "mt_bench"})
+    assert "gsm8k, mt_bench" in why and "max_drop:0.01" in why and "0.9" in why
+
+
+def test_write_default_writes_only_a_choice_that_holds_on_the_test_half(tmp_path, pair, caplog):
+    from types import SimpleNamespace
+
+    from specheads.evaluate.cli import _write_defaults
+
+    _, path = _export(tmp_path, pair)
+    entry = {"row": "j0.9", "threshold": 0.9, "acc_drop": 0.0, "acc_drop_upper": 0.05, "tokens_per_s_vs_target": 1.2}
+    summary = {"gated": {"select": "max_drop:0.01", "competent_sources": ["facts"], "rows": {"judge": entry}}}
+    cfg = SimpleNamespace(judge=str(path), verifier=None, judges={}, rows=[], select="max_drop:0.01", prompts="p")
+    with caplog.at_level(logging.WARNING):
+        _write_defaults(cfg, summary, tmp_path)
+    assert read_metadata(path)["default_threshold"] == 0.7 and entry["not_written"]  # failed on the test half
+    assert any("not on the test half" in r.getMessage() for r in caplog.records)
+    entry.update(within_gate_on_test=True, disagree_by_source={"facts": {}, "gsm8k": {}})
+    _write_defaults(cfg, summary, tmp_path)
+    meta = read_metadata(path)
+    assert meta["default_threshold"] == 0.9 and meta["default_threshold_chosen_by"]["sources"] == ["facts", "gsm8k"]
+    assert entry["written_to"] == str(path)
+
+
 def test_refuses_other_hidden_size(tmp_path, pair):
     _, path = _export(tmp_path, pair, hidden_size=64)
     with pytest.raises(UserError, match="hidden_size=64 but draft hidden_size=32"):
