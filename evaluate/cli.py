@@ -195,8 +195,9 @@ def _write_defaults(cfg: EvalConfig, summary: dict, out: Path) -> None:
     heads = [("judge", cfg.judge), ("sprinter", cfg.verifier), *((f"judge_{n}", p) for n, p in cfg.judges.items())]
     for row in cfg.rows:  # rows= of a head-reading policy: the family its rows are gated in
         names = [name for name, _, settings in expand(row) if settings.get("head")]
-        if names and gated_family(names[0]):
-            heads.append((gated_family(names[0]), expand(row)[0][2]["head"]))
+        fixed = expand(row)[0][2] if names else {}
+        if names and gated_family(names[0]) and fixed.get("max_gap") is None:  # a threshold alone is not a floor
+            heads.append((gated_family(names[0]), fixed["head"]))
     for family, path in heads:
         entry = summary.get("gated", {}).get("rows", {}).get(family)
         if not path or not entry or entry["row"] is None:

@@ -20,13 +20,14 @@ from specheads.evaluate.intervals import mean_interval, paired_difference, paire
 # FSD is one family per divergence (``fsd_kl`` is the training-free KL judge) and each named judge
 # (``judges=``, rows ``j-<name>-<delta>``) one of its own, so each gets its own gated threshold.
 ROW = re.compile(
-    r"^(?:(?P<judge>j)|j-(?P<named>\w+)-|(?P<sprinter>s)|(?P<topk_verify>t)|fsd-(?P<fsd>kl_rev|kl|js|tv)-"
+    r"^(?:(?P<judge>j)|j-(?P<named>\w+)-|(?P<sprinter>s)|(?P<topk_verify>t)|fsd-(?P<fsd>kl_rev|kl|js|tv)(?P<rule>-or)?-"
     r"|r-(?P<relaxed>\w+)-)(?P<threshold>\d[\d.e+-]*)$"
 )
 
 
 def family(row: str) -> str | None:
-    """The gated family of a row name (``j0.9`` judge, ``j-mined-0.9`` judge_mined, ``fsd-kl-1`` fsd_kl, ``s0.5``
+    """The gated family of a row name (``j0.9`` judge, ``j-mined-0.9`` judge_mined, ``fsd-kl-1`` fsd_kl (``fsd-kl-or-1``
+    fsd_kl_or: rows of ``fsd_rule=or`` named ``fsd-kl-or-`` in ``rows=``), ``s0.5``
     sprinter, ``t2`` topk_verify, ``r-top3-0.5`` relaxed_top3: relaxed acceptance, rows named ``r-<name>-`` in
     ``rows=``), None for a row no threshold makes lossy."""
     m = ROW.match(row)
@@ -37,7 +38,7 @@ def family(row: str) -> str | None:
     if m["relaxed"]:
         return f"relaxed_{m['relaxed']}"
     if m["fsd"]:
-        return f"fsd_{m['fsd']}"
+        return f"fsd_{m['fsd']}" + ("_or" if m["rule"] else "")
     return next(k for k in ("judge", "sprinter", "topk_verify") if m[k])
 
 
