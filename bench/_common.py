@@ -172,12 +172,23 @@ GATED_KEYS = (
     "accepted_per_call_vs_sd_interval",
     "disagree_by_source",
     "disagree_upper",
+    "gap_by_source",
+    "gap_lower",
     "within_gate_on_test",
 )
 
 
 # what a result file's ``eval`` block repeats of the sweep's gate
-GATE_KEYS = ("select", "max_drop", "max_disagree", "competent_sources", "note", "calibration_prompts", "test_prompts")
+GATE_KEYS = (
+    "select",
+    "max_drop",
+    "max_disagree",
+    "max_gap",
+    "competent_sources",
+    "note",
+    "calibration_prompts",
+    "test_prompts",
+)
 
 
 def eval_and_gated(sweep: dict, names: dict[str, str] | None = None, families: tuple[str, ...] = ()) -> dict:

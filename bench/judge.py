@@ -5,6 +5,7 @@
     python bench/judge.py                         # recipe judge_quickstart (arithmetic labels only)
     python bench/judge.py eval.num_prompts=8      # a quicker look (any pipeline override)
     python bench/judge.py --sweep runs/eval_at_scale   # report a heads-eval run that used this recipe's head
+    python bench/judge.py --recipe judge_margin --eagle recipes/heads/eagle_smollm2.safetensors   # issue 42's run
 
 Runs the recipe's pipeline (``heads-datagen labels=judge``: graded GSM8K-train answers with the false
 arithmetic step localised, or with ``mining=swap`` the draft's mismatches that change the final answer;
@@ -19,7 +20,10 @@ prompts and reported on the other; ``judge_arith``, ``judge_mined``, ``kl_judge`
 at least 1.5x SD's and the KL judge's tokens per target call; ``mined_gated``: the mined judge's gated
 setting against SD on the test half, with the interval). With ``--sweep`` of ``bench/at_scale.py`` the file
 also holds ``competence`` (the target against chance per source) and ``fidelity`` (each judge and KL row
-against the target's outputs). ``judge_config`` is the older rule: the delta with the most accepted tokens
+against the target's outputs). ``drafters`` holds each drafter's lossy rows gated (the draft; with ``--eagle``
+the EAGLE head too, the recipe's heads-eval run again with ``eagle=``): ``gated`` with each chosen row's
+``tokens_per_s_vs_best_lossless``, ``competence``, ``fidelity`` and ``learned_vs_training_free`` (also at the
+top level, per drafter). ``judge_config`` is the older rule: the delta with the most accepted tokens
 per call whose accuracy on every graded source stays within 2 points of target-only (else the largest delta).
 """
 
@@ -83,10 +87,69 @@ def comparison(gated: dict, table: list[dict], sd: str | None) -> dict:
     return out
 
 
+LEARNED = ("judge",)  # gated families of learned heads; the rest are training-free
+TRAINING_FREE = ("topk_verify", "relaxed", "fsd")
+
+
+def lossy_block(sweep: dict) -> dict:
+    """One drafter's lossy rows, gated: ``gated`` (per family, as :func:`eval_and_gated`, each chosen row with
+    ``tokens_per_s_vs_best_lossless``: its tokens/s over the fastest lossless row of the sweep, SD at any K),
+    ``competence``, ``fidelity``, ``best_lossless`` and ``learned_vs_training_free``: the gated learned row with
+    the most accepted tokens per target call against the best gated training-free row, and which wins."""
+    block = eval_and_gated(sweep)
+    by = {r["config"]: r for r in sweep["table"]}
+    lossless = [r for r in sweep["table"] if r["config"].startswith("k") and r["config"][1:].isdigit()]
+    best = max(lossless, key=lambda r: r["tokens_per_s"]) if lossless else None
+    block["best_lossless"] = {"row": best["config"], "tokens_per_s": best["tokens_per_s"]} if best else None
+    picks: dict[str, list] = {"learned": [], "training_free": []}
+    for fam, e in block.get("gated", {}).items():
+        if not e["row"]:
+            continue
+        row = by[e["row"]]
+        if best:
+            e["tokens_per_s_vs_best_lossless"] = round(row["tokens_per_s"] / best["tokens_per_s"], 4)
+        kind = "learned" if fam.startswith(LEARNED) else "training_free" if fam.startswith(TRAINING_FREE) else None
+        if kind:
+            picks[kind].append({"family": fam, "row": e["row"], "accepted_per_call": row["accepted_per_call"]})
+    top = {k: max(v, key=lambda x: x["accepted_per_call"]) if v else None for k, v in picks.items()}
+    learned, free = top["learned"], top["training_free"]
+    winner = None
+    if learned and free:
+        winner = "learned" if learned["accepted_per_call"] > free["accepted_per_call"] else "training_free"
+    block["learned_vs_training_free"] = {
+        **top,
+        "accepted_per_call_ratio": round(learned["accepted_per_call"] / free["accepted_per_call"], 4)
+        if learned and free
+        else None,
+        "winner": winner or ("learned" if learned else "training_free" if free else None),
+        "note": "by accepted tokens per target call, all prompts; a family with no row within the gate is left out",
+    }
+    return block
+
+
+def eagle_sweep(cfgs: dict, eagle: str, overrides: list[str]) -> dict:
+    """The recipe's heads-eval again, drafting with the EAGLE head ``eagle`` (output_dir + ``-eagle``)."""
+    from specheads.evaluate.cli import main as eval_main
+
+    recipe = [a for a in overrides if a.startswith("recipe=")]
+    extra = [a[len("eval.") :] for a in overrides if a.startswith("eval.")]
+    out = Path(cfgs["eval"].output_dir + "-eagle")
+    code = eval_main([*recipe, *extra, f"eagle={eagle}", f"output_dir={out}"])
+    if code:
+        raise SystemExit(code)
+    return json.loads((out / "sweep.json").read_text())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="judge_quickstart")
     ap.add_argument("--out", default=str(ROOT / "bench/results/judge.json"))
+    ap.add_argument(
+        "--eagle",
+        default=None,
+        help="an exported EAGLE head: the recipe's heads-eval runs again drafting with it, and the result holds "
+        "both drafters' lossy rows (drafters.draft, drafters.eagle)",
+    )
     ap.add_argument(
         "--sweep",
         default=None,
@@ -199,6 +262,10 @@ def main(argv=None) -> int:
         }
     if "gated" in result:
         result["comparison"] = comparison(result["gated"], table, sd)
+    result["drafters"] = {"draft": lossy_block(sweep)}
+    if args.eagle:
+        result["drafters"]["eagle"] = lossy_block(eagle_sweep(ran["cfgs"], args.eagle, pipe_args))
+    result["learned_vs_training_free"] = {d: b["learned_vs_training_free"] for d, b in result["drafters"].items()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     cols = ("config", "tokens_per_s", "accepted_per_call", "facts_accuracy", "gsm8k_accuracy", "arc_accuracy")
