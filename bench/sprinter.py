@@ -4,6 +4,7 @@
     python bench/sprinter.py --specdecpp-head runs/specdecpp_smollm2-export/head.safetensors   # + SpecDec++ rows
     python bench/sprinter.py eval.num_prompts=2   # a quicker look (any pipeline override)
     python bench/sprinter.py --sweep runs/eval_at_scale   # report a heads-eval run that used this recipe's head
+    python bench/sprinter.py --batches 16   # also at batch 16: fair.<batch> against SD's best K and the target
 
 Runs the recipe's pipeline: ``heads-datagen labels=sprinter`` (four equal prefix categories),
 ``heads-train head=verifier`` (the verifier at the recipe's lambda, plus one per ``roc_lambdas``
@@ -34,6 +35,39 @@ COLUMNS = (
 )
 
 
+def fair(sweep: dict) -> dict:
+    """SPRINTER against SD at its best K and the target alone, in one sweep (one batch size): per SPRINTER row
+    its tokens/s over the fastest SD row's and over the target alone's, its target calls per token against
+    that SD row's, and whether it pays (faster than both)."""
+    by = {r["config"]: r for r in sweep["table"]}
+    sd = [r for n, r in by.items() if n.startswith("k") and n[1:].isdigit()]
+    best = max(sd, key=lambda r: r["tokens_per_s"]) if sd else None
+    ar = by.get("ar")
+    rows = {}
+    for name, r in by.items():
+        if not (name.startswith("s") and name[1:2].isdigit()):
+            continue
+        rows[name] = {
+            "tokens_per_s": r["tokens_per_s"],
+            "vs_target_tokens_per_s": round(r["tokens_per_s"] / ar["tokens_per_s"], 4) if ar else None,
+            "vs_best_sd_tokens_per_s": round(r["tokens_per_s"] / best["tokens_per_s"], 4) if best else None,
+            "target_calls_per_token": r.get("verification_rate"),
+            "best_sd_target_calls_per_token": best.get("verification_rate") if best else None,
+        }
+        rows[name]["pays"] = bool(
+            rows[name]["vs_target_tokens_per_s"]
+            and rows[name]["vs_target_tokens_per_s"] > 1
+            and rows[name]["vs_best_sd_tokens_per_s"]
+            and rows[name]["vs_best_sd_tokens_per_s"] > 1
+        )
+    return {
+        "batch_size": sweep.get("batch_size", 1),
+        "best_sd": best["config"] if best else None,
+        "best_sd_vs_target_tokens_per_s": round(best["tokens_per_s"] / ar["tokens_per_s"], 4) if best and ar else None,
+        "sprinter": rows,
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="sprinter_quickstart")
@@ -46,6 +80,12 @@ def main(argv=None) -> int:
         help="run nothing: report this heads-eval output directory (its SPRINTER "
         "rows decoded with the recipe's exported verifier) and the "
         "recipe's datagen and train outputs",
+    )
+    ap.add_argument(
+        "--batches",
+        default="",
+        help="more batch sizes (e.g. 16): the recipe's heads-eval again at each, for fair.<batch> (SPRINTER against "
+        "SD at its best K and the target alone at the same batch)",
     )
     args, overrides = ap.parse_known_args(argv)
     extra = (
@@ -109,6 +149,15 @@ def main(argv=None) -> int:
         "tokens with q(x) > p(x) (lambda = 1 ground truth, teacher-forced on the decoded outputs) that "
         "approved them; auroc on the held-out 30% of the labelled prompts; best_sd = fastest SD row",
     }
+    result["fair"] = {str(result.get("batch_size", sweep.get("batch_size", 1))): fair(sweep)}
+    for b in [int(x) for x in filter(None, args.batches.split(","))]:
+        from specheads.evaluate.cli import main as eval_main
+
+        out = Path(ran["cfgs"]["eval"].output_dir + f"-b{b}")
+        extra = [a[len("eval.") :] for a in pipe_args if a.startswith("eval.")]
+        if eval_main([f"recipe={args.recipe}", *extra, f"batch_size={b}", f"output_dir={out}"]):
+            return 1
+        result["fair"][str(b)] = fair(json.loads((out / "sweep.json").read_text()))
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(" | ".join(COLUMNS + ("rouge_l_vs_target",)))
     for r in table:
