@@ -218,7 +218,7 @@ def judge_features(job, rows: list[dict]):
     """:func:`specheads.datagen.judge_labels.target_features` from vLLM's states: features ``[M, d]`` fp16 at
     the labelled answer tokens, their labels, tokens per kept row, the rows left out (non-finite states) and the
     target's verdict on each token (signals ``[M, 4]``, through the target's final norm and output layer)."""
-    from specheads.datagen.judge_labels import gather_features, verdicts_from
+    from specheads.datagen.judge_features import gather_features, verdicts_from
     from specheads.export.shim import final_norm
 
     model = job.pair.target.model

@@ -22,20 +22,14 @@ from specheads.export.shim.policies.base import (
     speculative_accept,
     standard_verify,
 )
-from specheads.export.shim.policies.baselines import (
-    STOPS,
-    ConfidenceStop,
-    DraftOnly,
-    StandardSD,
-    TargetOnly,
-    TopKVerify,
-)
+from specheads.export.shim.policies.baselines import STOPS, ConfidenceStop, DraftOnly, StandardSD, TargetOnly
 from specheads.export.shim.policies.fsd_policy import FSD
 from specheads.export.shim.policies.hetero_policies import SLEM, SLRS, TLI
 from specheads.export.shim.policies.judge_policy import Judge
 from specheads.export.shim.policies.settings import Check, HeadSpec, Settings
 from specheads.export.shim.policies.specdecpp_policy import SpecDecPP
 from specheads.export.shim.policies.sprinter_policy import Sprinter
+from specheads.export.shim.policies.topk_policy import TopKVerify
 from specheads.export.shim.policies.tree_policy import EagleTree
 
 POLICIES: dict[str, type[Policy]] = {
