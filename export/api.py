@@ -285,16 +285,17 @@ def generate(
     seed: int = 0,
     chat_template: bool = True,
     batch_size: int = 1,
+    eagle=None,
 ) -> list[Result]:
     """Completions for a prompt or a list of prompts (strings, message lists or ``Prompt`` objects).
 
-    See ``Decoder`` for the arguments; ``batch_size`` as in :meth:`Decoder.decode_many`. Returns one
-    ``Result`` per prompt, in order.
+    See ``Decoder`` for the arguments (``eagle``: an EAGLE head drafts instead of the draft model);
+    ``batch_size`` as in :meth:`Decoder.decode_many`. Returns one ``Result`` per prompt, in order.
     """
     if batch_size < 1:
         raise UserError(f"batch_size={batch_size} must be >= 1")
     single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict))
     items = [prompts] if single else list(prompts)
-    decoder = Decoder(pair, policy, max_new_tokens, k, sampling, seed, chat_template)
+    decoder = Decoder(pair, policy, max_new_tokens, k, sampling, seed, chat_template, eagle=eagle)
     done = dict(decoder.decode_many(enumerate(items), batch_size))
     return [done[i] for i in range(len(items))]

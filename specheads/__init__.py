@@ -12,7 +12,7 @@ The public Python API (docs/python-api.md) is these names, imported on first use
     for result in specheads.generate(pair, ["What is 2 + 3?"], policy=policy, max_new_tokens=64):
         print(result.text, result.stats.tokens_per_call)
 
-- loading: :func:`load_pair`, :class:`ModelSpec`, :func:`load_head`, :class:`SamplingConfig`;
+- loading: :func:`load_pair`, :class:`ModelSpec`, :func:`load_head`, :func:`load_eagle`, :class:`SamplingConfig`;
 - decoding: :func:`generate`, :class:`Decoder`, :class:`Result`, :func:`make_policy` (the one way to build
   a policy) and :data:`POLICIES`;
 - writing a policy: :class:`Policy` (its required and optional hooks: ``Policy.REQUIRED_HOOKS``,
@@ -29,6 +29,7 @@ _API = {
     "ModelSpec": "specheads.export.shim:ModelSpec",
     "SamplingConfig": "specheads.export.shim:SamplingConfig",
     "load_head": "specheads.export.package:load_head",
+    "load_eagle": "specheads.export.api:load_eagle",
     "generate": "specheads.export.api:generate",
     "Decoder": "specheads.export.api:Decoder",
     "Result": "specheads.export.shim:Result",

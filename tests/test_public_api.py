@@ -15,6 +15,7 @@ PUBLIC = {
     "ModelSpec",
     "SamplingConfig",
     "load_head",
+    "load_eagle",
     "generate",
     "Decoder",
     "Result",
