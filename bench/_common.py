@@ -136,7 +136,7 @@ def shared_pair(shared: Path, vocab: str, draft_top_n: int):
     (written by ``heads-vocab recipe=specdecpp_draft_quickstart`` when absent; 0: not pruned)."""
     from specheads.export import load_pair
     from specheads.export.shim.runners.models import ModelSpec
-    from specheads.export.shim.vocab.vocab_pruning import prune, read_ranking, subset_from_ranking
+    from specheads.export.shim.runners.vocab_pruning import prune, read_ranking, subset_from_ranking
 
     pair = load_pair(
         ModelSpec(

@@ -43,8 +43,8 @@ from specheads.evaluate.sweep import parse_tree
 from specheads.export import load_pair
 from specheads.export.api import format_prompt, load_eagle, pair_costs
 from specheads.export.policy_factory import make_policy
+from specheads.export.shim.core.stats import GenerationStats
 from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.loop.stats import GenerationStats
 from specheads.export.shim.policies import ConfidenceStop, EagleTree, StandardSD
 from specheads.export.shim.runners import kernels
 from specheads.export.shim.runners.models import ModelSpec

@@ -34,7 +34,7 @@ from specheads.export.shim.loop.engine import Engine, GenerationStats
 from specheads.export.shim.policies import ConfidenceStop, StandardSD
 from specheads.export.shim.runners import kernels
 from specheads.export.shim.runners.models import ModelSpec
-from specheads.export.shim.vocab.vocab_pruning import prune, read_ranking, subset_from_ranking
+from specheads.export.shim.runners.vocab_pruning import prune, read_ranking, subset_from_ranking
 from specheads.prompts import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]

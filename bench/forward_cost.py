@@ -37,7 +37,7 @@ from _common import run_info
 from specheads.export.shim.runners import kernels, smallm
 from specheads.export.shim.runners.model_runner import FusedRunner, ModelRunner
 from specheads.export.shim.runners.models import ModelSpec, load_model
-from specheads.export.shim.vocab.vocab_pruning import prune, read_ranking, subset_from_ranking
+from specheads.export.shim.runners.vocab_pruning import prune, read_ranking, subset_from_ranking
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))

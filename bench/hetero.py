@@ -123,7 +123,7 @@ def _print(title: str, table: list[dict]) -> None:
 
 def _sampled(engine, texts: list[str], methods: dict, mx: int, top_k: int, seed: int = 0) -> dict:
     """SLEM and SLRS sampled on the same prompts with the same seed per prompt, interleaved."""
-    from specheads.export.shim.loop.sampling import SamplingConfig
+    from specheads.export.shim.core.sampling import SamplingConfig
 
     sampling = SamplingConfig(do_sample=True, temperature=1.0, top_k=top_k)
 

@@ -42,7 +42,7 @@ def transformers_stage(job, ids: list[list[int]], args) -> dict:
     import torch
 
     from specheads.datagen.acceptance_labels import generate_responses
-    from specheads.export.shim.loop.sampling import SamplingConfig
+    from specheads.export.shim.core.sampling import SamplingConfig
 
     model = job.pair.target.model
     generate_responses(model, ids[:2], 8, SamplingConfig(), 0, job.pad, job.eos)  # warm-up (kernels, allocator)
@@ -64,7 +64,7 @@ def transformers_stage(job, ids: list[list[int]], args) -> dict:
 
 def vllm_stage(cfg, job, ids: list[list[int]], args) -> dict:
     from specheads.datagen.vllm_responses import Request, run_vllm
-    from specheads.export.shim.loop.sampling import SamplingConfig
+    from specheads.export.shim.core.sampling import SamplingConfig
 
     reqs = [Request(str(i), x, SamplingConfig().to_dict(), 0, args.max_new).__dict__ for i, x in enumerate(ids)]
     header = {"batch_size": args.vllm_batch, "tensor_parallel": 1, "eos": job.eos, "seed": 0}

@@ -190,7 +190,7 @@ def label_batch(
 
 def finite_rows(p_all: torch.Tensor, q_all: torch.Tensor, rows: list[int]) -> list[bool]:
     """Per response, whether every target logit at its positions is finite and the draft's are usable
-    (:func:`~specheads.export.shim.loop.sampling.usable_logits`); target token ids ``[N]``: the draft's only."""
+    (:func:`~specheads.export.shim.core.sampling.usable_logits`); target token ids ``[N]``: the draft's only."""
     target_ok = torch.isfinite(p_all).all(-1) if p_all.dim() > 1 else torch.ones_like(p_all, dtype=torch.bool)
     finite = (target_ok & usable_logits(q_all)).cpu()  # a pruned draft's -inf is fine
     return [bool(f.all()) for f in finite.split(rows)]

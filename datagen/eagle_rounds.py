@@ -1,7 +1,7 @@
 """``labels=eagle_rounds``: SpecDec++ acceptance labels for an EAGLE drafter, on-policy from decoding.
 
 Per prompt, the target decodes with the EAGLE head ``eagle=`` (an exported ``head_type=eagle`` file,
-:class:`specheads.export.shim.runners.eagle_drafter.EagleDrafter`) under standard SD with a fixed ``eagle_k``
+:class:`specheads.export.shim.loop.eagle_drafter.EagleDrafter`) under standard SD with a fixed ``eagle_k``
 candidates per round and the run's sampling settings (docs/algorithms/specdecpp.md and eagle.md). The policy
 that verifies each round (:class:`RecordingSD`) keeps, before the standard rule decides, the
 candidates, the distributions they were drawn from, the head's post-norm states and the target logits

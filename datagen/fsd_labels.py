@@ -10,7 +10,7 @@ token ``y_i`` drawn greedily or per ``sampling`` from the same generator, so the
 the same ``draft_token`` and SD ``label`` as ``labels=acceptance``) and adds per token:
 
 * ``div_<name>``: ``Div(p_i, q_i)`` for each divergence of ``fsd_divergences`` (fp32, natural
-  log, :func:`specheads.export.shim.loop.divergence.divergence`, with ``fsd_top_k``);
+  log, :func:`specheads.export.shim.core.divergence.divergence`, with ``fsd_top_k``);
 * ``fsd_<name>@<T>``: the FSD decision ``Div(p_i, q_i) < T`` (bool) for each threshold of
   ``fsd_thresholds``. The stored fp32 divergence is compared with ``T`` in fp64, so reading the
   Parquet value back and comparing it with the threshold gives exactly the stored label.

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 from specheads.export import Engine, StandardSD
-from specheads.export.shim.loop.sampling import SamplingConfig, probs_from_logits
+from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits
 from specheads.export.shim.runners.fused import unfuse
 
 ROOT = Path(__file__).resolve().parents[1]

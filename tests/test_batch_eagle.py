@@ -11,11 +11,10 @@ import torch
 from test_batch_engine import _counts, _same_scores
 from test_eagle import eagle_head, target_model
 
-from specheads.export.shim.batching.batch_cache import BatchRunner
 from specheads.export.shim.batching.batch_loop import BatchEngine, BatchJob
+from specheads.export.shim.core.sampling import SamplingConfig
 from specheads.export.shim.costs.cost_table import CostTable
 from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.loop.sampling import SamplingConfig
 from specheads.export.shim.policies import (
     FSD,
     ConfidenceStop,
@@ -26,6 +25,7 @@ from specheads.export.shim.policies import (
     StandardSD,
     TopKVerify,
 )
+from specheads.export.shim.runners.batch_cache import BatchRunner
 from specheads.heads import AcceptanceHead, JudgeHead, VerifierHead
 
 LENGTHS, NEW = (3, 30, 1, 7, 18, 2, 11), 18

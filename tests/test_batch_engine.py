@@ -15,12 +15,11 @@ import torch
 from conftest import BigramLM, bigram, perturbed_copy, tiny_llama
 from scipy.stats import chisquare
 
-from specheads.export.shim.batching.batch_cache import BatchRunner
 from specheads.export.shim.batching.batch_loop import BatchEngine, BatchJob
+from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits
 from specheads.export.shim.costs.cost_table import CostTable
 from specheads.export.shim.loop import drafting as engine_mod  # where every drafter draws its candidates
 from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.loop.sampling import SamplingConfig, probs_from_logits
 from specheads.export.shim.policies import (
     FSD,
     SLEM,
@@ -33,6 +32,7 @@ from specheads.export.shim.policies import (
     TargetOnly,
     TopKVerify,
 )
+from specheads.export.shim.runners.batch_cache import BatchRunner
 from specheads.heads import AcceptanceHead, JudgeHead, VerifierHead
 
 VOCAB, LENGTHS, NEW = 60, (3, 41, 7, 1, 25, 12, 60, 2), 20

@@ -36,7 +36,7 @@ def fake_child(headers: list, fail_after: int | None = None):
 
     from specheads.errors import UserError
     from specheads.export.shim.batching import batch_generate as batched
-    from specheads.export.shim.loop.sampling import SamplingConfig
+    from specheads.export.shim.core.sampling import SamplingConfig
 
     def generate(cfg, header, lines, work, local_rank):
         headers.append((header, [line["chunk"] for line in lines]))
@@ -93,7 +93,7 @@ def reference_gap(rows, pair_dirs, sampling) -> float:
     teacher-forced pass over the same responses, at the same draft tokens."""
     from transformers import AutoModelForCausalLM
 
-    from specheads.export.shim.loop.sampling import SamplingConfig, probs_from_logits
+    from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits
 
     s = SamplingConfig(**sampling)
     target, draft = (AutoModelForCausalLM.from_pretrained(d).eval() for d in pair_dirs)
@@ -180,7 +180,7 @@ class FakeServer:
 
     def generate(self, contexts, max_new, vocab=None):
         from specheads.export.shim.batching import batch_generate as batched
-        from specheads.export.shim.loop.sampling import SamplingConfig
+        from specheads.export.shim.core.sampling import SamplingConfig
 
         eos = self.header["eos"]
         self.stats["calls"] += 1

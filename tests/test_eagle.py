@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from specheads.errors import UserError
 from specheads.export.shim import policies as sd_rule
+from specheads.export.shim.core.sampling import SamplingConfig
 from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.loop.sampling import SamplingConfig
 from specheads.export.shim.policies import ConfidenceStop, StandardSD, TopKVerify
 from specheads.export.shim.runners.eagle_cache import EagleCache
 from specheads.export.shim.runners.model_runner import FusedRunner, ModelRunner

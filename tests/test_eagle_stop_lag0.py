@@ -23,8 +23,8 @@ from specheads.datagen.cli import main as datagen_main
 from specheads.export import read_metadata
 from specheads.export.api import load_eagle
 from specheads.export.decode_cli import main as decode_main
+from specheads.export.shim.core.sampling import SamplingConfig
 from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.loop.sampling import SamplingConfig
 from specheads.export.shim.policies import SpecDecPP
 from specheads.heads.acceptance_head import AcceptanceHead, signal_values
 from specheads.train.cli import main as train_main

@@ -9,8 +9,8 @@ import torch
 from conftest import SAMPLINGS, bigram, sd_pvalue, tiny_llama
 from torch.testing import assert_close
 
+from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits
 from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.loop.sampling import SamplingConfig, probs_from_logits
 from specheads.export.shim.policies import DraftOnly, StandardSD, TargetOnly, residual
 from specheads.export.shim.policies import base as sd_rule
 from specheads.export.shim.runners.model_runner import ModelRunner

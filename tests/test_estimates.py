@@ -10,9 +10,9 @@ import torch
 from conftest import perturbed_copy, tiny_llama
 
 from specheads.errors import UserError
+from specheads.export.shim.core.sampling import SamplingConfig
 from specheads.export.shim.costs.cost_table import CostTable
 from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.loop.sampling import SamplingConfig
 from specheads.export.shim.policies import ConfidenceStop, TargetOnly
 from specheads.export.shim.policies.estimates import OnlineLogistic, entropy_bound, features
 

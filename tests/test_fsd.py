@@ -11,9 +11,9 @@ import torch
 from conftest import bigram, decode_args
 
 from specheads.errors import UserError
-from specheads.export.shim.loop.divergence import divergence
+from specheads.export.shim.core.divergence import divergence
+from specheads.export.shim.core.sampling import SamplingConfig
 from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.loop.sampling import SamplingConfig
 from specheads.export.shim.policies import FSD, ConfidenceStop, Round, StandardSD
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 10], [1, 20, 21, 22, 23, 24]]

@@ -9,8 +9,8 @@ from torch.testing import assert_close
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from specheads.export.shim.batching import batch_generate as batched
+from specheads.export.shim.core.sampling import SamplingConfig
 from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.loop.sampling import SamplingConfig
 from specheads.export.shim.policies import StandardSD
 from specheads.export.shim.runners.fused import _row_major_ok, fused_weights, supports, unfuse
 from specheads.export.shim.runners.model_runner import FusedRunner, ModelRunner, make_runner

@@ -16,7 +16,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 from transformers import PreTrainedTokenizerFast
 
 from specheads.errors import UserError
-from specheads.export.shim.loop.sampling import SamplingConfig, probs_from_logits
+from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits
 from specheads.export.shim.policies import base as sd_rule
 from specheads.export.shim.vocab import hetero_loop as hetero
 from specheads.export.shim.vocab.hetero_loop import HeteroEngine

@@ -320,7 +320,7 @@ def test_a_pruned_draft_must_match_the_head(models, head, tiny_pair_dirs, tmp_pa
     and greedy output with the pruned draft is still the target's."""
     import json
 
-    from specheads.export.shim.vocab.vocab_pruning import FORMAT
+    from specheads.export.shim.runners.vocab_pruning import FORMAT
     from specheads.hf import prune_draft
 
     target, _ = models

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from specheads.errors import UserError
+from specheads.export.shim.core.sampling import SamplingConfig
 from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.loop.sampling import SamplingConfig
 from specheads.export.shim.policies import Judge, StandardSD
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 10], [1, 20, 21, 22, 23, 24]]

@@ -113,7 +113,7 @@ def test_real_pair_pruned_draft_greedy_sd_equals_target(real_pair, tmp_path):
     """The draft's output layer pruned to 2,048 corpus-frequent tokens: greedy SD is still the target's
     greedy output (tokens outside the subset come from the target's correction)."""
     from specheads.datagen.vocab_ranking import main as vocab_main
-    from specheads.export.shim.vocab.vocab_pruning import prune, read_ranking, subset_from_ranking, unprune
+    from specheads.export.shim.runners.vocab_pruning import prune, read_ranking, subset_from_ranking, unprune
 
     out = tmp_path / "vocab.json"
     assert (

@@ -202,8 +202,8 @@ def test_each_tree_level_is_one_forward_with_the_distributions_of_a_forward_per_
 
     from conftest import tiny_llama
 
-    from specheads.export.shim.loop.sampling import SamplingConfig, probs_from_logits
-    from specheads.export.shim.loop.stats import GenerationStats
+    from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits
+    from specheads.export.shim.core.stats import GenerationStats
     from specheads.export.shim.runners.model_runner import FusedRunner
     from specheads.export.shim.vocab.slrs_draft import _Tree
 

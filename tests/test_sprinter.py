@@ -7,8 +7,8 @@ import torch
 from conftest import P_ROWS, Q_ROWS, bigram, sd_pvalue
 
 from specheads.errors import UserError
+from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits
 from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.loop.sampling import SamplingConfig, probs_from_logits
 from specheads.export.shim.policies import Sprinter
 
 V = 4

@@ -10,7 +10,7 @@ from conftest import SPRINTER_PROMPTS, chunk_rows, sprinter_args
 
 from specheads.datagen import sprinter_labels as sprinter
 from specheads.datagen.cli import main
-from specheads.export.shim.loop.sampling import SamplingConfig
+from specheads.export.shim.core.sampling import SamplingConfig
 from specheads.ratio import label_distributions, ratio_label
 
 

@@ -158,7 +158,7 @@ def test_flops_by_hand(tiny_pair):
 
 def test_verifier_errors_by_hand(tiny_pair):
     from specheads.evaluate.quality import verifier_errors
-    from specheads.export.shim.loop.sampling import SamplingConfig
+    from specheads.export.shim.core.sampling import SamplingConfig
 
     target, draft = tiny_pair
     prompt, output = [1, 5, 6], [7, 8, 9, 10]

@@ -8,16 +8,16 @@ import torch
 from test_eagle import LAYERS, eagle_head, target_model
 
 from specheads.errors import UserError
+from specheads.export.shim.core.sampling import SamplingConfig
+from specheads.export.shim.core.stats import GenerationStats
 from specheads.export.shim.costs.cost_table import CostTable
 from specheads.export.shim.loop import tree_loop as tree_module
+from specheads.export.shim.loop.eagle_drafter import EagleDrafter
 from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.loop.sampling import SamplingConfig
-from specheads.export.shim.loop.stats import GenerationStats
 from specheads.export.shim.loop.tree_loop import DraftTree, grow_tree
 from specheads.export.shim.policies import EagleTree, StandardSD
 from specheads.export.shim.runners import model_runner as kv
 from specheads.export.shim.runners.eagle_cache import EagleCache
-from specheads.export.shim.runners.eagle_drafter import EagleDrafter
 from specheads.export.shim.runners.model_runner import FusedRunner
 
 PREFIX = [1, 7, 3, 12, 5, 9]

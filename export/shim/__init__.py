@@ -20,13 +20,8 @@ from specheads.export.shim.batching.batch_generate import generate as batch_gene
 from specheads.export.shim.batching.batch_generate import use_fused
 from specheads.export.shim.batching.batch_loop import BatchEngine, BatchJob
 from specheads.export.shim.batching.row_proposer import RowProposer
-from specheads.export.shim.costs.cost_profile import batch_sizes
-from specheads.export.shim.costs.cost_rules import predict_ms_per_token
-from specheads.export.shim.costs.cost_table import PROFILES, CostTable, cost_table, load_table
-from specheads.export.shim.loop.divergence import DIVERGENCES, divergence
-from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.loop.rounds import Result
-from specheads.export.shim.loop.sampling import (
+from specheads.export.shim.core.divergence import DIVERGENCES, divergence
+from specheads.export.shim.core.sampling import (
     SamplingConfig,
     probs_from_logits,
     sample,
@@ -34,7 +29,12 @@ from specheads.export.shim.loop.sampling import (
     uniform,
     usable_logits,
 )
-from specheads.export.shim.loop.stats import COUNTS, GenerationStats
+from specheads.export.shim.core.stats import COUNTS, GenerationStats
+from specheads.export.shim.costs.cost_profile import batch_sizes
+from specheads.export.shim.costs.cost_rules import predict_ms_per_token
+from specheads.export.shim.costs.cost_table import PROFILES, CostTable, cost_table, load_table
+from specheads.export.shim.loop.engine import Engine
+from specheads.export.shim.loop.rounds import Result
 from specheads.export.shim.loop.tree_loop import tree_problems
 from specheads.export.shim.policies import (
     FSD,
@@ -88,10 +88,10 @@ from specheads.export.shim.runners.models import (
     same_vocabulary,
     vocab_info,
 )
+from specheads.export.shim.runners.vocab_pruning import FORMAT as VOCAB_FORMAT
+from specheads.export.shim.runners.vocab_pruning import describe as describe_vocab
+from specheads.export.shim.runners.vocab_pruning import read_ranking, same_subset, subset_from_ranking, subset_hash
 from specheads.export.shim.vocab.hetero_loop import Bridge
-from specheads.export.shim.vocab.vocab_pruning import FORMAT as VOCAB_FORMAT
-from specheads.export.shim.vocab.vocab_pruning import describe as describe_vocab
-from specheads.export.shim.vocab.vocab_pruning import read_ranking, same_subset, subset_from_ranking, subset_hash
 
 __all__ = [
     # the loop

@@ -1,1 +1,1 @@
-"""Batched decoding: many rows at once, their caches, datagen's generation, the vLLM proposer."""
+"""Batched decoding: many rows at once, datagen's generation, the vLLM proposer."""

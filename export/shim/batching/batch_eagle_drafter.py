@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specheads.export.shim.core.stats import count_tokens
 from specheads.export.shim.loop.drafting import take_candidate
-from specheads.export.shim.loop.stats import count_tokens
 from specheads.export.shim.runners.eagle_cache import full_scores
 from specheads.export.shim.runners.kernels import route
 

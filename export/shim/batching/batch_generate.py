@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from specheads.export.shim.loop.sampling import SamplingConfig, probs_from_logits, sample_finite
+from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits, sample_finite
 from specheads.export.shim.runners.fused import FusedShape, decoder_layers, output_logits, rms_norm, use_fused
 from specheads.export.shim.runners.models import pad_batch
 

@@ -115,7 +115,7 @@ def measure_batches(
     """``([t_d(B) for B], [[t_t(B, 1..max_pass)] for B])`` in ms: one forward of ``B`` rows, each ``1`` (``k``)
     new tokens after its own prefix. An EAGLE head as ``draft`` keeps its batch-1 step (``t_d(B) = t_d(1)``:
     the head is one layer, its step far below the target's)."""
-    from specheads.export.shim.batching.batch_cache import BatchRunner
+    from specheads.export.shim.runners.batch_cache import BatchRunner
 
     if not batches or min(batches) < 2 or max_pass < 1:
         raise UserError(f"batch sizes must be >= 2 and max_pass >= 1, got {batches}, {max_pass}")

@@ -199,7 +199,7 @@ def _settings(
     eagle = not hasattr(draft, "get_input_embeddings")  # an EAGLE head drafts on the target's embeddings
     if draft_vocab_hash is None and not eagle:  # a draft whose output layer was pruned to a vocabulary subset
         try:
-            from specheads.export.shim.vocab.vocab_pruning import vocab_info
+            from specheads.export.shim.runners.vocab_pruning import vocab_info
         except ImportError:
             vocab_info = None
         info = vocab_info(draft) if vocab_info is not None else None

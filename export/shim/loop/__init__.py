@@ -1,1 +1,2 @@
-"""The decoding loop and its round: the engine, what a round leaves, drafting, sampling, counts."""
+"""The decoding loop and its round: the engine, the tree loop, what a round leaves, drafting (a draft model's or an
+EAGLE head's)."""

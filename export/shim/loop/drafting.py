@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specheads.export.shim.loop.sampling import SamplingConfig, probs_from_logits, sample
+from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits, sample
 from specheads.export.shim.policies import Policy, Round
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specheads.export.shim.loop.stats import GenerationStats
+from specheads.export.shim.core.stats import GenerationStats
 from specheads.export.shim.policies import Verdict
 
 

@@ -34,8 +34,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits, sample, uniform
 from specheads.export.shim.costs.cost_table import CostTable
-from specheads.export.shim.loop.sampling import SamplingConfig, probs_from_logits, sample, uniform
 from specheads.export.shim.policies.settings import HeadSpec, Settings
 
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specheads.export.shim.loop.divergence import DIVERGENCES, divergence
-from specheads.export.shim.loop.sampling import probs_from_logits, sample
+from specheads.export.shim.core.divergence import DIVERGENCES, divergence
+from specheads.export.shim.core.sampling import probs_from_logits, sample
 from specheads.export.shim.policies.base import Policy, Round, Verdict, sd_accepts, sd_token, standard_verify
 from specheads.export.shim.policies.settings import Check, HeadSpec, K, Settings, bounds
 from specheads.export.shim.policies.specdecpp_policy import SpecDecPP

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specheads.export.shim.loop.sampling import probs_from_logits
+from specheads.export.shim.core.sampling import probs_from_logits
 from specheads.export.shim.policies.base import Policy, Round, Verdict, sd_accepts, sd_token, standard_verify
 from specheads.export.shim.policies.settings import Check, HeadSpec, K, Settings
 from specheads.heads.judge_head import judge_signal_values

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specheads.export.shim.loop.sampling import probs_from_logits, sample
+from specheads.export.shim.core.sampling import probs_from_logits, sample
 from specheads.export.shim.policies.base import Policy, Round, Verdict
 from specheads.export.shim.policies.settings import Check, K, Settings
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from specheads.export.shim.runners.kernels import linear
-from specheads.export.shim.vocab.vocab_pruning import PrunedHead
+from specheads.export.shim.runners.vocab_pruning import PrunedHead
 
 # Architectures whose decoder layer is exactly: RMSNorm -> attention(q,k,v[,bias],rope,o) -> residual
 # -> RMSNorm -> SiLU-gated MLP -> residual, with full attention in every layer.
@@ -293,7 +293,7 @@ def _unpack(x: torch.Tensor, pack: torch.Tensor, b: int, s: int) -> torch.Tensor
 
 def output_logits(weights: _Fused, x: torch.Tensor) -> torch.Tensor:
     """The output layer on final-norm states ``x`` ``[M, d]`` (kernel chosen for ``M`` rows); a
-    pruned draft's :class:`~specheads.export.shim.vocab.vocab_pruning.PrunedHead` scores its subset only."""
+    pruned draft's :class:`~specheads.export.shim.runners.vocab_pruning.PrunedHead` scores its subset only."""
     head = weights.model().get_output_embeddings()
     if isinstance(head, PrunedHead):
         return head(x)

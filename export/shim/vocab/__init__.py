@@ -1,1 +1,1 @@
-"""Vocabularies: draft pruning (FR-Spec) and decoding across two tokenizers (TLI, SLEM, SLRS)."""
+"""Decoding across two tokenizers (TLI, SLEM, SLRS): the bridge, its loop and the token texts."""

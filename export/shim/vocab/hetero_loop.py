@@ -53,9 +53,9 @@ from __future__ import annotations
 import torch
 
 from specheads.errors import UserError
+from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits, sample
+from specheads.export.shim.core.stats import GenerationStats, count_tokens
 from specheads.export.shim.loop.engine import Engine, Result
-from specheads.export.shim.loop.sampling import SamplingConfig, probs_from_logits, sample
-from specheads.export.shim.loop.stats import GenerationStats, count_tokens
 from specheads.export.shim.policies import POLICIES, Policy, Round
 from specheads.export.shim.policies.hetero_policies import HeteroSettings
 from specheads.export.shim.runners.model_runner import make_runner

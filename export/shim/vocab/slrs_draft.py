@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from specheads.export.shim.loop.sampling import probs_from_logits
-from specheads.export.shim.loop.stats import count_tokens
+from specheads.export.shim.core.sampling import probs_from_logits
+from specheads.export.shim.core.stats import count_tokens
 from specheads.export.shim.vocab.slrs import Process, TargetStrings, n_max
 from specheads.export.shim.vocab.token_text import common_prefix
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from specheads.errors import UserError
+from specheads.export.shim.core.stats import GenerationStats, count_tokens
 from specheads.export.shim.loop.drafting import take_candidate
-from specheads.export.shim.loop.stats import GenerationStats, count_tokens
 from specheads.export.shim.runners.eagle_cache import EagleCache, EagleStepRunner, full_scores  # noqa: F401  (EagleStepRunner re-exported)
 
 
