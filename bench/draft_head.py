@@ -39,7 +39,7 @@ from specheads.evaluate.oracle import (
     per_position_acceptance,
     predicted_ms_per_token,
 )
-from specheads.evaluate.sweep import parse_tree
+from specheads.evaluate.rows import parse_tree
 from specheads.export import load_pair
 from specheads.export.api import format_prompt, load_eagle, pair_costs
 from specheads.export.policy_factory import make_policy

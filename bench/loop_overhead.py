@@ -28,10 +28,11 @@ from specheads.export import load_pair
 from specheads.export.api import load_eagle
 from specheads.export.policy_factory import pair_costs
 from specheads.export.shim.costs.cost_rules import predict_ms_per_token
-from specheads.export.shim.loop import eagle_drafter, model_runner
+from specheads.export.shim.loop import eagle_drafter
 from specheads.export.shim.loop import engine as engine_mod
 from specheads.export.shim.loop.engine import Engine
 from specheads.export.shim.policies import StandardSD, TargetOnly
+from specheads.export.shim.runners import model_runner
 from specheads.export.shim.runners.models import ModelSpec
 from specheads.prompts import load_prompts
 

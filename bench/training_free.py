@@ -27,7 +27,7 @@ from pathlib import Path
 from _common import eval_and_gated, eval_config, intervals, run_info
 
 from specheads.evaluate.cli import main as eval_main
-from specheads.evaluate.sweep import num
+from specheads.evaluate.rows import num
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.02  # "within 2 points" of SD's accuracy

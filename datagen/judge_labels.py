@@ -23,7 +23,7 @@ import torch
 
 from specheads.datagen import mining
 from specheads.datagen.judge_features import Features, gather_features, verdicts_from
-from specheads.datagen.judge_tuples import COUNTS, Answer, _answers, _tuples, build_tuples, summarise, tuple_rows  # noqa: F401
+from specheads.datagen.judge_tuples import COUNTS, _tuples, summarise, tuple_rows
 from specheads.datagen.labelling import Job, Labelled, Labeller
 from specheads.datagen.tuples import load_tuples
 from specheads.datagen.vllm_states import judge_features

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specheads.datagen.mining_search import Budget, Mark, Search, _groups  # noqa: F401
+from specheads.datagen.mining_search import Search
 from specheads.datagen.tuples import IGNORE
 
 

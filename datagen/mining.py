@@ -36,12 +36,12 @@ from pathlib import Path
 import torch
 
 from specheads.datagen import checkers, vllm_mining
-from specheads.datagen.mined_rows import counts, judge_rows, record  # noqa: F401
-from specheads.datagen.mining_search import Budget, Mark, Search, _groups  # noqa: F401
+from specheads.datagen.mined_rows import counts, judge_rows, record
+from specheads.datagen.mining_search import Budget, Mark, Search, _groups
 from specheads.dataset import JudgeChunkFiles
 from specheads.errors import UserError
 from specheads.export.shim import SamplingConfig, batch_generate
-from specheads.prompts import budget_problems
+from specheads.prompt_spec import budget_problems
 from specheads.states import logits_at
 
 log = logging.getLogger(__name__)

@@ -42,14 +42,7 @@ from pathlib import Path
 
 from specheads.datagen import vllm_mining
 from specheads.datagen.labelling import Job
-from specheads.datagen.vllm_job import (  # noqa: F401 (device_slice: the tests' and other callers' name)
-    child_environment,
-    device_slice,
-    light_job,
-    parallel_header,
-    parallel_problems,
-    target_header,
-)
+from specheads.datagen.vllm_job import child_environment, light_job, parallel_header, parallel_problems, target_header
 from specheads.datagen.vllm_logprobs import max_logprobs, wanted
 from specheads.errors import UserError
 from specheads.export.shim import SamplingConfig

@@ -24,7 +24,7 @@ from specheads.export.shim import (
     StandardSD,
     TopKVerify,
 )
-from specheads.prompts import budget_problems
+from specheads.prompt_spec import budget_problems
 
 
 def _check(cfg: EvalConfig) -> None:

@@ -55,8 +55,8 @@ from transformers.utils import logging as hf_logging
 
 from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError
-from specheads.evaluate import report
-from specheads.evaluate.checks import _check, _max_pass, eagle_conflicts  # noqa: F401
+from specheads.evaluate import report, report_files
+from specheads.evaluate.checks import _check, _max_pass
 from specheads.evaluate.config import EvalConfig
 from specheads.evaluate.oracle import (
     RoundRecorder,
@@ -171,7 +171,7 @@ def run(cfg: EvalConfig) -> int:
     summary = report.build(*args, eagle=eagle_info, ceilings=ceilings)
     if cfg.write_default:
         _write_defaults(cfg, summary, out)
-    report.write(out, summary)
+    report_files.write(out, summary)
     write_manifest(
         out,
         command=PROG,

@@ -20,8 +20,7 @@ from specheads.evaluate.head_calibration import add_calibration
 from specheads.evaluate.intervals import speed_intervals
 from specheads.evaluate.oracle import below_curve, cost_figures, ideal_figures
 from specheads.evaluate.plot import pareto_plot, quality_speed_plot
-from specheads.evaluate.quality_report import add_quality  # noqa: F401
-from specheads.evaluate.report_files import HEADLINE, write  # noqa: F401
+from specheads.evaluate.quality_report import add_quality
 from specheads.evaluate.sweep import COST_ROWS, total
 from specheads.export.shim import CostTable, GenerationStats
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specheads.evaluate.quality_report import add_quality  # noqa: F401
 from specheads.outputs import MetricsWriter, atomic_write_json
 
 HEADLINE = (

@@ -16,7 +16,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specheads.errors import UserError
-from specheads.evaluate.rows import expand, hetero_row, num, parse_tree, shorthand_rows  # noqa: F401
+from specheads.evaluate.rows import expand, shorthand_rows
 from specheads.export.api import Decoder, make_policy
 from specheads.export.shim import COUNTS, DIVERGENCES, GenerationStats
 from specheads.outputs import read_finished_rows

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from specheads.errors import UserError
-from specheads.export.header import FORMAT_VERSION, META_KEY  # noqa: F401  (re-exported: the format's names)
+from specheads.export.header import FORMAT_VERSION
 from specheads.export.header import read as read_header
 from specheads.export.header import write as write_header
 from specheads.export.hub import WEIGHTS, head_file, is_hub_dir

@@ -64,7 +64,7 @@ from safetensors.torch import save_file
 from specheads.errors import UserError
 from specheads.export.header import FORMAT_VERSION
 from specheads.export.package import LoadedHead, _digest, fill
-from specheads.export.speculators_card import card  # noqa: F401
+from specheads.export.speculators_card import card
 from specheads.export.vllm_target import target_positions
 from specheads.heads.eagle_head import EagleHead
 

@@ -22,7 +22,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from specheads import _schema
-from specheads.config_merge import _apply, _check_resolved  # noqa: F401
+from specheads.config_merge import _apply, _check_resolved
 from specheads.errors import UserError  # re-exported: one class for every layer
 
 __all__ = [

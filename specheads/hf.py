@@ -26,8 +26,11 @@ import types
 import torch
 
 from specheads.errors import UserError
-from specheads.hf_models import _loaded, _width, prune_draft  # noqa: F401  (re-exported)
-from specheads.hf_support import INTERNALS, SUPPORTED, Stats, _missing_internals, check_transformers  # noqa: F401
+from specheads.hf_models import _loaded, _width, prune_draft
+from specheads.hf_support import INTERNALS, SUPPORTED, Stats, check_transformers
+
+# the module users import (docs/python-api.md): the head inside generate, and what it builds on
+__all__ = ["Assistant", "prune_draft", "SUPPORTED", "INTERNALS", "check_transformers"]
 
 log = logging.getLogger(__name__)
 POLICIES = ("specdecpp", "confidence_stop")

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specheads.errors import UserError
-from specheads.hf_models import _loaded, _width, prune_draft  # noqa: F401  (re-exported)
 
 SUPPORTED = (">=5.24", "<6")  # keep in step with pyproject.toml's transformers pin
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from specheads.errors import UserError
-from specheads.prompt_spec import budget_problems, split_slice  # noqa: F401 (budget_problems: re-exported)
+from specheads.prompt_spec import split_slice
 
 RECOGNISED = "prompt, messages, question (GSM8K/ARC/facts), instruction (Alpaca), turns (MT-Bench)"
 

@@ -222,11 +222,13 @@ def test_engine_vllm_without_vllm_is_a_one_line_error(tiny_pair_dirs, prompts_fi
 
 
 def test_each_process_gets_its_own_gpus():
+    from specheads.datagen.vllm_job import device_slice
+
     gpus = [str(i) for i in range(8)]
-    assert vllm_responses.device_slice(0, 2, gpus) == ["0", "1"]
-    assert vllm_responses.device_slice(3, 2, gpus) == ["6", "7"]
+    assert device_slice(0, 2, gpus) == ["0", "1"]
+    assert device_slice(3, 2, gpus) == ["6", "7"]
     with pytest.raises(UserError, match="start fewer processes"):
-        vllm_responses.device_slice(2, 4, gpus)
+        device_slice(2, 4, gpus)
 
 
 def test_sampled_seeds_depend_on_the_prompt_not_the_chunking():

@@ -22,9 +22,8 @@ from specheads.evaluate.oracle import (
     rounds_perfect_head,
 )
 from specheads.evaluate.report import summarize
-from specheads.evaluate.rows import expand
+from specheads.evaluate.rows import expand, num
 from specheads.evaluate.select import family
-from specheads.evaluate.sweep import num
 from specheads.export import Engine, GenerationStats, ModelSpec, SamplingConfig, load_pair, save_head
 from specheads.export.shim.costs.cost_table import CostTable
 from specheads.heads import AcceptanceHead

@@ -11,7 +11,6 @@ from conftest import chunk_rows
 from safetensors.torch import load_file
 
 from specheads.datagen import cli, judge_tuples
-from specheads.datagen import judge_labels as judge
 from specheads.datagen.tuples import IGNORE, span_labels
 from specheads.export.shim.runners.hidden import HiddenCapture
 
@@ -106,9 +105,9 @@ def test_generated_answers_are_graded_localised_and_reviewed(tiny_pair_dirs, tmp
             ref = int(p.reference)
             out.append(
                 [
-                    judge.Answer(f"the sum is {ref}\n#### {ref}", "target", "greedy"),
-                    judge.Answer(f"1 + 1 = 3 so {ref + 1}\n#### {ref + 1}", "draft", "greedy"),  # a false step
-                    judge.Answer(f"it is {ref + 2}\n#### {ref + 2}", "draft", "sample-1"),
+                    judge_tuples.Answer(f"the sum is {ref}\n#### {ref}", "target", "greedy"),
+                    judge_tuples.Answer(f"1 + 1 = 3 so {ref + 1}\n#### {ref + 1}", "draft", "greedy"),  # a false step
+                    judge_tuples.Answer(f"it is {ref + 2}\n#### {ref + 2}", "draft", "sample-1"),
                 ]
             )  # wrong, no step
         return out

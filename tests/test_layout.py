@@ -92,6 +92,19 @@ def test_the_shims_folders_import_downward():
     assert upward == []
 
 
+def test_no_module_forwards_names():
+    """Outside ``__init__.py`` no module imports a name only to hand it on (``noqa: F401``): its users import it
+    from the module that defines it; a module meant to be imported by users says what it offers in ``__all__``."""
+    forwarding = sorted(
+        f"{n}:{i}"
+        for n, p in package_modules().items()
+        if p.name != "__init__.py"
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1)
+        if "noqa: F401" in line
+    )
+    assert forwarding == []
+
+
 def _defines(path, name: str) -> bool:
     return any(isinstance(n, ast.FunctionDef) and n.name == name for n in ast.parse(path.read_text()).body)
 

@@ -59,7 +59,7 @@ def test_head_aliases_name_the_same_tasks_and_record_their_names(tiny_pair_dirs,
 
 
 def test_resumed_training_gives_the_same_head(tiny_pair_dirs, labelled, tmp_path, monkeypatch):
-    from specheads.train import checkpoint
+    from specheads.train import checkpoint_save as checkpoint  # where the trainer's save lives
 
     full, cut = tmp_path / "full", tmp_path / "cut"
     assert main(train_args(tiny_pair_dirs, labelled, full)) == 0

@@ -78,7 +78,7 @@ def _crash_on_save(monkeypatch, n: int, after_write: bool):
     """The ``n``-th checkpoint save raises: after writing its state.safetensors into the temporary
     folder (``after_write=False``: before the folder is renamed), or right after the save."""
     calls = {"n": 0}
-    real_save, real_file = checkpoint.save, checkpoint_save.save_file
+    real_save, real_file = checkpoint_save.save, checkpoint_save.save_file
 
     def save(*args, **kwargs):
         calls["n"] += 1
@@ -92,7 +92,7 @@ def _crash_on_save(monkeypatch, n: int, after_write: bool):
         if not after_write and calls["n"] == n and path.endswith("state.safetensors"):
             raise KeyboardInterrupt  # the process dies in the middle of the save
 
-    monkeypatch.setattr(checkpoint, "save", save)
+    monkeypatch.setattr(checkpoint_save, "save", save)
     monkeypatch.setattr(checkpoint_save, "save_file", save_file)  # where save writes its files
 
 

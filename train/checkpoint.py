@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load as load_bytes
 
 from specheads.errors import UserError
-from specheads.train.checkpoint_save import _NAME, FORMAT, _digest, _step, clear, fsync, save  # noqa: F401
+from specheads.train.checkpoint_save import _NAME, _step
 from specheads.train.optim_state import optimizer_state, param_groups
 
 log = logging.getLogger(__name__)

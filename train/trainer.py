@@ -37,11 +37,11 @@ from specheads.errors import UserError
 from specheads.export import save_head
 from specheads.numerics import check_resume, numerics_settings
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir
-from specheads.train import checkpoint, zero
+from specheads.train import checkpoint, checkpoint_save, zero
 from specheads.train.config import TrainConfig
 from specheads.train.loss import weighted_soft_bce
 from specheads.train.registry import task_type
-from specheads.train.run_data import _epoch_batches, data_manifest, overwrites_another_run  # noqa: F401
+from specheads.train.run_data import _epoch_batches, data_manifest, overwrites_another_run
 from specheads.train.task import Task, param_dtype
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def train(cfg: TrainConfig, out: Path, fresh: bool = False) -> dict:
         )
     if _any_rank(acc, fresh):
         if acc.is_main_process:
-            checkpoint.clear(out)
+            checkpoint_save.clear(out)
             for name in (getattr(kind, "artifact", "head.safetensors"), "head.safetensors", "best_metrics.json"):
                 shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink(missing_ok=True)
         acc.wait_for_everyone()
@@ -162,7 +162,7 @@ def _fit(cfg: TrainConfig, out: Path, acc, task: Task) -> tuple[dict, dict]:
             with zero.full_weights(raw, zero3):
                 if acc.is_main_process:
                     progress["metrics_bytes"] = metrics.path.stat().st_size  # what a resumed run keeps
-                    checkpoint.save(
+                    checkpoint_save.save(
                         out, progress["step"], raw, None if ds else opt, sched, dict(progress), extra_files=parts
                     )
             acc.wait_for_everyone()

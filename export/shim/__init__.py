@@ -67,6 +67,7 @@ from specheads.export.shim.runners.fused import supports
 from specheads.export.shim.runners.hidden import HiddenCapture, final_norm, output_device
 from specheads.export.shim.runners.kernels import describe as describe_kernels
 from specheads.export.shim.runners.kernels import unroute
+from specheads.export.shim.runners.model_facts import context_length, eos_ids, pad_batch
 from specheads.export.shim.runners.model_runner import make_runner
 from specheads.export.shim.runners.models import (
     DTYPES,
@@ -74,23 +75,25 @@ from specheads.export.shim.runners.models import (
     ModelSpec,
     Pair,
     check_same_vocab,
-    context_length,
-    eos_ids,
     file_digest,
     fingerprint,
     load_model,
     load_pair,
-    pad_batch,
     prune_to_vocab_file,
     resolve_device,
     resolve_dtype,
     resolve_location,
     same_vocabulary,
-    vocab_info,
 )
 from specheads.export.shim.runners.vocab_pruning import FORMAT as VOCAB_FORMAT
 from specheads.export.shim.runners.vocab_pruning import describe as describe_vocab
-from specheads.export.shim.runners.vocab_pruning import read_ranking, same_subset, subset_from_ranking, subset_hash
+from specheads.export.shim.runners.vocab_pruning import (
+    read_ranking,
+    same_subset,
+    subset_from_ranking,
+    subset_hash,
+    vocab_info,
+)
 from specheads.export.shim.vocab.hetero_loop import Bridge
 
 __all__ = [

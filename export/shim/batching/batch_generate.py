@@ -17,7 +17,7 @@ import torch
 
 from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits, sample_finite
 from specheads.export.shim.runners.fused import FusedShape, decoder_layers, output_logits, rms_norm, use_fused
-from specheads.export.shim.runners.models import pad_batch
+from specheads.export.shim.runners.model_facts import pad_batch
 
 
 @torch.inference_mode()

@@ -25,7 +25,7 @@ import torch
 from specheads.errors import UserError
 from specheads.export.shim.core.stats import GenerationStats, count_tokens
 from specheads.export.shim.loop.drafting import take_candidate
-from specheads.export.shim.runners.eagle_cache import EagleCache, EagleStepRunner, full_scores  # noqa: F401  (EagleStepRunner re-exported)
+from specheads.export.shim.runners.eagle_cache import EagleCache, full_scores
 
 
 def check_head(head, target) -> None:

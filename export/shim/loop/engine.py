@@ -25,9 +25,9 @@ import torch
 
 from specheads.export.shim.core.sampling import SamplingConfig
 from specheads.export.shim.core.stats import GenerationStats, count_tokens
-from specheads.export.shim.loop.drafting import pick_token, take_candidate  # noqa: F401  (re-exported)
+from specheads.export.shim.loop.drafting import take_candidate
 from specheads.export.shim.loop.eagle_drafter import EagleDrafter, check_head
-from specheads.export.shim.loop.rounds import Result, commit_round, emit  # noqa: F401  (re-exported)
+from specheads.export.shim.loop.rounds import Result, commit_round, emit
 from specheads.export.shim.loop.tree_loop import generate_tree
 from specheads.export.shim.policies import DraftOnly, Policy, Round, TargetOnly, Verdict
 from specheads.export.shim.runners.model_runner import make_runner

@@ -16,7 +16,7 @@ import torch
 from specheads.errors import UserError
 from specheads.export.shim.runners.hidden import output_device
 from specheads.export.shim.runners.kernels import route
-from specheads.export.shim.runners.model_facts import context_length, eos_ids, freest_gpu, pad_batch  # noqa: F401
+from specheads.export.shim.runners.model_facts import eos_ids, freest_gpu
 from specheads.export.shim.runners.vocab_pruning import prune, read_ranking, subset_from_ranking, vocab_info
 
 log = logging.getLogger(__name__)
