@@ -6,10 +6,8 @@ The public API is at the top of the package (``import specheads``; docs/python-a
     pair = specheads.load_pair(specheads.ModelSpec(path="target_dir"), specheads.ModelSpec(path="draft_dir"))
     results = specheads.generate(pair, "What is 2 + 3?", policy="sd", k=4, max_new_tokens=64)
 
-This module keeps the same names under ``specheads.export``; the names in ``_OLD`` are the ones before 0.2.
+This module offers the same names under ``specheads.export``, and the engine's parts beside them.
 """
-
-import warnings
 
 from specheads.export.api import Decoder, generate, make_policy
 from specheads.export.package import LoadedHead, load_head, read_metadata, save_head  # noqa: F401  (importable, not in __all__)
@@ -49,23 +47,3 @@ __all__ = [
     "make_policy",
     "register_policy",
 ]
-_OLD = {
-    "Generation": ("Result", lambda: Result),
-    "build_policy": ("make_policy", lambda: make_policy),
-    "fit_context": ("specheads.export.api.fit_context", None),
-    "format_prompt": ("specheads.export.api.format_prompt", None),
-}
-
-
-def __getattr__(name: str):
-    if name in _OLD:
-        new, get = _OLD[name]
-        warnings.warn(
-            f"specheads.export.{name} is renamed or private since 0.2; use {new}", FutureWarning, stacklevel=2
-        )
-        if get is None:
-            from specheads.export import api
-
-            return getattr(api, name)
-        return get()
-    raise AttributeError(f"module 'specheads.export' has no attribute {name!r}")

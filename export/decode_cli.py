@@ -1,6 +1,6 @@
 """``heads-decode``: run a decoding policy over a prompt file.
 
-    heads-decode recipe=quickstart k=8 num_prompts=4 output_dir=runs/sd-k8
+    heads-decode recipe=quickstart sd.k=8 num_prompts=4 output_dir=runs/sd-k8
 
 Writes ``outputs.jsonl`` (one completion per prompt, with its stats), ``metrics.jsonl``
 (the same stats, one line per prompt), ``metrics.json`` (aggregate; with ``stop=cost`` also the
@@ -25,7 +25,7 @@ from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError
 from specheads.export import vllm_engine
 from specheads.export.api import Decoder, load_eagle, make_policy, pair_costs
-from specheads.export.decode_config import DecodeConfig, decode_schema, normalize, upgrade_saved_config
+from specheads.export.decode_config import DecodeConfig, decode_schema, policy_settings
 from specheads.export.package import outside_gate, read_metadata
 from specheads.export.shim import (
     COUNTS,
@@ -44,8 +44,7 @@ PROG = "heads-decode"
 
 
 def _check(cfg: DecodeConfig):
-    """Every problem of the config in one UserError; returns the chosen policy's settings (old flat spellings
-    moved into its section, :func:`~.decode_config.normalize`)."""
+    """Every problem of the config in one UserError; returns the chosen policy's settings."""
     problems = list(cfg.sampling.problems())
     cls = POLICIES.get(cfg.policy)
     settings = None
@@ -53,10 +52,10 @@ def _check(cfg: DecodeConfig):
         problems.append(f"policy={cfg.policy!r} is not one of {list(POLICIES)}")
     else:
         try:  # the policy checks its own settings
-            settings = normalize(cfg)
+            settings = policy_settings(cfg)
         except UserError as exc:
             problems.append(str(exc))
-    stop = getattr(settings, "stop", None) if settings is not None else getattr(cfg, "stop", None)
+    stop = getattr(settings, "stop", None)
     if getattr(cls, "tree", False):
         problems += tree_problems(bool(cfg.eagle), cfg.sampling, cfg.fused_forward)
     if stop == "cost" and cfg.profile not in PROFILES and not Path(cfg.profile).is_file():
@@ -113,8 +112,6 @@ def run(cfg: DecodeConfig) -> int:
     hf_logging.disable_progress_bar()  # our own bar is the one to watch; errors stay one line
     prompts = load_prompt_files(cfg.prompts, limit=cfg.num_prompts, offset=cfg.offset)
     config_yaml = to_yaml(cfg)
-    if upgrade_saved_config(cfg.output_dir, config_yaml):
-        log.info("%s: its config.yaml, written before 0.2, now in the new spelling", cfg.output_dir)
     previous = Path(cfg.output_dir) / "config.yaml"
     same_run = previous.is_file() and previous.read_text(encoding="utf-8") == config_yaml
     out_dir = prepare_output_dir(cfg.output_dir, config_yaml, overwrite=cfg.overwrite)

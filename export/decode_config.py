@@ -2,55 +2,18 @@
 registered policy holding that policy's own ``Settings`` (``policy=judge judge.delta=0.99``).
 
 The schema is built from the policy registry (:func:`decode_schema`), so a policy registered with
-``register_policy`` gets its section without touching this module. The flat spellings before 0.2
-(``k=``, ``h=``, ``delta=``, ``threshold=`` ...) still work for one release: :func:`policy_settings` moves
-them into the chosen policy's section with a warning that shows the new spelling.
+``register_policy`` gets its section without touching this module. A setting given outside its policy's
+section (``k=3``) is an unknown key, and the error names the spelling to use (``sd.k``).
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
-from dataclasses import dataclass, field, fields, make_dataclass, replace
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field, fields, make_dataclass
 
-import yaml
-from omegaconf import OmegaConf
-
-from specheads.config import to_yaml
 from specheads.errors import UserError
 from specheads.export.shim import POLICIES, ModelSpec, SamplingConfig, Settings, policy_class
-from specheads.outputs import atomic_write_text
 from specheads.vllm_options import HELP as VLLM_HELP
-
-UNSET = "<unset>"  # an old flat setting not given
-
-#: The flat settings before 0.2, by name and type: each is now ``<policy>.<name>`` (``threshold``: the
-#: policy's threshold under one name).
-LEGACY = {
-    "k": int,
-    "lookahead": int,
-    "budget": int,
-    "head": str,
-    "h": float,
-    "eta": float,
-    "delta": float,
-    "T": float,
-    "tau": float,
-    "threshold": float,
-    "stop": str,
-    "max_run": int,
-    "k_min": int,
-    "k_max": int,
-    "tree_width": int,
-    "tree_nodes": int,
-    "verify_top_k": int,
-    "divergence": str,
-    "fsd_top_k": int,
-    "fsd_rule": str,
-    "fsd_dist": str,
-}
 
 
 @dataclass
@@ -157,127 +120,33 @@ class RunConfig:
 
 def _sections() -> tuple[tuple[str, type[Settings]], ...]:
     """The registered policies with settings, in registry order (a name the run's settings use is skipped)."""
-    taken = {f.name for f in fields(RunConfig)} | set(LEGACY)
+    taken = {f.name for f in fields(RunConfig)}
     return tuple((name, cls.Settings) for name, cls in POLICIES.items() if fields(cls.Settings) and name not in taken)
 
 
 @functools.cache
 def _schema(sections: tuple[tuple[str, type[Settings]], ...]) -> type:
     own = [(name, s, field(default_factory=s, metadata={"help": f"policy={name}'s settings"})) for name, s in sections]
-    # Typed Any with a sentinel default, so that an explicit null (max_run=null: no cap) is a value given;
-    # policy_settings checks each value against its type in LEGACY.
-    old = [
-        (
-            name,
-            Any,
-            field(
-                default=UNSET,
-                metadata={
-                    "help": f"the spelling before 0.2 (warns): write <policy>.{name}= instead",
-                    "old": True,
-                    "unset": UNSET,
-                },
-            ),
-        )
-        for name in LEGACY
-    ]
     return make_dataclass(
-        "DecodeConfig", own + old, bases=(RunConfig,), namespace={"__doc__": RunConfig.__doc__, "__module__": __name__}
+        "DecodeConfig", own, bases=(RunConfig,), namespace={"__doc__": RunConfig.__doc__, "__module__": __name__}
     )
 
 
 def decode_schema() -> type:
-    """``heads-decode``'s schema for the policies registered now: :class:`RunConfig`'s fields, a section per
-    policy with settings and the old flat spellings."""
+    """``heads-decode``'s schema for the policies registered now: :class:`RunConfig`'s fields and a section per
+    policy with settings."""
     return _schema(_sections())
 
 
-def _typed(key: str, value):
-    """An old flat setting's value checked against its type (null stays null: ``max_run=null``)."""
-    tp = LEGACY[key]
-    if value is None or (isinstance(value, tp) and not isinstance(value, bool)):
-        return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    raise UserError(f"bad value for {key!r}: {value!r} is not {'an integer' if tp is int else 'a ' + tp.__name__}")
-
-
 def policy_settings(cfg) -> Settings:
-    """The chosen policy's settings: its section, with any old flat spelling moved in (a warning shows the new
-    spelling; one the policy does not have is ignored, as before, with a warning). Checked."""
+    """The chosen policy's settings (its section; a policy without settings gets its defaults), checked."""
     cls = policy_class(cfg.policy)
     own = getattr(cfg, cfg.policy, None) if cfg.policy in dict(_sections()) else None
     settings = own if isinstance(own, cls.Settings) else cls.Settings()
-    names = {f.name for f in fields(settings)}
-    given = {k: _typed(k, v) for k in LEGACY if (v := getattr(cfg, k, UNSET)) != UNSET}
-    values: dict = {}
-    for key, value in given.items():
-        name = cls.Settings.THRESHOLD if key == "threshold" else key
-        if name not in names and key == "stop" and value != "threshold":  # the cost rule: never silently dropped
-            cost = [n for n, c in POLICIES.items() if "stop" in {f.name for f in fields(c.Settings)}]
-            raise UserError(f"stop={value} applies to policy={' or '.join(cost)}, not policy={cfg.policy}")
-        if name not in names:
-            warnings.warn(
-                f"{key}={value} is not a setting of policy={cfg.policy}: ignored (and {key}= is the "
-                f"spelling before 0.2)",
-                FutureWarning,
-                stacklevel=2,
-            )
-            continue
-        warnings.warn(
-            f"{key}={value} is the spelling before 0.2: write {cfg.policy}.{name}={value}", FutureWarning, stacklevel=2
-        )
-        if values.get(name, value) != value:
-            raise UserError(
-                f"threshold={given['threshold']} and {name}={values[name]} disagree; set only {cfg.policy}.{name}"
-            )
-        default = getattr(cls.Settings(), name)
-        if getattr(settings, name) not in (default, value):
-            raise UserError(
-                f"{key}={value} and {cfg.policy}.{name}={getattr(settings, name)} disagree; set only "
-                f"{cfg.policy}.{name}"
-            )
-        values[name] = value
-    settings = replace(settings, **values)
-    problems = settings.problems({n: f"{cfg.policy}.{n}" for n in names})
+    problems = settings.problems({f.name: f"{cfg.policy}.{f.name}" for f in fields(settings)})
     if problems:
         raise UserError("; ".join(problems))
     return settings
-
-
-def normalize(cfg) -> Settings:
-    """Moves the old flat spellings into the chosen policy's section (:func:`policy_settings`) and clears
-    them, so that the run's ``config.yaml`` holds the one spelling; returns the policy's settings."""
-    settings = policy_settings(cfg)
-    if cfg.policy in dict(_sections()):
-        setattr(cfg, cfg.policy, settings)
-    for key in LEGACY:
-        setattr(cfg, key, UNSET)
-    return settings
-
-
-def upgrade_saved_config(output_dir: str | Path, config_yaml: str) -> bool:
-    """An output directory written before 0.2 (its ``config.yaml`` in the flat spelling) holding the run that
-    ``config_yaml`` describes: its config is rewritten in the new spelling, so the run resumes there. True
-    when it was upgraded."""
-    path = Path(output_dir) / "config.yaml"
-    if not path.is_file() or path.read_text(encoding="utf-8") == config_yaml:
-        return False
-    try:
-        old = yaml.safe_load(path.read_text(encoding="utf-8"))
-        if not isinstance(old, dict) or not any(k in old for k in LEGACY):
-            return False
-        schema = decode_schema()
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), old))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            normalize(cfg)
-    except Exception:  # noqa: BLE001 - not a config this version reads: another run
-        return False
-    if to_yaml(cfg) != config_yaml:
-        return False
-    atomic_write_text(path, config_yaml)
-    return True
 
 
 DecodeConfig = decode_schema()  # the built-in policies' schema (decode_schema() sees later registrations)

@@ -236,7 +236,8 @@ def model_card(meta: dict) -> str:
         'head = load_head("THIS_DIRECTORY_OR_REPO_ID", pair=pair)  # checked against the pair',
         "```",
         "",
-        f"`heads-decode policy={POLICY.get(kind, kind)} head=THIS_DIRECTORY_OR_REPO_ID` decodes with it.",
+        f"`heads-decode policy={POLICY.get(kind, kind)} {POLICY.get(kind, kind)}.head=THIS_DIRECTORY_OR_REPO_ID` "
+        "decodes with it.",
         "",
     ]
     return "\n".join(lines)

@@ -3,7 +3,6 @@ loaded and checked against the pair, and the pair's profiled cost table for the 
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import fields
 
 from specheads.errors import UserError
@@ -30,7 +29,7 @@ def _policy_head(
         return None
     if not path:
         raise UserError(
-            f"policy={cls.name} needs head=<exported {spec.type} head .safetensors> "
+            f"policy={cls.name} needs its head: {cls.name}.head=<exported {spec.type} head .safetensors> "
             f"(heads-train head={spec.type}, then heads-export)"
         )
     meta = read_metadata(path)
@@ -103,9 +102,6 @@ def settings_for(name: str, threshold: float | None = None, **values) -> Setting
     cls = policy_class(name)
     names = {f.name for f in fields(cls.Settings)}
     values = {k: v for k, v in values.items() if v is not None}
-    if "top_k" in values and "verify_top_k" in names:  # the spelling before 0.2
-        warnings.warn("make_policy(top_k=) is renamed; write verify_top_k=", FutureWarning, stacklevel=3)
-        values["verify_top_k"] = values.pop("top_k")
     unknown = sorted(set(values) - names)
     if unknown:
         raise UserError(f"policy={name} has no setting {', '.join(unknown)}; its settings: {sorted(names) or 'none'}")

@@ -73,7 +73,7 @@ def flat_fields(schema: type) -> list[FieldInfo]:
                 out.append(FieldInfo(f"{prefix}{f.name}", tp, value, f.metadata.get("help", "")))
                 sub_defaults = OmegaConf.to_container(OmegaConf.structured(sub), resolve=False)
                 walk(sub, sub_defaults, f"{prefix}{f.name}.")
-            elif not f.metadata.get("old"):  # the spellings before 0.2 stay out of --help
+            else:
                 helper = getattr(cls, "help", None)  # a policy's Settings: its help lines
                 text = f.metadata.get("help", "") or (helper(f.name) if callable(helper) else "")
                 out.append(FieldInfo(f"{prefix}{f.name}", tp, value, text))
@@ -214,11 +214,7 @@ def missing_message(schema: type, key: str) -> str:
 def plain(value: Any) -> Any:
     """A dataclass (or container) as plain YAML-safe types: paths as str, enums by name."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {
-            f.name: plain(getattr(value, f.name))
-            for f in dataclasses.fields(value)
-            if not (f.metadata.get("old") and getattr(value, f.name) == f.metadata.get("unset"))
-        }  # an unused old spelling
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, dict):
         return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

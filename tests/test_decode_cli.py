@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
-import warnings
 
 import pytest
 import yaml
 from conftest import WORDS, decode_args, make_tokenizer, tiny_llama
 
-from specheads.errors import UserError
 from specheads.export import ModelSpec, generate, load_pair
 from specheads.export.decode_cli import main
 
@@ -240,7 +238,7 @@ def test_specdecpp_policy_with_exported_head(tiny_pair_dirs, prompts_file, tmp_p
     assert summary["threshold"] == 0.6 and summary["k_max"] == 20
     capsys.readouterr()
     assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "nohead", "policy=specdecpp")) == 2
-    assert "needs head=" in _one_error_line(capsys)
+    assert "needs its head: specdecpp.head=" in _one_error_line(capsys)
 
 
 def test_interrupted_run_resumes_to_the_same_outputs(tiny_pair_dirs, prompts_file, tmp_path, caplog):
@@ -262,32 +260,12 @@ def test_interrupted_run_resumes_to_the_same_outputs(tiny_pair_dirs, prompts_fil
     assert json.loads((cut / "metrics.json").read_text())["new_tokens"] == sum(len(r["tokens"]) for r in rows["full"])
 
 
-def test_policy_threshold_names_and_the_threshold_alias(tiny_pair_dirs, prompts_file, tmp_path, capsys):
-    """Each policy's threshold has its own name (h, eta, delta, T, tau) in its section; the flat ``threshold=``
-    and ``T=`` of before 0.2 still work, with a warning that shows the new spelling."""
-    runs = {
-        "own": ["policy=fsd", "fsd.T=0.3", "fsd.k=3"],
-        "alias": ["policy=fsd", "threshold=0.3", "fsd.k=3"],
-        "both": ["policy=fsd", "T=0.3", "threshold=0.3", "fsd.k=3"],
-    }
-    outs = {}
-    for name, extra in runs.items():
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / name, *extra)) == 0
-        old = [str(w.message) for w in seen if issubclass(w.category, FutureWarning)]
-        assert (name == "own") == (old == []) and all("write fsd.T=0.3" in m for m in old)
-        outs[name] = [json.loads(x)["tokens"] for x in (tmp_path / name / "outputs.jsonl").read_text().splitlines()]
-        assert json.loads((tmp_path / name / "metrics.json").read_text())["threshold"] == 0.3
-        assert yaml.safe_load((tmp_path / name / "config.yaml").read_text())["fsd"]["T"] == 0.3
-    assert outs["own"] == outs["alias"] == outs["both"]
+def test_each_policys_threshold_has_its_own_name(tiny_pair_dirs, prompts_file, tmp_path, capsys):
+    """Each policy's threshold has its own name (h, eta, delta, T, tau) in its section, checked there."""
+    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "own", "policy=fsd", "fsd.T=0.3", "fsd.k=3")) == 0
+    assert json.loads((tmp_path / "own" / "metrics.json").read_text())["threshold"] == 0.3
+    assert yaml.safe_load((tmp_path / "own" / "config.yaml").read_text())["fsd"]["T"] == 0.3
     capsys.readouterr()
-    with pytest.warns(FutureWarning):
-        assert (
-            main(_args(tiny_pair_dirs, prompts_file, tmp_path / "clash", "policy=fsd", "fsd.T=0.3", "threshold=0.5"))
-            == 2
-        )
-    assert "disagree" in _one_error_line(capsys)
     assert (
         main(_args(tiny_pair_dirs, prompts_file, tmp_path / "tau", "policy=confidence_stop", "confidence_stop.tau=1.5"))
         == 2
@@ -295,21 +273,16 @@ def test_policy_threshold_names_and_the_threshold_alias(tiny_pair_dirs, prompts_
     assert "confidence_stop.tau=1.5 must be in [0, 1]" in _one_error_line(capsys)
 
 
-def test_old_flat_settings_warn_and_decode_as_the_nested_ones(tiny_pair_dirs, prompts_file, tmp_path):
-    """``k=3`` (before 0.2) decodes as ``sd.k=3`` and says so; the run's config.yaml holds only the new
-    spelling; a flat setting the policy lacks is ignored with a warning, as it was ignored before."""
-    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "new", "sd.k=3")) == 0
-    with pytest.warns(FutureWarning, match=r"k=3 is the spelling before 0.2: write sd.k=3"):
-        assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "old", "k=3")) == 0
-    read = {
-        n: [json.loads(x)["tokens"] for x in (tmp_path / n / "outputs.jsonl").read_text().splitlines()]
-        for n in ("new", "old")
-    }
-    assert read["new"] == read["old"]
-    saved = yaml.safe_load((tmp_path / "old" / "config.yaml").read_text())
-    assert saved["sd"] == {"k": 3} and "k" not in saved
-    with pytest.warns(FutureWarning, match="delta=0.5 is not a setting of policy=sd"):
-        assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "other", "delta=0.5")) == 0
+@pytest.mark.parametrize(
+    "flat, nested", [("k=3", "sd.k"), ("threshold=0.3", None), ("delta=0.5", "judge.delta"), ("T=0.3", "fsd.T")]
+)
+def test_a_setting_outside_its_policys_section_is_a_one_line_error(
+    tiny_pair_dirs, prompts_file, tmp_path, capsys, flat, nested
+):
+    """No release had flat settings (``k=3``): one is an unknown key, and the error names the spelling to use."""
+    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "x", flat)) == 2
+    err = _one_error_line(capsys)
+    assert f"unknown key {flat.split('=')[0]!r}" in err and (nested is None or nested in err)
 
 
 def test_help_lists_each_policys_settings(capsys):
@@ -371,48 +344,3 @@ def test_batched_decode_writes_what_batch_one_writes(tiny_pair_dirs, prompts_fil
 def test_batched_decode_refusals(tiny_pair_dirs, prompts_file, tmp_path, capsys, extra, message):
     assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "out", *extra)) == 2
     assert message in _one_error_line(capsys)
-
-
-def test_an_output_dir_written_before_0_2_resumes(tiny_pair_dirs, prompts_file, tmp_path, caplog):
-    """A run interrupted under the flat spelling (config.yaml with k: 3, no sd section) resumes under the new
-    one: its config is rewritten in the new spelling and the finished prompts are kept."""
-    full, cut = tmp_path / "full", tmp_path / "cut"
-    assert main(_args(tiny_pair_dirs, prompts_file, full, "sd.k=3")) == 0
-    assert main(_args(tiny_pair_dirs, prompts_file, cut, "sd.k=3")) == 0
-    saved = yaml.safe_load((cut / "config.yaml").read_text())
-    old = {k: v for k, v in saved.items() if k != "sd"} | {"k": 3, "h": None, "k_max": 20, "stop": "threshold"}
-    (cut / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
-    lines = (cut / "outputs.jsonl").read_text().splitlines(keepends=True)
-    (cut / "outputs.jsonl").write_text(lines[0])  # interrupted after the first prompt
-    with caplog.at_level(logging.INFO):
-        assert main(_args(tiny_pair_dirs, prompts_file, cut, "sd.k=3")) == 0
-    assert any("resuming: 1 of 3" in r.getMessage() for r in caplog.records)
-    configs = [yaml.safe_load((d / "config.yaml").read_text()) for d in (full, cut)]
-    assert [{k: v for k, v in c.items() if k != "output_dir"} for c in configs][0] == {
-        k: v for k, v in configs[1].items() if k != "output_dir"
-    }
-    assert "k" not in configs[1] and configs[1]["sd"] == {"k": 3}
-    rows = {
-        n: [json.loads(x)["tokens"] for x in (d / "outputs.jsonl").read_text().splitlines()]
-        for n, d in (("full", full), ("cut", cut))
-    }
-    assert rows["cut"] == rows["full"]
-    other = tmp_path / "other"  # a flat config of another run is still another run
-    assert main(_args(tiny_pair_dirs, prompts_file, other, "sd.k=2")) == 0
-    (other / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
-    assert main(_args(tiny_pair_dirs, prompts_file, other, "sd.k=2")) == 2
-
-
-def test_an_old_flat_null_is_a_value_given():
-    """``max_run=null`` (no cap) in the flat spelling before 0.2 reaches the policy as None, not as "unset"; a
-    bad old value is a one-line error."""
-    from specheads.config import load_config
-    from specheads.export.decode_config import decode_schema, policy_settings
-
-    cfg = load_config(decode_schema(), "decode", ["policy=sprinter", "max_run=null", "prompts=p.jsonl"])
-    with pytest.warns(FutureWarning, match="write sprinter.max_run=None"):
-        assert policy_settings(cfg).max_run is None
-    assert policy_settings(load_config(decode_schema(), "decode", ["policy=sprinter"])).max_run == 20
-    bad = load_config(decode_schema(), "decode", ["policy=sd", "k=abc"])
-    with pytest.raises(UserError, match="bad value for 'k': 'abc' is not an integer"):
-        policy_settings(bad)

@@ -173,7 +173,13 @@ def test_heads_decode_with_the_head_equals_the_target_alone(trained, tiny_pair_d
     assert decode_main([*common, "policy=ar", f"output_dir={tmp_path / 'ar'}"]) == 0
     assert (
         decode_main(
-            [*common, "policy=sd", "k=3", f"eagle={trained / 'head.safetensors'}", f"output_dir={tmp_path / 'eagle'}"]
+            [
+                *common,
+                "policy=sd",
+                "sd.k=3",
+                f"eagle={trained / 'head.safetensors'}",
+                f"output_dir={tmp_path / 'eagle'}",
+            ]
         )
         == 0
     )
@@ -182,9 +188,9 @@ def test_heads_decode_with_the_head_equals_the_target_alone(trained, tiny_pair_d
             [
                 *common,
                 "policy=tree",
-                "k=3",
-                "tree_width=2",
-                "tree_nodes=5",
+                "tree.k=3",
+                "tree.tree_width=2",
+                "tree.tree_nodes=5",
                 f"eagle={trained / 'head.safetensors'}",
                 f"output_dir={tmp_path / 'tree'}",
             ]
@@ -196,7 +202,7 @@ def test_heads_decode_with_the_head_equals_the_target_alone(trained, tiny_pair_d
             [
                 *common,
                 "policy=sd",
-                "k=3",
+                "sd.k=3",
                 "batch_size=3",
                 f"eagle={trained / 'head.safetensors'}",
                 f"output_dir={tmp_path / 'batched'}",
@@ -224,7 +230,7 @@ def test_a_drafter_layer_past_the_targets_depth_is_a_one_line_error(tiny_pair_di
     [
         ([], "EAGLE head"),
         (["sampling.do_sample=true", "eagle=X"], "greedy only"),
-        (["tree_nodes=0", "eagle=X"], "tree_nodes=0"),
+        (["tree.tree_nodes=0", "eagle=X"], "tree_nodes=0"),
     ],
 )
 def test_tree_settings_are_one_line_errors(extra, message, tiny_pair_dirs, tmp_path, capsys):
@@ -259,10 +265,10 @@ def test_heads_decode_sizes_trees_by_the_cost_table(trained, tiny_pair_dirs, dra
             [
                 *common,
                 "policy=tree",
-                "k=4",
-                "tree_width=3",
-                "tree_nodes=12",
-                "stop=cost",
+                "tree.k=4",
+                "tree.tree_width=3",
+                "tree.tree_nodes=12",
+                "tree.stop=cost",
                 f"profile={table}",
                 f"eagle={trained / 'head.safetensors'}",
                 f"output_dir={tmp_path / 't'}",

@@ -297,15 +297,15 @@ def target_alone(setup):
 @pytest.mark.parametrize(
     "extra",
     [
-        ["policy=specdecpp", "h=0.5"],
-        ["policy=specdecpp", "stop=cost", "k_max=6"],
-        ["policy=confidence_stop", "stop=cost", "k_max=6"],
+        ["policy=specdecpp", "specdecpp.h=0.5"],
+        ["policy=specdecpp", "specdecpp.stop=cost", "specdecpp.k_max=6"],
+        ["policy=confidence_stop", "confidence_stop.stop=cost", "confidence_stop.k_max=6"],
     ],
     ids=["specdecpp", "specdecpp-cost", "confidence-cost"],
 )
 def test_heads_decode_with_the_stop_head_equals_the_target_alone(extra, stop_head, setup, target_alone, tmp_path):
     out = tmp_path / "d"
-    head = [f"head={stop_head}"] if "policy=specdecpp" in extra else []
+    head = [f"specdecpp.head={stop_head}"] if "policy=specdecpp" in extra else []
     assert decode_main(decode_args(setup, out, *extra, *head, f"eagle={setup['eagle']}")) == 0
     assert outputs(out) == target_alone
     metrics = json.loads((out / "metrics.json").read_text())

@@ -119,10 +119,18 @@ def test_a_lag0_head_with_signals_trains_exports_and_decodes_losslessly(lag0_rou
         "num_prompts=4",
     ]
     assert decode_main([*common, f"output_dir={ar}", "policy=ar"]) == 0
-    head = f"head={trained / 'head.safetensors'}"
+    head = f"specdecpp.head={trained / 'head.safetensors'}"
     assert (
         decode_main(
-            [*common, f"output_dir={ours}", "policy=specdecpp", "stop=cost", "k_max=6", head, f"eagle={setup['eagle']}"]
+            [
+                *common,
+                f"output_dir={ours}",
+                "policy=specdecpp",
+                "specdecpp.stop=cost",
+                "specdecpp.k_max=6",
+                head,
+                f"eagle={setup['eagle']}",
+            ]
         )
         == 0
     )

@@ -289,9 +289,9 @@ def test_heads_decode_fsd_and_confidence(tiny_pair_dirs, prompts_file, tmp_path,
 
     runs = {
         "ar": ["policy=ar"],
-        "fsd0": ["policy=fsd", "threshold=0", "k=3"],
-        "fsd": ["policy=fsd", "threshold=0.3", "divergence=tv", "fsd_top_k=5", "fsd_rule=or", "k=3"],
-        "conf": ["policy=confidence_stop", "threshold=0.5", "k_max=6"],
+        "fsd0": ["policy=fsd", "fsd.T=0", "fsd.k=3"],
+        "fsd": ["policy=fsd", "fsd.T=0.3", "fsd.divergence=tv", "fsd.fsd_top_k=5", "fsd.fsd_rule=or", "fsd.k=3"],
+        "conf": ["policy=confidence_stop", "confidence_stop.tau=0.5", "confidence_stop.k_max=6"],
     }
     rows = {}
     for name, extra in runs.items():
@@ -307,7 +307,7 @@ def test_heads_decode_fsd_and_confidence(tiny_pair_dirs, prompts_file, tmp_path,
     assert json.loads((tmp_path / "fsd0" / "metrics.json").read_text())["accepted"] == 0
     capsys.readouterr()
     bad = _decode_args(
-        tiny_pair_dirs, prompts_file, tmp_path / "bad", "policy=fsd", "threshold=-1", "divergence=hellinger"
+        tiny_pair_dirs, prompts_file, tmp_path / "bad", "policy=fsd", "fsd.T=-1", "fsd.divergence=hellinger"
     )
     assert main(bad) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -315,7 +315,11 @@ def test_heads_decode_fsd_and_confidence(tiny_pair_dirs, prompts_file, tmp_path,
     assert main(_decode_args(tiny_pair_dirs, prompts_file, tmp_path / "bad2", "policy=fsd")) == 2
     assert "threshold=T" in capsys.readouterr().err
     assert (
-        main(_decode_args(tiny_pair_dirs, prompts_file, tmp_path / "bad3", "policy=confidence_stop", "threshold=1.5"))
+        main(
+            _decode_args(
+                tiny_pair_dirs, prompts_file, tmp_path / "bad3", "policy=confidence_stop", "confidence_stop.tau=1.5"
+            )
+        )
         == 2
     )
     assert "must be in [0, 1]" in capsys.readouterr().err

@@ -237,7 +237,18 @@ def test_fsd_head_end_to_end_drives_specdecpp_losslessly(tiny_pair_dirs, greedy_
         "num_prompts=null",
         "max_new_tokens=16",
     ]
-    assert decode([*common, "policy=specdecpp", f"head={head}", "k_min=1", f"output_dir={tmp_path / 'pp'}"]) == 0
+    assert (
+        decode(
+            [
+                *common,
+                "policy=specdecpp",
+                f"specdecpp.head={head}",
+                "specdecpp.k_min=1",
+                f"output_dir={tmp_path / 'pp'}",
+            ]
+        )
+        == 0
+    )
     assert decode([*common, "policy=ar", f"output_dir={tmp_path / 'ar'}"]) == 0
     outs = {
         n: [json.loads(x)["tokens"] for x in (tmp_path / n / "outputs.jsonl").read_text().splitlines()]
@@ -253,10 +264,10 @@ def test_fsd_head_end_to_end_drives_specdecpp_losslessly(tiny_pair_dirs, greedy_
             [
                 *common,
                 "policy=fsd",
-                f"head={head}",
-                "k_min=1",
-                "fsd_rule=or",
-                "threshold=0",
+                f"fsd.head={head}",
+                "fsd.k_min=1",
+                "fsd.fsd_rule=or",
+                "fsd.T=0",
                 f"output_dir={tmp_path / 'fsd'}",
             ]
         )

@@ -436,13 +436,12 @@ def test_heads_decode_runs_tli_and_slem_and_refuses_same_vocab_policies(toks, tr
         f"prompts={prompts}",
         "num_prompts=null",
         "max_new_tokens=12",
-        "k=3",
         "offset=0",
-        "head=null",
     ]
     outs = {}
     for policy in ("ar", "tli", "slem"):
-        assert decode([*common, f"policy={policy}", f"output_dir={tmp_path / policy}"]) == 0
+        own = [f"{policy}.k=3"] if policy != "ar" else []
+        assert decode([*common, f"policy={policy}", *own, f"output_dir={tmp_path / policy}"]) == 0
         rows = [json.loads(x) for x in (tmp_path / policy / "outputs.jsonl").read_text().splitlines()]
         outs[policy] = [r["tokens"] for r in rows]
     assert outs["tli"] == outs["ar"] and outs["slem"] == outs["ar"] and len(outs["ar"]) == 3

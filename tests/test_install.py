@@ -64,7 +64,7 @@ with open(out + "/p.jsonl", "w") as fh:
     fh.write(json.dumps({{"prompt": "the cat sat"}}) + "\\n")
 code = main([f"target.path={{target}}", "target.gguf_file=null", f"draft.path={{draft}}", "target.device=cpu",
              "draft.device=cpu", f"prompts={{out}}/p.jsonl", f"output_dir={{out}}/decode", "max_new_tokens=6",
-             "num_prompts=null", "policy=specdecpp", f"head={{path}}"])
+             "num_prompts=null", "policy=specdecpp", f"specdecpp.head={{path}}"])
 cli = json.loads(open(out + "/decode/outputs.jsonl").readline())["tokens"]
 loaded = sorted(m for m, mod in sys.modules.items() if m.split(".")[0] in {blocked!r} and mod is not None)
 print(json.dumps({{"exit": code, "api": api, "cli": cli, "loaded": loaded}}))

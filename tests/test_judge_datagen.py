@@ -270,8 +270,8 @@ def test_exported_judge_head_decodes(judge_head, tiny_pair_dirs, tmp_path):
                 f"output_dir={dec}",
                 "max_new_tokens=10",
                 "policy=judge",
-                "k=4",
-                f"head={judge_head}",
+                "judge.k=4",
+                f"judge.head={judge_head}",
             ]
         )
         == 0

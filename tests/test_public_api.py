@@ -1,5 +1,5 @@
 """The public API at the top of the package (docs/python-api.md): small, light to import, every name resolves,
-and the names before 0.2 still work with a warning that shows the new one."""
+and no alias kept for spellings no release had."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 import pytest
 
 import specheads
+from specheads.errors import UserError
 
 PUBLIC = {
     "load_pair",
@@ -50,20 +51,13 @@ def test_import_specheads_stays_light():
     assert out.strip() == "False"
 
 
-def test_the_names_before_0_2_warn_and_still_work():
+def test_no_name_is_kept_for_a_release_that_never_happened():
+    """0.2 is the first release: the spellings of its development (Generation, build_policy, top_k=, a policy's
+    verifier attribute) are gone, not aliased."""
     import specheads.export as export
 
-    with pytest.warns(FutureWarning, match="use Result"):
-        assert export.Generation is specheads.Result
-    with pytest.warns(FutureWarning, match="use make_policy"):
-        build = export.build_policy
-    assert build("sd", k=2).k == 2
-    with pytest.warns(FutureWarning, match="write verify_top_k="):
-        assert specheads.make_policy("topk_verify", top_k=3).top_k == 3
-
-    with pytest.warns(FutureWarning, match="write emitter = 'draft'"):
-
-        class Old(specheads.Policy):
-            verifier = "draft"
-
-    assert Old.emitter == "draft"
+    for name in ("Generation", "build_policy", "fit_context", "format_prompt"):
+        assert not hasattr(export, name), name
+    with pytest.raises(UserError, match="no setting top_k"):
+        specheads.make_policy("topk_verify", top_k=3)
+    assert specheads.make_policy("topk_verify", verify_top_k=3).top_k == 3

@@ -95,8 +95,8 @@ def test_sprinter_without_run_cap_decodes(real_pair, tmp_path, monkeypatch):
             [
                 "recipe=quickstart",
                 "policy=sprinter",
-                f"head={path}",
-                "max_run=null",
+                f"sprinter.head={path}",
+                "sprinter.max_run=null",
                 "num_prompts=1",
                 "max_new_tokens=8",
                 f"output_dir={out}",

@@ -98,7 +98,7 @@ def test_verifier_trains_exports_and_decodes(tiny_pair_dirs, labelled, tmp_path,
                 "max_new_tokens=12",
                 "num_prompts=3",
                 "policy=sprinter",
-                f"head={exp / 'head.safetensors'}",
+                f"sprinter.head={exp / 'head.safetensors'}",
             ]
         )
         == 0

@@ -84,7 +84,11 @@ def test_engine_vllm_without_vllm_is_a_one_line_error(pair, tmp_path, capsys):
 def test_vllm_decodes_the_shims_greedy_tokens(pair, tmp_path):
     root, prompts = pair
     assert decode_main(args(root, prompts, tmp_path / "ar", "policy=ar")) == 0
-    for policy in (["policy=ar"], ["policy=confidence_stop", "tau=0.3", "k_max=4"], ["policy=sd", "k=2"]):
+    for policy in (
+        ["policy=ar"],
+        ["policy=confidence_stop", "confidence_stop.tau=0.3", "confidence_stop.k_max=4"],
+        ["policy=sd", "sd.k=2"],
+    ):
         out = tmp_path / policy[0]
         assert (
             decode_main(args(root, prompts, out, "engine=vllm", f"vllm_python={VLLM_PYTHON}", "batch_size=2", *policy))
@@ -188,8 +192,8 @@ def test_stop_cost_in_vllm_prices_vllms_steps_once(pair, tmp_path, monkeypatch):
         f"vllm_python={VLLM_PYTHON}",
         "batch_size=2",
         "policy=confidence_stop",
-        "stop=cost",
-        "k_max=3",
+        "confidence_stop.stop=cost",
+        "confidence_stop.k_max=3",
     ]
     assert decode_main(args(root, prompts, tmp_path / "c1", *run)) == 0
     tables = list((tmp_path / "cache" / "costs").glob("vllm-*.json"))

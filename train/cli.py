@@ -7,7 +7,7 @@
     accelerate launch --multi_gpu --num_processes 2 -m specheads.train.cli recipe=quickstart
 
 Writes ``head.safetensors`` (the best epoch's head with its metadata, ready for
-``heads-decode policy=specdecpp head=...`` or ``policy=sprinter``), ``best_metrics.json``,
+``heads-decode policy=specdecpp specdecpp.head=...`` or ``policy=sprinter``), ``best_metrics.json``,
 ``metrics.jsonl`` (each epoch's held-out figures, calibration included: ``eval_ece``, ``eval_brier``,
 the reliability bins), ``reliability.png`` (the best epoch's reliability diagram), for the verifier also
 ``metrics.json`` (ROC, AUROC, TPR/FPR at eta, alpha) and

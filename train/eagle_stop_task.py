@@ -9,7 +9,7 @@ the weighted soft BCE (``w_acc``, ``w_rej``; ``w_rej=1``:
 plain BCE). The best epoch has the lowest held-out binary KL; the held-out metrics add AUROC against the
 binarised label, ECE and Brier, and ``eval_auroc_confidence``, the AUROC of the drafter's own
 confidence ``q(y)`` (what ``policy=confidence_stop`` reads). It exports as ``head_type=acceptance``, so
-``heads-decode policy=specdecpp head=... eagle=...`` reads it; its ``feature`` names the EAGLE head it
+``heads-decode policy=specdecpp specdecpp.head=... eagle=...`` reads it; its ``feature`` names the EAGLE head it
 reads (``model: eagle`` and that head's ``tensors_sha256``), and decoding with another is an error.
 """
 

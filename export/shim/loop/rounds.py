@@ -15,17 +15,13 @@ from specheads.export.shim.policies import Verdict
 class Result:
     """One prompt's completion: the new token ids, their stats, the policy's trace (:meth:`Policy.trace`: its
     record of its decisions) and, filled in by :class:`~specheads.export.api.Decoder`, the text and how many
-    prompt tokens were cut to fit the context. The one result type of every decoding loop and of the API
-    (``Generation`` before 0.2)."""
+    prompt tokens were cut to fit the context. The one result type of every decoding loop and of the API."""
 
     tokens: list[int]
     stats: GenerationStats
     trace: dict = field(default_factory=dict)
     text: str = ""
     truncated_prompt_tokens: int = 0
-
-
-Generation = Result  # the name before 0.2 (``specheads.export.Generation`` warns)
 
 
 def commit_round(

@@ -9,8 +9,6 @@ each; ``hetero`` TLI, SLEM and SLRS; ``tree`` tree drafting with an EAGLE head. 
 ``policy=`` name to its class.
 """
 
-import warnings
-
 from specheads.errors import UserError
 from specheads.export.shim.policies.base import (
     Policy,
@@ -74,15 +72,6 @@ def policy_class(name: str) -> type[Policy]:
     return POLICIES[name]
 
 
-def build_policy(name: str, **kwargs) -> Policy:
-    """Before 0.2: a registered policy built by its constructor. Use ``make_policy`` (settings checked, head
-    loaded)."""
-    warnings.warn(
-        "build_policy is replaced by specheads.make_policy(name, pair, **settings)", FutureWarning, stacklevel=2
-    )
-    return policy_class(name)(**kwargs)
-
-
 __all__ = [
     "POLICIES",
     "STOPS",
@@ -105,7 +94,6 @@ __all__ = [
     "TargetOnly",
     "TopKVerify",
     "Verdict",
-    "build_policy",
     "greedy_accept",
     "policy_class",
     "register_policy",

@@ -28,7 +28,6 @@ is built from settings and a head (``from_settings``) and how it reads in a log 
 from __future__ import annotations
 
 import copy
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -113,16 +112,6 @@ class Policy:
     bridge: str | None = None
     head_file: str | None = None
     head_feature: dict | None = None
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if "verifier" in cls.__dict__:  # the spelling before 0.2
-            warnings.warn(
-                f"{cls.__name__}.verifier is renamed; write emitter = {cls.__dict__['verifier']!r}",
-                FutureWarning,
-                stacklevel=2,
-            )
-            cls.emitter = cls.__dict__["verifier"]
 
     #: What a policy must define: its registered ``name`` and ``from_settings`` (how its settings build it).
     REQUIRED_HOOKS: ClassVar[tuple[str, ...]] = ("name", "from_settings")
