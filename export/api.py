@@ -213,7 +213,7 @@ class Decoder:
         """Completions of ``prompts`` (``(index, prompt)`` pairs), yielded as ``(index, Result)``.
 
         ``batch_size=1`` decodes them one at a time, in order. ``batch_size=B`` decodes ``B`` at a time
-        (:class:`~.shim.batch_engine.BatchEngine`: a finished prompt's row is taken by the next one),
+        (:class:`~.shim.batching.batch_loop.BatchEngine`: a finished prompt's row is taken by the next one),
         yielding each as it finishes; every prompt draws from the same ``(seed, index)`` stream as
         alone, so it makes the same decisions. Same-vocabulary policies on Llama-family models with
         the fused forward, draft and target on one device.

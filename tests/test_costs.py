@@ -437,8 +437,10 @@ def test_heads_decode_stop_cost(tiny_pair_dirs, tmp_path, capsys, caplog):
     )
     assert m["predicted_ms_per_token"] == pytest.approx(want, abs=1e-4) and m["measured_ms_per_token"] > 0
     capsys.readouterr()
-    assert main(args("bad", "policy=sd", "stop=cost", "profile=/nope.json")) == 2  # stop= is no key of heads-decode
+    assert main(args("bad", "policy=sd", "stop=cost")) == 2  # stop= is no key of heads-decode: a policy's setting
     err = capsys.readouterr().err
-    assert "stop=cost applies to policy=specdecpp or confidence_stop" in err and "'/nope.json'" in err
+    assert "unknown key 'stop'" in err and ".stop'" in err
+    assert main(args("bad1", "policy=confidence_stop", "confidence_stop.stop=cost", "profile=/nope.json")) == 2
+    assert "'/nope.json'" in capsys.readouterr().err
     assert main(args("bad2", "policy=confidence_stop", "confidence_stop.stop=later")) == 2
     assert "stop='later'" in capsys.readouterr().err

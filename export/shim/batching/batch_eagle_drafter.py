@@ -1,6 +1,6 @@
-"""Drafting with an EAGLE head for a batch of rows (:class:`~.batch_engine.BatchEngine`).
+"""Drafting with an EAGLE head for a batch of rows (:class:`~.batch_loop.BatchEngine`).
 
-Each row follows :class:`~.eagle.EagleDrafter`'s rule (cut the head's cache back to the entries the
+Each row follows :class:`~.eagle_drafter.EagleDrafter`'s rule (cut the head's cache back to the entries the
 target fed, feed the target states the last pass added, then roll the head's own state forward one
 candidate per step), but the rows share the forwards: each step is one forward of the head over
 every row still drafting. The head's cache keeps one row per batch row, each row's entries at slots
@@ -93,7 +93,7 @@ class BatchEagleDrafter:
 
     Args:
         head: the loaded head (eval mode); target: the target model (its embeddings are the head's).
-        verifier: the target's :class:`~.batch_kv.BatchRunner`, built with ``aux=head.layer_ids``.
+        verifier: the target's :class:`~.batch_cache.BatchRunner`, built with ``aux=head.layer_ids``.
         rows: batch rows; capacity: initial cache slots per row.
     """
 

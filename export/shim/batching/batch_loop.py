@@ -5,7 +5,7 @@ pass, the policy's verdict, commit with EOS and length limits), with its own pol
 (:meth:`~.policies.Policy.fork`), its own RNG, its own stats and its own EOS and length limit. What
 rows share is the model forwards: each draft step is one draft forward over every row still
 drafting, each round one target forward over every row, on per-model caches that let each row keep
-and trim its own tokens (:class:`~.batch_kv.BatchRunner`). A row that finishes leaves the batch and
+and trim its own tokens (:class:`~.batch_cache.BatchRunner`). A row that finishes leaves the batch and
 the next waiting prompt takes its place (its prompt prefilled in a forward of the joining rows
 alone).
 

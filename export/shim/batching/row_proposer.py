@@ -4,7 +4,7 @@ The engine calls :meth:`RowProposer.propose` once per step with each running req
 (prompt and output so far) under its batch row, and takes back each row's candidates. It does not say
 which request a row holds: rows are reordered, requests finish, join and are preempted, and the batch
 row index follows none of that. So the draft's KV cache is kept by content: each cache slot of a
-:class:`~.batch_kv.BatchRunner` remembers the tokens it holds, and each call matches every row to a slot
+:class:`~.batch_cache.BatchRunner` remembers the tokens it holds, and each call matches every row to a slot
 (:meth:`RowProposer._assign`): the slot whose request it continues (its sequence extends the one that slot's
 request had at its last call), else one sharing at least half of its sequence, else the slot idle longest,
 emptied. The slot is cut back to the shared prefix and fed

@@ -1,7 +1,7 @@
 """Measuring the prices of a cost table (:mod:`.costs`): timed forwards on the runners decoding uses.
 
-:func:`measure` times batch 1 (:func:`~.kv.make_runner`); :func:`measure_batches` times ``B`` rows at once on
-the batched engine's :class:`~.batch_kv.BatchRunner`, every row after its own ``prefix_tokens``-token prefix.
+:func:`measure` times batch 1 (:func:`~.model_runner.make_runner`); :func:`measure_batches` times ``B`` rows at once on
+the batched engine's :class:`~.batch_cache.BatchRunner`, every row after its own ``prefix_tokens``-token prefix.
 A warm-up pass per size, then ``reps`` repetitions interleaved over the sizes (so that a drift hits every size
 alike); each price is the median.
 """

@@ -10,7 +10,7 @@ the engine's counting, ``heads-eval`` and the cost-aware stop rules alike:
   rows: the verification pass of ``k - 1`` candidates (``[last, y_1..y_{k-1}]``); ``k = 1`` is an
   autoregressive step. A round with ``n`` candidates costs ``n * t_d + t_t(n + 1)``.
 * ``t_d(B)``, ``t_t(B, k)``: the same forwards over a batch of ``B`` rows, each row ``1`` (``k``) tokens
-  after its own prefix (the batched engine's runner, :class:`~.batch_kv.BatchRunner`), measured for the
+  after its own prefix (the batched engine's runner, :class:`~.batch_cache.BatchRunner`), measured for the
   sizes in ``batches`` (:mod:`.cost_profile`); between them prices are interpolated in ``B``, beyond the
   largest extended along the last two. The cost rules price a round at the batch it runs in: a batch
   that is compute-bound makes every extra candidate dearer, so drafting shrinks or stops there.
@@ -18,7 +18,7 @@ the engine's counting, ``heads-eval`` and the cost-aware stop rules alike:
   (``GenerationStats.target_pass_sizes``), so predictions leave the prefill out, while measured
   ms/token (wall time / new tokens) includes it, and the loop's own overhead (sampling, syncs).
 
-Times come from the runners decoding uses (:func:`~.kv.make_runner`): a warm-up pass per size,
+Times come from the runners decoding uses (:func:`~.model_runner.make_runner`): a warm-up pass per size,
 then ``reps`` repetitions interleaved over the sizes; each price is the median. A table is cached
 as JSON under ``$SPECHEADS_CACHE/costs/<key>.json`` (default ``~/.cache/specheads``), the key a
 hash of every setting that changes the prices (machine, torch, threads, dtypes, devices, runner,
@@ -253,7 +253,7 @@ def cost_table(
         profile: ``auto`` (the cached table; measured when absent or shorter than ``max_pass``),
             ``refresh`` (measured again and cached), or a path to a cost-table JSON (used as is).
         draft_vocab_hash: a hash of the draft's vocabulary subset when it is pruned (default: read from
-            the draft's pruned output layer, :func:`~.vocab.vocab_info`).
+            the draft's pruned output layer, :func:`~.vocab_pruning.vocab_info`).
         prefix_tokens, reps: measurement settings (part of the key).
         batches: batch sizes > 1 to price too (:func:`~.cost_profile.batch_sizes`; part of the key).
     """

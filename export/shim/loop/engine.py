@@ -1,7 +1,7 @@
 """The one decoding loop, with exact counting: every method is a policy run here.
 
 A round: the policy may draft candidates (through a drafter: the draft model on the target's
-vocabulary, an EAGLE head on the target's own states (:mod:`.eagle`), or :class:`~.hetero.Bridge`'s
+vocabulary, an EAGLE head on the target's own states (:mod:`.eagle`), or :class:`~.hetero_loop.Bridge`'s
 across vocabularies), the verifying model makes one pass
 over the uncached committed tokens and the candidates, the policy gives its verdict, and the round is
 committed: the accepted candidates and the verdict's token, cut after the first EOS and at the length
@@ -70,7 +70,7 @@ class Engine:
         vocab_size: common vocabulary size when one model pads its logits.
         fused: run Llama-family models on the fused forward (:mod:`specheads.export.shim.runners.fused`);
             False uses each model's own forward. Outputs are the same either way.
-        bridge: a :class:`~.hetero.Bridge` between the two vocabularies, for the policies that draft
+        bridge: a :class:`~.hetero_loop.Bridge` between the two vocabularies, for the policies that draft
             across them (TLI, SLEM).
         eagle: an EAGLE head (:class:`specheads.heads.EagleHead`): same-vocabulary policies draft with it,
             from the target's own states (:mod:`.eagle`), instead of with ``draft``.

@@ -4,15 +4,15 @@ the target verifies it in one pass under a tree attention mask, the longest path
 Cache invariant as in :mod:`.engine`: between rounds the target holds ``S[:-1]`` and the head the entries its
 target states fed. A round with ``L = len(S) - 1``:
 
-1. the head feeds the target states of the last pass (:meth:`.eagle.EagleDrafter.feed`), its last state
+1. the head feeds the target states of the last pass (:meth:`.eagle_drafter.EagleDrafter.feed`), its last state
    scoring ``x_N``; it grows the tree (:func:`grow_tree`), each level one forward whose entries sit after the
    fed ones (the next round's feed cuts them off);
-2. the target consumes ``S[-1]`` and the tree's tokens in one pass (:meth:`.kv.FusedRunner.forward_tree`):
+2. the target consumes ``S[-1]`` and the tree's tokens in one pass (:meth:`.model_runner.FusedRunner.forward_tree`):
    ``S[-1]`` at slot ``L``, node ``j`` at ``L + 1 + j``, rotary position ``L + depth``;
 3. greedy walk: from ``S[-1]``, the child whose token is the target's argmax, as long as there is one; the
    target's argmax after the last kept node is the round's own token;
 4. the target's cache keeps ``S[-1]`` and the kept path, moved to ``L, L + 1, ...``
-   (:meth:`.kv.FusedRunner.keep`); their states are what the head feeds next round.
+   (:meth:`.model_runner.FusedRunner.keep`); their states are what the head feeds next round.
 
 The first round (no target states yet) and a round with one token left are a plain target pass.
 """

@@ -1,4 +1,4 @@
-"""The Hugging Face KV cache :class:`~.kv.ModelRunner` runs on: its full-attention layers write in place into
+"""The Hugging Face KV cache :class:`~.model_runner.ModelRunner` runs on: its full-attention layers write in place into
 a preallocated buffer (:class:`GrowableLayer`)."""
 
 from __future__ import annotations

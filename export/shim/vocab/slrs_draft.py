@@ -1,5 +1,5 @@
 """SLRS's drafting inside the decoding shim: the pair's process (:mod:`.slrs`) with its ``n_max`` cached on
-disk, and a round of SLRS steps on the draft side of a :class:`~.hetero.Bridge`."""
+disk, and a round of SLRS steps on the draft side of a :class:`~.hetero_loop.Bridge`."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def cached_n_max(draft_text: list[bytes | None], strings: TargetStrings, cache_d
 
 
 def bridge_process(bridge, n: int) -> Process:
-    """The SLRS process of a :class:`~.hetero.Bridge`'s pair with lookahead ``n`` (0: the pair's ``n_max``,
+    """The SLRS process of a :class:`~.hetero_loop.Bridge`'s pair with lookahead ``n`` (0: the pair's ``n_max``,
     computed from the two vocabularies once and cached on disk under ``$SPECHEADS_CACHE/slrs``)."""
     from specheads.export.shim.vocab.token_text import _canonical, _token_entries
     from specheads.machine import cache_dir
@@ -64,7 +64,7 @@ def bridge_process(bridge, n: int) -> Process:
 
 
 def slrs_round(crossing, rnd) -> None:
-    """A round of SLRS steps on a :class:`~.hetero._Crossing`: each step proposes one target token with its
+    """A round of SLRS steps on a :class:`~.hetero_loop._Crossing`: each step proposes one target token with its
     ``psi`` (``rnd.q``); steps chain while a step's draft string is exactly its token. A step that proposes
     nothing leaves its ``psi`` as the round's last ``q`` row, so the target draws from ``norm(max(0, p - psi))``
     there; a step over the budget ends the round without one (the target's own token, counted)."""
