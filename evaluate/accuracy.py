@@ -151,6 +151,7 @@ def add_accuracy(cfg, pair, prompts, grouped: dict[str, list[dict]], summary: di
             sources=sources,
             competent=[s for s, c in block.items() if c["informative"]],
             gaps={n: prompt_gaps(grouped[n], grouped["ar"], logprob) for n in names} if logprob else None,
+            lossless={n: d.policy.lossless for n, d in decoders.items()} if decoders else None,
         )
     judges = [r for r in summary["table"] if r["config"].startswith("j")]
     if not judges:

@@ -38,13 +38,6 @@ COLUMNS = (
     "measured_ms_per_token",
     "predicted_over_measured",
 )
-LOSSLESS = (
-    "k",
-    "h",
-    "c",
-    "v-",
-    "tree-",
-)  # row prefixes of the lossless rules (SD, SpecDec++, confidence stop, TLI / SLEM, trees)
 
 
 def _row(name: str, rows: list[dict], t_d: float, t_t: float, table: CostTable | None = None) -> dict:
@@ -104,11 +97,13 @@ def summarize(
     perfect: GenerationStats | None = None,
     costs: CostTable | None = None,
     ceilings: tuple[dict[int, GenerationStats], dict[str, int]] | None = None,
+    lossless: dict[str, bool] | None = None,
 ) -> dict:
     """The sweep table, measured forward times, oracle, perfect-head bound, ratios and Pareto check;
     every cost-model figure at the cost table ``costs`` (without one, the scalar model at the baselines'
     per-forward times). ``ceilings``: the perfect head at each lag and each stop row's lag
-    (:func:`add_ceilings`)."""
+    (:func:`add_ceilings`). ``lossless``: per row, whether its policy is (``Policy.lossless``; default: the
+    target alone only), recorded in each table row and read for ``best_lossless``."""
     ar = total(grouped["ar"])
     t_t = ar.wall_time / ar.target_calls if ar.target_calls else float("nan")
     t_d, t_draft_source = float("nan"), None
@@ -119,6 +114,8 @@ def summarize(
         dr = total(grouped["draft"])
         t_d = dr.wall_time / dr.draft_forwards if dr.draft_forwards else float("nan")
     table = [_row(n, rows, t_d, t_t, costs) for n, rows in grouped.items()]
+    for r in table:
+        r["lossless"] = bool((lossless or {}).get(r["config"], r["config"] == "ar"))
     by = {r["config"]: r for r in table}
     fixed = [r for r in table if r["config"].startswith("k")]
     adaptive = [r for r in table if r["config"].startswith("h") and r["config"] not in COST_ROWS.values()]
@@ -137,9 +134,9 @@ def summarize(
         out["oracle"] = ideal_figures(oracle, t_d, t_t, costs)
     if perfect is not None:
         out["perfect_head"] = ideal_figures(perfect, t_d, t_t, costs)
-    lossless = [r for r in table if r["config"] == "ar" or r["config"].startswith(LOSSLESS)]
-    if lossless:
-        best = max(lossless, key=lambda r: r["tokens_per_s"])
+    exact = [r for r in table if r["lossless"]]
+    if exact:
+        best = max(exact, key=lambda r: r["tokens_per_s"])
         ms = best["predicted_ms_per_token"]
         out["best_lossless"] = {
             "config": best["config"],
@@ -252,7 +249,8 @@ def build(
 ) -> dict:
     """The whole summary of a sweep (``sweep.json``), with its plots drawn into ``out``; ``eagle``: the EAGLE
     head the rows drafted with (:func:`eagle_section`), recorded as ``eagle``."""
-    summary = summarize(cfg, grouped, oracle, head_meta, perfect, costs, ceilings)
+    lossless = {n: d.policy.lossless for n, d in (decoders or {}).items()}
+    summary = summarize(cfg, grouped, oracle, head_meta, perfect, costs, ceilings, lossless)
     if eagle is not None:
         summary["eagle"] = eagle
     for r in summary["table"]:

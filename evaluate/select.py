@@ -25,14 +25,20 @@ ROW = re.compile(
 )
 
 
-def family(row: str) -> str | None:
+GENERIC = re.compile(r"^(?P<family>.*?[A-Za-z_])-?(?P<threshold>\d[\d.e+-]*)$")
+
+
+def family(row: str, lossy: bool = False) -> str | None:
     """The gated family of a row name (``j0.9`` judge, ``j-mined-0.9`` judge_mined, ``fsd-kl-1`` fsd_kl (``fsd-kl-or-1``
     fsd_kl_or: rows of ``fsd_rule=or`` named ``fsd-kl-or-`` in ``rows=``), ``s0.5``
     sprinter, ``t2`` topk_verify, ``r-top3-0.5`` relaxed_top3: relaxed acceptance, rows named ``r-<name>-`` in
-    ``rows=``), None for a row no threshold makes lossy."""
+    ``rows=``), None for a row no threshold makes lossy. ``lossy`` (the row's policy is not lossless,
+    ``Policy.lossless``): a row of another policy (``rows=`` of a registered one) is gated too, its family the
+    name before its setting (``margin-0.3``: ``margin``)."""
     m = ROW.match(row)
     if m is None:
-        return None
+        g = GENERIC.match(row) if lossy else None
+        return g["family"].rstrip("-_") if g else None
     if m["named"]:
         return f"judge_{m['named']}"
     if m["relaxed"]:
@@ -43,7 +49,7 @@ def family(row: str) -> str | None:
 
 
 def threshold(row: str) -> float:
-    return float(ROW.match(row)["threshold"])
+    return float((ROW.match(row) or GENERIC.match(row))["threshold"])
 
 
 @dataclass(frozen=True)
@@ -150,6 +156,7 @@ def gated(
     sources: list[str] | None = None,
     competent: list[str] | None = None,
     gaps: dict[str, list[float | None]] | None = None,
+    lossless: dict[str, bool] | None = None,
 ) -> dict:
     """The ``gated`` section: per lossy family present, the chosen row (or why none) with its test figures.
 
@@ -167,6 +174,8 @@ def gated(
             accuracy drop and the answers changed count only their prompts.
         gaps: each configuration's log-probability gap to the target's output per prompt (``fidelity``); needed
             for max_gap.
+        lossless: each configuration's ``Policy.lossless``: lossless rows are never gated, and a lossy row whose
+            name the reports do not know is gated under the name before its setting (default: by name only).
     """
     graded = [i for i, c in enumerate(correct["ar"]) if c is not None]
     sources = sources or ["graded"] * len(correct["ar"])
@@ -193,8 +202,11 @@ def gated(
     ar = grouped["ar"]
     families: dict[str, list[str]] = {}
     for n in grouped:
-        if family(n):
-            families.setdefault(family(n), []).append(n)
+        lossy = lossless is not None and not lossless.get(n, True)
+        if lossless is not None and lossless.get(n, False):
+            continue  # a lossless policy's row: nothing to gate
+        if fam := family(n, lossy):
+            families.setdefault(fam, []).append(n)
     for fam, names in families.items():
         candidates = {}
         for n in names:

@@ -13,21 +13,12 @@ def _x(a: float | None, b: float | None) -> str:
     return f"{a / b:.3f}x" if a and b else "-"
 
 
-LOSSLESS_DRAFTING = (
-    "k",
-    "h",
-    "c",
-    "v-",
-    "tree-",
-)  # rows that draft, lossless: SD, SpecDec++, confidence, TLI/SLEM, trees
-
-
 def gains(ev: dict) -> list[str]:
     """The two gains the main job shows, as lines: the drafter's (its fastest lossless row against the target
     alone) and the stop rules' (each stop-head and confidence row against the fastest fixed K)."""
     table, lines = ev["table"], []
     ar, k = _row(table, "ar"), _row(table, ev.get("best_fixed_k"))
-    drafting = [r for r in table if r["config"].startswith(LOSSLESS_DRAFTING)]
+    drafting = [r for r in table if r.get("lossless") and r["config"] != "ar"]  # lossless rows that draft
     if ar and drafting:
         best = max(drafting, key=lambda r: r["tokens_per_s"])
         lines.append(

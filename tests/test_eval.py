@@ -396,7 +396,8 @@ def test_summary_costs_and_stop_rule_ratios_by_hand():
         prompts=0, new_tokens=100, target_calls=20, draft_forwards=70, target_pass_sizes={4: 10, 5: 10}
     )  # (70 + 13 * 10 + 14 * 10) / 100 = 3.4 ms
     lags = {"h0.5": 1, "h-cost": 1, "c-cost": 0}
-    s = summarize(EvalConfig(), grouped, None, None, perfect, table, ({0: lag0, 1: perfect}, lags))
+    exact = {n: n != "draft" for n in grouped}  # Policy.lossless of each row's policy
+    s = summarize(EvalConfig(), grouped, None, None, perfect, table, ({0: lag0, 1: perfect}, lags), exact)
     by = {r["config"]: r for r in s["table"]}
     assert [by[n]["predicted_ms_per_token"] for n in ("ar", "draft", "k2", "k4", "h0.5", "h-cost")] == [
         10.0,
@@ -427,6 +428,9 @@ def test_summary_costs_and_stop_rule_ratios_by_hand():
         "predicted_tokens_per_s": pytest.approx(1000 / 4.2, abs=1e-2),
     }
     assert "h-cost" in s["below_fixed_k_curve"]
+    assert by["k2"]["lossless"] and not by["draft"]["lossless"]
+    alone = summarize(EvalConfig(), grouped, None, None, perfect, table)  # no policies known: only ar is lossless
+    assert alone["best_lossless"]["config"] == "ar"
 
 
 def test_a_batched_sweep_decodes_what_batch_one_decodes(tiny_pair_dirs, head_file, prompts_file, table_file, tmp_path):

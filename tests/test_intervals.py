@@ -267,3 +267,23 @@ def test_row_families(row, fam, thr):
     assert family(row) == fam
     if fam:
         assert threshold(row) == thr
+
+
+def test_the_policys_lossless_flag_decides_what_is_gated_not_the_row_name():
+    """With each row's Policy.lossless known, a lossless row is never gated (even named like a judge row) and a
+    lossy row of a policy the reports do not know is gated under the name before its setting."""
+    grouped, correct, same, sources = _answers_study()
+    grouped["margin-0.2"], grouped["margin-0.6"] = grouped.pop("j0.2"), grouped.pop("j0.6")
+    for d in (correct, same):
+        d["margin-0.2"], d["margin-0.6"] = d.pop("j0.2"), d.pop("j0.6")
+    lossless = {"ar": True, "k4": True, "margin-0.2": False, "margin-0.6": False}
+    g = gated(grouped, correct, Gate(max_disagree=0.02), {}, same, sources, ["facts", "arc"], lossless=lossless)
+    assert set(g["rows"]) == {"margin"} and g["rows"]["margin"]["row"] == "margin-0.6"
+    assert g["rows"]["margin"]["threshold"] == 0.6
+    assert gated(grouped, correct, Gate(max_disagree=0.02), {}, same, sources, ["facts"])["rows"] == {}  # by name
+    grouped["j0.5"] = grouped["k4"]
+    correct["j0.5"], same["j0.5"] = correct["k4"], same["k4"]
+    exact = gated(
+        grouped, correct, Gate(max_disagree=0.02), {}, same, sources, ["facts"], lossless=lossless | {"j0.5": True}
+    )
+    assert "judge" not in exact["rows"]

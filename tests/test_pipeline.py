@@ -250,15 +250,16 @@ def test_an_eagle_pipeline_labels_trains_exports_and_sweeps_on_the_head(tiny_pai
 def test_the_drafter_gain_counts_every_lossless_row_and_the_stop_gain_the_stop_rules():
     from specheads.pipeline_gains import gains
 
-    table = [
-        {"config": "ar", "tokens_per_s": 20.0},
-        {"config": "k2", "tokens_per_s": 25.0},
-        {"config": "tree-3x2x4", "tokens_per_s": 30.0},
-        {"config": "t2", "tokens_per_s": 40.0},
-        {"config": "h-cost", "tokens_per_s": 24.0},
+    table = [  # each row says whether its policy is lossless (heads-eval's table: Policy.lossless)
+        {"config": "ar", "tokens_per_s": 20.0, "lossless": True},
+        {"config": "k2", "tokens_per_s": 25.0, "lossless": True},
+        {"config": "tree-3x2x4", "tokens_per_s": 30.0, "lossless": True},
+        {"config": "t2", "tokens_per_s": 40.0, "lossless": False},
+        {"config": "my-policy", "tokens_per_s": 35.0, "lossless": False},
+        {"config": "h-cost", "tokens_per_s": 24.0, "lossless": True},
     ]
     drafter, stop = gains({"table": table, "best_fixed_k": "k2", "drafter": "EAGLE head"})
-    assert "tree-3x2x4 30.0 tokens/s = 1.500x" in drafter  # top-K verification (t2) is lossy: not counted
+    assert "tree-3x2x4 30.0 tokens/s = 1.500x" in drafter  # the lossy rows (t2, my-policy) are not counted
     assert "h-cost 24.0 tokens/s = 0.960x" in stop
 
 

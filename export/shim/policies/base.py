@@ -91,7 +91,10 @@ class Policy:
             state the engine captures for ``stop_drafting`` / ``verify``.
         may_skip_target: a round may end without a target call (see ``needs_target``).
         models: the models decoding uses; emitter: the one whose pass ends each round and emits its
-            token (``"target"`` or ``"draft"``; spelled ``verifier`` before 0.2, which still works with a warning).
+            token (``"target"`` or ``"draft"``).
+        lossless: the outputs follow the target's distribution exactly (greedy: the target's own tokens);
+            a policy whose rule accepts what SD rejects (or that never asks the target) sets it False, and the
+            reports, ``select=`` and the sweep's rows read it instead of a row's name.
         bridge: None (candidates in the target's vocabulary) or how they cross vocabularies.
         head_file: the exported head a policy built by ``from_settings`` reads (for the log).
         head_feature: that head's ``feature`` metadata (whose states it reads: the draft model's, an EAGLE
@@ -109,6 +112,7 @@ class Policy:
     may_skip_target = False
     models: tuple[str, ...] = ("target", "draft")
     emitter = "target"
+    lossless: ClassVar[bool] = True
     bridge: str | None = None
     head_file: str | None = None
     head_feature: dict | None = None

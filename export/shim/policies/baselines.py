@@ -69,6 +69,7 @@ class DraftOnly(TargetOnly):
     """The draft alone (``draft``), in its own vocabulary: every round is one draft step."""
 
     name = "draft"
+    lossless = False
     models = ("draft",)
     emitter = "draft"
 

@@ -98,6 +98,7 @@ class FSD(Policy):
     """
 
     name = "fsd"
+    lossless = False
     Settings = FSDSettings
     HEAD = HeadSpec("acceptance", "draft", 0.7, required=False)
 

@@ -54,6 +54,7 @@ class Judge(Policy):
     """
 
     name = "judge"
+    lossless = False
     Settings = JudgeSettings
     HEAD = HeadSpec("judge", "target", 0.5)
     target_hidden = "pre"

@@ -55,6 +55,7 @@ class Sprinter(Policy):
     """
 
     name = "sprinter"
+    lossless = False
     Settings = SprinterSettings
     HEAD = HeadSpec("verifier", "draft", 0.5)
     draft_hidden = "post"

@@ -41,6 +41,7 @@ class TopKVerify(Policy):
     """
 
     name = "topk_verify"
+    lossless = False
     Settings = TopKSettings
 
     def __init__(self, k: int = 4, top_k: int = 2, delta: float | None = None):
