@@ -13,7 +13,7 @@ import torch
 
 from specheads.errors import UserError
 from specheads.export.package import check_stop_drafter
-from specheads.export.policy_factory import make_policy, pair_costs
+from specheads.export.policy_factory import drafter_id, make_policy, pair_costs
 from specheads.export.shim import (
     BatchEngine,
     BatchJob,
@@ -112,16 +112,12 @@ class Decoder:
         if isinstance(policy, str):
             own = {"k": k} if "k" in {f.name for f in fields(policy_class(policy).Settings)} else {}
             policy = make_policy(policy, pair, sampling=self.sampling, eagle=eagle, **own)
-        if policy.head_feature is not None:  # a stop head reads the states of the drafter it was trained on
-            check_stop_drafter(policy.head_feature, eagle.metadata if eagle is not None else None)
-        if getattr(policy, "tree", False) and (bad := tree_problems(eagle is not None, self.sampling, fused_forward)):
+        drafter = eagle.metadata if eagle is not None else None
+        if policy.head_feature is not None and policy.head_drafter != drafter_id(drafter):
+            check_stop_drafter(policy.head_feature, drafter)  # a policy built for another drafter than this one
+        bad = policy_problems(type(policy), eagle is not None, self.sampling, fused_forward, pair.draft is not None)
+        if bad:
             raise UserError("; ".join(bad))
-        if eagle is not None and (policy.bridge or policy.emitter == "draft"):
-            raise UserError(
-                (f"policy {policy.name!r} does not draft on the target's vocabulary: it cannot use an EAGLE head")
-            )
-        if "draft" in policy.models and pair.draft is None and eagle is None:
-            raise UserError(f"policy {policy.name!r} needs a draft model; set draft.path (or eagle=<an EAGLE head>)")
         self.pair, self.policy, self.max_new_tokens, self.chat_template = pair, policy, max_new_tokens, chat_template
         bridge = None
         if policy.bridge:  # the draft speaks another vocabulary
@@ -242,10 +238,9 @@ class Decoder:
 
     def batch_problem(self) -> str | None:
         """Why this decoder cannot decode in batches (None: it can)."""
-        if getattr(self.policy, "tree", False):
-            return "policy=tree runs at batch 1"
-        if self.policy.bridge:
-            return f"policy={self.policy.name} drafts across vocabularies and runs at batch 1 only"
+        static = batch_rule(type(self.policy))
+        if static:
+            return static
         if self.draft_generator is not None:
             return "batched decoding needs the draft and the target on one device"
         models = [self.pair.target] + ([self.pair.draft] if self.pair.draft is not None else [])
@@ -259,12 +254,51 @@ class Decoder:
         return None
 
 
+def batch_rule(cls: type[Policy]) -> str | None:
+    """Why a policy runs at batch 1 only, whatever the models (None: it batches)."""
+    if getattr(cls, "tree", False):
+        return "policy=tree runs at batch 1"
+    if cls.bridge:
+        return f"policy={cls.name} drafts across vocabularies and runs at batch 1 only"
+    return None
+
+
+def policy_problems(
+    cls: type[Policy],
+    eagle: bool,
+    sampling: SamplingConfig,
+    fused_forward: bool = True,
+    has_draft: bool | None = None,
+    batch_size: int = 1,
+) -> list[str]:
+    """Why a decode with policy ``cls`` cannot run, from its settings alone (no model loaded): the one place
+    these rules live; ``heads-decode`` asks before loading the models, the :class:`Decoder` when built.
+
+    Args:
+        eagle: an EAGLE head drafts. sampling, fused_forward: the decode's. has_draft: whether a draft model
+        is loaded (None: not known yet). batch_size: rows decoded at once.
+    """
+    out = tree_problems(eagle, sampling, fused_forward) if getattr(cls, "tree", False) else []
+    if eagle and (cls.bridge or cls.emitter == "draft"):
+        out.append(f"policy {cls.name!r} does not draft on the target's vocabulary: it cannot use an EAGLE head")
+    if has_draft is False and "draft" in cls.models and not eagle:
+        out.append(f"policy {cls.name!r} needs a draft model; set draft.path (or eagle=<an EAGLE head>)")
+    if batch_size > 1 and (why := batch_rule(cls) or ("" if fused_forward else "fused")):
+        out.append(
+            f"batch_size={batch_size}: "
+            + (why if why != "fused" else "batched decoding runs on the fused forward (fused_forward=true)")
+        )
+    return out
+
+
 def load_eagle(head, pair: Pair):
     """An EAGLE head (a path or a loaded head), checked against the pair's target, on its device and in its dtype
     (a head exported in bf16 to keep the file small drafts in the target's precision)."""
     from specheads.export.package import LoadedHead, check_head_against_pair, load_head
 
     loaded = head if isinstance(head, LoadedHead) else load_head(head, device=pair.target.device)
+    if loaded.checked_for is not None and loaded.checked_for == pair.target.fingerprint:
+        return loaded  # loaded once for this target (heads-decode, then its Decoder)
     if loaded.metadata.get("head_type") != "eagle":
         raise UserError(
             f"eagle= needs an EAGLE head (heads-train head=eagle); this one is "
@@ -272,6 +306,7 @@ def load_eagle(head, pair: Pair):
         )
     check_head_against_pair(loaded.metadata, pair)
     loaded.module.to(device=pair.target.device, dtype=pair.target.model.dtype)
+    loaded.checked_for = pair.target.fingerprint
     return loaded
 
 

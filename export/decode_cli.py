@@ -24,18 +24,10 @@ from transformers.utils import logging as hf_logging
 from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError
 from specheads.export import vllm_engine
-from specheads.export.api import Decoder, load_eagle, make_policy, pair_costs
+from specheads.export.api import Decoder, load_eagle, make_policy, pair_costs, policy_problems
 from specheads.export.decode_config import DecodeConfig, decode_schema, policy_settings
 from specheads.export.package import outside_gate, read_metadata
-from specheads.export.shim import (
-    COUNTS,
-    POLICIES,
-    PROFILES,
-    GenerationStats,
-    load_pair,
-    predict_ms_per_token,
-    tree_problems,
-)
+from specheads.export.shim import COUNTS, POLICIES, PROFILES, GenerationStats, load_pair, predict_ms_per_token
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, read_finished_rows, write_manifest
 from specheads.prompts import load_prompt_files
 
@@ -56,8 +48,8 @@ def _check(cfg: DecodeConfig):
         except UserError as exc:
             problems.append(str(exc))
     stop = getattr(settings, "stop", None)
-    if getattr(cls, "tree", False):
-        problems += tree_problems(bool(cfg.eagle), cfg.sampling, cfg.fused_forward)
+    if cls is not None:  # the decode's own rules, as the Decoder will check them once the models are loaded
+        problems += policy_problems(cls, bool(cfg.eagle), cfg.sampling, cfg.fused_forward, batch_size=cfg.batch_size)
     if stop == "cost" and cfg.profile not in PROFILES and not Path(cfg.profile).is_file():
         problems.append(f"profile={cfg.profile!r} is not auto, refresh or an existing cost-table JSON file")
     if cfg.max_new_tokens < 1:
@@ -68,10 +60,6 @@ def _check(cfg: DecodeConfig):
         problems.append(f"num_prompts={cfg.num_prompts} must be >= 1 (or unset for all)")
     if cfg.batch_size < 1:
         problems.append(f"batch_size={cfg.batch_size} must be >= 1")
-    elif cfg.batch_size > 1 and cls is not None and cls.bridge is not None:
-        problems.append(
-            f"batch_size={cfg.batch_size}: policy={cfg.policy} drafts across vocabularies and runs at batch 1 only"
-        )
     if cfg.engine not in ("specheads", "vllm"):
         problems.append(f"engine={cfg.engine!r}; choose specheads or vllm")
     elif cfg.engine == "vllm":

@@ -32,10 +32,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LoadedHead:
-    """A head module and the metadata it was exported with."""
+    """A head module and the metadata it was exported with; ``checked_for``: the fingerprint of the target an EAGLE
+    head was checked against and placed for (``load_eagle``), so that a second use does not check it again."""
 
     module: torch.nn.Module
     metadata: dict
+    checked_for: str | None = None
 
     @property
     def threshold(self) -> float | None:
@@ -125,12 +127,7 @@ def fill(module: torch.nn.Module, tensors: dict[str, torch.Tensor], misfit: str)
 
 
 def load_head(
-    path: str | Path,
-    pair=None,
-    sampling=None,
-    strict: bool = False,
-    device: torch.device | str = "cpu",
-    eagle: dict | None = None,
+    path: str | Path, pair=None, sampling=None, strict: bool = False, device: torch.device | str = "cpu"
 ) -> LoadedHead:
     """Loads an exported head and checks it against the loaded pair and sampling settings.
 
@@ -142,8 +139,9 @@ def load_head(
             a warning naming both, or a UserError with ``strict``.
         strict: turn the sampling mismatch warning into an error.
         device: where to put the head.
-        eagle: the metadata of the EAGLE head decoding drafts with; a head on an EAGLE head's states
-            (``feature.model == "eagle"``) must name that one (checked with ``pair``).
+
+    Whether a stop head's states come from the drafter decoding uses (the draft model, or one EAGLE head) is
+    checked once, where a policy meets its drafter: ``make_policy`` (:func:`check_stop_drafter`).
     """
     path = head_file(path)
     meta = read_metadata(path)
@@ -159,18 +157,17 @@ def load_head(
         f"head file {str(path)!r} does not fit head_type={meta['head_type']!r}",
     )
     if pair is not None:
-        check_head_against_pair(meta, pair, eagle)
+        check_head_against_pair(meta, pair)
     if sampling is not None:
         check_sampling(meta, sampling.to_dict(), strict)
     return LoadedHead(module.to(device).eval().requires_grad_(False), meta)
 
 
-def check_head_against_pair(meta: dict, pair, eagle: dict | None = None) -> None:
+def check_head_against_pair(meta: dict, pair) -> None:
     """Raises UserError when the head was exported for another model (hidden size or fingerprint); a head on
-    an EAGLE head's states also for another EAGLE head than ``eagle`` (the drafting head's metadata)."""
+    an EAGLE head's states is as wide as the target, whose fingerprint it records."""
     role = meta.get("feature", {}).get("model", "draft")
-    if role == "eagle":  # as wide as the target, whose fingerprint it records; and one EAGLE head's
-        check_stop_drafter(meta.get("feature", {}), eagle)
+    if role == "eagle":
         role = "target"
     model = pair.draft if role == "draft" else pair.target
     if model is None:

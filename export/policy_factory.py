@@ -52,7 +52,6 @@ def _policy_head(
         sampling=sampling or SamplingConfig(),
         strict=strict,
         device=model.output_device,  # where the states it reads come out (a split target: its last GPU)
-        eagle=eagle.metadata if eagle is not None else None,
     )
     dtype = next(eagle.module.parameters()).dtype if drafts else model.model.dtype
     return LoadedHead(loaded.module.to(dtype), loaded.metadata)
@@ -155,6 +154,12 @@ def make_policy(
         settings.check()
     head = _policy_head(cls, getattr(settings, "head", None), pair, sampling, strict, eagle)
     policy = cls.from_settings(settings, pair=pair, head=head, costs=costs)
-    if head is not None:  # what the Decoder checks its drafter against
+    if head is not None:  # whose states the head reads, and the drafter it was checked against (the one site)
         policy.head_feature = {"model": "draft", **head.metadata.get("feature", {})}
+        policy.head_drafter = drafter_id(eagle.metadata if eagle is not None else None)
     return policy
+
+
+def drafter_id(eagle: dict | None) -> str | None:
+    """The drafter a stop head was checked against: an EAGLE head's ``tensors_sha256``, or None (the draft)."""
+    return None if eagle is None else str(eagle.get("tensors_sha256"))

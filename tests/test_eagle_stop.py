@@ -336,8 +336,8 @@ def test_a_head_for_another_drafter_is_a_one_line_error(stop_head, setup, tiny_p
         assert len(err.splitlines()) == 1
         return err
 
-    assert "another" in fails(f"head={stop_head}", f"eagle={setup['other']}")
-    assert "eagle=" in fails(f"head={stop_head}", f"draft.path={tiny_pair_dirs[1]}")
+    assert "another" in fails(f"specdecpp.head={stop_head}", f"eagle={setup['other']}")
+    assert "eagle=" in fails(f"specdecpp.head={stop_head}", f"draft.path={tiny_pair_dirs[1]}")
     on_draft = tmp_path / "draft_head.safetensors"
     draft = load_pair(
         ModelSpec(path=str(tiny_pair_dirs[0]), device="cpu"), ModelSpec(path=str(tiny_pair_dirs[1]), device="cpu")
@@ -353,7 +353,7 @@ def test_a_head_for_another_drafter_is_a_one_line_error(stop_head, setup, tiny_p
             "feature": {"model": "draft", "state": "post", "layer": -1, "position": "own"},
         },
     )
-    assert "draft model's states" in fails(f"head={on_draft}", f"eagle={setup['eagle']}")
+    assert "draft model's states" in fails(f"specdecpp.head={on_draft}", f"eagle={setup['eagle']}")
 
 
 @pytest.mark.parametrize("bad, message", [("eagle=''", "eagle="), ("eagle_k=1", "eagle_k")])

@@ -98,7 +98,8 @@ class Policy:
         bridge: None (candidates in the target's vocabulary) or how they cross vocabularies.
         head_file: the exported head a policy built by ``from_settings`` reads (for the log).
         head_feature: that head's ``feature`` metadata (whose states it reads: the draft model's, an EAGLE
-            head's), set by ``make_policy``; the decoder checks its drafter against it.
+            head's), set by ``make_policy``, which checks it against the drafter (``head_drafter``: that EAGLE
+            head's ``tensors_sha256``, None for the draft model); a decoder with another drafter checks again.
         batch: the rows the engine runs in the round about to start (1 at batch 1; set by the batched
             engine and the vLLM proposer before ``start_round``): the cost-aware rules price at it.
     """
@@ -116,6 +117,7 @@ class Policy:
     bridge: str | None = None
     head_file: str | None = None
     head_feature: dict | None = None
+    head_drafter: str | None = None
 
     #: What a policy must define: its registered ``name`` and ``from_settings`` (how its settings build it).
     REQUIRED_HOOKS: ClassVar[tuple[str, ...]] = ("name", "from_settings")
