@@ -304,7 +304,7 @@ def main(argv=None) -> int:
         result["ratios"]["distilled_draft_agreement"] = round(held["after"]["agreement"], 4)
     if args.training_summary:
         summary = json.loads(Path(args.training_summary).read_text())
-        result["training_cost"] = {"summary": args.training_summary, **summary.get("cost", {})}
+        result["training_cost"] = {"summary": args.training_summary, "runs": summary.get("cost", [])}  # per part
     print(json.dumps(result["ratios"], indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

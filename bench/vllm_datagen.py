@@ -1,6 +1,7 @@
 """Datagen's generation stage: the target's responses with the Transformers engine against ``engine=vllm``.
 
     python bench/vllm_datagen.py                      # 32 Alpaca + 32 GSM8K-train prompts, 128 tokens, greedy, batch 32
+    python bench/vllm_datagen.py --alpaca 512 --gsm8k 512 --hf-prompts 128 --vllm-batches 512,1024   # larger batches
 
 Run with the project's Python. The same prompts (the target's chat template, cut as ``heads-datagen`` cuts
 them: ``Job.prompt_ids``) go through
@@ -14,7 +15,9 @@ them: ``Job.prompt_ids``) go through
 
 tokens/s is generated tokens over the generation's wall time; vLLM's start-up (``LLM()``: loading, KV-cache
 allocation) is reported apart and not counted. Greedy outputs are compared prompt by prompt. Writes ``--out``
-(default ``bench/results/vllm_datagen.json``) with ``datagen_generation_vllm_vs_hf_tokens_per_s``.
+(default ``bench/results/vllm_datagen.json``) with ``datagen_generation_vllm_vs_hf_tokens_per_s``;
+``--vllm-batches`` adds ``vllm_by_batch`` (tokens/s per ``max_num_seqs``, each a vLLM run of its own on the same
+prompts), ``vllm_best_batch`` and its ratio to the Transformers engine.
 """
 
 from __future__ import annotations
@@ -62,12 +65,12 @@ def transformers_stage(job, ids: list[list[int]], args) -> dict:
     }
 
 
-def vllm_stage(cfg, job, ids: list[list[int]], args) -> dict:
+def vllm_stage(cfg, job, ids: list[list[int]], args, batch: int) -> dict:
     from specheads.datagen.vllm_responses import Request, run_vllm
     from specheads.export.shim.core.sampling import SamplingConfig
 
     reqs = [Request(str(i), x, SamplingConfig().to_dict(), 0, args.max_new).__dict__ for i, x in enumerate(ids)]
-    header = {"batch_size": args.vllm_batch, "tensor_parallel": 1, "eos": job.eos, "seed": 0}
+    header = {"batch_size": batch, "tensor_parallel": 1, "eos": job.eos, "seed": 0}
     with tempfile.TemporaryDirectory() as work:
         t = time.perf_counter()
         run = run_vllm(cfg, header, [{"chunk": 0, "digest": "bench", "requests": reqs}], Path(work), 0)
@@ -99,6 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         default=256,
         help="vLLM's max_num_seqs (heads-datagen engine=vllm's vllm_max_num_seqs)",
     )
+    ap.add_argument(
+        "--vllm-batches",
+        default="",
+        help="more max_num_seqs values timed on the same prompts, each in its own vLLM run (e.g. 512,1024)",
+    )
+    ap.add_argument(
+        "--hf-prompts", type=int, default=0, help="time the Transformers engine on the first N prompts only (0: all)"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     ap.add_argument("--out", default=str(ROOT / "bench/results/vllm_datagen.json"))
@@ -122,9 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     job = _load(cfg, needs_draft=False)
     ids = job.prompt_ids(prompts(args))
-    hf = transformers_stage(job, ids, args)
-    vl = vllm_stage(cfg, job, ids, args)
-    same = sum(a == b for a, b in zip(hf.pop("outputs"), vl.pop("outputs")))
+    n_hf = args.hf_prompts or len(ids)
+    hf = transformers_stage(job, ids[:n_hf], args)
+    vl = vllm_stage(cfg, job, ids, args, args.vllm_batch)
+    base = vl.pop("outputs")
+    same = sum(a == b for a, b in zip(hf.pop("outputs"), base))
+    by_batch = {str(args.vllm_batch): {k: vl[k] for k in ("tokens_per_s", "seconds", "startup_s")}}
+    for b in [int(x) for x in filter(None, args.vllm_batches.split(","))]:
+        got = vllm_stage(cfg, job, ids, args, b)
+        row = {k: got[k] for k in ("tokens_per_s", "seconds", "startup_s")}
+        by_batch[str(b)] = {**row, "greedy_identical_to_first": sum(a == c for a, c in zip(base, got["outputs"]))}
     sys.path.insert(0, str(ROOT / "bench"))
     from _common import run_info
 
@@ -137,9 +155,14 @@ def main(argv: list[str] | None = None) -> int:
         "batch_size": args.batch,
         "transformers": hf,
         "vllm": vl,
-        "greedy_identical_prompts": f"{same}/{len(ids)}",
+        "greedy_identical_prompts": f"{same}/{n_hf}",
         "datagen_generation_vllm_vs_hf_tokens_per_s": ratio,
+        "vllm_by_batch": by_batch,
     }
+    if len(by_batch) > 1:
+        best = max(by_batch, key=lambda b: by_batch[b]["tokens_per_s"])
+        result["vllm_best_batch"] = int(best)
+        result["vllm_best_batch_vs_hf_tokens_per_s"] = round(by_batch[best]["tokens_per_s"] / hf["tokens_per_s"], 3)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print("engine | tokens | seconds | tokens/s | start-up s")
@@ -148,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         f"vllm (heads-datagen engine=vllm) | {vl['tokens']} | {vl['seconds']} | {vl['tokens_per_s']} | "
         f"{vl['startup_s']}"
     )
-    print(f"vLLM / Transformers tokens/s: {ratio}; greedy outputs identical on {same}/{len(ids)} prompts")
+    for b, row in by_batch.items():
+        print(f"vllm max_num_seqs {b} | - | {row['seconds']} | {row['tokens_per_s']} | {row['startup_s']}")
+    print(f"vLLM / Transformers tokens/s: {ratio}; greedy outputs identical on {same}/{n_hf} prompts")
     return 0
 
 

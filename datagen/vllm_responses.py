@@ -268,6 +268,6 @@ def finish(out: Path, chunk: int | None = None) -> None:
     work = Path(out) / SIDE
     (work / "run.json").unlink(missing_ok=True)
     if work.is_dir() and not any(work.glob("chunk-*")):
-        for tmp in work.glob(".*"):
+        for tmp in [*work.glob(".*"), *work.glob("job.*.jsonl")]:  # a killed run's temporaries and request files
             tmp.unlink(missing_ok=True)
         work.rmdir()

@@ -251,8 +251,9 @@ def run(argv: list[str]) -> int:
                     )
                     if code:
                         return code
-    summary = summarize(cfgs, times.pop(None))
-    summary["cost"] = pipeline_parts.cost(cfgs, summary["stage_seconds"], earlier)
+    mine = times.pop(None)
+    summary = summarize(cfgs, mine)
+    summary["cost"] = pipeline_parts.cost(cfgs, mine, earlier)  # unrounded: a total adds up to its tries
     if more:
         summary["regime"] = recipe_regime(cfgs)
         summary["regimes"] = {name: summarize(more[name], times[name]) for name in more}

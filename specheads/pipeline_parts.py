@@ -154,8 +154,8 @@ def cost(cfgs: dict, seconds: dict[str, float], earlier: dict[str, float] | None
                 {
                     "run": name,
                     "output_dir": cfg.output_dir,
-                    "seconds": round(seconds.get(name, 0.0), 1),
-                    "seconds_total": round(seconds.get(name, 0.0) + earlier.get(name, 0.0), 1),
+                    "seconds": round(seconds.get(name, 0.0), 3),
+                    "seconds_total": round(seconds.get(name, 0.0) + earlier.get(name, 0.0), 3),
                     "tokens": m.get("labelled_tokens") if stage == "datagen" else None,
                     "steps": m.get("step") if stage == "train" else None,
                     "disk_bytes": _disk_bytes(cfg.output_dir),

@@ -172,6 +172,7 @@ def test_a_run_killed_while_generating_resumes_with_the_rest(tiny_pair_dirs, pro
     assert main(datagen_args(tiny_pair_dirs, prompts_file, out, *args)) == 2  # died after two chunks' files
     assert sorted(p.name for p in (out / "vllm").glob("chunk-*")) == [side_name(0), side_name(1)]
     assert not (out / "data").exists() or not list((out / "data").glob("chunk-*"))
+    (out / "vllm" / "job.99999.jsonl").write_text("{}\n")  # the request file a killed process leaves behind
     monkeypatch.setattr(vllm_responses, "run_vllm", fake_vllm(calls))
     assert main(datagen_args(tiny_pair_dirs, prompts_file, out, *args)) == 0
     assert calls == [[0, 1, 2], [2]]  # the finished side files were not generated again
