@@ -52,8 +52,9 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from specheads.config import cli_main, to_yaml
-from specheads.datagen import shards, vllm_responses, vllm_states
+from specheads.datagen import shards, vllm_responses
 from specheads.datagen.config import PROG, DatagenConfig
+from specheads.datagen.engines import Runtime, runtime_of
 from specheads.datagen.labelling import Job, Labeller
 from specheads.datagen.manifest import chunk_metrics, finish
 from specheads.datagen.mined_view import show
@@ -89,7 +90,10 @@ def _check(cfg: DatagenConfig) -> None:
         problems.append(f"threads={cfg.threads} must be >= 1 (or null: torch's default)")
     if cfg.dist_timeout_s <= 0:
         problems.append(f"dist_timeout_s={cfg.dist_timeout_s} must be > 0")
-    problems += vllm_responses.problems(cfg)
+    try:
+        problems += runtime_of(cfg).problems(cfg)
+    except UserError as e:  # an unknown engine
+        problems.append(str(e))
     if problems:
         raise UserError("; ".join(problems))
 
@@ -136,11 +140,11 @@ def _numerics(pair, processes: int) -> dict:
     )
 
 
-def _load(cfg: DatagenConfig, family: Labeller) -> Job:
+def _load(cfg: DatagenConfig, family: Labeller, runtime: Runtime) -> Job:
     """The models, with the padding token, EOS ids and the shortest context length. With ``engine=vllm`` the
     Transformers target holds only what the family still needs of it (often its config alone)."""
     needs_draft = family.needs_draft(cfg)
-    target = load_target(cfg.target, family.target_under_vllm(cfg) if cfg.engine == "vllm" else "model")
+    target = load_target(cfg.target, runtime.target_use(cfg, family))
     pair = load_pair(cfg.target, cfg.draft if needs_draft or cfg.draft.path else None, True, target)
     if pair.draft is None and needs_draft:
         raise UserError("heads-datagen needs a draft model; set draft.path")
@@ -171,7 +175,7 @@ def _run(cfg: DatagenConfig) -> int:
     from accelerate import PartialState
 
     hf_logging.disable_progress_bar()
-    family = labeller(cfg.labels)
+    family, runtime = labeller(cfg.labels), runtime_of(cfg)
     state = PartialState(cpu=not torch.cuda.is_available(), timeout=timedelta(seconds=cfg.dist_timeout_s))
     out = _prepare(cfg, state.is_local_main_process)  # one per node: nodes need not share a filesystem
     n_items = family.count(cfg)
@@ -180,14 +184,15 @@ def _run(cfg: DatagenConfig) -> int:
     state.wait_for_everyone()
     total = shards.num_chunks(n_items, cfg.chunk_size)
     rank, world = state.process_index, state.num_processes
-    # vLLM generates a process's responses up front, so its chunks are fixed then; the others are claimed one by one
-    share = shards.share_chunks(out, total, rank, world, shards.launch_exchange(world), cfg.engine != "vllm")
-    if cfg.engine == "vllm":  # before the models load: vLLM gets the GPUs first, once for every chunk left
+    # an engine that generates up front fixes a process's chunks then; otherwise they are claimed one by one
+    up_front = runtime.engine.own_python
+    share = shards.share_chunks(out, total, rank, world, shards.launch_exchange(world), not up_front)
+    if up_front:  # before the models load: vLLM gets the GPUs first, once for every chunk left
         chunks = ((c, items) for c, items in _chunks_of(family.items(cfg), cfg.chunk_size) if c in share.chunks)
-        vllm_responses.generate_up_front(cfg, out, chunks, state.local_process_index)
-    job = _load(cfg, family)
+        runtime.generate_up_front(cfg, out, chunks, state.local_process_index)
+    job = _load(cfg, family, runtime)
     family.check_models(job)
-    job.states = vllm_states.server(cfg, job, state.local_process_index)  # engine=vllm: the target's states too
+    job.states = runtime.states(cfg, job, state.local_process_index)  # engine=vllm: the target's states too
     numerics = _numerics(job.pair, world)
     if state.is_main_process:
         done = total - len(shards.pending_chunks(out, n_items, cfg.chunk_size))
@@ -207,7 +212,7 @@ def _run(cfg: DatagenConfig) -> int:
             if not share.take(chunk):
                 continue
             t0 = time.perf_counter()
-            job.pregenerated = vllm_responses.take(job, items, chunk) if cfg.engine == "vllm" else None
+            job.pregenerated = runtime.responses(job, items, chunk)
             result = family.label_chunk(job, items, chunk)
             rows = len(next(iter(result.columns.values())))
             info = {
@@ -219,18 +224,18 @@ def _run(cfg: DatagenConfig) -> int:
                 **models,
             }
             shards.write_chunk(out, chunk, result.columns, info)  # killed after this: finish() rebuilds the line
-            if cfg.engine == "vllm":
-                vllm_responses.finish(out, chunk)  # landed: its responses are in the chunk now
+            runtime.landed(out, chunk)  # its pregenerated responses are in the chunk now
             labelled += result.tokens
             metrics.write(chunk_metrics(chunk, info), rank=rank, seconds=round(time.perf_counter() - t0, 3))
             if state.is_main_process:  # what this process's group has finished (one directory listing)
                 bar.update(share.finished() - bar.n)
             bar.set_postfix(labelled_tok_s=f"{labelled / (time.perf_counter() - started):.1f}")
-    vllm_states.close(job)
+    if job.states is not None:  # the run's states server
+        job.states.close()
     state.wait_for_everyone()
     share.close()
-    if cfg.engine == "vllm" and state.is_local_main_process:
-        vllm_responses.finish(out)
+    if state.is_local_main_process:
+        runtime.landed(out)
     if state.is_main_process:
         finish(cfg, out, total, processes=world)
     return 0

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from specheads.datagen.config import PROG, DatagenConfig
+from specheads.datagen.engines import runtime_of
 from specheads.datagen.registry import labeller
 from specheads.dataset import SCHEMA_VERSION, chunk_info, chunk_path
 from specheads.errors import UserError
@@ -107,8 +108,7 @@ def finish(cfg: DatagenConfig, out: Path, total: int, processes: int | None = No
             out,
         )
         extra["numerics_otherwise"] = list(otherwise)[:1000]
-    if cfg.engine == "vllm":  # who generated the target's responses (engine=specheads: this package)
-        extra["engine"] = "vllm"
+    extra |= runtime_of(cfg).manifest()  # who generated the target's responses (none: this package)
     write_manifest(
         out,
         command=PROG,

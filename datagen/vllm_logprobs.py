@@ -40,7 +40,7 @@ MISSING = -1e30  # a token vLLM gave no log-probability for: zero after warping,
 def wanted(cfg) -> int | None:
     """The log-probabilities each response request asks vLLM for: ``k`` (the top ``k``), ``-1`` (the whole
     vocabulary) or None (the chosen token's only: greedy, other families, ``vllm_logprobs=false``)."""
-    if cfg.engine != "vllm" or cfg.labels != "acceptance" or not cfg.sampling.do_sample or not cfg.vllm_logprobs:
+    if cfg.labels != "acceptance" or not cfg.sampling.do_sample or not cfg.vllm_logprobs:
         return None
     return cfg.sampling.top_k if cfg.sampling.top_k > 0 else -1
 

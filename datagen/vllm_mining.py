@@ -113,8 +113,8 @@ def start(cfg, out: Path, eos: list[int], prompts: list[list[int]], local_rank: 
 
 
 def server_for(cfg) -> TargetServer | None:
-    """The running server of the run writing to ``cfg.output_dir`` (None: engine=specheads)."""
-    return _SERVERS.get(str(Path(cfg.output_dir).resolve())) if cfg.engine == "vllm" else None
+    """The running server of the run writing to ``cfg.output_dir`` (None: none started, as under engine=specheads)."""
+    return _SERVERS.get(str(Path(cfg.output_dir).resolve()))
 
 
 def stop(out: Path) -> None:

@@ -48,7 +48,6 @@ from specheads.errors import UserError
 from specheads.export.shim import SamplingConfig
 
 SIDE = "vllm"
-ENGINES = ("specheads", "vllm")
 TARGET_PASS = {
     "acceptance": "none (greedy: the target's argmax is its response token; sampled: vLLM's log-probabilities "
     "of every response token's distribution; vllm_logprobs=false: one teacher-forced pass)",
@@ -77,11 +76,7 @@ class Request:
 
 
 def problems(cfg) -> list[str]:
-    """What ``engine=`` and the ``vllm_*`` settings cannot run (empty for ``engine=specheads``)."""
-    if cfg.engine not in ENGINES:
-        return [f"engine={cfg.engine!r}: choose specheads or vllm"]
-    if cfg.engine != "vllm":
-        return []
+    """What the ``vllm_*`` settings of an ``engine=vllm`` run cannot run."""
     out = []
     if cfg.labels not in TARGET_PASS:
         out.append(

@@ -169,8 +169,8 @@ class StatesServer:
 
 
 def server(cfg, job, local_rank: int = 0) -> StatesServer | None:
-    """The run's states server when the target runs in vLLM and the family needs its states, else None."""
-    if cfg.engine != "vllm" or cfg.labels not in FAMILIES:
+    """The ``engine=vllm`` run's states server when the family needs the target's states, else None."""
+    if cfg.labels not in FAMILIES:
         return None
     return StatesServer(cfg, job.limit, local_rank)
 

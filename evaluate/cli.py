@@ -54,6 +54,7 @@ from pathlib import Path
 from transformers.utils import logging as hf_logging
 
 from specheads.config import cli_main, to_yaml
+from specheads.engines import engine_of
 from specheads.errors import UserError
 from specheads.evaluate import report, report_files
 from specheads.evaluate.checks import _check, _max_pass
@@ -115,9 +116,7 @@ def _row_lags(decoders) -> dict[str, int]:
 
 
 def run(cfg: EvalConfig) -> int:
-    if cfg.engine not in ("specheads", "vllm"):
-        raise UserError(f"engine={cfg.engine!r}; choose specheads or vllm")
-    if cfg.engine == "vllm":
+    if engine_of(cfg).own_python:  # vLLM runs the whole evaluation in its own processes
         return _run_vllm(cfg)
     _check(cfg)
     if not cfg.eagle and not cfg.draft.path:

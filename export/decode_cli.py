@@ -22,6 +22,7 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from specheads.config import cli_main, to_yaml
+from specheads.engines import engine_of
 from specheads.errors import UserError
 from specheads.export import vllm_engine
 from specheads.export.api import Decoder, load_eagle, make_policy, pair_costs, policy_problems
@@ -60,9 +61,7 @@ def _check(cfg: DecodeConfig):
         problems.append(f"num_prompts={cfg.num_prompts} must be >= 1 (or unset for all)")
     if cfg.batch_size < 1:
         problems.append(f"batch_size={cfg.batch_size} must be >= 1")
-    if cfg.engine not in ("specheads", "vllm"):
-        problems.append(f"engine={cfg.engine!r}; choose specheads or vllm")
-    elif cfg.engine == "vllm":
+    if engine_of(cfg).own_python:  # (an unknown engine: a one-line error)
         problems += vllm_engine.problems(cfg, settings)
     if cfg.batch_size > 1 and cfg.stream:
         problems.append("stream=true prints one completion at a time: use batch_size=1")
@@ -106,7 +105,7 @@ def run(cfg: DecodeConfig) -> int:
     if not same_run:
         (out_dir / "outputs.jsonl").unlink(missing_ok=True)
     done = {row["index"]: row for row in read_finished_rows(out_dir / "outputs.jsonl")}
-    if cfg.engine == "vllm":  # vLLM decodes every prompt in a child process of its own Python
+    if engine_of(cfg).own_python:  # vLLM decodes every prompt in a child process of its own Python
         return vllm_engine.run(cfg, settings, prompts, out_dir, PROG)
     if done:
         log.info("resuming: %d of %d prompts already done in %s", len(done), len(prompts), out_dir)

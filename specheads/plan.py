@@ -12,6 +12,7 @@ from :mod:`specheads.plan_memory`. GB here is 10^9 bytes.
 
 from __future__ import annotations
 
+from specheads.engines import engine_of
 from specheads.errors import UserError
 from specheads.model_shapes import shape_of
 from specheads.plan_inputs import count_prompts, recorded_rate, train_data
@@ -105,7 +106,7 @@ def _datagen_alternatives(cfg, span: int) -> list[str]:
                 _usable(cfg, LARGE_GPU_GB),
             )
         )
-    if span > 1 or cfg.engine == "vllm":
+    if span > 1 or engine_of(cfg).splits_nodes:
         nodes = 2 * cfg.nodes
         tries.append(
             (
@@ -129,7 +130,7 @@ def datagen_plan(cfg) -> dict:
     out = {"cli": "heads-datagen", "what": f"labels={cfg.labels}", "engine": cfg.engine}
     processes = cfg.nodes if span > 1 else cfg.nodes * cfg.gpus
     fits = mem.fullest_gpu() <= usable
-    if cfg.engine == "vllm":  # vLLM generates first, the target over vllm_tensor_parallel GPUs per process
+    if engine_of(cfg).holds_target:  # vLLM generates first, the target over vllm_tensor_parallel GPUs per process
         tp = max(cfg.vllm_tensor_parallel, 1) * max(getattr(cfg, "vllm_pipeline_parallel", 1), 1)
         out["vllm_weights_per_gpu"] = _gb(target / tp)
         processes = max(cfg.nodes * cfg.gpus // tp, 1)

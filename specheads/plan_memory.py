@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specheads.engines import engine_of
 from specheads.errors import UserError
 from specheads.model_shapes import Shape, safetensors_params, shape_of
 
@@ -114,7 +115,7 @@ def datagen_memory(cfg, batch: int, fp8: bool = False, span: int | None = None) 
     new = cfg.max_new_tokens
     rows = batch * (cfg.prompt_tokens + new)
     weights = {"target": target.params() * tb, "draft": draft.params() * db if draft else 0.0, "head": 0.0}
-    use = target_under_vllm(cfg) if cfg.engine == "vllm" else "model"  # vLLM's own weights: plan.py counts them
+    use = target_under_vllm(cfg) if engine_of(cfg).holds_target else "model"  # the engine's copy: plan.py counts it
     if use != "model":
         weights["target"] = (target.vocab + 1) * target.hidden * tb if use == "output_layer" else 0.0
     if cfg.labels == "eagle_rounds":  # the exported head's own count when it is here, else a full-vocabulary one

@@ -105,6 +105,22 @@ def test_no_module_forwards_names():
     assert forwarding == []
 
 
+def test_the_engine_is_chosen_in_one_place():
+    """No module asks a config which engine it names (``cfg.engine == "vllm"``) but ``specheads/engines.py``, which
+    looks the engine up, and ``datagen/engines.py``, which picks its runtime: the rest ask the engine object."""
+    import re
+
+    asks = re.compile(r"\.engine\s*(==|!=|in\b|not in\b)|==\s*[\"']vllm[\"']")
+    where = sorted(
+        f"{n}:{i}"
+        for n, p in package_modules().items()
+        if n not in ("specheads.engines", "specheads.datagen.engines")
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1)
+        if asks.search(line)
+    )
+    assert where == []
+
+
 def _defines(path, name: str) -> bool:
     return any(isinstance(n, ast.FunctionDef) and n.name == name for n in ast.parse(path.read_text()).body)
 
