@@ -4,6 +4,7 @@ is all it takes to build it with ``make_policy``, run it from ``heads-decode`` (
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -12,7 +13,7 @@ from conftest import decode_args
 
 import specheads
 from specheads.errors import UserError
-from specheads.export.shim import POLICIES, Check, Policy, Round, Settings, register_policy
+from specheads.export.shim import POLICIES, UNSET, Check, Policy, Round, Settings, register_policy, settle
 
 DEFAULT_MARGIN = 0.2
 
@@ -36,17 +37,23 @@ class MarginStop(Policy):
     name = "margin_stop"
     Settings = MarginSettings
 
-    def __init__(self, margin: float = DEFAULT_MARGIN, k_max: int = 20, k_min: int = 1):
-        MarginSettings(margin, k_max, k_min).check()
-        super().__init__(k_max)
-        self.margin, self.k_min = float(margin), k_min
+    def __init__(
+        self,
+        margin: float | None = UNSET,
+        k_max: int = UNSET,
+        k_min: int = UNSET,
+        *,
+        settings: MarginSettings | None = None,
+    ):
+        # the Settings' defaults (or the given settings) under the arguments passed, checked: one UserError
+        s = settle(MarginSettings, settings, {"margin": margin, "k_max": k_max, "k_min": k_min})
+        self.settings = dataclasses.replace(s, margin=DEFAULT_MARGIN if s.margin is None else float(s.margin))
+        super().__init__(s.k_max)  # self.k: the most candidates per round
+        self.margin, self.k_min = self.settings.margin, s.k_min
 
     @classmethod
     def from_settings(cls, s, pair=None, head=None, costs=None) -> Policy:
-        return cls(DEFAULT_MARGIN if s.margin is None else s.margin, s.k_max, s.k_min)
-
-    def describe(self) -> dict:
-        return {"margin": self.margin, "k_max": self.k}
+        return cls(settings=s)
 
     def stop_drafting(self, rnd: Round) -> bool:
         if rnd.n >= self.k:

@@ -313,7 +313,7 @@ def test_heads_decode_fsd_and_confidence(tiny_pair_dirs, prompts_file, tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "T=-1.0 must be >= 0" in err[0] and "unknown divergence 'hellinger'" in err[0]
     assert main(_decode_args(tiny_pair_dirs, prompts_file, tmp_path / "bad2", "policy=fsd")) == 2
-    assert "threshold=T" in capsys.readouterr().err
+    assert "set fsd.T=<value>" in capsys.readouterr().err
     assert (
         main(
             _decode_args(

@@ -43,6 +43,7 @@ from specheads.export.shim.policies import (
     SLRS,
     STOPS,
     TLI,
+    UNSET,
     Check,
     ConfidenceStop,
     DraftOnly,
@@ -60,6 +61,7 @@ from specheads.export.shim.policies import (
     Verdict,
     policy_class,
     register_policy,
+    settle,
     standard_verify,
 )
 from specheads.export.shim.runners.fused import supports
@@ -116,6 +118,8 @@ __all__ = [
     "Verdict",
     "Settings",
     "Check",
+    "UNSET",
+    "settle",
     "HeadSpec",
     "POLICIES",
     "STOPS",

@@ -24,7 +24,7 @@ from specheads.export.shim.policies.baselines import STOPS, ConfidenceStop, Draf
 from specheads.export.shim.policies.fsd_policy import FSD
 from specheads.export.shim.policies.hetero_policies import SLEM, SLRS, TLI
 from specheads.export.shim.policies.judge_policy import Judge
-from specheads.export.shim.policies.settings import Check, HeadSpec, Settings
+from specheads.export.shim.policies.settings import UNSET, Check, HeadSpec, Settings, settle
 from specheads.export.shim.policies.specdecpp_policy import SpecDecPP
 from specheads.export.shim.policies.sprinter_policy import Sprinter
 from specheads.export.shim.policies.topk_policy import TopKVerify
@@ -76,6 +76,8 @@ __all__ = [
     "POLICIES",
     "STOPS",
     "Check",
+    "UNSET",
+    "settle",
     "ConfidenceStop",
     "DraftOnly",
     "EagleTree",

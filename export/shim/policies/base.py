@@ -28,6 +28,7 @@ is built from settings and a head (``from_settings``) and how it reads in a log 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -36,6 +37,7 @@ import torch
 from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits, sample, uniform
 from specheads.export.shim.costs.cost_table import CostTable
 from specheads.export.shim.policies.settings import HeadSpec, Settings
+from specheads.export.shim.policies.settings import Settings as AnySettings
 
 
 @dataclass
@@ -118,6 +120,9 @@ class Policy:
     head_file: str | None = None
     head_feature: dict | None = None
     head_drafter: str | None = None
+    #: The policy's settings as its constructor resolved them (:func:`~.settings.settle`: the Settings' own
+    #: defaults under the arguments passed; a threshold the head supplied is in them): written once, there.
+    settings: AnySettings
 
     #: What a policy must define: its registered ``name`` and ``from_settings`` (how its settings build it).
     REQUIRED_HOOKS: ClassVar[tuple[str, ...]] = ("name", "from_settings")
@@ -156,8 +161,10 @@ class Policy:
         raise NotImplementedError
 
     def describe(self) -> dict:
-        """The settings that define this policy, for the log and ``metrics.json``."""
-        return {}
+        """The settings that define this policy, for the log and ``metrics.json``: its resolved settings (a
+        policy adds what its head or drafter fixed, or leaves out what its rule does not read)."""
+        own = getattr(self, "settings", None)
+        return dataclasses.asdict(own) if own is not None else {}
 
     def fork(self) -> "Policy":
         """An independent copy for one row of a batch: its own per-prompt state (counters, the draft

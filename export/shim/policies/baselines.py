@@ -3,13 +3,14 @@ top-K verification and draft-confidence stopping; and the draft gate the cost-aw
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from specheads.export.shim.costs.cost_rules import DraftGate, draft_more
 from specheads.export.shim.costs.cost_table import CostTable
 from specheads.export.shim.policies.base import Policy, Round
 from specheads.export.shim.policies.estimates import ESTIMATES, OnlineLogistic, entropy_bound, features
-from specheads.export.shim.policies.settings import Check, K, Settings, bounds
+from specheads.export.shim.policies.settings import UNSET, Check, K, Settings, bounds, settle
 
 STOPS = ("threshold", "cost")  # how SpecDecPP and ConfidenceStop decide to stop drafting
 STOP = Check(lambda s: s in STOPS, "{key}={value!r}: expected threshold or cost")
@@ -58,6 +59,7 @@ class TargetOnly(Policy):
     models = ("target",)
 
     def __init__(self):
+        self.settings = AloneSettings()
         super().__init__(0)
 
     @classmethod
@@ -91,16 +93,13 @@ class StandardSD(Policy):
     name = "sd"
     Settings = SDSettings
 
-    def __init__(self, k: int = 4):
-        SDSettings(k).check()
-        super().__init__(k)
+    def __init__(self, k: int = UNSET, *, settings: SDSettings | None = None):
+        self.settings = settle(SDSettings, settings, {"k": k})
+        super().__init__(self.settings.k)
 
     @classmethod
     def from_settings(cls, s, pair=None, head=None, costs=None) -> Policy:
-        return cls(s.k)
-
-    def describe(self) -> dict:
-        return {"k": self.k}
+        return cls(settings=s)
 
 
 @dataclass
@@ -169,26 +168,30 @@ class ConfidenceStop(_Gated):
 
     def __init__(
         self,
-        tau: float = DEFAULT_TAU,
-        k_max: int = 20,
-        stop: str = "threshold",
+        tau: float | None = UNSET,
+        k_max: int = UNSET,
+        stop: str = UNSET,
         costs: CostTable | None = None,
-        k_min: int = 1,
-        gate: bool = False,
-        estimate: str = "q",
-        entropy_gamma: float = 1.0,
+        k_min: int = UNSET,
+        gate: bool = UNSET,
+        estimate: str = UNSET,
+        entropy_gamma: float = UNSET,
+        *,
+        settings: ConfidenceSettings | None = None,
     ):
-        ConfidenceSettings(tau, k_max, stop, k_min, gate, estimate, entropy_gamma).check(*cost_problems(stop, costs))
-        super().__init__(k_max)
-        self.tau, self.k_min, self.stop, self.costs = float(tau), k_min, stop, costs
-        self.gate = DraftGate(costs) if gate else None
-        self.estimate, self.entropy_gamma = estimate, float(entropy_gamma)
-        self.online = OnlineLogistic() if estimate == "online" else None
+        given = {"tau": tau, "k_max": k_max, "stop": stop, "k_min": k_min, "gate": gate, "estimate": estimate}
+        given["entropy_gamma"] = entropy_gamma
+        s = settle(ConfidenceSettings, settings, given, lambda s: cost_problems(s.stop, costs))
+        s = self.settings = dataclasses.replace(s, tau=DEFAULT_TAU if s.tau is None else float(s.tau))
+        super().__init__(s.k_max)
+        self.tau, self.k_min, self.stop, self.costs = float(s.tau), s.k_min, s.stop, costs
+        self.gate = DraftGate(costs) if s.gate else None
+        self.estimate, self.entropy_gamma = s.estimate, float(s.entropy_gamma)
+        self.online = OnlineLogistic() if s.estimate == "online" else None
 
     @classmethod
     def from_settings(cls, s, pair=None, head=None, costs=None) -> Policy:
-        tau = DEFAULT_TAU if s.tau is None else s.tau
-        return cls(tau, s.k_max, s.stop, costs, s.k_min, s.gate, s.estimate, s.entropy_gamma)
+        return cls(costs=costs, settings=s)
 
     def describe(self) -> dict:
         return {

@@ -10,7 +10,7 @@ import torch
 from specheads.export.shim.core.divergence import DIVERGENCES, divergence
 from specheads.export.shim.core.sampling import probs_from_logits, sample
 from specheads.export.shim.policies.base import Policy, Round, Verdict, sd_accepts, sd_token, standard_verify
-from specheads.export.shim.policies.settings import Check, HeadSpec, K, Settings, bounds
+from specheads.export.shim.policies.settings import UNSET, Check, HeadSpec, K, Settings, bounds, settle
 from specheads.export.shim.policies.specdecpp_policy import SpecDecPP
 
 log = logging.getLogger(__name__)
@@ -104,18 +104,21 @@ class FSD(Policy):
 
     def __init__(
         self,
-        threshold: float,
-        divergence: str = "js",
-        k: int = 4,
-        fsd_top_k: int = 0,
-        rule: str = "paper",
-        fsd_dist: str = "raw",
+        threshold: float = UNSET,
+        divergence: str = UNSET,
+        k: int = UNSET,
+        fsd_top_k: int = UNSET,
+        rule: str = UNSET,
+        fsd_dist: str = UNSET,
         stopper: SpecDecPP | None = None,
+        *,
+        settings: FSDSettings | None = None,
     ):
-        FSDSettings(threshold, divergence, k, fsd_top_k, rule, fsd_dist).check()
-        super().__init__(k if stopper is None else stopper.k)
-        self.threshold, self.divergence, self.fsd_top_k = float(threshold), divergence, fsd_top_k
-        self.rule, self.fsd_dist = rule, fsd_dist
+        given = {"T": threshold, "divergence": divergence, "k": k, "fsd_top_k": fsd_top_k, "fsd_rule": rule}
+        s = self.settings = settle(FSDSettings, settings, {**given, "fsd_dist": fsd_dist})
+        super().__init__(s.k if stopper is None else stopper.k)
+        self.threshold, self.divergence, self.fsd_top_k = float(s.T), s.divergence, s.fsd_top_k  # type: ignore[arg-type]
+        self.rule, self.fsd_dist = s.fsd_rule, s.fsd_dist
         self.stopper = stopper
         if stopper is not None:
             self.draft_hidden = stopper.draft_hidden
@@ -143,7 +146,7 @@ class FSD(Policy):
                 )
             position = head.metadata.get("feature", {}).get("position", "own")
             stopper = SpecDecPP(head.module, cls.HEAD.threshold_for(None, head), s.k_min, s.k_max, position=position)
-        policy = cls(s.T, s.divergence, s.k, s.fsd_top_k, s.fsd_rule, s.fsd_dist, stopper)
+        policy = cls(stopper=stopper, settings=s)
         policy.head_file = s.head
         return policy
 

@@ -13,7 +13,7 @@ import torch
 
 from specheads.export.shim.core.sampling import probs_from_logits, sample
 from specheads.export.shim.policies.base import Policy, Round, Verdict, standard_verify
-from specheads.export.shim.policies.settings import Check, Settings
+from specheads.export.shim.policies.settings import UNSET, Check, Settings, settle
 
 
 @dataclass
@@ -41,14 +41,14 @@ class TLI(Policy):
     bridge = "tli"
     Settings = HeteroSettings
 
-    def __init__(self, k: int = 2, lookbehind: int = 8):
-        HeteroSettings(k, lookbehind).check()
-        super().__init__(k)
-        self.lookbehind = lookbehind
+    def __init__(self, k: int = UNSET, lookbehind: int = UNSET, *, settings: HeteroSettings | None = None):
+        s = self.settings = settle(HeteroSettings, settings, {"k": k, "lookbehind": lookbehind})
+        super().__init__(s.k)
+        self.lookbehind = s.lookbehind
 
     @classmethod
     def from_settings(cls, s, pair=None, head=None, costs=None) -> Policy:
-        return cls(s.k, s.lookbehind)
+        return cls(settings=s)
 
     def describe(self) -> dict:
         return {"k": self.k}
@@ -102,16 +102,25 @@ class SLRS(TLI):
     bridge = "slrs"
     Settings = SLRSSettings
 
-    def __init__(self, k: int = 4, lookbehind: int = 8, lookahead: int = 0, budget: int = 64):
-        SLRSSettings(k, lookbehind, lookahead, budget).check()
-        Policy.__init__(self, k)
-        self.lookbehind, self.lookahead, self.budget = lookbehind, lookahead, budget
+    def __init__(
+        self,
+        k: int = UNSET,
+        lookbehind: int = UNSET,
+        lookahead: int = UNSET,
+        budget: int = UNSET,
+        *,
+        settings: SLRSSettings | None = None,  # type: ignore[override]
+    ):
+        given = {"k": k, "lookbehind": lookbehind, "lookahead": lookahead, "budget": budget}
+        s = self.settings = settle(SLRSSettings, settings, given)
+        Policy.__init__(self, s.k)
+        self.lookbehind, self.lookahead, self.budget = s.lookbehind, s.lookahead, s.budget
         self.warned_untruncated = False  # untruncated sampling is warned about once per policy
         self.reset()
 
     @classmethod
     def from_settings(cls, s, pair=None, head=None, costs=None) -> Policy:
-        return cls(s.k, s.lookbehind, s.lookahead, s.budget)
+        return cls(settings=s)
 
     def reset(self) -> None:
         self.events = {

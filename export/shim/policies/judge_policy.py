@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from specheads.export.shim.core.sampling import probs_from_logits
 from specheads.export.shim.policies.base import Policy, Round, Verdict, sd_accepts, sd_token, standard_verify
-from specheads.export.shim.policies.settings import Check, HeadSpec, K, Settings
+from specheads.export.shim.policies.settings import UNSET, Check, HeadSpec, K, Settings, settle
 from specheads.heads.judge_head import judge_signal_values
 
 
@@ -59,10 +60,19 @@ class Judge(Policy):
     HEAD = HeadSpec("judge", "target", 0.5)
     target_hidden = "pre"
 
-    def __init__(self, head: torch.nn.Module, delta: float = 0.5, k: int = 10, max_gap: float | None = None):
-        JudgeSettings(None, delta, k, max_gap).check()
-        super().__init__(k)
-        self.head, self.delta, self.max_gap = head, delta, max_gap
+    def __init__(
+        self,
+        head: torch.nn.Module,
+        delta: float | None = UNSET,
+        k: int = UNSET,
+        max_gap: float | None = UNSET,
+        *,
+        settings: JudgeSettings | None = None,
+    ):
+        s = settle(JudgeSettings, settings, {"delta": delta, "k": k, "max_gap": max_gap})
+        s = self.settings = dataclasses.replace(s, delta=self.HEAD.threshold_for(s.delta, None))  # type: ignore[union-attr]
+        super().__init__(s.k)
+        self.head, self.delta, self.max_gap = head, s.delta, s.max_gap
         self.signals = tuple(getattr(head, "signals", ()))
         self._dtype = next(head.parameters()).dtype
         self._device = next(head.parameters()).device
@@ -70,7 +80,7 @@ class Judge(Policy):
 
     @classmethod
     def from_settings(cls, s, pair=None, head=None, costs=None) -> Policy:
-        policy = cls(head.module, cls.HEAD.threshold_for(s.delta, head), s.k, s.max_gap)
+        policy = cls(head.module, cls.HEAD.threshold_for(s.delta, head), settings=s)
         policy.head_file = s.head
         return policy
 

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping, TypeVar
 
 from specheads.errors import UserError
 
@@ -114,6 +115,34 @@ class Settings:
         problems = [*self.problems(keys), *extra]
         if problems:
             raise UserError("; ".join(problems))
+
+
+class Unset:
+    """A constructor argument left out: the policy's Settings give its value (written there once)."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = Unset()
+S = TypeVar("S", bound=Settings)
+
+
+def settle(
+    cls: type[S],
+    settings: S | None,
+    given: Mapping[str, Any],
+    extra: Callable[[S], list[str]] | None = None,
+    keys: Mapping[str, str] | None = None,
+) -> S:
+    """A policy's settings: ``settings`` (default: ``cls()``, the defaults) with the constructor's ``given``
+    arguments that were passed over it, checked (with ``extra(settings)``: what the constructor's other
+    arguments make of them, e.g. ``stop=cost`` without a cost table; ``keys``: the constructor's names of
+    settings it spells otherwise)."""
+    passed = {k: v for k, v in given.items() if not isinstance(v, Unset)}
+    out = dataclasses.replace(settings if settings is not None else cls(), **passed)
+    out.check(*(extra(out) if extra else []), keys=keys)
+    return out
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -11,7 +12,7 @@ from specheads.export.shim.costs.cost_rules import DraftGate, draft_more
 from specheads.export.shim.costs.cost_table import CostTable
 from specheads.export.shim.policies.base import Policy, Round
 from specheads.export.shim.policies.baselines import STOP, _Gated, cost_problems, gate_problems
-from specheads.export.shim.policies.settings import Check, HeadSpec, Settings, bounds
+from specheads.export.shim.policies.settings import UNSET, Check, HeadSpec, Settings, bounds, settle
 from specheads.heads.acceptance_head import distribution_signals, signal_values
 
 POSITIONS = ("own", "previous")  # which draft state the head was trained to read (see SpecDecPP)
@@ -92,23 +93,27 @@ class SpecDecPP(_Gated):
     def __init__(
         self,
         head: torch.nn.Module,
-        threshold: float = 0.7,
-        k_min: int = 2,
-        k_max: int = 20,
+        threshold: float | None = UNSET,
+        k_min: int = UNSET,
+        k_max: int = UNSET,
         position: str = "own",
-        stop: str = "threshold",
+        stop: str = UNSET,
         costs: CostTable | None = None,
-        gate: bool = False,
+        gate: bool = UNSET,
+        *,
+        settings: SpecDecPPSettings | None = None,
     ):
         bad = [] if position in POSITIONS else [f"head feature position {position!r}: expected own or previous"]
-        SpecDecPPSettings(None, threshold, k_min, k_max, stop, gate).check(*bad, *cost_problems(stop, costs))
-        super().__init__(k_max)
-        self.gate = DraftGate(costs) if gate else None
-        self.head, self.threshold, self.k_min = head, threshold, k_min
+        given = {"h": threshold, "k_min": k_min, "k_max": k_max, "stop": stop, "gate": gate}
+        s = settle(SpecDecPPSettings, settings, given, lambda s: bad + cost_problems(s.stop, costs))
+        s = self.settings = dataclasses.replace(s, h=self.HEAD.threshold_for(s.h, None))  # type: ignore[union-attr]
+        super().__init__(s.k_max)
+        self.gate = DraftGate(costs) if s.gate else None
+        self.head, self.threshold, self.k_min = head, s.h, s.k_min
         self.with_confidence = bool(getattr(head, "confidence", False))  # the head also reads log q(y)
         self.signals = tuple(getattr(head, "signals", ()))  # and these of the distribution y was drawn from
         self.stateless = getattr(head, "hidden_size", None) == 0  # a calibration of q(y): no state read
-        self.stop, self.costs = stop, costs
+        self.stop, self.costs = s.stop, costs
         self.lag = 1 if position == "own" else 0  # how many candidates behind the newest the scored one is
         self._prompt_betas = [0.0, 0]  # this prompt's scores: sum, count (stop="cost")
         self.scored = 0  # head evaluations
@@ -117,7 +122,7 @@ class SpecDecPP(_Gated):
     @classmethod
     def from_settings(cls, s, pair=None, head=None, costs=None) -> Policy:
         position = head.metadata.get("feature", {}).get("position", "own")
-        policy = cls(head.module, cls.HEAD.threshold_for(s.h, head), s.k_min, s.k_max, position, s.stop, costs, s.gate)
+        policy = cls(head.module, cls.HEAD.threshold_for(s.h, head), position=position, costs=costs, settings=s)
         policy.head_file = s.head
         return policy
 

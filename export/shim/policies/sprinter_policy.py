@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from specheads.export.shim.policies.base import Policy, Round, Verdict, standard_verify
-from specheads.export.shim.policies.settings import Check, HeadSpec, Settings
+from specheads.export.shim.policies.settings import UNSET, Check, HeadSpec, Settings, settle
 
 FEATURES = ("previous", "previous+embedding", "current")
 
@@ -65,17 +65,21 @@ class Sprinter(Policy):
     def __init__(
         self,
         head: torch.nn.Module,
-        eta: float = 0.5,
-        max_run: int | None = 20,
+        eta: float | None = UNSET,
+        max_run: int | None = UNSET,
         feature: str = "previous",
         embedding: torch.nn.Module | None = None,
+        *,
+        settings: SprinterSettings | None = None,
     ):
         bad = [] if feature in FEATURES else [f"verifier feature {feature!r}: expected one of {list(FEATURES)}"]
         if feature == "previous+embedding" and embedding is None:
             bad.append("feature previous+embedding needs the draft's input embedding")
-        SprinterSettings(None, eta, max_run).check(*bad)
+        s = settle(SprinterSettings, settings, {"eta": eta, "max_run": max_run}, lambda _: bad)
+        s = self.settings = dataclasses.replace(s, eta=self.HEAD.threshold_for(s.eta, None))  # type: ignore[union-attr]
+        max_run = s.max_run
         super().__init__(1 << 30 if max_run is None else max_run + 1 + (feature == "current"))
-        self.head, self.eta, self.max_run, self.feature, self.embedding = head, eta, max_run, feature, embedding
+        self.head, self.eta, self.max_run, self.feature, self.embedding = head, s.eta, max_run, feature, embedding
         self.lag = 1 if feature == "current" else 0
         self.verifier_calls = 0  # this prompt's
         self.decisions: list[tuple[int, int, bool]] = []  # this prompt's (position, token, approved)
@@ -84,7 +88,7 @@ class Sprinter(Policy):
     def from_settings(cls, s, pair=None, head=None, costs=None) -> Policy:
         feature = head.metadata.get("feature", {}).get("position", "previous")
         embedding = pair.draft.model.get_input_embeddings() if feature == "previous+embedding" else None
-        policy = cls(head.module, cls.HEAD.threshold_for(s.eta, head), s.max_run, feature, embedding)
+        policy = cls(head.module, cls.HEAD.threshold_for(s.eta, head), feature=feature, embedding=embedding, settings=s)
         policy.head_file = s.head
         return policy
 

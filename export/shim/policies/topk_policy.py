@@ -8,7 +8,7 @@ import torch
 
 from specheads.export.shim.core.sampling import probs_from_logits, sample
 from specheads.export.shim.policies.base import Policy, Round, Verdict
-from specheads.export.shim.policies.settings import Check, K, Settings
+from specheads.export.shim.policies.settings import UNSET, Check, K, Settings, settle
 
 
 @dataclass
@@ -44,14 +44,18 @@ class TopKVerify(Policy):
     lossless = False
     Settings = TopKSettings
 
-    def __init__(self, k: int = 4, top_k: int = 2, delta: float | None = None):
-        TopKSettings(k, top_k, delta).check(keys={"verify_top_k": "top_k", "verify_delta": "delta"})
-        super().__init__(k)
-        self.top_k, self.delta = top_k, delta
+    def __init__(
+        self, k: int = UNSET, top_k: int = UNSET, delta: float | None = UNSET, *, settings: TopKSettings | None = None
+    ):
+        given = {"k": k, "verify_top_k": top_k, "verify_delta": delta}
+        keys = {"verify_top_k": "top_k", "verify_delta": "delta"}
+        s = self.settings = settle(TopKSettings, settings, given, keys=keys)
+        super().__init__(s.k)
+        self.top_k, self.delta = s.verify_top_k, s.verify_delta
 
     @classmethod
     def from_settings(cls, s, pair=None, head=None, costs=None) -> Policy:
-        return cls(s.k, s.verify_top_k, s.verify_delta)
+        return cls(settings=s)
 
     def describe(self) -> dict:
         return {"k": self.k, "verify_top_k": self.top_k} | (

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from specheads.export.shim.costs.cost_table import CostTable
 from specheads.export.shim.policies.base import Policy
 from specheads.export.shim.policies.baselines import STOP, cost_problems
-from specheads.export.shim.policies.settings import Check, K, Settings
+from specheads.export.shim.policies.settings import UNSET, Check, K, Settings, settle
 
 
 @dataclass
@@ -53,20 +53,24 @@ class EagleTree(Policy):
     models = ("target",)
 
     def __init__(
-        self, k: int = 4, width: int = 3, nodes: int = 8, stop: str = "threshold", costs: CostTable | None = None
+        self,
+        k: int = UNSET,
+        width: int = UNSET,
+        nodes: int = UNSET,
+        stop: str = UNSET,
+        costs: CostTable | None = None,
+        *,
+        settings: TreeSettings | None = None,
     ):
-        TreeSettings(k, width, nodes, stop).check(
-            *cost_problems(stop, costs), keys={"tree_width": "width", "tree_nodes": "nodes"}
-        )
-        super().__init__(k)
-        self.width, self.nodes, self.stop, self.costs = width, nodes, stop, costs
+        given = {"k": k, "tree_width": width, "tree_nodes": nodes, "stop": stop}
+        keys = {"tree_width": "width", "tree_nodes": "nodes"}
+        s = self.settings = settle(TreeSettings, settings, given, lambda s: cost_problems(s.stop, costs), keys)
+        super().__init__(s.k)
+        self.width, self.nodes, self.stop, self.costs = s.tree_width, s.tree_nodes, s.stop, costs
 
     @classmethod
     def from_settings(cls, s, pair=None, head=None, costs=None) -> Policy:
-        return cls(s.k, s.tree_width, s.tree_nodes, s.stop, costs)
-
-    def describe(self) -> dict:
-        return {"k": self.k, "tree_width": self.width, "tree_nodes": self.nodes, "stop": self.stop}
+        return cls(costs=costs, settings=s)
 
     def max_candidates(self) -> int:
         return self.nodes
