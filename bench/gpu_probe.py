@@ -133,7 +133,18 @@ def row_proposer() -> str:
 def eagle_ttt_memory() -> str:
     from specheads.heads.eagle_head import EagleHead, unrolled_forward
 
-    head = EagleHead(4096, [2, 16, 29], 32000, 128256, 32, 8, 128, 14336, 1e-5, 5e5).to("cuda", torch.bfloat16)
+    head = EagleHead(
+        hidden_size=4096,
+        layers=[2, 16, 29],
+        draft_vocab_size=32000,
+        vocab_size=128256,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        rms_norm_eps=1e-5,
+        rope_theta=5e5,
+    ).to("cuda", torch.bfloat16)
     res = {}
     for t in (512, 1024, 2048):
         torch.cuda.empty_cache()

@@ -64,24 +64,12 @@ def make_random_head(path: Path, target_dir: Path, draft_vocab: int, seed: int) 
     from transformers import AutoConfig
 
     from specheads.export import save_head
-    from specheads.heads import EagleHead
+    from specheads.heads import EagleConfig, EagleHead
 
     c = AutoConfig.from_pretrained(target_dir)
     n = c.num_hidden_layers
-    rope = getattr(c, "rope_theta", None) or (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     torch.manual_seed(seed)
-    head = EagleHead(
-        c.hidden_size,
-        [2, n // 2, n - 3],
-        draft_vocab,
-        c.vocab_size,
-        c.num_attention_heads,
-        c.num_key_value_heads,
-        getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        c.intermediate_size,
-        c.rms_norm_eps,
-        float(rope),
-    )
+    head = EagleHead(EagleConfig.for_target(c, [2, n // 2, n - 3], draft_vocab))
     meta = {
         "head_config": head.config(),
         "hidden_size": c.hidden_size,
@@ -156,7 +144,7 @@ def check_drafts(
                 cos, sin = head.rope(pos + j)
                 q, key, v = head.qkv(embed(tok), h, cos, sin)
                 qs.append(q), ks.append(key), vs.append(v)
-                h = head.finish(unrolled_attention(qs, ks, vs, None), h)
+                h = head.finish(unrolled_attention(head, qs, ks, vs, None), h)
                 tok = head.vocab_ids[head.logits(h).argmax(-1)]
                 ref.append(tok[0])
         ref = torch.stack(ref, -1).tolist()  # [row t][step]

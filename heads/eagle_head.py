@@ -13,13 +13,89 @@ head rolls its own state forward for as many steps as it drafts.
 The layout is the speculators / vLLM ``Eagle3`` one (``layers.0.*``, ``fc``, ``norm``, ``lm_head``),
 so ``heads-export format=speculators`` only renames the vocabulary mapping. The token embedding is
 the target's (never stored here); attention and its cache live with the caller (training unrolls
-the steps with :meth:`EagleHead.qkv` and :meth:`EagleHead.finish`; decoding keeps a KV cache).
+the steps with :meth:`EagleHead.qkv` and :meth:`EagleHead.finish`; decoding keeps a KV cache), and every
+caller attends through :meth:`EagleHead.attend`. Its shape is an :class:`EagleConfig`, saved in the exported
+head's metadata as ``head_config``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+from specheads.errors import UserError
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """The EAGLE head's architecture: what it reads of the target, the shape of its one decoder layer and its
+    output vocabulary. Saved in the exported metadata as ``head_config`` (:meth:`to_dict`) and read back by
+    :class:`EagleHead` (``EagleHead(**head_config)``).
+
+    Attributes:
+        hidden_size: the target's width ``d`` (the head's too).
+        layers: the target's ``hidden_states`` indices it fuses (low, middle, high: ``fc`` is ``len(layers) * d``
+            wide).
+        draft_vocab_size: rows of the pruned output layer (the FR-Spec subset); ``vocab_size`` for the whole one.
+        vocab_size: the target's vocabulary size.
+        num_heads, num_kv_heads, head_dim, intermediate_size: the decoder layer's shape (the target's).
+        rms_norm_eps, rope_theta: as the target's.
+    """
+
+    hidden_size: int
+    layers: list[int]
+    draft_vocab_size: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", [int(i) for i in self.layers])
+        problems = [
+            f"{k}={getattr(self, k)} must be >= 1"
+            for k in ("hidden_size", "draft_vocab_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim")
+            if getattr(self, k) < 1
+        ]
+        if not self.layers or min(self.layers) < 0:
+            problems.append(f"layers={self.layers}: the head reads at least one target layer, indices >= 0")
+        if self.draft_vocab_size > self.vocab_size:
+            problems.append(f"draft_vocab_size={self.draft_vocab_size} is larger than vocab_size={self.vocab_size}")
+        if self.num_kv_heads >= 1 and self.num_heads % self.num_kv_heads:
+            problems.append(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if problems:
+            raise UserError("EAGLE head config: " + "; ".join(problems))
+
+    @classmethod
+    def for_target(cls, config, layers: list[int], draft_vocab_size: int, vocab_size: int | None = None) -> EagleConfig:
+        """The head of a Hugging Face Llama-style target ``config`` reading ``layers``, with an output layer of
+        ``draft_vocab_size`` rows (``vocab_size``: the target's embedding rows, when they differ from the
+        config's count)."""
+        heads = config.num_attention_heads
+        params = getattr(config, "rope_parameters", None) or {}
+        theta = params.get("rope_theta") if isinstance(params, dict) else None
+        return cls(
+            hidden_size=config.hidden_size,
+            layers=list(layers),
+            draft_vocab_size=draft_vocab_size,
+            vocab_size=vocab_size or config.vocab_size,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            intermediate_size=config.intermediate_size,
+            rms_norm_eps=float(config.rms_norm_eps),
+            rope_theta=float(theta or getattr(config, "rope_theta", None) or 10000.0),
+        )
+
+    def to_dict(self) -> dict:
+        """The ``head_config`` an exported head records."""
+        return dataclasses.asdict(self)
 
 
 class RMSNorm(nn.Module):
@@ -69,58 +145,27 @@ class DecoderLayer(nn.Module):
 
 
 class EagleHead(nn.Module):
-    """The draft head; its constructor arguments are its exported ``head_config``.
+    """The draft head of an :class:`EagleConfig` (given whole, or as its fields: ``EagleHead(**head_config)``)."""
 
-    Args:
-        hidden_size: the target's width ``d`` (the head's too).
-        layers: the target's ``hidden_states`` indices it reads (low, middle, high).
-        draft_vocab_size: rows of the pruned output layer.
-        vocab_size: the target's vocabulary size.
-        num_heads, num_kv_heads, head_dim, intermediate_size: the decoder layer's shape.
-        rms_norm_eps, rope_theta: as the target's.
-    """
-
-    def __init__(
-        self,
-        hidden_size: int,
-        layers: list[int],
-        draft_vocab_size: int,
-        vocab_size: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        intermediate_size: int,
-        rms_norm_eps: float = 1e-5,
-        rope_theta: float = 10000.0,
-    ):
+    def __init__(self, config: EagleConfig | None = None, **fields):
         super().__init__()
-        self.hidden_size, self.layer_ids = hidden_size, [int(i) for i in layers]
-        self.draft_vocab_size, self.vocab_size = draft_vocab_size, vocab_size
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.intermediate_size, self.rms_norm_eps, self.rope_theta = intermediate_size, rms_norm_eps, rope_theta
-        self.fc = nn.Linear(len(self.layer_ids) * hidden_size, hidden_size, bias=False)
+        c = self.cfg = config if config is not None else EagleConfig(**fields)
+        self.hidden_size, self.layer_ids = c.hidden_size, list(c.layers)
+        self.draft_vocab_size, self.vocab_size = c.draft_vocab_size, c.vocab_size
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.intermediate_size, self.rms_norm_eps, self.rope_theta = c.intermediate_size, c.rms_norm_eps, c.rope_theta
+        self.fc = nn.Linear(len(self.layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.layers = nn.ModuleList(
-            [DecoderLayer(hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, rms_norm_eps)]
+            [DecoderLayer(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)]
         )
-        self.norm = RMSNorm(hidden_size, rms_norm_eps)
-        self.lm_head = nn.Linear(hidden_size, draft_vocab_size, bias=False)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         # vocab_ids[i]: the target id of output row i (sorted, so the mapping is monotone)
-        self.register_buffer("vocab_ids", torch.arange(draft_vocab_size, dtype=torch.long))
+        self.register_buffer("vocab_ids", torch.arange(c.draft_vocab_size, dtype=torch.long))
 
     def config(self) -> dict:
-        """Constructor arguments, stored in exported metadata (``head_config``)."""
-        return {
-            "hidden_size": self.hidden_size,
-            "layers": self.layer_ids,
-            "draft_vocab_size": self.draft_vocab_size,
-            "vocab_size": self.vocab_size,
-            "num_heads": self.num_heads,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-        }
+        """Its :class:`EagleConfig`, as the exported metadata's ``head_config``."""
+        return self.cfg.to_dict()
 
     @property
     def layer(self) -> DecoderLayer:
@@ -152,6 +197,13 @@ class EagleHead(nn.Module):
             cos, sin = cos[:, None], sin[:, None]
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The decoder layer's attention, ``[B, heads, S, hd]``, of queries ``q`` over keys/values ``k``, ``v``
+        ``[B, kv_heads, L, hd]`` under the boolean ``mask`` (True = attend; None: every key): the one place it
+        is computed, for training (:func:`unrolled_attention`), the KV-cached drafter and the batched one."""
+        gqa = self.num_kv_heads != self.num_heads
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
     def finish(self, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """The head's state ``a`` ``[B, S, d]`` (before the final norm) from the attention output
         ``[B, heads, S, hd]`` and the input state ``h`` (the residual stream starts at ``h``)."""
@@ -177,18 +229,23 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def unrolled_attention(
-    qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor], key_mask: torch.Tensor | None
+    head: EagleHead,
+    qs: list[torch.Tensor],
+    ks: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    key_mask: torch.Tensor | None,
 ) -> torch.Tensor:
     """Training-time test attention of step ``j = len(qs)`` (EAGLE-3): row ``t``'s query sees the first
     step's keys at positions ``<= t`` (the states the target fed) and, of every later step, only its own
     row's key (what it drafted itself on the way), as it does while decoding.
 
-    One :func:`torch.nn.functional.scaled_dot_product_attention` call over the steps' keys joined along the
+    One :meth:`EagleHead.attend` call over the steps' keys joined along the
     sequence (``j * T`` keys) under a boolean mask: causal over the first step's, the diagonal of every later
     step's. The ``[B, heads, T, T]`` scores are left to the kernel (which need not hold them); the mask is
     ``[T, j*T]`` (``[B, 1, T, j*T]`` with a ``key_mask``).
 
     Args:
+        head: the head whose attention it is (:meth:`EagleHead.attend`).
         qs, ks, vs: per step so far, ``[B, heads, T, hd]`` queries (only the last is used) and
             ``[B, kv_heads, T, hd]`` keys/values.
         key_mask: ``[B, T]`` bool, False at padding (None: no padding); it masks the first step's keys only.
@@ -206,8 +263,7 @@ def unrolled_attention(
     mask = torch.cat([first, *[own] * (steps - 1)], dim=-1)  # [T, steps*T] or [B, 1, T, steps*T]
     k = torch.cat(ks, dim=2) if steps > 1 else ks[0]
     v = torch.cat(vs, dim=2) if steps > 1 else vs[0]
-    gqa = q.shape[1] != k.shape[1]
-    return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return head.attend(q, k, v, mask)
 
 
 def unrolled_forward(
@@ -237,6 +293,6 @@ def unrolled_forward(
         qs.append(q)
         ks.append(k)
         vs.append(v)
-        h = head.finish(unrolled_attention(qs, ks, vs, key_mask), h)
+        h = head.finish(unrolled_attention(head, qs, ks, vs, key_mask), h)
         out.append(head.logits(h[sel]))
     return out

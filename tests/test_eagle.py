@@ -45,7 +45,18 @@ def target_model(vocab: int = 40, seed: int = 0, init: float = 0.3):
 def eagle_head(vocab: int = 40, ids=None, seed: int = 1, scale: float = 0.3) -> EagleHead:
     ids = list(range(vocab)) if ids is None else ids
     torch.manual_seed(seed)
-    head = EagleHead(32, LAYERS, len(ids), vocab, 4, 2, 8, 64, 1e-6, 10000.0)
+    head = EagleHead(
+        hidden_size=32,
+        layers=LAYERS,
+        draft_vocab_size=len(ids),
+        vocab_size=vocab,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+    )
     with torch.no_grad():
         for p in head.parameters():
             if p.dim() == 2:
@@ -77,7 +88,19 @@ def test_a_layer_past_the_depth_is_a_user_error():
     with pytest.raises(UserError, match="decoder layers"):
         FusedRunner(target_model(), aux=[1, 4])
     with pytest.raises(UserError, match="another target"):
-        Engine(target_model(), eagle=EagleHead(32, [1, 9], 8, 40, 4, 2, 8, 64))
+        Engine(
+            target_model(),
+            eagle=EagleHead(
+                hidden_size=32,
+                layers=[1, 9],
+                draft_vocab_size=8,
+                vocab_size=40,
+                num_heads=4,
+                num_kv_heads=2,
+                head_dim=8,
+                intermediate_size=64,
+            ),
+        )
 
 
 @torch.no_grad()
@@ -169,3 +192,27 @@ def test_the_chi_square_catches_a_broken_rule_with_the_head(monkeypatch):
     """The correction drawn from p instead of the residual: the same test must fail."""
     monkeypatch.setattr(sd_rule.base, "residual", lambda p, q: p)
     assert sampled_pvalue() < 1e-6
+
+
+def test_the_heads_config_is_typed_checked_and_what_its_metadata_records():
+    from types import SimpleNamespace
+
+    from specheads.errors import UserError
+    from specheads.heads import EagleConfig
+
+    target = SimpleNamespace(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=40,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_theta": 5e5},
+    )
+    cfg = EagleConfig.for_target(target, [1, 9], 8)
+    assert (cfg.head_dim, cfg.rope_theta, cfg.layers) == (8, 5e5, [1, 9])
+    head = EagleHead(cfg)
+    assert head.config() == cfg.to_dict() and EagleHead(**head.config()).cfg == cfg  # how a saved head loads
+    assert head.fc.in_features == 2 * 32 and head.lm_head.out_features == 8
+    with pytest.raises(UserError, match="draft_vocab_size=50 is larger than vocab_size=40.*not a multiple"):
+        EagleConfig.for_target(SimpleNamespace(**{**vars(target), "num_key_value_heads": 3}), [1], 50)

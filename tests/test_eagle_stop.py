@@ -41,7 +41,18 @@ def eagle_file(pair, path, seed: int, fingerprint: str | None = None):
     """An EAGLE head for the tiny target (layer 1 of 2), started from the target as heads-train does."""
     model = pair.target.model
     vocab = model.config.vocab_size
-    head = EagleHead(32, [1], vocab, vocab, 4, 2, 8, 64, model.config.rms_norm_eps, 10000.0)
+    head = EagleHead(
+        hidden_size=32,
+        layers=[1],
+        draft_vocab_size=vocab,
+        vocab_size=vocab,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        rms_norm_eps=model.config.rms_norm_eps,
+        rope_theta=10000.0,
+    )
     init_from_target(head, model, list(range(vocab)), seed)
     save_head(
         path,

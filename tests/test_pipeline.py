@@ -180,7 +180,18 @@ def _eagle_head(target_dir, path):
     pair = load_pair(ModelSpec(path=str(target_dir), device="cpu"), None)
     model = pair.target.model
     vocab = model.config.vocab_size
-    head = EagleHead(32, [1], vocab, vocab, 4, 2, 8, 64, model.config.rms_norm_eps, 10000.0)
+    head = EagleHead(
+        hidden_size=32,
+        layers=[1],
+        draft_vocab_size=vocab,
+        vocab_size=vocab,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        rms_norm_eps=model.config.rms_norm_eps,
+        rope_theta=10000.0,
+    )
     init_from_target(head, model, list(range(vocab)), 0)
     save_head(
         path,

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from specheads.checkpoint_tensors import TargetCheckpoint, from_model
 from specheads.datagen.cli import main as datagen_main
 from specheads.export.shim import ModelSpec, load_model
-from specheads.heads.eagle_head import unrolled_attention
+from specheads.heads.eagle_head import EagleHead, unrolled_attention
 from specheads.train.cli import main as train_main
 from specheads.train.drafter_data import DrafterData
 
@@ -110,7 +110,17 @@ def test_sdpa_attention_equals_the_explicit_scores_and_their_gradients(steps, pa
         mask = torch.ones(b, t, dtype=torch.bool)
         mask[0, 5:] = False
         mask[1, 2] = False
-    want, got = _reference_attention(qs, ks, vs, mask), unrolled_attention(qs, ks, vs, mask)
+    head = EagleHead(
+        hidden_size=h * hd,
+        layers=[1],
+        draft_vocab_size=4,
+        vocab_size=4,
+        num_heads=h,
+        num_kv_heads=kv,
+        head_dim=hd,
+        intermediate_size=8,
+    )
+    want, got = _reference_attention(qs, ks, vs, mask), unrolled_attention(head, qs, ks, vs, mask)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # the old path's softmax ran in fp32
     w = torch.randn(want.shape, generator=g, dtype=torch.float64)
     grads_want = torch.autograd.grad((want * w).sum(), qs[-1:] + ks + vs)
@@ -118,7 +128,9 @@ def test_sdpa_attention_equals_the_explicit_scores_and_their_gradients(steps, pa
     for a, c in zip(grads_got, grads_want):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
     f32 = [[x.detach().float() for x in xs] for xs in (qs, ks, vs)]
-    torch.testing.assert_close(unrolled_attention(*f32, mask), _reference_attention(*f32, mask), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        unrolled_attention(head, *f32, mask), _reference_attention(*f32, mask), rtol=1e-5, atol=1e-5
+    )
 
 
 def _tied_dir(tmp_path, tokenizer):

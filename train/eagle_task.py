@@ -18,7 +18,7 @@ import torch
 from specheads.checkpoint_tensors import TargetCheckpoint
 from specheads.errors import UserError
 from specheads.export.shim import subset_hash
-from specheads.heads import EagleHead
+from specheads.heads import EagleConfig, EagleHead
 from specheads.outputs import atomic_write_json
 from specheads.train import eagle_data as E
 from specheads.train.config import TrainConfig
@@ -109,19 +109,8 @@ class EagleTask:
 
     def build_head(self) -> EagleHead:
         torch.manual_seed(self.cfg.seed)
-        c = self.config
-        head = EagleHead(
-            self.hidden,
-            self.layers,
-            len(self.vocab_ids),
-            self.vocab_size,
-            c.num_attention_heads,
-            getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-            getattr(c, "head_dim", None) or self.hidden // c.num_attention_heads,
-            c.intermediate_size,
-            c.rms_norm_eps,
-            _rope_theta(c),
-        )
+        config = EagleConfig.for_target(self.config, self.layers, len(self.vocab_ids), vocab_size=self.vocab_size)
+        head = EagleHead(config)
         if self.init is not None:
             head.load_state_dict(self.init)
         else:
@@ -210,9 +199,3 @@ def start_from(path: str, manifest: dict, layers: list[int]) -> tuple[dict[str, 
         )
     state = {k: v.float() if v.is_floating_point() else v for k, v in loaded.module.state_dict().items()}
     return state, state["vocab_ids"].tolist()
-
-
-def _rope_theta(config) -> float:
-    params = getattr(config, "rope_parameters", None) or {}
-    theta = params.get("rope_theta") if isinstance(params, dict) else None
-    return float(theta or getattr(config, "rope_theta", 10000.0))

@@ -16,7 +16,6 @@ as alone.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from specheads.export.shim.core.stats import count_tokens
 from specheads.export.shim.loop.drafting import take_candidate
@@ -72,13 +71,7 @@ class BatchEagleCache:
         last = torch.tensor([self.length[r] + feeds[r][0].shape[0] - 1 for r in rows], device=self.device)
         see = torch.minimum(pos, last[:, None])
         mask = torch.arange(end, device=self.device)[None, None, :] <= see[:, :, None]
-        attn = F.scaled_dot_product_attention(
-            q,
-            self.keys[idx, :, :end],
-            self.values[idx, :, :end],
-            attn_mask=mask[:, None],
-            enable_gqa=self.head.num_kv_heads != self.head.num_heads,
-        )
+        attn = self.head.attend(q, self.keys[idx, :, :end], self.values[idx, :, :end], mask[:, None])
         a = self.head.finish(attn, h)
         out = {}
         for i, r in enumerate(rows):

@@ -4,7 +4,6 @@ cost table times the step through here)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from specheads.export.shim.runners.kernels import route
 
@@ -53,13 +52,7 @@ class EagleCache:
             self._alloc(max(end, 2 * self.capacity))
         q, k, v = self.head.qkv(emb, h, self.cos[positions], self.sin[positions])
         self.keys[:, :, start:end], self.values[:, :, start:end] = k, v
-        attn = F.scaled_dot_product_attention(
-            q,
-            self.keys[:, :, :end],
-            self.values[:, :, :end],
-            attn_mask=mask,
-            enable_gqa=self.head.num_kv_heads != self.head.num_heads,
-        )
+        attn = self.head.attend(q, self.keys[:, :, :end], self.values[:, :, :end], mask)
         self.length = end
         return self.head.finish(attn, h)
 
