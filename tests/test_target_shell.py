@@ -11,6 +11,7 @@ from specheads import plan_memory
 from specheads.config import load_config
 from specheads.datagen.cli import _load
 from specheads.datagen.config import DatagenConfig
+from specheads.datagen.engines import runtime_of
 from specheads.datagen.registry import labeller
 from specheads.export.shim import ModelSpec, context_length, eos_ids, final_norm, load_model
 from specheads.target_shell import load_shell, load_target
@@ -88,6 +89,6 @@ def test_the_plan_counts_no_target_weights_beside_vllm_for_a_family_that_needs_n
 def test_datagen_loads_the_target_whole_only_for_its_own_engine(tiny_pair_dirs, tmp_path, engine, weights):
     argv = [*pair_args(tiny_pair_dirs), "labels=drafter", f"engine={engine}", f"output_dir={tmp_path}"]
     cfg = load_config(DatagenConfig, "datagen", argv)
-    job = _load(cfg, labeller("drafter"))
+    job = _load(cfg, labeller("drafter"), runtime_of(cfg))
     assert bool(_real(job.pair.target.model)) is weights
     assert job.pair.target.device == torch.device("cpu") and job.eos == [2] and job.limit == 256

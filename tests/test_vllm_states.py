@@ -137,7 +137,8 @@ def test_judge_features_and_sprinters_logits_from_states_are_the_transformers_ta
         {"input_ids": s, "answer_start": 1, "labels": [-1 if j % 3 else j % 2 for j in range(len(s) - 1)]} for s in seqs
     ]
     got, want = vllm_states.judge_features(job, rows), target_features(model, rows, pad=0, batch_size=2)
-    assert got[2:] == want[2:] and torch.equal(got[1], want[1]) and relative(got[0], want[0]) < 1e-3
+    assert got[2:4] == want[2:4] and torch.equal(got[1], want[1]) and relative(got[0], want[0]) < 1e-3
+    torch.testing.assert_close(got[4], want[4], rtol=1e-3, atol=1e-3)  # the target's verdicts: logp, gap, entropy, rank
     positions = [[1, 4, 7], [3], [2, 5]]
     for a, b in zip(vllm_states.target_logits(job, seqs, positions), logits_at(model, seqs, positions, pad=0)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
