@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from specheads.engines import engine_of
 from specheads.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -113,8 +114,8 @@ def start(cfg, out: Path, eos: list[int], prompts: list[list[int]], local_rank: 
 
 
 def server_for(cfg) -> TargetServer | None:
-    """The running server of the run writing to ``cfg.output_dir`` (None: none started, as under engine=specheads)."""
-    return _SERVERS.get(str(Path(cfg.output_dir).resolve()))
+    """The running server of the run writing to ``cfg.output_dir`` (None: an engine of this package's own)."""
+    return _SERVERS.get(str(Path(cfg.output_dir).resolve())) if engine_of(cfg).own_python else None
 
 
 def stop(out: Path) -> None:

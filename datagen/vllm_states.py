@@ -175,12 +175,6 @@ def server(cfg, job, local_rank: int = 0) -> StatesServer | None:
     return StatesServer(cfg, job.limit, local_rank)
 
 
-def close(job) -> None:
-    """Ends the run's states server, if it has one."""
-    if job.states is not None:
-        job.states.close()
-
-
 def drafter_states(job, seqs: list[list[int]], layers: list[int], responses: list[int], top_k: int):
     """Per sequence (prompt + response, the response ``responses[i]`` tokens long): the stream entering
     ``layers`` at every position, ``[T, len(layers) * d]`` fp16, the target's top ``top_k`` at each response

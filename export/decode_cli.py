@@ -61,8 +61,11 @@ def _check(cfg: DecodeConfig):
         problems.append(f"num_prompts={cfg.num_prompts} must be >= 1 (or unset for all)")
     if cfg.batch_size < 1:
         problems.append(f"batch_size={cfg.batch_size} must be >= 1")
-    if engine_of(cfg).own_python:  # (an unknown engine: a one-line error)
-        problems += vllm_engine.problems(cfg, settings)
+    try:
+        if engine_of(cfg).own_python:
+            problems += vllm_engine.problems(cfg, settings)
+    except UserError as e:  # an unknown engine, named with the other problems
+        problems.append(str(e))
     if cfg.batch_size > 1 and cfg.stream:
         problems.append("stream=true prints one completion at a time: use batch_size=1")
     if problems:

@@ -46,7 +46,7 @@ class EagleConfig:
     """
 
     hidden_size: int
-    layers: list[int]
+    layers: tuple[int, ...]
     draft_vocab_size: int
     vocab_size: int
     num_heads: int
@@ -57,14 +57,14 @@ class EagleConfig:
     rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "layers", [int(i) for i in self.layers])
+        object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
         problems = [
             f"{k}={getattr(self, k)} must be >= 1"
             for k in ("hidden_size", "draft_vocab_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim")
             if getattr(self, k) < 1
         ]
         if not self.layers or min(self.layers) < 0:
-            problems.append(f"layers={self.layers}: the head reads at least one target layer, indices >= 0")
+            problems.append(f"layers={list(self.layers)}: the head reads at least one target layer, indices >= 0")
         if self.draft_vocab_size > self.vocab_size:
             problems.append(f"draft_vocab_size={self.draft_vocab_size} is larger than vocab_size={self.vocab_size}")
         if self.num_kv_heads >= 1 and self.num_heads % self.num_kv_heads:
@@ -82,7 +82,7 @@ class EagleConfig:
         theta = params.get("rope_theta") if isinstance(params, dict) else None
         return cls(
             hidden_size=config.hidden_size,
-            layers=list(layers),
+            layers=tuple(layers),
             draft_vocab_size=draft_vocab_size,
             vocab_size=vocab_size or config.vocab_size,
             num_heads=heads,
@@ -94,8 +94,8 @@ class EagleConfig:
         )
 
     def to_dict(self) -> dict:
-        """The ``head_config`` an exported head records."""
-        return dataclasses.asdict(self)
+        """The ``head_config`` an exported head records (``layers`` as a list: JSON)."""
+        return {**dataclasses.asdict(self), "layers": list(self.layers)}
 
 
 class RMSNorm(nn.Module):
@@ -149,6 +149,8 @@ class EagleHead(nn.Module):
 
     def __init__(self, config: EagleConfig | None = None, **fields):
         super().__init__()
+        if config is not None and fields:
+            raise TypeError(f"EagleHead takes a config or its fields, not both (got {sorted(fields)} too)")
         c = self.cfg = config if config is not None else EagleConfig(**fields)
         self.hidden_size, self.layer_ids = c.hidden_size, list(c.layers)
         self.draft_vocab_size, self.vocab_size = c.draft_vocab_size, c.vocab_size

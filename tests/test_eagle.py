@@ -210,7 +210,7 @@ def test_the_heads_config_is_typed_checked_and_what_its_metadata_records():
         rope_parameters={"rope_theta": 5e5},
     )
     cfg = EagleConfig.for_target(target, [1, 9], 8)
-    assert (cfg.head_dim, cfg.rope_theta, cfg.layers) == (8, 5e5, [1, 9])
+    assert (cfg.head_dim, cfg.rope_theta, cfg.layers) == (8, 5e5, (1, 9)) and hash(cfg)
     head = EagleHead(cfg)
     assert head.config() == cfg.to_dict() and EagleHead(**head.config()).cfg == cfg  # how a saved head loads
     assert head.fc.in_features == 2 * 32 and head.lm_head.out_features == 8

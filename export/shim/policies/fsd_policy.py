@@ -116,7 +116,7 @@ class FSD(Policy):
     ):
         given = {"T": threshold, "divergence": divergence, "k": k, "fsd_top_k": fsd_top_k, "fsd_rule": rule}
         s = self.settings = settle(FSDSettings, settings, {**given, "fsd_dist": fsd_dist})
-        super().__init__(s.k if stopper is None else stopper.k)
+        super().__init__(s.k if stopper is None else stopper.k)  # a stop head's k_max (its settings hold its own)
         self.threshold, self.divergence, self.fsd_top_k = float(s.T), s.divergence, s.fsd_top_k  # type: ignore[arg-type]
         self.rule, self.fsd_dist = s.fsd_rule, s.fsd_dist
         self.stopper = stopper

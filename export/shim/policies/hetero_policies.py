@@ -109,7 +109,7 @@ class SLRS(TLI):
         lookahead: int = UNSET,
         budget: int = UNSET,
         *,
-        settings: SLRSSettings | None = None,  # type: ignore[override]
+        settings: SLRSSettings | None = None,
     ):
         given = {"k": k, "lookbehind": lookbehind, "lookahead": lookahead, "budget": budget}
         s = self.settings = settle(SLRSSettings, settings, given)
