@@ -6,7 +6,7 @@ Run with the project's Python (vLLM in its own virtualenv: ``--vllm-python``). E
 the same prompts with ``engine=specheads`` (the Transformers target generates and scores) and ``engine=vllm``
 (vLLM generates; no Transformers target pass: :mod:`specheads.datagen.vllm_logprobs`, :mod:`.vllm_mining`):
 
-* ``acceptance_greedy`` (recipe ``specdecpp_draft_quickstart``): every row equal, at ``vllm_tensor_parallel=1``
+* ``acceptance_greedy`` (recipe ``specdecpp_draft_quickstart``): every row equal, at ``vllm.tensor_parallel=1``
   and at 3 (the shared target's 9 heads and 3 KV heads allow 1 and 3; on two cores vLLM's three workers are bound
   ``0|1|0``);
 * ``acceptance_sampled_top_k50`` (temperature 1, top-k 50: ``specdecpp_llama31_8b_70b``'s setting): vLLM's sampled
@@ -97,7 +97,7 @@ def measure(prompts: int = 4, threads: int = 2, vllm_python: str = "/work/vllm-v
     from specheads.datagen.config import DatagenConfig
 
     torch.set_num_threads(threads)
-    common = [f"num_prompts={prompts}", "offset=0", f"threads={threads}", f"vllm_threads={threads}"]
+    common = [f"num_prompts={prompts}", "offset=0", f"threads={threads}", f"vllm.threads={threads}"]
     common += [f"chunk_size={prompts}", f"batch_size={prompts}"]
     labels, speed = {}, {}
     with tempfile.TemporaryDirectory(prefix="scale-vllm-labels-") as tmp:
@@ -106,7 +106,7 @@ def measure(prompts: int = 4, threads: int = 2, vllm_python: str = "/work/vllm-v
             if must_equal or case.endswith("top_k50"):  # the whole-vocabulary case's HF run is top_k50's
                 runs["hf"] = run_datagen(recipe, [*common, *extra], Path(tmp) / f"{case}-hf")
             for tp in tps:
-                vllm = ["engine=vllm", f"vllm_python={vllm_python}", f"vllm_tensor_parallel={tp}"]
+                vllm = ["engine=vllm", f"vllm.python={vllm_python}", f"vllm.tensor_parallel={tp}"]
                 runs[f"vllm_tp{tp}"] = run_datagen(recipe, [*common, *extra, *vllm], Path(tmp) / f"{case}-vllm{tp}")
             cfg = load_config(DatagenConfig, "datagen", [f"recipe={recipe}", *common, *extra])
             for tp in tps:

@@ -112,7 +112,7 @@ def measure(prompts: int = 8, threads: int = 2, vllm_python: str = "/work/vllm-v
     from specheads.datagen.vllm_states import StatesServer
 
     torch.set_num_threads(threads)
-    common = ["offset=0", f"threads={threads}", f"vllm_threads={threads}"]
+    common = ["offset=0", f"threads={threads}", f"vllm.threads={threads}"]
     results, runs = {}, {}
     with tempfile.TemporaryDirectory(prefix="scale-vllm-states-") as tmp:
         for family, (recipe, extra) in FAMILIES.items():
@@ -121,7 +121,7 @@ def measure(prompts: int = 8, threads: int = 2, vllm_python: str = "/work/vllm-v
             got = {}
             for engine in ("specheads", "vllm"):
                 out = Path(tmp) / f"{family}-{engine}"
-                vllm = ["engine=vllm", f"vllm_python={vllm_python}"] if engine == "vllm" else []
+                vllm = ["engine=vllm", f"vllm.python={vllm_python}"] if engine == "vllm" else []
                 seconds, manifest = run_datagen(recipe, [*args, *vllm], out)
                 got[engine] = {"seconds": round(seconds, 1), "labelled_tokens": manifest["labelled_tokens"], "out": out}
             cfg = load_config(DatagenConfig, "datagen", [f"recipe={recipe}", *args])
@@ -136,7 +136,7 @@ def measure(prompts: int = 8, threads: int = 2, vllm_python: str = "/work/vllm-v
                 entry["labelled_tokens"] = g["labelled_tokens"]
             results[family], runs[family] = entry, (cfg, got["vllm"]["out"])
         cfg = runs["drafter"][0]
-        cfg.vllm_python, cfg.output_dir = vllm_python, tmp
+        cfg.vllm.python, cfg.output_dir = vllm_python, tmp
         job = _load(cfg, needs_draft=False)
         model = job.pair.target.model
         drafter_layers = layers_for(cfg, model)
@@ -153,7 +153,7 @@ def measure(prompts: int = 8, threads: int = 2, vllm_python: str = "/work/vllm-v
         finally:
             server.close()
         if tp > 1:  # on a CPU the workers share its cores (vllm_job.cpu_binding): slow, so one sequence only
-            cfg.vllm_tensor_parallel = tp
+            cfg.vllm.tensor_parallel = tp
             server = StatesServer(cfg, job.limit)
             try:
                 seqs = [r["input_ids"] for r in rows(runs["drafter"][1])][:1]

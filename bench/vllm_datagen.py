@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         "--vllm-batch",
         type=int,
         default=256,
-        help="vLLM's max_num_seqs (heads-datagen engine=vllm's vllm_max_num_seqs)",
+        help="vLLM's max_num_seqs (heads-datagen engine=vllm's vllm.max_num_seqs)",
     )
     ap.add_argument(
         "--vllm-batches",
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     from specheads.datagen.cli import _load
     from specheads.datagen.config import DatagenConfig
     from specheads.export.shim.runners.models import ModelSpec
+    from specheads.vllm_options import DatagenVllm
 
     torch.set_num_threads(args.threads)
     cfg = DatagenConfig(
@@ -128,8 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         max_new_tokens=args.max_new,
         batch_size=args.batch,
         engine="vllm",
-        vllm_python=args.vllm_python,
-        vllm_threads=args.threads,
+        vllm=DatagenVllm(python=args.vllm_python, threads=args.threads),
     )
     job = _load(cfg, needs_draft=False)
     ids = job.prompt_ids(prompts(args))

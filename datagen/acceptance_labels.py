@@ -229,7 +229,7 @@ def label_responses(
                 p_logits = None
             elif not cfg.sampling.do_sample:
                 p_logits = [torch.tensor(r, device=pair.target.output_device) for r in responses]
-            else:  # None when the run asked vLLM for no log-probabilities (vllm_logprobs=false)
+            else:  # None when the run asked vLLM for no log-probabilities (vllm.logprobs=false)
                 p_logits = vllm_logprobs.target_logits(job, keys, pair.target.output_device)
         p_all, q_all, rows = teacher_forced_pair(pair.target.model, pair.draft.model, ids, responses, job.pad, p_logits)
         ok = [a and v for a, v in zip(finite_rows(p_all, q_all, rows), vllm_ok)]
@@ -288,7 +288,7 @@ class AcceptanceLabeller(Labeller):
 
     def target_under_vllm(self, cfg) -> str:
         # greedy: p is the response token itself; sampled: vLLM's log-probabilities (unless turned off)
-        return "config" if not cfg.sampling.do_sample or cfg.vllm_logprobs else "model"
+        return "config" if not cfg.sampling.do_sample or cfg.vllm.logprobs else "model"
 
     def label_chunk(self, job: Job, items: list, chunk: int) -> Labelled:
         return label_responses(job, items, chunk)

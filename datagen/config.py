@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from specheads.export.shim import ModelSpec, SamplingConfig
 from specheads.plan_inputs import PLAN_HELP
+from specheads.vllm_options import DatagenVllm
 
 PROG = "heads-datagen"
 
@@ -198,59 +199,8 @@ class DatagenConfig:
             )
         },
     )
-    vllm_python: str | None = field(
-        default=None,
-        metadata={"help": "engine=vllm: the python of vLLM's virtualenv (default: this one, when it has vLLM)"},
-    )
-    vllm_threads: int | None = field(
-        default=None, metadata={"help": "engine=vllm: OMP_NUM_THREADS for vLLM on a CPU (default: the machine's cores)"}
-    )
-    vllm_max_num_seqs: int = field(
-        default=256,
-        metadata={
-            "help": (
-                "engine=vllm: requests vLLM runs at once (its max_num_seqs; vLLM schedules them, "
-                "batch_size does not apply to its generation)"
-            )
-        },
-    )
-    vllm_tensor_parallel: int = field(
-        default=1,
-        metadata={
-            "help": (
-                "engine=vllm: GPUs vLLM splits the target over (its tensor_parallel_size); under "
-                "accelerate launch each process is one data-parallel vLLM on its own "
-                "vllm_tensor_parallel GPUs"
-            )
-        },
-    )
-    vllm_pipeline_parallel: int = field(
-        default=1,
-        metadata={
-            "help": (
-                "engine=vllm: pipeline stages vLLM splits the target's layers over (its "
-                "pipeline_parallel_size); a process uses vllm_tensor_parallel x vllm_pipeline_parallel GPUs"
-            )
-        },
-    )
-    vllm_executor_backend: str | None = field(
-        default=None,
-        metadata={
-            "help": (
-                "engine=vllm: vLLM's distributed_executor_backend: mp (one node) | ray (several nodes) | uni | "
-                "external_launcher; null: vLLM's choice"
-            )
-        },
-    )
-    vllm_logprobs: bool = field(
-        default=True,
-        metadata={
-            "help": (
-                "engine=vllm, sampled acceptance: the target's log-probabilities come from vLLM (the top "
-                "sampling.top_k per token, or the whole vocabulary without top-k: exact either way) and no "
-                "Transformers target pass runs; false: the Transformers target scores vLLM's responses"
-            )
-        },
+    vllm: DatagenVllm = field(
+        default_factory=DatagenVllm, metadata={"help": "engine=vllm: how vLLM runs the target (vllm.tensor_parallel=8)"}
     )
     threads: int | None = field(
         default=None,

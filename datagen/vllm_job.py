@@ -53,37 +53,19 @@ def device_slice(local_rank: int, tp: int, visible: list[str]) -> list[str]:
     if lo + tp > len(visible):
         raise UserError(
             f"engine=vllm: local process {local_rank} needs GPUs {lo}..{lo + tp - 1} "
-            f"(vllm_tensor_parallel={tp}) but {len(visible)} are visible; start fewer processes"
+            f"(vllm.tensor_parallel={tp}) but {len(visible)} are visible; start fewer processes"
         )
     return visible[lo : lo + tp]
-
-
-EXECUTOR_BACKENDS = ("mp", "ray", "uni", "external_launcher")
 
 
 def parallel_header(cfg) -> dict:
     """The vLLM child's parallelism: ``tensor_parallel``, ``pipeline_parallel`` and ``executor_backend`` (None:
     vLLM's choice, ``mp`` on one node; ``ray`` spans nodes)."""
     return {
-        "tensor_parallel": cfg.vllm_tensor_parallel,
-        "pipeline_parallel": cfg.vllm_pipeline_parallel,
-        "executor_backend": cfg.vllm_executor_backend,
+        "tensor_parallel": cfg.vllm.tensor_parallel,
+        "pipeline_parallel": cfg.vllm.pipeline_parallel,
+        "executor_backend": cfg.vllm.executor_backend,
     }
-
-
-def parallel_problems(cfg) -> list[str]:
-    """One line per invalid parallelism setting of ``engine=vllm``."""
-    out = [
-        f"{key}={getattr(cfg, key)} must be >= 1"
-        for key in ("vllm_tensor_parallel", "vllm_pipeline_parallel")
-        if getattr(cfg, key) < 1
-    ]
-    if cfg.vllm_executor_backend is not None and cfg.vllm_executor_backend not in EXECUTOR_BACKENDS:
-        out.append(
-            f"vllm_executor_backend={cfg.vllm_executor_backend!r}: choose {', '.join(EXECUTOR_BACKENDS)} or null "
-            "(vLLM's choice)"
-        )
-    return out
 
 
 def cpu_binding(workers: int, cores: int) -> str:
@@ -114,12 +96,12 @@ def child_environment(cfg, python: str, local_rank: int) -> dict:
 
     from specheads.export.vllm_engine import environment
 
-    env = environment(python, cfg.vllm_threads)
-    workers = cfg.vllm_tensor_parallel * cfg.vllm_pipeline_parallel
+    env = environment(python, cfg.vllm.threads)
+    workers = cfg.vllm.tensor_parallel * cfg.vllm.pipeline_parallel
     if torch.cuda.is_available():
         seen = env.get("CUDA_VISIBLE_DEVICES")
         visible = seen.split(",") if seen else [str(i) for i in range(torch.cuda.device_count())]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(device_slice(local_rank, workers, visible))
     elif workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(workers, cfg.vllm_threads or os.cpu_count() or 1)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(workers, cfg.vllm.threads or os.cpu_count() or 1)
     return env

@@ -15,7 +15,7 @@ What the labels need of the target's distribution ``p`` at each response positio
     top-p act on those ``k`` alone, so vLLM's top ``k`` give ``p_w`` **exactly** (``k`` floats per token);
   - no top-k: ``p_w`` can be non-zero on every token, so the request asks for the **whole vocabulary**
     (``V`` floats per token: 0.2 MB at V = 49,152, 0.5 MB at Llama 3's 128k; about 3x vLLM's generation time
-    on a CPU at 49k). That is exact too; where it is too heavy, ``vllm_logprobs=false`` runs the Transformers
+    on a CPU at 49k). That is exact too; where it is too heavy, ``vllm.logprobs=false`` runs the Transformers
     target pass over vLLM's responses instead.
 
   What is not exact: vLLM's kernels are not Transformers' (fp32 log-probabilities differ in the last digits;
@@ -39,8 +39,8 @@ MISSING = -1e30  # a token vLLM gave no log-probability for: zero after warping,
 
 def wanted(cfg) -> int | None:
     """The log-probabilities each response request asks vLLM for: ``k`` (the top ``k``), ``-1`` (the whole
-    vocabulary) or None (the chosen token's only: greedy, other families, ``vllm_logprobs=false``)."""
-    if cfg.labels != "acceptance" or not cfg.sampling.do_sample or not cfg.vllm_logprobs:
+    vocabulary) or None (the chosen token's only: greedy, other families, ``vllm.logprobs=false``)."""
+    if cfg.labels != "acceptance" or not cfg.sampling.do_sample or not cfg.vllm.logprobs:
         return None
     return cfg.sampling.top_k if cfg.sampling.top_k > 0 else -1
 
@@ -71,7 +71,7 @@ def target_logits(job, keys: list[str], device) -> list[torch.Tensor] | None:
     if not name:  # the target beside vLLM has no weights for a pass (specheads/target_shell.py)
         raise UserError(
             f"engine=vllm: a chunk's responses in {Path(job.cfg.output_dir) / 'vllm'} come without the target's "
-            "log-probabilities (written with vllm_logprobs=false?); set vllm_logprobs=false, or delete that folder"
+            "log-probabilities (written with vllm.logprobs=false?); set vllm.logprobs=false, or delete that folder"
         )
     from safetensors import safe_open
 

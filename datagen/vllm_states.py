@@ -1,7 +1,7 @@
 """``heads-datagen engine=vllm``: the target's hidden states from vLLM, so drafter, judge and SPRINTER labels run
 no Transformers target pass.
 
-One vLLM child per run (:mod:`specheads.vllm_states_child`, in ``vllm_python``), started when a labeller first
+One vLLM child per run (:mod:`specheads.vllm_states_child`, in ``vllm.python``), started when a labeller first
 asks for states and kept until the run ends (:class:`StatesServer`): vLLM's ``extract_hidden_states`` method
 keeps the residual stream at the chosen layers and :class:`specheads.vllm_states.StatesConnector` writes each
 sequence's states to a file in the engine step that computes it; this side reads the files back and removes
@@ -42,7 +42,7 @@ class StatesServer:
     Args:
         cfg: the run's ``DatagenConfig`` (target, dtype, ``vllm_*`` settings).
         limit: the longest sequence it will be asked (vLLM's ``max_model_len``).
-        local_rank: this process's index on its node (its GPUs: ``vllm_tensor_parallel`` of them).
+        local_rank: this process's index on its node (its GPUs: ``vllm.tensor_parallel`` of them).
     """
 
     def __init__(self, cfg, limit: int, local_rank: int = 0):
@@ -95,7 +95,7 @@ class StatesServer:
         from specheads.export.vllm_engine import vllm_python
 
         cfg = self.cfg
-        python = vllm_python(cfg.vllm_python)
+        python = vllm_python(cfg.vllm.python)
         # beside the output (a batch's states can be gigabytes), one folder per node and process: a killed
         # run's is cleared by the next
         self._work = Path(cfg.output_dir) / f".vllm-states-{socket.gethostname()}-{self.local_rank}"
@@ -105,7 +105,7 @@ class StatesServer:
             **target_header(cfg),
             **parallel_header(cfg),
             "max_model_len": max(int(self.limit), 16),
-            "batch_size": cfg.vllm_max_num_seqs,
+            "batch_size": cfg.vllm.max_num_seqs,
             "seed": cfg.seed,
             "layers": layers,
             "max_logprobs": max(top_k, 1),
@@ -149,7 +149,7 @@ class StatesServer:
         code = self._proc.wait()
         self._proc = None
         raise UserError(
-            f"vLLM (states of the target, {self.cfg.vllm_python or 'this python'}) failed with exit code {code}; "
+            f"vLLM (states of the target, {self.cfg.vllm.python or 'this python'}) failed with exit code {code}; "
             "its log is above (finished chunks are kept: the same command resumes)"
         )
 

@@ -15,6 +15,7 @@ the oracle run on ``engine=specheads``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -22,7 +23,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from specheads.errors import UserError
-from specheads.vllm_options import HELP as VLLM_HELP
 from specheads.vllm_options import problems as serving_problems
 
 log = logging.getLogger(__name__)
@@ -88,9 +88,7 @@ def row_config(cfg, row: dict, python: str):
         batch_size=cfg.batch_size,
         seed=cfg.seed,
         sampling=cfg.sampling,
-        vllm_python=python,
-        vllm_threads=cfg.vllm_threads,
-        **{k: getattr(cfg, k) for k in VLLM_HELP},
+        vllm=dataclasses.replace(cfg.vllm, python=python),
         profile=cfg.profile,
     )
     return run, settings_for(row["policy"], **values)
@@ -107,7 +105,7 @@ def run(cfg, prompts, out: Path, prog: str) -> int:
     bad = problems(cfg)
     if bad:
         raise UserError("; ".join(bad))
-    python = vllm_python(cfg.vllm_python)
+    python = vllm_python(cfg.vllm.python)
     started = time.time()
     target = target_dir(cfg.target)
     tok = AutoTokenizer.from_pretrained(target)

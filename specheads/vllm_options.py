@@ -1,6 +1,6 @@
 """How vLLM serves the target for ``engine=vllm`` (``heads-decode``, ``heads-eval`` and their vLLM cost profile):
-the ``vllm_*`` settings of their configs (the same names ``heads-datagen`` uses), checked here, the ``LLM(...)``
-arguments that vLLM's child process builds from them, and the proposer's memory.
+the ``vllm`` section of their configs (:class:`ServeVllm`; ``heads-datagen``'s is :class:`DatagenVllm`), checked
+here, the ``LLM(...)`` arguments that vLLM's child process builds from them, and the proposer's memory.
 
 The dtype is the target's own setting (``target.dtype``; ``auto``: bf16 on a GPU that supports it, fp32 on a CPU);
 the proposer's draft follows ``draft.dtype`` (``auto``: the dtype vLLM runs the target in). The settings go into
@@ -10,44 +10,117 @@ needs nothing of this package's configuration.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from specheads.errors import UserError
 
 BACKENDS = ("mp", "ray", "uni", "external_launcher")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
-#: The help of the ``vllm_*`` config fields these commands share (``heads-decode``, ``heads-eval``).
-HELP = {
-    "vllm_tensor_parallel": (
-        "engine=vllm: GPUs vLLM splits each layer of the target over (its tensor_parallel_size; the target's "
-        "attention heads must divide by it)"
-    ),
-    "vllm_pipeline_parallel": (
-        "engine=vllm: stages vLLM splits the target's layers into (its pipeline_parallel_size, e.g. one per "
-        "node); vLLM uses vllm_tensor_parallel x vllm_pipeline_parallel GPUs"
-    ),
-    "vllm_executor_backend": (
-        "engine=vllm: vLLM's distributed_executor_backend: mp (one node) | ray (several nodes: start the Ray "
-        "cluster first) | uni | external_launcher; null: vLLM's choice"
-    ),
-    "vllm_enforce_eager": "engine=vllm: true: no CUDA graphs; null: eager on a CPU, CUDA graphs on a GPU",
-    "vllm_draft_cache_mb": (
-        "engine=vllm, the specheads proposer: its draft KV cache in MiB per vLLM worker, allocated at start-up "
-        "inside vLLM's memory profile (a request longer than its share drafts from its latest tokens); null: "
-        "room for every row at max_model_len"
-    ),
-}
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass
+class VllmConfig:
+    """How vLLM runs the target for ``engine=vllm`` (recipe section ``vllm``: ``vllm.tensor_parallel=8``)."""
+
+    python: str | None = field(
+        default=None, metadata=_help("the python of vLLM's virtualenv (default: this one, when it has vLLM)")
+    )
+    threads: int | None = field(
+        default=None, metadata=_help("OMP_NUM_THREADS for vLLM on a CPU (default: the machine's cores)")
+    )
+    tensor_parallel: int = field(
+        default=1,
+        metadata=_help(
+            "GPUs vLLM splits each layer of the target over (its tensor_parallel_size; the target's attention "
+            "heads must divide by it)"
+        ),
+    )
+    pipeline_parallel: int = field(
+        default=1,
+        metadata=_help(
+            "stages vLLM splits the target's layers into (its pipeline_parallel_size, e.g. one per node); vLLM "
+            "uses tensor_parallel x pipeline_parallel GPUs"
+        ),
+    )
+    executor_backend: str | None = field(
+        default=None,
+        metadata=_help(
+            "vLLM's distributed_executor_backend: mp (one node) | ray (several nodes: start the Ray cluster "
+            "first) | uni | external_launcher; null: vLLM's choice"
+        ),
+    )
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, one line each (names as the user writes them)."""
+        out = [
+            f"vllm.{name}={getattr(self, name)} must be >= 1"
+            for name in ("tensor_parallel", "pipeline_parallel")
+            if getattr(self, name) < 1
+        ]
+        if self.executor_backend is not None and self.executor_backend not in BACKENDS:
+            out.append(f"vllm.executor_backend={self.executor_backend!r}; choose one of {list(BACKENDS)} or null")
+        if self.threads is not None and self.threads < 1:
+            out.append(f"vllm.threads={self.threads} must be >= 1 (or null: the machine's cores)")
+        return out
+
+
+@dataclass
+class ServeVllm(VllmConfig):
+    """``heads-decode`` / ``heads-eval`` with ``engine=vllm``: vLLM decodes, the specheads proposer drafts."""
+
+    enforce_eager: bool | None = field(
+        default=None, metadata=_help("true: no CUDA graphs; null: eager on a CPU, CUDA graphs on a GPU")
+    )
+    draft_cache_mb: float | None = field(
+        default=None,
+        metadata=_help(
+            "the specheads proposer's draft KV cache in MiB per vLLM worker, allocated at start-up inside vLLM's "
+            "memory profile (a request longer than its share drafts from its latest tokens); null: room for "
+            "every row at max_model_len"
+        ),
+    )
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if self.draft_cache_mb is not None and not self.draft_cache_mb > 0:
+            out.append(f"vllm.draft_cache_mb={self.draft_cache_mb} must be > 0 (or null)")
+        return out
+
+
+@dataclass
+class DatagenVllm(VllmConfig):
+    """``heads-datagen engine=vllm``: vLLM generates the responses (and, by family, states and continuations)."""
+
+    max_num_seqs: int = field(
+        default=256,
+        metadata=_help(
+            "requests vLLM runs at once (its max_num_seqs; vLLM schedules them, batch_size does not apply to "
+            "its generation)"
+        ),
+    )
+    logprobs: bool = field(
+        default=True,
+        metadata=_help(
+            "sampled acceptance: the target's log-probabilities come from vLLM (the top sampling.top_k per "
+            "token, or the whole vocabulary without top-k: exact either way) and no Transformers target pass "
+            "runs; false: the Transformers target scores vLLM's responses"
+        ),
+    )
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if self.max_num_seqs < 1:
+            out.append(f"vllm.max_num_seqs={self.max_num_seqs} must be >= 1")
+        return out
 
 
 def problems(cfg) -> list[str]:
-    """What is wrong with ``cfg``'s ``vllm_*`` settings and ``target.dtype``, one line each."""
-    out = []
-    for name in ("vllm_tensor_parallel", "vllm_pipeline_parallel"):
-        if getattr(cfg, name) < 1:
-            out.append(f"{name}={getattr(cfg, name)} must be >= 1")
-    if cfg.vllm_executor_backend is not None and cfg.vllm_executor_backend not in BACKENDS:
-        out.append(f"vllm_executor_backend={cfg.vllm_executor_backend!r}; choose one of {list(BACKENDS)} or null")
-    if cfg.vllm_draft_cache_mb is not None and not cfg.vllm_draft_cache_mb > 0:
-        out.append(f"vllm_draft_cache_mb={cfg.vllm_draft_cache_mb} must be > 0 (or null)")
+    """What is wrong with ``cfg.vllm`` and ``target.dtype`` / ``draft.dtype`` for vLLM, one line each."""
+    out = cfg.vllm.problems()
     for role in ("target", "draft"):
         dtype = getattr(getattr(cfg, role, None), "dtype", "auto")
         if dtype not in DTYPES:
@@ -59,10 +132,10 @@ def job_args(cfg) -> dict:
     """The serving settings the child reads (:func:`llm_args`), as JSON."""
     return {
         "dtype": cfg.target.dtype,
-        "tensor_parallel_size": cfg.vllm_tensor_parallel,
-        "pipeline_parallel_size": cfg.vllm_pipeline_parallel,
-        "distributed_executor_backend": cfg.vllm_executor_backend,
-        "enforce_eager": cfg.vllm_enforce_eager,
+        "tensor_parallel_size": cfg.vllm.tensor_parallel,
+        "pipeline_parallel_size": cfg.vllm.pipeline_parallel,
+        "distributed_executor_backend": cfg.vllm.executor_backend,
+        "enforce_eager": getattr(cfg.vllm, "enforce_eager", None),
     }
 
 
@@ -109,7 +182,7 @@ def cache_tokens(cache_mb: float | None, per_token: int, slots: int, max_len: in
         raise UserError(
             f"the proposer's draft cache for {given} needs {tokens * per_token / 2**30:.2f} GiB and "
             f"{device} has {free / 2**30:.2f} GiB free: set cache_mb (heads-decode, heads-eval: "
-            "vllm_draft_cache_mb) to what it may take; longer requests then draft from their latest tokens"
+            "vllm.draft_cache_mb) to what it may take; longer requests then draft from their latest tokens"
         )
     return tokens
 

@@ -110,7 +110,7 @@ def test_engine_vllm_gives_the_specheads_labels_on_greedy_prompts(
     monkeypatch.setattr(vllm_responses, "run_vllm", fake_vllm(calls))
     states = fake_states(monkeypatch)  # drafter, judge, sprinter: the target's states from "vLLM" too
     assert (
-        main(datagen_args(tiny_pair_dirs, prompts, theirs, *common, "engine=vllm", f"vllm_python={os.sys.executable}"))
+        main(datagen_args(tiny_pair_dirs, prompts, theirs, *common, "engine=vllm", f"vllm.python={os.sys.executable}"))
         == 0
     )
     assert len(calls) == 1  # one generation run for every chunk
@@ -152,7 +152,7 @@ def test_sampled_acceptance_labels_vllms_responses_with_a_target_pass(
     calls: list = []
     monkeypatch.setattr(vllm_responses, "run_vllm", fake_vllm(calls))
     out = tmp_path / "dg"
-    args = ["engine=vllm", "vllm_logprobs=false", f"vllm_python={os.sys.executable}"]
+    args = ["engine=vllm", "vllm.logprobs=false", f"vllm.python={os.sys.executable}"]
     assert main(datagen_args(tiny_pair_dirs, prompts_file, out, *args)) == 0
     rows = chunk_rows(out)
     assert len(rows) == len(DATAGEN_PROMPTS) and calls == [[0, 1, 2]]
@@ -165,7 +165,7 @@ def test_sampled_acceptance_labels_vllms_responses_with_a_target_pass(
 
 
 def test_a_run_killed_while_generating_resumes_with_the_rest(tiny_pair_dirs, prompts_file, tmp_path, monkeypatch):
-    args = ["sampling.do_sample=false", "engine=vllm", f"vllm_python={os.sys.executable}"]
+    args = ["sampling.do_sample=false", "engine=vllm", f"vllm.python={os.sys.executable}"]
     calls: list = []
     monkeypatch.setattr(vllm_responses, "run_vllm", fake_vllm(calls, fail_after=2))
     out = tmp_path / "dg"
@@ -188,7 +188,7 @@ def test_a_side_file_for_other_requests_is_generated_again(tiny_pair_dirs, promp
     calls: list = []
     monkeypatch.setattr(vllm_responses, "run_vllm", fake_vllm(calls, fail_after=1))
     out = tmp_path / "dg"
-    args = ["sampling.do_sample=false", "engine=vllm", f"vllm_python={os.sys.executable}"]
+    args = ["sampling.do_sample=false", "engine=vllm", f"vllm.python={os.sys.executable}"]
     assert main(datagen_args(tiny_pair_dirs, prompts_file, out, *args)) == 2
     side = out / "vllm" / side_name(0)
     data = json.loads(side.read_text())
@@ -204,12 +204,12 @@ def test_a_side_file_for_other_requests_is_generated_again(tiny_pair_dirs, promp
         (["engine=fast"], "engine='fast'"),
         (["labels=eagle_rounds", "eagle=h.safetensors"], "run it on engine=specheads"),
         (["labels=judge", "tuples=t.jsonl"], "generates none"),
-        (["vllm_tensor_parallel=0"], "vllm_tensor_parallel=0"),
-        (["vllm_python=/nowhere/python"], "does not exist"),
+        (["vllm.tensor_parallel=0"], "vllm.tensor_parallel=0"),
+        (["vllm.python=/nowhere/python"], "does not exist"),
     ],
 )
 def test_engine_vllm_settings_are_one_line_errors(tiny_pair_dirs, prompts_file, tmp_path, capsys, extra, message):
-    engine = [] if extra[0].startswith("engine=") else ["engine=vllm", f"vllm_python={os.sys.executable}"]
+    engine = [] if extra[0].startswith("engine=") else ["engine=vllm", f"vllm.python={os.sys.executable}"]
     assert main(datagen_args(tiny_pair_dirs, prompts_file, tmp_path / "x", *engine, *extra)) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
@@ -219,7 +219,7 @@ def test_engine_vllm_without_vllm_is_a_one_line_error(tiny_pair_dirs, prompts_fi
     if __import__("importlib").util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
     assert main(datagen_args(tiny_pair_dirs, prompts_file, tmp_path / "x", "engine=vllm")) == 2
-    assert "vllm_python=" in capsys.readouterr().err
+    assert "vllm.python=" in capsys.readouterr().err
 
 
 def test_each_process_gets_its_own_gpus():
@@ -277,7 +277,7 @@ def test_vllm_gives_the_transformers_engines_greedy_responses_and_labels(tmp_pat
         "sampling.do_sample=false",
     ]
     assert main([*common, f"output_dir={tmp_path / 'ours'}"]) == 0
-    assert main([*common, f"output_dir={tmp_path / 'vllm'}", "engine=vllm", f"vllm_python={VLLM_PYTHON}"]) == 0
+    assert main([*common, f"output_dir={tmp_path / 'vllm'}", "engine=vllm", f"vllm.python={VLLM_PYTHON}"]) == 0
     a, b = chunk_rows(tmp_path / "ours"), chunk_rows(tmp_path / "vllm")
     assert [r["input_ids"] for r in a] == [r["input_ids"] for r in b]  # the same responses, EOS kept
     assert a == b  # and the same labels

@@ -22,9 +22,10 @@ from specheads.datagen.judge_labels import JudgeLabeller
 from specheads.datagen.vllm_job import child_environment, cpu_binding
 from specheads.datagen.vllm_logprobs import MISSING, dense
 from specheads.vllm_jobs import logprob_tensors, logprobs_name, side_name, write_atomic, write_tensors
+from specheads.vllm_options import DatagenVllm
 
 VLLM_PYTHON = os.environ.get("SPECHEADS_VLLM_PYTHON")
-HERE = ["engine=vllm", f"vllm_python={os.sys.executable}"]
+HERE = ["engine=vllm", f"vllm.python={os.sys.executable}"]
 SCORE = acceptance_labels.response_logits  # the Transformers teacher-forced pass (the tests count the labeller's)
 
 
@@ -127,10 +128,10 @@ def test_sampled_acceptance_takes_p_from_vllm_with_no_target_pass(
     assert len(rows) == len(DATAGEN_PROMPTS)
     sampling = json.loads((out / "manifest.json").read_text())["sampling"]
     assert reference_gap(rows, tiny_pair_dirs, sampling) < 1e-4
-    # vllm_logprobs=false: the same responses (same seeds), p from the Transformers target's pass instead
+    # vllm.logprobs=false: the same responses (same seeds), p from the Transformers target's pass instead
     again = tmp_path / "hf-p"
     passes.clear()
-    assert main(datagen_args(tiny_pair_dirs, prompts_file, again, *args, "vllm_logprobs=false")) == 0
+    assert main(datagen_args(tiny_pair_dirs, prompts_file, again, *args, "vllm.logprobs=false")) == 0
     assert len(passes) == 3  # one per chunk
     other = chunk_rows(again)
     assert [r["draft_token"] for r in rows] == [r["draft_token"] for r in other]
@@ -219,7 +220,7 @@ def test_swap_mining_continues_the_target_in_one_vllm_process(tiny_pair_dirs, pr
     except ImportError:
         pass
     FakeServer.made = []
-    extra = [*HERE, "vllm_tensor_parallel=3", "vllm_executor_backend=mp"]
+    extra = [*HERE, "vllm.tensor_parallel=3", "vllm.executor_backend=mp"]
     assert main(mining_args(tiny_pair_dirs, prompts_file, theirs, *extra)) == 0
     (server,) = FakeServer.made  # one process for the whole run, closed at its end
     assert server.closed and not vllm_mining._SERVERS
@@ -234,8 +235,8 @@ def test_swap_mining_continues_the_target_in_one_vllm_process(tiny_pair_dirs, pr
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["vllm_pipeline_parallel=0"], "vllm_pipeline_parallel=0 must be >= 1"),
-        (["vllm_executor_backend=slurm"], "vllm_executor_backend='slurm'"),
+        (["vllm.pipeline_parallel=0"], "vllm.pipeline_parallel=0 must be >= 1"),
+        (["vllm.executor_backend=slurm"], "vllm.executor_backend='slurm'"),
     ],
 )
 def test_parallel_settings_are_one_line_errors(tiny_pair_dirs, prompts_file, tmp_path, capsys, extra, message):
@@ -249,12 +250,12 @@ def test_cpu_workers_get_cores_vllm_can_bind(monkeypatch):
     assert cpu_binding(2, 8) == "0-3|4-7" and cpu_binding(4, 4) == "0|1|2|3"
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    cfg = SimpleNamespace(vllm_threads=2, vllm_tensor_parallel=3, vllm_pipeline_parallel=1)
+    cfg = SimpleNamespace(vllm=DatagenVllm(threads=2, tensor_parallel=3))
     assert child_environment(cfg, os.sys.executable, 0)["VLLM_CPU_OMP_THREADS_BIND"] == "0|1|0"
-    cfg.vllm_tensor_parallel = 1
+    cfg.vllm.tensor_parallel = 1
     assert "VLLM_CPU_OMP_THREADS_BIND" not in child_environment(cfg, os.sys.executable, 0)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1|0-1")  # the user's own binding stays
-    cfg.vllm_pipeline_parallel = 2
+    cfg.vllm.pipeline_parallel = 2
     assert child_environment(cfg, os.sys.executable, 0)["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|0-1"
 
 
@@ -283,7 +284,7 @@ def test_vllm_sampled_labels_match_the_target_pass(tmp_path):
     for top_k in (5, 0):  # the top 5 log-probabilities; the whole vocabulary
         out = tmp_path / f"top{top_k}"
         args = [*common, "sampling.do_sample=true", f"sampling.top_k={top_k}", f"output_dir={out}"]
-        assert main([*args, "engine=vllm", f"vllm_python={VLLM_PYTHON}"]) == 0
+        assert main([*args, "engine=vllm", f"vllm.python={VLLM_PYTHON}"]) == 0
         sampling = json.loads((out / "manifest.json").read_text())["sampling"]
         assert reference_gap(chunk_rows(out), pair, sampling) < 1e-4
 
@@ -293,7 +294,7 @@ def test_vllm_tensor_parallel_gives_the_greedy_labels(tmp_path):
     _, _, common = vllm_pair(tmp_path)
     args = [*common, "sampling.do_sample=false"]
     assert main([*args, f"output_dir={tmp_path / 'ours'}"]) == 0
-    tp = ["engine=vllm", f"vllm_python={VLLM_PYTHON}", "vllm_tensor_parallel=2", f"output_dir={tmp_path / 'tp'}"]
+    tp = ["engine=vllm", f"vllm.python={VLLM_PYTHON}", "vllm.tensor_parallel=2", f"output_dir={tmp_path / 'tp'}"]
     assert main([*args, *tp]) == 0
     assert chunk_rows(tmp_path / "ours") == chunk_rows(tmp_path / "tp")
 
@@ -302,7 +303,7 @@ def test_vllm_tensor_parallel_gives_the_greedy_labels(tmp_path):
 def test_vllm_swap_mining_finds_the_transformers_engines_mismatches(tmp_path):
     pair, prompts, _ = vllm_pair(tmp_path)
     assert main(mining_args(pair, prompts, tmp_path / "ours")) == 0
-    assert main(mining_args(pair, prompts, tmp_path / "vllm", "engine=vllm", f"vllm_python={VLLM_PYTHON}")) == 0
+    assert main(mining_args(pair, prompts, tmp_path / "vllm", "engine=vllm", f"vllm.python={VLLM_PYTHON}")) == 0
     assert (tmp_path / "ours" / "mined.jsonl").read_text() == (tmp_path / "vllm" / "mined.jsonl").read_text()
     assert chunk_rows(tmp_path / "ours") == chunk_rows(tmp_path / "vllm")
     mined = json.loads((tmp_path / "vllm" / "manifest.json").read_text())["mining"]

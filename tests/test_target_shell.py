@@ -59,7 +59,7 @@ def test_load_target_loads_the_whole_model_when_a_pass_is_needed(tiny_pair_dirs)
     [
         ("acceptance", [], "config"),  # greedy: p is the response token
         ("acceptance", ["sampling.do_sample=true"], "config"),  # vLLM's log-probabilities
-        ("acceptance", ["sampling.do_sample=true", "vllm_logprobs=false"], "model"),  # a Transformers pass
+        ("acceptance", ["sampling.do_sample=true", "vllm.logprobs=false"], "model"),  # a Transformers pass
         ("fsd", [], "model"),
         ("drafter", [], "config"),
         ("judge", [], "config"),
@@ -76,7 +76,7 @@ def test_each_family_asks_for_what_it_uses_of_the_target(labels, extra, use):
 def test_the_plan_counts_no_target_weights_beside_vllm_for_a_family_that_needs_none():
     """judge_405b's datagen under engine=vllm: vLLM holds the target; the labelling process holds no copy of it,
     SPRINTER's process only its output layer."""
-    argv = ["recipe=judge_405b", "engine=vllm", "gpus=8", "gpu_memory_gb=141", "vllm_tensor_parallel=8"]
+    argv = ["recipe=judge_405b", "engine=vllm", "gpus=8", "gpu_memory_gb=141", "vllm.tensor_parallel=8"]
     judge = plan_memory.datagen_memory(load_config(DatagenConfig, "datagen", argv), 1)
     specheads = plan_memory.datagen_memory(load_config(DatagenConfig, "datagen", [*argv, "engine=specheads"]), 1)
     sprinter = plan_memory.datagen_memory(load_config(DatagenConfig, "datagen", [*argv, "labels=sprinter"]), 1)

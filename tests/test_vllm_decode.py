@@ -59,9 +59,9 @@ def tokens(out: Path) -> list[list[int]]:
         (["policy=judge"], "engine=vllm runs policy"),
         (["eagle=h.safetensors"], "does not take eagle="),
         (["stream=true"], "does not stream"),
-        (["vllm_python=/nowhere/python"], "does not exist"),
-        (["vllm_tensor_parallel=0"], "vllm_tensor_parallel=0 must be >= 1"),
-        (["vllm_executor_backend=slurm"], "vllm_executor_backend='slurm'"),
+        (["vllm.python=/nowhere/python"], "does not exist"),
+        (["vllm.tensor_parallel=0"], "vllm.tensor_parallel=0 must be >= 1"),
+        (["vllm.executor_backend=slurm"], "vllm.executor_backend='slurm'"),
     ],
 )
 def test_engine_vllm_settings_are_one_line_errors(pair, tmp_path, capsys, extra, message):
@@ -77,7 +77,7 @@ def test_engine_vllm_without_vllm_is_a_one_line_error(pair, tmp_path, capsys):
         pytest.skip("vLLM is installed here")
     root, prompts = pair
     assert decode_main(args(root, prompts, tmp_path / "x", "engine=vllm", "policy=ar")) == 2
-    assert "vllm_python=" in capsys.readouterr().err
+    assert "vllm.python=" in capsys.readouterr().err
 
 
 @needs_vllm
@@ -91,7 +91,7 @@ def test_vllm_decodes_the_shims_greedy_tokens(pair, tmp_path):
     ):
         out = tmp_path / policy[0]
         assert (
-            decode_main(args(root, prompts, out, "engine=vllm", f"vllm_python={VLLM_PYTHON}", "batch_size=2", *policy))
+            decode_main(args(root, prompts, out, "engine=vllm", f"vllm.python={VLLM_PYTHON}", "batch_size=2", *policy))
             == 0
         )
         assert tokens(out) == tokens(tmp_path / "ar"), policy
@@ -111,15 +111,15 @@ def test_serving_settings_and_a_draft_cache_budget_keep_the_targets_tokens(pair,
     out = tmp_path / "budget"
     run = [
         "engine=vllm",
-        f"vllm_python={VLLM_PYTHON}",
+        f"vllm.python={VLLM_PYTHON}",
         "batch_size=2",
         "policy=confidence_stop",
         "confidence_stop.tau=0.3",
         "confidence_stop.k_max=4",
         "target.dtype=float32",
-        "vllm_enforce_eager=true",
-        "vllm_executor_backend=uni",
-        "vllm_draft_cache_mb=0.125",  # 2 rows x 32 tokens x 2 KiB (2 layers, 2 KV heads of 64, fp32)
+        "vllm.enforce_eager=true",
+        "vllm.executor_backend=uni",
+        "vllm.draft_cache_mb=0.125",  # 2 rows x 32 tokens x 2 KiB (2 layers, 2 KV heads of 64, fp32)
     ]
     assert decode_main(args(root, prompts, out, *run)) == 0
     assert tokens(out) == tokens(tmp_path / "ar")
@@ -148,11 +148,11 @@ def test_the_gguf_target_is_converted_once(tmp_path, monkeypatch):
         "max_new_tokens=16",
     ]
     assert decode_main([*common, f"output_dir={tmp_path / 'ours'}"]) == 0
-    assert decode_main([*common, "engine=vllm", f"vllm_python={VLLM_PYTHON}", f"output_dir={tmp_path / 'v1'}"]) == 0
+    assert decode_main([*common, "engine=vllm", f"vllm.python={VLLM_PYTHON}", f"output_dir={tmp_path / 'v1'}"]) == 0
     converted = list((tmp_path / "cache" / "vllm").iterdir())
     assert len(converted) == 1 and (converted[0] / "config.json").is_file()
     stamp = (converted[0] / "config.json").stat().st_mtime
-    assert decode_main([*common, "engine=vllm", f"vllm_python={VLLM_PYTHON}", f"output_dir={tmp_path / 'v2'}"]) == 0
+    assert decode_main([*common, "engine=vllm", f"vllm.python={VLLM_PYTHON}", f"output_dir={tmp_path / 'v2'}"]) == 0
     assert (converted[0] / "config.json").stat().st_mtime == stamp  # reused, not converted again
     assert tokens(tmp_path / "v1") == tokens(tmp_path / "v2") == tokens(tmp_path / "ours")
 
@@ -189,7 +189,7 @@ def test_stop_cost_in_vllm_prices_vllms_steps_once(pair, tmp_path, monkeypatch):
     assert decode_main(args(root, prompts, tmp_path / "ar", "policy=ar")) == 0
     run = [
         "engine=vllm",
-        f"vllm_python={VLLM_PYTHON}",
+        f"vllm.python={VLLM_PYTHON}",
         "batch_size=2",
         "policy=confidence_stop",
         "confidence_stop.stop=cost",
@@ -247,7 +247,7 @@ def test_heads_eval_engine_vllm_rows_side_by_side(pair, tmp_path, monkeypatch, c
         root,
         prompts,
         tmp_path / "eval",
-        f"vllm_python={VLLM_PYTHON}",
+        f"vllm.python={VLLM_PYTHON}",
         "ks=[2]",
         "confidence=[0.3]",
         "confidence_k_max=3",

@@ -8,20 +8,13 @@ from types import SimpleNamespace
 
 import torch
 
-from specheads.vllm_options import job_args, llm_args, problems
+from specheads.vllm_options import ServeVllm, job_args, llm_args, problems
 
 
-def cfg(**over):
-    base = {
-        "target": SimpleNamespace(dtype="auto"),
-        "draft": SimpleNamespace(dtype="auto"),
-        "vllm_tensor_parallel": 1,
-        "vllm_pipeline_parallel": 1,
-        "vllm_executor_backend": None,
-        "vllm_enforce_eager": None,
-        "vllm_draft_cache_mb": None,
-    }
-    return SimpleNamespace(**{**base, **over})
+def cfg(target=None, **vllm):
+    return SimpleNamespace(
+        target=target or SimpleNamespace(dtype="auto"), draft=SimpleNamespace(dtype="auto"), vllm=ServeVllm(**vllm)
+    )
 
 
 def test_the_defaults_are_fp32_and_eager_on_a_cpu():
@@ -36,10 +29,10 @@ def test_the_defaults_are_fp32_and_eager_on_a_cpu():
 def test_given_settings_reach_llm_as_vllm_names_them():
     given = cfg(
         target=SimpleNamespace(dtype="bfloat16"),
-        vllm_tensor_parallel=4,
-        vllm_pipeline_parallel=2,
-        vllm_executor_backend="ray",
-        vllm_enforce_eager=False,
+        tensor_parallel=4,
+        pipeline_parallel=2,
+        executor_backend="ray",
+        enforce_eager=False,
     )
     assert llm_args(job_args(given)) == {
         "dtype": "bfloat16",
@@ -52,12 +45,12 @@ def test_given_settings_reach_llm_as_vllm_names_them():
 
 def test_every_bad_setting_is_named():
     bad = cfg(
-        vllm_tensor_parallel=0,
-        vllm_pipeline_parallel=-1,
-        vllm_executor_backend="slurm",
-        vllm_draft_cache_mb=0.0,
+        tensor_parallel=0,
+        pipeline_parallel=-1,
+        executor_backend="slurm",
+        draft_cache_mb=0.0,
         target=SimpleNamespace(dtype="fp8"),
     )
     said = " | ".join(problems(bad))
-    for name in ("vllm_tensor_parallel=0", "vllm_pipeline_parallel=-1", "'slurm'", "vllm_draft_cache_mb=0.0", "'fp8'"):
+    for name in ("vllm.tensor_parallel=0", "vllm.pipeline_parallel=-1", "'slurm'", "vllm.draft_cache_mb=0.0", "'fp8'"):
         assert name in said

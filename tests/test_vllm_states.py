@@ -28,7 +28,7 @@ SEQS = [[1, 5, 9, 13, 4, 4], [1, 7], [1, 20, 21, 22, 3, 4, 5, 6, 7, 8, 9, 10, 11
 def config(target, tmp_path, python) -> DatagenConfig:
     cfg = DatagenConfig()
     cfg.target.path, cfg.target.gguf_file, cfg.target.device, cfg.target.dtype = str(target), None, "cpu", "float32"
-    cfg.output_dir, cfg.vllm_python, cfg.vllm_threads = str(tmp_path), python, 2
+    cfg.output_dir, cfg.vllm.python, cfg.vllm.threads = str(tmp_path), python, 2
     return cfg
 
 
@@ -108,7 +108,7 @@ def test_vllm_engine_gives_the_transformers_engines_rows(vllm_pair, tmp_path, la
     ]
     ours, theirs = tmp_path / "ours", tmp_path / "vllm"
     assert main([*common, f"output_dir={ours}"]) == 0
-    assert main([*common, f"output_dir={theirs}", "engine=vllm", f"vllm_python={VLLM_PYTHON}"]) == 0
+    assert main([*common, f"output_dir={theirs}", "engine=vllm", f"vllm.python={VLLM_PYTHON}"]) == 0
     a, b = chunk_rows(ours), chunk_rows(theirs)
     assert a and [r["input_ids"] for r in a] == [r["input_ids"] for r in b]
     for x, y in zip(a, b):
@@ -148,7 +148,7 @@ def test_a_states_child_that_dies_is_a_one_line_error(tmp_path):
     import sys
 
     server = vllm_states.StatesServer(config(tmp_path / "nowhere", tmp_path, sys.executable), limit=64)
-    server.cfg.vllm_python = sys.executable  # this python: the child fails before vLLM starts
+    server.cfg.vllm.python = sys.executable  # this python: the child fails before vLLM starts
     with pytest.raises(UserError, match="failed with exit code") as err:
         server.states(SEQS, [1])
     assert len(str(err.value).splitlines()) == 1
