@@ -46,7 +46,7 @@ CASES = {  # recipe, overrides, the engine=vllm runs (tensor-parallel sizes), wh
     "acceptance_sampled_whole_vocab": (ACCEPTANCE, [*SAMPLED, "sampling.top_k=0"], (1,), False),
     "judge_swap_mining": (
         "judge_mined_quickstart",
-        [f"prompts={SHARED}/data/arc_challenge/train.jsonl", "max_new_tokens=16", "mine_max_mismatches=4"],
+        [f"prompts={SHARED}/data/arc_challenge/train.jsonl", "max_new_tokens=16", "judge.mine_max_mismatches=4"],
         (1,),
         True,
     ),

@@ -44,8 +44,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from _common import rows, run_datagen  # noqa: E402
 
 FAMILIES = {  # recipe and the overrides that keep each run to a minute or two on 2 cores
-    "drafter": ("eagle_smollm2", ["max_new_tokens=40", "drafter_top_k=8"]),
-    "judge": ("judge_quickstart", ["max_new_tokens=112", "answer_samples=0", "answer_models=[target]"]),
+    "drafter": ("eagle_smollm2", ["max_new_tokens=40", "drafter.top_k=8"]),
+    "judge": ("judge_quickstart", ["max_new_tokens=112", "judge.answer_samples=0", "judge.answer_models=[target]"]),
     "sprinter": ("sprinter_quickstart", ["max_new_tokens=32"]),  # its two prompt files: prompts from each
 }
 
@@ -125,7 +125,9 @@ def measure(prompts: int = 8, threads: int = 2, vllm_python: str = "/work/vllm-v
                 seconds, manifest = run_datagen(recipe, [*args, *vllm], out)
                 got[engine] = {"seconds": round(seconds, 1), "labelled_tokens": manifest["labelled_tokens"], "out": out}
             cfg = load_config(DatagenConfig, "datagen", [f"recipe={recipe}", *args])
-            equal, worst = same_rows(family, rows(got["specheads"]["out"]), rows(got["vllm"]["out"]), cfg.lambdas)
+            equal, worst = same_rows(
+                family, rows(got["specheads"]["out"]), rows(got["vllm"]["out"]), cfg.sprinter.lambdas
+            )
             entry = {"labels_equal": equal, "float_labels_max_rel": worst}
             if family == "drafter":
                 tops_equal, tops_worst = drafter_tops(got["specheads"]["out"], got["vllm"]["out"])

@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"offset={offset}",
                     f"num_prompts={args.n}",
                     f"max_new_tokens={args.max_new}",
-                    f"eagle_k={args.k}",
+                    f"eagle_rounds.k={args.k}",
                     f"output_dir={data}",
                     *REGIMES[regime],
                 ]

@@ -253,7 +253,9 @@ def label_responses(
             cols["input_ids"].append(x + r)
             cols["response_start"].append(len(x))
             for key in names:
-                cols[key].append(lab[key].tolist() if key != "expected_label" or cfg.expected_label else None)
+                cols[key].append(
+                    lab[key].tolist() if key != "expected_label" or cfg.acceptance.expected_label else None
+                )
             labelled += len(r)
     return Labelled(cols, labelled, skipped)
 

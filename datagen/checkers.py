@@ -1,10 +1,10 @@
-"""Answer checkers of swap mining (``heads-datagen labels=judge mining=swap``): the final answer a response
+"""Answer checkers of swap mining (``heads-datagen labels=judge judge.mining=swap``): the final answer a response
 gives, so that two responses to one prompt can be compared (a swapped-in draft token is *important* when
 the answer changes).
 
 A checker is a callable ``(prompt, response_text) -> answer`` (any value comparable with ``==``; None when
 the response gives none). ``prompt`` is a :class:`specheads.prompts.Prompt` (``text`` or ``messages``,
-``source``, ``reference``, ``id``). Built in (``checker=``):
+``source``, ``reference``, ``id``). Built in (``judge.checker=``):
 
 * ``gsm8k``: the final number (after ``####``, else the last number in the text), as a number;
 * ``arc``: the chosen letter (the first standalone A-E), as :mod:`specheads.grading` reads it;
@@ -74,18 +74,18 @@ CHECKERS: dict[str, Checker] = {"auto": auto, "gsm8k": gsm8k, "arc": arc, "named
 
 
 def resolve(name: str) -> Checker:
-    """The checker ``checker=name`` names (see the module docstring); UserError when there is none."""
+    """The checker ``judge.checker=name`` names (see the module docstring); UserError when there is none."""
     if name in CHECKERS:
         return CHECKERS[name]
     module, _, attr = name.partition(":")
     if not module or not attr:
-        raise UserError(f"checker={name!r}: choose from {list(CHECKERS)} or name a callable as module:function")
+        raise UserError(f"judge.checker={name!r}: choose from {list(CHECKERS)} or name a callable as module:function")
     try:
         fn = getattr(importlib.import_module(module), attr)
     except ImportError as exc:
-        raise UserError(f"checker={name!r}: cannot import {module!r} ({exc})") from None
+        raise UserError(f"judge.checker={name!r}: cannot import {module!r} ({exc})") from None
     except AttributeError:
-        raise UserError(f"checker={name!r}: module {module!r} has no {attr!r}") from None
+        raise UserError(f"judge.checker={name!r}: module {module!r} has no {attr!r}") from None
     if not callable(fn):
-        raise UserError(f"checker={name!r}: {attr!r} is not callable")
+        raise UserError(f"judge.checker={name!r}: {attr!r} is not callable")
     return fn

@@ -10,17 +10,17 @@
 Output: ``data/chunk-*.parquet``, one row per prompt. ``labels=acceptance``: ``prompt_id``,
 ``prompt_index``, ``input_ids`` = prompt + response, ``response_start``, ``draft_token``,
 ``label``, ``expected_label``. ``labels=fsd`` (see ``fsd.py``): the same columns plus, per token,
-``div_<name>`` (``Div(p_i, q_i)`` for each of ``fsd_divergences``) and ``fsd_<name>@<T>`` (the FSD
-decision ``Div < T`` for each of ``fsd_thresholds``). ``labels=sprinter`` (see ``sprinter.py``):
+``div_<name>`` (``Div(p_i, q_i)`` for each of ``fsd.divergences``) and ``fsd_<name>@<T>`` (the FSD
+decision ``Div < T`` for each of ``fsd.thresholds``). ``labels=sprinter`` (see ``sprinter.py``):
 ``prompt_id``, ``prompt_index``, ``category``, ``input_ids`` (the context), ``positions`` (labelled prefix
 lengths), ``draft_token``, ``q_token``, ``p_token``, ``ratio``, ``tv``. ``labels=judge`` (see
 ``judge.py``): one row per tuple side (``tuple_id``, ``prompt_index``, ``side``, ``input_ids`` =
 question + answer, ``answer_start``, ``labels`` 1/0/-1), the target's features at the labelled
 tokens in ``features/chunk-*.safetensors`` (fp16), ``tuples.jsonl`` and ``review.jsonl``; with
-``mining=swap`` (``mining.py``) the rows come from swapping the draft's mismatches in, and ``mined.jsonl``
+``judge.mining=swap`` (``mining.py``) the rows come from swapping the draft's mismatches in, and ``mined.jsonl``
 holds each searched prompt with its marked mismatches. ``labels=eagle_rounds`` (``eagle_rounds.py``): one row per
-prompt decoded by SD with the EAGLE head ``eagle=`` at ``eagle_k`` candidates per round, per labelled candidate its
-round, step, token, ``q_token``, ``p_token``, ``label`` and ``outcome``, the head's states in
+prompt decoded by SD with the EAGLE head ``eagle_rounds.head=`` at ``eagle_rounds.k`` candidates per round, per
+labelled candidate its round, step, token, ``q_token``, ``p_token``, ``label`` and ``outcome``, the head's states in
 ``states/chunk-*.safetensors``. Also ``manifest.json`` (counts, label statistics, models, fingerprints,
 sampling settings, seed, schema version, ``numerics``: threads per process, process count, dtypes,
 devices, torch version, kernel path), ``metrics.jsonl`` (one line per chunk) and

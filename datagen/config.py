@@ -12,6 +12,177 @@ PROG = "heads-datagen"
 
 
 @dataclass
+class AcceptanceOptions:
+    """``labels=acceptance`` and ``labels=fsd`` (section ``acceptance``)."""
+
+    expected_label: bool = field(default=True, metadata={"help": "also store 1 - TV(p, q)"})
+
+
+@dataclass
+class SprinterOptions:
+    """``labels=sprinter`` (section ``sprinter``: ``sprinter.mix_prob=0.3``)."""
+
+    lambdas: list[float] = field(
+        default_factory=lambda: [1.0, 1.2, 1.5],
+        metadata={
+            "help": (
+                "thresholds whose label shares the manifest reports (the raw ratio is stored, "
+                "any lambda can be trained)"
+            )
+        },
+    )
+    mix_prob: float = field(default=0.5, metadata={"help": "share of the mixed category's tokens taken from the draft"})
+
+
+@dataclass
+class FsdOptions:
+    """``labels=fsd`` (section ``fsd``: ``fsd.thresholds=[0.1,0.3]``)."""
+
+    divergences: list[str] = field(
+        default_factory=lambda: ["js", "tv"], metadata={"help": "divergences stored per token (kl, kl_rev, js, tv)"}
+    )
+    thresholds: list[float] = field(
+        default_factory=lambda: [0.05, 0.1, 0.2, 0.3, 0.5],
+        metadata={
+            "help": ("thresholds T whose decisions Div < T are stored (and trainable with heads-train label=fsd)")
+        },
+    )
+    top_k: int = field(
+        default=0,
+        metadata={"help": "divergences on the target's top-k tokens plus a rest bucket (0: whole vocabulary)"},
+    )
+    dist: str = field(
+        default="raw",
+        metadata={
+            "help": (
+                "raw (softmax of the logits, the paper's) | warped (temperature/top-k/top-p of "
+                "sampling; needs sampling.do_sample=true)"
+            )
+        },
+    )
+
+
+@dataclass
+class JudgeOptions:
+    """``labels=judge`` (section ``judge``: ``judge.mining=swap``)."""
+
+    tuples: str | None = field(
+        default=None,
+        metadata={
+            "help": ("import this tuple JSONL (schema in datagen/tuples.py) instead of generating answers to prompts")
+        },
+    )
+    answer_models: list[str] = field(
+        default_factory=lambda: ["target", "draft"], metadata={"help": "the models that answer each prompt"}
+    )
+    answer_samples: int = field(
+        default=1, metadata={"help": "sampled answers per model and prompt, besides the greedy one"}
+    )
+    answer_temperature: float = field(default=0.8, metadata={"help": "temperature of the sampled answers"})
+    mining: str = field(
+        default="arith",
+        metadata={
+            "help": (
+                "where the wrong tokens come from: arith (graded answers of answer_models; the "
+                "arithmetic checker localises a wrong answer's first false step) | swap (AutoJudge: each "
+                "draft token that differs from the target's greedy one is swapped in and the target "
+                "finishes; it is important when the final answer changes)"
+            )
+        },
+    )
+    checker: str = field(
+        default="auto",
+        metadata={
+            "help": (
+                "judge.mining=swap: how a response's final answer is read: auto (by prompt source) | "
+                "gsm8k (final number) | arc (letter) | exact (normalised text) | module:function (your "
+                "callable (prompt, text) -> answer)"
+            )
+        },
+    )
+    mine_max_mismatches: int = field(
+        default=16, metadata={"help": "judge.mining=swap: most mismatches tried per prompt (then a budget hit)"}
+    )
+    mine_max_tokens: int = field(
+        default=2048,
+        metadata={
+            "help": ("judge.mining=swap: most continuation tokens the target generates per prompt (then a budget hit)")
+        },
+    )
+    mine_max_new_tokens_by_source: dict[str, int] = field(
+        default_factory=dict,
+        metadata={
+            "help": ("judge.mining=swap: a shorter response per prompt source (e.g. {arc: 16}: the letter comes first)")
+        },
+    )
+    mine_label_matches: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "judge.mining=swap: also label every other token of the final response 1 (default: only "
+                "the tried mismatches are labelled)"
+            )
+        },
+    )
+
+
+@dataclass
+class DrafterOptions:
+    """``labels=drafter`` (section ``drafter``: ``drafter.layers=[2,15,27]``)."""
+
+    layers: list[int] = field(
+        default_factory=list,
+        metadata={
+            "help": (
+                "the target layers whose entering residual stream is stored (Hugging Face "
+                "hidden_states indices; empty: 2, n/2, n-3 of n layers)"
+            )
+        },
+    )
+    top_k: int = field(
+        default=20, metadata={"help": "most likely tokens of the target's distribution stored per response token"}
+    )
+
+
+@dataclass
+class SelfPromptOptions:
+    """``labels=prompts`` (section ``self_prompts``: ``self_prompts.kinds=[writing,code]``)."""
+
+    kinds: list[str] = field(
+        default_factory=lambda: ["writing", "reasoning", "code", "extraction", "facts", "chat"],
+        metadata={
+            "help": "the kinds of request the target writes, in turn (writing, reasoning, code, extraction, "
+            "facts, chat; or name:<system message>)"
+        },
+    )
+    min_tokens: int = field(default=8, metadata={"help": "shortest user turn kept, in tokens"})
+
+
+@dataclass
+class EagleRoundsOptions:
+    """``labels=eagle_rounds`` (section ``eagle_rounds``: ``eagle_rounds.head=HEAD.safetensors``)."""
+
+    head: str = field(
+        default="",
+        metadata={"help": ("the exported EAGLE head (heads-train head=eagle, then heads-export) that drafts")},
+    )
+    k: int = field(
+        default=8,
+        metadata={"help": ("candidates per SD round (every one labelled but a round's last, which has no head state)")},
+    )
+    position: str = field(
+        default="own",
+        metadata={
+            "help": (
+                "which head state a candidate is stored with: own (after consuming it; the lag-1 "
+                "SpecDec++ head, every candidate but a round's last) | previous (the state that drew it; a lag-0 "
+                "head scores every candidate as soon as it is drawn)"
+            )
+        },
+    )
+
+
+@dataclass
 class DatagenConfig:
     """Run target and draft over prompts and write labelled examples; `heads-datagen ... verify` checks a
     finished output_dir, `heads-datagen merge from=DIR,DIR output_dir=DIR` joins per-node outputs."""
@@ -45,148 +216,17 @@ class DatagenConfig:
         default=16, metadata={"help": "prompts per forward (one batch generates and is labelled together)"}
     )
     chunk_size: int = field(default=32, metadata={"help": "prompts per output file (the unit of resumption)"})
-    expected_label: bool = field(default=True, metadata={"help": "acceptance: also store 1 - TV(p, q)"})
-    lambdas: list[float] = field(
-        default_factory=lambda: [1.0, 1.2, 1.5],
-        metadata={
-            "help": (
-                "sprinter: thresholds whose label shares the manifest reports (the raw ratio is stored, "
-                "any lambda can be trained)"
-            )
-        },
+    acceptance: AcceptanceOptions = field(
+        default_factory=AcceptanceOptions,
+        metadata={"help": "labels=acceptance (and fsd, which stores the same columns)"},
     )
-    mix_prob: float = field(
-        default=0.5, metadata={"help": "sprinter: share of the mixed category's tokens taken from the draft"}
-    )
-    fsd_divergences: list[str] = field(
-        default_factory=lambda: ["js", "tv"],
-        metadata={"help": "fsd: divergences stored per token (kl, kl_rev, js, tv)"},
-    )
-    fsd_thresholds: list[float] = field(
-        default_factory=lambda: [0.05, 0.1, 0.2, 0.3, 0.5],
-        metadata={
-            "help": ("fsd: thresholds T whose decisions Div < T are stored (and trainable with heads-train label=fsd)")
-        },
-    )
-    fsd_top_k: int = field(
-        default=0,
-        metadata={"help": "fsd: divergences on the target's top-k tokens plus a rest bucket (0: whole vocabulary)"},
-    )
-    fsd_dist: str = field(
-        default="raw",
-        metadata={
-            "help": (
-                "fsd: raw (softmax of the logits, the paper's) | warped (temperature/top-k/top-p of "
-                "sampling; needs sampling.do_sample=true)"
-            )
-        },
-    )
-    tuples: str | None = field(
-        default=None,
-        metadata={
-            "help": (
-                "judge: import this tuple JSONL (schema in datagen/tuples.py) instead of generating answers to prompts"
-            )
-        },
-    )
-    answer_models: list[str] = field(
-        default_factory=lambda: ["target", "draft"], metadata={"help": "judge: the models that answer each prompt"}
-    )
-    answer_samples: int = field(
-        default=1, metadata={"help": "judge: sampled answers per model and prompt, besides the greedy one"}
-    )
-    answer_temperature: float = field(default=0.8, metadata={"help": "judge: temperature of the sampled answers"})
-    mining: str = field(
-        default="arith",
-        metadata={
-            "help": (
-                "judge: where the wrong tokens come from: arith (graded answers of answer_models; the "
-                "arithmetic checker localises a wrong answer's first false step) | swap (AutoJudge: each "
-                "draft token that differs from the target's greedy one is swapped in and the target "
-                "finishes; it is important when the final answer changes)"
-            )
-        },
-    )
-    checker: str = field(
-        default="auto",
-        metadata={
-            "help": (
-                "judge, mining=swap: how a response's final answer is read: auto (by prompt source) | "
-                "gsm8k (final number) | arc (letter) | exact (normalised text) | module:function (your "
-                "callable (prompt, text) -> answer)"
-            )
-        },
-    )
-    mine_max_mismatches: int = field(
-        default=16, metadata={"help": "judge, mining=swap: most mismatches tried per prompt (then a budget hit)"}
-    )
-    mine_max_tokens: int = field(
-        default=2048,
-        metadata={
-            "help": ("judge, mining=swap: most continuation tokens the target generates per prompt (then a budget hit)")
-        },
-    )
-    mine_max_new_tokens_by_source: dict[str, int] = field(
-        default_factory=dict,
-        metadata={
-            "help": (
-                "judge, mining=swap: a shorter response per prompt source (e.g. {arc: 16}: the letter comes first)"
-            )
-        },
-    )
-    mine_label_matches: bool = field(
-        default=False,
-        metadata={
-            "help": (
-                "judge, mining=swap: also label every other token of the final response 1 (default: only "
-                "the tried mismatches are labelled)"
-            )
-        },
-    )
-    drafter_layers: list[int] = field(
-        default_factory=list,
-        metadata={
-            "help": (
-                "drafter: the target layers whose entering residual stream is stored (Hugging Face "
-                "hidden_states indices; empty: 2, n/2, n-3 of n layers)"
-            )
-        },
-    )
-    drafter_top_k: int = field(
-        default=20,
-        metadata={"help": "drafter: most likely tokens of the target's distribution stored per response token"},
-    )
-    prompt_kinds: list[str] = field(
-        default_factory=lambda: ["writing", "reasoning", "code", "extraction", "facts", "chat"],
-        metadata={
-            "help": "prompts: the kinds of request the target writes, in turn (writing, reasoning, code, extraction, "
-            "facts, chat; or name:<system message>)"
-        },
-    )
-    prompt_min_tokens: int = field(default=8, metadata={"help": "prompts: shortest user turn kept, in tokens"})
-    eagle: str = field(
-        default="",
-        metadata={
-            "help": ("eagle_rounds: the exported EAGLE head (heads-train head=eagle, then heads-export) that drafts")
-        },
-    )
-    eagle_k: int = field(
-        default=8,
-        metadata={
-            "help": (
-                "eagle_rounds: candidates per SD round (every one labelled but a round's last, which has no head state)"
-            )
-        },
-    )
-    eagle_position: str = field(
-        default="own",
-        metadata={
-            "help": (
-                "eagle_rounds: which head state a candidate is stored with: own (after consuming it; the lag-1 "
-                "SpecDec++ head, every candidate but a round's last) | previous (the state that drew it; a lag-0 "
-                "head scores every candidate as soon as it is drawn)"
-            )
-        },
+    sprinter: SprinterOptions = field(default_factory=SprinterOptions, metadata={"help": "labels=sprinter"})
+    fsd: FsdOptions = field(default_factory=FsdOptions, metadata={"help": "labels=fsd"})
+    judge: JudgeOptions = field(default_factory=JudgeOptions, metadata={"help": "labels=judge"})
+    drafter: DrafterOptions = field(default_factory=DrafterOptions, metadata={"help": "labels=drafter"})
+    self_prompts: SelfPromptOptions = field(default_factory=SelfPromptOptions, metadata={"help": "labels=prompts"})
+    eagle_rounds: EagleRoundsOptions = field(
+        default_factory=EagleRoundsOptions, metadata={"help": "labels=eagle_rounds"}
     )
     engine: str = field(
         default="specheads",
@@ -194,7 +234,7 @@ class DatagenConfig:
             "help": (
                 "specheads (this package generates the target's responses with Transformers) | vllm "
                 "(vLLM generates every response the run needs, all chunks in one offline run up front, "
-                "and mining=swap's continuations; labels=acceptance, fsd, sprinter, drafter, judge; greedy "
+                "and judge.mining=swap's continuations; labels=acceptance, fsd, sprinter, drafter, judge; greedy "
                 "responses are the specheads engine's, sampled ones are seeded per prompt and differ)"
             )
         },

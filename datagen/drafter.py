@@ -2,8 +2,8 @@
 
 Per prompt, the target writes its response (greedy or with the deployment sampling), then one
 teacher-forced pass over prompt + response keeps the target's residual stream entering the chosen
-decoder layers (``drafter_layers``: low, middle, high; default ``2, n/2, n-3`` of ``n`` layers, the
-EAGLE-3 choice) at every position. At every response token it also keeps the ``drafter_top_k`` most
+decoder layers (``drafter.layers``: low, middle, high; default ``2, n/2, n-3`` of ``n`` layers, the
+EAGLE-3 choice) at every position. At every response token it also keeps the ``drafter.top_k`` most
 likely tokens of the target's distribution that token was chosen from, with their log-probabilities.
 An EAGLE-style head (``heads-train head=eagle``) trains on all three; a standalone draft distilled on
 the target's distribution (``heads-train head=draft``) needs only the ids and the distributions.
@@ -34,7 +34,7 @@ def default_layers(num_layers: int) -> list[int]:
 
 def layers_for(cfg, model) -> list[int]:
     """The configured layers, or the default for ``model``'s depth."""
-    return list(cfg.drafter_layers) or default_layers(model.config.num_hidden_layers)
+    return list(cfg.drafter.layers) or default_layers(model.config.num_hidden_layers)
 
 
 @torch.inference_mode()
@@ -93,7 +93,7 @@ def label_chunk(job: Job, items: list, chunk: int) -> Labelled:
             live = [i for i, r in enumerate(responses) if r and ok[i]]
             seqs, lens = [ids[i] + responses[i] for i in live], [len(responses[i]) for i in live]
             if job.states is not None:  # and the states and top-k from vLLM too: no target pass here
-                res = drafter_states(job, seqs, layers, lens, cfg.drafter_top_k)
+                res = drafter_states(job, seqs, layers, lens, cfg.drafter.top_k)
                 picked = {i: r[1] for i, r in zip(live, res)}
                 keep = [i for i, r in zip(live, res) if r[2]]
                 got = [r[0] for r in res if r[2]]
@@ -110,7 +110,7 @@ def label_chunk(job: Job, items: list, chunk: int) -> Labelled:
                     )
                 )
         for i, st in zip(keep, got):
-            t_ids, t_logp = picked[i] if picked else top_k(logits[i], cfg.drafter_top_k)
+            t_ids, t_logp = picked[i] if picked else top_k(logits[i], cfg.drafter.top_k)
             states.append(st)
             tops.append(t_ids)
             logps.append(t_logp)
@@ -122,7 +122,7 @@ def label_chunk(job: Job, items: list, chunk: int) -> Labelled:
             cols["response_start"].append(len(ids[i]))
             labelled += len(responses[i])
     width = len(layers) * job.pair.target.hidden_size
-    k = min(cfg.drafter_top_k, job.pair.target.model.config.vocab_size)
+    k = min(cfg.drafter.top_k, job.pair.target.model.config.vocab_size)
     DrafterChunkFiles(cfg.output_dir, chunk).write(
         {
             "states": torch.cat(states) if states else torch.zeros(0, width, dtype=torch.float16),
@@ -191,13 +191,13 @@ class DrafterLabeller(StatesLabeller):
 
     def problems(self, cfg) -> list[str]:
         out = super().problems(cfg)
-        if cfg.drafter_top_k < 1:
-            out.append(f"drafter_top_k={cfg.drafter_top_k} must be >= 1")
-        layers = list(cfg.drafter_layers)
+        if cfg.drafter.top_k < 1:
+            out.append(f"drafter.top_k={cfg.drafter.top_k} must be >= 1")
+        layers = list(cfg.drafter.layers)
         if any(int(i) < 1 for i in layers):
-            out.append(f"drafter_layers={layers} must be decoder-layer indices >= 1 (the stream entering that layer)")
+            out.append(f"drafter.layers={layers} must be decoder-layer indices >= 1 (the stream entering that layer)")
         if len(set(layers)) != len(layers):
-            out.append(f"drafter_layers={layers} repeats a layer")
+            out.append(f"drafter.layers={layers} repeats a layer")
         return out
 
     def needs_draft(self, cfg) -> bool:
@@ -212,7 +212,7 @@ class DrafterLabeller(StatesLabeller):
         bad = [i for i in layers_for(job.cfg, model) if not 0 < i < n]
         if bad:
             raise UserError(
-                f"drafter_layers={list(job.cfg.drafter_layers)}: layers {bad} lie outside the target's "
+                f"drafter.layers={list(job.cfg.drafter.layers)}: layers {bad} lie outside the target's "
                 f"decoder layers 1..{n - 1}"
             )
 
@@ -222,5 +222,5 @@ class DrafterLabeller(StatesLabeller):
     def summarise(self, cfg, out: Path, models: dict) -> tuple[dict, dict]:
         stats = summarise(out)
         return stats, {
-            "drafter": {"layers": stats.pop("layers"), "top_k": cfg.drafter_top_k, "hidden_size": models["hidden_size"]}
+            "drafter": {"layers": stats.pop("layers"), "top_k": cfg.drafter.top_k, "hidden_size": models["hidden_size"]}
         }

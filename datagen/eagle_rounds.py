@@ -1,7 +1,7 @@
 """``labels=eagle_rounds``: SpecDec++ acceptance labels for an EAGLE drafter, on-policy from decoding.
 
-Per prompt, the target decodes with the EAGLE head ``eagle=`` (an exported ``head_type=eagle`` file,
-:class:`specheads.export.shim.loop.eagle_drafter.EagleDrafter`) under standard SD with a fixed ``eagle_k``
+Per prompt, the target decodes with the EAGLE head ``eagle_rounds.head=`` (an exported ``head_type=eagle`` file,
+:class:`specheads.export.shim.loop.eagle_drafter.EagleDrafter`) under standard SD with a fixed ``eagle_rounds.k``
 candidates per round and the run's sampling settings (docs/algorithms/specdecpp.md and eagle.md). The policy
 that verifies each round (:class:`RecordingSD`) keeps, before the standard rule decides, the
 candidates, the distributions they were drawn from, the head's post-norm states and the target logits
@@ -12,10 +12,10 @@ pass and ``q_j`` the distribution ``y_j`` was drawn from, both warped by the sam
 every candidate, so the candidates after a round's first rejection are labelled too (the stop head met
 them while drafting); ``outcome`` says what the rule did with each (1 kept, 0 rejected, -1 not reached).
 
-The feature of ``y_j`` (``eagle_position=own``, lag 1) is the head's state at ``y_j``'s own position (after
+The feature of ``y_j`` (``eagle_rounds.position=own``, lag 1) is the head's state at ``y_j``'s own position (after
 consuming ``y_j``): the state the drafter returns with ``y_{j+1}``, which ``policy=specdecpp`` (reference
 order) scores ``y_j`` with. A round's last candidate has none (the round stops before the step that consumes
-it; SpecDec++ never scores it either) and is not stored. ``eagle_position=previous`` (lag 0) stores instead
+it; SpecDec++ never scores it either) and is not stored. ``eagle_rounds.position=previous`` (lag 0) stores instead
 the state that produced ``y_j`` (the one ``q_j`` came from), for every candidate, the last included: a head on
 it scores ``y_j`` as soon as it is drawn. ``q_token`` is ``q_j(y_j)`` (greedy: from the temperature-1
 softmax, the draft confidence ``policy=confidence_stop`` reads), ``p_token`` the target's ``p_j(y_j)`` alike;
@@ -144,23 +144,24 @@ def stream(seed: int, index: int) -> int:
 
 
 class EagleRoundsLabeller(StatesLabeller):
-    """``labels=eagle_rounds``: per prompt, SD with the EAGLE head at ``k = eagle_k``; every candidate's label,
+    """``labels=eagle_rounds``: per prompt, SD with the EAGLE head at ``k = eagle_rounds.k``; every candidate's label,
     draft and target probabilities, and the head's state at its position."""
 
     def problems(self, cfg) -> list[str]:
         out = super().problems(cfg)
-        if not cfg.eagle:
+        if not cfg.eagle_rounds.head:
             out.append(
-                "labels=eagle_rounds needs eagle=<an exported EAGLE head> (heads-train head=eagle, then heads-export)"
+                "labels=eagle_rounds needs eagle_rounds.head=<an exported EAGLE head> (heads-train head=eagle, "
+                "then heads-export)"
             )
-        if cfg.eagle_position not in POSITIONS:
-            out.append(f"eagle_position={cfg.eagle_position!r}: choose own (lag 1) or previous (lag 0)")
-        elif cfg.eagle_k < (2 if cfg.eagle_position == "own" else 1):
+        if cfg.eagle_rounds.position not in POSITIONS:
+            out.append(f"eagle_rounds.position={cfg.eagle_rounds.position!r}: choose own (lag 1) or previous (lag 0)")
+        elif cfg.eagle_rounds.k < (2 if cfg.eagle_rounds.position == "own" else 1):
             out.append(
-                f"eagle_k={cfg.eagle_k} must be >= 2 with eagle_position=own (a round's last candidate has no "
-                "own-position state to label)"
-                if cfg.eagle_position == "own"
-                else f"eagle_k={cfg.eagle_k} must be >= 1"
+                f"eagle_rounds.k={cfg.eagle_rounds.k} must be >= 2 with eagle_rounds.position=own (a round's last "
+                "candidate has no own-position state to label)"
+                if cfg.eagle_rounds.position == "own"
+                else f"eagle_rounds.k={cfg.eagle_rounds.k} must be >= 1"
             )
         return out
 
@@ -176,14 +177,14 @@ class EagleRoundsLabeller(StatesLabeller):
         from specheads.export.api import load_eagle
 
         if getattr(job, "eagle_head", None) is None:
-            job.eagle_head = load_eagle(job.cfg.eagle, job.pair)
+            job.eagle_head = load_eagle(job.cfg.eagle_rounds.head, job.pair)
         return job.eagle_head
 
     def label_chunk(self, job: Job, items: list, chunk: int) -> Labelled:
         cfg, target = job.cfg, job.pair.target
         head = self.head(job)
         engine = Engine(target.model, None, job.eos, eagle=head.module)
-        policy = RecordingSD(cfg.eagle_k)
+        policy = RecordingSD(cfg.eagle_rounds.k)
         gen = torch.Generator(device=target.device)
         cols: dict[str, list] = {k: [] for k in (*EAGLE_ROUNDS_COLUMNS, *EAGLE_ROUNDS_SIGNALS)}
         states, lengths, skipped = [], [], []
@@ -195,7 +196,7 @@ class EagleRoundsLabeller(StatesLabeller):
             if not policy.finite:
                 skipped.append(skip_record(prompt, first + i, "non-finite logits or head states"))
                 continue
-            rows, st = prompt_rows(policy.rounds, head.module.hidden_size, cfg.eagle_position)
+            rows, st = prompt_rows(policy.rounds, head.module.hidden_size, cfg.eagle_rounds.position)
             cols["prompt_id"].append(prompt.id)
             cols["prompt_index"].append(first + i)
             cols["input_ids"].append(ids + out.tokens)
@@ -218,15 +219,15 @@ class EagleRoundsLabeller(StatesLabeller):
         from specheads.export.package import read_metadata
 
         stats = summarise(out)
-        meta = read_metadata(cfg.eagle)
+        meta = read_metadata(cfg.eagle_rounds.head)
         eagle = {
-            "file": Path(cfg.eagle).name,
+            "file": Path(cfg.eagle_rounds.head).name,
             "tensors_sha256": meta.get("tensors_sha256"),
             "target": meta.get("target"),
         }
         return stats, {
             "hidden_size": models["hidden_size"],
-            "eagle_rounds": {"k": cfg.eagle_k, "eagle": eagle, "feature": feature(cfg.eagle_position)},
+            "eagle_rounds": {"k": cfg.eagle_rounds.k, "eagle": eagle, "feature": feature(cfg.eagle_rounds.position)},
         }
 
 

@@ -9,13 +9,13 @@ response ``x``, teacher-forced ``p_i = p(.|c, x_<i)`` and ``q_i = q(.|c, x_<i)``
 token ``y_i`` drawn greedily or per ``sampling`` from the same generator, so the same seed gives
 the same ``draft_token`` and SD ``label`` as ``labels=acceptance``) and adds per token:
 
-* ``div_<name>``: ``Div(p_i, q_i)`` for each divergence of ``fsd_divergences`` (fp32, natural
-  log, :func:`specheads.export.shim.core.divergence.divergence`, with ``fsd_top_k``);
+* ``div_<name>``: ``Div(p_i, q_i)`` for each divergence of ``fsd.divergences`` (fp32, natural
+  log, :func:`specheads.export.shim.core.divergence.divergence`, with ``fsd.top_k``);
 * ``fsd_<name>@<T>``: the FSD decision ``Div(p_i, q_i) < T`` (bool) for each threshold of
-  ``fsd_thresholds``. The stored fp32 divergence is compared with ``T`` in fp64, so reading the
+  ``fsd.thresholds``. The stored fp32 divergence is compared with ``T`` in fp64, so reading the
   Parquet value back and comparing it with the threshold gives exactly the stored label.
 
-Which distributions (``fsd_dist``): ``raw`` is the softmax of the unwarped logits (the FSD
+Which distributions (``fsd.dist``): ``raw`` is the softmax of the unwarped logits (the FSD
 paper's and its public code's choice, and the only meaningful one for greedy drafting);
 ``warped`` applies the decoding temperature / top-k / top-p first (sampling only: greedy warping
 is one-hot and makes every threshold the same label).
@@ -62,31 +62,31 @@ def problems(
     """One line per invalid FSD setting (empty when valid).
 
     Args:
-        divergences: names from ``fsd_divergences``.
-        thresholds: ``fsd_thresholds``.
-        top_k: ``fsd_top_k`` (0: the whole vocabulary).
-        dist: ``fsd_dist``.
+        divergences: names from ``fsd.divergences``.
+        thresholds: ``fsd.thresholds``.
+        top_k: ``fsd.top_k`` (0: the whole vocabulary).
+        dist: ``fsd.dist``.
         sampling: the decoding settings (``warped`` needs sampling).
     """
     out = []
     bad = [d for d in divergences if d not in DIVERGENCES]
     if bad or not divergences:
-        out.append(f"fsd_divergences={list(divergences)}: choose one or more of {list(DIVERGENCES)}")
+        out.append(f"fsd.divergences={list(divergences)}: choose one or more of {list(DIVERGENCES)}")
     if len(set(divergences)) != len(divergences):
-        out.append(f"fsd_divergences={list(divergences)} lists a divergence twice")
+        out.append(f"fsd.divergences={list(divergences)} lists a divergence twice")
     if not thresholds:
-        out.append("fsd_thresholds is empty; give at least one threshold T (label: Div < T), e.g. [0.1, 0.3]")
+        out.append("fsd.thresholds is empty; give at least one threshold T (label: Div < T), e.g. [0.1, 0.3]")
     if any(not math.isfinite(t) or t < 0 for t in thresholds):
-        out.append(f"fsd_thresholds={list(thresholds)}: every threshold must be finite and >= 0")
+        out.append(f"fsd.thresholds={list(thresholds)}: every threshold must be finite and >= 0")
     if len({f"{t:g}" for t in thresholds}) != len(thresholds):
-        out.append(f"fsd_thresholds={list(thresholds)} lists a threshold twice")
+        out.append(f"fsd.thresholds={list(thresholds)} lists a threshold twice")
     if top_k < 0:
-        out.append(f"fsd_top_k={top_k} must be >= 0 (0: the whole vocabulary)")
+        out.append(f"fsd.top_k={top_k} must be >= 0 (0: the whole vocabulary)")
     if dist not in DISTS:
-        out.append(f"fsd_dist={dist!r}: choose raw (softmax of the logits) or warped (the sampling settings)")
+        out.append(f"fsd.dist={dist!r}: choose raw (softmax of the logits) or warped (the sampling settings)")
     elif dist == "warped" and not sampling.do_sample:
         out.append(
-            "fsd_dist=warped with greedy sampling compares one-hot distributions; use fsd_dist=raw "
+            "fsd.dist=warped with greedy sampling compares one-hot distributions; use fsd.dist=raw "
             "or sampling.do_sample=true"
         )
     return out
@@ -191,21 +191,21 @@ class FsdLabeller(Labeller):
 
     def problems(self, cfg) -> list[str]:
         return super().problems(cfg) + problems(
-            list(cfg.fsd_divergences), list(cfg.fsd_thresholds), cfg.fsd_top_k, cfg.fsd_dist, cfg.sampling
+            list(cfg.fsd.divergences), list(cfg.fsd.thresholds), cfg.fsd.top_k, cfg.fsd.dist, cfg.sampling
         )
 
     def label_chunk(self, job: Job, items: list, chunk: int) -> Labelled:
         cfg = job.cfg
-        divs, thresholds = list(cfg.fsd_divergences), list(cfg.fsd_thresholds)
+        divs, thresholds = list(cfg.fsd.divergences), list(cfg.fsd.thresholds)
         columns = (*(divergence_column(d) for d in divs), *(label_column(d, t) for d in divs for t in thresholds))
         return acceptance.label_responses(
             job,
             items,
             chunk,
             columns,
-            lambda p, q: fsd_labels(p, q, cfg.sampling, divs, thresholds, cfg.fsd_top_k, cfg.fsd_dist),
+            lambda p, q: fsd_labels(p, q, cfg.sampling, divs, thresholds, cfg.fsd.top_k, cfg.fsd.dist),
         )
 
     def summarise(self, cfg, out: Path, models: dict) -> tuple[dict, dict]:
-        block = manifest_block(out, list(cfg.fsd_divergences), list(cfg.fsd_thresholds), cfg.fsd_top_k, cfg.fsd_dist)
+        block = manifest_block(out, list(cfg.fsd.divergences), list(cfg.fsd.thresholds), cfg.fsd.top_k, cfg.fsd.dist)
         return acceptance.summarise(out), {"fsd": block}

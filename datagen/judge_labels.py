@@ -2,7 +2,7 @@
 features.
 
 Answers to each prompt come from the loaded models (``answer_models``: target and/or draft), greedy
-and ``answer_samples`` sampled ones each; ``tuples=FILE`` imports annotated tuples instead. A
+and ``answer_samples`` sampled ones each; ``judge.tuples=FILE`` imports annotated tuples instead. A
 grader marks the answers (:func:`specheads.grading.grade`: GSM8K-style prompts by the final number
 against the reference, ARC by the chosen letter); prompts without a grader give no tuples. Every
 wrong answer is localised by the arithmetic checker (:mod:`arith`: the first false step); one it
@@ -72,33 +72,37 @@ class JudgeLabeller(Labeller):
     """``labels=judge``: per tuple side, token labels 1/0/-1 and the target's features at the labelled tokens."""
 
     def problems(self, cfg) -> list[str]:
-        out = [] if cfg.prompts or cfg.tuples else ["prompts is not set; pass prompts=<file> or tuples=<file>"]
-        bad = [m for m in cfg.answer_models if m not in ("target", "draft")]
-        if bad or not cfg.answer_models:
-            out.append(f"answer_models={list(cfg.answer_models)}: choose from target, draft")
-        if cfg.answer_samples < 0 or cfg.answer_temperature <= 0:
+        out = (
+            []
+            if cfg.prompts or cfg.judge.tuples
+            else ["prompts is not set; pass prompts=<file> or judge.tuples=<file>"]
+        )
+        bad = [m for m in cfg.judge.answer_models if m not in ("target", "draft")]
+        if bad or not cfg.judge.answer_models:
+            out.append(f"judge.answer_models={list(cfg.judge.answer_models)}: choose from target, draft")
+        if cfg.judge.answer_samples < 0 or cfg.judge.answer_temperature <= 0:
             out.append("answer_samples must be >= 0 and answer_temperature > 0")
-        if cfg.mining not in ("arith", "swap"):
-            out.append(f"mining={cfg.mining!r}: choose arith or swap")
-        elif cfg.mining == "swap":
+        if cfg.judge.mining not in ("arith", "swap"):
+            out.append(f"judge.mining={cfg.judge.mining!r}: choose arith or swap")
+        elif cfg.judge.mining == "swap":
             out += mining.problems(cfg)
         return out
 
     def needs_draft(self, cfg) -> bool:
-        return cfg.mining == "swap" or not (cfg.tuples or "draft" not in cfg.answer_models)
+        return cfg.judge.mining == "swap" or not (cfg.judge.tuples or "draft" not in cfg.judge.answer_models)
 
     def target_under_vllm(self, cfg) -> str:
         return "config"  # answers, swap regenerations and states from vLLM
 
     def items(self, cfg):
-        if not cfg.tuples:
+        if not cfg.judge.tuples:
             return super().items(cfg)
-        everything = load_tuples(cfg.tuples)[cfg.offset :]
+        everything = load_tuples(cfg.judge.tuples)[cfg.offset :]
         return iter(everything[: cfg.num_prompts] if cfg.num_prompts is not None else everything)
 
     def label_chunk(self, job: Job, items: list, chunk: int) -> Labelled:
         cfg, pair = job.cfg, job.pair
-        if cfg.mining == "swap":
+        if cfg.judge.mining == "swap":
             tuples, review = [], []
             found, mined, index_of, counts = mining.chunk_rows(job, items, chunk)
         else:
@@ -166,23 +170,23 @@ class JudgeLabeller(Labeller):
         }
 
     def summarise(self, cfg, out: Path, models: dict) -> tuple[dict, dict]:
-        stats = summarise(out, mined=cfg.mining == "swap")
-        if cfg.mining == "swap":  # the settings beside the counts
+        stats = summarise(out, mined=cfg.judge.mining == "swap")
+        if cfg.judge.mining == "swap":  # the settings beside the counts
             stats["mining"] = {
                 "method": "swap",
-                "checker": cfg.checker,
-                "max_mismatches": cfg.mine_max_mismatches,
-                "max_tokens": cfg.mine_max_tokens,
-                "label_matches": cfg.mine_label_matches,
+                "checker": cfg.judge.checker,
+                "max_mismatches": cfg.judge.mine_max_mismatches,
+                "max_tokens": cfg.judge.mine_max_tokens,
+                "label_matches": cfg.judge.mine_label_matches,
                 **stats["mining"],
             }
         else:
-            stats["mining"] = {"method": cfg.mining}
+            stats["mining"] = {"method": cfg.judge.mining}
         return stats, {
-            "answer_models": list(cfg.answer_models),
-            "answer_samples": cfg.answer_samples,
-            "answer_temperature": cfg.answer_temperature,
-            "tuples_imported_from": cfg.tuples,
+            "answer_models": list(cfg.judge.answer_models),
+            "answer_samples": cfg.judge.answer_samples,
+            "answer_temperature": cfg.judge.answer_temperature,
+            "tuples_imported_from": cfg.judge.tuples,
             "hidden_size": models["hidden_size"],
             "feature": {"model": "target", "state": "pre", "layer": -1, "signals": list(JUDGE_SIGNALS)},
         }

@@ -108,13 +108,15 @@ def _answers(cfg, pair, batch, ids, seed: int, pad: int, eos: list[int], given=N
     from specheads.export.shim import SamplingConfig, batch_generate
 
     out = [[] for _ in batch]
-    for mi, name in enumerate(cfg.answer_models):
+    for mi, name in enumerate(cfg.judge.answer_models):
         loaded = pair.target if name == "target" else pair.draft
         model, device = loaded.model, loaded.device  # engine=vllm: a target without weights, its spec's device
-        for si in range(1 + cfg.answer_samples):
+        for si in range(1 + cfg.judge.answer_samples):
             setting = "greedy" if si == 0 else f"sample-{si}"
             sampling = (
-                SamplingConfig() if si == 0 else SamplingConfig(do_sample=True, temperature=cfg.answer_temperature)
+                SamplingConfig()
+                if si == 0
+                else SamplingConfig(do_sample=True, temperature=cfg.judge.answer_temperature)
             )
             g = torch.Generator(device=device).manual_seed(seed * 64 + mi * 16 + si) if si else None
             for i, o in enumerate(
@@ -129,7 +131,7 @@ def _answers(cfg, pair, batch, ids, seed: int, pad: int, eos: list[int], given=N
 def _tuples(job: Job, items: list, chunk: int, counts: dict) -> tuple[list[JudgeTuple], list[dict], dict]:
     """A chunk's tuples (imported, or built from the models' graded answers), review items and prompt indices."""
     cfg, lo = job.cfg, job.first_index(chunk)
-    if cfg.tuples:  # imported tuples: the items are the tuples themselves
+    if cfg.judge.tuples:  # imported tuples: the items are the tuples themselves
         counts["tuples"] = len(items)
         return list(items), [], {t.id: lo + i for i, t in enumerate(items)}
     tuples, review, index_of = [], [], {}

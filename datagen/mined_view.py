@@ -1,4 +1,4 @@
-"""``heads-datagen recipe=... show [index=N]``: one searched prompt of a ``mining=swap`` run, coloured.
+"""``heads-datagen recipe=... show [index=N]``: one searched prompt of a ``judge.mining=swap`` run, coloured.
 
 Reads ``mined.jsonl`` of the run's ``output_dir`` (the ``N``-th record, default the first) and prints
 the question, the target's final answer, and the final response token by token with every tried
@@ -80,7 +80,7 @@ def show(output_dir: str, index: str | int) -> int:
         raise UserError(f"index={index!r}: expected a record number (0, 1, ...)") from None
     path = Path(output_dir) / "mined.jsonl"
     if not path.is_file():
-        raise UserError(f"{path} not found: show reads a finished heads-datagen labels=judge mining=swap run")
+        raise UserError(f"{path} not found: show reads a finished heads-datagen labels=judge judge.mining=swap run")
     records = [x for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
     if not 0 <= index < len(records):
         raise UserError(f"index={index}: {path} holds {len(records)} records (index 0 to {len(records) - 1})")

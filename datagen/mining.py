@@ -1,4 +1,4 @@
-"""Swap mining (``heads-datagen labels=judge mining=swap``): which of the draft's mismatches change the answer.
+"""Swap mining (``heads-datagen labels=judge judge.mining=swap``): which of the draft's mismatches change the answer.
 
 AutoJudge's semi-greedy search (docs/algorithms/judge.md), per prompt:
 
@@ -11,8 +11,8 @@ AutoJudge's semi-greedy search (docs/algorithms/judge.md), per prompt:
    mismatch is *unimportant* (label 1): the swapped response becomes ``R`` and the draft's predictions
    after ``j`` are made again along it.
 4. The search goes on after ``j`` until no mismatch is left or the prompt's budget is spent
-   (``mine_max_mismatches`` tried, ``mine_max_tokens`` generated in continuations): a budget hit. The
-   budget is checked before each try, so the last try may take a prompt past ``mine_max_tokens`` by at
+   (``judge.mine_max_mismatches`` tried, ``judge.mine_max_tokens`` generated in continuations): a budget hit. The
+   budget is checked before each try, so the last try may take a prompt past ``judge.mine_max_tokens`` by at
    most one continuation (one response length).
 
 An answer cut off at the length limit gives no trustworthy final answer (its last number moves with
@@ -169,16 +169,16 @@ def mine(
 
 
 def problems(cfg) -> list[str]:
-    """One line per invalid ``mining=swap`` setting."""
+    """One line per invalid ``judge.mining=swap`` setting."""
     out = []
-    if cfg.tuples:
-        out.append("mining=swap searches the loaded pair's answers to prompts; it cannot read tuples=")
+    if cfg.judge.tuples:
+        out.append("judge.mining=swap searches the loaded pair's answers to prompts; it cannot read judge.tuples=")
     for key in ("mine_max_mismatches", "mine_max_tokens"):
-        if getattr(cfg, key) < 1:
-            out.append(f"{key}={getattr(cfg, key)} must be >= 1")
-    out += budget_problems("mine_max_new_tokens_by_source", cfg.mine_max_new_tokens_by_source or {})
+        if getattr(cfg.judge, key) < 1:
+            out.append(f"judge.{key}={getattr(cfg.judge, key)} must be >= 1")
+    out += budget_problems("judge.mine_max_new_tokens_by_source", cfg.judge.mine_max_new_tokens_by_source or {})
     try:
-        checkers.resolve(cfg.checker)
+        checkers.resolve(cfg.judge.checker)
     except UserError as exc:
         out.append(str(exc))
     return out
@@ -192,23 +192,23 @@ def chunk_rows(job, items: list, chunk: int) -> tuple[list[dict], list[str], dic
     remote = vllm_mining.server_for(cfg)
     before = dict(remote.stats) if remote else {}
     generate, predict = greedy_tokens(pair.target.model, pair.draft.model, job.eos, job.pad, remote)
-    if cfg.checker == "auto":
+    if cfg.judge.checker == "auto":
         loose = sorted({p.source for p in items} - {"gsm8k", "arc", "facts", "extract"})
         if loose:
             log.warning(
-                "checker=auto compares the whole normalised text for %s prompts: almost every swap changes "
+                "judge.checker=auto compares the whole normalised text for %s prompts: almost every swap changes "
                 "it, so almost every mismatch counts as important; name a checker for them",
                 loose,
             )
-    by_source = dict(cfg.mine_max_new_tokens_by_source or {})
+    by_source = dict(cfg.judge.mine_max_new_tokens_by_source or {})
     searches = mine(
         generate,
         predict,
         lambda ids: tok.decode(ids, skip_special_tokens=True),
         items,
         job.prompt_ids(items),
-        checkers.resolve(cfg.checker),
-        Budget(cfg.max_new_tokens, cfg.mine_max_mismatches, cfg.mine_max_tokens),
+        checkers.resolve(cfg.judge.checker),
+        Budget(cfg.max_new_tokens, cfg.judge.mine_max_mismatches, cfg.judge.mine_max_tokens),
         job.eos,
         cfg.batch_size,
         [min(cfg.max_new_tokens, by_source.get(p.source, cfg.max_new_tokens)) for p in items],
@@ -218,7 +218,7 @@ def chunk_rows(job, items: list, chunk: int) -> tuple[list[dict], list[str], dic
     for i, (p, s) in enumerate(zip(items, searches)):
         tid = f"{p.id}-m"
         index_of[tid] = lo + i
-        rows += judge_rows(s, tid, cfg.mine_label_matches)
+        rows += judge_rows(s, tid, cfg.judge.mine_label_matches)
         lines.append(json.dumps(record(s, p, lo + i, lambda t: tok.decode([t])), ensure_ascii=False))
     served = {f"vllm_{k}": remote.stats[k] - before[k] for k in VLLM_COUNTS} if remote else {}
     return rows, lines, index_of, {"items": len(items), **counts(searches), **served}

@@ -1,14 +1,14 @@
 """``labels=prompts``: prompts the target writes itself (Magpie-style), so a drafter's data is not limited by the files.
 
 Each item is an open user turn: the chat template rendered up to where the user's words begin, after a system
-message that names a kind of request (``prompt_kinds``: writing, reasoning, code, extraction, facts, chat, or
+message that names a kind of request (``self_prompts.kinds``: writing, reasoning, code, extraction, facts, chat, or
 ``name:system text`` of your own). The target, sampled (``sampling.do_sample=true``, temperature 1 by default),
 continues it with what a user would send until its end-of-turn token. A response is kept when it ended by
-itself (not at ``max_new_tokens``), holds no template token and has at least ``prompt_min_tokens`` tokens; at
+itself (not at ``max_new_tokens``), holds no template token and has at least ``self_prompts.min_tokens`` tokens; at
 the end of the run the kept texts are deduplicated over the whole run (case and spacing folded) and written to
 ``output_dir/prompts.jsonl`` (``{"id", "prompt", "kind"}`` rows), a prompt file every other run reads:
 ``heads-datagen labels=drafter prompts=<output_dir>/prompts.jsonl``. Item ``i`` has kind
-``prompt_kinds[i % len]``, so the mix is even and does not depend on chunking.
+``self_prompts.kinds[i % len]``, so the mix is even and does not depend on chunking.
 
 The Parquet chunk holds every generated text (``prompt_id``, ``prompt_index``, ``kind``, ``text``, ``tokens``,
 ``reason``: empty when kept), so the filter's verdicts can be read back; ``engine=vllm`` generates them in one
@@ -48,7 +48,7 @@ COLUMNS = ("prompt_id", "prompt_index", "kind", "text", "tokens", "reason")  # r
 def kinds(cfg) -> list[tuple[str, str]]:
     """``(name, system message)`` per configured kind (``name`` from :data:`KINDS`, or ``name:text``)."""
     out = []
-    for item in cfg.prompt_kinds:
+    for item in cfg.self_prompts.kinds:
         name, colon, text = str(item).partition(":")
         if colon:
             out.append((name.strip(), text.strip()))
@@ -90,15 +90,15 @@ class PromptsLabeller(Labeller):
             out.append("labels=prompts samples its user turns: set sampling.do_sample=true (temperature 1: Magpie's)")
         if not cfg.chat_template:
             out.append("labels=prompts renders the chat template up to the user turn: set chat_template=true")
-        if not cfg.prompt_kinds:
-            out.append(f"prompt_kinds is empty; choose from {list(KINDS)} or write name:<system message>")
+        if not cfg.self_prompts.kinds:
+            out.append(f"self_prompts.kinds is empty; choose from {list(KINDS)} or write name:<system message>")
         else:
             try:
                 kinds(cfg)
             except UserError as err:
                 out.append(str(err))
-        if cfg.prompt_min_tokens < 1:
-            out.append(f"prompt_min_tokens={cfg.prompt_min_tokens} must be >= 1")
+        if cfg.self_prompts.min_tokens < 1:
+            out.append(f"self_prompts.min_tokens={cfg.self_prompts.min_tokens} must be >= 1")
         return out
 
     def needs_draft(self, cfg) -> bool:
@@ -149,7 +149,9 @@ class PromptsLabeller(Labeller):
             for i, (p, r) in enumerate(zip(batch, responses)):
                 body = r[:-1] if r and r[-1] in eos else r
                 text = tok.decode(body, skip_special_tokens=True).strip()
-                why = verdict(r, eos, special, cfg.max_new_tokens, cfg.prompt_min_tokens) or ("" if text else "empty")
+                why = verdict(r, eos, special, cfg.max_new_tokens, cfg.self_prompts.min_tokens) or (
+                    "" if text else "empty"
+                )
                 cols["prompt_id"].append(p.id)
                 cols["prompt_index"].append(job.first_index(chunk) + b + i)
                 cols["kind"].append(p.source)

@@ -222,10 +222,10 @@ class SprinterLabeller(Labeller):
                 f"chunk_size={cfg.chunk_size}: labels=sprinter needs a multiple of {len(CATEGORIES)} "
                 "(every chunk holds the four prefix categories equally)"
             )
-        if any(lam <= 0 for lam in cfg.lambdas):
-            out.append(f"lambdas={list(cfg.lambdas)}: every lambda must be > 0")
-        if not 0 <= cfg.mix_prob <= 1:
-            out.append(f"mix_prob={cfg.mix_prob} must be in [0, 1]")
+        if any(lam <= 0 for lam in cfg.sprinter.lambdas):
+            out.append(f"sprinter.lambdas={list(cfg.sprinter.lambdas)}: every lambda must be > 0")
+        if not 0 <= cfg.sprinter.mix_prob <= 1:
+            out.append(f"sprinter.mix_prob={cfg.sprinter.mix_prob} must be in [0, 1]")
         return out
 
     def label_chunk(self, job: Job, items: list, chunk: int) -> Labelled:
@@ -257,7 +257,7 @@ class SprinterLabeller(Labeller):
                 seed + b,
                 job.pad,
                 job.eos,
-                cfg.mix_prob,
+                cfg.sprinter.mix_prob,
                 gen,
                 given,
                 None if job.states is None else partial(vllm_target_logits, job),  # engine=vllm: vLLM's states
@@ -274,4 +274,7 @@ class SprinterLabeller(Labeller):
         return Labelled(cols, labelled, skipped)
 
     def summarise(self, cfg, out: Path, models: dict) -> tuple[dict, dict]:
-        return summarise(out, list(cfg.lambdas)), {"lambdas": list(cfg.lambdas), "mix_prob": cfg.mix_prob}
+        return summarise(out, list(cfg.sprinter.lambdas)), {
+            "lambdas": list(cfg.sprinter.lambdas),
+            "mix_prob": cfg.sprinter.mix_prob,
+        }

@@ -1,4 +1,4 @@
-"""``heads-datagen labels=judge mining=swap engine=vllm``: the target's greedy answers and continuations in vLLM.
+"""``heads-datagen labels=judge judge.mining=swap engine=vllm``: the target's greedy answers and continuations in vLLM.
 
 Swap mining (:mod:`.mining`) calls the target again after every tried mismatch, with contexts it knows only
 then (the prompt, the running response up to the mismatch, the draft's token), so its target calls cannot be
@@ -54,7 +54,9 @@ class TargetServer:
         line = self.proc.stdout.readline()
         if not line:
             code = self.proc.wait()
-            raise UserError(f"vLLM ({self.python}) for mining=swap stopped with exit code {code}; its log is above")
+            raise UserError(
+                f"vLLM ({self.python}) for judge.mining=swap stopped with exit code {code}; its log is above"
+            )
         return json.loads(line)
 
     def generate(self, contexts: list[list[int]], max_new: int, vocab: int | None = None) -> list[list[int]]:
@@ -80,8 +82,8 @@ class TargetServer:
         s = self.stats
         if s["calls"]:
             log.info(
-                "vLLM (mining=swap): %d calls, %d tokens generated in %.1f s, %.0f%% of %d prompt tokens from the "
-                "prefix cache",
+                "vLLM (judge.mining=swap): %d calls, %d tokens generated in %.1f s, %.0f%% of %d prompt tokens from "
+                "the prefix cache",
                 s["calls"],
                 s["generated_tokens"],
                 s["seconds"],

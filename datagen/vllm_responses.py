@@ -18,7 +18,7 @@ response token (the top ``sampling.top_k``, or the whole vocabulary: exact eithe
 distribution at positions vLLM does not generate from (SPRINTER's comes from vLLM's last-layer states through the
 target's output layer); the drafter's and the judge's hidden states come from a second vLLM child
 (:mod:`.vllm_states`: ``extract_hidden_states`` and this package's connector).
-``mining=swap`` continues the target from each tried mismatch: those continuations are requests to one vLLM
+``judge.mining=swap`` continues the target from each tried mismatch: those continuations are requests to one vLLM
 process that lives through the run (:mod:`.vllm_mining`, prefix caching on).
 
 Seeds: a sampled request's seed is a hash of ``(seed, prompt index, setting)``, so a response does not
@@ -57,7 +57,7 @@ TARGET_PASS = {
     "distribution: TV); the draft's own continuations stay on the draft",
     "prompts": "none: vLLM writes the user turns",
     "judge": "none: the states over the tuples from vLLM (vllm_states); the draft's answers stay on the draft "
-    "(mining=swap: its predictions; the target's continuations are vLLM requests)",
+    "(judge.mining=swap: its predictions; the target's continuations are vLLM requests)",
 }
 
 
@@ -85,8 +85,10 @@ def problems(cfg) -> list[str]:
             if cfg.labels == "eagle_rounds"
             else f"engine=vllm does not run labels={cfg.labels}"
         )
-    elif cfg.labels == "judge" and cfg.tuples:
-        out.append("engine=vllm: labels=judge tuples= imports its answers and generates none; use engine=specheads")
+    elif cfg.labels == "judge" and cfg.judge.tuples:
+        out.append(
+            "engine=vllm: labels=judge judge.tuples= imports its answers and generates none; use engine=specheads"
+        )
     out += cfg.vllm.problems()
     if cfg.vllm.python and not Path(cfg.vllm.python).is_file():
         out.append(f"vllm.python={cfg.vllm.python!r} does not exist; give the python of vLLM's virtualenv")
@@ -109,7 +111,7 @@ def requests_for(job: Job, items: list, chunk: int) -> list[Request]:
     from specheads.datagen.sprinter_labels import category_of
 
     cfg = job.cfg
-    if cfg.labels == "judge" and cfg.mining == "swap":  # its target calls go to vllm_mining's process
+    if cfg.labels == "judge" and cfg.judge.mining == "swap":  # its target calls go to vllm_mining's process
         return []
     first = job.first_index(chunk)
     ids = job.prompt_ids(items)
@@ -117,13 +119,13 @@ def requests_for(job: Job, items: list, chunk: int) -> list[Request]:
     for i, x in enumerate(ids):
         index = first + i
         if cfg.labels == "judge":
-            if "target" in cfg.answer_models:
-                for si in range(1 + cfg.answer_samples):
+            if "target" in cfg.judge.answer_models:
+                for si in range(1 + cfg.judge.answer_samples):
                     setting = "greedy" if si == 0 else f"sample-{si}"
                     sampling = (
                         SamplingConfig()
                         if si == 0
-                        else SamplingConfig(do_sample=True, temperature=cfg.answer_temperature)
+                        else SamplingConfig(do_sample=True, temperature=cfg.judge.answer_temperature)
                     )
                     out.append(
                         Request(
@@ -202,12 +204,12 @@ def generate_up_front(cfg, out: Path, chunks, local_rank: int = 0, generate=None
     """Every response the chunks ``chunks`` (``(chunk, items)`` pairs: this process's unfinished ones)
     need, generated in one vLLM run into their side files; chunks whose side file is already whole are
     skipped. ``generate(cfg, header, lines, work, local_rank)`` runs the job (tests pass a fake).
-    ``mining=swap`` generates nothing up front: its vLLM process starts here (:mod:`.vllm_mining`).
+    ``judge.mining=swap`` generates nothing up front: its vLLM process starts here (:mod:`.vllm_mining`).
     Returns its statistics (None: nothing to generate)."""
     work = Path(out) / SIDE
     work.mkdir(parents=True, exist_ok=True)
     light = light_job(cfg)
-    if cfg.labels == "judge" and cfg.mining == "swap":  # its target calls: one vLLM process through the run
+    if cfg.labels == "judge" and cfg.judge.mining == "swap":  # its target calls: one vLLM process through the run
         prompts = [x for _, items in chunks for x in light.prompt_ids(items)]
         if prompts:
             vllm_mining.start(cfg, out, light.eos, prompts, local_rank)
@@ -237,7 +239,7 @@ def _target_name(cfg) -> str:
 def take(job: Job, items: list, chunk: int) -> dict:
     """The chunk's side file, checked against the requests the loaded models give (same prompts, EOS ids)."""
     reqs = requests_for(job, items, chunk)
-    if not reqs:  # nothing of the target's to take (mining=swap; a SPRINTER chunk of draft prompts only)
+    if not reqs:  # nothing of the target's to take (judge.mining=swap; a SPRINTER chunk of draft prompts only)
         return {"responses": {}, "finite": {}}
     data = read_side(Path(job.cfg.output_dir), chunk, digest(reqs, job.eos, _target_name(job.cfg)))
     if data is None:
@@ -250,7 +252,7 @@ def take(job: Job, items: list, chunk: int) -> dict:
 
 def finish(out: Path, chunk: int | None = None) -> None:
     """Removes a landed chunk's side file (``chunk=None``: the run is done: the folder, once it is empty of
-    chunks, and this process's ``mining=swap`` vLLM process)."""
+    chunks, and this process's ``judge.mining=swap`` vLLM process)."""
     if chunk is not None:
         side_path(out, chunk).unlink(missing_ok=True)  # first: a side file whose logprobs file is gone is redone
         side_path(out, chunk).with_suffix(".logprobs.safetensors").unlink(missing_ok=True)  # vllm_jobs.logprobs_name

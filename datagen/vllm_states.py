@@ -9,8 +9,8 @@ them. Each sequence runs as a prompt (a teacher-forced prefill), the pass the Tr
 
 What each family takes:
 
-* ``drafter``: the stream entering ``drafter_layers`` at every position of prompt + response, and the
-  target's ``drafter_top_k`` most likely tokens at every response token (vLLM's ``prompt_logprobs``);
+* ``drafter``: the stream entering ``drafter.layers`` at every position of prompt + response, and the
+  target's ``drafter.top_k`` most likely tokens at every response token (vLLM's ``prompt_logprobs``);
 * ``judge``: the last layer's output before the final norm at the labelled answer tokens;
 * ``sprinter``: the same state at the kept prefixes; the target's final norm and output layer turn it into
   the distribution ``p`` (SPRINTER's TV needs all of it, which ``prompt_logprobs`` does not give).

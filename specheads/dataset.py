@@ -174,7 +174,7 @@ class JudgeChunkFiles:
     each token, :data:`~specheads.heads.judge_head.JUDGE_SIGNALS`; absent in data written before it).
     ``tuples/chunk-N.jsonl``, ``review/chunk-N.jsonl`` and ``tuples/chunk-N.counts.json``: the chunk's tuples,
     review items and counts, merged into ``tuples.jsonl``, ``review.jsonl`` and the manifest at the end; with
-    ``mining=swap`` also ``mined/chunk-N.jsonl`` (one searched prompt per line), merged into ``mined.jsonl``.
+    ``judge.mining=swap`` also ``mined/chunk-N.jsonl`` (one searched prompt per line), merged into ``mined.jsonl``.
     """
 
     def __init__(self, out_dir: Path, chunk: int):
@@ -187,7 +187,7 @@ class JudgeChunkFiles:
 
     @property
     def paths(self) -> tuple[Path, ...]:
-        """Every side file: features, tuples, review, counts, and the mined records (``mining=swap`` runs only)."""
+        """Every side file: features, tuples, review, counts, the mined records (``judge.mining=swap`` runs only)."""
         return self.features_path, self.tuples_path, self.review_path, self.counts_path, self.mined_path
 
     def write(
@@ -237,7 +237,7 @@ class JudgeChunkFiles:
         return [x for x in self.review_path.read_text(encoding="utf-8").splitlines() if x.strip()]
 
     def mined(self) -> list[str]:
-        """The chunk's ``mining=swap`` records (none for other judge runs)."""
+        """The chunk's ``judge.mining=swap`` records (none for other judge runs)."""
         if not self.mined_path.is_file():
             return []
         return [x for x in self.mined_path.read_text(encoding="utf-8").splitlines() if x.strip()]

@@ -43,8 +43,8 @@ def count_prompts(cfg) -> tuple[int, str]:
 
     if cfg.labels == "prompts":  # the turns it writes: no file is read
         return cfg.num_prompts or 0, "num_prompts"
-    tuples = cfg.labels == "judge" and cfg.tuples
-    spec = cfg.tuples if tuples else cfg.prompts
+    tuples = cfg.labels == "judge" and cfg.judge.tuples
+    spec = cfg.judge.tuples if tuples else cfg.prompts
     try:
         if tuples:
             with open(spec) as f:
@@ -133,8 +133,8 @@ def train_data(cfg) -> dict:
         total["labelled_tokens"] += rows["labelled_tokens"]
         total["states"] += states
         total["sequence_tokens"] = max(total["sequence_tokens"], cfg.prompt_tokens + dcfg.max_new_tokens)
-        total["top_k"] = dcfg.drafter_top_k if dcfg.labels == "drafter" else 0
-        total["layers"] = list(dcfg.drafter_layers) or None
+        total["top_k"] = dcfg.drafter.top_k if dcfg.labels == "drafter" else 0
+        total["layers"] = list(dcfg.drafter.layers) or None
         total["target_shape"] = shape_of(dcfg.target, "target")
     if not total["sequence_tokens"]:
         raise UserError("plan: data_dir is not set; pass data_dir=<heads-datagen output_dir>")

@@ -73,7 +73,7 @@ def needs_draft(cfg) -> bool:
     if cfg.labels in ("drafter", "eagle_rounds"):
         return False
     if cfg.labels == "judge":
-        return cfg.mining == "swap" or not (cfg.tuples or "draft" not in cfg.answer_models)
+        return cfg.judge.mining == "swap" or not (cfg.judge.tuples or "draft" not in cfg.judge.answer_models)
     return True
 
 
@@ -119,8 +119,10 @@ def datagen_memory(cfg, batch: int, fp8: bool = False, span: int | None = None) 
     if use != "model":
         weights["target"] = (target.vocab + 1) * target.hidden * tb if use == "output_layer" else 0.0
     if cfg.labels == "eagle_rounds":  # the exported head's own count when it is here, else a full-vocabulary one
-        here = Path(cfg.eagle).is_file() if cfg.eagle else False
-        weights["head"] = (safetensors_params(cfg.eagle) if here else eagle_head_params(target, target.vocab)) * act_b
+        here = Path(cfg.eagle_rounds.head).is_file() if cfg.eagle_rounds.head else False
+        weights["head"] = (
+            safetensors_params(cfg.eagle_rounds.head) if here else eagle_head_params(target, target.vocab)
+        ) * act_b
     models = ([(target, act_b)] if use == "model" else []) + ([(draft, max(db, 2))] if draft else [])
     activations = max((rows * layer_values(s) * b for s, b in models), default=0.0)
     kv_target = rows * target.kv_bytes_per_token(act_b) if use == "model" else 0.0
@@ -153,7 +155,7 @@ def label_buffers(cfg, target: Shape, batch: int, act_b: float) -> float:
         # (datagen/acceptance_labels.py, LABEL_BUFFER_BYTES)
         return logits + (min(3 * n * v * 4, ACCEPTANCE_BLOCK_BYTES) if cfg.sampling.do_sample else 0.0)
     if cfg.labels == "drafter":  # the responses' logits, then one sequence's fp32 log-softmax and states
-        layers = len(cfg.drafter_layers) or 3
+        layers = len(cfg.drafter.layers) or 3
         return n * v * act_b + new * v * 4 + (cfg.prompt_tokens + new) * layers * h * 4
     if cfg.labels == "judge":  # the pre-norm states of a batch of answers
         return batch * (cfg.prompt_tokens + new) * h * act_b
@@ -163,14 +165,14 @@ def label_buffers(cfg, target: Shape, batch: int, act_b: float) -> float:
 def datagen_rows(cfg, prompts: int) -> dict:
     """Target tokens the run processes and the rows it stores, at most."""
     new = cfg.max_new_tokens
-    if cfg.labels == "judge" and cfg.mining == "swap":
-        labelled = prompts * (cfg.mine_max_mismatches + (new if cfg.mine_label_matches else 0))
-        target_tokens = prompts * (new + cfg.mine_max_tokens)
+    if cfg.labels == "judge" and cfg.judge.mining == "swap":
+        labelled = prompts * (cfg.judge.mine_max_mismatches + (new if cfg.judge.mine_label_matches else 0))
+        target_tokens = prompts * (new + cfg.judge.mine_max_tokens)
     elif cfg.labels == "judge":
-        answers = 1 if cfg.tuples else len(cfg.answer_models) * (1 + cfg.answer_samples)
+        answers = 1 if cfg.judge.tuples else len(cfg.judge.answer_models) * (1 + cfg.judge.answer_samples)
         labelled = target_tokens = prompts * answers * new
     elif cfg.labels == "eagle_rounds":
-        labelled, target_tokens = prompts * new * max(cfg.eagle_k - 1, 1), prompts * new
+        labelled, target_tokens = prompts * new * max(cfg.eagle_rounds.k - 1, 1), prompts * new
     else:
         labelled = target_tokens = prompts * new
     return {"prompts": prompts, "target_tokens": target_tokens, "labelled_tokens": labelled}
@@ -182,8 +184,8 @@ def datagen_disk(cfg, rows: dict) -> dict:
     seq = rows["prompts"] * (cfg.prompt_tokens + cfg.max_new_tokens)
     states = 0.0
     if cfg.labels == "drafter":
-        width = (len(cfg.drafter_layers) or 3) * target.hidden
-        states = seq * width * 2 + rows["labelled_tokens"] * cfg.drafter_top_k * 8  # + top-k ids, log-probs
+        width = (len(cfg.drafter.layers) or 3) * target.hidden
+        states = seq * width * 2 + rows["labelled_tokens"] * cfg.drafter.top_k * 8  # + top-k ids, log-probs
     elif cfg.labels in ("judge", "eagle_rounds"):
         states = rows["labelled_tokens"] * target.hidden * 2
     labels = seq * 4 + rows["labelled_tokens"] * LABEL_COLUMNS.get(cfg.labels, 3) * 4

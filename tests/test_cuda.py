@@ -148,7 +148,7 @@ def test_eagle_head_trains_and_evaluates_on_cuda(tiny_pair_dirs, prompts_file, t
 
     data, out = tmp_path / "dg", tmp_path / "tr"
     cuda = ["target.device=cuda", "draft.device=cuda"]
-    drafter = ["labels=drafter", "sampling.do_sample=false", "max_new_tokens=8", "drafter_top_k=5"]
+    drafter = ["labels=drafter", "sampling.do_sample=false", "max_new_tokens=8", "drafter.top_k=5"]
     assert datagen_main([*datagen_args(tiny_pair_dirs, prompts_file, data, *drafter), *cuda]) == 0
     train = [f"data_dir={data}", "head=eagle", f"target.path={tiny_pair_dirs[0]}", "target.gguf_file=null"]
     train += ["target.device=cuda", f"output_dir={out}", "batch_size=2", "epochs=1", "eval_fraction=0.3"]

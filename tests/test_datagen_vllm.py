@@ -89,9 +89,9 @@ def family_args(labels: str, prompts: Path, gsm: Path) -> tuple[Path | None, lis
     if labels == "sprinter":
         return None, ["batch_size=4", "chunk_size=4", "labels=sprinter"]
     if labels == "judge":
-        return gsm, ["labels=judge", "chat_template=false", "max_new_tokens=8", "answer_samples=1"]
+        return gsm, ["labels=judge", "chat_template=false", "max_new_tokens=8", "judge.answer_samples=1"]
     if labels == "drafter":
-        return None, ["labels=drafter", "drafter_top_k=5", "max_new_tokens=8"]
+        return None, ["labels=drafter", "drafter.top_k=5", "max_new_tokens=8"]
     return None, [f"labels={labels}"]
 
 
@@ -202,8 +202,8 @@ def test_a_side_file_for_other_requests_is_generated_again(tiny_pair_dirs, promp
     "extra, message",
     [
         (["engine=fast"], "engine='fast'"),
-        (["labels=eagle_rounds", "eagle=h.safetensors"], "run it on engine=specheads"),
-        (["labels=judge", "tuples=t.jsonl"], "generates none"),
+        (["labels=eagle_rounds", "eagle_rounds.head=h.safetensors"], "run it on engine=specheads"),
+        (["labels=judge", "judge.tuples=t.jsonl"], "generates none"),
         (["vllm.tensor_parallel=0"], "vllm.tensor_parallel=0"),
         (["vllm.python=/nowhere/python"], "does not exist"),
     ],

@@ -196,14 +196,14 @@ def mining_args(pair_dirs, prompts, out, *extra):
     return [
         *pair_args(pair_dirs),
         "labels=judge",
-        "mining=swap",
+        "judge.mining=swap",
         f"prompts={prompts}",
         f"output_dir={out}",
         "max_new_tokens=12",
         "batch_size=2",
         "chunk_size=2",
         "chat_template=false",
-        "checker=exact",
+        "judge.checker=exact",
         *extra,
     ]
 

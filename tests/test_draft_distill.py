@@ -69,7 +69,7 @@ def setting(tmp_path_factory):
                     "batch_size=8",
                     "chunk_size=8",
                     "labels=drafter",
-                    "drafter_top_k=8",
+                    "drafter.top_k=8",
                     "sampling.do_sample=false",
                 ]
             )

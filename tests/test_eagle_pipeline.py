@@ -37,7 +37,7 @@ def drafter_args(pair_dirs, prompts, out, *extra):
         "labels=drafter",
         "sampling.do_sample=false",
         "max_new_tokens=8",
-        "drafter_top_k=5",
+        "drafter.top_k=5",
         *extra,
     )
 
@@ -220,7 +220,7 @@ def test_heads_decode_with_the_head_equals_the_target_alone(trained, tiny_pair_d
 def test_a_drafter_layer_past_the_targets_depth_is_a_one_line_error(tiny_pair_dirs, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "the cat"}) + "\n")
-    assert datagen_main(drafter_args(tiny_pair_dirs, prompts, tmp_path / "x", "drafter_layers=[5]")) == 2
+    assert datagen_main(drafter_args(tiny_pair_dirs, prompts, tmp_path / "x", "drafter.layers=[5]")) == 2
     err = capsys.readouterr().err.strip()
     assert "layer" in err and len(err.splitlines()) == 1
 

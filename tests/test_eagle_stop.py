@@ -94,8 +94,8 @@ def rounds_args(s, out, *extra):
         f"prompts={s['prompts']}",
         f"output_dir={out}",
         "labels=eagle_rounds",
-        f"eagle={s['eagle']}",
-        f"eagle_k={K}",
+        f"eagle_rounds.head={s['eagle']}",
+        f"eagle_rounds.k={K}",
         "max_new_tokens=14",
         "chunk_size=3",
         "threads=1",
@@ -367,7 +367,9 @@ def test_a_head_for_another_drafter_is_a_one_line_error(stop_head, setup, tiny_p
     assert "draft model's states" in fails(f"specdecpp.head={on_draft}", f"eagle={setup['eagle']}")
 
 
-@pytest.mark.parametrize("bad, message", [("eagle=''", "eagle="), ("eagle_k=1", "eagle_k")])
+@pytest.mark.parametrize(
+    "bad, message", [("eagle_rounds.head=''", "eagle_rounds.head="), ("eagle_rounds.k=1", "eagle_rounds.k")]
+)
 def test_bad_eagle_rounds_settings_are_one_line_errors(bad, message, setup, tmp_path, capsys):
     assert datagen_main(rounds_args(setup, tmp_path / "x", bad)) == 2
     err = capsys.readouterr().err.strip()
@@ -376,7 +378,7 @@ def test_bad_eagle_rounds_settings_are_one_line_errors(bad, message, setup, tmp_
 
 def test_an_eagle_head_for_another_target_is_a_one_line_error(setup, tmp_path, capsys):
     alien = eagle_file(setup["pair"], tmp_path / "alien.safetensors", 0, fingerprint="sha256:another")
-    assert datagen_main(rounds_args(setup, tmp_path / "x", f"eagle={alien}")) == 2
+    assert datagen_main(rounds_args(setup, tmp_path / "x", f"eagle_rounds.head={alien}")) == 2
     err = capsys.readouterr().err.strip()
     assert "fingerprint" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "x" / "data").exists()

@@ -43,7 +43,7 @@ class SignalRecorder(Recorder):
 def lag0_rounds(request, setup):  # noqa: F811
     out = setup["root"] / f"lag0-{request.param}"
     sampling = ["sampling.do_sample=false"] if request.param == "greedy" else ["sampling.do_sample=true", "seed=5"]
-    assert datagen_main(rounds_args(setup, out, "eagle_position=previous", *sampling)) == 0
+    assert datagen_main(rounds_args(setup, out, "eagle_rounds.position=previous", *sampling)) == 0
     return out, request.param == "greedy"
 
 

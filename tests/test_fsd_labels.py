@@ -31,8 +31,8 @@ THRESHOLDS = [0.1, 0.2, 0.3, 0.5]
 GREEDY = (
     "sampling.do_sample=false",
     "labels=fsd",
-    "fsd_divergences=[js,tv,kl]",
-    f"fsd_thresholds=[{','.join(map(str, THRESHOLDS))}]",
+    "fsd.divergences=[js,tv,kl]",
+    f"fsd.thresholds=[{','.join(map(str, THRESHOLDS))}]",
     "max_new_tokens=8",
 )
 
@@ -110,10 +110,10 @@ def test_sampled_warped_labels_are_seeded_and_match_the_warped_distributions(tin
         "sampling.do_sample=true",
         "sampling.temperature=0.8",
         "sampling.top_k=20",
-        "fsd_dist=warped",
-        "fsd_top_k=5",
-        "fsd_divergences=[js,tv]",
-        "fsd_thresholds=[0.2,0.4]",
+        "fsd.dist=warped",
+        "fsd.top_k=5",
+        "fsd.divergences=[js,tv]",
+        "fsd.thresholds=[0.2,0.4]",
         "num_prompts=4",
     )
     runs = {}
@@ -152,11 +152,11 @@ def _error(capsys, prog: str) -> str:
 @pytest.mark.parametrize(
     "setting, message",
     [
-        ("fsd_divergences=[js,hellinger]", "choose one or more of"),
-        ("fsd_thresholds=[]", "fsd_thresholds is empty"),
-        ("fsd_thresholds=[0.3,-0.1]", "must be finite and >= 0"),
-        ("fsd_dist=warped", "one-hot"),
-        ("fsd_top_k=-1", "fsd_top_k=-1"),
+        ("fsd.divergences=[js,hellinger]", "choose one or more of"),
+        ("fsd.thresholds=[]", "fsd.thresholds is empty"),
+        ("fsd.thresholds=[0.3,-0.1]", "must be finite and >= 0"),
+        ("fsd.dist=warped", "one-hot"),
+        ("fsd.top_k=-1", "fsd.top_k=-1"),
     ],
 )
 def test_bad_datagen_settings_are_one_line_errors(tiny_pair_dirs, prompts, tmp_path, capsys, setting, message):

@@ -44,7 +44,7 @@ def test_imported_tuples_give_labels_and_target_features(tiny_pair, tiny_pair_di
     src = tmp_path / "t.jsonl"
     src.write_text("".join(json.dumps(t) + "\n" for t in TUPLES))
     out = tmp_path / "dg"
-    assert cli.main(_args(tiny_pair_dirs, out, f"tuples={src}", "prompts=''")) == 0
+    assert cli.main(_args(tiny_pair_dirs, out, f"judge.tuples={src}", "prompts=''")) == 0
     rows = chunk_rows(out)
     assert [(r["tuple_id"], r["side"]) for r in rows] == [
         ("t-1", "correct"),
@@ -138,7 +138,7 @@ def test_generated_answers_end_to_end_on_the_tiny_pair(tiny_pair_dirs, tmp_path)
     prompts = tmp_path / "gsm.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in GSM))
     out = tmp_path / "dg"
-    assert cli.main(_args(tiny_pair_dirs, out, f"prompts={prompts}", "answer_samples=1")) == 0
+    assert cli.main(_args(tiny_pair_dirs, out, f"prompts={prompts}", "judge.answer_samples=1")) == 0
     m = json.loads((out / "manifest.json").read_text())
     c = m["tuple_counts"]
     assert c["answers"] == 2 * 2 * 2 and c["correct"] + c["wrong"] + c["ungraded"] == c["answers"]
@@ -147,10 +147,10 @@ def test_generated_answers_end_to_end_on_the_tiny_pair(tiny_pair_dirs, tmp_path)
 
 def test_judge_datagen_needs_prompts_or_tuples(tiny_pair_dirs, tmp_path, capsys):
     assert cli.main(_args(tiny_pair_dirs, tmp_path / "x", "prompts=''")) == 2
-    assert "tuples=<file>" in capsys.readouterr().err
+    assert "judge.tuples=<file>" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("bad", ["answer_models=[teacher]", "answer_temperature=0"])
+@pytest.mark.parametrize("bad", ["judge.answer_models=[teacher]", "judge.answer_temperature=0"])
 def test_judge_datagen_bad_settings(tiny_pair_dirs, tmp_path, capsys, bad):
     assert cli.main(_args(tiny_pair_dirs, tmp_path / "x", "prompts=p.jsonl", bad)) == 2
 
@@ -179,7 +179,7 @@ def judge_data(tmp_path_factory, tiny_pair_dirs):
     src = root / "t.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = root / "dg"
-    assert cli.main(_args(tiny_pair_dirs, data, f"tuples={src}", "prompts=''", "chunk_size=4")) == 0
+    assert cli.main(_args(tiny_pair_dirs, data, f"judge.tuples={src}", "prompts=''", "chunk_size=4")) == 0
     return data
 
 
@@ -519,6 +519,6 @@ def test_an_offset_past_the_tuples_is_refused_before_any_model_loads(tiny_pair_d
     src = tmp_path / "t.jsonl"
     src.write_text("".join(json.dumps(t) + "\n" for t in TUPLES))
     out = tmp_path / "dg"
-    assert cli.main(_args(tiny_pair_dirs, out, f"tuples={src}", "prompts=''", "offset=3")) == 2
+    assert cli.main(_args(tiny_pair_dirs, out, f"judge.tuples={src}", "prompts=''", "offset=3")) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "nothing to label: offset=3" in err and not (out / "data").exists()

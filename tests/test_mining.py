@@ -163,7 +163,7 @@ def _args(pair_dirs, out, prompts, *extra):
     t, d = pair_dirs
     return [
         "labels=judge",
-        "mining=swap",
+        "judge.mining=swap",
         f"target.path={t}",
         "target.gguf_file=null",
         f"draft.path={d}",
@@ -175,7 +175,7 @@ def _args(pair_dirs, out, prompts, *extra):
         "batch_size=2",
         "chunk_size=2",
         "chat_template=false",
-        "checker=exact",
+        "judge.checker=exact",
         *extra,
     ]
 
@@ -343,10 +343,10 @@ def test_merged_nodes_keep_every_mined_record(tiny_pair_dirs, chat_prompts, tmp_
 @pytest.mark.parametrize(
     "bad, why",
     [
-        ("mine_max_mismatches=0", "mine_max_mismatches=0"),
-        ("mine_max_new_tokens_by_source={arcs: 3}", "mine_max_new_tokens_by_source.arcs"),
-        ("checker=nope", "choose from"),
-        ("mining=magic", "choose arith or swap"),
+        ("judge.mine_max_mismatches=0", "judge.mine_max_mismatches=0"),
+        ("judge.mine_max_new_tokens_by_source={arcs: 3}", "mine_max_new_tokens_by_source.arcs"),
+        ("judge.checker=nope", "choose from"),
+        ("judge.mining=magic", "choose arith or swap"),
     ],
 )
 def test_swap_mining_bad_settings(tiny_pair_dirs, chat_prompts, tmp_path, capsys, bad, why):
@@ -359,7 +359,7 @@ def test_a_user_checker_is_called_with_the_prompt(tiny_pair_dirs, chat_prompts, 
     seen = []
     module = SimpleNamespace(check=lambda prompt, text: seen.append(prompt.source) or len(text.split()) > 3)
     monkeypatch.setitem(sys.modules, "my_checks_for_test", module)
-    assert cli.main(_args(tiny_pair_dirs, tmp_path / "u", chat_prompts, "checker=my_checks_for_test:check")) == 0
+    assert cli.main(_args(tiny_pair_dirs, tmp_path / "u", chat_prompts, "judge.checker=my_checks_for_test:check")) == 0
     assert seen and set(seen) == {"prompt"}
 
 
@@ -369,9 +369,11 @@ def test_judge_data_sets_from_several_sources_train_one_head(tiny_pair_dirs, cha
     from specheads.train.judge_data import JudgeStore
 
     a, b = tmp_path / "a", tmp_path / "b"
-    assert cli.main(_args(tiny_pair_dirs, a, chat_prompts, "num_prompts=2", "mine_label_matches=true")) == 0
+    assert cli.main(_args(tiny_pair_dirs, a, chat_prompts, "num_prompts=2", "judge.mine_label_matches=true")) == 0
     assert (
-        cli.main(_args(tiny_pair_dirs, b, chat_prompts, "num_prompts=2", "mine_label_matches=true", "chunk_size=1"))
+        cli.main(
+            _args(tiny_pair_dirs, b, chat_prompts, "num_prompts=2", "judge.mine_label_matches=true", "chunk_size=1")
+        )
         == 0
     )
     both = JudgeStore(f"{a},{b}")

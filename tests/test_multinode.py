@@ -190,7 +190,7 @@ def drafter_run(tiny_pair_dirs, tmp_path_factory):
     mp.setattr(os, "replace", replace)
     try:
         out = root / "out"
-        args = datagen_args(tiny_pair_dirs, prompts, out, "labels=drafter", "drafter_top_k=4", "dist_timeout_s=77")
+        args = datagen_args(tiny_pair_dirs, prompts, out, "labels=drafter", "drafter.top_k=4", "dist_timeout_s=77")
         assert main([*args, "sampling.do_sample=false"]) == 0
     finally:
         mp.undo()

@@ -164,7 +164,8 @@ def test_the_quickstart_runs_on_the_committed_eagle_head():
     assert pipe.stages == ["datagen", "train", "export", "eval"]
     dg, ev = cfgs["datagen"], cfgs["eval"]
     assert dg.labels == "eagle_rounds" and cfgs["train"].head == "eagle_stop"
-    assert dg.eagle == ev.eagle and (Path(__file__).parents[1] / dg.eagle).is_file() and dg.eagle_k >= ev.k_max
+    assert dg.eagle_rounds.head == ev.eagle and (Path(__file__).parents[1] / ev.eagle).is_file()
+    assert dg.eagle_rounds.k >= ev.k_max
     assert dg.offset >= 320 and "gsm8k/train" in dg.prompts  # the head's training read GSM8K-train rows 0-319
     assert not dg.draft.path and not ev.draft.path and ev.head == "/tmp/q-export/head.safetensors"
     assert cfgs["train"].data_dir == dg.output_dir and ev.ks and ev.cost_stop and ev.confidence
@@ -218,7 +219,7 @@ def _eagle_recipe(tiny_pair_dirs, tmp_path):
     table.write_text(json.dumps(CostTable(t_draft_ms=0.5, t_target_ms=[4 + 0.5 * k for k in range(1, 12)]).to_dict()))
     del recipe["draft"]
     recipe["vocab"] = {"corpus": recipe["datagen"]["prompts"], "output": str(runs / "vocab.json"), "top_n": 8}
-    recipe["datagen"].update(labels="eagle_rounds", eagle=eagle, eagle_k=4, threads=1)
+    recipe["datagen"].update(labels="eagle_rounds", eagle_rounds={"head": eagle, "k": 4}, threads=1)
     recipe["train"].update(head="eagle_stop", depth=1, eval_fraction=0.25, threads=1)
     recipe["eval"].update(
         eagle=eagle, thresholds=[0.5], confidence=[0.5], confidence_k_max=4, k_min=1, k_max=4, profile=str(table)

@@ -13,6 +13,7 @@ from conftest import pair_args
 from specheads.datagen import shards
 from specheads.datagen.cli import main
 from specheads.datagen.self_prompts import COLUMNS, KINDS, kinds, verdict, write_prompts
+from specheads.datagen.config import SelfPromptOptions
 from specheads.errors import UserError
 from specheads.export.api import format_prompt
 from specheads.prompt_spec import open_user_turn
@@ -71,11 +72,11 @@ def test_the_filter_keeps_whole_turns_of_words(response, why):
 
 
 def test_kinds_are_named_or_written_and_an_unknown_one_is_refused():
-    got = kinds(SimpleNamespace(prompt_kinds=["code", "poems: The user asks for a poem."]))
+    got = kinds(SimpleNamespace(self_prompts=SelfPromptOptions(kinds=["code", "poems: The user asks for a poem."])))
     assert got[0][0] == "code" and KINDS["code"] in got[0][1]
     assert got[1] == ("poems", "The user asks for a poem.")
     with pytest.raises(UserError, match="'sonnets' is not one of"):
-        kinds(SimpleNamespace(prompt_kinds=["sonnets"]))
+        kinds(SimpleNamespace(self_prompts=SelfPromptOptions(kinds=["sonnets"])))
 
 
 def test_the_prompt_file_is_deduplicated_over_the_run(tmp_path):
@@ -105,7 +106,7 @@ def _args(target, out, *extra):
         "num_prompts=6",
         "offset=0",
         "max_new_tokens=12",
-        "prompt_min_tokens=1",
+        "self_prompts.min_tokens=1",
         "batch_size=3",
         "chunk_size=3",
         f"output_dir={out}",
@@ -136,7 +137,7 @@ def test_a_run_writes_its_kept_turns_once_and_the_same_on_a_rerun(chat_target, t
     [
         (["sampling.do_sample=false"], "sampling.do_sample=true"),
         (["num_prompts=null"], "set num_prompts="),
-        (["prompt_kinds=[limericks]"], "'limericks' is not one of"),
+        (["self_prompts.kinds=[limericks]"], "'limericks' is not one of"),
         (["chat_template=false"], "chat_template=true"),
     ],
 )

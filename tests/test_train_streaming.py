@@ -30,7 +30,7 @@ def drafter_dir(tmp_path_factory, tiny_pair_dirs):
     prompts = root / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in PROMPTS))
     out = root / "dg"
-    extra = ("labels=drafter", "sampling.do_sample=false", "max_new_tokens=8", "drafter_top_k=5", "chunk_size=3")
+    extra = ("labels=drafter", "sampling.do_sample=false", "max_new_tokens=8", "drafter.top_k=5", "chunk_size=3")
     assert datagen_main(datagen_args(tiny_pair_dirs, prompts, out, *extra)) == 0
     return out
 

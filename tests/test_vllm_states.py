@@ -104,7 +104,7 @@ def test_vllm_engine_gives_the_transformers_engines_rows(vllm_pair, tmp_path, la
         "chat_template=false",
         "sampling.do_sample=false",
         f"labels={labels}",
-        "drafter_top_k=4",
+        "drafter.top_k=4",
     ]
     ours, theirs = tmp_path / "ours", tmp_path / "vllm"
     assert main([*common, f"output_dir={ours}"]) == 0

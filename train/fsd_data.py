@@ -66,7 +66,7 @@ def label_column(text: str, manifest: dict, data_dir: str) -> str:
     stored = [f"{d}@{t:g}" for d in info["divergences"] for t in info["thresholds"]]
     raise UserError(
         f"fsd_label={text!r} is not in {data_dir}: it stores {stored}; pick one of those or rerun "
-        "heads-datagen with that divergence and threshold in fsd_divergences / fsd_thresholds"
+        "heads-datagen with that divergence and threshold in fsd.divergences / fsd.thresholds"
     )
 
 
