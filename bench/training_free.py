@@ -3,7 +3,7 @@ draft-confidence stopping against SD, graded where the target is competent (the 
 ``bench/at_scale.py``'s sweep; GSM8K-test otherwise).
 
     python bench/training_free.py                  # recipe fsd_quickstart, writes bench/results/training_free.json
-    python bench/training_free.py eval.num_prompts=2 eval.max_new_tokens=16 eval.fsd_tv=[]   # a quick look
+    python bench/training_free.py eval.num_prompts=2 eval.max_new_tokens=16 eval.fsd.tv=[]   # a quick look
     python bench/training_free.py --sweep runs/eval_at_scale   # report an existing heads-eval run instead
 
 Runs ``heads-eval`` with the recipe's ``eval`` section (any ``key=value`` or ``eval.key=value``
@@ -166,8 +166,8 @@ def main(argv=None) -> int:
     manifest = json.loads((out_dir / "manifest.json").read_text())
     if "training_free" not in sweep:
         print(
-            "training_free.py: error: the sweep has no training-free rows; set fsd_js=[...], topk=[...] or "
-            "confidence=[...]",
+            "training_free.py: error: the sweep has no training-free rows; set fsd.js=[...], topk.ks=[...] or "
+            "confidence.taus=[...]",
             file=sys.stderr,
         )
         return 2

@@ -141,10 +141,10 @@ def add_accuracy(cfg, pair, prompts, grouped: dict[str, list[dict]], summary: di
             correct,
             gate,
             {
-                "judge": sd(cfg.judge_k),
+                "judge": sd(cfg.judge.k),
                 "sprinter": sd(None),
-                "topk_verify": sd(cfg.topk_k),
-                "fsd": sd(cfg.fsd_k),
+                "topk_verify": sd(cfg.topk.k),
+                "fsd": sd(cfg.fsd.k),
                 "relaxed": sd(None),
             },
             same=same,
@@ -157,13 +157,13 @@ def add_accuracy(cfg, pair, prompts, grouped: dict[str, list[dict]], summary: di
     if not judges:
         return
     by = {r["config"]: r for r in summary["table"]}
-    sd = by.get(f"k{cfg.judge_k}") or max(
+    sd = by.get(f"k{cfg.judge.k}") or max(
         (r for r in summary["table"] if r["config"].startswith("k")), key=lambda r: r["tokens_per_s"], default=None
     )
     section = {
-        "head": cfg.judge,
-        "heads": dict(getattr(cfg, "judges", {}) or {}),
-        "k": cfg.judge_k,
+        "head": cfg.judge.head,
+        "heads": dict(cfg.judge.heads),
+        "k": cfg.judge.k,
         "sd_reference": sd["config"] if sd else None,
         "by_delta": {},
     }

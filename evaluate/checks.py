@@ -31,60 +31,62 @@ def _check(cfg: EvalConfig) -> None:
     problems = []
     if not cfg.prompts:
         problems.append("prompts is not set; pass prompts=<held-out prompt file>")
-    fsd = {d: list(getattr(cfg, f"fsd_{d}")) for d in DIVERGENCES if getattr(cfg, f"fsd_{d}")}
+    fsd = {d: list(getattr(cfg.fsd, d)) for d in DIVERGENCES if getattr(cfg.fsd, d)}
     if not (
         cfg.ks
         or cfg.head
-        or cfg.verifier
-        or cfg.judge
-        or cfg.judges
-        or cfg.topk
+        or cfg.sprinter.head
+        or cfg.judge.head
+        or cfg.judge.heads
+        or cfg.topk.ks
         or fsd
-        or cfg.confidence
-        or cfg.hetero
+        or cfg.confidence.taus
+        or cfg.hetero.methods
         or cfg.trees
         or cfg.rows
     ):
         problems.append(
-            "nothing to sweep: set ks=[...], head=, verifier=, judge=, judges=, topk=[...], fsd_js=[...] "
-            "(or fsd_tv, fsd_kl, fsd_kl_rev), confidence=[...], hetero=[tli,slem,slrs] and/or rows=[...]"
+            "nothing to sweep: set ks=[...], head=, sprinter.head=, judge.head=, judge.heads=, topk.ks=[...], "
+            "fsd.js=[...] (or fsd.tv, fsd.kl, fsd.kl_rev), confidence.taus=[...], hetero.methods=[tli,slem,slrs] "
+            "and/or rows=[...]"
         )
     problems += rows_problems(cfg.rows)
     hetero = [name for name, policy in POLICIES.items() if policy.bridge]
-    if any(m not in hetero for m in cfg.hetero) or len(set(cfg.hetero)) != len(cfg.hetero):
-        problems.append(f"hetero={list(cfg.hetero)}: each of {hetero} at most once")
+    if any(m not in hetero for m in cfg.hetero.methods) or len(set(cfg.hetero.methods)) != len(cfg.hetero.methods):
+        problems.append(f"hetero.methods={list(cfg.hetero.methods)}: each of {hetero} at most once")
     # Each policy checks the settings its rows share and the values they sweep, by heads-decode's rules.
-    problems += TLI.Settings(k=cfg.hetero_k).problems({"k": "hetero_k"})
+    problems += TLI.Settings(k=cfg.hetero.k).problems({"k": "hetero.k"})
     problems += StandardSD.Settings.sweep("k", "ks", cfg.ks)
     problems += SpecDecPP.Settings.sweep("h", "thresholds", cfg.thresholds)
     problems += SpecDecPP.Settings(k_min=cfg.k_min, k_max=cfg.k_max).problems()
-    problems += Sprinter.Settings.sweep("eta", "etas", cfg.etas) + Sprinter.Settings(max_run=cfg.max_run).problems()
-    problems += Judge.Settings.sweep("delta", "deltas", cfg.deltas)
-    problems += Judge.Settings(k=cfg.judge_k).problems({"k": "judge_k"})
-    problems += TopKVerify.Settings.sweep("verify_top_k", "topk", cfg.topk)
-    problems += TopKVerify.Settings(k=cfg.topk_k).problems({"k": "topk_k"})
+    problems += Sprinter.Settings.sweep("eta", "sprinter.etas", cfg.sprinter.etas)
+    problems += Sprinter.Settings(max_run=cfg.sprinter.max_run).problems({"max_run": "sprinter.max_run"})
+    problems += Judge.Settings.sweep("delta", "judge.deltas", cfg.judge.deltas)
+    problems += Judge.Settings(k=cfg.judge.k).problems({"k": "judge.k"})
+    problems += TopKVerify.Settings.sweep("verify_top_k", "topk.ks", cfg.topk.ks)
+    problems += TopKVerify.Settings(k=cfg.topk.k).problems({"k": "topk.k"})
     for d, ts in fsd.items():
-        problems += FSD.Settings.sweep("T", f"fsd_{d}", ts)
+        problems += FSD.Settings.sweep("T", f"fsd.{d}", ts)
     if fsd:  # the settings every FSD row shares (T = 0 stands for the swept ones, checked above)
         problems += FSD.Settings(
-            T=0.0, k=cfg.fsd_k, fsd_top_k=cfg.fsd_top_k, fsd_rule=cfg.fsd_rule, fsd_dist=cfg.fsd_dist
-        ).problems({"k": "fsd_k"})
-    problems += ConfidenceStop.Settings.sweep("tau", "confidence", cfg.confidence)
-    problems += ConfidenceStop.Settings(k_max=cfg.confidence_k_max).problems()
-    unswept = [f"judges.{n}" for n in cfg.judges if not cfg.judge_deltas.get(n)]
-    if cfg.judge and not cfg.deltas:
-        problems.append("judge is set but deltas is empty")
-    elif unswept and not cfg.deltas:
-        problems.append(f"deltas is empty and judge_deltas gives none for {', '.join(unswept)}")
-    for name, deltas in cfg.judge_deltas.items():
-        if name not in cfg.judges:
-            problems.append(f"judge_deltas.{name}: no judge of that name in judges={dict(cfg.judges)}")
-        problems += Judge.Settings.sweep("delta", f"judge_deltas.{name}", deltas)
-    bad = [n for n in cfg.judges if not re.fullmatch(r"[A-Za-z0-9_]+", str(n))]
+            T=0.0, k=cfg.fsd.k, fsd_top_k=cfg.fsd.top_k, fsd_rule=cfg.fsd.rule, fsd_dist=cfg.fsd.dist
+        ).problems({"k": "fsd.k", "fsd_top_k": "fsd.top_k", "fsd_rule": "fsd.rule", "fsd_dist": "fsd.dist"})
+    problems += ConfidenceStop.Settings.sweep("tau", "confidence.taus", cfg.confidence.taus)
+    problems += ConfidenceStop.Settings(k_max=cfg.confidence.k_max).problems({"k_max": "confidence.k_max"})
+    unswept = [f"judge.heads.{n}" for n in cfg.judge.heads if not cfg.judge.head_deltas.get(n)]
+    if cfg.judge.head and not cfg.judge.deltas:
+        problems.append("judge.head is set but judge.deltas is empty")
+    elif unswept and not cfg.judge.deltas:
+        problems.append(f"judge.deltas is empty and judge.head_deltas gives none for {', '.join(unswept)}")
+    for name, deltas in cfg.judge.head_deltas.items():
+        if name not in cfg.judge.heads:
+            problems.append(f"judge.head_deltas.{name}: no judge of that name in judge.heads={dict(cfg.judge.heads)}")
+        problems += Judge.Settings.sweep("delta", f"judge.head_deltas.{name}", deltas)
+    bad = [n for n in cfg.judge.heads if not re.fullmatch(r"[A-Za-z0-9_]+", str(n))]
     if bad:
-        problems.append(f"judges: names {bad} must be letters, digits and _ (rows j-<name>-<delta>)")
-    if cfg.verifier and not cfg.etas:
-        problems.append("verifier is set but etas is empty")
+        problems.append(f"judge.heads: names {bad} must be letters, digits and _ (rows j-<name>-<delta>)")
+    if cfg.sprinter.head and not cfg.sprinter.etas:
+        problems.append("sprinter.head is set but sprinter.etas is empty")
     if cfg.head and not cfg.thresholds and not cfg.cost_stop:
         problems.append("head is set but thresholds is empty (and cost_stop=false)")
     if cfg.profile not in PROFILES and not Path(cfg.profile).is_file():
@@ -138,7 +140,7 @@ def eagle_conflicts(cfg: EvalConfig) -> list[str]:
         if isinstance(r, dict)
         and (r.get("policy") in reads or (r.get("policy") == "fsd" and (r.get("settings") or {}).get("head")))
     ]
-    return [f"{k}=" for k in ("verifier", "hetero") if getattr(cfg, k)] + given
+    return ["sprinter.head="] * bool(cfg.sprinter.head) + ["hetero.methods="] * bool(cfg.hetero.methods) + given
 
 
 def _most(settings: dict) -> int:
@@ -149,17 +151,17 @@ def _most(settings: dict) -> int:
 def _max_pass(cfg: EvalConfig) -> int:
     """The largest target pass the sweep's rows and the oracle use: most candidates per round + 1
     (SPRINTER's catch-up passes can be longer; the table extrapolates those)."""
-    fsd = any(getattr(cfg, f"fsd_{d}") for d in DIVERGENCES)
+    fsd = any(getattr(cfg.fsd, d) for d in DIVERGENCES)
     most = [
         1,
         *cfg.ks,
         cfg.k_max if cfg.head or cfg.oracle else 1,
-        cfg.topk_k if cfg.topk else 1,
-        cfg.fsd_k if fsd else 1,
-        cfg.confidence_k_max if cfg.confidence else 1,
-        cfg.judge_k if cfg.judge or cfg.judges else 1,
+        cfg.topk.k if cfg.topk.ks else 1,
+        cfg.fsd.k if fsd else 1,
+        cfg.confidence.k_max if cfg.confidence.taus else 1,
+        cfg.judge.k if cfg.judge.head or cfg.judge.heads else 1,
         *(parse_tree(t)[2] for t in cfg.trees),
-        (cfg.max_run if cfg.max_run is not None else 20) + 1 if cfg.verifier else 1,
+        (cfg.sprinter.max_run if cfg.sprinter.max_run is not None else 20) + 1 if cfg.sprinter.head else 1,
         *(_most(settings) for row in cfg.rows for _, _, settings in expand(row)),
     ]
     return min(max(most), 63) + 1

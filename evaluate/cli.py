@@ -3,7 +3,7 @@
     heads-eval recipe=quickstart
     heads-eval recipe=quickstart head=runs/quickstart-export/head.safetensors thresholds=[0.3,0.5,0.7]
     heads-eval recipe=sprinter_quickstart
-    heads-eval recipe=fsd_quickstart fsd_js=[0.05,0.1] confidence=[0.5]
+    heads-eval recipe=fsd_quickstart fsd.js=[0.05,0.1] confidence.taus=[0.5]
 
 One run decodes every prompt with: the target alone (``ar``), the draft alone (``draft``),
 standard SD at each fixed ``K`` and SpecDec++ at each threshold ``h``, interleaved prompt by
@@ -19,12 +19,12 @@ expected tokens per ms of the cost table peak); and, for greedy decoding, the or
 (SpecDec++ Theorem 4.1) computed from the target's own output, and the same stopping rule as a
 perfect SpecDec++ head would apply it (it can only judge a candidate after drafting it, never before
 ``k_min``): the most any head can gain on these prompts with these models, both priced with the
-cost table. With ``verifier=`` it also decodes with SPRINTER at each
+cost table. With ``sprinter.head=`` it also decodes with SPRINTER at each
 ``eta`` and reports, for every configuration, FLOPs per token, verifier calls per token and ROUGE
 against the target-only outputs and the references, and for SPRINTER the measured ``alpha`` and the
 TV bound (``quality.py``) and its ratios to the best SD configuration. Training-free rows: top-K
-verification (``topk=``, rows ``t<K>``), FSD per divergence (``fsd_js=`` ..., rows ``fsd-<div>-<T>``)
-and draft-confidence stopping (``confidence=``, rows ``c<tau>``), summarised against SD in the
+verification (``topk.ks=``, rows ``t<K>``), FSD per divergence (``fsd.js=`` ..., rows ``fsd-<div>-<T>``)
+and draft-confidence stopping (``confidence.taus=``, rows ``c<tau>``), summarised against SD in the
 ``training_free`` section (``training_free.py``). Ratios of the stop rules: ``cost_aware_vs_best_fixed_k``
 (tokens/s of ``h-cost`` over the fastest fixed K; ``confidence_cost_vs_best_fixed_k`` for ``c-cost``) and
 ``share_of_perfect_head_gain`` (the fastest SpecDec++ row's measured gain over the fastest fixed K,
@@ -41,8 +41,8 @@ With ``eagle=<an exported EAGLE head>`` the same-vocabulary rows (``k``, ``h``, 
 ``t``, the judges, FSD) draft with that head from the target's own states (``head=``: a stop head trained on
 them), priced by the head's cost table; no draft model is needed (without ``draft.path`` there is no ``draft``
 row), and the greedy oracle and perfect head come from the rounds of SD at ``k_max`` on the head
-(:func:`~.oracle.rounds_oracle`). The rows that read a draft model's states (``verifier=``, an FSD row with a
-head) or vocabulary (``hetero=``) are refused with it.
+(:func:`~.oracle.rounds_oracle`). The rows that read a draft model's states (``sprinter.head=``, an FSD row with
+a head) or vocabulary (``hetero.methods=``) are refused with it.
 """
 
 from __future__ import annotations
@@ -130,13 +130,13 @@ def run(cfg: EvalConfig) -> int:
         (out / "rows.jsonl").unlink(missing_ok=True)
     started = time.time()
     # With an EAGLE head the draft model only drafts the draft row (none without draft.path).
-    pair = load_pair(cfg.target, cfg.draft, same_vocab=not cfg.hetero)
+    pair = load_pair(cfg.target, cfg.draft, same_vocab=not cfg.hetero.methods)
     eagle = load_eagle(cfg.eagle, pair) if cfg.eagle else None
     shared = eagle is not None or same_vocabulary(pair.target.tokenizer, pair.draft.tokenizer)
     if not shared and same_vocab_rows(cfg):
         raise UserError(
             f"the draft's tokenizer differs from the target's: {', '.join(same_vocab_rows(cfg))} need "
-            "one vocabulary; on this pair sweep only hetero=[tli,slem,slrs] (and pass ks=[])"
+            "one vocabulary; on this pair sweep only hetero.methods=[tli,slem,slrs] (and pass ks=[])"
         )
     costs = pair_costs(pair, _max_pass(cfg), cfg.profile, cfg.fused_forward, eagle=eagle, batch_size=cfg.batch_size)
     log.info("%s", costs.describe())
@@ -191,7 +191,11 @@ def run(cfg: EvalConfig) -> int:
 def _write_defaults(cfg: EvalConfig, summary: dict, out: Path) -> None:
     """Each chosen judge / sprinter threshold into its head file (``write_default=true``), when the chosen row is
     within the gate on the test half too (else the head keeps its threshold and ``not_written`` says why)."""
-    heads = [("judge", cfg.judge), ("sprinter", cfg.verifier), *((f"judge_{n}", p) for n, p in cfg.judges.items())]
+    heads = [
+        ("judge", cfg.judge.head),
+        ("sprinter", cfg.sprinter.head),
+        *((f"judge_{n}", p) for n, p in cfg.judge.heads.items()),
+    ]
     for row in cfg.rows:  # rows= of a head-reading policy: the family its rows are gated in
         names = [name for name, _, settings in expand(row) if settings.get("head")]
         fixed = expand(row)[0][2] if names else {}

@@ -10,12 +10,148 @@ from specheads.vllm_options import ServeVllm
 
 
 @dataclass
+class SprinterRows:
+    """SPRINTER rows ``s<eta>``: section ``sprinter`` (``sprinter.head=V.safetensors sprinter.etas=[0.5,0.7]``)."""
+
+    head: str | None = field(default=None, metadata={"help": "exported SPRINTER verifier head; none: no SPRINTER rows"})
+    etas: list[float] = field(
+        default_factory=lambda: [0.5], metadata={"help": "SPRINTER approval thresholds eta to sweep"}
+    )
+    max_run: int | None = field(default=20, metadata={"help": "most approved tokens in a row (null: no cap)"})
+
+
+@dataclass
+class JudgeRows:
+    """judge rows ``j<delta>``: section ``judge`` (``judge.head=J.safetensors judge.deltas=[0.5,0.9]``)."""
+
+    head: str | None = field(default=None, metadata={"help": "exported judge head; none: no judge rows"})
+    heads: dict[str, str] = field(
+        default_factory=dict,
+        metadata={
+            "help": (
+                "several exported judge heads side by side, by name (e.g. {arith: A.safetensors, mined: "
+                "B.safetensors}): rows j-<name>-<delta>, each gated on its own (family judge_<name>)"
+            )
+        },
+    )
+    deltas: list[float] = field(
+        default_factory=lambda: [0.5], metadata={"help": "judge thresholds delta to sweep (every judge)"}
+    )
+    head_deltas: dict[str, list[float]] = field(
+        default_factory=dict,
+        metadata={
+            "help": (
+                "per named judge (judge.heads), its own deltas instead of judge.deltas (heads trained on other "
+                "labels sit on other scales)"
+            )
+        },
+    )
+    k: int = field(default=10, metadata={"help": "candidates per round"})
+
+
+@dataclass
+class TopkRows:
+    """top-K verification rows ``t<K>``: section ``topk`` (``topk.ks=[2,4]``)."""
+
+    ks: list[int] = field(
+        default_factory=list,
+        metadata={"help": "top-K verification baselines: the K values (target top-K tokens accepted)"},
+    )
+    k: int = field(default=4, metadata={"help": "candidates per round"})
+
+
+@dataclass
+class FsdRows:
+    """FSD rows ``fsd-<divergence>-<T>``: section ``fsd`` (``fsd.js=[0.1,0.3] fsd.rule=or``)."""
+
+    js: list[float] = field(
+        default_factory=list,
+        metadata={"help": "FSD thresholds T for the Jensen-Shannon divergence (rows fsd-js-<T>; at most ln 2)"},
+    )
+    tv: list[float] = field(
+        default_factory=list,
+        metadata={"help": "FSD thresholds T for the total variation distance (rows fsd-tv-<T>; in [0, 1])"},
+    )
+    kl: list[float] = field(
+        default_factory=list, metadata={"help": "FSD thresholds T for KL(target || draft) (rows fsd-kl-<T>)"}
+    )
+    kl_rev: list[float] = field(
+        default_factory=list, metadata={"help": "FSD thresholds T for KL(draft || target) (rows fsd-kl_rev-<T>)"}
+    )
+    k: int = field(default=4, metadata={"help": "candidates per round"})
+    rule: str = field(
+        default="paper",
+        metadata={
+            "help": (
+                "paper (accept while Div < T, else a token from p) | or (SD accepts or Div < T, "
+                "else the residual; T=0 is SD)"
+            )
+        },
+    )
+    top_k: int = field(
+        default=0,
+        metadata={
+            "help": ("0 = divergences over the whole vocabulary, else the target's top-k tokens plus one bucket")
+        },
+    )
+    dist: str = field(
+        default="raw",
+        metadata={
+            "help": (
+                "raw (softmax of unwarped logits) | warped (after temperature/top-k/top-p; same as raw when greedy)"
+            )
+        },
+    )
+
+
+@dataclass
+class ConfidenceRows:
+    """draft-confidence stop rows ``c<tau>``: section ``confidence`` (``confidence.taus=[0.5]``)."""
+
+    taus: list[float] = field(
+        default_factory=list,
+        metadata={
+            "help": ("draft-confidence stopping baselines: taus in [0, 1] (rows c<tau>; stop drafting when q(y) < tau)")
+        },
+    )
+    k_max: int = field(default=10, metadata={"help": "most candidates per round"})
+    estimates: list[str] = field(
+        default_factory=lambda: ["q", "online", "entropy"],
+        metadata={
+            "help": (
+                "with confidence.taus and cost_stop: the training-free acceptance estimates the cost rule runs with, "
+                "one row each: q (row c-cost: q(y)), online (c-online-cost: a logistic model on logit(max q) "
+                "learnt while decoding, vLLM's estimator), entropy (c-entropy-cost: AdaEDL's entropy bound)"
+            )
+        },
+    )
+
+
+@dataclass
+class HeteroRows:
+    """heterogeneous-vocabulary rows ``v-<method>-k<k>``: section ``hetero`` (``hetero.methods=[tli,slem]``)."""
+
+    methods: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": (
+                "heterogeneous-vocabulary methods: tli, slem and/or slrs (rows v-<method>-k<hetero.k>); "
+                "with a draft whose tokenizer differs from the target's, only these, ar and draft can run"
+            )
+        },
+    )
+    k: int = field(
+        default=2, metadata={"help": "tli / slem: draft tokens per round; slrs: most target tokens per round"}
+    )
+
+
+@dataclass
 class EvalConfig:
     """Compare decoding configurations on one prompt set, in one run: target alone, draft alone, fixed-K
-    SD, SpecDec++ thresholds (head=) and its cost-aware rule (cost_stop), SPRINTER approval thresholds (verifier=),
-    judge thresholds
-    (judge=), top-K verification (topk=), FSD thresholds per divergence (fsd_js=, fsd_tv=, fsd_kl=,
-    fsd_kl_rev=) and draft-confidence stopping (confidence=); with eagle=, the same-vocabulary rows on an EAGLE head."""
+    SD, SpecDec++ thresholds (head=) and its cost-aware rule (cost_stop), and per family a section of rows:
+    SPRINTER (sprinter.head=), judges (judge.head=), top-K verification (topk.ks=), FSD per divergence
+    (fsd.js=, fsd.tv=, fsd.kl=, fsd.kl_rev=), draft-confidence stopping (confidence.taus=) and
+    heterogeneous-vocabulary methods (hetero.methods=); with eagle=, the same-vocabulary rows on an EAGLE head."""
 
     target: ModelSpec = field(default_factory=ModelSpec)
     draft: ModelSpec = field(default_factory=ModelSpec)
@@ -28,7 +164,7 @@ class EvalConfig:
                 "h-cost, c, c-cost, t, j, fsd) draft with it from the target's own states instead of with the "
                 "draft model (tree rows at batch 1; head= then needs a stop head trained on its states, "
                 "heads-train head=eagle_stop); no draft model needed (without draft.path no draft row); "
-                "not with verifier= (trained on the draft's states) or hetero="
+                "not with sprinter.head= (trained on the draft's states) or hetero.methods="
             )
         },
     )
@@ -41,7 +177,7 @@ class EvalConfig:
             "help": (
                 "also sweep the cost-aware stop rules (no threshold; draft on while one more candidate "
                 "raises expected tokens per ms of the cost table): row h-cost with head=, row c-cost "
-                "with confidence=[...]"
+                "with confidence.taus"
             )
         },
     )
@@ -56,36 +192,8 @@ class EvalConfig:
         },
     )
     ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8], metadata={"help": "fixed candidate lengths K"})
-    verifier: str | None = field(
-        default=None, metadata={"help": "exported SPRINTER verifier head; none: no SPRINTER rows"}
-    )
-    etas: list[float] = field(
-        default_factory=lambda: [0.5], metadata={"help": "SPRINTER approval thresholds eta to sweep"}
-    )
-    max_run: int | None = field(default=20, metadata={"help": "SPRINTER: most approved tokens in a row (null: no cap)"})
-    judge: str | None = field(default=None, metadata={"help": "exported judge head; none: no judge rows"})
-    judges: dict[str, str] = field(
-        default_factory=dict,
-        metadata={
-            "help": (
-                "several exported judge heads side by side, by name (e.g. {arith: A.safetensors, mined: "
-                "B.safetensors}): rows j-<name>-<delta>, each gated on its own (family judge_<name>)"
-            )
-        },
-    )
-    deltas: list[float] = field(
-        default_factory=lambda: [0.5], metadata={"help": "judge thresholds delta to sweep (every judge)"}
-    )
-    judge_deltas: dict[str, list[float]] = field(
-        default_factory=dict,
-        metadata={
-            "help": (
-                "per named judge (judges=), its own deltas instead of deltas= (heads trained on other "
-                "labels sit on other scales)"
-            )
-        },
-    )
-    judge_k: int = field(default=10, metadata={"help": "judge: candidates per round"})
+    sprinter: SprinterRows = field(default_factory=SprinterRows, metadata={"help": "SPRINTER rows"})
+    judge: JudgeRows = field(default_factory=JudgeRows)
     trees: list[str] = field(
         default_factory=list,
         metadata={
@@ -97,79 +205,10 @@ class EvalConfig:
             )
         },
     )
-    topk: list[int] = field(
-        default_factory=list,
-        metadata={"help": "top-K verification baselines: the K values (target top-K tokens accepted)"},
-    )
-    topk_k: int = field(default=4, metadata={"help": "top-K verification: candidates per round"})
-    fsd_js: list[float] = field(
-        default_factory=list,
-        metadata={"help": "FSD thresholds T for the Jensen-Shannon divergence (rows fsd-js-<T>; at most ln 2)"},
-    )
-    fsd_tv: list[float] = field(
-        default_factory=list,
-        metadata={"help": "FSD thresholds T for the total variation distance (rows fsd-tv-<T>; in [0, 1])"},
-    )
-    fsd_kl: list[float] = field(
-        default_factory=list, metadata={"help": "FSD thresholds T for KL(target || draft) (rows fsd-kl-<T>)"}
-    )
-    fsd_kl_rev: list[float] = field(
-        default_factory=list, metadata={"help": "FSD thresholds T for KL(draft || target) (rows fsd-kl_rev-<T>)"}
-    )
-    fsd_k: int = field(default=4, metadata={"help": "FSD: candidates per round"})
-    fsd_rule: str = field(
-        default="paper",
-        metadata={
-            "help": (
-                "FSD: paper (accept while Div < T, else a token from p) | or (SD accepts or Div < T, "
-                "else the residual; T=0 is SD)"
-            )
-        },
-    )
-    fsd_top_k: int = field(
-        default=0,
-        metadata={
-            "help": ("FSD: 0 = divergences over the whole vocabulary, else the target's top-k tokens plus one bucket")
-        },
-    )
-    fsd_dist: str = field(
-        default="raw",
-        metadata={
-            "help": (
-                "FSD: raw (softmax of unwarped logits) | warped (after temperature/top-k/top-p; same as "
-                "raw when greedy)"
-            )
-        },
-    )
-    confidence: list[float] = field(
-        default_factory=list,
-        metadata={
-            "help": ("draft-confidence stopping baselines: taus in [0, 1] (rows c<tau>; stop drafting when q(y) < tau)")
-        },
-    )
-    confidence_k_max: int = field(default=10, metadata={"help": "draft-confidence stopping: most candidates per round"})
-    confidence_estimates: list[str] = field(
-        default_factory=lambda: ["q", "online", "entropy"],
-        metadata={
-            "help": (
-                "with confidence=[...] and cost_stop: the training-free acceptance estimates the cost rule runs with, "
-                "one row each: q (row c-cost: q(y)), online (c-online-cost: a logistic model on logit(max q) "
-                "learnt while decoding, vLLM's estimator), entropy (c-entropy-cost: AdaEDL's entropy bound)"
-            )
-        },
-    )
-    hetero: list[str] = field(
-        default_factory=list,
-        metadata={
-            "help": (
-                "heterogeneous-vocabulary methods: tli, slem and/or slrs (rows v-<method>-k<hetero_k>); "
-                "with a draft whose tokenizer differs from the target's, only these, ar and draft can run"
-            )
-        },
-    )
-    hetero_k: int = field(
-        default=2, metadata={"help": "tli / slem: draft tokens per round; slrs: most target tokens per round"}
-    )
+    topk: TopkRows = field(default_factory=TopkRows)
+    fsd: FsdRows = field(default_factory=FsdRows)
+    confidence: ConfidenceRows = field(default_factory=ConfidenceRows)
+    hetero: HeteroRows = field(default_factory=HeteroRows)
     rows: list[dict[str, Any]] = field(
         default_factory=list,
         metadata={

@@ -34,7 +34,7 @@ def add_quality(cfg, pair, prompts, grouped: dict[str, list[dict]], decoders, su
         return
     pad = tok.pad_token_id if tok.pad_token_id is not None else pair.eos_token_ids[0]
     ids = prompt_ids(cfg, pair, prompts, decoders)
-    section: dict = {"verifier": cfg.verifier, "max_run": cfg.max_run, "by_eta": {}}
+    section: dict = {"verifier": cfg.sprinter.head, "max_run": cfg.sprinter.max_run, "by_eta": {}}
     for row in sprinter:
         rows = grouped[row["config"]]
         errs = quality.verifier_errors(
@@ -71,7 +71,7 @@ def add_quality(cfg, pair, prompts, grouped: dict[str, list[dict]], decoders, su
             if main["gflops_per_token"]
             else None,
         }
-    head = read_metadata(cfg.verifier)
+    head = read_metadata(cfg.sprinter.head)
     section["head"] = {
         "feature": head.get("feature", {}).get("position"),
         "lam": head.get("lam"),

@@ -94,63 +94,68 @@ def shorthand_rows(cfg, cost_rows: bool) -> list[dict]:
         out.append({"policy": "specdecpp", "settings": stop, "sweep": {"h": list(cfg.thresholds)}, "name": "h"})
         if cost_rows and cfg.cost_stop:
             out.append({"policy": "specdecpp", "settings": {**stop, "stop": "cost"}, "name": "h-cost"})
-    for spec in getattr(cfg, "trees", []):
+    for spec in cfg.trees:
         depth, width, nodes, stop = parse_tree(spec)
         if stop == "cost" and not cost_rows:
             raise UserError(f"trees: {spec} needs the cost table")
         tree = {"k": depth, "tree_width": width, "tree_nodes": nodes, "stop": stop}
         out.append({"policy": "tree", "settings": tree, "name": f"tree-{spec}"})
-    if getattr(cfg, "topk", None):
+    if cfg.topk.ks:
         out.append(
-            {"policy": "topk_verify", "settings": {"k": cfg.topk_k}, "sweep": {"verify_top_k": cfg.topk}, "name": "t"}
+            {
+                "policy": "topk_verify",
+                "settings": {"k": cfg.topk.k},
+                "sweep": {"verify_top_k": cfg.topk.ks},
+                "name": "t",
+            }
         )
-    fsd = {"k": cfg.fsd_k, "fsd_top_k": cfg.fsd_top_k, "fsd_rule": cfg.fsd_rule, "fsd_dist": cfg.fsd_dist}
+    fsd = {"k": cfg.fsd.k, "fsd_top_k": cfg.fsd.top_k, "fsd_rule": cfg.fsd.rule, "fsd_dist": cfg.fsd.dist}
     for div in DIVERGENCES:
-        if getattr(cfg, f"fsd_{div}", None):
+        if getattr(cfg.fsd, div):
             out.append(
                 {
                     "policy": "fsd",
                     "settings": {**fsd, "divergence": div},
-                    "sweep": {"T": list(getattr(cfg, f"fsd_{div}"))},
+                    "sweep": {"T": list(getattr(cfg.fsd, div))},
                     "name": f"fsd-{div}-",
                 }
             )
-    if getattr(cfg, "confidence", None):
+    if cfg.confidence.taus:
         out.append(
             {
                 "policy": "confidence_stop",
-                "settings": {"k_max": cfg.confidence_k_max},
-                "sweep": {"tau": list(cfg.confidence)},
+                "settings": {"k_max": cfg.confidence.k_max},
+                "sweep": {"tau": list(cfg.confidence.taus)},
                 "name": "c",
             }
         )
-        for estimate in getattr(cfg, "confidence_estimates", ["q"]) if cost_rows and cfg.cost_stop else []:
+        for estimate in cfg.confidence.estimates if cost_rows and cfg.cost_stop else []:
             out.append(
                 {
                     "policy": "confidence_stop",
-                    "settings": {"k_max": cfg.confidence_k_max, "stop": "cost", "estimate": estimate},
+                    "settings": {"k_max": cfg.confidence.k_max, "stop": "cost", "estimate": estimate},
                     "name": "c-cost" if estimate == "q" else f"c-{estimate}-cost",
                 }
             )
-    judges = ({"": cfg.judge} if getattr(cfg, "judge", None) else {}) | dict(getattr(cfg, "judges", {}) or {})
+    judges = ({"": cfg.judge.head} if cfg.judge.head else {}) | dict(cfg.judge.heads)
     for label, head in judges.items():
-        deltas = (getattr(cfg, "judge_deltas", {}) or {}).get(label, cfg.deltas)
+        deltas = cfg.judge.head_deltas.get(label, cfg.judge.deltas)
         out.append(
             {
                 "policy": "judge",
-                "settings": {"head": head, "k": cfg.judge_k},
+                "settings": {"head": head, "k": cfg.judge.k},
                 "sweep": {"delta": list(deltas)},
                 "name": f"j-{label}-" if label else "j",
             }
         )
-    for method in getattr(cfg, "hetero", []):
-        out.append({"policy": method, "settings": {"k": cfg.hetero_k}, "name": hetero_row(method, cfg.hetero_k)})
-    if getattr(cfg, "verifier", None):
+    for method in cfg.hetero.methods:
+        out.append({"policy": method, "settings": {"k": cfg.hetero.k}, "name": hetero_row(method, cfg.hetero.k)})
+    if cfg.sprinter.head:
         out.append(
             {
                 "policy": "sprinter",
-                "settings": {"head": cfg.verifier, "max_run": cfg.max_run},
-                "sweep": {"eta": list(cfg.etas)},
+                "settings": {"head": cfg.sprinter.head, "max_run": cfg.sprinter.max_run},
+                "sweep": {"eta": list(cfg.sprinter.etas)},
                 "name": "s",
             }
         )

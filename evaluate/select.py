@@ -18,7 +18,7 @@ from specheads.evaluate.intervals import mean_interval, paired_difference, paire
 
 # Row names of the lossy policies a threshold trades speed for quality in, and the family each belongs to:
 # FSD is one family per divergence (``fsd_kl`` is the training-free KL judge) and each named judge
-# (``judges=``, rows ``j-<name>-<delta>``) one of its own, so each gets its own gated threshold.
+# (``judge.heads=``, rows ``j-<name>-<delta>``) one of its own, so each gets its own gated threshold.
 ROW = re.compile(
     r"^(?:(?P<judge>j)|j-(?P<named>\w+)-|(?P<sprinter>s)|(?P<topk_verify>t)|fsd-(?P<fsd>kl_rev|kl|js|tv)(?P<rule>-or)?-"
     r"|r-(?P<relaxed>\w+)-)(?P<threshold>\d[\d.e+-]*)$"

@@ -30,12 +30,18 @@ BLOCK = 4  # a batched sweep's block of prompts per configuration, in batches: r
 def same_vocab_rows(cfg) -> list[str]:
     """The configured rows that need the target's vocabulary in the draft (all but ar, draft, tli, slem)."""
     rows = [f"ks={list(cfg.ks)}"] if cfg.ks else []
-    for key in ("head", "verifier", "judge", "judges"):
-        if getattr(cfg, key, None):
+    for key, value in (
+        ("head", cfg.head),
+        ("sprinter.head", cfg.sprinter.head),
+        ("judge.head", cfg.judge.head),
+        ("judge.heads", cfg.judge.heads),
+    ):
+        if value:
             rows.append(f"{key}=")
-    for key in ("topk", "trees", "confidence", *(f"fsd_{d}" for d in DIVERGENCES)):
-        if getattr(cfg, key, None):
-            rows.append(f"{key}={list(getattr(cfg, key))}")
+    lists = {"topk.ks": cfg.topk.ks, "trees": cfg.trees, "confidence.taus": cfg.confidence.taus}
+    for key, value in {**lists, **{f"fsd.{d}": getattr(cfg.fsd, d) for d in DIVERGENCES}}.items():
+        if value:
+            rows.append(f"{key}={list(value)}")
     return rows
 
 

@@ -67,18 +67,18 @@ def settings(cfg) -> dict:
     """
     return {
         "fsd": {
-            "thresholds": {d: list(getattr(cfg, f"fsd_{d}")) for d in DIVERGENCES if getattr(cfg, f"fsd_{d}")},
-            "k": cfg.fsd_k,
-            "rule": cfg.fsd_rule,
-            "fsd_top_k": cfg.fsd_top_k,
-            "fsd_dist": cfg.fsd_dist,
+            "thresholds": {d: list(getattr(cfg.fsd, d)) for d in DIVERGENCES if getattr(cfg.fsd, d)},
+            "k": cfg.fsd.k,
+            "rule": cfg.fsd.rule,
+            "fsd_top_k": cfg.fsd.top_k,
+            "fsd_dist": cfg.fsd.dist,
             "greedy": not cfg.sampling.do_sample,
         },
-        "topk": {"values": list(cfg.topk), "k": cfg.topk_k},
+        "topk": {"values": list(cfg.topk.ks), "k": cfg.topk.k},
         "confidence": {
-            "taus": list(cfg.confidence),
-            "k_max": cfg.confidence_k_max,
-            "estimates": list(getattr(cfg, "confidence_estimates", ["q"])) if cfg.cost_stop else [],
+            "taus": list(cfg.confidence.taus),
+            "k_max": cfg.confidence.k_max,
+            "estimates": list(cfg.confidence.estimates) if cfg.cost_stop else [],
         },
     }
 
@@ -98,7 +98,7 @@ def section(cfg, summary: dict, grouped: dict[str, list[dict]]) -> dict | None:
         return None
     by = {r["config"]: r for r in summary["table"]}
     fixed = [r for r in summary["table"] if r["config"].startswith("k")]
-    sd = by.get(f"k{cfg.fsd_k}") or max(fixed, key=lambda r: r["tokens_per_s"], default=None)
+    sd = by.get(f"k{cfg.fsd.k}") or max(fixed, key=lambda r: r["tokens_per_s"], default=None)
     label, quality = quality_by_config(summary)
     acc = summary.get("accuracy") or {}
     out = {

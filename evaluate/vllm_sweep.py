@@ -26,25 +26,22 @@ from specheads.errors import UserError
 from specheads.vllm_options import problems as serving_problems
 
 log = logging.getLogger(__name__)
-UNSUPPORTED = (
-    "rows",
-    "verifier",
-    "judge",
-    "judges",
-    "eagle",
-    "trees",
-    "topk",
-    "fsd_js",
-    "fsd_tv",
-    "fsd_kl",
-    "fsd_kl_rev",
-    "hetero",
-)
+UNSUPPORTED = {  # what engine=vllm does not sweep, by the name a user writes
+    "rows": lambda c: c.rows,
+    "sprinter.head": lambda c: c.sprinter.head,
+    "judge.head": lambda c: c.judge.head,
+    "judge.heads": lambda c: c.judge.heads,
+    "eagle": lambda c: c.eagle,
+    "trees": lambda c: c.trees,
+    "topk.ks": lambda c: c.topk.ks,
+    "fsd": lambda c: c.fsd.js or c.fsd.tv or c.fsd.kl or c.fsd.kl_rev,
+    "hetero.methods": lambda c: c.hetero.methods,
+}
 
 
 def problems(cfg) -> list[str]:
     """What ``engine=vllm`` cannot sweep in this config."""
-    given = [k for k in UNSUPPORTED if getattr(cfg, k)]
+    given = [k for k, set_in in UNSUPPORTED.items() if set_in(cfg)]
     out = (
         [
             f"engine=vllm sweeps ar, ks, thresholds/h-cost (head=) and confidence/c-cost rows; {', '.join(given)} "
@@ -68,10 +65,10 @@ def rows(cfg) -> dict[str, dict]:
         if cfg.cost_stop:
             out["h-cost"] = {"policy": "specdecpp", **stop, "stop": "cost"}
     out.update(
-        {f"c{t}": {"policy": "confidence_stop", "tau": t, "k_max": cfg.confidence_k_max} for t in cfg.confidence}
+        {f"c{t}": {"policy": "confidence_stop", "tau": t, "k_max": cfg.confidence.k_max} for t in cfg.confidence.taus}
     )
-    if cfg.cost_stop and cfg.confidence:
-        out["c-cost"] = {"policy": "confidence_stop", "stop": "cost", "k_max": cfg.confidence_k_max}
+    if cfg.cost_stop and cfg.confidence.taus:
+        out["c-cost"] = {"policy": "confidence_stop", "stop": "cost", "k_max": cfg.confidence.k_max}
     return out
 
 

@@ -10,7 +10,7 @@ the previous one wrote (with ``vocab.top_n`` set, every stage that loads the dra
 output layer pruned to the most frequent tokens; a recipe without a ``vocab`` section, or whose
 later stages load no draft model (an EAGLE head drafting: ``eagle=``), skips that stage;
 ``train.data_dir`` = ``datagen.output_dir``, ``export.train_dir`` = ``train.output_dir``,
-``eval.head`` = the exported file, or ``eval.verifier`` for a SPRINTER verifier:
+``eval.head`` = the exported file, or ``eval.sprinter.head`` for a SPRINTER verifier:
 ``heads-pipeline recipe=sprinter_quickstart``). Overrides are ``section.key=value`` for one stage,
 or ``key=value`` for every stage that has that key (``seed=1``). All four configs are checked
 before anything runs. Every stage resumes, so running the same command again after a crash
@@ -176,7 +176,7 @@ def load_configs(argv: list[str]) -> tuple[PipelineConfig, dict]:
         elif stage == "train":
             chained["export"] = [f"train_dir={cfgs[stage].output_dir}"]
         elif stage == "export":  # a verifier feeds SPRINTER's rows, a judge the judge's, an acceptance head SpecDec++'s
-            key = {"verifier": "verifier", "judge": "judge", "eagle": "eagle"}.get(
+            key = {"verifier": "sprinter.head", "judge": "judge.head", "eagle": "eagle"}.get(
                 getattr(cfgs.get("train"), "head", "acceptance"), "head"
             )
             out = Path(cfgs[stage].output_dir)

@@ -422,7 +422,7 @@ def test_heads_eval_sweeps_the_eagle_head(stop_head, setup, tmp_path, capsys):
                 f"eagle={setup['eagle']}",
                 f"head={stop_head}",
                 "thresholds=[0.5]",
-                "confidence=[0.5]",
+                "confidence.taus=[0.5]",
                 "trees=[3x2x5,4x2x6-cost]",
             )
         )
@@ -499,8 +499,8 @@ def test_heads_eval_eagle_rows_run_batched(stop_head, setup, tmp_path):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["verifier=v.safetensors"], "verifier="),
-        (["hetero=[tli]"], "hetero="),
+        (["sprinter.head=v.safetensors"], "sprinter.head="),
+        (["hetero.methods=[tli]"], "hetero.methods="),
         (["rows=[{policy: fsd, settings: {head: f.safetensors, divergence: js}, sweep: {T: [0.1]}}]"], "fsd"),
     ],
 )
@@ -516,7 +516,7 @@ def test_heads_eval_runs_the_lossy_training_free_rows_on_the_eagle_head(setup, t
     out = tmp_path / "ev"
     relaxed = "{policy: topk_verify, settings: {k: 2, verify_top_k: 3}, sweep: {verify_delta: [0.0, 1000.0]}, "
     relaxed += "name: r-top3-}"
-    extra = ["fsd_js=[0.3]", "fsd_k=2", "topk=[3]", "topk_k=2", f"rows=[{relaxed}]", "ks=[2]"]
+    extra = ["fsd.js=[0.3]", "fsd.k=2", "topk.ks=[3]", "topk.k=2", f"rows=[{relaxed}]", "ks=[2]"]
     assert eval_main(eval_args(setup, out, f"eagle={setup['eagle']}", *extra)) == 0
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     by = {}

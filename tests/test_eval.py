@@ -322,7 +322,7 @@ def test_eval_bad_input(tiny_pair_dirs, prompts_file, tmp_path, capsys):
     assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "c", "thresholds=[1.2]", "ks=[]", "head=x")) == 2
     assert "every h must be in (0, 1)" in capsys.readouterr().err
     # a repeated setting would name two rows alike: one line, never a silently dropped row
-    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "d", "ks=[]", "head=null", "fsd_kl=[0.3,0.3]")) == 2
+    assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "d", "ks=[]", "head=null", "fsd.kl=[0.3,0.3]")) == 2
     assert "both named 'fsd-kl-0.3'" in capsys.readouterr().err
 
 
@@ -476,7 +476,7 @@ def test_a_smaller_budget_per_prompt_source(tiny_pair_dirs, prompts_file, table_
 def test_sampled_sweeps_get_their_ceilings_from_the_recorded_rounds(tiny_pair_dirs, prompts_file, table_file, tmp_path):
     """Sampled, the oracle and the perfect rules come from SD's recorded rounds under the same draws."""
     out = tmp_path / "ev"
-    extra = [f"profile={table_file}", "head=null", "thresholds=[]", "confidence=[0.5]", "confidence_k_max=20"]
+    extra = [f"profile={table_file}", "head=null", "thresholds=[]", "confidence.taus=[0.5]", "confidence.k_max=20"]
     assert main(_args(tiny_pair_dirs, prompts_file, out, *extra, "sampling.do_sample=true", "quality=false")) == 0
     s = json.loads((out / "sweep.json").read_text())
     by = {r["config"]: r for r in s["table"]}

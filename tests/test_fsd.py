@@ -352,12 +352,12 @@ def test_heads_eval_training_free_rows(tiny_pair_dirs, prompts_file, tmp_path, c
         "max_new_tokens=12",
         "head=null",
         "ks=[3]",
-        "topk=[2]",
-        "topk_k=3",
-        "fsd_k=3",
+        "topk.ks=[2]",
+        "topk.k=3",
+        "fsd.k=3",
         "oracle=false",
     ]
-    extra = ["fsd_js=[0,0.2]", "fsd_tv=[1.5]", "confidence=[0,0.5]", "confidence_k_max=3"]
+    extra = ["fsd.js=[0,0.2]", "fsd.tv=[1.5]", "confidence.taus=[0,0.5]", "confidence.k_max=3"]
     assert main(args + extra) == 0
     s = json.loads((out / "sweep.json").read_text())
     names = [r["config"] for r in s["table"]]
@@ -387,7 +387,7 @@ def test_heads_eval_training_free_rows(tiny_pair_dirs, prompts_file, tmp_path, c
     assert all("fuzzy_only" in r for r in run_rows if r["config"].startswith("fsd-"))
     assert json.loads((out / "metrics.json").read_text())["training_free"]["sd_reference"] == "k3"
     capsys.readouterr()
-    bad = ["fsd_kl=[-1]", "confidence=[2]", "fsd_rule=xor", f"output_dir={tmp_path / 'bad'}"]
+    bad = ["fsd.kl=[-1]", "confidence.taus=[2]", "fsd.rule=xor", f"output_dir={tmp_path / 'bad'}"]
     assert main(args + bad) == 2
     err = capsys.readouterr().err
     assert "every FSD threshold T must be >= 0" in err and "every tau must be in [0, 1]" in err and "'xor'" in err

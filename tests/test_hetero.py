@@ -460,18 +460,18 @@ def test_heads_decode_runs_tli_and_slem_and_refuses_same_vocab_policies(toks, tr
         "num_prompts=null",
         "offset=0",
         "max_new_tokens=12",
-        "hetero=[tli,slem]",
-        "hetero_k=3",
+        "hetero.methods=[tli,slem]",
+        "hetero.k=3",
         "ks=[]",
         "head=null",
-        "judge=null",
-        "verifier=null",
-        "topk=[]",
-        "fsd_js=[]",
-        "fsd_tv=[]",
-        "fsd_kl=[]",
-        "fsd_kl_rev=[]",
-        "confidence=[]",
+        "judge.head=null",
+        "sprinter.head=null",
+        "topk.ks=[]",
+        "fsd.js=[]",
+        "fsd.tv=[]",
+        "fsd.kl=[]",
+        "fsd.kl_rev=[]",
+        "confidence.taus=[]",
     ]
     assert evaluate([*ev, f"output_dir={tmp_path / 'ev'}"]) == 0
     rows = [json.loads(x) for x in (tmp_path / "ev" / "rows.jsonl").read_text().splitlines()]
@@ -482,7 +482,7 @@ def test_heads_decode_runs_tli_and_slem_and_refuses_same_vocab_policies(toks, tr
     assert {r["config"] for r in sweep["table"]} == {"ar", "draft", "v-tli-k3", "v-slem-k3"}
     assert all(r["predicted_ms_per_token"] > 0 for r in sweep["table"])  # TLI / SLEM count their pass sizes too
     capsys.readouterr()
-    narrow = [a for a in ev if not a.startswith(("hetero=", "ks="))]
-    assert evaluate([*narrow, "hetero=[slem]", "ks=[2]", f"output_dir={tmp_path / 'ev2'}"]) == 2
+    narrow = [a for a in ev if not a.startswith(("hetero.methods=", "ks="))]
+    assert evaluate([*narrow, "hetero.methods=[slem]", "ks=[2]", f"output_dir={tmp_path / 'ev2'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "ks=[2]" in err[0] and "hetero=[tli,slem,slrs]" in err[0]
+    assert len(err) == 1 and "ks=[2]" in err[0] and "hetero.methods=[tli,slem,slrs]" in err[0]

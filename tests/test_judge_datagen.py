@@ -368,7 +368,7 @@ def test_heads_eval_sweeps_the_judge_over_deltas(judge_head, tiny_pair_dirs, tmp
                 "ks=[4]",
                 "head=null",
                 *(
-                    [f"judge={head}", "deltas=[0.5,1.0]", "judge_k=4", "topk=[2]", "topk_k=4"]
+                    [f"judge.head={head}", "judge.deltas=[0.5,1.0]", "judge.k=4", "topk.ks=[2]", "topk.k=4"]
                     if spelling == "shorthand"
                     else [
                         f"rows=[{{policy: judge, settings: {{head: {head}, k: 4}}, sweep: {{delta: [0.5, 1.0]}}}}, "
@@ -413,7 +413,7 @@ def test_heads_eval_sweeps_the_judge_over_deltas(judge_head, tiny_pair_dirs, tmp
 
 
 def test_named_judges_sweep_side_by_side_and_gate_apart(judge_head, tiny_pair_dirs, tmp_path):
-    """judges={a: ..., b: ...}: rows j-a-<delta> and j-b-<delta>, one gated family each, each chosen threshold
+    """judge.heads={a: ..., b: ...}: rows j-a-<delta> and j-b-<delta>, one gated family each, each chosen threshold
     written into its own head; delta = 1 is SD for both."""
     from specheads.evaluate.cli import main as eval_main
     from specheads.export import read_metadata
@@ -438,14 +438,14 @@ def test_named_judges_sweep_side_by_side_and_gate_apart(judge_head, tiny_pair_di
         "num_prompts=null",
         "ks=[4]",
         "head=null",
-        "deltas=[1.0]",
-        "judge_k=4",
+        "judge.deltas=[1.0]",
+        "judge.k=4",
         "select=max_drop:0.5",
         "competence_margin=0",
         "write_default=true",
         "quality=false",
     ]
-    assert eval_main([*args, f"judges={{a: {heads['a']}, b: {heads['b']}}}"]) == 0
+    assert eval_main([*args, f"judge.heads={{a: {heads['a']}, b: {heads['b']}}}"]) == 0
     summary = json.loads((ev / "sweep.json").read_text())
     assert {r["config"] for r in summary["table"]} == {"ar", "draft", "k4", "j-a-1", "j-b-1"}
     rows = [json.loads(x) for x in (ev / "rows.jsonl").read_text().splitlines()]
@@ -456,15 +456,15 @@ def test_named_judges_sweep_side_by_side_and_gate_apart(judge_head, tiny_pair_di
     for name, path in heads.items():
         assert gated[f"judge_{name}"]["row"] == f"j-{name}-1" and gated[f"judge_{name}"]["sd_reference"] == "k4"
         assert read_metadata(path)["default_threshold"] == 1.0
-    assert eval_main([*args, "output_dir=" + str(tmp_path / "bad"), "judges={'a-b': x}"]) == 2
+    assert eval_main([*args, "output_dir=" + str(tmp_path / "bad"), "judge.heads={'a-b': x}"]) == 2
     ev2 = tmp_path / "ev2"
     assert (
         eval_main(
             [
                 *args,
                 f"output_dir={ev2}",
-                f"judges={{a: {heads['a']}, b: {heads['b']}}}",
-                "judge_deltas={b: [0.5, 1.0]}",
+                f"judge.heads={{a: {heads['a']}, b: {heads['b']}}}",
+                "judge.head_deltas={b: [0.5, 1.0]}",
                 "select=null",
                 "write_default=false",
             ]
@@ -481,7 +481,12 @@ def test_named_judges_sweep_side_by_side_and_gate_apart(judge_head, tiny_pair_di
     }
     assert (
         eval_main(
-            [*args, "output_dir=" + str(tmp_path / "bad"), f"judges={{a: {heads['a']}}}", "judge_deltas={c: [0.5]}"]
+            [
+                *args,
+                "output_dir=" + str(tmp_path / "bad"),
+                f"judge.heads={{a: {heads['a']}}}",
+                "judge.head_deltas={c: [0.5]}",
+            ]
         )
         == 2
     )
@@ -499,20 +504,23 @@ def test_judge_metrics_by_hand():
 
 
 def test_eval_named_judges_need_deltas_somewhere(tmp_path):
-    """deltas= may be empty when judge_deltas= gives every named judge its own; a named judge left without
+    """judge.deltas= may be empty when judge.head_deltas= gives every named judge its own; a named judge left without
     any is a one-line error naming it."""
     from specheads.errors import UserError
     from specheads.evaluate.cli import _check
-    from specheads.evaluate.config import EvalConfig
+    from specheads.evaluate.config import EvalConfig, JudgeRows
 
-    base = dict(
-        prompts=str(tmp_path / "p.jsonl"), ks=[4], deltas=[], judges={"a": "a.safetensors", "b": "b.safetensors"}
+    heads = {"a": "a.safetensors", "b": "b.safetensors"}
+    prompts = str(tmp_path / "p.jsonl")
+    _check(
+        EvalConfig(
+            prompts=prompts, ks=[4], judge=JudgeRows(deltas=[], heads=heads, head_deltas={"a": [0.5], "b": [0.9]})
+        )
     )
-    _check(EvalConfig(**base, judge_deltas={"a": [0.5], "b": [0.9]}))
-    with pytest.raises(UserError, match=r"judge_deltas gives none for judges\.b"):
-        _check(EvalConfig(**base, judge_deltas={"a": [0.5]}))
-    with pytest.raises(UserError, match="judge is set but deltas is empty"):
-        _check(EvalConfig(prompts=str(tmp_path / "p.jsonl"), judge="j.safetensors", deltas=[]))
+    with pytest.raises(UserError, match=r"judge.head_deltas gives none for judge\.heads\.b"):
+        _check(EvalConfig(prompts=prompts, ks=[4], judge=JudgeRows(deltas=[], heads=heads, head_deltas={"a": [0.5]})))
+    with pytest.raises(UserError, match="judge.head is set but judge.deltas is empty"):
+        _check(EvalConfig(prompts=prompts, judge=JudgeRows(head="j.safetensors", deltas=[])))
 
 
 def test_an_offset_past_the_tuples_is_refused_before_any_model_loads(tiny_pair_dirs, tmp_path, capsys):

@@ -112,7 +112,13 @@ def test_write_default_writes_only_a_choice_that_holds_on_the_test_half(tmp_path
     _, path = _export(tmp_path, pair)
     entry = {"row": "j0.9", "threshold": 0.9, "acc_drop": 0.0, "acc_drop_upper": 0.05, "tokens_per_s_vs_target": 1.2}
     summary = {"gated": {"select": "max_drop:0.01", "competent_sources": ["facts"], "rows": {"judge": entry}}}
-    cfg = SimpleNamespace(judge=str(path), verifier=None, judges={}, rows=[], select="max_drop:0.01", prompts="p")
+    cfg = SimpleNamespace(
+        judge=SimpleNamespace(head=str(path), heads={}),
+        sprinter=SimpleNamespace(head=None),
+        rows=[],
+        select="max_drop:0.01",
+        prompts="p",
+    )
     with caplog.at_level(logging.WARNING):
         _write_defaults(cfg, summary, tmp_path)
     assert read_metadata(path)["default_threshold"] == 0.7 and entry["not_written"]  # failed on the test half

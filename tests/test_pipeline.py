@@ -123,16 +123,16 @@ def test_a_verifier_recipe_chains_the_export_into_eval_verifier():
 
     _, cfgs = load_configs(["recipe=sprinter_quickstart", "export.output_dir=/tmp/x-export", "eval.head=null"])
     assert cfgs["train"].head == "verifier"
-    assert cfgs["eval"].verifier == "/tmp/x-export/head.safetensors" and cfgs["eval"].head is None
+    assert cfgs["eval"].sprinter.head == "/tmp/x-export/head.safetensors" and cfgs["eval"].head is None
     _, cfgs = load_configs(["recipe=quickstart", "export.output_dir=/tmp/y-export"])
-    assert cfgs["eval"].head == "/tmp/y-export/head.safetensors" and cfgs["eval"].verifier is None
+    assert cfgs["eval"].head == "/tmp/y-export/head.safetensors" and cfgs["eval"].sprinter.head is None
 
 
 def test_a_judge_recipe_chains_the_export_into_eval_judge():
     from specheads.pipeline import load_configs
 
     _, cfgs = load_configs(["recipe=judge_quickstart", "export.output_dir=/tmp/z-export"])
-    assert cfgs["eval"].judge == "/tmp/z-export/head.safetensors" and cfgs["eval"].head is None
+    assert cfgs["eval"].judge.head == "/tmp/z-export/head.safetensors" and cfgs["eval"].head is None
 
 
 def test_the_vocab_stage_prunes_the_draft_of_every_later_stage():
@@ -168,7 +168,7 @@ def test_the_quickstart_runs_on_the_committed_eagle_head():
     assert dg.eagle_rounds.k >= ev.k_max
     assert dg.offset >= 320 and "gsm8k/train" in dg.prompts  # the head's training read GSM8K-train rows 0-319
     assert not dg.draft.path and not ev.draft.path and ev.head == "/tmp/q-export/head.safetensors"
-    assert cfgs["train"].data_dir == dg.output_dir and ev.ks and ev.cost_stop and ev.confidence
+    assert cfgs["train"].data_dir == dg.output_dir and ev.ks and ev.cost_stop and ev.confidence.taus
     assert load_config(schema_for("decode"), "decode", ["recipe=quickstart"]).draft.path
 
 
@@ -222,7 +222,7 @@ def _eagle_recipe(tiny_pair_dirs, tmp_path):
     recipe["datagen"].update(labels="eagle_rounds", eagle_rounds={"head": eagle, "k": 4}, threads=1)
     recipe["train"].update(head="eagle_stop", depth=1, eval_fraction=0.25, threads=1)
     recipe["eval"].update(
-        eagle=eagle, thresholds=[0.5], confidence=[0.5], confidence_k_max=4, k_min=1, k_max=4, profile=str(table)
+        eagle=eagle, thresholds=[0.5], confidence={"taus": [0.5], "k_max": 4}, k_min=1, k_max=4, profile=str(table)
     )
     path.write_text(yaml.safe_dump(recipe))
     return path, runs, eagle

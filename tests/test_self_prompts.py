@@ -12,8 +12,8 @@ from conftest import pair_args
 
 from specheads.datagen import shards
 from specheads.datagen.cli import main
-from specheads.datagen.self_prompts import COLUMNS, KINDS, kinds, verdict, write_prompts
 from specheads.datagen.config import SelfPromptOptions
+from specheads.datagen.self_prompts import COLUMNS, KINDS, kinds, verdict, write_prompts
 from specheads.errors import UserError
 from specheads.export.api import format_prompt
 from specheads.prompt_spec import open_user_turn

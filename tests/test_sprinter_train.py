@@ -206,8 +206,8 @@ def test_eval_compares_sprinter_with_sd(tiny_pair_dirs, labelled, verifier_file,
                 "num_prompts=4",
                 "ks=[1,2]",
                 "head=null",
-                f"verifier={verifier_file}",
-                "etas=[0.0,0.5,1.0]",
+                f"sprinter.head={verifier_file}",
+                "sprinter.etas=[0.0,0.5,1.0]",
             ]
         )
         == 0

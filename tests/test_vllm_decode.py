@@ -230,7 +230,7 @@ def test_heads_eval_engine_vllm_settings_are_one_line_errors(pair, tmp_path, cap
     from specheads.evaluate.cli import main as eval_main
 
     root, prompts = pair
-    assert eval_main(eval_args(root, prompts, tmp_path / "x", "judge=j.safetensors")) == 2
+    assert eval_main(eval_args(root, prompts, tmp_path / "x", "judge.head=j.safetensors")) == 2
     err = capsys.readouterr().err.strip()
     assert "engine=vllm sweeps" in err and "judge" in err and len(err.splitlines()) == 1
 
@@ -249,8 +249,8 @@ def test_heads_eval_engine_vllm_rows_side_by_side(pair, tmp_path, monkeypatch, c
         tmp_path / "eval",
         f"vllm.python={VLLM_PYTHON}",
         "ks=[2]",
-        "confidence=[0.3]",
-        "confidence_k_max=3",
+        "confidence.taus=[0.3]",
+        "confidence.k_max=3",
         "batch_size=2",
         "head=null",
     )

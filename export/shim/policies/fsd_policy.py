@@ -59,7 +59,7 @@ class FSDSettings(Settings):
             []
             if self.T is not None
             else [
-                ("FSD needs a divergence threshold T: set fsd.T=<value> (>= 0; sweep it with heads-eval fsd_js=[...])")
+                ("FSD needs a divergence threshold T: set fsd.T=<value> (>= 0; sweep it with heads-eval fsd.js=[...])")
             ]
         )
         return out + (bounds(self.k_min, self.k_max) if self.head else [])
