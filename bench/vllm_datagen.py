@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     from specheads.datagen.cli import _load
     from specheads.datagen.config import DatagenConfig
     from specheads.export.shim.runners.models import ModelSpec
-    from specheads.vllm_options import DatagenVllm
+    from specheads.vllm.options import DatagenVllm
 
     torch.set_num_threads(args.threads)
     cfg = DatagenConfig(

@@ -1,4 +1,4 @@
-"""Stop rules inside vLLM (``specheads.vllm``'s custom_class proposer) against vLLM's own ``draft_model`` and its
+"""Stop rules inside vLLM (``specheads.vllm.proposer``'s custom_class proposer) against vLLM's own ``draft_model`` and its
 target alone, at batch 1 and batch 16.
 
     python bench/vllm_proposer.py --head runs/specdecpp_draft_quickstart-export/head.safetensors \\
@@ -380,12 +380,12 @@ def vllm_stage(work: Path) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from specheads.vllm import _proposer_stats
+    from specheads.vllm.proposer import _proposer_stats
 
     job = json.loads((work / "job.json").read_text())
     spec = job["spec"]
     if "specheads" in spec:
-        from specheads.vllm import speculative_config
+        from specheads.vllm.proposer import speculative_config
 
         spec = speculative_config(**spec["specheads"])
     llm = LLM(

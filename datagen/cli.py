@@ -64,10 +64,10 @@ from specheads.dataset import RUN_DIRS, chunk_files, chunk_info
 from specheads.errors import UserError
 from specheads.export import load_pair
 from specheads.export.shim import context_length
-from specheads.numerics import check_resume, numerics_settings, use_threads, without
+from specheads.runtime.numerics import check_resume, numerics_settings, use_threads, without
 from specheads.outputs import MetricsWriter, holds_other_run, prepare_output_dir
 from specheads.plan import run_plan
-from specheads.target_shell import load_target
+from specheads.runtime.target_shell import load_target
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def _models(pair) -> dict:
 
 
 def _numerics(pair, processes: int) -> dict:
-    """The run's numerics settings (see :mod:`specheads.numerics`)."""
+    """The run's numerics settings (see :mod:`specheads.runtime.numerics`)."""
     loaded = {"target": pair.target, "draft": pair.draft}
     loaded = {role: m for role, m in loaded.items() if m is not None}
     return numerics_settings(

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specheads.export.shim import ModelSpec, SamplingConfig
-from specheads.plan_inputs import PLAN_HELP
-from specheads.vllm_options import DatagenVllm
+from specheads.plan.inputs import PLAN_HELP
+from specheads.vllm.options import DatagenVllm
 
 PROG = "heads-datagen"
 

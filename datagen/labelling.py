@@ -92,7 +92,7 @@ class Labeller:
 
     def target_under_vllm(self, cfg: DatagenConfig) -> str:
         """What ``engine=vllm`` still needs of the Transformers target (one of
-        :data:`specheads.target_shell.USES`): ``model`` (a pass of it), ``output_layer`` or ``config``."""
+        :data:`specheads.runtime.target_shell.USES`): ``model`` (a pass of it), ``output_layer`` or ``config``."""
         return "model"
 
     def check_models(self, job: Job) -> None:

@@ -42,7 +42,7 @@ from specheads.dataset import JudgeChunkFiles
 from specheads.errors import UserError
 from specheads.export.shim import SamplingConfig, batch_generate
 from specheads.prompt_spec import budget_problems
-from specheads.states import logits_at
+from specheads.runtime.states import logits_at
 
 log = logging.getLogger(__name__)
 COUNTS = (

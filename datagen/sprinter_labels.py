@@ -1,7 +1,7 @@
 """``labels=sprinter``: SPRINTER ratio-threshold labels (docs/algorithms/sprinter.md).
 
 A labelled example is a prefix ``s[:t]`` and a draft token ``x ~ q(.|s[:t])``; it is acceptable
-at threshold ``lambda`` when ``q(x) <= lambda * p(x)`` (:mod:`specheads.ratio`, which also says
+at threshold ``lambda`` when ``q(x) <= lambda * p(x)`` (:mod:`specheads.runtime.ratio`, which also says
 which distributions are compared). The raw ``q(x)`` and ``p(x)`` are stored, with the ratio
 ``q(x)/p(x)`` (``inf`` where ``p(x) = 0``) and ``TV(p, q)`` at the prefix, so one dataset serves
 every ``lambda`` (columns: :data:`specheads.dataset.SPRINTER_COLUMNS`).
@@ -35,8 +35,8 @@ from specheads.export.shim import (
     uniform,
     usable_logits,
 )
-from specheads.ratio import label_distributions
-from specheads.states import logits_at
+from specheads.runtime.ratio import label_distributions
+from specheads.runtime.states import logits_at
 
 CATEGORIES = ("prompt", "draft", "target", "mixed")
 

@@ -68,7 +68,7 @@ def target_logits(job, keys: list[str], device) -> list[torch.Tensor] | None:
     name = (job.pregenerated or {}).get("logprobs")
     if wanted(job.cfg) is None:
         return None
-    if not name:  # the target beside vLLM has no weights for a pass (specheads/target_shell.py)
+    if not name:  # the target beside vLLM has no weights for a pass (specheads/runtime/target_shell.py)
         raise UserError(
             f"engine=vllm: a chunk's responses in {Path(job.cfg.output_dir) / 'vllm'} come without the target's "
             "log-probabilities (written with vllm.logprobs=false?); set vllm.logprobs=false, or delete that folder"

@@ -2,7 +2,7 @@
 
 Swap mining (:mod:`.mining`) calls the target again after every tried mismatch, with contexts it knows only
 then (the prompt, the running response up to the mismatch, the draft's token), so its target calls cannot be
-generated up front like the other families' responses. One vLLM process (:mod:`specheads.vllm_serve`) lives
+generated up front like the other families' responses. One vLLM process (:mod:`specheads.vllm.serve`) lives
 through the run instead: started with the other families' up-front generation, before the Transformers
 models load (vLLM gets the GPUs first), with the run's tensor and pipeline parallelism and **prefix caching
 on**; each lockstep step of the search sends its contexts as one batch of greedy requests, and every
@@ -38,7 +38,7 @@ class TargetServer:
         self.python = python
         try:
             self.proc = subprocess.Popen(
-                [python, "-m", "specheads.vllm_serve", fh.name],
+                [python, "-m", "specheads.vllm.serve", fh.name],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 env=env,

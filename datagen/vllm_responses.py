@@ -3,7 +3,7 @@
 Before any model is loaded, the run asks each chunk it still has to write (a resumed run skips the finished
 ones, as always) for its *requests*: the responses of the target it needs, each a token-id prompt (exactly
 ``Job.prompt_ids``), sampling settings, a seed and a budget. One vLLM child process
-(:mod:`specheads.vllm_jobs`, in ``vllm.python``) generates them all: ``LLM()`` starts once per run, never per chunk.
+(:mod:`specheads.vllm.jobs`, in ``vllm.python``) generates them all: ``LLM()`` starts once per run, never per chunk.
 Each chunk's responses land in a side file ``output_dir/vllm/chunk-N.json`` (atomic), which carries a
 digest of the chunk's requests, EOS ids and target; a chunk whose side file is present with the right
 digest is not generated again, so a run killed while vLLM runs resumes where it stopped. Then the
@@ -189,7 +189,7 @@ def run_vllm(cfg, header: dict, lines: list[dict], work: Path, local_rank: int) 
         fh.writelines(json.dumps(line) + "\n" for line in lines)
     env = child_environment(cfg, python, local_rank)
     try:
-        code = subprocess.call([python, "-m", "specheads.vllm_jobs", str(job)], env=env)
+        code = subprocess.call([python, "-m", "specheads.vllm.jobs", str(job)], env=env)
     finally:
         job.unlink(missing_ok=True)
     if code:

@@ -1,9 +1,9 @@
 """``heads-datagen engine=vllm``: the target's hidden states from vLLM, so drafter, judge and SPRINTER labels run
 no Transformers target pass.
 
-One vLLM child per run (:mod:`specheads.vllm_states_child`, in ``vllm.python``), started when a labeller first
+One vLLM child per run (:mod:`specheads.vllm.states_child`, in ``vllm.python``), started when a labeller first
 asks for states and kept until the run ends (:class:`StatesServer`): vLLM's ``extract_hidden_states`` method
-keeps the residual stream at the chosen layers and :class:`specheads.vllm_states.StatesConnector` writes each
+keeps the residual stream at the chosen layers and :class:`specheads.vllm.states.StatesConnector` writes each
 sequence's states to a file in the engine step that computes it; this side reads the files back and removes
 them. Each sequence runs as a prompt (a teacher-forced prefill), the pass the Transformers engine runs.
 
@@ -121,7 +121,7 @@ class StatesServer:
         path.write_text(json.dumps(header))
         read, write = os.pipe()
         self._proc = subprocess.Popen(
-            [python, "-m", "specheads.vllm_states_child", str(path), str(write)],
+            [python, "-m", "specheads.vllm.states_child", str(path), str(write)],
             stdin=subprocess.PIPE,
             env=env,
             text=True,
@@ -195,7 +195,7 @@ def final_states(job, seqs: list[list[int]]) -> list[torch.Tensor]:
 
 def target_logits(job, seqs: list[list[int]], positions: list[list[int]]) -> list[torch.Tensor]:
     """Per row, the target's logits ``[len(positions[b]), V]`` after each prefix ``seqs[b][:t]`` (as
-    :func:`specheads.states.logits_at`): vLLM's final states through the target's final norm and output layer."""
+    :func:`specheads.runtime.states.logits_at`): vLLM's final states through the target's final norm and output layer."""
     from specheads.export.shim import final_norm, output_device
 
     model = job.pair.target.model

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specheads.export.shim import ModelSpec, SamplingConfig
-from specheads.vllm_options import ServeVllm
+from specheads.vllm.options import ServeVllm
 
 
 @dataclass
@@ -312,7 +312,7 @@ class EvalConfig:
         metadata={
             "help": (
                 "specheads (this package's engine) | vllm (vLLM decodes each row: ar = its target alone, "
-                "k<K> = its draft_model, h<h>/h-cost/c<tau>/c-cost = the specheads.vllm proposer; see "
+                "k<K> = its draft_model, h<h>/h-cost/c<tau>/c-cost = the specheads.vllm.proposer proposer; see "
                 "evaluate/vllm_sweep.py)"
             )
         },

@@ -4,7 +4,7 @@ A SpecDec++ row records, for each candidate its head scored and the round then d
 the first rejected one), the position in the round, ``beta_hat`` and the outcome (the policy's trace,
 ``acceptance``). Pooled over prompts, that gives ECE, Brier score and AUROC overall and per draft
 position (1st, 2nd, ... candidate), and a reliability diagram per position
-(:mod:`specheads.calibration`). The verifier and judge heads' calibration is measured by
+(:mod:`specheads.runtime.calibration`). The verifier and judge heads' calibration is measured by
 ``heads-train`` on held-out labels: while decoding, their labels are not observed.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specheads.calibration import by_position, calibration, reliability_png
+from specheads.runtime.calibration import by_position, calibration, reliability_png
 
 
 def add_calibration(summary: dict, grouped: dict[str, list[dict]], out: Path, title: str) -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from specheads.ratio import label_distributions
-from specheads.states import logits_at
+from specheads.runtime.ratio import label_distributions
+from specheads.runtime.states import logits_at
 
 
 def rouge(candidates: list[str], references: list[str | None]) -> dict | None:

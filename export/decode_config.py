@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields, make_dataclass
 
 from specheads.errors import UserError
 from specheads.export.shim import POLICIES, ModelSpec, SamplingConfig, Settings, policy_class
-from specheads.vllm_options import ServeVllm
+from specheads.vllm.options import ServeVllm
 
 
 @dataclass
@@ -98,7 +98,7 @@ class RunConfig:
         metadata={
             "help": (
                 "specheads (this package's engine) | vllm (vLLM decodes: policy ar = its target alone, "
-                "sd = its draft_model at k, specdecpp and confidence_stop = the specheads.vllm proposer "
+                "sd = its draft_model at k, specdecpp and confidence_stop = the specheads.vllm.proposer proposer "
                 "at k_max; the GGUF target converted once to a cached Hugging Face directory)"
             )
         },

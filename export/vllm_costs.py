@@ -2,7 +2,7 @@
 
 vLLM's step is not this package's forward: it schedules, samples, runs its rejection sampler and its own
 kernels, so the proposer prices rounds with what vLLM's steps cost, measured in vLLM. The measurement runs
-vLLM with :class:`specheads.vllm_profile.Profiler` as its ``custom_class`` proposer: a proposer that drafts with the
+vLLM with :class:`specheads.vllm.profile.Profiler` as its ``custom_class`` proposer: a proposer that drafts with the
 real draft but
 offers every row the same number of candidates ``n``, cycling ``0, 1, .., k_max`` from one step to the next,
 and times
@@ -15,7 +15,7 @@ and times
 
 The job decodes ``B`` prompts of ``prefix_tokens`` random tokens at once for each batch size (1 and
 ``batches``), ``steps`` tokens each; each price is a median. Run in vLLM's Python:
-``python -m specheads.vllm_profile JOB`` (:func:`vllm_cost_table` prepares and starts it, and caches the
+``python -m specheads.vllm.profile JOB`` (:func:`vllm_cost_table` prepares and starts it, and caches the
 table under ``$SPECHEADS_CACHE/costs/vllm-<key>.json``, the key a hash of the target, the draft, its
 vocabulary and dtype, ``k_max``, the batch sizes, the machine, the threads, vLLM's Python and how vLLM serves:
 dtype, parallelism, eager mode).
@@ -77,7 +77,7 @@ def vllm_cost_table(
     """The path of the cost table of vLLM's engine for the proposer ``settings`` (``speculative_config``'s
     arguments): a given JSON (``profile`` a path), the cached one (``auto``), or measured now (``refresh``, or
     none cached) in a vLLM child process with ``python`` and ``env``, vLLM serving as ``serving`` says
-    (:func:`specheads.vllm_options.job_args`: dtype, parallelism, eager mode)."""
+    (:func:`specheads.vllm.options.job_args`: dtype, parallelism, eager mode)."""
     from specheads.export.shim import file_digest
     from specheads.machine import cache_dir, cpu_model, settings_key
     from specheads.outputs import atomic_write_json
@@ -129,7 +129,7 @@ def vllm_cost_table(
         f"[specheads] pricing vLLM's steps (batch 1, {batches}; up to {settings['k_max']} candidates) -> {path}",
         flush=True,
     )
-    code = subprocess.call([python, "-m", "specheads.vllm_profile", str(job)], env=env)
+    code = subprocess.call([python, "-m", "specheads.vllm.profile", str(job)], env=env)
     if code or not out.is_file():
         raise UserError(f"the vLLM cost profile ({python}) failed with exit code {code}; its log is above")
     res = json.loads(out.read_text())

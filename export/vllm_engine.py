@@ -10,12 +10,12 @@ this package's environment), in a child process that this module prepares and st
   file is the same;
 * the prompts as token ids (the target's chat template, as the shim formats them);
 * the policy: ``ar`` (the target alone), ``sd`` (vLLM's own ``draft_model`` at ``k``), ``specdecpp`` and
-  ``confidence_stop`` (the :mod:`specheads.vllm` proposer with the draft, its head, threshold and ``k_max``);
+  ``confidence_stop`` (the :mod:`specheads.vllm.proposer` proposer with the draft, its head, threshold and ``k_max``);
 * vLLM's environment on a CPU: ``OMP_NUM_THREADS`` (``threads``, default the machine's cores),
   tcmalloc and the venv's ``libiomp5.so`` preloaded when present, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
   ``VLLM_CPU_KVCACHE_SPACE``.
 
-The child (``python -m specheads.vllm_run JOB``) decodes every prompt with ``max_num_seqs = batch_size`` and
+The child (``python -m specheads.vllm.run JOB``) decodes every prompt with ``max_num_seqs = batch_size`` and
 writes the completions, the wall time, vLLM's spec-decode counters and the proposer's counts.
 """
 
@@ -29,8 +29,8 @@ from pathlib import Path
 
 from specheads.errors import UserError
 from specheads.export.vllm_target import target_dir
-from specheads.vllm_options import job_args
-from specheads.vllm_options import problems as serving_problems
+from specheads.vllm.options import job_args
+from specheads.vllm.options import problems as serving_problems
 
 POLICIES = ("ar", "sd", "specdecpp", "confidence_stop")
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
@@ -158,7 +158,7 @@ def decode(cfg, settings, prompts: list[list[int]], target: Path, work: Path, co
             }
         )
     )
-    code = subprocess.call([python, "-m", "specheads.vllm_run", str(job)], env=environment(python, cfg.vllm.threads))
+    code = subprocess.call([python, "-m", "specheads.vllm.run", str(job)], env=environment(python, cfg.vllm.threads))
     if code or not result.is_file():
         raise UserError(f"vLLM ({python}) failed with exit code {code}; its log is above")
     return json.loads(result.read_text())

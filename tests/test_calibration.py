@@ -1,11 +1,11 @@
-"""Calibration figures (specheads/calibration.py) on cases with known answers, and where they are reported."""
+"""Calibration figures (specheads/runtime/calibration.py) on cases with known answers, and where they are reported."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from specheads.calibration import by_position, calibration, reliability_png
+from specheads.runtime.calibration import by_position, calibration, reliability_png
 
 
 def test_a_constant_overconfident_head():

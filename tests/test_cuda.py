@@ -26,8 +26,8 @@ from specheads.export.shim import (
 )
 from specheads.export.shim.runners.hidden import AuxCapture
 from specheads.export.shim.runners.models import resolve_dtype
-from specheads.numerics import numerics_settings
-from specheads.states import logits_at, states_after_tokens
+from specheads.runtime.numerics import numerics_settings
+from specheads.runtime.states import logits_at, states_after_tokens
 
 pytestmark = [
     pytest.mark.cuda,

@@ -80,7 +80,7 @@ def test_manifest_records_numerics_and_a_resume_under_others_warns(tiny_pair_dir
 
     import torch
 
-    from specheads import numerics
+    from specheads.runtime import numerics
     from specheads.dataset import chunk_info
 
     before = torch.get_num_threads()

@@ -18,7 +18,7 @@ from conftest import DATAGEN_PROMPTS, SPRINTER_PROMPTS, chunk_rows, datagen_args
 from specheads.datagen import vllm_responses
 from specheads.datagen.cli import main
 from specheads.errors import UserError
-from specheads.vllm_jobs import side_name, write_atomic
+from specheads.vllm.jobs import side_name, write_atomic
 
 VLLM_PYTHON = os.environ.get("SPECHEADS_VLLM_PYTHON")
 GSM = [
@@ -241,7 +241,7 @@ def test_sampled_seeds_depend_on_the_prompt_not_the_chunking():
 def test_seeded_sampling_on_a_cpu_keeps_every_prefill_whole():
     """vLLM rewinds a seeded request's generator after a partial prefill by its offset, which a CPU generator lacks:
     sampled jobs on a CPU run without chunked prefill (a step's budget holds the longest prompt); others keep it."""
-    from specheads.vllm_jobs import whole_prefills
+    from specheads.vllm.jobs import whole_prefills
 
     sampled = [{"requests": [{"sampling": {"do_sample": False}}, {"sampling": {"do_sample": True}}]}]
     greedy = [{"requests": [{"sampling": {"do_sample": False}}]}, {"requests": []}]

@@ -21,8 +21,8 @@ from specheads.datagen.cli import main
 from specheads.datagen.judge_labels import JudgeLabeller
 from specheads.datagen.vllm_job import child_environment, cpu_binding
 from specheads.datagen.vllm_logprobs import MISSING, dense
-from specheads.vllm_jobs import logprob_tensors, logprobs_name, side_name, write_atomic, write_tensors
-from specheads.vllm_options import DatagenVllm
+from specheads.vllm.jobs import logprob_tensors, logprobs_name, side_name, write_atomic, write_tensors
+from specheads.vllm.options import DatagenVllm
 
 VLLM_PYTHON = os.environ.get("SPECHEADS_VLLM_PYTHON")
 HERE = ["engine=vllm", f"vllm.python={os.sys.executable}"]

@@ -104,6 +104,6 @@ def test_sampled_labels_in_row_blocks_equal_one_pass(monkeypatch):
 
 def test_the_plan_counts_the_label_block_the_labeller_uses():
     from specheads.datagen.acceptance_labels import LABEL_BUFFER_BYTES
-    from specheads.plan_memory import ACCEPTANCE_BLOCK_BYTES
+    from specheads.plan.memory import ACCEPTANCE_BLOCK_BYTES
 
     assert ACCEPTANCE_BLOCK_BYTES == LABEL_BUFFER_BYTES

@@ -19,7 +19,7 @@ from conftest import DATAGEN_PROMPTS, datagen_args, train_args
 from specheads import dataset
 from specheads.datagen import shards
 from specheads.datagen.cli import main
-from specheads.numerics import check_resume, differences, numerics_settings
+from specheads.runtime.numerics import check_resume, differences, numerics_settings
 from specheads.outputs import file_sha256
 
 TOTAL = 8

@@ -1,4 +1,4 @@
-"""``specheads.numerics``: the settings that change results bit for bit, and the resume check."""
+"""``specheads.runtime.numerics``: the settings that change results bit for bit, and the resume check."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import logging
 
 import torch
 
-from specheads import numerics
-from specheads.numerics import check_resume, differences, numerics_settings, use_threads, without
+from specheads.runtime import numerics
+from specheads.runtime.numerics import check_resume, differences, numerics_settings, use_threads, without
 
 
 def test_settings_record_threads_processes_dtypes_devices_torch_and_kernel_path(monkeypatch):

@@ -151,7 +151,7 @@ def test_parts_and_stages_get_what_the_pipeline_chains():
 
 
 def test_earlier_seconds_sums_each_run_over_tries_and_skips_regimes_and_torn_lines(tmp_path):
-    from specheads.pipeline_parts import earlier_seconds
+    from specheads.pipeline.parts import earlier_seconds
 
     path = tmp_path / "metrics.jsonl"
     assert earlier_seconds(path) == {}

@@ -192,10 +192,10 @@ def test_the_shared_target_is_competent_on_the_fact_task(real_pair):
 
 
 def test_the_real_targets_shell_matches_it(real_pair):
-    """engine=vllm's target without weights (specheads/target_shell.py), from the GGUF file: the loaded target's
+    """engine=vllm's target without weights (specheads/runtime/target_shell.py), from the GGUF file: the loaded target's
     fingerprint and EOS ids, and its output layer (dequantised from the file alone) gives its logits."""
     from specheads.export.shim import eos_ids, final_norm
-    from specheads.target_shell import load_shell
+    from specheads.runtime.target_shell import load_shell
 
     whole = real_pair.target
     shell = load_shell(whole.spec, output_layer=True)

@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_llama
 
 from specheads import states as states_mod
-from specheads.states import states_after_tokens
+from specheads.runtime.states import states_after_tokens
 
 SEQS = [[1, 5, 9, 12, 7, 3, 20, 4], [1, 8, 8, 30], [1, 14, 2, 6, 6, 11]]
 POSITIONS = [[1, 3, 3, 8, 5], [4, 1, 2], [6, 2, 1, 4]]

@@ -1,4 +1,4 @@
-"""engine=vllm loads the Transformers target without its weights (specheads/target_shell.py): the same config,
+"""engine=vllm loads the Transformers target without its weights (specheads/runtime/target_shell.py): the same config,
 EOS ids, fingerprint and (when asked) output layer as the loaded model, no other weight, and no pass."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ import pytest
 import torch
 from conftest import pair_args
 
-from specheads import plan_memory
+from specheads.plan import memory as plan_memory
 from specheads.config import load_config
 from specheads.datagen.cli import _load
 from specheads.datagen.config import DatagenConfig
 from specheads.datagen.engines import runtime_of
 from specheads.datagen.registry import labeller
 from specheads.export.shim import ModelSpec, context_length, eos_ids, final_norm, load_model
-from specheads.target_shell import load_shell, load_target
+from specheads.runtime.target_shell import load_shell, load_target
 
 
 def _real(model) -> dict[str, int]:

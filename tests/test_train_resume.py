@@ -189,7 +189,7 @@ def test_manifest_and_checkpoints_record_numerics_and_a_resume_under_others_warn
     caplog.clear()
     caplog.set_level(logging.WARNING)
     assert main(args) == 0
-    (message,) = [r.getMessage() for r in caplog.records if r.name == "specheads.numerics"]
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "specheads.runtime.numerics"]
     assert "threads=3 now 1" in message and "checkpoint-3" in message and "not be byte-identical" in message
     assert json.loads((out / "manifest.json").read_text())["numerics"]["threads"] == 1
 

@@ -13,7 +13,7 @@ import torch
 from conftest import SHARED, datagen_args, same_heads, tiny_llama
 from safetensors import safe_open
 
-from specheads.checkpoint_tensors import TargetCheckpoint, from_model
+from specheads.runtime.checkpoint_tensors import TargetCheckpoint, from_model
 from specheads.datagen.cli import main as datagen_main
 from specheads.export.shim import ModelSpec, load_model
 from specheads.heads.eagle_head import EagleHead, unrolled_attention

@@ -1,4 +1,4 @@
-"""``specheads.vllm``: the settings' checks and the proposer behind vLLM's interface, without vLLM (a stand-in
+"""``specheads.vllm.proposer``: the settings' checks and the proposer behind vLLM's interface, without vLLM (a stand-in
 for its config; the run inside vLLM itself is tests/in_vllm/, in vLLM's own virtualenv)."""
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def test_speculative_config_carries_the_settings_to_the_workers(dirs):
     spec = sv.speculative_config(str(dirs / "draft"), policy="specdecpp", head=head_for(dirs, "draft"), k_max=5)
     assert {k: spec[k] for k in ("method", "model", "num_speculative_tokens")} == {
         "method": "custom_class",
-        "model": "specheads.vllm.Proposer",
+        "model": "specheads.vllm.proposer.Proposer",
         "num_speculative_tokens": 5,
     }
     settings = spec["draft_load_config"]["model_loader_extra_config"]["specheads"]

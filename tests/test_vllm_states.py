@@ -126,7 +126,7 @@ def test_vllm_engine_gives_the_transformers_engines_rows(vllm_pair, tmp_path, la
 
 def test_judge_features_and_sprinters_logits_from_states_are_the_transformers_targets(tiny_pair):
     from specheads.datagen.judge_labels import target_features
-    from specheads.states import logits_at
+    from specheads.runtime.states import logits_at
 
     model = tiny_pair[0]
     job = SimpleNamespace(

@@ -29,7 +29,7 @@ from transformers.utils import logging as hf_logging
 
 from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError
-from specheads.numerics import use_threads
+from specheads.runtime.numerics import use_threads
 from specheads.outputs import prepare_output_dir, write_manifest
 from specheads.plan import run_plan
 from specheads.train.config import TrainConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specheads.export.shim import ModelSpec
-from specheads.plan_inputs import PLAN_HELP
+from specheads.plan.inputs import PLAN_HELP
 
 
 @dataclass

@@ -3,7 +3,7 @@
 The head (:class:`specheads.heads.EagleHead`) reads the target's states the datagen run stored, a batch
 at a time (``drafter_data.py``); of the target it reads from the checkpoint files only its token
 embeddings (frozen, never part of the head) and what initialises the head: its last layer, final norm
-and the kept output-layer rows (``specheads/checkpoint_tensors.py``; the whole target is never loaded).
+and the kept output-layer rows (``specheads/runtime/checkpoint_tensors.py``; the whole target is never loaded).
 The loss is the soft cross-entropy against the target's distribution, unrolled ``ttt_steps`` steps on the
 head's own states (training-time test, ``eagle.py``). The best epoch has the longest mean greedy run of
 matching steps (``eval_accept_length``: tokens a round at ``k = ttt_steps`` would keep).
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from specheads.checkpoint_tensors import TargetCheckpoint
+from specheads.runtime.checkpoint_tensors import TargetCheckpoint
 from specheads.errors import UserError
 from specheads.export.shim import subset_hash
 from specheads.heads import EagleConfig, EagleHead

@@ -99,9 +99,9 @@ def predict(
 
 
 def calibration_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict:
-    """The held-out calibration of a head (:func:`specheads.calibration.calibration`): ``eval_ece``,
+    """The held-out calibration of a head (:func:`specheads.runtime.calibration.calibration`): ``eval_ece``,
     ``eval_brier`` and the reliability bins ``eval_calibration`` that ``reliability.png`` draws."""
-    from specheads.calibration import calibration
+    from specheads.runtime.calibration import calibration
 
     c = calibration(torch.sigmoid(logits.float()).cpu().numpy(), labels.float().cpu().numpy())
     return {"eval_ece": c["ece"], "eval_brier": c["brier"], "eval_calibration": c["bins"]}

@@ -15,7 +15,7 @@ ends and, with ``checkpoint_every``, every that many optimizer steps; a rerun of
 (same number of processes) continues at the saved data position with the saved optimizer,
 scheduler and RNG state, and ends with the head an uninterrupted run ends with, bit for bit (under
 the same numerics settings, which checkpoints record: a resume under others warns, see
-``specheads.numerics``). Its ``metrics.jsonl`` is first cut back to the rows written up to that
+``specheads.runtime.numerics``). Its ``metrics.jsonl`` is first cut back to the rows written up to that
 checkpoint, so no step appears twice.
 """
 
@@ -35,7 +35,7 @@ from tqdm import tqdm
 from specheads.config import to_yaml
 from specheads.errors import UserError
 from specheads.export import save_head
-from specheads.numerics import check_resume, numerics_settings
+from specheads.runtime.numerics import check_resume, numerics_settings
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir
 from specheads.train import checkpoint, checkpoint_save, zero
 from specheads.train.config import TrainConfig
@@ -87,7 +87,7 @@ def train(cfg: TrainConfig, out: Path, fresh: bool = False) -> dict:
         train(sub, Path(sub.output_dir), fresh=fresh)
     best.update(task.report(out, acc, best))
     if acc.is_main_process and best.get("eval_calibration"):
-        from specheads.calibration import reliability_png
+        from specheads.runtime.calibration import reliability_png
 
         curve = {"ece": best["eval_ece"], "brier": best["eval_brier"], "bins": best["eval_calibration"]}
         best["reliability_png"] = str(

@@ -69,11 +69,11 @@ def draft_features(
 
     ``previous``: the draft's post-norm state at position ``t - 1`` (the one that produced
     ``q(.|s[:t])``); ``previous+embedding``: that state and ``x``'s input embedding;
-    ``current``: the state after consuming ``x`` at position ``t`` (see :mod:`specheads.states`).
+    ``current``: the state after consuming ``x`` at position ``t`` (see :mod:`specheads.runtime.states`).
     """
     seqs = [e.input_ids for e in examples]
     if feature == "current":
-        from specheads.states import states_after_tokens
+        from specheads.runtime.states import states_after_tokens
 
         feats = states_after_tokens(
             draft, seqs, [e.positions for e in examples], [e.draft_token for e in examples], pad

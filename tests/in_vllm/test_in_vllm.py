@@ -18,7 +18,7 @@ vllm = pytest.importorskip("vllm")
 
 from pair import save_pair  # noqa: E402
 
-from specheads.vllm import speculative_config  # noqa: E402
+from specheads.vllm.proposer import speculative_config  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 13], [1, 7], [1, 20, 21, 22, 3, 4, 5, 6, 7, 8], [1, 5, 9, 13], [1], [1, 14, 3]]
 MAX_NEW = [24, 9, 30, 17, 12, 20]
@@ -77,7 +77,7 @@ def test_the_settings_travel_in_vllms_own_speculative_config(tmp_path):
 
     from vllm.config import SpeculativeConfig
 
-    from specheads.vllm import read_settings
+    from specheads.vllm.proposer import read_settings
 
     _, draft = save_pair(tmp_path)
     spec = speculative_config(str(draft), policy="confidence_stop", threshold=0.3, k_max=4, cache_mb=64.0)

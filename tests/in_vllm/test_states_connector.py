@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from specheads.vllm_states import PATH_KEY, Schedule, gather  # noqa: E402
+from specheads.vllm.states import PATH_KEY, Schedule, gather  # noqa: E402
 
 
 def new(req_id, prompt_len, blocks, path=None, computed=0):

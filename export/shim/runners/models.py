@@ -81,7 +81,7 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
-        """Where its inputs go; for a target loaded without its weights (``specheads.target_shell``), its spec's."""
+        """Where its inputs go; for a target loaded without its weights (``specheads.runtime.target_shell``), its spec's."""
         weight = self.model.get_input_embeddings().weight
         return weight.device if weight.device.type != "meta" else torch.device(resolve_device(self.spec.device))
 
@@ -288,7 +288,7 @@ def load_pair(
     target: ModelSpec, draft: ModelSpec | None, same_vocab: bool = True, loaded: LoadedModel | None = None
 ) -> Pair:
     """Loads target and draft; with ``same_vocab`` checks they share a vocabulary. ``loaded``: the target,
-    already loaded (e.g. without its weights, ``specheads.target_shell``)."""
+    already loaded (e.g. without its weights, ``specheads.runtime.target_shell``)."""
     t = loaded if loaded is not None else load_model(target, "target")
     if draft is not None and draft.path and draft.device == "auto" and (target.device_map or target.load_in_8bit):
         draft = replace(draft, device=freest_gpu())  # not cuda:0 by default, which the split target may fill

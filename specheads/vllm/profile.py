@@ -1,5 +1,5 @@
 """The child side of :mod:`specheads.export.vllm_costs` (run in vLLM's Python): :class:`Profiler`, a ``custom_class``
-proposer that prices vLLM's own steps, and the job that drives it (``python -m specheads.vllm_profile JOB``).
+proposer that prices vLLM's own steps, and the job that drives it (``python -m specheads.vllm.profile JOB``).
 
 The profiler drafts with the real draft but offers every row the same number of candidates ``n``, cycling
 ``0, 1, .., k_max`` from one step to the next. It keeps the wall time from one ``propose`` returning to the next one
@@ -17,7 +17,7 @@ from pathlib import Path
 
 
 def _proposer_base():
-    from specheads.vllm import Proposer
+    from specheads.vllm.proposer import Proposer
 
     return Proposer
 
@@ -62,18 +62,18 @@ def _profiler_samples(worker) -> dict | None:
 
 
 def run_job(path: str) -> int:
-    """The child: prices vLLM's steps and writes the samples (``python -m specheads.vllm_profile JOB``)."""
+    """The child: prices vLLM's steps and writes the samples (``python -m specheads.vllm.profile JOB``)."""
     import random
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from specheads.vllm import first_stats, speculative_config
-    from specheads.vllm_options import llm_args
+    from specheads.vllm.proposer import first_stats, speculative_config
+    from specheads.vllm.options import llm_args
 
     job = json.loads(Path(path).read_text(encoding="utf-8"))
     spec = speculative_config(**job["settings"])
-    spec["model"] = "specheads.vllm_profile.Profiler"
+    spec["model"] = "specheads.vllm.profile.Profiler"
     sizes, prefix = [1, *job["batches"]], job["prefix_tokens"]
     llm = LLM(
         model=job["target"],

@@ -1,7 +1,7 @@
-"""The vLLM process that answers swap mining's target calls: ``python -m specheads.vllm_serve HEADER``.
+"""The vLLM process that answers swap mining's target calls: ``python -m specheads.vllm.serve HEADER``.
 
 Started once per run by :mod:`specheads.datagen.vllm_mining` in vLLM's own Python (vLLM and the standard
-library only). ``HEADER`` is the JSON header of :func:`.vllm_jobs.start` (target, dtype, lengths, parallelism,
+library only). ``HEADER`` is the JSON header of :func:`.jobs.start` (target, dtype, lengths, parallelism,
 EOS ids). vLLM starts with prefix caching on: a search's continuations all start with the prompt and the
 running response, so each one prefills only what its cached blocks do not hold.
 
@@ -47,7 +47,7 @@ def serve(path: str) -> int:
     reply = os.fdopen(os.dup(1), "w", encoding="utf-8")  # the answers' channel: stdout as it was given
     os.dup2(2, 1)  # everything else printed (vLLM's log, its workers') goes to stderr
     sys.stdout = sys.stderr
-    from specheads.vllm_jobs import start
+    from specheads.vllm.jobs import start
 
     with open(path, encoding="utf-8") as fh:
         header = json.load(fh)

@@ -12,8 +12,8 @@ the prompt's rows from those blocks with plain indexing (on the CPU or the GPU a
 and writes them atomically to the path the request named in ``kv_transfer_params["states_path"]``. Requests
 without that key (a warm-up) are left alone, and no block is kept after a request ends.
 
-Used by :mod:`specheads.vllm_states_child` (``LLM(kv_transfer_config={"kv_connector": "StatesConnector",
-"kv_connector_module_path": "specheads.vllm_states", "kv_role": "kv_producer"})``). The file holds
+Used by :mod:`specheads.vllm.states_child` (``LLM(kv_transfer_config={"kv_connector": "StatesConnector",
+"kv_connector_module_path": "specheads.vllm.states", "kv_role": "kv_producer"})``). The file holds
 ``states``: ``[prompt tokens, len(layers), hidden]`` in vLLM's dtype, layers in increasing order (vLLM
 appends them so). Only tensor-parallel rank 0 of the last pipeline stage writes (every rank holds the whole
 residual stream). This module needs vLLM, torch and the standard library only.

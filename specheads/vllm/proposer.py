@@ -1,7 +1,7 @@
 """A trained stop head inside vLLM: a proposer for vLLM's ``custom_class`` speculative method.
 
     from vllm import LLM, SamplingParams
-    from specheads.vllm import speculative_config
+    from specheads.vllm.proposer import speculative_config
 
     spec = speculative_config(draft="path/to/draft", policy="specdecpp", head="runs/x-export/head.safetensors",
                               k_max=6)
@@ -45,10 +45,10 @@ import os
 from dataclasses import asdict, dataclass, fields
 
 from specheads.errors import UserError
-from specheads.vllm_options import DTYPES, cache_tokens
+from specheads.vllm.options import DTYPES, cache_tokens
 
 POLICIES = ("specdecpp", "confidence_stop", "sd")
-CLASS_PATH = "specheads.vllm.Proposer"
+CLASS_PATH = "specheads.vllm.proposer.Proposer"
 SECTION = "specheads"  # the key of the settings in the draft loader's extra config
 
 
@@ -172,7 +172,7 @@ def read_settings(spec) -> ProposerSettings:
     if not isinstance(raw, dict):
         raise UserError(
             f"{CLASS_PATH} found no settings in the speculative config: build it with "
-            "specheads.vllm.speculative_config(draft=..., ...)"
+            "specheads.vllm.proposer.speculative_config(draft=..., ...)"
         )
     unknown = sorted(set(raw) - {f.name for f in fields(ProposerSettings)})
     if unknown or "draft" not in raw:
@@ -196,7 +196,7 @@ class Proposer:
         if k != settings.k_max:
             raise UserError(
                 f"num_speculative_tokens={k} but the proposer's k_max={settings.k_max}: build "
-                "speculative_config with specheads.vllm.speculative_config"
+                "speculative_config with specheads.vllm.proposer.speculative_config"
             )
         device = str(getattr(vllm_config.device_config, "device", "cpu") or "cpu")
         dtype = settings.dtype

@@ -1,12 +1,12 @@
 """The vLLM child that hands ``heads-datagen engine=vllm`` the target's hidden states of given sequences.
 
-``python -m specheads.vllm_states_child HEADER REPLY_FD`` runs in vLLM's own Python (vLLM, torch and the standard
-library only). ``HEADER`` is a JSON file: what :func:`specheads.vllm_jobs.start` reads (the target's Hugging Face
+``python -m specheads.vllm.states_child HEADER REPLY_FD`` runs in vLLM's own Python (vLLM, torch and the standard
+library only). ``HEADER`` is a JSON file: what :func:`specheads.vllm.jobs.start` reads (the target's Hugging Face
 directory, dtype, ``max_model_len``, ``batch_size``, tensor and pipeline parallelism, executor backend, seed,
 ``max_logprobs``: the most prompt log-probabilities a request may ask), ``layers`` (increasing: ``i`` is the
 residual stream entering decoder layer ``i``, ``n`` the last layer's output before the final norm) and, on a
 GPU, ``gpu_memory_utilization``. vLLM starts once
-(``LLM`` with its ``extract_hidden_states`` speculative method and :class:`~specheads.vllm_states.StatesConnector`),
+(``LLM`` with its ``extract_hidden_states`` speculative method and :class:`~specheads.vllm.states.StatesConnector`),
 so tensor and pipeline parallelism are vLLM's own.
 
 Then each line on stdin is a request: ``{"dir": folder, "seqs": [[token ids], ...], "top_k": k}``. One
@@ -28,15 +28,15 @@ import time
 
 CONNECTOR = {
     "kv_connector": "StatesConnector",
-    "kv_connector_module_path": "specheads.vllm_states",
+    "kv_connector_module_path": "specheads.vllm.states",
     "kv_role": "kv_producer",
 }
 
 
 def start(header: dict):
-    """vLLM (:func:`specheads.vllm_jobs.start`: target, dtype, lengths, parallelism) with the hidden-states
+    """vLLM (:func:`specheads.vllm.jobs.start`: target, dtype, lengths, parallelism) with the hidden-states
     method at ``header["layers"]`` and the connector that writes them."""
-    from specheads.vllm_jobs import start as start_llm
+    from specheads.vllm.jobs import start as start_llm
 
     gpu = header.get("gpu_memory_utilization")
     return start_llm(
@@ -72,7 +72,7 @@ def serve(llm, request: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from specheads.vllm_states import PATH_KEY
+    from specheads.vllm.states import PATH_KEY
 
     folder, k = request["dir"], int(request.get("top_k", 0))
     params = [

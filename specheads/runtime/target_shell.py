@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from specheads.checkpoint_tensors import TargetCheckpoint
+from specheads.runtime.checkpoint_tensors import TargetCheckpoint
 from specheads.errors import UserError
 from specheads.export.shim import LoadedModel, ModelSpec, final_norm, load_model, resolve_device, resolve_dtype
 

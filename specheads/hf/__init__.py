@@ -26,8 +26,8 @@ import types
 import torch
 
 from specheads.errors import UserError
-from specheads.hf_models import _loaded, _width, prune_draft
-from specheads.hf_support import INTERNALS, SUPPORTED, Stats, check_transformers
+from specheads.hf.models import _loaded, _width, prune_draft
+from specheads.hf.support import INTERNALS, SUPPORTED, Stats, check_transformers
 
 # the module users import (docs/python-api.md): the head inside generate, and what it builds on
 __all__ = ["Assistant", "prune_draft", "SUPPORTED", "INTERNALS", "check_transformers"]

@@ -11,7 +11,7 @@ import yaml
 
 from specheads.errors import UserError
 from specheads.model_shapes import shape_of
-from specheads.plan_memory import datagen_disk, datagen_rows
+from specheads.plan.memory import datagen_disk, datagen_rows
 
 #: Help of the plan's settings, the same on both CLIs' schemas (``DatagenConfig``, ``TrainConfig``).
 PLAN_HELP = {

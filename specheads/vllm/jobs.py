@@ -1,4 +1,4 @@
-"""The child process of ``heads-datagen engine=vllm``: ``python -m specheads.vllm_jobs JOB``.
+"""The child process of ``heads-datagen engine=vllm``: ``python -m specheads.vllm.jobs JOB``.
 
 It runs in vLLM's own Python (``vllm.python``; it needs vLLM and the standard library only) and is started
 once per run by :mod:`.vllm_responses`, which wrote ``JOB``: a JSON header line (the target's Hugging Face
@@ -20,7 +20,7 @@ temperature, top-k and top-p), written beside the side file as ``chunk-N.logprob
 vocabulary: ``<key>.logp`` ``[tokens, V]`` alone). The last line of the run writes ``run.json``: start-up
 seconds, generation seconds, tokens.
 
-:func:`start` builds the ``LLM`` from the header for this job and for :mod:`.vllm_serve` (swap mining's
+:func:`start` builds the ``LLM`` from the header for this job and for :mod:`.serve` (swap mining's
 continuations): tensor and pipeline parallelism, the executor backend, dtype and prefix caching are the
 header's.
 """
@@ -33,7 +33,7 @@ import os
 import sys
 import time
 
-from specheads.vllm_options import whole_prefill_args
+from specheads.vllm.options import whole_prefill_args
 
 GROUP_BATCHES = 8  # a generate() call holds at least this many batches of requests
 
@@ -148,7 +148,7 @@ def start(header: dict, **extra):
 
 
 def whole_prefills(chunks: list[dict], cuda: bool, max_model_len: int) -> dict:
-    """:func:`~specheads.vllm_options.whole_prefill_args` for a job's chunks (sampled when any request is)."""
+    """:func:`~specheads.vllm.options.whole_prefill_args` for a job's chunks (sampled when any request is)."""
     sampled = any(r["sampling"].get("do_sample") for c in chunks for r in c["requests"])
     return whole_prefill_args(sampled, cuda, max_model_len)
 

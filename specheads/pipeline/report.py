@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from specheads.pipeline_gains import gains, where_lines
-from specheads.pipeline_parts import cost_lines
+from specheads.pipeline.gains import gains, where_lines
+from specheads.pipeline.parts import cost_lines
 
 
 def summarize(cfgs: dict, times: dict) -> dict:

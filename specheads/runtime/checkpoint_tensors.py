@@ -1,4 +1,4 @@
-"""The few target tensors an EAGLE head trains with (and the output layer of ``specheads.target_shell``), read
+"""The few target tensors an EAGLE head trains with (and the output layer of ``specheads.runtime.target_shell``), read
 by name from the checkpoint files.
 
 The head needs of the target only its token embeddings (every step's input), and to start from: its final

@@ -1,9 +1,9 @@
 """The child process of ``heads-decode engine=vllm`` and ``heads-eval engine=vllm`` (:mod:`specheads.export.vllm_engine`
-writes the job and starts it in vLLM's Python): ``python -m specheads.vllm_run JOB``.
+writes the job and starts it in vLLM's Python): ``python -m specheads.vllm.run JOB``.
 
 The job file holds the target's Hugging Face directory, the prompts as token ids, the batch size (vLLM's
 ``max_num_seqs``), the sampling settings, the speculative method (none, vLLM's ``draft_model``, or the
-:mod:`specheads.vllm` proposer's settings) and how vLLM serves (:mod:`specheads.vllm_options`: dtype,
+:mod:`specheads.vllm.proposer` proposer's settings) and how vLLM serves (:mod:`specheads.vllm.options`: dtype,
 parallelism, eager mode). The child starts ``LLM`` once, decodes every prompt in one ``generate`` call and writes
 the completions, the wall times, vLLM's spec-decode counters and the proposer's counts.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 
-from specheads.vllm import _proposer_stats, first_stats, speculative_config
-from specheads.vllm_options import llm_args, whole_prefill_args
+from specheads.vllm.proposer import _proposer_stats, first_stats, speculative_config
+from specheads.vllm.options import llm_args, whole_prefill_args
 
 
 def run_job(path: str) -> int:

@@ -7,7 +7,7 @@ disk the stored states and labels take, and the time at ``tokens_per_s`` (else t
 at ``gpu_bandwidth_gbs``). What cannot fit is refused with one line naming what would (FP8 weights, GPUs
 with 141 GB, twice the nodes with pipeline parallelism; for training ZeRO-2/3), each at the largest batch
 that fits. Nothing is loaded or downloaded: shapes come from :mod:`specheads.model_shapes`, the arithmetic
-from :mod:`specheads.plan_memory`. GB here is 10^9 bytes.
+from :mod:`specheads.plan.memory`. GB here is 10^9 bytes.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 from specheads.engines import engine_of
 from specheads.errors import UserError
 from specheads.model_shapes import shape_of
-from specheads.plan_inputs import count_prompts, recorded_rate, train_data
-from specheads.plan_memory import Memory, datagen_disk, datagen_memory, datagen_rows, dtype_bytes, train_memory
+from specheads.plan.inputs import count_prompts, recorded_rate, train_data
+from specheads.plan.memory import Memory, datagen_disk, datagen_memory, datagen_rows, dtype_bytes, train_memory
 
 GB = 1e9
 #: Share of each GPU's memory a plan counts on: vLLM's default ``gpu_memory_utilization`` (the rest: the
