@@ -40,7 +40,7 @@ from pathlib import Path
 from _common import run_info
 
 from specheads.evaluate.cli import main as eval_main
-from specheads.pipeline.gains import fastest, speed_ratio
+from specheads.gains import fastest, speed_ratio
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))

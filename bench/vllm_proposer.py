@@ -1,5 +1,5 @@
-"""Stop rules inside vLLM (``specheads.vllm.proposer``'s custom_class proposer) against vLLM's own ``draft_model`` and its
-target alone, at batch 1 and batch 16.
+"""Stop rules inside vLLM (``specheads.vllm.proposer``'s custom_class proposer) against vLLM's own ``draft_model``
+and its target alone, at batch 1 and batch 16.
 
     python bench/vllm_proposer.py --head runs/specdecpp_draft_quickstart-export/head.safetensors \\
         --vocab-file runs/specdecpp_draft_quickstart-vocab/vocab.json --vocab-top-n 8192

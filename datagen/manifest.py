@@ -11,8 +11,8 @@ from specheads.datagen.engines import runtime_of
 from specheads.datagen.registry import labeller
 from specheads.dataset import SCHEMA_VERSION, chunk_info, chunk_path
 from specheads.errors import UserError
-from specheads.runtime.numerics import differences
 from specheads.outputs import MetricsWriter, file_sha256, write_manifest
+from specheads.runtime.numerics import differences
 
 log = logging.getLogger(__name__)
 

@@ -195,7 +195,8 @@ def final_states(job, seqs: list[list[int]]) -> list[torch.Tensor]:
 
 def target_logits(job, seqs: list[list[int]], positions: list[list[int]]) -> list[torch.Tensor]:
     """Per row, the target's logits ``[len(positions[b]), V]`` after each prefix ``seqs[b][:t]`` (as
-    :func:`specheads.runtime.states.logits_at`): vLLM's final states through the target's final norm and output layer."""
+    :func:`specheads.runtime.states.logits_at`): vLLM's final states through the target's final norm and output
+    layer."""
     from specheads.export.shim import final_norm, output_device
 
     model = job.pair.target.model

@@ -7,7 +7,7 @@ from specheads.evaluate.fidelity import describe as describe_fidelity
 from specheads.evaluate.report import COLUMNS
 from specheads.evaluate.select import describe as describe_gated
 from specheads.export.shim import CostTable
-from specheads.pipeline.gains import ceiling_lines
+from specheads.gains import ceiling_lines
 
 
 def print_summary(summary: dict) -> None:

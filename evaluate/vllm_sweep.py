@@ -1,7 +1,8 @@
 """``heads-eval engine=vllm``: the sweep's same-vocabulary rows decoded by vLLM, side by side.
 
 Rows, named as in a ``engine=specheads`` sweep: ``ar`` (vLLM's target alone), ``k<K>`` for every ``ks`` (vLLM's own
-``draft_model`` at ``num_speculative_tokens = K``), and through the :mod:`specheads.vllm.proposer` proposer at ``k_max``:
+``draft_model`` at ``num_speculative_tokens = K``), and through the :mod:`specheads.vllm.proposer` proposer at
+``k_max``:
 ``h<h>`` for every ``thresholds`` and ``h-cost`` (with ``head=``: SpecDec++), ``c<tau>`` for every ``confidence``
 and ``c-cost`` (``confidence_stop``); the ``-cost`` rows (``cost_stop=true``) price rounds with a cost table of
 vLLM's own steps at batch 1 and the batch sizes up to ``batch_size`` (:mod:`specheads.export.vllm_costs`, measured

@@ -80,8 +80,8 @@ def test_manifest_records_numerics_and_a_resume_under_others_warns(tiny_pair_dir
 
     import torch
 
-    from specheads.runtime import numerics
     from specheads.dataset import chunk_info
+    from specheads.runtime import numerics
 
     before = torch.get_num_threads()
     out = tmp_path / "dg"

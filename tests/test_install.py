@@ -23,8 +23,8 @@ EXTRA_ONLY = sorted({m for mods in extras.EXTRAS.values() for m in mods} | {"ggu
 STAGES = {
     "heads": BASE,
     "export": BASE,
-    # gguf: a GGUF target's tensors read by name (specheads/runtime/checkpoint_tensors.py: the EAGLE head's, and the output
-    # layer of engine=vllm's target without weights), which says in one line to install the [gguf] extra when it
+    # gguf: a GGUF target's tensors read by name (specheads/runtime/checkpoint_tensors.py: the EAGLE head's, and the
+    # output layer of engine=vllm's target without weights), which says in one line to install the [gguf] extra when it
     # is missing, as loading a GGUF model anywhere does
     "datagen": BASE | set(extras.EXTRAS["train"]) | {"gguf"},
     "train": BASE | set(extras.EXTRAS["train"]) | {"deepspeed", "gguf"},

@@ -19,8 +19,8 @@ from conftest import DATAGEN_PROMPTS, datagen_args, train_args
 from specheads import dataset
 from specheads.datagen import shards
 from specheads.datagen.cli import main
-from specheads.runtime.numerics import check_resume, differences, numerics_settings
 from specheads.outputs import file_sha256
+from specheads.runtime.numerics import check_resume, differences, numerics_settings
 
 TOTAL = 8
 

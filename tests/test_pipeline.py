@@ -260,7 +260,7 @@ def test_an_eagle_pipeline_labels_trains_exports_and_sweeps_on_the_head(tiny_pai
 
 
 def test_the_drafter_gain_counts_every_lossless_row_and_the_stop_gain_the_stop_rules():
-    from specheads.pipeline.gains import gains
+    from specheads.gains import gains
 
     table = [  # each row says whether its policy is lossless (heads-eval's table: Policy.lossless)
         {"config": "ar", "tokens_per_s": 20.0, "lossless": True},
@@ -276,7 +276,7 @@ def test_the_drafter_gain_counts_every_lossless_row_and_the_stop_gain_the_stop_r
 
 
 def test_the_main_job_shows_each_stop_rows_ceiling_and_says_when_none_can_pay():
-    from specheads.pipeline.gains import ceiling_lines
+    from specheads.gains import ceiling_lines
 
     table = [
         {"config": "k2", "tokens_per_s": 25.0},
@@ -342,7 +342,7 @@ def test_a_regime_that_is_not_one_or_is_listed_twice_stops_before_any_stage(tiny
 
 
 def test_where_a_head_can_pay_picks_the_largest_ceiling_and_names_the_fastest_rule_there():
-    from specheads.pipeline.gains import where_heads_pay, where_lines
+    from specheads.gains import where_heads_pay, where_lines
 
     def run(ceiling, rows):
         table = [{"config": c, "tokens_per_s": v} for c, v in rows.items()]

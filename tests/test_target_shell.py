@@ -7,13 +7,13 @@ import pytest
 import torch
 from conftest import pair_args
 
-from specheads.plan import memory as plan_memory
 from specheads.config import load_config
 from specheads.datagen.cli import _load
 from specheads.datagen.config import DatagenConfig
 from specheads.datagen.engines import runtime_of
 from specheads.datagen.registry import labeller
 from specheads.export.shim import ModelSpec, context_length, eos_ids, final_norm, load_model
+from specheads.plan import memory as plan_memory
 from specheads.runtime.target_shell import load_shell, load_target
 
 

@@ -29,9 +29,9 @@ from transformers.utils import logging as hf_logging
 
 from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError
-from specheads.runtime.numerics import use_threads
 from specheads.outputs import prepare_output_dir, write_manifest
 from specheads.plan import run_plan
+from specheads.runtime.numerics import use_threads
 from specheads.train.config import TrainConfig
 from specheads.train.fsd_data import parse_label
 from specheads.train.registry import canonical, task_type

@@ -35,8 +35,8 @@ from tqdm import tqdm
 from specheads.config import to_yaml
 from specheads.errors import UserError
 from specheads.export import save_head
-from specheads.runtime.numerics import check_resume, numerics_settings
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir
+from specheads.runtime.numerics import check_resume, numerics_settings
 from specheads.train import checkpoint, checkpoint_save, zero
 from specheads.train.config import TrainConfig
 from specheads.train.loss import weighted_soft_bce

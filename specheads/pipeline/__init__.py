@@ -32,12 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from specheads import extras
-
-from specheads.pipeline import parts as pipeline_parts
 from specheads.config import _setup_logging, help_text, load_config, schema_for
 from specheads.errors import UserError
+from specheads.gains import where_heads_pay
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, write_manifest
-from specheads.pipeline.gains import where_heads_pay
+from specheads.pipeline import parts as pipeline_parts
 from specheads.pipeline.report import print_summary, summarize
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from specheads.pipeline.gains import gains, where_lines
+from specheads.gains import gains, where_lines
 from specheads.pipeline.parts import cost_lines
 
 

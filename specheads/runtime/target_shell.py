@@ -20,9 +20,9 @@ import logging
 
 import torch
 
-from specheads.runtime.checkpoint_tensors import TargetCheckpoint
 from specheads.errors import UserError
 from specheads.export.shim import LoadedModel, ModelSpec, final_norm, load_model, resolve_device, resolve_dtype
+from specheads.runtime.checkpoint_tensors import TargetCheckpoint
 
 log = logging.getLogger(__name__)
 

@@ -68,8 +68,8 @@ def run_job(path: str) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from specheads.vllm.proposer import first_stats, speculative_config
     from specheads.vllm.options import llm_args
+    from specheads.vllm.proposer import first_stats, speculative_config
 
     job = json.loads(Path(path).read_text(encoding="utf-8"))
     spec = speculative_config(**job["settings"])

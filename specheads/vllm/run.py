@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 
-from specheads.vllm.proposer import _proposer_stats, first_stats, speculative_config
 from specheads.vllm.options import llm_args, whole_prefill_args
+from specheads.vllm.proposer import _proposer_stats, first_stats, speculative_config
 
 
 def run_job(path: str) -> int:

@@ -81,7 +81,8 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
-        """Where its inputs go; for a target loaded without its weights (``specheads.runtime.target_shell``), its spec's."""
+        """Where its inputs go; for a target loaded without its weights (``specheads.runtime.target_shell``): its
+        spec's."""
         weight = self.model.get_input_embeddings().weight
         return weight.device if weight.device.type != "meta" else torch.device(resolve_device(self.spec.device))
 
