@@ -12,6 +12,7 @@ from specheads.datagen import arith, mining, shards
 from specheads.datagen.labelling import Job
 from specheads.datagen.tuples import JudgeTuple, token_labels
 from specheads.dataset import JudgeChunkFiles, chunk_files
+from specheads.export.shim import SamplingConfig
 from specheads.grading import grade
 
 COUNTS = ("items", "answers", "correct", "wrong", "ungraded", "localised", "review", "tuples", "too_long")
@@ -103,21 +104,24 @@ def tuple_rows(tokenizer, tuples: list[JudgeTuple], format_question) -> list[dic
     return rows
 
 
+def answer_settings(cfg) -> list[tuple[int, str, SamplingConfig]]:
+    """Each answer a model gives a prompt: ``(index, name, sampling)``, the greedy one (``greedy``) and
+    ``judge.answer_samples`` sampled at ``judge.answer_temperature`` (``sample-1`` ...)."""
+    sampled = SamplingConfig(do_sample=True, temperature=cfg.judge.answer_temperature)
+    return [(0, "greedy", SamplingConfig())] + [
+        (si, f"sample-{si}", sampled) for si in range(1, 1 + cfg.judge.answer_samples)
+    ]
+
+
 def _answers(cfg, pair, batch, ids, seed: int, pad: int, eos: list[int], given=None) -> list[list[Answer]]:
     """Each model's greedy and ``answer_samples`` sampled answers per prompt (``given``: the target's, vLLM's)."""
-    from specheads.export.shim import SamplingConfig, batch_generate
+    from specheads.export.shim import batch_generate
 
     out = [[] for _ in batch]
     for mi, name in enumerate(cfg.judge.answer_models):
         loaded = pair.target if name == "target" else pair.draft
         model, device = loaded.model, loaded.device  # engine=vllm: a target without weights, its spec's device
-        for si in range(1 + cfg.judge.answer_samples):
-            setting = "greedy" if si == 0 else f"sample-{si}"
-            sampling = (
-                SamplingConfig()
-                if si == 0
-                else SamplingConfig(do_sample=True, temperature=cfg.judge.answer_temperature)
-            )
+        for si, setting, sampling in answer_settings(cfg):
             g = torch.Generator(device=device).manual_seed(seed * 64 + mi * 16 + si) if si else None
             for i, o in enumerate(
                 given(setting)

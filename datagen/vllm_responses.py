@@ -41,11 +41,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specheads.datagen import vllm_mining
+from specheads.datagen.judge_tuples import answer_settings
 from specheads.datagen.labelling import Job
 from specheads.datagen.vllm_job import child_environment, light_job, parallel_header, target_header
 from specheads.datagen.vllm_logprobs import max_logprobs, wanted
 from specheads.errors import UserError
-from specheads.export.shim import SamplingConfig
 
 SIDE = "vllm"
 TARGET_PASS = {
@@ -120,13 +120,7 @@ def requests_for(job: Job, items: list, chunk: int) -> list[Request]:
         index = first + i
         if cfg.labels == "judge":
             if "target" in cfg.judge.answer_models:
-                for si in range(1 + cfg.judge.answer_samples):
-                    setting = "greedy" if si == 0 else f"sample-{si}"
-                    sampling = (
-                        SamplingConfig()
-                        if si == 0
-                        else SamplingConfig(do_sample=True, temperature=cfg.judge.answer_temperature)
-                    )
+                for _, setting, sampling in answer_settings(cfg):
                     out.append(
                         Request(
                             f"{index}/{setting}",

@@ -74,7 +74,7 @@ from specheads.evaluate.sweep import build_decoders, decoder, run_sweep, same_vo
 from specheads.export.api import fit_context, format_prompt, load_eagle, pair_costs
 from specheads.export.package import read_metadata, set_default_threshold
 from specheads.export.shim import ConfidenceStop, GenerationStats, SpecDecPP, load_pair, same_vocabulary
-from specheads.outputs import holds_other_run, prepare_output_dir, write_manifest
+from specheads.outputs import holds_other_run, pair_record, prepare_output_dir, write_manifest
 from specheads.prompts import load_prompt_files
 
 log = logging.getLogger(__name__)
@@ -176,8 +176,7 @@ def run(cfg: EvalConfig) -> int:
         command=PROG,
         prompts_file=cfg.prompts,
         num_prompts=len(prompts),
-        target={"name": pair.target.name, "fingerprint": pair.target.fingerprint},
-        draft=({"name": pair.draft.name, "fingerprint": pair.draft.fingerprint} if pair.draft else None),
+        **pair_record(pair),
         eagle=eagle_info,
         head=cfg.head,
         sampling=cfg.sampling.to_dict(),

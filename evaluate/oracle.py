@@ -90,19 +90,7 @@ def rounds_oracle(rounds: list[tuple[int, int]], new_tokens: int) -> GenerationS
     exactly each round's accepted candidates; greedy, its rounds then start where SD's do, so it drafts what SD
     drafted up to there and emits the same tokens: per round ``accepted`` draft forwards, nothing discarded,
     and one target pass over ``accepted + 1`` (as :func:`oracle_schedule` counts)."""
-    sizes: dict[int, int] = {}
-    for _, accepted in rounds:
-        sizes[accepted + 1] = sizes.get(accepted + 1, 0) + 1
-    drafts = sum(a for _, a in rounds)
-    return GenerationStats(
-        new_tokens=new_tokens,
-        rounds=len(rounds),
-        target_calls=len(rounds),
-        draft_forwards=drafts,
-        drafted=drafts,
-        accepted=drafts,
-        target_pass_sizes=sizes,
-    )
+    return _round_stats(rounds, new_tokens, lambda drafted, accepted: accepted)
 
 
 def rounds_perfect_head(rounds: list[tuple[int, int]], new_tokens: int, k_min: int, lag: int) -> GenerationStats:
@@ -112,13 +100,23 @@ def rounds_perfect_head(rounds: list[tuple[int, int]], new_tokens: int, k_min: i
     (``k_max``, or the engine's room at the end of the budget), as SD's did. Greedy, the rounds keep SD's
     boundaries (each still emits its accepted candidates + the target's token), so the perfect head's round
     drafts ``min(drafted, max(k_min, accepted + 1 + lag))`` candidates, the first ``accepted`` kept."""
+
+    def drawn(drafted: int, accepted: int) -> int:
+        return min(drafted, max(k_min, accepted + 1 + lag)) if accepted < drafted else drafted
+
+    return _round_stats(rounds, new_tokens, drawn)
+
+
+def _round_stats(rounds: list[tuple[int, int]], new_tokens: int, drawn) -> GenerationStats:
+    """The counts of decoding that keeps SD's rounds but drafts ``drawn(drafted, accepted)`` candidates in each
+    (the first ``accepted`` kept) and verifies them in one target pass."""
     sizes: dict[int, int] = {}
     drafts = accepted_total = 0
     for drafted, accepted in rounds:
-        drawn = min(drafted, max(k_min, accepted + 1 + lag)) if accepted < drafted else drafted
-        drafts += drawn
+        n = drawn(drafted, accepted)
+        drafts += n
         accepted_total += accepted
-        sizes[drawn + 1] = sizes.get(drawn + 1, 0) + 1
+        sizes[n + 1] = sizes.get(n + 1, 0) + 1
     return GenerationStats(
         new_tokens=new_tokens,
         rounds=len(rounds),

@@ -29,7 +29,14 @@ from specheads.export.api import Decoder, load_eagle, make_policy, pair_costs, p
 from specheads.export.decode_config import DecodeConfig, decode_schema, policy_settings
 from specheads.export.package import outside_gate, read_metadata
 from specheads.export.shim import COUNTS, POLICIES, PROFILES, GenerationStats, load_pair, predict_ms_per_token
-from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, read_finished_rows, write_manifest
+from specheads.outputs import (
+    MetricsWriter,
+    atomic_write_json,
+    pair_record,
+    prepare_output_dir,
+    read_finished_rows,
+    write_manifest,
+)
 from specheads.prompts import load_prompt_files
 
 log = logging.getLogger(__name__)
@@ -229,8 +236,7 @@ def run(cfg: DecodeConfig) -> int:
         command=PROG,
         prompts_file=cfg.prompts,
         num_prompts=len(prompts),
-        target={"name": pair.target.name, "fingerprint": pair.target.fingerprint},
-        draft=({"name": pair.draft.name, "fingerprint": pair.draft.fingerprint} if pair.draft else None),
+        **pair_record(pair),
         sampling=cfg.sampling.to_dict(),
         seed=cfg.seed,
         wall_time_s=round(time.time() - started, 3),

@@ -264,17 +264,22 @@ def cli_main(prog: str, schema: type[T], section: str, argv: list[str] | None, r
         The exit code: ``run``'s, 0 after ``--help``, 2 on a :class:`UserError`, 130 on Ctrl-C.
     """
     args = sys.argv[1:] if argv is None else list(argv)
+    if _wants_help(args):
+        print(help_text(schema, section, prog))
+        return 0
+    return guarded(prog, lambda: run(load_config(schema, section, args)))
+
+
+def guarded(prog: str, work: Callable[[], int | None], interrupted: str = "interrupted") -> int:
+    """Runs ``work()`` as a command does: logging set up, its exit code (None: 0), 2 with one line for a
+    :class:`UserError`, 130 with ``interrupted`` on Ctrl-C."""
     try:
-        if _wants_help(args):
-            print(help_text(schema, section, prog))
-            return 0
         _setup_logging()
-        cfg = load_config(schema, section, args)
-        code = run(cfg)
+        code = work()
         return 0 if code is None else int(code)
     except UserError as exc:
         print(f"{prog}: error: {_one_line(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
+        print(f"{prog}: {interrupted}", file=sys.stderr)
         return 130

@@ -39,9 +39,9 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
-def fsync_dir(path: str | Path) -> None:
-    """Makes the renames and creations inside directory ``path`` durable (where the platform can open a
-    directory; elsewhere a no-op)."""
+def fsync(path: str | Path) -> None:
+    """Flushes a file, or the renames and creations inside a directory, to disk so that a crash of the machine
+    keeps them (where the platform can open the path; elsewhere a no-op)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -64,7 +64,7 @@ def durable_replace(tmp: str | Path, path: str | Path) -> Path:
     with open(tmp, "rb") as handle:
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-    fsync_dir(Path(path).parent)
+    fsync(Path(path).parent)
     return Path(path)
 
 
@@ -86,7 +86,7 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    fsync(path.parent)
     return path
 
 
@@ -150,6 +150,16 @@ def _version(package: str) -> str | None:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
+
+
+def pair_record(pair) -> dict:
+    """A loaded pair's models as a manifest names them: ``target`` and ``draft`` (None without a draft), each
+    its name and fingerprint."""
+
+    def one(model) -> dict | None:
+        return {"name": model.name, "fingerprint": model.fingerprint} if model else None
+
+    return {"target": one(pair.target), "draft": one(pair.draft)}
 
 
 def write_manifest(directory: str | Path, **fields: Any) -> Path:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specheads.outputs import atomic_write_text, file_sha256
+from specheads.outputs import atomic_write_text, file_sha256, fsync
 from specheads.train.optim_state import jsonable, split_state
 
 FORMAT = 2
@@ -22,20 +22,6 @@ _NAME = re.compile(r"checkpoint-(\d+)")
 
 def _digest(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
-
-
-def fsync(path: Path) -> None:
-    """Flushes a file (or a folder's entries) to disk, so a crash of the machine keeps it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on folders
-        pass
-    finally:
-        os.close(fd)
 
 
 def _step(path: Path) -> int:

@@ -19,8 +19,8 @@ from accelerate.utils import DistributedType
 from safetensors.torch import save_file
 
 from specheads.errors import UserError
+from specheads.outputs import fsync
 from specheads.train.checkpoint import Checkpoint, zero_partition_path
-from specheads.train.checkpoint_save import fsync
 from specheads.train.optim_state import jsonable, optimizer_state, param_groups, split_state
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from specheads import extras
-from specheads.config import _setup_logging, help_text, load_config, schema_for
+from specheads.config import guarded, help_text, load_config, schema_for
 from specheads.errors import UserError
 from specheads.gains import where_heads_pay
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir, write_manifest
@@ -275,15 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         print(help_text(PipelineConfig, "pipeline", PROG))
         print("\nEach stage's keys: see heads-vocab / heads-datagen / heads-train / heads-export / heads-eval --help.")
         return 0
-    try:
-        _setup_logging()
-        return run(args)
-    except UserError as exc:
-        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
+    return guarded(PROG, lambda: run(args), "interrupted; run the same command again to resume")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,52 @@ from pathlib import Path
 from specheads.gains import gains, where_lines
 from specheads.pipeline.parts import cost_lines
 
+# What the summary keeps of each stage's output: the datagen manifest, the best checkpoint's metrics, the sweep.
+DATAGEN_KEYS = (
+    "labels",
+    "prompts",
+    "labelled_tokens",
+    "label_mean",
+    "expected_label_mean",
+    "category_shares",
+    "label_mean_by_lambda",
+)
+TRAIN_KEYS = (
+    "eval_binary_kl",
+    "eval_auroc",
+    "eval_auroc_confidence",
+    "eval_weighted_loss",
+    "epoch",
+    "eval_tpr_at_eta",
+    "eval_fpr_at_eta",
+    "eval_wrong_accepted_share",
+)
+EVAL_KEYS = (
+    "table",
+    "oracle",
+    "perfect_head",
+    "ceilings",
+    "ratios",
+    "best_fixed_k",
+    "best_threshold",
+    "best_stop_rule",
+    "best_lossless",
+    "pareto_dominates",
+    "pareto_png",
+    "t_target_ms",
+    "t_draft_ms",
+    "cost_table",
+    "sprinter",
+    "judge",
+    "accuracy",
+    "eagle",
+)
+
+
+def _pick(d: dict, keys: tuple[str, ...]) -> dict:
+    """``d``'s values at ``keys`` (None where absent)."""
+    return {k: d.get(k) for k in keys}
+
 
 def summarize(cfgs: dict, times: dict) -> dict:
     """Facts from the stages' outputs: labels, head quality, the sweep's headline rows."""
@@ -27,60 +73,15 @@ def summarize(cfgs: dict, times: dict) -> dict:
         }
     elif found:
         m = found[0]
-        out["datagen"] = {
-            k: m.get(k)
-            for k in (
-                "labels",
-                "prompts",
-                "labelled_tokens",
-                "label_mean",
-                "expected_label_mean",
-                "category_shares",
-                "label_mean_by_lambda",
-            )
-        }
+        out["datagen"] = _pick(m, DATAGEN_KEYS)
     best = Path(cfgs["train"].output_dir) / "best_metrics.json" if "train" in cfgs else None
     if best and best.is_file():
         b = json.loads(best.read_text())
-        out["train"] = {
-            k: b.get(k)
-            for k in (
-                "eval_binary_kl",
-                "eval_auroc",
-                "eval_auroc_confidence",
-                "eval_weighted_loss",
-                "epoch",
-                "eval_tpr_at_eta",
-                "eval_fpr_at_eta",
-                "eval_wrong_accepted_share",
-            )
-        }
+        out["train"] = _pick(b, TRAIN_KEYS)
     sweep = Path(cfgs["eval"].output_dir) / "sweep.json" if "eval" in cfgs else None
     if sweep and sweep.is_file():
         s = json.loads(sweep.read_text())
-        out["eval"] = {
-            k: s.get(k)
-            for k in (
-                "table",
-                "oracle",
-                "perfect_head",
-                "ceilings",
-                "ratios",
-                "best_fixed_k",
-                "best_threshold",
-                "best_stop_rule",
-                "best_lossless",
-                "pareto_dominates",
-                "pareto_png",
-                "t_target_ms",
-                "t_draft_ms",
-                "cost_table",
-                "sprinter",
-                "judge",
-                "accuracy",
-                "eagle",
-            )
-        }
+        out["eval"] = _pick(s, EVAL_KEYS)
         ev = cfgs["eval"]
         out["eval"]["drafter"] = (
             f"EAGLE head {ev.eagle}"
