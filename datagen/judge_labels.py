@@ -92,7 +92,7 @@ class JudgeLabeller(Labeller):
         return cfg.judge.mining == "swap" or not (cfg.judge.tuples or "draft" not in cfg.judge.answer_models)
 
     def target_under_vllm(self, cfg) -> str:
-        return "config"  # answers, swap regenerations and states from vLLM
+        return "output_layer"  # answers, swaps and states from vLLM; its verdict: the final norm and output layer
 
     def items(self, cfg):
         if not cfg.judge.tuples:

@@ -62,7 +62,7 @@ def test_load_target_loads_the_whole_model_when_a_pass_is_needed(tiny_pair_dirs)
         ("acceptance", ["sampling.do_sample=true", "vllm.logprobs=false"], "model"),  # a Transformers pass
         ("fsd", [], "model"),
         ("drafter", [], "config"),
-        ("judge", [], "config"),
+        ("judge", [], "output_layer"),  # its verdict on each token: the final norm and output layer
         ("sprinter", [], "output_layer"),
         ("eagle_rounds", [], "model"),
     ],
@@ -74,13 +74,14 @@ def test_each_family_asks_for_what_it_uses_of_the_target(labels, extra, use):
 
 
 def test_the_plan_counts_no_target_weights_beside_vllm_for_a_family_that_needs_none():
-    """judge_405b's datagen under engine=vllm: vLLM holds the target; the labelling process holds no copy of it,
-    SPRINTER's process only its output layer."""
+    """judge_405b's datagen under engine=vllm: vLLM holds the target; the labelling process holds only its final
+    norm and output layer (the target's verdict on each token), as SPRINTER's does."""
     argv = ["recipe=judge_405b", "engine=vllm", "gpus=8", "gpu_memory_gb=141", "vllm.tensor_parallel=8"]
     judge = plan_memory.datagen_memory(load_config(DatagenConfig, "datagen", argv), 1)
     specheads = plan_memory.datagen_memory(load_config(DatagenConfig, "datagen", [*argv, "engine=specheads"]), 1)
     sprinter = plan_memory.datagen_memory(load_config(DatagenConfig, "datagen", [*argv, "labels=sprinter"]), 1)
-    assert judge.weights["target"] == 0 and judge.kv_cache < specheads.kv_cache / 4  # the draft's alone
+    assert judge.kv_cache < specheads.kv_cache / 4  # the draft's alone
+    assert 3e9 < judge.weights["target"] < 5e9  # the output layer: 128k x 16k in bf16
     assert specheads.weights["target"] > 700e9  # 405B in bf16
     assert 3e9 < sprinter.weights["target"] < 5e9  # 128k x 16k in bf16
 

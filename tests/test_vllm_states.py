@@ -74,7 +74,8 @@ def test_vllms_states_top_k_and_judge_features_are_the_transformers_targets(vllm
         assert torch.equal(ids, best.indices.to(torch.int32))
         torch.testing.assert_close(logp, best.values, atol=1e-4, rtol=0)
     want = target_features(model, rows, pad=2, batch_size=2)
-    assert feats[2:] == want[2:] and torch.equal(feats[1], want[1])
+    assert feats[2:4] == want[2:4] and torch.equal(feats[1], want[1])
+    torch.testing.assert_close(feats[4], want[4], atol=1e-3, rtol=1e-3)  # the target's verdict on each token
     assert relative(feats[0], want[0]) < 1e-3
 
 

@@ -80,9 +80,9 @@ def needs_draft(cfg) -> bool:
 def target_under_vllm(cfg) -> str:
     """What ``heads-datagen engine=vllm`` loads of the Transformers target beside vLLM (the labellers'
     ``target_under_vllm``): ``model``, ``output_layer`` or ``config`` (no weight)."""
-    if cfg.labels in ("drafter", "judge"):
+    if cfg.labels == "drafter":
         return "config"
-    if cfg.labels == "sprinter":
+    if cfg.labels in ("sprinter", "judge"):
         return "output_layer"
     if cfg.labels == "acceptance" and (not cfg.sampling.do_sample or cfg.vllm.logprobs):
         return "config"
