@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from specheads import states as states_mod
+from specheads.runtime import states as states_mod
 from specheads.runtime.states import states_after_tokens
 
 SEQS = [[1, 5, 9, 12, 7, 3, 20, 4], [1, 8, 8, 30], [1, 14, 2, 6, 6, 11]]
