@@ -152,7 +152,7 @@ class SelfPromptOptions:
         default_factory=lambda: ["writing", "reasoning", "code", "extraction", "facts", "chat"],
         metadata={
             "help": "the kinds of request the target writes, in turn (writing, reasoning, code, extraction, "
-            "facts, chat; or name:<system message>)"
+            "facts, chat; also roleplay, math, stem, humanities; or name:<system message>)"
         },
     )
     min_tokens: int = field(default=8, metadata={"help": "shortest user turn kept, in tokens"})

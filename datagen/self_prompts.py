@@ -39,6 +39,13 @@ KINDS = {
     "information from it.",
     "facts": "The user asks a factual question about science, history, geography, health or how something works.",
     "chat": "The user asks for advice, an opinion or ideas about everyday life, work or study.",
+    # further kinds a recipe may ask for (self_prompts.kinds): the rest of the requests chat benchmarks ask
+    "roleplay": "The user asks you to play a character or a role and answer in that role: a historical figure, "
+    "a job interviewer, a fictional character, a travel guide.",
+    "math": "The user asks a math question: to solve an equation, compute a probability, or prove or explain a result.",
+    "stem": "The user asks you to explain a concept of science, engineering or medicine to a student.",
+    "humanities": "The user asks you to discuss or explain a question of history, philosophy, economics, law or "
+    "the arts.",
 }
 SYSTEM = "You are a helpful AI assistant. {}"
 FILE = "prompts.jsonl"
@@ -56,7 +63,8 @@ def kinds(cfg) -> list[tuple[str, str]]:
             out.append((name, SYSTEM.format(KINDS[name])))
         else:
             raise UserError(
-                f"prompt_kinds: {name!r} is not one of {list(KINDS)}; or write name:<system message> for your own kind"
+                f"self_prompts.kinds: {name!r} is not one of {list(KINDS)}; or write name:<system message> for "
+                "your own kind"
             )
     return out
 
