@@ -27,7 +27,7 @@ def _recipe(tmp_path, pair_dirs, **pipeline):
             "labels": "drafter",
             "prompts": str(prompts),
             "max_new_tokens": 8,
-            "drafter_top_k": 5,
+            "drafter": {"top_k": 5},
             "batch_size": 2,
             "chunk_size": 2,
             "output_dir": str(runs / "dg"),
