@@ -60,12 +60,12 @@ M="$M target.dtype=auto draft.dtype=auto" # auto: bf16 on a GPU
 G="$M prompts=$P offset=0 num_prompts=null max_new_tokens=16 batch_size=4 chunk_size=4 chat_template=false"
 step dg_acceptance 180 heads-datagen $G labels=acceptance output_dir=$W/dg_acc
 step dg_acc_sampled 180 heads-datagen $G labels=acceptance sampling.do_sample=true output_dir=$W/dg_acc_s
-step dg_drafter 180 heads-datagen $G labels=drafter drafter_top_k=8 output_dir=$W/dg_drafter
+step dg_drafter 180 heads-datagen $G labels=drafter drafter.top_k=8 output_dir=$W/dg_drafter
 step dg_fsd 180 heads-datagen $G labels=fsd sampling.do_sample=true output_dir=$W/dg_fsd
 step dg_sprinter 180 heads-datagen $G labels=sprinter sampling.do_sample=true output_dir=$W/dg_spr
-step dg_judge 180 heads-datagen $M prompts="''" offset=0 tuples=$W/tuples.jsonl num_prompts=null labels=judge \
+step dg_judge 180 heads-datagen $M prompts="''" offset=0 judge.tuples=$W/tuples.jsonl num_prompts=null labels=judge \
     chat_template=false max_new_tokens=8 batch_size=2 chunk_size=4 output_dir=$W/dg_judge
-step dg_judge_sampled 180 heads-datagen $M prompts=$W/gsm.jsonl offset=0 num_prompts=8 labels=judge answer_samples=1 \
+step dg_judge_sampled 180 heads-datagen $M prompts=$W/gsm.jsonl offset=0 num_prompts=8 labels=judge judge.answer_samples=1 \
     chat_template=false max_new_tokens=8 batch_size=4 chunk_size=4 output_dir=$W/dg_judge_s
 A="data_dir=$W/dg_acc head=acceptance draft.path=$D draft.gguf_file=null draft.device=$DEV draft.dtype=auto depth=1 batch_size=2"
 A="$A epochs=2 eval_fraction=0.25"

@@ -1,5 +1,5 @@
 """Swap mining (datagen/mining.py, checkers.py, mined_view.py) on stub models whose important mismatch is
-known by construction, and ``heads-datagen labels=judge mining=swap`` end to end on the tiny pair."""
+known by construction, and ``heads-datagen labels=judge judge.mining=swap`` end to end on the tiny pair."""
 
 from __future__ import annotations
 
