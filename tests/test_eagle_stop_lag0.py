@@ -1,6 +1,7 @@
-"""The lag-0 stop head on the EAGLE drafter: labels=eagle_rounds eagle_rounds.position=previous stores every candidate with
-the state that drew it and the signals of its distribution; heads-train head=eagle_stop stop_signals=[...] fits a
-head on them; policy=specdecpp scores each candidate as it is drawn, from exactly the stored features."""
+"""The lag-0 stop head on the EAGLE drafter: labels=eagle_rounds eagle_rounds.position=previous stores every
+candidate with the state that drew it and the signals of its distribution; heads-train head=eagle_stop
+stop_signals=[...] fits a head on them; policy=specdecpp scores each candidate as it is drawn, from exactly the
+stored features."""
 
 from __future__ import annotations
 

@@ -276,7 +276,3 @@ def main(argv: list[str] | None = None) -> int:
         print("\nEach stage's keys: see heads-vocab / heads-datagen / heads-train / heads-export / heads-eval --help.")
         return 0
     return guarded(PROG, lambda: run(args), "interrupted; run the same command again to resume")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
