@@ -23,6 +23,7 @@ prompts), ``vllm_best_batch`` and its ratio to the Transformers engine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -119,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from specheads.datagen.cli import _load
     from specheads.datagen.config import DatagenConfig
+    from specheads.datagen.engines import runtime_of
+    from specheads.datagen.registry import labeller
     from specheads.export.shim.runners.models import ModelSpec
     from specheads.vllm.options import DatagenVllm
 
@@ -131,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         engine="vllm",
         vllm=DatagenVllm(python=args.vllm_python, threads=args.threads),
     )
-    job = _load(cfg, needs_draft=False)
+    # the Transformers engine's stage needs the whole target: load it as engine=specheads would
+    hf_cfg = dataclasses.replace(cfg, engine="specheads")
+    job = _load(hf_cfg, labeller(hf_cfg.labels), runtime_of(hf_cfg))
     ids = job.prompt_ids(prompts(args))
     n_hf = args.hf_prompts or len(ids)
     hf = transformers_stage(job, ids[:n_hf], args)
