@@ -12,7 +12,6 @@ from specheads.evaluate.rows import expand, parse_tree
 from specheads.evaluate.rows import problems as rows_problems
 from specheads.evaluate.select import parse as parse_select
 from specheads.export.shim import (
-    DIVERGENCES,
     FSD,
     POLICIES,
     PROFILES,
@@ -31,7 +30,7 @@ def _check(cfg: EvalConfig) -> None:
     problems = []
     if not cfg.prompts:
         problems.append("prompts is not set; pass prompts=<held-out prompt file>")
-    fsd = {d: list(getattr(cfg.fsd, d)) for d in DIVERGENCES if getattr(cfg.fsd, d)}
+    fsd = cfg.fsd.swept()
     if not (
         cfg.ks
         or cfg.head
@@ -151,7 +150,7 @@ def _most(settings: dict) -> int:
 def _max_pass(cfg: EvalConfig) -> int:
     """The largest target pass the sweep's rows and the oracle use: most candidates per round + 1
     (SPRINTER's catch-up passes can be longer; the table extrapolates those)."""
-    fsd = any(getattr(cfg.fsd, d) for d in DIVERGENCES)
+    fsd = bool(cfg.fsd.swept())
     most = [
         1,
         *cfg.ks,

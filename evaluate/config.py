@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from specheads.export.shim import ModelSpec, SamplingConfig
+from specheads.export.shim import DIVERGENCES, ModelSpec, SamplingConfig
 from specheads.vllm.options import ServeVllm
 
 
@@ -102,6 +102,10 @@ class FsdRows:
             )
         },
     )
+
+    def swept(self) -> dict[str, list[float]]:
+        """The thresholds to sweep by divergence (``{"js": [0.1, 0.3]}``), in DIVERGENCES' order; empty: no row."""
+        return {d: list(getattr(self, d)) for d in DIVERGENCES if getattr(self, d)}
 
 
 @dataclass

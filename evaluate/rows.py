@@ -19,7 +19,7 @@ import re
 
 from specheads.errors import UserError
 from specheads.export.policy_factory import settings_for
-from specheads.export.shim import DIVERGENCES, POLICIES
+from specheads.export.shim import POLICIES
 
 
 def num(x: float) -> str:
@@ -110,16 +110,10 @@ def shorthand_rows(cfg, cost_rows: bool) -> list[dict]:
             }
         )
     fsd = {"k": cfg.fsd.k, "fsd_top_k": cfg.fsd.top_k, "fsd_rule": cfg.fsd.rule, "fsd_dist": cfg.fsd.dist}
-    for div in DIVERGENCES:
-        if getattr(cfg.fsd, div):
-            out.append(
-                {
-                    "policy": "fsd",
-                    "settings": {**fsd, "divergence": div},
-                    "sweep": {"T": list(getattr(cfg.fsd, div))},
-                    "name": f"fsd-{div}-",
-                }
-            )
+    for div, thresholds in cfg.fsd.swept().items():
+        out.append(
+            {"policy": "fsd", "settings": {**fsd, "divergence": div}, "sweep": {"T": thresholds}, "name": f"fsd-{div}-"}
+        )
     if cfg.confidence.taus:
         out.append(
             {

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from specheads.errors import UserError
 from specheads.evaluate.rows import expand, shorthand_rows
 from specheads.export.api import Decoder, make_policy
-from specheads.export.shim import COUNTS, DIVERGENCES, GenerationStats
+from specheads.export.shim import COUNTS, GenerationStats
 from specheads.outputs import read_finished_rows
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ def same_vocab_rows(cfg) -> list[str]:
         if value:
             rows.append(f"{key}=")
     lists = {"topk.ks": cfg.topk.ks, "trees": cfg.trees, "confidence.taus": cfg.confidence.taus}
-    for key, value in {**lists, **{f"fsd.{d}": getattr(cfg.fsd, d) for d in DIVERGENCES}}.items():
+    for key, value in {**lists, **{f"fsd.{d}": ts for d, ts in cfg.fsd.swept().items()}}.items():
         if value:
             rows.append(f"{key}={list(value)}")
     return rows

@@ -8,7 +8,6 @@ when the prompt set has any, else ROUGE-L against the target-only outputs (1 for
 from __future__ import annotations
 
 from specheads.evaluate.sweep import total
-from specheads.export.shim import DIVERGENCES
 
 FAMILIES = {
     "ar": "target alone",
@@ -67,7 +66,7 @@ def settings(cfg) -> dict:
     """
     return {
         "fsd": {
-            "thresholds": {d: list(getattr(cfg.fsd, d)) for d in DIVERGENCES if getattr(cfg.fsd, d)},
+            "thresholds": cfg.fsd.swept(),
             "k": cfg.fsd.k,
             "rule": cfg.fsd.rule,
             "fsd_top_k": cfg.fsd.top_k,

@@ -35,7 +35,7 @@ UNSUPPORTED = {  # what engine=vllm does not sweep, by the name a user writes
     "eagle": lambda c: c.eagle,
     "trees": lambda c: c.trees,
     "topk.ks": lambda c: c.topk.ks,
-    "fsd": lambda c: c.fsd.js or c.fsd.tv or c.fsd.kl or c.fsd.kl_rev,
+    "fsd": lambda c: c.fsd.swept(),
     "hetero.methods": lambda c: c.hetero.methods,
 }
 

@@ -135,7 +135,7 @@ def job_args(cfg) -> dict:
         "tensor_parallel_size": cfg.vllm.tensor_parallel,
         "pipeline_parallel_size": cfg.vllm.pipeline_parallel,
         "distributed_executor_backend": cfg.vllm.executor_backend,
-        "enforce_eager": getattr(cfg.vllm, "enforce_eager", None),
+        "enforce_eager": cfg.vllm.enforce_eager,
     }
 
 
