@@ -25,10 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _common import run_info
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = os.environ.get("SPECHEADS_SHARED", str(ROOT.parent / "shared"))
@@ -100,6 +103,16 @@ def run(head: str | None, max_new: int, old: bool = False) -> dict[str, list[lis
     return results
 
 
+def commit() -> str | None:
+    """The checkout's commit (what a later run compares against), None outside a git checkout."""
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head", default=str(ROOT / "runs/specdecpp_draft_quickstart-export/head.safetensors"))
@@ -113,7 +126,8 @@ def main(argv=None) -> int:
         print(f"no head at {args.head}: SpecDec++ rows skipped", file=sys.stderr)
     outputs = run(head, args.max_new_tokens, args.old_spelling)
     report = {
-        "command": "python bench/greedy_identity.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        **run_info(__file__, argv, "fp32, greedy, batch 1"),
+        "commit": commit(),
         "prompts": [f"{p} [{o}:{o + n}]" for p, o, n in PROMPTS],
         "max_new_tokens": args.max_new_tokens,
         "outputs": outputs,
