@@ -129,17 +129,32 @@ def _check(cfg: EvalConfig) -> None:
 
 def eagle_conflicts(cfg: EvalConfig) -> list[str]:
     """The configured settings whose rows need a draft model's states or vocabulary, which an EAGLE head lacks:
-    SPRINTER's verifier (trained on the draft's states), an FSD row with a head, and the
-    heterogeneous-vocabulary methods. The judges read the target's states and FSD without a head compares the
+    SPRINTER's verifier trained on the draft's states (one on an EAGLE head's runs), an FSD row with a head, and
+    the heterogeneous-vocabulary methods. The judges read the target's states and FSD without a head compares the
     two distributions: both run on an EAGLE head."""
-    reads = ("sprinter", *(n for n, p in POLICIES.items() if p.bridge))
+    reads = tuple(n for n, p in POLICIES.items() if p.bridge)
     given = [
         f"rows (policy={r.get('policy')})"
         for r in cfg.rows
         if isinstance(r, dict)
-        and (r.get("policy") in reads or (r.get("policy") == "fsd" and (r.get("settings") or {}).get("head")))
+        and (
+            r.get("policy") in reads
+            or (r.get("policy") == "fsd" and (r.get("settings") or {}).get("head"))
+            or (r.get("policy") == "sprinter" and not _on_eagle((r.get("settings") or {}).get("head")))
+        )
     ]
-    return ["sprinter.head="] * bool(cfg.sprinter.head) + ["hetero.methods="] * bool(cfg.hetero.methods) + given
+    sprinter = bool(cfg.sprinter.head) and not _on_eagle(cfg.sprinter.head)
+    return ["sprinter.head="] * sprinter + ["hetero.methods="] * bool(cfg.hetero.methods) + given
+
+
+def _on_eagle(head: str | None) -> bool:
+    """Whether an exported SPRINTER verifier reads an EAGLE head's states (``heads-train head=eagle_verifier``);
+    a file not written yet counts as such (loading it checks its drafter)."""
+    if not head or not Path(head).is_file():
+        return bool(head)
+    from specheads.export import read_metadata
+
+    return read_metadata(head).get("feature", {}).get("model") == "eagle"
 
 
 def _most(settings: dict) -> int:

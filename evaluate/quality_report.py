@@ -37,15 +37,15 @@ def add_quality(cfg, pair, prompts, grouped: dict[str, list[dict]], decoders, su
     section: dict = {"verifier": cfg.sprinter.head, "max_run": cfg.sprinter.max_run, "by_eta": {}}
     for row in sprinter:
         rows = grouped[row["config"]]
-        errs = quality.verifier_errors(
-            pair.target.model,
-            pair.draft.model,
-            ids,
-            [r["tokens"] for r in rows],
-            [[tuple(d) for d in r.get("decisions", [])] for r in rows],
-            cfg.sampling,
-            pad,
-        )
+        decisions = [[tuple(d) for d in r.get("decisions", [])] for r in rows]
+        if getattr(decoders[row["config"]], "eagle", None) is not None:
+            # an EAGLE head drafts a round's later candidates from its own states: no teacher-forced pass gives
+            # the q they were drawn from, so alpha is not measured (heads-train's held-out eval_alpha is)
+            errs = {"decisions": sum(map(len, decisions)), "alpha": None, "drafter": "eagle"}
+        else:
+            errs = quality.verifier_errors(
+                pair.target.model, pair.draft.model, ids, [r["tokens"] for r in rows], decisions, cfg.sampling, pad
+            )
         section["by_eta"][row["config"]] = {
             **errs,
             "tokens_per_s": row["tokens_per_s"],

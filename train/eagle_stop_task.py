@@ -53,14 +53,14 @@ class StopStore:
         import pyarrow.parquet as pq
 
         root = Path(data_dir)
-        labels, conf, self.examples = [], [], []
+        labels, conf, target_p, self.examples = [], [], [], []
         extra: dict[str, list] = {"step": [], "outcome": [], "q_entropy": [], "q_margin": []}
         self.states = SideRows("states")
         base = 0
         for path in shard_paths(root):
             require_columns(path, (*EAGLE_ROUNDS_COLUMNS, *(EAGLE_ROUNDS_SIGNALS if signals else ())))
             names = [c for c in extra if signals or c in ("step", "outcome")]
-            table = pq.read_table(str(path), columns=["label", "q_token", *names])
+            table = pq.read_table(str(path), columns=["label", "q_token", "p_token", *names])
             side = DrafterChunkFiles(root, int(path.stem.split("-")[1]))
             t, _ = read_small(side.path, ("offsets",))
             off = t["offsets"].tolist()
@@ -74,6 +74,7 @@ class StopStore:
                     self.examples.append(StopExample(len(self.examples), base + off[i], base + off[i + 1]))
                 labels += y
             conf += [q for qs in table.column("q_token").to_pylist() for q in qs]
+            target_p += [p for ps in table.column("p_token").to_pylist() for p in ps]
             for name in names:
                 extra[name] += [v for vs in table.column(name).to_pylist() for v in vs]
             self.states.add(side.path, int(off[-1]))
@@ -84,6 +85,8 @@ class StopStore:
             )
         self.labels = torch.tensor(labels, dtype=torch.float32)
         self.confidence = torch.tensor(conf, dtype=torch.float32)
+        # SPRINTER's ratio q(y)/p(y) (inf where p(y) = 0), head=eagle_verifier's labels at any lambda
+        self.ratio = self.confidence / torch.tensor(target_p, dtype=torch.float32)
         self.extra = {k: torch.tensor(v, dtype=torch.float32) for k, v in extra.items() if v}
 
     def rows(self, examples: list[StopExample]) -> torch.Tensor:

@@ -7,6 +7,7 @@ from specheads.train.acceptance_task import AcceptanceTask
 from specheads.train.distill_task import DraftTask
 from specheads.train.eagle_stop_task import EagleStopTask
 from specheads.train.eagle_task import EagleTask
+from specheads.train.eagle_verifier_task import EagleVerifierTask
 from specheads.train.judge_task import JudgeTask
 from specheads.train.task import Task
 from specheads.train.verifier_task import VerifierTask
@@ -18,6 +19,7 @@ TASKS: dict[str, type[Task]] = {
     "eagle": EagleTask,
     "draft": DraftTask,
     "eagle_stop": EagleStopTask,
+    "eagle_verifier": EagleVerifierTask,
 }
 # the algorithms' names, as heads-datagen labels= and heads-decode policy= spell them
 ALIASES = {"specdecpp": "acceptance", "sprinter": "verifier"}
@@ -33,6 +35,6 @@ def task_type(head: str) -> type[Task]:
     if canonical(head) not in TASKS:
         raise UserError(
             f"head={head!r}: choose acceptance (SpecDec++; alias specdecpp), verifier (SPRINTER; "
-            "alias sprinter), judge, eagle, draft or eagle_stop"
+            "alias sprinter), judge, eagle, draft, eagle_stop or eagle_verifier"
         )
     return TASKS[canonical(head)]

@@ -135,6 +135,12 @@ class VerifierTask:
     def models(self) -> dict[str, tuple]:
         return {"draft": (self.draft.model.dtype, self.draft.device)}
 
+    def head_device(self):
+        return self.draft.device
+
+    def drafter_name(self) -> str:
+        return Path(self.draft.name).name
+
     def _lambdas(self) -> list[float]:
         return [lam for lam in self.cfg.roc_lambdas if lam != self.cfg.lam]
 
@@ -156,14 +162,14 @@ class VerifierTask:
             return {}
         cfg, curves = self.cfg, []
         for lam, folder in [(cfg.lam, out)] + [(lam, out / f"lambda-{lam:g}") for lam in self._lambdas()]:
-            head = load_head(folder / "head.safetensors").module.to(self.draft.device).float()
+            head = load_head(folder / "head.safetensors").module.to(self.head_device()).float()
             logits, ratio = self._predict(head, self.eval_examples)
             curves.append(V.roc_metrics(torch.sigmoid(logits), ratio, lam, cfg.threshold))
         curves.sort(key=lambda c: c["lam"])
         png = V.roc_plot(
             out / "roc.png",
             curves,
-            f"SPRINTER verifier ({cfg.feature}) on {Path(self.draft.name).name}\n"
+            f"SPRINTER verifier ({cfg.feature}) on {self.drafter_name()}\n"
             f"{curves[0]['tokens']} held-out tokens, eta={cfg.threshold:g}",
         )
         main = next(c for c in curves if c["lam"] == cfg.lam)
