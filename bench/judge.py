@@ -6,6 +6,8 @@
     python bench/judge.py eval.num_prompts=8      # a quicker look (any pipeline override)
     python bench/judge.py --sweep runs/eval_at_scale   # report a heads-eval run that used this recipe's head
     python bench/judge.py --recipe judge_margin --eagle recipes/heads/eagle_smollm2.safetensors   # issue 42's run
+    python bench/judge.py --recipe judge_margin --sweep runs/judge_margin-eval \
+        --eagle-sweep runs/judge_margin-eval-eagle   # report both drafters' heads-eval runs, running nothing
 
 Runs the recipe's pipeline (``heads-datagen labels=judge``: graded GSM8K-train answers with the false
 arithmetic step localised, or with ``mining=swap`` the draft's mismatches that change the final answer;
@@ -157,6 +159,12 @@ def main(argv=None) -> int:
         "rows decoded with the recipe's exported head) and the recipe's "
         "datagen and train outputs",
     )
+    ap.add_argument(
+        "--eagle-sweep",
+        default=None,
+        help="with --sweep: report this heads-eval output directory (the recipe's eval run again with eagle=) as "
+        "drafters.eagle instead of running it",
+    )
     args, overrides = ap.parse_known_args(argv)
     pipe_args = [f"recipe={args.recipe}", *overrides]
     code, ran = read_pipeline(pipe_args, args.sweep) if args.sweep else run_pipeline(pipe_args)
@@ -263,7 +271,9 @@ def main(argv=None) -> int:
     if "gated" in result:
         result["comparison"] = comparison(result["gated"], table, sd)
     result["drafters"] = {"draft": lossy_block(sweep)}
-    if args.eagle:
+    if args.eagle_sweep:
+        result["drafters"]["eagle"] = lossy_block(json.loads((Path(args.eagle_sweep) / "sweep.json").read_text()))
+    elif args.eagle:
         result["drafters"]["eagle"] = lossy_block(eagle_sweep(ran["cfgs"], args.eagle, pipe_args))
     result["learned_vs_training_free"] = {d: b["learned_vs_training_free"] for d, b in result["drafters"].items()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
