@@ -505,6 +505,13 @@ def test_heads_eval_eagle_rows_run_batched(stop_head, setup, tmp_path):
     ],
 )
 def test_heads_eval_eagle_with_draft_model_rows_is_a_one_line_error(extra, message, setup, tmp_path, capsys):
+    if extra[0].startswith("sprinter.head="):  # a verifier on the draft model's states (head=verifier)
+        from specheads.heads import VerifierHead
+
+        meta = {"head_config": {"in_features": 32, "depth": 0}, "hidden_size": 32}
+        meta["feature"] = {"model": "draft", "state": "post", "layer": -1, "position": "previous"}
+        save_head(tmp_path / "v.safetensors", VerifierHead(32, 0), "verifier", meta)
+        extra = [f"sprinter.head={tmp_path / 'v.safetensors'}"]
     assert eval_main(eval_args(setup, tmp_path / "x", f"eagle={setup['eagle']}", *extra)) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "eagle=" in err and len(err.splitlines()) == 1
