@@ -42,15 +42,8 @@ class EagleVerifierTask:
         self.hidden = int(manifest["hidden_size"])
         ratio = store.ratio[store.rows(self.train_examples)]
         share = float((ratio <= cfg.lam).float().mean())
-        if cfg.class_weights == "fixed":
-            self.weights = (cfg.w_acc, cfg.w_rej)
-        elif share in (0.0, 1.0):
-            raise UserError(
-                f"every training label at lam={cfg.lam:g} is {int(share)}: nothing to learn; decode more prompts "
-                "(labels=eagle_rounds) or pick another lam"
-            )
-        else:
-            self.weights = (0.5 / share, 0.5 / (1 - share))
+        fixed = cfg.class_weights == "fixed"
+        self.weights = (cfg.w_acc, cfg.w_rej) if fixed else V.balanced_weights(share, cfg.lam)
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> list[str]:
@@ -60,11 +53,7 @@ class EagleVerifierTask:
                 f"feature={cfg.feature!r}: head=eagle_verifier reads the EAGLE head's state, previous (the state "
                 "that drew the candidate) or current (the state after it); the EAGLE head has no draft embedding"
             )
-        if cfg.class_weights not in ("balanced", "fixed"):
-            out.append(f"class_weights={cfg.class_weights!r}: choose balanced or fixed")
-        if cfg.lam <= 0 or any(lam <= 0 for lam in cfg.roc_lambdas):
-            out.append("lam and every roc_lambdas value must be > 0")
-        return out
+        return out + V.label_problems(cfg)
 
     @classmethod
     def setup(cls, cfg: TrainConfig, manifest: dict, acc) -> EagleVerifierTask:

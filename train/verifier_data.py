@@ -96,12 +96,26 @@ def draft_features(
 def class_weights(examples: list[VerifierExample], lam: float) -> tuple[float, float]:
     """``(w_pos, w_neg) = (1/(2 s), 1/(2 (1 - s)))`` with ``s`` the share of label 1 at ``lam``."""
     labels = [r <= lam for e in examples for r in e.ratio]
-    s = sum(labels) / max(1, len(labels))
+    return balanced_weights(sum(labels) / max(1, len(labels)), lam)
+
+
+def balanced_weights(s: float, lam: float) -> tuple[float, float]:
+    """``(w_pos, w_neg)`` for a share ``s`` of label 1 at ``lam``; UserError when one class is missing."""
     if s in (0.0, 1.0):
         raise UserError(
             f"every training label at lam={lam} is {int(s)}: nothing to learn; label more prompts or pick another lam"
         )
     return 0.5 / s, 0.5 / (1 - s)
+
+
+def label_problems(cfg) -> list[str]:
+    """The class-weight and ``lam`` settings every verifier task checks."""
+    out = []
+    if cfg.class_weights not in ("balanced", "fixed"):
+        out.append(f"class_weights={cfg.class_weights!r}: choose balanced or fixed")
+    if cfg.lam <= 0 or any(lam <= 0 for lam in cfg.roc_lambdas):
+        out.append("lam and every roc_lambdas value must be > 0")
+    return out
 
 
 def roc_metrics(scores: torch.Tensor, ratio: torch.Tensor, lam: float, eta: float, points: int = 201) -> dict:

@@ -47,11 +47,7 @@ class VerifierTask:
         problems = []
         if cfg.feature not in V.FEATURES:
             problems.append(f"feature={cfg.feature!r}: choose previous, current or previous+embedding")
-        if cfg.class_weights not in ("balanced", "fixed"):
-            problems.append(f"class_weights={cfg.class_weights!r}: choose balanced or fixed")
-        if cfg.lam <= 0 or any(lam <= 0 for lam in cfg.roc_lambdas):
-            problems.append("lam and every roc_lambdas value must be > 0")
-        return problems
+        return problems + V.label_problems(cfg)
 
     @classmethod
     def setup(cls, cfg: TrainConfig, manifest: dict, acc) -> VerifierTask:
