@@ -15,8 +15,10 @@ Reads a finished ``bench/judge.py --recipe judge_margin`` run (no model is run; 
   changed answers reaches the gate's 2%: ``1 - (1 - r) ** important_per_answer = 0.02``. That ignores the
   interval (the gate reads the upper bound), so the real bar is stricter. Then, for each rule, the largest
   accepted-per-call gain its held-out harmless-accept rate could give at that important-accept rate or below,
-  counting ``k`` tokens for each accepted mismatch (an upper bound: a round accepts at most ``k``), against the
-  gain the issue asks for (``0.3 x`` SD's accepted per call: ``accepted_per_call_vs_sd >= 1.3``).
+  counting ``k`` tokens for each accepted mismatch (``gain_bound``: a round accepts at most ``k``; ``gain_estimate``
+  counts the mismatch and then SD's accepted per call for the rest of the round), against the gain the issue asks
+  for (``0.3 x`` SD's accepted per call: ``accepted_per_call_vs_sd >= 1.3``) and a perfect judge's bound. Each rule
+  is tried at every threshold on its held-out logits (finer than delta, whose sigmoid saturates at 1.0).
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ GAIN_VS_SD = 0.3
 
 
 def held_out(train_dir: Path, head_path: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The judge's accept probability, the target's margin (log p(y) minus its top, <= 0) and the label
-    (1: harmless) of every held-out mismatch of the training run, split as the run split it."""
+    """The judge's logit (it accepts when the logit's sigmoid exceeds delta), the target's margin (log p(y) minus
+    its top, <= 0) and the label (1: harmless) of every held-out mismatch of the training run, split as it was."""
     cfg = OmegaConf.to_object(
         OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(train_dir / "config.yaml"))
     )
@@ -53,7 +55,7 @@ def held_out(train_dir: Path, head_path: Path) -> tuple[torch.Tensor, torch.Tens
     x, y = store.batch(0, held, "cpu")
     head = load_head(head_path).module
     with torch.no_grad():
-        p = torch.sigmoid(head(x).float().view(-1))
+        p = head(x).float().view(-1)  # logits: sigmoid saturates at 1.0 in fp32 where the head is most sure
     if "gap" not in cfg.judge_signals:
         raise SystemExit(f"{train_dir}: judge_signals {cfg.judge_signals} hold no gap; the floor needs it")
     gap = x[:, x.shape[1] - len(cfg.judge_signals) + list(cfg.judge_signals).index("gap")]
@@ -64,8 +66,9 @@ def rate(accept: torch.Tensor, mask: torch.Tensor) -> float:
     return float((accept & mask).sum() / mask.sum()) if mask.any() else float("nan")
 
 
-def operating_points(p, gap, harmless) -> list[dict]:
+def operating_points(logit, gap, harmless) -> list[dict]:
     good, bad = harmless.bool(), ~harmless.bool()
+    p = torch.sigmoid(logit)
     rows = []
     for floor in FLOORS:
         within = torch.ones_like(good) if floor is None else gap >= -floor
@@ -87,6 +90,28 @@ def operating_points(p, gap, harmless) -> list[dict]:
                 }
             )
     return rows
+
+
+def roc_points(p, gap, harmless) -> list[dict]:
+    """Every operating point of each rule: the judge (and the judge within each floor) at every threshold on its
+    logit (``p``) at one of its held-out scores (finer than delta, which saturates), and each floor alone."""
+    good, bad = harmless.bool(), ~harmless.bool()
+    rows = []
+    for floor in FLOORS:
+        within = torch.ones_like(good) if floor is None else gap >= -floor
+        if floor is not None:
+            rows.append({"rule": "floor", "floor": floor, "delta": 0.0, **_shares(within, good, bad)})
+        for z in torch.unique(p[within]).tolist():  # p: logits here
+            accept = within & (p >= z)
+            rows.append(
+                {"rule": "judge" if floor is None else "judge+floor", "floor": floor, "logit": round(z, 3)}
+                | _shares(accept, good, bad)
+            )
+    return rows
+
+
+def _shares(accept, good, bad) -> dict:
+    return {"harmless_accepted": round(rate(accept, good), 4), "important_accepted": round(rate(accept, bad), 4)}
 
 
 def auroc(score: torch.Tensor, harmless: torch.Tensor) -> float:
@@ -113,7 +138,7 @@ def sd_row(sweep_dir: Path, k: int) -> dict:
     }
 
 
-def drafter_bound(sd: dict, important_share: float, points: list[dict], k: int) -> dict:
+def drafter_bound(sd: dict, important_share: float, points: list[dict], held: dict, k: int) -> dict:
     """The gate's important-accept rate for this drafter and, per rule, the most accepted-per-call gain a rule
     within it could give (see the module docstring)."""
     mism = sd["mismatches_per_answer_low"]  # fewer mismatches: a looser bar, favouring the judge
@@ -127,12 +152,14 @@ def drafter_bound(sd: dict, important_share: float, points: list[dict], k: int) 
             continue
         gain = row["harmless_accepted"] * harmless_per_call * k
         if gain > best.get(row["rule"], {}).get("gain_bound", -1):
-            best[row["rule"]] = {**row, "gain_bound": round(gain, 4)}
+            # estimate: the accepted mismatch, then the rest of the round goes on as SD's rounds do
+            likely = row["harmless_accepted"] * harmless_per_call * (1 + sd["accepted_per_call"])
+            best[row["rule"]] = {**row, "gain_bound": round(gain, 4), "gain_estimate": round(likely, 4)}
     return {
         "sd": sd,
         "important_per_answer": round(imp, 3),
         "important_accept_rate_max": round(r_max, 5),
-        "held_out_resolution": round(1 / (points[0]["important"] + 1), 5),
+        "held_out_resolution": round(1 / (held["mismatches"] - held["harmless"] + 1), 5),
         "gain_needed": round(need, 4),
         "perfect_judge_bound": round(harmless_per_call * k, 4),  # every harmless mismatch, no important one
         "best_within": best,
@@ -163,7 +190,7 @@ def main(argv=None) -> int:
     if not tried:
         ap.error(f"{args.datagen}/manifest.json holds no mismatches_tried: not a mining=swap run")
     important_share = mined["important"] / tried  # undetermined mismatches count as harmless: favours the judge
-    points = operating_points(p, gap, harmless)
+    points, roc = operating_points(p, gap, harmless), roc_points(p, gap, harmless)
     result = {
         **run_info(__file__, argv, "no model run: held-out mined mismatches and heads-eval rows"),
         "train_dir": args.train,
@@ -181,7 +208,8 @@ def main(argv=None) -> int:
         if not (Path(path) / "rows.jsonl").is_file():
             print(f"skipping {name}: {path}/rows.jsonl is missing")
             continue
-        result["drafters"][name] = drafter_bound(sd_row(Path(path), args.k), important_share, points, args.k)
+        sd = sd_row(Path(path), args.k)
+        result["drafters"][name] = drafter_bound(sd, important_share, roc, result["held_out"], args.k)
     print(f"held-out mismatches {len(harmless)} ({int(harmless.sum())} harmless); AUROC {result['auroc']}")
     print("rule | floor | delta | harmless accepted | important accepted")
     for r in points:
