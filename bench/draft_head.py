@@ -19,6 +19,11 @@ priced by the drafter's cost table. Prints a table per set and writes ``bench/re
     python bench/draft_head.py --eagle runs/eagle-smollm2-export/head.safetensors \\
         --distilled runs/draft-distill/draft
     python bench/draft_head.py --eagle HEAD --gsm8k-n 8 --mtbench-n 4 --alpaca-n 4 --out /tmp/d.json   # quick
+    python bench/draft_head.py --distilled runs/draft-smollm2-train/draft --draft-ks 2,3
+
+Without ``--eagle`` the run times the target alone, the shared and the distilled draft only, and writes them into
+the existing result file as ``distilled_run`` (its own command, CPU and ratios), with ``distilled_draft`` (the
+training run's held-out figures) and ``ratios.distilled_draft_agreement``; the EAGLE rows stay as they were.
 """
 
 from __future__ import annotations
@@ -149,6 +154,7 @@ def ratios(sets: dict) -> dict:
                         s[f"share_of_perfect_head_gain_{stop[len('eagle_') :]}"] = round(
                             (by[stop]["tokens_per_s"] - best_fixed["tokens_per_s"]) / gap, 4
                         )
+        s.update(_distilled_ratios(res["table"], ar))
         per_set[label] = s
     for key in ("eagle_best_lossless_vs_target", "eagle_tokens_per_call"):
         vals = [s[key] for s in per_set.values() if key in s]
@@ -158,9 +164,46 @@ def ratios(sets: dict) -> dict:
     return out
 
 
+def _distilled_ratios(table: list[dict], ar: float) -> dict:
+    """The distilled draft's best fixed-K row against the target alone and the shared draft's best, same run."""
+    best = {}
+    for drafter in ("shared", "distilled"):
+        mine = [r for r in table if r["config"].startswith(f"{drafter}_k")]
+        if mine:
+            best[drafter] = max(mine, key=lambda r: r["tokens_per_s"])
+    if "distilled" not in best:
+        return {}
+    d = best["distilled"]
+    out = {
+        "distilled_best": d["config"],
+        "distilled_best_vs_target": round(d["tokens_per_s"] / ar, 4),
+        "distilled_tokens_per_call": d["tokens_per_call"],
+    }
+    if "shared" in best:
+        out["distilled_best_vs_shared_best"] = round(d["tokens_per_s"] / best["shared"]["tokens_per_s"], 4)
+        out["shared_tokens_per_call"] = best["shared"]["tokens_per_call"]
+    return out
+
+
+def _merge_distilled(out: Path, result: dict) -> dict:
+    """A run without ``--eagle`` (the distilled draft against the shared draft and the target alone) goes into the
+    existing result file as ``distilled_run``: the EAGLE run's rows and ratios stay as they were measured; each run's
+    ratios compare rows of that run only."""
+    whole = json.loads(out.read_text()) if out.is_file() else {}
+    whole["distilled_run"] = {k: v for k, v in result.items() if k not in ("distilled_draft",)}
+    whole["distilled_draft"] = result["distilled_draft"]
+    whole.setdefault("ratios", {})["distilled_draft_agreement"] = result["ratios"]["distilled_draft_agreement"]
+    return whole
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--eagle", required=True, help="exported EAGLE head (heads-export output or head.safetensors)")
+    ap.add_argument(
+        "--eagle",
+        default="",
+        help="exported EAGLE head (heads-export output or head.safetensors); without it, --distilled's rows only, "
+        "written into --out's file as distilled_run",
+    )
     ap.add_argument(
         "--distilled", default="", help="a distilled draft's Hugging Face directory (heads-train head=draft)"
     )
@@ -203,66 +246,29 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", default=str(ROOT / "runs/specdecpp_draft_quickstart-vocab/vocab.json"))
     ap.add_argument("--out", default=str(ROOT / "bench/results/draft_head.json"))
     args = ap.parse_args(argv)
-    if not Path(args.eagle).exists():
+    if not args.eagle and not args.distilled:
+        ap.error("give --eagle, --distilled or both")
+    if args.eagle and not Path(args.eagle).exists():
         ap.error(f"--eagle {args.eagle} does not exist; train and export one (README: Drafters)")
+    if args.distilled and not (Path(args.distilled).parent / "metrics.json").is_file():
+        ap.error(f"--distilled {args.distilled}: no metrics.json beside it; give a heads-train head=draft run's draft/")
     torch.manual_seed(0)
     pair = shared_pair(SHARED, args.vocab, 8192)
-    eagle = load_eagle(args.eagle, pair)
+    eagle = load_eagle(args.eagle, pair) if args.eagle else None
     mx, ks, dks = args.max_new_tokens, [int(k) for k in args.ks.split(",")], [int(k) for k in args.draft_ks.split(",")]
-    trees = [parse_tree(t) for t in filter(None, args.trees.split(","))]
-    k_top = max(ks + dks + [args.oracle_k_max] + [t[2] for t in trees]) + 2
+    trees = [parse_tree(t) for t in filter(None, args.trees.split(","))] if eagle else []
+    k_top = max((ks if eagle else []) + dks + [args.oracle_k_max] + [t[2] for t in trees]) + 2
     shared = Engine(pair.target.model, pair.draft.model, pair.eos_token_ids)
-    head = Engine(pair.target.model, eos_token_ids=pair.eos_token_ids, eagle=eagle.module)
-    tables = {"shared": pair_costs(pair, k_top), "eagle": pair_costs(pair, k_top, eagle=eagle)}
+    tables = {"shared": pair_costs(pair, k_top)}
     configs = {"ar": lambda ids: shared.generate_ar(ids, mx)}
     configs.update({f"shared_k{k}": (lambda ids, k=k: shared.generate(ids, StandardSD(k), mx)) for k in dks})
     oracles = {
-        "shared": lambda ps, outs, _: model_oracle(pair.draft.model, shared.vocab_size, ps, outs, args.oracle_k_max),
-        "eagle": lambda ps, outs, rounds: eagle_oracle(head, ps, mx, args.oracle_k_max, rounds),
+        "shared": lambda ps, outs, _: model_oracle(pair.draft.model, shared.vocab_size, ps, outs, args.oracle_k_max)
     }
-    if args.old_eagle:  # its rounds only (acceptance by step, the oracle), no timed rows
-        old = Engine(pair.target.model, eos_token_ids=pair.eos_token_ids, eagle=load_eagle(args.old_eagle, pair).module)
-        oracles["eagle_old"] = lambda ps, outs, rounds: eagle_oracle(old, ps, mx, args.oracle_k_max, rounds)
     if args.distilled:
-        dpair = load_pair(
-            ModelSpec(
-                path=str(SHARED / "models/smollm2-135m-instruct"),
-                gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-                device="cpu",
-            ),
-            ModelSpec(
-                path=args.distilled,
-                device="cpu",
-                vocab_file=args.distilled_vocab or None,
-                vocab_top_n=8192 if args.distilled_vocab else None,
-            ),
-        )
-        distilled = Engine(pair.target.model, dpair.draft.model, pair.eos_token_ids)
-        tables["distilled"] = pair_costs(dpair, k_top)
-        configs.update({f"distilled_k{k}": (lambda ids, k=k: distilled.generate(ids, StandardSD(k), mx)) for k in dks})
-        oracles["distilled"] = lambda ps, outs, _: model_oracle(
-            dpair.draft.model, distilled.vocab_size, ps, outs, args.oracle_k_max
-        )
-    configs.update({f"eagle_k{k}": (lambda ids, k=k: head.generate(ids, StandardSD(k), mx)) for k in ks})
-    for spec in filter(None, args.trees.split(",")):
-        depth, width, nodes, stop = parse_tree(spec)
-        tree = EagleTree(depth, width, nodes, stop, tables["eagle"])
-        configs[f"eagle_tree_{spec}"] = lambda ids, t=tree: head.generate(ids, t, mx)
-    cost_stop = ConfidenceStop(k_max=max(ks) + 2, stop="cost", costs=tables["eagle"])
-    configs["eagle_confidence_cost"] = lambda ids: head.generate(ids, cost_stop.fork(), mx)
-    for name, path in (("eagle_specdecpp", args.stop_head), ("eagle_confidence_head", args.confidence_head)):
-        if path:  # a stop head on the EAGLE head's states, priced by its cost table (stop=cost)
-            stop = make_policy(
-                "specdecpp",
-                pair,
-                head=path,
-                k_min=1,
-                k_max=args.stop_k_max,
-                stop="cost",
-                costs=tables["eagle"],
-                eagle=eagle,
-            )
-            configs[name] = lambda ids, stop=stop: head.generate(ids, stop.fork(), mx)
+        _distilled_rows(args, pair, dks, k_top, tables, configs, oracles)
+    if eagle is not None:
+        _eagle_rows(args, pair, eagle, ks, k_top, tables, configs, oracles)
     print(
         "cost tables (ms):",
         {d: (round(t.t_draft_ms, 2), [round(x, 1) for x in t.t_target_ms[:6]]) for d, t in tables.items()},
@@ -291,7 +297,9 @@ def main(argv=None) -> int:
         "eagle_head": {
             "path": args.eagle,
             **{k: eagle.metadata.get(k) for k in ("head_config", "ttt_steps", "draft_vocab")},
-        },
+        }
+        if eagle is not None
+        else None,
         "cost_tables": {d: t.to_dict() for d, t in tables.items()},
         "kernels": kernels.describe(),
         "sets": results,
@@ -306,9 +314,65 @@ def main(argv=None) -> int:
         summary = json.loads(Path(args.training_summary).read_text())
         result["training_cost"] = {"summary": args.training_summary, "runs": summary.get("cost", [])}  # per part
     print(json.dumps(result["ratios"], indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    out = Path(args.out)
+    if eagle is None:
+        result = _merge_distilled(out, result)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def _distilled_rows(args, pair, dks, k_top, tables, configs, oracles) -> None:
+    """``distilled_k{K}`` rows and the distilled draft's oracle (the target is the shared pair's, already loaded)."""
+    dpair = load_pair(
+        ModelSpec(
+            path=str(SHARED / "models/smollm2-135m-instruct"), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", device="cpu"
+        ),
+        ModelSpec(
+            path=args.distilled,
+            device="cpu",
+            vocab_file=args.distilled_vocab or None,
+            vocab_top_n=8192 if args.distilled_vocab else None,
+        ),
+    )
+    mx = args.max_new_tokens
+    distilled = Engine(pair.target.model, dpair.draft.model, pair.eos_token_ids)
+    tables["distilled"] = pair_costs(dpair, k_top)
+    configs.update({f"distilled_k{k}": (lambda ids, k=k: distilled.generate(ids, StandardSD(k), mx)) for k in dks})
+    oracles["distilled"] = lambda ps, outs, _: model_oracle(
+        dpair.draft.model, distilled.vocab_size, ps, outs, args.oracle_k_max
+    )
+
+
+def _eagle_rows(args, pair, eagle, ks, k_top, tables, configs, oracles) -> None:
+    """The EAGLE head's fixed-K, tree, cost-stop and learned-stop rows, its oracle (and ``--old-eagle``'s)."""
+    mx = args.max_new_tokens
+    head = Engine(pair.target.model, eos_token_ids=pair.eos_token_ids, eagle=eagle.module)
+    tables["eagle"] = pair_costs(pair, k_top, eagle=eagle)
+    oracles["eagle"] = lambda ps, outs, rounds: eagle_oracle(head, ps, mx, args.oracle_k_max, rounds)
+    if args.old_eagle:  # its rounds only (acceptance by step, the oracle), no timed rows
+        old = Engine(pair.target.model, eos_token_ids=pair.eos_token_ids, eagle=load_eagle(args.old_eagle, pair).module)
+        oracles["eagle_old"] = lambda ps, outs, rounds: eagle_oracle(old, ps, mx, args.oracle_k_max, rounds)
+    configs.update({f"eagle_k{k}": (lambda ids, k=k: head.generate(ids, StandardSD(k), mx)) for k in ks})
+    for spec in filter(None, args.trees.split(",")):
+        depth, width, nodes, stop = parse_tree(spec)
+        tree = EagleTree(depth, width, nodes, stop, tables["eagle"])
+        configs[f"eagle_tree_{spec}"] = lambda ids, t=tree: head.generate(ids, t, mx)
+    cost_stop = ConfidenceStop(k_max=max(ks) + 2, stop="cost", costs=tables["eagle"])
+    configs["eagle_confidence_cost"] = lambda ids: head.generate(ids, cost_stop.fork(), mx)
+    for name, path in (("eagle_specdecpp", args.stop_head), ("eagle_confidence_head", args.confidence_head)):
+        if path:  # a stop head on the EAGLE head's states, priced by its cost table (stop=cost)
+            stop = make_policy(
+                "specdecpp",
+                pair,
+                head=path,
+                k_min=1,
+                k_max=args.stop_k_max,
+                stop="cost",
+                costs=tables["eagle"],
+                eagle=eagle,
+            )
+            configs[name] = lambda ids, stop=stop: head.generate(ids, stop.fork(), mx)
 
 
 if __name__ == "__main__":
