@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -46,7 +45,7 @@ GAIN_VS_SD = 0.3
 
 def held_out(train_dir: Path, head_path: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The judge's logit (it accepts when the logit's sigmoid exceeds delta), the target's margin (log p(y) minus
-    its top, <= 0) and the label (1: harmless) of every held-out mismatch of the training run, split as it was."""
+    its top, <= 0) and whether it is harmless, of every held-out mismatch of the training run, split as it was."""
     cfg = OmegaConf.to_object(
         OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(train_dir / "config.yaml"))
     )
@@ -55,11 +54,11 @@ def held_out(train_dir: Path, head_path: Path) -> tuple[torch.Tensor, torch.Tens
     x, y = store.batch(0, held, "cpu")
     head = load_head(head_path).module
     with torch.no_grad():
-        p = head(x).float().view(-1)  # logits: sigmoid saturates at 1.0 in fp32 where the head is most sure
+        logit = head(x).float().view(-1)  # logits: sigmoid saturates at 1.0 in fp32 where the head is most sure
     if "gap" not in cfg.judge_signals:
         raise SystemExit(f"{train_dir}: judge_signals {cfg.judge_signals} hold no gap; the floor needs it")
     gap = x[:, x.shape[1] - len(cfg.judge_signals) + list(cfg.judge_signals).index("gap")]
-    return p, gap, (y >= 0.5).float()
+    return logit, gap, y >= 0.5
 
 
 def rate(accept: torch.Tensor, mask: torch.Tensor) -> float:
@@ -67,46 +66,33 @@ def rate(accept: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 def operating_points(logit, gap, harmless) -> list[dict]:
-    good, bad = harmless.bool(), ~harmless.bool()
+    """The table: the judge at each delta, each floor alone and the judge within each floor."""
+    good, bad = harmless, ~harmless
     p = torch.sigmoid(logit)
     rows = []
     for floor in FLOORS:
         within = torch.ones_like(good) if floor is None else gap >= -floor
-        deltas = DELTAS if floor is not None else DELTAS[1:]
-        strictest = float(p[bad & within].max()) if (bad & within).any() else 0.0
-        for delta in (*deltas, ("above_every_important", strictest)):
-            name, d = delta if isinstance(delta, tuple) else (delta, delta)
+        for d in DELTAS if floor is not None else DELTAS[1:]:
             alone = floor is not None and d == 0.0  # the floor without the judge: training-free
             accept = within if alone else within & (p > d)
-            rows.append(
-                {
-                    "rule": "judge" if floor is None else ("floor" if alone else "judge+floor"),
-                    "floor": floor,
-                    "delta": name,
-                    "harmless_accepted": round(rate(accept, good), 4),
-                    "important_accepted": round(rate(accept, bad), 4),
-                    "harmless": int(good.sum()),
-                    "important": int(bad.sum()),
-                }
-            )
+            rule = "judge" if floor is None else ("floor" if alone else "judge+floor")
+            rows.append({"rule": rule, "floor": floor, "delta": d} | _shares(accept, good, bad))
     return rows
 
 
-def roc_points(p, gap, harmless) -> list[dict]:
+def roc_points(logit, gap, harmless) -> list[dict]:
     """Every operating point of each rule: the judge (and the judge within each floor) at every threshold on its
-    logit (``p``) at one of its held-out scores (finer than delta, which saturates), and each floor alone."""
-    good, bad = harmless.bool(), ~harmless.bool()
+    logit at one of its held-out scores (finer than delta, which saturates), and each floor alone."""
+    good, bad = harmless, ~harmless
     rows = []
     for floor in FLOORS:
         within = torch.ones_like(good) if floor is None else gap >= -floor
         if floor is not None:
-            rows.append({"rule": "floor", "floor": floor, "delta": 0.0, **_shares(within, good, bad)})
-        for z in torch.unique(p[within]).tolist():  # p: logits here
-            accept = within & (p >= z)
-            rows.append(
-                {"rule": "judge" if floor is None else "judge+floor", "floor": floor, "logit": round(z, 3)}
-                | _shares(accept, good, bad)
-            )
+            rows.append({"rule": "floor", "floor": floor, "delta": 0.0} | _shares(within, good, bad))
+        for z in torch.unique(logit[within]).tolist():
+            rule = "judge" if floor is None else "judge+floor"
+            accept = within & (logit >= z)
+            rows.append({"rule": rule, "floor": floor, "logit": round(z, 3)} | _shares(accept, good, bad))
     return rows
 
 
@@ -221,8 +207,6 @@ def main(argv=None) -> int:
             f"{d['gain_needed']}/call; bound per rule: "
             + ", ".join(f"{k} {b['gain_bound']}" for k, b in d["best_within"].items())
         )
-    if not math.isfinite(result["auroc"]["judge"]):
-        return 1
     write_result(args.out, result)
     return 0
 
