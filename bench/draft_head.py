@@ -248,6 +248,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not args.eagle and not args.distilled:
         ap.error("give --eagle, --distilled or both")
+    eagle_only = [
+        f
+        for f, v in (
+            ("--old-eagle", args.old_eagle),
+            ("--stop-head", args.stop_head),
+            ("--confidence-head", args.confidence_head),
+        )
+        if v
+    ]
+    if eagle_only and not args.eagle:
+        ap.error(f"{', '.join(eagle_only)}: only with --eagle (rows and oracles on the EAGLE head)")
     if args.eagle and not Path(args.eagle).exists():
         ap.error(f"--eagle {args.eagle} does not exist; train and export one (README: Drafters)")
     if args.distilled and not (Path(args.distilled).parent / "metrics.json").is_file():
