@@ -116,6 +116,24 @@ def _quality(data: dict) -> list[str]:
             for name, e in data["gated"].items()
         ]
         out += _table(rows) + [""]
+    drafters = data.get("drafters")
+    if isinstance(drafters, dict) and all(
+        isinstance(b, dict) and isinstance(b.get("gated"), dict) for b in drafters.values()
+    ):
+        out += ["Gated per drafter (the test half; tokens/s against the fastest lossless row, SD at any K):", ""]
+        rows = [
+            {
+                "drafter": drafter,
+                "policy": name,
+                "row": e.get("row") or "none",
+                "accepted_per_call_vs_sd": e.get("accepted_per_call_vs_sd"),
+                "tokens_per_s_vs_best_lossless": e.get("tokens_per_s_vs_best_lossless"),
+                "reason": e.get("reason") or "",
+            }
+            for drafter, b in drafters.items()
+            for name, e in b["gated"].items()
+        ]
+        out += _table(rows) + [""]
     return out
 
 

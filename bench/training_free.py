@@ -5,6 +5,8 @@ draft-confidence stopping against SD, graded where the target is competent (the 
     python bench/training_free.py                  # recipe fsd_quickstart, writes bench/results/training_free.json
     python bench/training_free.py eval.num_prompts=2 eval.max_new_tokens=16 eval.fsd.tv=[]   # a quick look
     python bench/training_free.py --sweep runs/eval_at_scale   # report an existing heads-eval run instead
+    python bench/training_free.py --sweep runs/judge_margin-eval \
+        --eagle-sweep runs/judge_margin-eval-eagle   # both drafters' runs of bench/judge.py, running nothing
 
 Runs ``heads-eval`` with the recipe's ``eval`` section (any ``key=value`` or ``eval.key=value``
 override): target-only, draft-only, SD at fixed K, top-K verification, FSD at every threshold of
@@ -14,6 +16,9 @@ target call for every row, the FSD sweep per divergence, the divergence settings
 FSD paper's claim that small thresholds keep SD's accuracy at a higher speed: the fastest FSD row whose
 accuracy is within 2 points of SD's and its speed ratio to SD, reported whether it holds or not)
 and ``bench/results/training_free.png`` (quality against tokens/s and accepted drafts per call).
+With ``--eagle-sweep`` the same report of the EAGLE head's run goes under ``eagle``, and ``drafters`` gives, per
+drafter, each lossy training-free family's gated row (top-K, FSD by either rule, relaxed acceptance) with its
+accepted tokens per call against SD and its tokens/s against the fastest lossless row.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from specheads.evaluate.rows import num
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.02  # "within 2 points" of SD's accuracy
 MIN_CORRECT = 5  # fewer correct SD answers than this: the accuracy comparison is noise
+FAMILIES = ("fsd", "topk_verify", "relaxed")  # the lossy training-free families, as select.family names them
 COLUMNS = ("config", "tokens_per_s", "accepted_per_call", "accuracy", "rouge_l_vs_target", "vs_sd_tokens_per_s")
 
 
@@ -140,37 +146,9 @@ def paper_claim(table: list[dict], sd_config: str) -> dict:
     }
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipe", default="fsd_quickstart")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/training_free.json"))
-    ap.add_argument("--sweep", default=None, help="run nothing: report this heads-eval output directory")
-    args, overrides = ap.parse_known_args(argv)
-    if args.sweep:
-        out_dir = Path(args.sweep)
-        if not (out_dir / "sweep.json").is_file():
-            print(
-                f"training_free.py: error: {out_dir / 'sweep.json'} missing: run heads-eval there first",
-                file=sys.stderr,
-            )
-            return 2
-    else:
-        cfg, eval_args = eval_config("training_free.py", args.recipe, overrides)  # fail fast on a bad override
-        if cfg is None:
-            return 2
-        code = eval_main(eval_args)
-        if code:
-            return code
-        out_dir = Path(cfg.output_dir)
-    sweep = json.loads((out_dir / "sweep.json").read_text())
-    manifest = json.loads((out_dir / "manifest.json").read_text())
-    if "training_free" not in sweep:
-        print(
-            "training_free.py: error: the sweep has no training-free rows; set fsd.js=[...], topk.ks=[...] or "
-            "confidence.taus=[...]",
-            file=sys.stderr,
-        )
-        return 2
+def report(sweep: dict) -> dict:
+    """One heads-eval sweep's training-free rows: the table, the FSD sweep per divergence, top-K and confidence
+    rows, the FSD paper's claim, and ``eval``/``competence``/``fidelity``/``gated`` for the lossy families."""
     tf = sweep["training_free"]
     table = _table(sweep)
     by = {r["config"]: r for r in table}
@@ -184,14 +162,11 @@ def main(argv=None) -> int:
             }
             for t in sorted(thresholds)
         ]
-    result = {
-        **run_info(__file__, argv, f"fp32, batch {sweep.get('batch_size', 1)} decoding"),
-        "recipe": str(out_dir / "config.yaml") if args.sweep else args.recipe,
+    return {
         "prompts": sweep["prompts"],
         "num_prompts": sweep["num_prompts"],
         "max_new_tokens": sweep["max_new_tokens"],
         "sampling": sweep["sampling"],
-        "wall_time_s": manifest["wall_time_s"],
         "t_target_ms": sweep["t_target_ms"],
         "t_draft_ms": sweep["t_draft_ms"],
         "settings": tf["settings"],
@@ -202,17 +177,114 @@ def main(argv=None) -> int:
         "topk": [by[f"t{k}"] for k in tf["settings"]["topk"]["values"]],
         "confidence": [by[f"c{num(t)}"] for t in tf["settings"]["confidence"]["taus"]],
         "paper_claim": paper_claim(table, tf["sd_reference"]) if tf["sd_reference"] else None,
-        **eval_and_gated(sweep, families=("fsd", "topk_verify")),
+        **eval_and_gated(sweep, families=FAMILIES),
     }
+
+
+def drafter_block(rep: dict) -> dict:
+    """Per drafter: SD's and the fastest lossless row's figures, and each training-free family's gated row: its
+    accepted tokens per call and tokens/s (all prompts), accepted tokens per call against SD's (the test half, as
+    ``gated``) and tokens/s against the fastest lossless row (SD at any K; all prompts)."""
+    by = {r["config"]: r for r in rep["table"]}
+    lossless = [r for r in rep["table"] if r["config"].startswith("k") and r["config"][1:].isdigit()]
+    best = max(lossless, key=lambda r: r["tokens_per_s"]) if lossless else None
+    sd = by.get(rep["sd_config"])
+    gated = {}
+    for fam, e in (rep.get("gated") or {}).items():
+        if not fam.startswith(FAMILIES):
+            continue
+        row = by.get(e["row"]) if e["row"] else None
+        gated[fam] = (
+            {"row": e["row"]}
+            if row is None
+            else {
+                "row": e["row"],
+                "accepted_per_call": row["accepted_per_call"],
+                "tokens_per_s": row["tokens_per_s"],
+                "accepted_per_call_vs_sd": e.get("accepted_per_call_vs_sd"),
+                "tokens_per_s_vs_best_lossless": _ratio(row["tokens_per_s"], best and best["tokens_per_s"]),
+            }
+        )
+        if row is None:
+            gated[fam]["reason"] = e.get("reason")
+    chosen = [g for g in gated.values() if g.get("accepted_per_call") is not None]
+    return {
+        "sd": {k: sd[k] for k in ("config", "accepted_per_call", "tokens_per_s")} if sd else None,
+        "best_lossless": {k: best[k] for k in ("config", "accepted_per_call", "tokens_per_s")} if best else None,
+        "gated": gated,
+        "best_gated": max(chosen, key=lambda g: g["accepted_per_call"])["row"] if chosen else None,
+    }
+
+
+def _ratio(a, b):
+    return round(a / b, 4) if a is not None and b else None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default="fsd_quickstart")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/training_free.json"))
+    ap.add_argument("--sweep", default=None, help="run nothing: report this heads-eval output directory")
+    ap.add_argument(
+        "--eagle-sweep",
+        default=None,
+        help="with --sweep: also report this heads-eval output directory (the same prompts drafted by an EAGLE "
+        "head) as eagle and drafters.eagle",
+    )
+    args, overrides = ap.parse_known_args(argv)
+    if args.eagle_sweep and not args.sweep:
+        print("training_free.py: error: --eagle-sweep reports an existing run: give --sweep too", file=sys.stderr)
+        return 2
+    for d in filter(None, (args.sweep, args.eagle_sweep)):
+        if not (Path(d) / "sweep.json").is_file():
+            print(
+                f"training_free.py: error: {Path(d) / 'sweep.json'} missing: run heads-eval there first",
+                file=sys.stderr,
+            )
+            return 2
+    if args.sweep:
+        out_dir = Path(args.sweep)
+    else:
+        cfg, eval_args = eval_config("training_free.py", args.recipe, overrides)  # fail fast on a bad override
+        if cfg is None:
+            return 2
+        code = eval_main(eval_args)
+        if code:
+            return code
+        out_dir = Path(cfg.output_dir)
+    sweep = json.loads((out_dir / "sweep.json").read_text())
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    eagle = json.loads((Path(args.eagle_sweep) / "sweep.json").read_text()) if args.eagle_sweep else None
+    for name, s in (("", sweep), (" (--eagle-sweep)", eagle)):
+        if s is not None and "training_free" not in s:
+            print(
+                f"training_free.py: error: the sweep{name} has no training-free rows; set fsd.js=[...], "
+                "topk.ks=[...] or confidence.taus=[...]",
+                file=sys.stderr,
+            )
+            return 2
+    result = {
+        **run_info(__file__, argv, f"fp32, batch {sweep.get('batch_size', 1)} decoding"),
+        "recipe": str(out_dir / "config.yaml") if args.sweep else args.recipe,
+        "wall_time_s": manifest["wall_time_s"],
+        **report(sweep),
+    }
+    result["drafters"] = {"draft": drafter_block(result)}
+    if eagle is not None:
+        result["eagle"] = {"sweep": str(args.eagle_sweep), **report(eagle)}
+        result["drafters"]["eagle"] = drafter_block(result["eagle"])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     if sweep.get("quality_png"):
         shutil.copyfile(sweep["quality_png"], out.with_suffix(".png"))
-    print(" | ".join(COLUMNS))
-    for r in table:
-        print(" | ".join("-" if r[c] is None else str(r[c]) for c in COLUMNS))
-    print(json.dumps({"paper_claim": result["paper_claim"]}))
+    for name, rep in (("draft", result), ("eagle", result.get("eagle"))):
+        if rep is None:
+            continue
+        print(f"{name}: " + " | ".join(COLUMNS))
+        for r in rep["table"]:
+            print(" | ".join("-" if r[c] is None else str(r[c]) for c in COLUMNS))
+    print(json.dumps({"paper_claim": result["paper_claim"], "drafters": result["drafters"]}))
     return 0
 
 
