@@ -115,6 +115,15 @@ class JudgeOptions:
             "help": ("judge.mining=swap: a shorter response per prompt source (e.g. {arc: 16}: the letter comes first)")
         },
     )
+    mine_eagle: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "judge.mining=swap: mine this exported EAGLE head's mismatches (its first draft step, teacher-forced "
+                "along the response on the target's states) instead of the draft's; engine=specheads"
+            )
+        },
+    )
     mine_label_matches: bool = field(
         default=False,
         metadata={

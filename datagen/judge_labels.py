@@ -89,7 +89,13 @@ class JudgeLabeller(Labeller):
         return out
 
     def needs_draft(self, cfg) -> bool:
-        return cfg.judge.mining == "swap" or not (cfg.judge.tuples or "draft" not in cfg.judge.answer_models)
+        if cfg.judge.mining == "swap":
+            return not cfg.judge.mine_eagle  # the EAGLE head drafts on the target's states
+        return not (cfg.judge.tuples or "draft" not in cfg.judge.answer_models)
+
+    def check_models(self, job: Job) -> None:
+        if job.cfg.judge.mining == "swap" and job.cfg.judge.mine_eagle:
+            mining.eagle_head(job)  # an EAGLE head for another target fails here, before any chunk
 
     def target_under_vllm(self, cfg) -> str:
         return "output_layer"  # answers, swaps and states from vLLM; its verdict: the final norm and output layer
@@ -178,6 +184,7 @@ class JudgeLabeller(Labeller):
                 "max_mismatches": cfg.judge.mine_max_mismatches,
                 "max_tokens": cfg.judge.mine_max_tokens,
                 "label_matches": cfg.judge.mine_label_matches,
+                "drafter": f"eagle:{Path(cfg.judge.mine_eagle).name}" if cfg.judge.mine_eagle else "draft",
                 **stats["mining"],
             }
         else:

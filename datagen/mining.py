@@ -39,6 +39,7 @@ from specheads.datagen import checkers, vllm_mining
 from specheads.datagen.mined_rows import counts, judge_rows, record
 from specheads.datagen.mining_search import Budget, Mark, Search, _groups
 from specheads.dataset import JudgeChunkFiles
+from specheads.engines import engine_of
 from specheads.errors import UserError
 from specheads.export.shim import SamplingConfig, batch_generate
 from specheads.prompt_spec import budget_problems
@@ -58,14 +59,16 @@ COUNTS = (
 VLLM_COUNTS = ("prompt_tokens", "cached_tokens")  # engine=vllm: its target calls' prompt tokens, those from its cache
 
 
-def greedy_tokens(target, draft, eos: list[int], pad: int, remote=None):
+def greedy_tokens(target, draft, eos: list[int], pad: int, remote=None, eagle=None):
     """The two model calls the search makes, on a loaded pair: ``generate(contexts, max_new)`` (the target's
     greedy responses, EOS kept) and ``predict(seqs, positions)`` (the draft's greedy token after each prefix
     ``seq[:t]``, teacher-forced, in one forward). When one model pads its vocabulary, both pick among the
     tokens the two share (as the decoding engine does), so a padding row never becomes a mismatch.
-    ``remote`` (``engine=vllm``: :class:`.vllm_mining.TargetServer`) generates the target's tokens instead."""
+    ``remote`` (``engine=vllm``: :class:`.vllm_mining.TargetServer`) generates the target's tokens instead.
+    ``eagle`` (an EAGLE head module on ``target``): ``predict`` is :func:`eagle_predict` and ``draft`` is unused."""
     greedy = SamplingConfig()
-    vt, vd = target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0]
+    vt = target.get_output_embeddings().weight.shape[0]
+    vd = vt if eagle is not None else draft.get_output_embeddings().weight.shape[0]
     vocab = min(vt, vd)
 
     def generate(contexts: list[list[int]], max_new: int) -> list[list[int]]:
@@ -82,7 +85,54 @@ def greedy_tokens(target, draft, eos: list[int], pad: int, remote=None):
     def predict(seqs: list[list[int]], positions: list[list[int]]) -> list[list[int]]:
         return [x[..., :vocab].argmax(-1).tolist() for x in logits_at(draft, seqs, positions, pad)]
 
-    return generate, predict
+    return generate, (eagle_predict(target, eagle, pad) if eagle is not None else predict)
+
+
+def eagle_predict(target, head, pad: int):
+    """``predict(seqs, positions)`` for an EAGLE head: its greedy token at each position ``p`` of ``seq`` given
+    ``seq[:p]``, as its first draft step after a target pass over ``seq[:p]`` proposes it. One target forward per
+    batch gives the states at the head's layers, and one head forward fills its entries as the drafter's cache
+    does (entry ``i``: the target's states at ``i`` and the token at ``i + 1``, causal), so entry ``p - 2``
+    scores position ``p``. A position below 2 has no entry; the target's own token is returned there (never a
+    mismatch). The head's linears run as they are (no kernel timing: this is labelling, not a timed decode)."""
+    from specheads.export.shim.runners.eagle_cache import full_scores
+
+    embed = target.get_input_embeddings()
+    device = embed.weight.device
+    dtype = next(head.parameters()).dtype
+    width = target.get_output_embeddings().weight.shape[0]
+    vocab = head.vocab_ids.to(device)
+
+    @torch.inference_mode()
+    def predict(seqs: list[list[int]], positions: list[list[int]]) -> list[list[int]]:
+        n_max = max(len(s) for s in seqs)
+        if n_max < 3:
+            return [[seq[p] for p in ps] for seq, ps in zip(seqs, positions)]
+        ids = torch.tensor([s + [pad] * (n_max - len(s)) for s in seqs], device=device)
+        mask = torch.tensor([[1] * len(s) + [0] * (n_max - len(s)) for s in seqs], device=device)
+        hidden = target(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=True).hidden_states
+        g = head.fuse(torch.cat([hidden[i][:, :-1] for i in head.layer_ids], dim=-1).to(dtype))
+        cos, sin = head.rope(torch.arange(n_max - 1, device=device))
+        q, k, v = head.qkv(embed(ids[:, 1:]).to(dtype), g, cos, sin)
+        causal = torch.ones(n_max - 1, n_max - 1, dtype=torch.bool, device=device).tril()
+        a = head.finish(head.attend(q, k, v, causal), g)  # right padding: the real entries never see it
+        out = []
+        for b, (seq, ps) in enumerate(zip(seqs, positions)):
+            rows = torch.tensor([max(p - 2, 0) for p in ps], device=device)
+            best = full_scores(head, vocab, head.norm(a[b, rows]), width).argmax(-1).tolist()
+            out.append([t if p >= 2 else seq[p] for p, t in zip(ps, best)])
+        return out
+
+    return predict
+
+
+def eagle_head(job):
+    """The run's ``judge.mine_eagle`` head, checked against the target; loaded once per process (kept on the job)."""
+    from specheads.export.api import load_eagle
+
+    if getattr(job, "eagle_head", None) is None:
+        job.eagle_head = load_eagle(job.cfg.judge.mine_eagle, job.pair)
+    return job.eagle_head
 
 
 def mine(
@@ -177,6 +227,18 @@ def problems(cfg) -> list[str]:
         if getattr(cfg.judge, key) < 1:
             out.append(f"judge.{key}={getattr(cfg.judge, key)} must be >= 1")
     out += budget_problems("judge.mine_max_new_tokens_by_source", cfg.judge.mine_max_new_tokens_by_source or {})
+    if cfg.judge.mine_eagle:
+        try:
+            holds = engine_of(cfg).holds_target
+        except UserError:
+            holds = False  # an unknown engine is reported by the engine's own check
+        if holds:
+            out.append(
+                "judge.mine_eagle reads the target's layers for the EAGLE head, which the vLLM shell does not hold: "
+                "set engine=specheads"
+            )
+        if not Path(cfg.judge.mine_eagle).is_file():
+            out.append(f"judge.mine_eagle={cfg.judge.mine_eagle}: no such file (an exported EAGLE head)")
     try:
         checkers.resolve(cfg.judge.checker)
     except UserError as exc:
@@ -191,7 +253,9 @@ def chunk_rows(job, items: list, chunk: int) -> tuple[list[dict], list[str], dic
     tok = pair.tokenizer
     remote = vllm_mining.server_for(cfg)
     before = dict(remote.stats) if remote else {}
-    generate, predict = greedy_tokens(pair.target.model, pair.draft.model, job.eos, job.pad, remote)
+    head = eagle_head(job).module if cfg.judge.mine_eagle else None
+    draft = None if head is not None else pair.draft.model
+    generate, predict = greedy_tokens(pair.target.model, draft, job.eos, job.pad, remote, eagle=head)
     if cfg.judge.checker == "auto":
         loose = sorted({p.source for p in items} - {"gsm8k", "arc", "facts", "extract"})
         if loose:

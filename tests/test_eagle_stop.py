@@ -15,7 +15,7 @@ from specheads.datagen.cli import main as datagen_main
 from specheads.errors import UserError
 from specheads.evaluate.cli import main as eval_main
 from specheads.export import Decoder, ModelSpec, load_pair, read_metadata, save_head
-from specheads.export.api import load_eagle, make_policy
+from specheads.export.api import format_prompt, load_eagle, make_policy
 from specheads.export.decode_cli import main as decode_main
 from specheads.export.shim.costs.cost_table import CostTable
 from specheads.export.shim.loop.engine import Engine
@@ -382,6 +382,91 @@ def test_an_eagle_head_for_another_target_is_a_one_line_error(setup, tmp_path, c
     err = capsys.readouterr().err.strip()
     assert "fingerprint" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "x" / "data").exists()
+
+
+# --- judge.mine_eagle: swap mining on the EAGLE head's mismatches ------------------------------------------------
+
+
+def test_mining_predicts_the_eagle_heads_first_draft_step(greedy_rounds, setup):
+    """eagle_predict's token after a prefix is the candidate the drafter proposed first from that prefix while
+    decoding (labels=eagle_rounds, greedy), and it is causal: a later token does not change it."""
+    from specheads.datagen.mining import eagle_predict
+
+    pair = setup["pair"]
+    head = load_eagle(setup["eagle"], pair).module
+    predict = eagle_predict(pair.target.model, head, pad=0)
+    firsts = [(prefix, tok) for _, _, prefix, tok, _, _, step in candidates(greedy_rounds) if step == 1]
+    assert len(firsts) > 5
+    got = predict([p + [t] for p, t in firsts], [[len(p)] for p, _ in firsts])  # one padded batch
+    assert [g[0] for g in got] == [tok for _, tok in firsts]
+    prefix, tok = firsts[-1]
+    assert predict([prefix + [0, 0, 0]], [[len(prefix)]]) == [[tok]]  # what follows p does not count
+
+
+def mine_args(s, out, *extra):
+    return [
+        "labels=judge",
+        "judge.mining=swap",
+        f"target.path={s['target']}",
+        "target.gguf_file=null",
+        "target.device=cpu",
+        "draft.path=''",
+        f"judge.mine_eagle={s['eagle']}",
+        f"prompts={s['prompts']}",
+        f"output_dir={out}",
+        "max_new_tokens=12",
+        "batch_size=4",
+        "chunk_size=4",
+        "chat_template=false",
+        "judge.checker=exact",
+        "threads=1",
+        *extra,
+    ]
+
+
+def test_swap_mining_on_the_eagle_head_needs_no_draft(setup, tmp_path):
+    out = tmp_path / "mined"
+    assert datagen_main(mine_args(setup, out)) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["mining"]["drafter"] == "eagle:eagle.safetensors" and m["draft"] is None
+    assert (
+        m["mining"]["mismatches_tried"]
+        == m["mining"]["important"] + m["mining"]["unimportant"] + m["mining"]["undetermined"]
+        > 0
+    )
+    head = load_eagle(setup["eagle"], setup["pair"]).module
+    from specheads.datagen.mining import eagle_predict
+
+    predict = eagle_predict(setup["pair"].target.model, head, pad=0)
+    tok, checked = setup["pair"].tokenizer, 0
+    for line in (out / "mined.jsonl").read_text().splitlines():  # a tried token is the head's prediction
+        rec = json.loads(line)
+        prompt = format_prompt(tok, PROMPTS[rec["prompt_index"]], False)
+        for mark in rec["marks"]:  # the final response holds every position before an important mismatch
+            if mark["important"] is not False:
+                seq = prompt + rec["response_ids"][: mark["position"] + 1]
+                want = mark["draft_id"] if len(prompt) + mark["position"] >= 2 else mark["target_id"]
+                assert predict([seq], [[len(prompt) + mark["position"]]]) == [[want]]
+                checked += 1
+    assert checked
+    assert datagen_main(["verify", f"output_dir={out}"]) == 0
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [(("judge.mine_eagle=/no/such/head.safetensors",), "no such file"), (("engine=vllm",), "engine=specheads")],
+)
+def test_bad_mine_eagle_settings_are_one_line_errors(extra, message, setup, tmp_path, capsys):
+    assert datagen_main(mine_args(setup, tmp_path / "x", *extra)) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_mining_with_an_eagle_head_for_another_target_is_a_one_line_error(setup, tmp_path, capsys):
+    alien = eagle_file(setup["pair"], tmp_path / "alien.safetensors", 0, fingerprint="sha256:another")
+    assert datagen_main(mine_args(setup, tmp_path / "x", f"judge.mine_eagle={alien}")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "fingerprint" in err and len(err.splitlines()) == 1
 
 
 # --- heads-eval eagle=: the sweep's same-vocabulary rows on the EAGLE head ----------------------------------
