@@ -201,7 +201,7 @@ def drafter_block(rep: dict) -> dict:
                 "row": e["row"],
                 "accepted_per_call": row["accepted_per_call"],
                 "tokens_per_s": row["tokens_per_s"],
-                "accepted_per_call_vs_sd": e.get("accepted_per_call_vs_sd"),
+                "accepted_per_call_vs_sd": _ratio(e.get("accepted_per_call_vs_sd"), 1),
                 "tokens_per_s_vs_best_lossless": _ratio(row["tokens_per_s"], best and best["tokens_per_s"]),
             }
         )
