@@ -169,20 +169,11 @@ class EagleRoundsLabeller(StatesLabeller):
         return False
 
     def check_models(self, job: Job) -> None:
-        self.head(job)  # an EAGLE head for another target fails here, before any chunk
-
-    @staticmethod
-    def head(job: Job):
-        """The run's EAGLE head, checked against the target; loaded once per process (kept on the job)."""
-        from specheads.export.api import load_eagle
-
-        if getattr(job, "eagle_head", None) is None:
-            job.eagle_head = load_eagle(job.cfg.eagle_rounds.head, job.pair)
-        return job.eagle_head
+        job.eagle_head(job.cfg.eagle_rounds.head)
 
     def label_chunk(self, job: Job, items: list, chunk: int) -> Labelled:
         cfg, target = job.cfg, job.pair.target
-        head = self.head(job)
+        head = job.eagle_head(cfg.eagle_rounds.head)
         engine = Engine(target.model, None, job.eos, eagle=head.module)
         policy = RecordingSD(cfg.eagle_rounds.k)
         gen = torch.Generator(device=target.device)

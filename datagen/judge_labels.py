@@ -95,7 +95,7 @@ class JudgeLabeller(Labeller):
 
     def check_models(self, job: Job) -> None:
         if job.cfg.judge.mining == "swap" and job.cfg.judge.mine_eagle:
-            mining.eagle_head(job)  # an EAGLE head for another target fails here, before any chunk
+            job.eagle_head(job.cfg.judge.mine_eagle)
 
     def target_under_vllm(self, cfg) -> str:
         return "output_layer"  # answers, swaps and states from vLLM; its verdict: the final norm and output layer

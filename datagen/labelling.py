@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specheads.datagen.config import DatagenConfig
-from specheads.export.api import fit_context, format_prompt
+from specheads.export.api import fit_context, format_prompt, load_eagle
 from specheads.export.shim import Pair
 from specheads.prompts import iter_prompt_files
 
@@ -45,6 +45,14 @@ class Job:
     limit: int
     pregenerated: dict | None = None
     states: object | None = None
+    eagle: object | None = None  # the run's EAGLE head, once :meth:`eagle_head` has loaded it
+
+    def eagle_head(self, path: str):
+        """The EAGLE head at ``path`` (an exported file), checked against the target: loaded once per process, so
+        a family calls this in ``check_models`` (a head for another target fails before any chunk) and per chunk."""
+        if self.eagle is None:
+            self.eagle = load_eagle(path, self.pair)
+        return self.eagle
 
     def response(self, key: str) -> tuple[list[int], bool]:
         """A pre-generated target response (``engine=vllm``) and whether its log-probabilities were finite."""

@@ -126,15 +126,6 @@ def eagle_predict(target, head, pad: int):
     return predict
 
 
-def eagle_head(job):
-    """The run's ``judge.mine_eagle`` head, checked against the target; loaded once per process (kept on the job)."""
-    from specheads.export.api import load_eagle
-
-    if getattr(job, "eagle_head", None) is None:
-        job.eagle_head = load_eagle(job.cfg.judge.mine_eagle, job.pair)
-    return job.eagle_head
-
-
 def mine(
     generate,
     predict,
@@ -253,7 +244,7 @@ def chunk_rows(job, items: list, chunk: int) -> tuple[list[dict], list[str], dic
     tok = pair.tokenizer
     remote = vllm_mining.server_for(cfg)
     before = dict(remote.stats) if remote else {}
-    head = eagle_head(job).module if cfg.judge.mine_eagle else None
+    head = job.eagle_head(cfg.judge.mine_eagle).module if cfg.judge.mine_eagle else None
     draft = None if head is not None else pair.draft.model
     generate, predict = greedy_tokens(pair.target.model, draft, job.eos, job.pad, remote, eagle=head)
     if cfg.judge.checker == "auto":
