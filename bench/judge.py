@@ -36,7 +36,7 @@ import json
 import shutil
 from pathlib import Path
 
-from _common import eval_and_gated, intervals, read_pipeline, run_info, run_pipeline
+from _common import eval_and_gated, intervals, lossy_block, read_pipeline, run_info, run_pipeline
 
 from specheads.evaluate.select import family, threshold
 
@@ -87,46 +87,6 @@ def comparison(gated: dict, table: list[dict], sd: str | None) -> dict:
         "note": "a policy without a gated row (none within the gate) is left out; see gated.<name>.reason",
     }
     return out
-
-
-LEARNED = ("judge",)  # gated families of learned heads; the rest are training-free
-TRAINING_FREE = ("topk_verify", "relaxed", "fsd")
-
-
-def lossy_block(sweep: dict) -> dict:
-    """One drafter's lossy rows, gated: ``gated`` (per family, as :func:`eval_and_gated`, each chosen row with
-    ``tokens_per_s_vs_best_lossless``: its tokens/s over the fastest lossless row of the sweep, SD at any K),
-    ``competence``, ``fidelity``, ``best_lossless`` and ``learned_vs_training_free``: the gated learned row with
-    the most accepted tokens per target call against the best gated training-free row, and which wins."""
-    block = eval_and_gated(sweep)
-    by = {r["config"]: r for r in sweep["table"]}
-    lossless = [r for r in sweep["table"] if r["config"].startswith("k") and r["config"][1:].isdigit()]
-    best = max(lossless, key=lambda r: r["tokens_per_s"]) if lossless else None
-    block["best_lossless"] = {"row": best["config"], "tokens_per_s": best["tokens_per_s"]} if best else None
-    picks: dict[str, list] = {"learned": [], "training_free": []}
-    for fam, e in block.get("gated", {}).items():
-        if not e["row"]:
-            continue
-        row = by[e["row"]]
-        if best:
-            e["tokens_per_s_vs_best_lossless"] = round(row["tokens_per_s"] / best["tokens_per_s"], 4)
-        kind = "learned" if fam.startswith(LEARNED) else "training_free" if fam.startswith(TRAINING_FREE) else None
-        if kind:
-            picks[kind].append({"family": fam, "row": e["row"], "accepted_per_call": row["accepted_per_call"]})
-    top = {k: max(v, key=lambda x: x["accepted_per_call"]) if v else None for k, v in picks.items()}
-    learned, free = top["learned"], top["training_free"]
-    winner = None
-    if learned and free:
-        winner = "learned" if learned["accepted_per_call"] > free["accepted_per_call"] else "training_free"
-    block["learned_vs_training_free"] = {
-        **top,
-        "accepted_per_call_ratio": round(learned["accepted_per_call"] / free["accepted_per_call"], 4)
-        if learned and free
-        else None,
-        "winner": winner or ("learned" if learned else "training_free" if free else None),
-        "note": "by accepted tokens per target call, all prompts; a family with no row within the gate is left out",
-    }
-    return block
 
 
 def eagle_sweep(cfgs: dict, eagle: str, overrides: list[str]) -> dict:

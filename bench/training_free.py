@@ -16,9 +16,9 @@ target call for every row, the FSD sweep per divergence, the divergence settings
 FSD paper's claim that small thresholds keep SD's accuracy at a higher speed: the fastest FSD row whose
 accuracy is within 2 points of SD's and its speed ratio to SD, reported whether it holds or not)
 and ``bench/results/training_free.png`` (quality against tokens/s and accepted drafts per call).
-With ``--eagle-sweep`` the same report of the EAGLE head's run goes under ``eagle``, and ``drafters`` gives, per
-drafter, each lossy training-free family's gated row (top-K, FSD by either rule, relaxed acceptance) with its
-accepted tokens per call against SD and its tokens/s against the fastest lossless row.
+With ``--eagle-sweep`` the same report of the EAGLE head's run goes under ``eagle``. ``drafters`` gives, per
+drafter, every lossy family's gated row with its tokens/s against the fastest lossless row, and the best gated
+learned row against the best gated training-free one (``_common.lossy_block``, as ``bench/judge.py`` writes it).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from _common import eval_and_gated, eval_config, intervals, run_info
+from _common import TRAINING_FREE, eval_and_gated, eval_config, intervals, lossy_block, run_info
 
 from specheads.evaluate.cli import main as eval_main
 from specheads.evaluate.rows import num
@@ -37,7 +37,6 @@ from specheads.evaluate.rows import num
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.02  # "within 2 points" of SD's accuracy
 MIN_CORRECT = 5  # fewer correct SD answers than this: the accuracy comparison is noise
-FAMILIES = ("fsd", "topk_verify", "relaxed")  # the lossy training-free families, as select.family names them
 COLUMNS = ("config", "tokens_per_s", "accepted_per_call", "accuracy", "rouge_l_vs_target", "vs_sd_tokens_per_s")
 
 
@@ -177,47 +176,20 @@ def report(sweep: dict) -> dict:
         "topk": [by[f"t{k}"] for k in tf["settings"]["topk"]["values"]],
         "confidence": [by[f"c{num(t)}"] for t in tf["settings"]["confidence"]["taus"]],
         "paper_claim": paper_claim(table, tf["sd_reference"]) if tf["sd_reference"] else None,
-        **eval_and_gated(sweep, families=FAMILIES),
+        **eval_and_gated(sweep, families=TRAINING_FREE),
     }
 
 
-def drafter_block(rep: dict) -> dict:
-    """Per drafter: SD's and the fastest lossless row's figures, and each training-free family's gated row: its
-    accepted tokens per call and tokens/s (all prompts), accepted tokens per call against SD's (the test half, as
-    ``gated``) and tokens/s against the fastest lossless row (SD at any K; all prompts)."""
-    by = {r["config"]: r for r in rep["table"]}
-    lossless = [r for r in rep["table"] if r["config"].startswith("k") and r["config"][1:].isdigit()]
-    best = max(lossless, key=lambda r: r["tokens_per_s"]) if lossless else None
-    sd = by.get(rep["sd_config"])
-    gated = {}
-    for fam, e in (rep.get("gated") or {}).items():
-        if not fam.startswith(FAMILIES):
-            continue
-        row = by.get(e["row"]) if e["row"] else None
-        gated[fam] = (
-            {"row": e["row"]}
-            if row is None
-            else {
-                "row": e["row"],
-                "accepted_per_call": row["accepted_per_call"],
-                "tokens_per_s": row["tokens_per_s"],
-                "accepted_per_call_vs_sd": _ratio(e.get("accepted_per_call_vs_sd"), 1),
-                "tokens_per_s_vs_best_lossless": _ratio(row["tokens_per_s"], best and best["tokens_per_s"]),
-            }
-        )
-        if row is None:
-            gated[fam]["reason"] = e.get("reason")
-    chosen = [g for g in gated.values() if g.get("accepted_per_call") is not None]
+def _gate_summary(sweep: dict) -> dict:
+    """:func:`lossy_block` without what :func:`report` already holds (eval, competence, fidelity, each gated row's
+    calibration half)."""
+    block = lossy_block(sweep)
+    gated = {fam: {k: v for k, v in e.items() if k != "calibration"} for fam, e in block.get("gated", {}).items()}
     return {
-        "sd": {k: sd[k] for k in ("config", "accepted_per_call", "tokens_per_s")} if sd else None,
-        "best_lossless": {k: best[k] for k in ("config", "accepted_per_call", "tokens_per_s")} if best else None,
         "gated": gated,
-        "best_gated": max(chosen, key=lambda g: g["accepted_per_call"])["row"] if chosen else None,
+        "best_lossless": block["best_lossless"],
+        "learned_vs_training_free": block["learned_vs_training_free"],
     }
-
-
-def _ratio(a, b):
-    return round(a / b, 4) if a is not None and b else None
 
 
 def main(argv=None) -> int:
@@ -269,10 +241,10 @@ def main(argv=None) -> int:
         "wall_time_s": manifest["wall_time_s"],
         **report(sweep),
     }
-    result["drafters"] = {"draft": drafter_block(result)}
+    result["drafters"] = {"draft": _gate_summary(sweep)}
     if eagle is not None:
         result["eagle"] = {"sweep": str(args.eagle_sweep), **report(eagle)}
-        result["drafters"]["eagle"] = drafter_block(result["eagle"])
+        result["drafters"]["eagle"] = _gate_summary(eagle)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
