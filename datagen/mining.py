@@ -95,13 +95,10 @@ def eagle_predict(target, head, pad: int):
     does (entry ``i``: the target's states at ``i`` and the token at ``i + 1``, causal), so entry ``p - 2``
     scores position ``p``. A position below 2 has no entry; the target's own token is returned there (never a
     mismatch). The head's linears run as they are (no kernel timing: this is labelling, not a timed decode)."""
-    from specheads.export.shim.runners.eagle_cache import full_scores
-
     embed = target.get_input_embeddings()
     device = embed.weight.device
     dtype = next(head.parameters()).dtype
-    width = target.get_output_embeddings().weight.shape[0]
-    vocab = head.vocab_ids.to(device)
+    vocab = head.vocab_ids.to(device)  # sorted: the first best row is the first best token, as the drafter picks
 
     @torch.inference_mode()
     def predict(seqs: list[list[int]], positions: list[list[int]]) -> list[list[int]]:
@@ -119,7 +116,7 @@ def eagle_predict(target, head, pad: int):
         out = []
         for b, (seq, ps) in enumerate(zip(seqs, positions)):
             rows = torch.tensor([max(p - 2, 0) for p in ps], device=device)
-            best = full_scores(head, vocab, head.norm(a[b, rows]), width).argmax(-1).tolist()
+            best = vocab[head.logits(a[b, rows]).float().argmax(-1)].tolist()
             out.append([t if p >= 2 else seq[p] for p, t in zip(ps, best)])
         return out
 
