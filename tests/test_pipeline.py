@@ -126,6 +126,9 @@ def test_a_verifier_recipe_chains_the_export_into_eval_verifier():
     assert cfgs["eval"].sprinter.head == "/tmp/x-export/head.safetensors" and cfgs["eval"].head is None
     _, cfgs = load_configs(["recipe=quickstart", "export.output_dir=/tmp/y-export"])
     assert cfgs["eval"].head == "/tmp/y-export/head.safetensors" and cfgs["eval"].sprinter.head is None
+    for head in ("sprinter", "eagle_verifier"):  # the alias, and the verifier on an EAGLE head's states
+        _, cfgs = load_configs(["recipe=sprinter_eagle", f"train.head={head}", "export.output_dir=/tmp/w-export"])
+        assert cfgs["eval"].sprinter.head == "/tmp/w-export/head.safetensors" and cfgs["eval"].head is None
 
 
 def test_a_judge_recipe_chains_the_export_into_eval_judge():

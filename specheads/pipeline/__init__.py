@@ -40,6 +40,16 @@ from specheads.pipeline import parts as pipeline_parts
 from specheads.pipeline.report import print_summary, summarize
 
 log = logging.getLogger(__name__)
+
+#: the heads-eval key an exported head feeds, by heads-train ``head=`` (aliases included; any other: ``head``,
+#: SpecDec++'s acceptance head, also on an EAGLE head's states)
+EVAL_KEY_OF_HEAD = {
+    "verifier": "sprinter.head",
+    "sprinter": "sprinter.head",
+    "eagle_verifier": "sprinter.head",
+    "judge": "judge.head",
+    "eagle": "eagle",
+}
 PROG = "heads-pipeline"
 STAGES = ("vocab", "datagen", "train", "export", "eval")
 
@@ -177,9 +187,7 @@ def load_configs(argv: list[str]) -> tuple[PipelineConfig, dict]:
         elif stage == "train":
             chained["export"] = [f"train_dir={cfgs[stage].output_dir}"]
         elif stage == "export":  # a verifier feeds SPRINTER's rows, a judge the judge's, an acceptance head SpecDec++'s
-            key = {"verifier": "sprinter.head", "judge": "judge.head", "eagle": "eagle"}.get(
-                getattr(cfgs.get("train"), "head", "acceptance"), "head"
-            )
+            key = EVAL_KEY_OF_HEAD.get(getattr(cfgs.get("train"), "head", "acceptance"), "head")
             out = Path(cfgs[stage].output_dir)
             chained.setdefault("eval", []).append(
                 f"{key}={out if cfgs[stage].format == 'hf' else out / 'head.safetensors'}"
