@@ -5,6 +5,8 @@
     python bench/sprinter.py eval.num_prompts=2   # a quicker look (any pipeline override)
     python bench/sprinter.py --sweep runs/eval_at_scale   # report a heads-eval run that used this recipe's head
     python bench/sprinter.py --batches 16   # also at batch 16: fair.<batch> against SD's best K and the target
+    python bench/sprinter.py --recipe sprinter_eagle --batches 1 --out bench/results/sprinter_eagle.json
+        # on the EAGLE head (head=eagle_verifier), gated on the competent fact/extraction kinds, batch 16 and 1
 
 Runs the recipe's pipeline: ``heads-datagen labels=sprinter`` (four equal prefix categories),
 ``heads-train head=verifier`` (the verifier at the recipe's lambda, plus one per ``roc_lambdas``
