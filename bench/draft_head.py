@@ -226,6 +226,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--gsm8k-n", type=int, default=32)
     ap.add_argument("--mtbench-n", type=int, default=16)
+    ap.add_argument(
+        "--mtbench-offset",
+        type=int,
+        default=0,
+        help="first MT-Bench question read (0-15 are writing and roleplay, 16-79 the other six categories)",
+    )
     ap.add_argument("--alpaca-n", type=int, default=16)
     ap.add_argument("--alpaca-offset", type=int, default=4000)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -288,7 +294,9 @@ def main(argv=None) -> int:
     tok = pair.tokenizer
     sets = {
         "gsm8k": load_prompts(str(SHARED / "data/gsm8k/test.jsonl"), limit=args.gsm8k_n),
-        "mtbench": load_prompts(str(SHARED / "data/mt_bench/question.jsonl"), limit=args.mtbench_n),
+        "mtbench": load_prompts(
+            str(SHARED / "data/mt_bench/question.jsonl"), limit=args.mtbench_n, offset=args.mtbench_offset
+        ),
         "alpaca": load_prompts(
             str(SHARED / "data/alpaca/alpaca_5000.json"), limit=args.alpaca_n, offset=args.alpaca_offset
         ),
@@ -302,7 +310,7 @@ def main(argv=None) -> int:
         "max_new_tokens": mx,
         "prompts": {
             "gsm8k": f"test[0:{args.gsm8k_n}]",
-            "mtbench": f"first turns [0:{args.mtbench_n}]",
+            "mtbench": f"first turns [{args.mtbench_offset}:{args.mtbench_offset + args.mtbench_n}]",
             "alpaca": f"alpaca_5000[{args.alpaca_offset}:{args.alpaca_offset + args.alpaca_n}]",
         },
         "eagle_head": {
