@@ -4,11 +4,12 @@ greedy token, binned by the target's own confidence.
     python bench/eagle_difficulty.py --eagle recipes/heads/eagle_smollm2.safetensors --mtbench-n 80
 
 For each set (GSM8K-test, MT-Bench first turns, held-out Alpaca rows) the target writes its greedy response
-(128 new tokens, batch 1, the chat template). One teacher-forced pass over prompt + response then gives, at every
-response position, the target's greedy token and its probability ``p_top1``; the head's first draft step at that
-position (``datagen.mining.eagle_predict``: the target's states up to the position, the head's causal pass over
-them, as the drafter's cache fills) gives its token. Positions are binned by ``p_top1`` (``--bins``); each bin
-reports its share of the set's positions and the head's agreement there.
+(128 new tokens, batch 1, the chat template; the shim's target-alone decoding, as ``draft_head.py``'s ``ar``
+row). One teacher-forced pass over prompt + response then gives, at every response position, the target's
+greedy token and its probability ``p_top1``; the head's first draft step at that position
+(``datagen.mining.eagle_predict``: the target's states up to the position, the head's causal pass over them, as
+the drafter's cache fills) gives its token. Positions are binned by ``p_top1`` (``--bins``); each bin reports
+its share of the set's positions and the head's agreement there.
 
 Two figures split a gap between sets into its causes. ``agreement_at_mix_of[A]`` of set B is B's per-bin
 agreement weighted by A's bin shares: what B's agreement would be if its text were as confident as A's. If
@@ -32,6 +33,7 @@ from _common import run_info, shared_pair
 
 from specheads.datagen.mining import eagle_predict
 from specheads.export.api import format_prompt, load_eagle
+from specheads.export.shim.loop.engine import Engine
 from specheads.prompts import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,26 +41,10 @@ SHARED = Path(os.environ.get("SPECHEADS_SHARED", str(ROOT.parent / "shared")))
 
 
 @torch.inference_mode()
-def respond(model, ids: list[int], max_new: int, eos: set[int]) -> list[int]:
-    """The target's greedy response to ``ids`` (KV-cached, stops after an end-of-turn token)."""
-    out, past = [], None
-    x = torch.tensor([ids])
-    for _ in range(max_new):
-        res = model(input_ids=x, past_key_values=past, use_cache=True)
-        past = res.past_key_values
-        tok = int(res.logits[0, -1].argmax())
-        out.append(tok)
-        if tok in eos:
-            break
-        x = torch.tensor([[tok]])
-    return out
-
-
-@torch.inference_mode()
 def score(model, predict, ids: list[int], response: list[int]) -> tuple[list[float], list[bool]]:
     """Per response position: the target's ``p_top1`` and whether the head's first step gives its greedy token."""
     seq = ids + response
-    logits = model(input_ids=torch.tensor([seq]), use_cache=False).logits[0].float()
+    logits = model(input_ids=torch.tensor([seq], device=model.device), use_cache=False).logits[0].float()
     positions = list(range(len(ids), len(seq)))
     probs = logits[[p - 1 for p in positions]].softmax(-1)
     p_top1, greedy = probs.max(-1)
@@ -119,7 +105,7 @@ def main(argv=None) -> int:
     pair = shared_pair(SHARED, "", 0)
     eagle = load_eagle(args.eagle, pair)
     model, tok = pair.target.model, pair.tokenizer
-    eos = set(pair.eos_token_ids)
+    engine = Engine(model, eos_token_ids=pair.eos_token_ids)  # the benchmarks' greedy target-alone decoding
     predict = eagle_predict(model, eagle.module, tok.pad_token_id if tok.pad_token_id is not None else 0)
     mt_file = SHARED / "data/mt_bench/question.jsonl"
     categories = [json.loads(line).get("category", "") for line in mt_file.read_text().splitlines() if line.strip()]
@@ -135,7 +121,7 @@ def main(argv=None) -> int:
         ps, ag = [], []
         for i, prompt in enumerate(prompts):
             ids = format_prompt(tok, prompt)
-            p, a = score(model, predict, ids, respond(model, ids, args.max_new_tokens, eos))
+            p, a = score(model, predict, ids, engine.generate_ar(ids, args.max_new_tokens).tokens)
             ps += p
             ag += a
             if label == "mtbench":
