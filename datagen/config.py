@@ -168,6 +168,33 @@ class SelfPromptOptions:
 
 
 @dataclass
+class PassageOptions:
+    """``labels=passages`` (section ``passages``: ``passages.sources=[runs/a,runs/b]``)."""
+
+    sources: list[str] = field(
+        default_factory=list,
+        metadata={"help": "labels=drafter output directories whose responses are joined into the passages"},
+    )
+    tasks: list[str] = field(
+        default_factory=lambda: [
+            "extract",
+            "summarise",
+            "list",
+            "rewrite",
+            "question",
+            "keywords",
+            "title",
+            "classify",
+        ],
+        metadata={
+            "help": "the task kinds, in turn: extract, summarise, list, rewrite, question, keywords, title, classify"
+        },
+    )
+    min_tokens: int = field(default=200, metadata={"help": "shortest passage, in target tokens"})
+    max_tokens: int = field(default=450, metadata={"help": "longest passage, in target tokens (cut at a sentence)"})
+
+
+@dataclass
 class EagleRoundsOptions:
     """``labels=eagle_rounds`` (section ``eagle_rounds``: ``eagle_rounds.head=HEAD.safetensors``)."""
 
@@ -207,7 +234,8 @@ class DatagenConfig:
                 "(correct/wrong tuples, token labels, target features) | drafter (the target's "
                 "responses, its states at chosen layers and top-k distributions: what heads-train "
                 "head=eagle and head=draft learn from) | prompts (user turns the target writes itself, "
-                "Magpie-style: output_dir/prompts.jsonl) | eagle_rounds (SpecDec++ labels of an EAGLE "
+                "Magpie-style: output_dir/prompts.jsonl) | passages (instructions over passages made of earlier "
+                "responses, no model run: output_dir/prompts.jsonl) | eagle_rounds (SpecDec++ labels of an EAGLE "
                 "head's candidates, from SD decoding with it: what heads-train head=eagle_stop learns "
                 "from)"
             )
@@ -234,6 +262,7 @@ class DatagenConfig:
     judge: JudgeOptions = field(default_factory=JudgeOptions, metadata={"help": "labels=judge"})
     drafter: DrafterOptions = field(default_factory=DrafterOptions, metadata={"help": "labels=drafter"})
     self_prompts: SelfPromptOptions = field(default_factory=SelfPromptOptions, metadata={"help": "labels=prompts"})
+    passages: PassageOptions = field(default_factory=PassageOptions, metadata={"help": "labels=passages"})
     eagle_rounds: EagleRoundsOptions = field(
         default_factory=EagleRoundsOptions, metadata={"help": "labels=eagle_rounds"}
     )

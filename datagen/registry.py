@@ -8,6 +8,7 @@ from specheads.datagen.eagle_rounds import EagleRoundsLabeller
 from specheads.datagen.fsd_labels import FsdLabeller
 from specheads.datagen.judge_labels import JudgeLabeller
 from specheads.datagen.labelling import Labeller
+from specheads.datagen.passages import PassagesLabeller
 from specheads.datagen.self_prompts import PromptsLabeller
 from specheads.datagen.sprinter_labels import SprinterLabeller
 from specheads.errors import UserError
@@ -20,6 +21,7 @@ LABELLERS: dict[str, Labeller] = {
     "drafter": DrafterLabeller(),
     "eagle_rounds": EagleRoundsLabeller(),
     "prompts": PromptsLabeller(),
+    "passages": PassagesLabeller(),
 }
 
 

@@ -21,7 +21,7 @@ from specheads import _schema
 from specheads.dataset import MIXED_DATA_LABELS
 from specheads.errors import UserError
 
-NOT_TRAINING_DATA = ("prompts",)  # labels whose output is a prompt file, not examples
+NOT_TRAINING_DATA = ("prompts", "passages")  # labels whose output is a prompt file, not examples
 
 
 def overrides(keys: dict[str, Any]) -> list[str]:
