@@ -17,6 +17,11 @@ MT-Bench at GSM8K's mix comes close to GSM8K's agreement, the head is as good on
 at equal confidence, and the gap is the target's text (more positions where the target itself hesitates); if
 not, the head has learnt MT-Bench's kind of text less well. MT-Bench rows also report per category.
 
+Each set also reports ``outside_vocab_share``, the share of the target's greedy tokens outside the head's pruned
+output layer (no draft step can propose them), and ``agreement_in_vocab``. ``--ranking DIR,...`` (``labels=drafter``
+outputs) counts the target's response tokens there and adds the share outside the top N of that count for a few N:
+what a larger output layer would reach.
+
 No timing: the figures do not depend on the CPU. Writes ``bench/results/eagle_difficulty.json``.
 """
 
@@ -41,15 +46,52 @@ SHARED = Path(os.environ.get("SPECHEADS_SHARED", str(ROOT.parent / "shared")))
 
 
 @torch.inference_mode()
-def score(model, predict, ids: list[int], response: list[int]) -> tuple[list[float], list[bool]]:
-    """Per response position: the target's ``p_top1`` and whether the head's first step gives its greedy token."""
+def score(model, predict, ids: list[int], response: list[int]) -> tuple[list[float], list[bool], list[int]]:
+    """Per response position: the target's ``p_top1``, whether the head's first step gives its greedy token, and
+    that token."""
     seq = ids + response
     logits = model(input_ids=torch.tensor([seq], device=model.device), use_cache=False).logits[0].float()
     positions = list(range(len(ids), len(seq)))
     probs = logits[[p - 1 for p in positions]].softmax(-1)
     p_top1, greedy = probs.max(-1)
     head = predict([seq], [positions])[0]
-    return p_top1.tolist(), [h == g for h, g in zip(head, greedy.tolist())]
+    return p_top1.tolist(), [h == g for h, g in zip(head, greedy.tolist())], greedy.tolist()
+
+
+def ranking(dirs: str) -> list[int]:
+    """Token ids by their count in the responses of ``labels=drafter`` output directories, most frequent first."""
+    from collections import Counter
+
+    import pyarrow.parquet as pq
+
+    from specheads.dataset import chunk_files
+
+    counts = Counter()
+    for d in [x for x in dirs.split(",") if x]:
+        files = chunk_files(Path(d))
+        if not files:
+            raise SystemExit(f"--ranking {d}: no datagen chunks there")
+        for f in files:
+            for row in pq.read_table(str(f), columns=["input_ids", "response_start"]).to_pylist():
+                counts.update(row["input_ids"][row["response_start"] :])
+    return [t for t, _ in counts.most_common()]
+
+
+def vocab_figures(tokens: list[int], agree: list[bool], vocab: set[int], ranked: list[int] | None) -> dict:
+    """The share of ``tokens`` outside the head's vocabulary, the agreement inside it, and (``ranked``) the share
+    outside the top N of the ranking for a few N."""
+    inside = [a for t, a in zip(tokens, agree) if t in vocab]
+    out = {
+        "outside_vocab_share": round(1 - len(inside) / len(tokens), 4) if tokens else None,
+        "agreement_in_vocab": round(sum(inside) / len(inside), 4) if inside else None,
+    }
+    if ranked is not None and tokens:
+        tops = {n: set(ranked[:n]) for n in SIZES}
+        out["outside_top_n_share"] = {n: round(sum(t not in tops[n] for t in tokens) / len(tokens), 4) for n in SIZES}
+    return out
+
+
+SIZES = (8192, 16384, 24576, 32768)
 
 
 def summarise(p: list[float], agree: list[bool], edges: list[float]) -> dict:
@@ -94,6 +136,7 @@ def main(argv=None) -> int:
     ap.add_argument("--alpaca-offset", type=int, default=4000)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--bins", default="0,0.3,0.5,0.7,0.9,1", help="p_top1 bin edges, from 0 to 1")
+    ap.add_argument("--ranking", default="", help="labels=drafter output dirs, comma-separated: coverage at top N")
     ap.add_argument("--out", default=str(ROOT / "bench/results/eagle_difficulty.json"))
     args = ap.parse_args(argv)
     edges = [float(x) for x in args.bins.split(",")]
@@ -106,6 +149,7 @@ def main(argv=None) -> int:
     eagle = load_eagle(args.eagle, pair)
     model, tok = pair.target.model, pair.tokenizer
     engine = Engine(model, eos_token_ids=pair.eos_token_ids)  # the benchmarks' greedy target-alone decoding
+    vocab, ranked = set(eagle.module.vocab_ids.tolist()), ranking(args.ranking) if args.ranking else None
     predict = eagle_predict(model, eagle.module, tok.pad_token_id if tok.pad_token_id is not None else 0)
     mt_file = SHARED / "data/mt_bench/question.jsonl"
     categories = [json.loads(line).get("category", "") for line in mt_file.read_text().splitlines() if line.strip()]
@@ -118,18 +162,19 @@ def main(argv=None) -> int:
     }
     results, per_category = {}, {}
     for label, prompts in sets.items():
-        ps, ag = [], []
+        ps, ag, gs = [], [], []
         for i, prompt in enumerate(prompts):
             ids = format_prompt(tok, prompt)
-            p, a = score(model, predict, ids, engine.generate_ar(ids, args.max_new_tokens).tokens)
+            p, a, g = score(model, predict, ids, engine.generate_ar(ids, args.max_new_tokens).tokens)
             ps += p
             ag += a
+            gs += g
             if label == "mtbench":
                 cat = per_category.setdefault(categories[i], ([], []))
                 cat[0].extend(p)
                 cat[1].extend(a)
             print(f"{label} {i + 1}/{len(prompts)}", file=sys.stderr)
-        results[label] = summarise(ps, ag, edges)
+        results[label] = summarise(ps, ag, edges) | vocab_figures(gs, ag, vocab, ranked)
     mix = {
         b: {a: at_mix(results[b], results[a]) for a in results if a != b} for b in results
     }  # mix[B][A]: B's agreement at A's confidence mix
@@ -138,6 +183,7 @@ def main(argv=None) -> int:
     result = {
         **run_info(__file__, argv, "fp32, batch 1, greedy, teacher-forced first draft step"),
         "eagle_head": args.eagle,
+        "ranking": args.ranking or None,
         "max_new_tokens": args.max_new_tokens,
         "prompts": {
             "gsm8k": f"test[0:{args.gsm8k_n}]",
@@ -151,6 +197,10 @@ def main(argv=None) -> int:
     for label, r in results.items():
         cells = " | ".join(f"{b['share']}/{b['agreement']}" for b in r["bins"])
         print(f"{label} | {r['positions']} | {r['agreement']} | {r['mean_p_top1']} | {cells}")
+        print(
+            f"  outside the head's vocabulary {r['outside_vocab_share']}, agreement inside it "
+            f"{r['agreement_in_vocab']}, outside the top N {r.get('outside_top_n_share')}"
+        )
     print("agreement at another set's confidence mix:", json.dumps(mix))
     for c, r in result["mtbench_categories"].items():
         print(f"mtbench/{c} | {r['positions']} | {r['agreement']} | {r['mean_p_top1']}")
