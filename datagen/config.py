@@ -173,7 +173,18 @@ class PassageOptions:
 
     sources: list[str] = field(
         default_factory=list,
-        metadata={"help": "labels=drafter output directories whose responses are joined into the passages"},
+        metadata={
+            "help": (
+                "what the passages are made of: labels=drafter output directories (the target's responses) or "
+                "JSON / JSONL files of documents (each row's passages.text_field)"
+            )
+        },
+    )
+    text_field: str = field(
+        default="text", metadata={"help": "the text field of a file source's rows (Alpaca's reference answers: output)"}
+    )
+    rows: int | None = field(
+        default=None, metadata={"help": "at most this many rows of each file source, its first (null: all)"}
     )
     tasks: list[str] = field(
         default_factory=lambda: [

@@ -3,11 +3,13 @@ rewrite, answer from it), so a drafter learns to read and copy from its context.
 
 The training prompts of a drafter are short (user turns of 14-68 tokens in the median), while the requests it
 is worst at give it a text to work on: extraction, summaries, questions over a document, code over given code.
-This family composes such prompts without running a model. A passage is a run of the target's own responses
-from earlier ``labels=drafter`` runs (``passages.sources``: their output directories; each response trimmed to
-its last full sentence), joined until it holds ``passages.min_tokens`` tokens and cut at a sentence end before
-``passages.max_tokens``; an instruction of a task kind (``passages.tasks``: ``extract``, ``summarise``,
-``list``, ``rewrite``, ``question``, ``keywords``, ``title``, ``classify``) is put before or after it.
+This family composes such prompts without running a model. A passage is a run of texts from
+``passages.sources``: the target's own responses in earlier ``labels=drafter`` runs (their output directories),
+or a user's documents (``.json`` / ``.jsonl`` files, each row's ``passages.text_field``, the first
+``passages.rows`` rows), each trimmed to its last full sentence, joined until it holds ``passages.min_tokens``
+tokens and cut at a sentence end before ``passages.max_tokens``; an instruction of a task kind
+(``passages.tasks``: ``extract``, ``summarise``, ``list``, ``rewrite``, ``question``, ``keywords``, ``title``,
+``classify``) is put before or after it.
 Item ``i`` has kind ``passages.tasks[i % len]``; its template, framing and responses are drawn by a generator
 seeded with ``seed`` and ``i`` alone, so the prompt file does not depend on chunking or process count.
 
@@ -88,12 +90,46 @@ def sentence_trim(text: str) -> str:
     return text[: ends[-1].end()].strip() if ends else text.strip()
 
 
-def read_responses(sources: list[str], tokenizer, eos: set[int]) -> list[str]:
-    """The responses of ``labels=drafter`` output directories, decoded and sentence-trimmed, in chunk order."""
+def read_documents(path: Path, text_field: str, rows: int | None) -> list[str]:
+    """The ``text_field`` of a JSON (a list of rows) or JSONL file's first ``rows`` rows (all: ``None``), stripped;
+    rows without the field, or with an empty one, are skipped."""
+    import json
+
+    try:
+        raw = path.read_text()
+        if path.suffix == ".jsonl":
+            table = [json.loads(line) for line in raw.splitlines() if line.strip()]
+        else:
+            table = json.loads(raw)
+    except (OSError, ValueError) as err:
+        raise UserError(f"passages.sources: cannot read {path}: {err}") from None
+    if not isinstance(table, list) or not all(isinstance(r, dict) for r in table):
+        raise UserError(f"passages.sources: {path} is not a list of rows (JSON objects)")
+    table = table[:rows] if rows is not None else table
+    texts = [r[text_field].strip() for r in table if isinstance(r.get(text_field), str) and r[text_field].strip()]
+    if not texts:
+        raise UserError(
+            f"passages.sources: no row of {path} has text in {text_field!r} (set passages.text_field=; its rows' "
+            f"fields: {sorted(table[0]) if table else 'none'})"
+        )
+    return texts
+
+
+def read_responses(sources: list[str], tokenizer, eos: set[int], text_field: str = "text", rows=None) -> list[str]:
+    """The passages' material, in source order: the responses of ``labels=drafter`` output directories, decoded
+    and sentence-trimmed, in chunk order; the documents of a ``.json`` / ``.jsonl`` file source
+    (:func:`read_documents`)."""
     import pyarrow.parquet as pq
 
     out = []
     for src in sources:
+        if Path(src).is_file() and Path(src).suffix in (".json", ".jsonl"):
+            out += [t for t in map(sentence_trim, read_documents(Path(src), text_field, rows)) if t]
+            continue
+        if not Path(src).is_dir():
+            raise UserError(
+                f"passages.sources: {src} is neither a labels=drafter output directory nor a .json / .jsonl file"
+            )
         files = chunk_files(Path(src))
         if not files:
             raise UserError(f"passages.sources: {src} holds no datagen chunks (run heads-datagen labels=drafter first)")
@@ -157,8 +193,8 @@ class PassagesLabeller(Labeller):
             out.append("labels=passages: set num_prompts= (how many prompts to compose)")
         if not cfg.passages.sources:
             out.append(
-                "labels=passages: set passages.sources=[DIR,...] (labels=drafter outputs whose responses "
-                "make the passages)"
+                "labels=passages: set passages.sources=[DIR_OR_FILE,...] (labels=drafter outputs whose "
+                "responses make the passages, or JSON / JSONL files of documents)"
             )
         if not cfg.passages.tasks:
             out.append(f"passages.tasks is empty; choose from {list(TASKS)}")
@@ -172,6 +208,8 @@ class PassagesLabeller(Labeller):
                 f"passages.min_tokens={cfg.passages.min_tokens} and max_tokens={cfg.passages.max_tokens}: need "
                 "1 <= min_tokens <= max_tokens"
             )
+        if cfg.passages.rows is not None and cfg.passages.rows < 1:
+            out.append(f"passages.rows={cfg.passages.rows}: need a positive count or null (every row)")
         if cfg.engine != "specheads":
             out.append(f"labels=passages runs no model: set engine=specheads (not {cfg.engine})")
         return out
@@ -186,11 +224,12 @@ class PassagesLabeller(Labeller):
         self.pool(job)  # every source is read (and checked) before any chunk
 
     def pool(self, job: Job) -> list[str]:
-        key = tuple(job.cfg.passages.sources)
+        opts = job.cfg.passages
+        key = (*opts.sources, opts.text_field, opts.rows)
         if self._pool is None or self._pool[0] != key:
-            texts = read_responses(list(key), job.pair.tokenizer, set(job.eos))
+            texts = read_responses(list(opts.sources), job.pair.tokenizer, set(job.eos), opts.text_field, opts.rows)
             if not texts:
-                raise UserError(f"passages.sources {list(key)}: no responses with text")
+                raise UserError(f"passages.sources {list(opts.sources)}: no responses with text")
             self._pool = (key, texts)
         return self._pool[1]
 
@@ -224,5 +263,6 @@ class PassagesLabeller(Labeller):
 
     def summarise(self, cfg, out: Path, models: dict) -> tuple[dict, dict]:
         settings = {"tasks": tasks(cfg), "sources": list(cfg.passages.sources), "file": FILE}
+        settings |= {"text_field": cfg.passages.text_field, "rows": cfg.passages.rows}
         settings |= {"min_tokens": cfg.passages.min_tokens, "max_tokens": cfg.passages.max_tokens}
         return write_prompts(out), {"passages": settings}

@@ -119,3 +119,44 @@ def test_a_source_without_responses_fails_in_one_line(tiny_pair_dirs, tmp_path, 
     assert main(_args(tiny_pair_dirs, tmp_path / "empty", tmp_path / "x")) == 2
     err = capsys.readouterr().err
     assert "holds no datagen chunks" in err and err.count("\n") == 1
+
+
+def test_a_file_of_documents_is_a_source_with_its_field_and_first_rows(tiny_pair_dirs, tmp_path):
+    docs = [
+        {"instruction": f"i{i}", "output": f"Document {i} says one thing. It says a second thing {i}."}
+        for i in range(6)
+    ]
+    (tmp_path / "docs.json").write_text(json.dumps([*docs, {"instruction": "no output"}]))
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    for name in ("docs.json", "docs.jsonl"):
+        out = tmp_path / name.replace(".", "-")
+        extra = ["passages.text_field=output", "passages.rows=3", "passages.min_tokens=8", "passages.max_tokens=40"]
+        assert main([*_args(tiny_pair_dirs, tmp_path / name, out), *extra]) == 0
+        text = (out / "prompts.jsonl").read_text()
+        used = set(re.findall(r"Document (\d)", text))
+        assert used == {"0", "1", "2"}  # the first 3 rows only
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["passages"]["text_field"] == "output" and manifest["passages"]["rows"] == 3
+
+
+@pytest.mark.parametrize(
+    ("content", "extra", "fragment"),
+    [
+        ('[{"text": "A thing."}]', ["passages.text_field=body"], "no row of"),
+        ('{"text": "A thing."}', [], "not a list of rows"),
+        ("[{", [], "cannot read"),
+        ('[{"text": "A thing."}]', ["passages.rows=0"], "need a positive count"),
+    ],
+)
+def test_a_bad_file_source_fails_in_one_line(tiny_pair_dirs, tmp_path, capsys, content, extra, fragment):
+    (tmp_path / "d.json").write_text(content)
+    assert main([*_args(tiny_pair_dirs, tmp_path / "d.json", tmp_path / "x"), *extra]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1
+
+
+def test_a_source_that_is_neither_a_run_nor_a_document_file_fails_in_one_line(tiny_pair_dirs, tmp_path, capsys):
+    (tmp_path / "d.txt").write_text("A thing.")
+    assert main(_args(tiny_pair_dirs, tmp_path / "d.txt", tmp_path / "x")) == 2
+    err = capsys.readouterr().err
+    assert "neither a labels=drafter output directory" in err and err.count("\n") == 1
