@@ -210,8 +210,6 @@ class PassagesLabeller(Labeller):
             )
         if cfg.passages.rows is not None and cfg.passages.rows < 1:
             out.append(f"passages.rows={cfg.passages.rows}: need a positive count or null (every row)")
-        if cfg.engine != "specheads":
-            out.append(f"labels=passages runs no model: set engine=specheads (not {cfg.engine})")
         return out
 
     def needs_draft(self, cfg) -> bool:

@@ -83,6 +83,8 @@ def problems(cfg) -> list[str]:
             f"engine=vllm: labels={cfg.labels} decodes with its own SD rounds and head states; run it on "
             "engine=specheads"
             if cfg.labels == "eagle_rounds"
+            else "engine=vllm: labels=passages runs no model; run it on engine=specheads"
+            if cfg.labels == "passages"
             else f"engine=vllm does not run labels={cfg.labels}"
         )
     elif cfg.labels == "judge" and cfg.judge.tuples:
