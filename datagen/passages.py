@@ -29,6 +29,7 @@ from specheads.datagen.labelling import Job, Labelled, Labeller
 from specheads.datagen.self_prompts import COLUMNS, FILE, write_prompts
 from specheads.dataset import chunk_files
 from specheads.errors import UserError
+from specheads.prompts import read_rows
 
 TASKS = {
     "extract": (
@@ -93,18 +94,9 @@ def sentence_trim(text: str) -> str:
 def read_documents(path: Path, text_field: str, rows: int | None) -> list[str]:
     """The ``text_field`` of a JSON (a list of rows) or JSONL file's first ``rows`` rows (all: ``None``), stripped;
     rows without the field, or with an empty one, are skipped."""
-    import json
-
-    try:
-        raw = path.read_text()
-        if path.suffix == ".jsonl":
-            table = [json.loads(line) for line in raw.splitlines() if line.strip()]
-        else:
-            table = json.loads(raw)
-    except (OSError, ValueError) as err:
-        raise UserError(f"passages.sources: cannot read {path}: {err}") from None
+    table = read_rows(path)
     if not isinstance(table, list) or not all(isinstance(r, dict) for r in table):
-        raise UserError(f"passages.sources: {path} is not a list of rows (JSON objects)")
+        raise UserError(f"passages.sources: {path} is not a list of rows (JSON objects, one a line in JSONL)")
     table = table[:rows] if rows is not None else table
     texts = [r[text_field].strip() for r in table if isinstance(r.get(text_field), str) and r[text_field].strip()]
     if not texts:

@@ -202,6 +202,17 @@ def _array_rows(path: Path, data: bytes) -> list[Any]:
         ) from None
 
 
+def read_rows(path: Path) -> list[Any]:
+    """Every row of a JSONL file (one value a line) or a JSON array file, parsed, in file order; the same format
+    detection and one-line errors (file and line) as :func:`iter_prompts`, without turning rows into prompts."""
+    with path.open("rb") as handle:
+        if handle.read(4096).lstrip(_BOM).lstrip().startswith(b"["):
+            handle.seek(0)
+            return _array_rows(path, handle.read())
+        handle.seek(0)
+        return [_parse_line(raw, path, number) for _, number, raw in _jsonl_rows(path, handle)]
+
+
 def iter_prompts(path: str | Path, limit: int | None = None, offset: int = 0) -> Iterator[Prompt]:
     """Prompts of a JSONL file (one object a line) or a JSON array file, one at a time.
 

@@ -143,8 +143,8 @@ def test_a_file_of_documents_is_a_source_with_its_field_and_first_rows(tiny_pair
     ("content", "extra", "fragment"),
     [
         ('[{"text": "A thing."}]', ["passages.text_field=body"], "no row of"),
-        ('{"text": "A thing."}', [], "not a list of rows"),
-        ("[{", [], "cannot read"),
+        ('"A thing."', [], "not a list of rows"),  # a row that is no JSON object
+        ("[{", [], "is not valid JSON"),
         ('[{"text": "A thing."}]', ["passages.rows=0"], "need a positive count"),
     ],
 )
