@@ -58,8 +58,9 @@ def write_target(out: Path) -> None:
     tmp.rename(out)
 
 
-def make_random_head(path: Path, target_dir: Path, draft_vocab: int, seed: int) -> None:
-    """An untrained EAGLE head for the target (random weights, the first ``draft_vocab`` ids)."""
+def make_random_head(path: Path, target_dir: Path, draft_vocab: int, seed: int, layers: int = 1) -> None:
+    """An untrained EAGLE head of ``layers`` decoder layers for the target (random weights, the first
+    ``draft_vocab`` ids)."""
     import torch
     from transformers import AutoConfig
 
@@ -69,7 +70,7 @@ def make_random_head(path: Path, target_dir: Path, draft_vocab: int, seed: int) 
     c = AutoConfig.from_pretrained(target_dir)
     n = c.num_hidden_layers
     torch.manual_seed(seed)
-    head = EagleHead(EagleConfig.for_target(c, [2, n // 2, n - 3], draft_vocab))
+    head = EagleHead(EagleConfig.for_target(c, [2, n // 2, n - 3], draft_vocab, num_layers=layers))
     meta = {
         "head_config": head.config(),
         "hidden_size": c.hidden_size,
@@ -139,12 +140,14 @@ def check_drafts(
         with torch.no_grad():
             hs = target(ids[None], output_hidden_states=True).hidden_states
             h = head.fuse(torch.cat([hs[j] for j in head.layer_ids], -1))[:, :-1]
-            tok, pos, qs, ks, vs, ref = ids[None, 1:], torch.arange(len(ids) - 1), [], [], [], []
+            tok, pos, ref = ids[None, 1:], torch.arange(len(ids) - 1), []
+            kept = [([], [], []) for _ in range(head.num_layers)]  # per decoder layer: queries, keys, values
             for j in range(k):
                 cos, sin = head.rope(pos + j)
-                q, key, v = head.qkv(embed(tok), h, cos, sin)
-                qs.append(q), ks.append(key), vs.append(v)
-                h = head.finish(unrolled_attention(head, qs, ks, vs, None), h)
+                for layer, (qs, ks, vs) in enumerate(kept):
+                    q, key, v = head.qkv(embed(tok), h, cos, sin, layer)
+                    qs.append(q), ks.append(key), vs.append(v)
+                    h = head.finish(unrolled_attention(head, qs, ks, vs, None), h, layer)
                 tok = head.vocab_ids[head.logits(h).argmax(-1)]
                 ref.append(tok[0])
         ref = torch.stack(ref, -1).tolist()  # [row t][step]
@@ -211,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head", help="a heads-export output: speculators directory, head.safetensors, or its dir")
     ap.add_argument("--make-random-head", action="store_true", help="write an untrained head to --head first")
     ap.add_argument("--draft-vocab", type=int, default=8192, help="--make-random-head: rows of its output layer")
+    ap.add_argument("--head-layers", type=int, default=1, help="--make-random-head: its decoder layers")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--mt-bench", type=int, default=16)
     ap.add_argument("--gsm8k", type=int, default=8)
@@ -235,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     write_target(target_dir)
     head = Path(args.head)
     if args.make_random_head and not head.exists():
-        make_random_head(head, target_dir, args.draft_vocab, seed=0)
+        make_random_head(head, target_dir, args.draft_vocab, seed=0, layers=args.head_layers)
     hd = head_dir(head, work, target_dir).resolve()
     (work / "prompts.json").write_text(json.dumps(prompts(target_dir, args.mt_bench, args.gsm8k)))
     runs = {mode: run_vllm(args, mode, work, hd) for mode in ("target", "eagle3")}

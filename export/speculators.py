@@ -11,8 +11,8 @@ What vLLM reads (checked against vLLM 0.32.0's ``transformers_utils/configs/spec
 ``config.json``
     A ``speculators_config`` key makes vLLM treat the directory as the speculators format (model_type
     ``speculators``). ``speculators_model_type: "eagle3"`` picks the Eagle-3 translation, which starts
-    from ``transformer_layer_config`` (a Llama config of the one draft layer: ``model_type: llama``,
-    ``num_hidden_layers: 1``, ``hidden_size``, ``intermediate_size``, ``num_attention_heads``,
+    from ``transformer_layer_config`` (a Llama config of the draft's layers: ``model_type: llama``,
+    ``num_hidden_layers`` (the head's ``num_layers``), ``hidden_size``, ``intermediate_size``, ``num_attention_heads``,
     ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps``, ``rope_theta`` / ``rope_parameters``,
     ``vocab_size`` = the TARGET's vocabulary, ``hidden_act: silu``, no biases, untied) and copies in
     ``draft_vocab_size``, ``target_hidden_size``, ``norm_before_residual``, ``norm_before_fc``,
@@ -40,7 +40,9 @@ What vLLM reads (checked against vLLM 0.32.0's ``transformers_utils/configs/spec
 ``model.safetensors``
     ``fc.weight`` [d, k*d]; ``layers.0.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`` [d];
     ``layers.0.self_attn.{q,k,v}_proj.weight`` [heads*hd | kv*hd, 2d]; ``layers.0.self_attn.o_proj.weight``;
-    ``layers.0.mlp.{gate,up,down}_proj.weight``; ``norm.weight``; ``lm_head.weight`` [draft_vocab, d];
+    ``layers.0.mlp.{gate,up,down}_proj.weight``; a later layer ``N`` the same without ``hidden_norm``, its
+    ``q,k,v`` [.., d] (vLLM's Eagle-3 Llama builds layer ``N >= 1`` over ``d`` and never uses its
+    ``hidden_norm``); ``norm.weight``; ``lm_head.weight`` [draft_vocab, d];
     with a pruned vocabulary also ``d2t`` (int64 [draft_vocab]: target id of row i minus i; vLLM scatters
     row i's logit to ``i + d2t[i]``) and ``t2d`` (bool [vocab]: True at the target ids the head scores;
     vLLM skips it, the speculators library keeps it). No ``embed_tokens``: vLLM then shares the target's
@@ -144,7 +146,7 @@ def config(
     layer = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
-        "num_hidden_layers": 1,
+        "num_hidden_layers": head.num_layers,
         "hidden_size": head.hidden_size,
         "intermediate_size": head.intermediate_size,
         "num_attention_heads": head.num_heads,
@@ -238,6 +240,7 @@ def head_config(cfg: dict) -> dict:
         "intermediate_size": int(layer["intermediate_size"]),
         "rms_norm_eps": float(layer.get("rms_norm_eps", 1e-6)),
         "rope_theta": float(rope),
+        "num_layers": int(layer.get("num_hidden_layers") or 1),
     }
 
 

@@ -1,11 +1,12 @@
-"""An EAGLE-3-style draft head: one decoder layer over the target's own states (Li et al. 2025).
+"""An EAGLE-3-style draft head: a decoder layer (or a few) over the target's own states (Li et al. 2025).
 
 The head drafts from what the target computed anyway. At position ``t`` it reads the target's
 residual stream at three depths (low, middle, high: ``layers``, counted as Hugging Face's
 ``hidden_states`` index, i.e. the input of that decoder layer), fuses them with one linear layer
 (``fc``: ``3d -> d``) into ``g_t`` and runs one Llama decoder layer whose attention reads the
-next token's embedding joined to that state: ``[norm(e(x_{t+1})); norm(g_t)]`` (``2d`` wide). The
-layer's output before the final norm, ``a_t``, is the head's own state; after ``norm`` and
+next token's embedding joined to that state: ``[norm(e(x_{t+1})); norm(g_t)]`` (``2d`` wide). A head of
+``num_layers`` > 1 stacks plain Llama layers on that one's output. The last layer's output before the final
+norm, ``a_t``, is the head's own state; after ``norm`` and
 ``lm_head`` (a pruned output layer over ``vocab_ids``, the FR-Spec subset) it scores ``x_{t+2}``.
 The next draft step feeds ``a_t`` in place of ``g`` (no ``fc``: it is already ``d`` wide), so the
 head rolls its own state forward for as many steps as it drafts.
@@ -31,7 +32,7 @@ from specheads.errors import UserError
 
 @dataclass(frozen=True)
 class EagleConfig:
-    """The EAGLE head's architecture: what it reads of the target, the shape of its one decoder layer and its
+    """The EAGLE head's architecture: what it reads of the target, the shape of its decoder layers and its
     output vocabulary. Saved in the exported metadata as ``head_config`` (:meth:`to_dict`) and read back by
     :class:`EagleHead` (``EagleHead(**head_config)``).
 
@@ -41,8 +42,10 @@ class EagleConfig:
             wide).
         draft_vocab_size: rows of the pruned output layer (the FR-Spec subset); ``vocab_size`` for the whole one.
         vocab_size: the target's vocabulary size.
-        num_heads, num_kv_heads, head_dim, intermediate_size: the decoder layer's shape (the target's).
+        num_heads, num_kv_heads, head_dim, intermediate_size: the decoder layers' shape (the target's).
         rms_norm_eps, rope_theta: as the target's.
+        num_layers: decoder layers. The first reads the joined embedding and state (``2d``); each later one is a
+            plain Llama layer over the state before it (``d``), as vLLM's ``Eagle3`` draft stacks them.
     """
 
     hidden_size: int
@@ -55,12 +58,21 @@ class EagleConfig:
     intermediate_size: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    num_layers: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
         problems = [
             f"{k}={getattr(self, k)} must be >= 1"
-            for k in ("hidden_size", "draft_vocab_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim")
+            for k in (
+                "hidden_size",
+                "draft_vocab_size",
+                "vocab_size",
+                "num_heads",
+                "num_kv_heads",
+                "head_dim",
+                "num_layers",
+            )
             if getattr(self, k) < 1
         ]
         if not self.layers or min(self.layers) < 0:
@@ -73,10 +85,12 @@ class EagleConfig:
             raise UserError("EAGLE head config: " + "; ".join(problems))
 
     @classmethod
-    def for_target(cls, config, layers: list[int], draft_vocab_size: int, vocab_size: int | None = None) -> EagleConfig:
+    def for_target(
+        cls, config, layers: list[int], draft_vocab_size: int, vocab_size: int | None = None, num_layers: int = 1
+    ) -> EagleConfig:
         """The head of a Hugging Face Llama-style target ``config`` reading ``layers``, with an output layer of
         ``draft_vocab_size`` rows (``vocab_size``: the target's embedding rows, when they differ from the
-        config's count)."""
+        config's count) and ``num_layers`` decoder layers."""
         heads = config.num_attention_heads
         params = getattr(config, "rope_parameters", None) or {}
         theta = params.get("rope_theta") if isinstance(params, dict) else None
@@ -91,6 +105,7 @@ class EagleConfig:
             intermediate_size=config.intermediate_size,
             rms_norm_eps=float(config.rms_norm_eps),
             rope_theta=float(theta or getattr(config, "rope_theta", None) or 10000.0),
+            num_layers=num_layers,
         )
 
     def to_dict(self) -> dict:
@@ -113,11 +128,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, width: int):
         super().__init__()
-        self.q_proj = nn.Linear(2 * hidden, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.q_proj = nn.Linear(width, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(width, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(width, kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
 
 
@@ -133,13 +148,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """The one decoder layer; attention ``2d -> d`` over the joined embedding and state."""
+    """A decoder layer. The first (``joined``) attends ``2d -> d`` over the joined embedding and state and
+    norms the state with ``hidden_norm``; a later one is a plain Llama layer over the state before it."""
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float):
+    def __init__(
+        self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float, joined: bool
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden, eps)
-        self.hidden_norm = RMSNorm(hidden, eps)
-        self.self_attn = Attention(hidden, heads, kv_heads, head_dim)
+        if joined:
+            self.hidden_norm = RMSNorm(hidden, eps)
+        self.self_attn = Attention(hidden, heads, kv_heads, head_dim, 2 * hidden if joined else hidden)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = MLP(hidden, intermediate)
 
@@ -157,8 +176,12 @@ class EagleHead(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.intermediate_size, self.rms_norm_eps, self.rope_theta = c.intermediate_size, c.rms_norm_eps, c.rope_theta
         self.fc = nn.Linear(len(self.layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.num_layers = c.num_layers
         self.layers = nn.ModuleList(
-            [DecoderLayer(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)]
+            DecoderLayer(
+                c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps, i == 0
+            )
+            for i in range(c.num_layers)
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
@@ -186,11 +209,13 @@ class EagleHead(nn.Module):
         """``g``: the target's states at the head's layers, ``[..., len(layers) * d]`` -> ``[..., d]``."""
         return self.fc(states)
 
-    def qkv(self, emb: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Queries ``[B, heads, S, hd]`` and keys/values ``[B, kv_heads, S, hd]`` (rotated) for the token
-        embeddings ``emb`` and states ``h`` ``[B, S, d]``; ``cos``/``sin`` ``[S, hd]`` or ``[B, S, hd]``."""
-        ly, a = self.layer, self.layer.self_attn
-        x = torch.cat([ly.input_layernorm(emb), ly.hidden_norm(h)], dim=-1)
+    def qkv(self, emb: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int = 0):
+        """Queries ``[B, heads, S, hd]`` and keys/values ``[B, kv_heads, S, hd]`` (rotated) of decoder layer
+        ``layer`` for the token embeddings ``emb`` and states ``h`` ``[B, S, d]`` (the layer's input: the
+        first layer joins both, a later one reads ``h`` alone); ``cos``/``sin`` ``[S, hd]`` or ``[B, S, hd]``."""
+        ly = self.layers[layer]
+        a = ly.self_attn
+        x = torch.cat([ly.input_layernorm(emb), ly.hidden_norm(h)], dim=-1) if layer == 0 else ly.input_layernorm(h)
         b, s = x.shape[:2]
         q = a.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = a.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -206,10 +231,11 @@ class EagleHead(nn.Module):
         gqa = self.num_kv_heads != self.num_heads
         return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
-    def finish(self, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """The head's state ``a`` ``[B, S, d]`` (before the final norm) from the attention output
-        ``[B, heads, S, hd]`` and the input state ``h`` (the residual stream starts at ``h``)."""
-        ly = self.layer
+    def finish(self, attn: torch.Tensor, h: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """Decoder layer ``layer``'s output ``[B, S, d]`` from its attention output ``[B, heads, S, hd]`` and
+        its input state ``h`` (the residual stream starts at ``h``); the last layer's is the head's state
+        ``a`` (before the final norm)."""
+        ly = self.layers[layer]
         b, _, s, _ = attn.shape
         x = h + ly.self_attn.o_proj(attn.transpose(1, 2).reshape(b, s, -1))
         return x + ly.mlp(ly.post_attention_layernorm(x))
@@ -275,7 +301,7 @@ def unrolled_forward(
 
     Step ``j`` (from 0) reads, at row ``t``, the embedding of token ``x_{t+j+1}`` (``embeds[j]``) and the
     state of the step before (step 0: the fused target states), sits at rotary position ``t + j`` and
-    scores ``x_{t+j+2}``; its attention is :func:`unrolled_attention`.
+    scores ``x_{t+j+2}``; each layer's attention is :func:`unrolled_attention` over that layer's keys.
 
     Args:
         states: the target's joined states ``[B, T, len(layers) * d]``.
@@ -288,13 +314,15 @@ def unrolled_forward(
     """
     h = head.fuse(states)
     positions = torch.arange(states.shape[1], device=states.device)
-    qs, ks, vs, out = [], [], [], []
+    kept: list[tuple[list, list, list]] = [([], [], []) for _ in range(head.num_layers)]  # per layer: qs, ks, vs
+    out = []
     for j, sel in enumerate(rows):
         cos, sin = head.rope(positions + j)
-        q, k, v = head.qkv(embeds[j], h, cos, sin)
-        qs.append(q)
-        ks.append(k)
-        vs.append(v)
-        h = head.finish(unrolled_attention(head, qs, ks, vs, key_mask), h)
+        for layer, (qs, ks, vs) in enumerate(kept):
+            q, k, v = head.qkv(embeds[j], h, cos, sin, layer)
+            qs.append(q)
+            ks.append(k)
+            vs.append(v)
+            h = head.finish(unrolled_attention(head, qs, ks, vs, key_mask), h, layer)
         out.append(head.logits(h[sel]))
     return out

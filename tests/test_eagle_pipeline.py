@@ -132,6 +132,7 @@ def test_same_seed_same_head(trained, drafter_data, tiny_pair_dirs, tmp_path):
         ("vocab_top_n=0", "vocab_top_n"),
         ("target.path=", "target.path"),
         ("init_head=/no/such/head.safetensors", "init_head"),
+        ("decoder_layers=0", "decoder_layers"),
     ],
 )
 def test_bad_settings_are_one_line_errors(bad, message, drafter_data, tiny_pair_dirs, tmp_path, capsys):
@@ -152,6 +153,30 @@ def test_init_head_continues_from_a_trained_head(trained, drafter_data, tiny_pai
     assert a.keys() == b.keys() and all(torch.allclose(a[k].float(), b[k].float(), atol=1e-6) for k in a)
     fresh = load_file(str(_fresh_head(tiny_pair_dirs, drafter_data, tmp_path)))  # the same run without init_head
     assert not torch.allclose(fresh["fc.weight"].float(), a["fc.weight"].float(), atol=1e-3)
+
+
+def test_a_grown_head_drafts_as_the_head_it_grew_from(trained, drafter_data, tiny_pair_dirs, tmp_path):
+    """decoder_layers=2 on a one-layer init_head keeps its layer and adds one whose output projections start at
+    zero: with a vanishing learning rate its scores are the one-layer head's. Back to one layer is refused."""
+    from specheads.export.package import load_head
+    from specheads.heads.eagle_head import unrolled_forward
+
+    start, out = trained / "head.safetensors", tmp_path / "grown"
+    args = eagle_args(tiny_pair_dirs, drafter_data[1], out, f"init_head={start}", "lr=1e-12", "epochs=1")
+    assert train_main([*args, "decoder_layers=2"]) == 0
+    one, two = load_head(str(start)).module, load_head(str(out / "head.safetensors")).module
+    assert one.num_layers == 1 and two.num_layers == 2 and two.config()["num_layers"] == 2
+    assert float(two.layers[1].self_attn.q_proj.weight.abs().sum()) > 0  # the target's last layer, not zeros
+    g = torch.Generator().manual_seed(0)
+    states = torch.randn(1, 9, len(one.layer_ids) * one.hidden_size, generator=g)
+    embeds = torch.randn(2, 1, 9, one.hidden_size, generator=g)
+    rows = [torch.ones(1, 9, dtype=torch.bool)] * 2
+    for a, b in zip(
+        unrolled_forward(one, states, embeds, None, rows), unrolled_forward(two, states, embeds, None, rows)
+    ):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    back = tmp_path / "back"
+    assert train_main(eagle_args(tiny_pair_dirs, drafter_data[1], back, f"init_head={out / 'head.safetensors'}")) == 2
 
 
 def _fresh_head(tiny_pair_dirs, drafter_data, tmp_path):

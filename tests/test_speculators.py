@@ -173,6 +173,22 @@ def test_round_trip_is_bit_identical(tmp_path, dtype):
         assert (tmp_path / "x" / name).read_bytes() == (again / name).read_bytes()
 
 
+def test_a_two_layer_head_round_trips_and_tells_vllm_its_layers(tmp_path):
+    """A later layer is a plain Llama layer over ``d`` (no hidden_norm), as vLLM's Eagle-3 Llama builds it."""
+    head = _head(num_layers=2)
+    out = speculators.write(tmp_path / "x", head, META)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["transformer_layer_config"]["num_hidden_layers"] == 2
+    shapes = {k: list(v.shape) for k, v in _tensors(out).items()}
+    assert shapes["layers.1.self_attn.q_proj.weight"] == [16, H] and shapes["layers.1.mlp.down_proj.weight"] == [H, 24]
+    assert "layers.1.hidden_norm.weight" not in shapes and shapes.keys() - NAMES.keys() == {
+        k.replace("layers.0.", "layers.1.") for k in NAMES if k.startswith("layers.0.") and "hidden_norm" not in k
+    }
+    back = speculators.read(out)
+    assert back.module.config() == head.config() and back.module.num_layers == 2
+    assert all(torch.equal(v, back.module.state_dict()[k]) for k, v in head.state_dict().items())
+
+
 def test_from_an_exported_head_file(tmp_path):
     """The path heads-export takes: an exported head.safetensors, loaded, then written as speculators."""
     head = _head()

@@ -56,6 +56,16 @@ class TrainConfig:
         },
     )
     ttt_decay: float = field(default=0.8, metadata={"help": "eagle: step j's loss weight is ttt_decay ** (j - 1)"})
+    decoder_layers: int = field(
+        default=1,
+        metadata={
+            "help": (
+                "eagle: the head's decoder layers (the first reads the token and the state, each later one is a "
+                "plain layer over the one before); an init_head with fewer is grown: its own layers kept, each "
+                "new one the target's last layer with its output projections zeroed, so it drafts as before"
+            )
+        },
+    )
     vocab_file: str | None = field(
         default=None,
         metadata={

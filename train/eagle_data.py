@@ -138,8 +138,8 @@ def _run_sums(steps: list[tuple[torch.Tensor, torch.Tensor]], total: float = 0.0
 def init_from_target(head: EagleHead, target, vocab_ids: list[int], seed: int) -> None:
     """Starts the head from the target: its last decoder layer (the state half of the attention inputs;
     the embedding half small and random), final norm and output-layer rows; ``fc`` passes the highest
-    layer's state through. ``target``: :meth:`TargetCheckpoint.tensors` (the rows of ``vocab_ids``) or a
-    loaded causal LM."""
+    layer's state through; later decoder layers as :func:`grow_from_target` starts them. ``target``:
+    :meth:`TargetCheckpoint.tensors` (the rows of ``vocab_ids``) or a loaded causal LM."""
     if not isinstance(target, Mapping):
         target = from_model(target, vocab_ids)
     gen = torch.Generator().manual_seed(seed)
@@ -165,3 +165,30 @@ def init_from_target(head: EagleHead, target, vocab_ids: list[int], seed: int) -
         head.fc.weight.copy_(fc)
         head.lm_head.weight.copy_(target["lm_head"].float())
         head.vocab_ids.copy_(torch.tensor(vocab_ids, dtype=torch.long))
+    grow_from_target(head, target, 1)
+
+
+def decoder_layers(state: Mapping[str, torch.Tensor]) -> int:
+    """How many decoder layers an EAGLE head's ``state`` holds (its ``layers.N.`` entries)."""
+    return len({k.split(".")[1] for k in state if k.startswith("layers.")})
+
+
+def grow_from_target(head: EagleHead, target, first: int) -> None:
+    """Starts the head's decoder layers from ``first`` on (plain layers over the state) from the target's last
+    layer, with their output projections (``o_proj``, ``down_proj``) zeroed: each adds nothing at first, so
+    the head drafts as its first ``first`` layers do. ``target``: as :func:`init_from_target`'s (the last
+    layer's tensors are all it reads)."""
+    if first >= head.num_layers:
+        return
+    if not isinstance(target, Mapping):
+        target = from_model(target, [])
+    with torch.no_grad():
+        for ly in head.layers[first:]:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                getattr(ly.self_attn, name).weight.copy_(target[f"self_attn.{name}"].float())
+            for name in ("gate_proj", "up_proj"):
+                getattr(ly.mlp, name).weight.copy_(target[f"mlp.{name}"].float())
+            ly.self_attn.o_proj.weight.zero_()
+            ly.mlp.down_proj.weight.zero_()
+            ly.input_layernorm.weight.copy_(target["input_layernorm"].float())
+            ly.post_attention_layernorm.weight.copy_(target["post_attention_layernorm"].float())

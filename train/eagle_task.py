@@ -48,7 +48,7 @@ class EagleTask:
         self.vocab_ids = vocab_ids
         self.init = init
         self.config, self.target_read = target.config, {"bytes": target.bytes_read, "of": target.bytes_total}
-        self.start = None if init is not None else {k: v for k, v in tensors.items() if k != "embed"}
+        self.start = {k: v for k, v in tensors.items() if k != "embed"} or None
         # stored dtype (fp32 from GGUF); rows are cast to the head's after the lookup, which is exact
         self.embed = tensors["embed"].detach().contiguous().to(device)
         self.vocab_size = self.embed.shape[0]
@@ -70,6 +70,8 @@ class EagleTask:
             out.append("head=eagle needs the target (target.path): its embeddings and layers start the head")
         if cfg.init_head and cfg.vocab_file:
             out.append("init_head keeps the vocabulary subset of the head it starts from; drop vocab_file")
+        if cfg.decoder_layers < 1:
+            out.append(f"decoder_layers={cfg.decoder_layers} must be >= 1")
         if cfg.init_head and not Path(cfg.init_head).is_file():
             out.append(f"init_head={cfg.init_head!r} is not a file (an EAGLE head.safetensors)")
         return out
@@ -96,7 +98,9 @@ class EagleTask:
             init, vocab = start_from(cfg.init_head, manifest, data.layers)
         else:
             vocab = E.vocabulary(cfg, data, eos, target.config.vocab_size)
-        tensors = target.tensors(None if init is not None else vocab)
+        # the target's last layer starts the head, or the layers grown onto init_head
+        starts = init is None or E.decoder_layers(init) < cfg.decoder_layers
+        tensors = target.tensors(vocab if starts else None)
         return cls(cfg, manifest, data, vocab, target, tensors, acc.device, init)
 
     @staticmethod
@@ -109,13 +113,26 @@ class EagleTask:
 
     def build_head(self) -> EagleHead:
         torch.manual_seed(self.cfg.seed)
-        config = EagleConfig.for_target(self.config, self.layers, len(self.vocab_ids), vocab_size=self.vocab_size)
+        config = EagleConfig.for_target(
+            self.config,
+            self.layers,
+            len(self.vocab_ids),
+            vocab_size=self.vocab_size,
+            num_layers=self.cfg.decoder_layers,
+        )
         head = EagleHead(config)
         if self.init is not None:
-            head.load_state_dict(self.init)
+            have = E.decoder_layers(self.init)
+            if have > config.num_layers:
+                raise UserError(
+                    f"init_head={self.cfg.init_head!r} has {have} decoder layers; decoder_layers="
+                    f"{config.num_layers} would drop some: set decoder_layers={have} or more"
+                )
+            head.load_state_dict(self.init, strict=have == config.num_layers)
+            E.grow_from_target(head, self.start, have)
         else:
             E.init_from_target(head, self.start, self.vocab_ids, self.cfg.seed)
-            self.start = None  # the head holds them now
+        self.start = None  # the head holds them now
         return head
 
     def batch(self, examples: list, epoch: int) -> tuple[dict, dict]:

@@ -24,7 +24,8 @@ from specheads.export.shim.runners.kernels import route
 
 
 class BatchEagleCache:
-    """The head's KV cache for ``rows`` rows of their own lengths (``length[r]``)."""
+    """The head's KV cache (``[layers, rows, kv_heads, capacity, hd]``) for ``rows`` rows of their own lengths
+    (``length[r]``)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -36,11 +37,11 @@ class BatchEagleCache:
         self._alloc(max(capacity, 8))
 
     def _alloc(self, capacity: int) -> None:
-        shape = (self.rows, self.head.num_kv_heads, capacity, self.head.head_dim)
+        shape = (self.head.num_layers, self.rows, self.head.num_kv_heads, capacity, self.head.head_dim)
         keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         values = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if self.capacity:
-            keys[:, :, : self.capacity], values[:, :, : self.capacity] = self.keys, self.values
+            keys[..., : self.capacity, :], values[..., : self.capacity, :] = self.keys, self.values
         self.keys, self.values, self.capacity = keys, values, capacity
         self.cos, self.sin = self.head.rope(torch.arange(capacity, device=self.device))
 
@@ -60,19 +61,21 @@ class BatchEagleCache:
             e, s = feeds[r]
             emb[i, : e.shape[0]], h[i, : e.shape[0]] = e, s
             pos[i] = torch.arange(self.length[r], self.length[r] + width, device=self.device)
-        q, k, v = self.head.qkv(
-            emb, h, self.cos[pos.clamp_max(self.capacity - 1)], self.sin[pos.clamp_max(self.capacity - 1)]
-        )
-        for i, r in enumerate(rows):
-            n, at = feeds[r][0].shape[0], self.length[r]
-            self.keys[r, :, at : at + n], self.values[r, :, at : at + n] = k[i, :, :n], v[i, :, :n]
+        cos, sin = self.cos[pos.clamp_max(self.capacity - 1)], self.sin[pos.clamp_max(self.capacity - 1)]
         idx = torch.tensor(rows, device=self.device)
         # query j of row r sees the row's slots up to its own (padding queries see the row's real ones)
         last = torch.tensor([self.length[r] + feeds[r][0].shape[0] - 1 for r in rows], device=self.device)
         see = torch.minimum(pos, last[:, None])
         mask = torch.arange(end, device=self.device)[None, None, :] <= see[:, :, None]
-        attn = self.head.attend(q, self.keys[idx, :, :end], self.values[idx, :, :end], mask[:, None])
-        a = self.head.finish(attn, h)
+        a = h
+        for layer in range(self.head.num_layers):
+            keys, values = self.keys[layer], self.values[layer]
+            q, k, v = self.head.qkv(emb, a, cos, sin, layer)
+            for i, r in enumerate(rows):
+                n, at = feeds[r][0].shape[0], self.length[r]
+                keys[r, :, at : at + n], values[r, :, at : at + n] = k[i, :, :n], v[i, :, :n]
+            attn = self.head.attend(q, keys[idx, :, :end], values[idx, :, :end], mask[:, None])
+            a = self.head.finish(attn, a, layer)
         out = {}
         for i, r in enumerate(rows):
             n = feeds[r][0].shape[0]

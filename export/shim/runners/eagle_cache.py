@@ -9,7 +9,8 @@ from specheads.export.shim.runners.kernels import route
 
 
 class EagleCache:
-    """The head's KV cache (one layer), its entries' count and the cached rotary table."""
+    """The head's KV cache (``[layers, 1, kv_heads, capacity, hd]``), its entries' count and the cached rotary
+    table."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -20,11 +21,11 @@ class EagleCache:
         self._alloc(max(capacity, 8))
 
     def _alloc(self, capacity: int) -> None:
-        shape = (1, self.head.num_kv_heads, capacity, self.head.head_dim)
+        shape = (self.head.num_layers, 1, self.head.num_kv_heads, capacity, self.head.head_dim)
         keys, values = torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)
         if self.length:
-            keys[:, :, : self.length] = self.keys[:, :, : self.length]
-            values[:, :, : self.length] = self.values[:, :, : self.length]
+            keys[..., : self.length, :] = self.keys[..., : self.length, :]
+            values[..., : self.length, :] = self.values[..., : self.length, :]
         self.keys, self.values = keys.to(self.device), values.to(self.device)
         self.cos, self.sin = self.head.rope(torch.arange(capacity, device=self.device))
         self.capacity = capacity
@@ -50,11 +51,14 @@ class EagleCache:
         start, end = self.length, self.length + emb.shape[1]
         if end > self.capacity:
             self._alloc(max(end, 2 * self.capacity))
-        q, k, v = self.head.qkv(emb, h, self.cos[positions], self.sin[positions])
-        self.keys[:, :, start:end], self.values[:, :, start:end] = k, v
-        attn = self.head.attend(q, self.keys[:, :, :end], self.values[:, :, :end], mask)
+        cos, sin = self.cos[positions], self.sin[positions]
+        for layer in range(self.head.num_layers):
+            keys, values = self.keys[layer], self.values[layer]
+            q, k, v = self.head.qkv(emb, h, cos, sin, layer)
+            keys[:, :, start:end], values[:, :, start:end] = k, v
+            h = self.head.finish(self.head.attend(q, keys[:, :, :end], values[:, :, :end], mask), h, layer)
         self.length = end
-        return self.head.finish(attn, h)
+        return h
 
 
 def full_scores(head, vocab: torch.Tensor, post: torch.Tensor, width: int) -> torch.Tensor:
