@@ -127,7 +127,7 @@ def check_drafts(
     from transformers import AutoModelForCausalLM
 
     from specheads.export import speculators
-    from specheads.heads.eagle_head import unrolled_attention
+    from specheads.heads.eagle_head import unrolled_kept, unrolled_step
 
     head = speculators.read(hd).module.float()
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
@@ -140,14 +140,10 @@ def check_drafts(
         with torch.no_grad():
             hs = target(ids[None], output_hidden_states=True).hidden_states
             h = head.fuse(torch.cat([hs[j] for j in head.layer_ids], -1))[:, :-1]
-            tok, pos, ref = ids[None, 1:], torch.arange(len(ids) - 1), []
-            kept = [([], [], []) for _ in range(head.num_layers)]  # per decoder layer: queries, keys, values
+            tok, pos, ref, kept = ids[None, 1:], torch.arange(len(ids) - 1), [], unrolled_kept(head)
             for j in range(k):
                 cos, sin = head.rope(pos + j)
-                for layer, (qs, ks, vs) in enumerate(kept):
-                    q, key, v = head.qkv(embed(tok), h, cos, sin, layer)
-                    qs.append(q), ks.append(key), vs.append(v)
-                    h = head.finish(unrolled_attention(head, qs, ks, vs, None), h, layer)
+                h = unrolled_step(head, kept, embed(tok), h, cos, sin, None)
                 tok = head.vocab_ids[head.logits(h).argmax(-1)]
                 ref.append(tok[0])
         ref = torch.stack(ref, -1).tolist()  # [row t][step]

@@ -42,6 +42,7 @@ from specheads.dataset import JudgeChunkFiles
 from specheads.engines import engine_of
 from specheads.errors import UserError
 from specheads.export.shim import SamplingConfig, batch_generate
+from specheads.heads.eagle_head import unrolled_kept, unrolled_step
 from specheads.prompt_spec import budget_problems
 from specheads.runtime.states import logits_at
 
@@ -110,12 +111,8 @@ def eagle_predict(target, head, pad: int):
         hidden = target(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=True).hidden_states
         g = head.fuse(torch.cat([hidden[i][:, :-1] for i in head.layer_ids], dim=-1).to(dtype))
         cos, sin = head.rope(torch.arange(n_max - 1, device=device))
-        emb = embed(ids[:, 1:]).to(dtype)
-        causal = torch.ones(n_max - 1, n_max - 1, dtype=torch.bool, device=device).tril()
-        a = g
-        for layer in range(head.num_layers):  # right padding: the real entries never see it
-            q, k, v = head.qkv(emb, a, cos, sin, layer)
-            a = head.finish(head.attend(q, k, v, causal), a, layer)
+        # one causal step through every layer; right padding: the real entries never see it
+        a = unrolled_step(head, unrolled_kept(head), embed(ids[:, 1:]).to(dtype), g, cos, sin, None)
         out = []
         for b, (seq, ps) in enumerate(zip(seqs, positions)):
             rows = torch.tensor([max(p - 2, 0) for p in ps], device=device)

@@ -314,15 +314,37 @@ def unrolled_forward(
     """
     h = head.fuse(states)
     positions = torch.arange(states.shape[1], device=states.device)
-    kept: list[tuple[list, list, list]] = [([], [], []) for _ in range(head.num_layers)]  # per layer: qs, ks, vs
+    kept = unrolled_kept(head)
     out = []
     for j, sel in enumerate(rows):
         cos, sin = head.rope(positions + j)
-        for layer, (qs, ks, vs) in enumerate(kept):
-            q, k, v = head.qkv(embeds[j], h, cos, sin, layer)
-            qs.append(q)
-            ks.append(k)
-            vs.append(v)
-            h = head.finish(unrolled_attention(head, qs, ks, vs, key_mask), h, layer)
+        h = unrolled_step(head, kept, embeds[j], h, cos, sin, key_mask)
         out.append(head.logits(h[sel]))
     return out
+
+
+def unrolled_kept(head: EagleHead) -> list[tuple[list, list, list]]:
+    """Per decoder layer, the queries, keys and values of the steps run so far (:func:`unrolled_step` fills it)."""
+    return [([], [], []) for _ in range(head.num_layers)]
+
+
+def unrolled_step(
+    head: EagleHead,
+    kept: list[tuple[list, list, list]],
+    emb: torch.Tensor,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """One draft step over whole sequences through every decoder layer: the embeddings ``emb`` and states ``h``
+    ``[B, T, d]`` in, the head's states out. Each layer's queries, keys and values join ``kept``
+    (:func:`unrolled_kept`) and its attention is :func:`unrolled_attention` over them; the first step's is
+    causal, so one step alone is the head's causal pass over a sequence."""
+    for layer, (qs, ks, vs) in enumerate(kept):
+        q, k, v = head.qkv(emb, h, cos, sin, layer)
+        qs.append(q)
+        ks.append(k)
+        vs.append(v)
+        h = head.finish(unrolled_attention(head, qs, ks, vs, key_mask), h, layer)
+    return h
