@@ -120,8 +120,8 @@ class EagleDrafter:
         self.passes = v.forwards
         states, start = v.aux_states, v.aux_start
         usable = len(seq) - 1 - start
-        if usable > 0:
-            self.pending.append((start, states[:usable]))
+        if usable > 0:  # on the head's device: a split target's states come out on the last GPU the head reads
+            self.pending.append((start, states[:usable].to(self.device)))
 
     def close(self) -> None:
         pass

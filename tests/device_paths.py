@@ -1,0 +1,203 @@
+"""The paths a target split over GPUs takes, run on virtual GPUs (``specheads.runtime.virtual_devices``): each
+path is one or more commands with ``target.device_map=auto`` on two virtual GPUs, where any operation that mixes
+devices fails with the operation and both devices named. Used by tests/test_virtual_devices.py and by
+bench/device_check.py (which also reverts each device fix and shows the path it breaks).
+
+:func:`build` makes, on the plain CPU, what the paths need: a 4-layer tiny target (layers 0-1 on cuda:0, 2-3
+on cuda:1 once split) with a noisy copy as its draft, an EAGLE head reading layers 1 and 3 (so its states come
+from both GPUs), its SD rounds, and the stop, verifier, acceptance and judge heads trained on them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+PROMPTS = ["the cat sat", "a dog ran up", "one two three", "why is the sun red", "big moon", "yes no up down"]
+SPLIT = ["target.device=auto", "target.device_map=auto", "draft.device=auto"]
+
+
+def build(root: Path) -> dict:
+    """The pair, heads and data the paths read (on the CPU, no sanitizer)."""
+    from conftest import make_tokenizer, perturbed_copy, tiny_llama
+
+    from specheads.datagen.cli import main as datagen
+    from specheads.export import ModelSpec, load_pair, save_head
+    from specheads.heads import EagleHead
+    from specheads.train.cli import main as train
+    from specheads.train.eagle_data import init_from_target
+
+    root.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer()
+    target = tiny_llama(len(tok), seed=0, layers=4)
+    s: dict = {"root": root, "target": root / "target", "draft": root / "draft", "prompts": root / "p.jsonl"}
+    for name, model in (("target", target), ("draft", perturbed_copy(target, scale=0.3))):
+        model.save_pretrained(s[name])
+        tok.save_pretrained(s[name])
+    s["prompts"].write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    pair = load_pair(ModelSpec(path=str(s["target"]), device="cpu"), None)
+    vocab = pair.target.model.config.vocab_size
+    head = EagleHead(
+        hidden_size=32,
+        layers=[1, 3],
+        draft_vocab_size=vocab,
+        vocab_size=vocab,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        rms_norm_eps=pair.target.model.config.rms_norm_eps,
+        rope_theta=10000.0,
+    )
+    init_from_target(head, pair.target.model, list(range(vocab)), 0)
+    s["eagle"] = root / "eagle.safetensors"
+    meta = {
+        "head_config": head.config(),
+        "hidden_size": 32,
+        "target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
+        "feature": {"model": "target", "state": "aux", "layers": [1, 3]},
+    }
+    save_head(s["eagle"], head, "eagle", meta)
+    common = [*target_args(s, split=False), f"prompts={s['prompts']}", "num_prompts=null", "threads=1"]
+    common += ["max_new_tokens=10", "chunk_size=3"]
+    rounds = [*common, "draft.path=''", "labels=eagle_rounds", f"eagle_rounds.head={s['eagle']}", "eagle_rounds.k=3"]
+    for name, extra in (("rounds", []), ("rounds0", ["eagle_rounds.position=previous"])):
+        assert datagen([*rounds, f"output_dir={root / name}", "sampling.do_sample=false", *extra]) == 0
+    fit = ["batch_size=2", "grad_accum=1", "epochs=2", "lr=1e-2", "eval_fraction=0.25", "patience=3", "threads=1"]
+    for name, data, extra in (
+        ("stop", "rounds", ["head=eagle_stop", "depth=1"]),
+        ("verifier", "rounds0", ["head=eagle_verifier", "class_weights=balanced", "roc_lambdas=[1.0]"]),
+    ):
+        assert train([f"data_dir={root / data}", "draft.path=''", f"output_dir={root / name}", *fit, *extra]) == 0
+        s[name] = root / name / "head.safetensors"
+    assert datagen([*common, f"draft.path={s['draft']}", f"output_dir={root / 'acc'}", "sampling.do_sample=true"]) == 0
+    draft = [f"draft.path={s['draft']}", "draft.gguf_file=null", "draft.device=cpu"]
+    assert train([f"data_dir={root / 'acc'}", *draft, f"output_dir={root / 'acc_head'}", *fit, "depth=1"]) == 0
+    s["acceptance"] = root / "acc_head" / "head.safetensors"
+    words = "the cat dog sat on a mat and ran to big red blue sun moon one two three four five".split()
+    rows = []
+    for i in range(12):
+        pick = [words[(7 * i + 3 * j) % len(words)] for j in range(16)]
+        wrong = " ".join(pick[10:16])
+        rows.append({"question": " ".join(pick[:4]), "correct": " ".join(pick[4:10]), "wrong": wrong})
+        rows[-1]["error"] = [wrong.index(" ", 3) + 1, wrong.index(" ", 3) + 3]
+    s["tuples"] = root / "tuples.jsonl"
+    s["tuples"].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    judge = [*common, f"draft.path={s['draft']}", "labels=judge", f"judge.tuples={s['tuples']}", "prompts=''"]
+    assert datagen([*judge, f"output_dir={root / 'judge_data'}", "chunk_size=4"]) == 0
+    jfit = [*fit, "head=judge", "depth=0", "draft.path=unused"]
+    assert train([f"data_dir={root / 'judge_data'}", f"output_dir={root / 'judge'}", *jfit]) == 0
+    s["judge"] = root / "judge" / "head.safetensors"
+    return s
+
+
+def target_args(s: dict, split: bool = True) -> list[str]:
+    return [f"target.path={s['target']}", "target.gguf_file=null", "target.device=cpu", *(SPLIT if split else [])]
+
+
+def _run(main: Callable[[list[str]], int], args: list[str]) -> None:
+    rc = main(args)
+    if rc != 0:
+        raise AssertionError(f"exit code {rc}: {' '.join(args)}")
+
+
+def _decode(s, out, *extra, draft: bool = True):
+    from specheads.export.decode_cli import main
+
+    drafts = [f"draft.path={s['draft']}", "draft.gguf_file=null"] if draft else ["draft.path=''"]
+    _run(
+        main,
+        [
+            *target_args(s),
+            *drafts,
+            f"prompts={s['prompts']}",
+            "num_prompts=null",
+            f"output_dir={out}",
+            "max_new_tokens=10",
+            *extra,
+        ],
+    )
+
+
+def _eval(s, out, *extra):
+    from specheads.evaluate.cli import main
+
+    prompts = [f"prompts={s['prompts']}", "num_prompts=null", "offset=0", "head=null"]
+    _run(main, [*target_args(s), "draft.path=''", *prompts, f"output_dir={out}", "max_new_tokens=8", *extra])
+
+
+def _datagen(s, out, *extra, draft: bool = True):
+    from specheads.datagen.cli import main
+
+    drafts = [f"draft.path={s['draft']}", "draft.gguf_file=null"] if draft else ["draft.path=''"]
+    _run(
+        main,
+        [
+            *target_args(s),
+            *drafts,
+            f"prompts={s['prompts']}",
+            "num_prompts=null",
+            "offset=0",
+            f"output_dir={out}",
+            "max_new_tokens=8",
+            "chunk_size=3",
+            "batch_size=2",
+            *extra,
+        ],
+    )
+
+
+E = "eagle={eagle}"
+# name -> what it runs, given the built setup and an output directory; every one on the split target.
+PATHS: dict[str, Callable[[dict, Path], None]] = {
+    "decode_sd": lambda s, o: _decode(s, o, "policy=sd", "sd.k=3"),
+    "decode_sd_sampled": lambda s, o: _decode(s, o, "policy=sd", "sd.k=3", "sampling.do_sample=true"),
+    "decode_specdecpp_draft": lambda s, o: _decode(s, o, "policy=specdecpp", f"specdecpp.head={s['acceptance']}"),
+    "decode_judge": lambda s, o: _decode(s, o, "policy=judge", "judge.k=3", f"judge.head={s['judge']}"),
+    "decode_eagle_sd": lambda s, o: _decode(s, o, "policy=sd", "sd.k=3", f"eagle={s['eagle']}", draft=False),
+    "decode_eagle_sampled": lambda s, o: _decode(
+        s, o, "policy=sd", "sd.k=3", f"eagle={s['eagle']}", "sampling.do_sample=true", draft=False
+    ),
+    "decode_eagle_stop_head": lambda s, o: _decode(
+        s, o, "policy=specdecpp", f"specdecpp.head={s['stop']}", f"eagle={s['eagle']}", draft=False
+    ),
+    "decode_eagle_verifier": lambda s, o: _decode(
+        s, o, "policy=sprinter", f"sprinter.head={s['verifier']}", f"eagle={s['eagle']}", draft=False
+    ),
+    "eval_eagle_fidelity": lambda s, o: _eval(s, o, f"eagle={s['eagle']}", "ks=[2]"),
+    "datagen_acceptance": lambda s, o: _datagen(s, o, "labels=acceptance", "sampling.do_sample=true"),
+    "datagen_fsd": lambda s, o: _datagen(s, o, "labels=fsd"),
+    "datagen_sprinter": lambda s, o: _datagen(s, o, "labels=sprinter", "sampling.do_sample=false", "chunk_size=4"),
+    "datagen_judge": lambda s, o: _datagen(s, o, "labels=judge", f"judge.tuples={s['tuples']}", "prompts=''"),
+    "datagen_judge_mining": lambda s, o: _datagen(
+        s, o, "labels=judge", "judge.mining=swap", "judge.checker=exact", "chat_template=false"
+    ),
+    "datagen_judge_mining_eagle": lambda s, o: _datagen(
+        s,
+        o,
+        "labels=judge",
+        "judge.mining=swap",
+        "judge.checker=exact",
+        "chat_template=false",
+        f"judge.mine_eagle={s['eagle']}",
+        draft=False,
+    ),
+    "datagen_drafter": lambda s, o: _datagen(s, o, "labels=drafter", "drafter.layers=[1,3]", draft=False),
+    "datagen_eagle_rounds": lambda s, o: _datagen(
+        s, o, "labels=eagle_rounds", f"eagle_rounds.head={s['eagle']}", "eagle_rounds.k=3", draft=False
+    ),
+}
+
+
+def run_path(name: str, s: dict, out: Path, gpus: int = 2) -> int:
+    """Runs path ``name`` on ``gpus`` virtual GPUs; returns the number of operations checked (raises
+    :class:`~specheads.runtime.virtual_devices.DeviceMismatch` on the first that mixes devices)."""
+    from specheads.runtime.virtual_devices import VirtualGPUs
+
+    torch.manual_seed(0)
+    with VirtualGPUs(gpus) as vg:
+        PATHS[name](s, out)
+    return sum(vg.ops.values())

@@ -1,0 +1,91 @@
+"""The device sanitizer (specheads.runtime.virtual_devices) and every path of a target split over two virtual GPUs
+(tests/device_paths.py): an operation that mixes devices fails with the operation and both devices named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_llama
+
+from specheads.runtime.virtual_devices import DeviceMismatch, VirtualGPUs, device_of
+
+
+def test_a_split_model_computes_what_the_whole_one_does_and_gives_its_logits_on_the_last_gpu():
+    model = tiny_llama(40, layers=4)
+    ids = torch.tensor([[1, 5, 7, 9]])
+    whole = model(ids).logits
+    with VirtualGPUs(2) as vg:
+        placed = vg.split(model)
+        out = model(ids.to("cuda:0")).logits
+        assert out.device == torch.device("cuda", 1) and torch.equal(out.cpu(), whole)
+        assert placed["model.embed_tokens"].index == 0 and placed["lm_head"].index == 1
+        assert sum(vg.ops.values()) > 100 and vg.moves >= 2
+
+
+def test_mixing_two_gpus_fails_naming_the_op_and_both_devices():
+    with VirtualGPUs(2):
+        a, b = torch.zeros(3, device="cuda:0"), torch.ones(3, device="cuda:1")
+        for op, call in (("Tensor.add", lambda: a + b), ("torch.cat", lambda: torch.cat([a, b]))):
+            with pytest.raises(DeviceMismatch, match=rf"{op} mixes devices cuda:0 .*, cuda:1"):
+                call()
+        with pytest.raises(DeviceMismatch, match="__getitem__"):
+            a[torch.tensor([0]).to("cuda:1")]  # a GPU index on another GPU
+        with pytest.raises(DeviceMismatch, match="numpy"):
+            a.numpy()
+        g = torch.Generator(device="cuda:1")
+        with pytest.raises(DeviceMismatch, match="generator"):
+            torch.rand(2, generator=g)  # a CUDA generator cannot draw into a CPU tensor
+        # what PyTorch allows on GPUs: CPU scalars and CPU index tensors, copies across devices
+        assert (a + torch.tensor(2.0)).device == a.device and a[torch.tensor([1])].device == a.device
+        assert device_of(b.to(a.device)) == a.device and a.copy_(b).device == a.device
+        assert torch.rand(2, generator=g, device=g.device).device == g.device
+
+
+def test_outside_the_mode_nothing_changes():
+    with VirtualGPUs(2):
+        x = torch.zeros(2, device="cuda:1")
+    assert x.device.type == "cpu" and not torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    import device_paths
+
+    return device_paths.build(tmp_path_factory.mktemp("devices"))
+
+
+def _paths():
+    import device_paths
+
+    return sorted(device_paths.PATHS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _paths())
+def test_every_path_of_a_split_target_keeps_its_devices(name, built, tmp_path):
+    """Each path failed before its fix (decode_eagle_*: the head's states came from the last GPU, issue 59 item 1;
+    decode_eagle_stop_head / _verifier: those heads sat on the last GPU, item 2)."""
+    import device_paths
+
+    assert device_paths.run_path(name, built, tmp_path / name) > 1000
+
+
+@pytest.mark.slow
+def test_a_reverted_device_fix_is_caught(built, tmp_path, monkeypatch):
+    """Item 1 reverted (the drafter keeps the target's states where they came out): the sanitizer names the op."""
+    import device_paths
+
+    from specheads.export.shim.loop.eagle_drafter import EagleDrafter
+
+    def unmoved(self, seq, new, kept):
+        v = self.verifier
+        if v.forwards == self.passes or v.aux_states is None:
+            return
+        self.passes = v.forwards
+        usable = len(seq) - 1 - v.aux_start
+        if usable > 0:
+            self.pending.append((v.aux_start, v.aux_states[:usable]))
+
+    monkeypatch.setattr(EagleDrafter, "commit", unmoved)
+    with pytest.raises(DeviceMismatch, match="linear mixes devices cuda:1 .*, cuda:0"):
+        device_paths.run_path("decode_eagle_sd", built, tmp_path / "x")
