@@ -51,7 +51,9 @@ def _policy_head(
         pair=pair,
         sampling=sampling or SamplingConfig(),
         strict=strict,
-        device=model.output_device,  # where the states it reads come out (a split target: its last GPU)
+        # where the states it reads are: the EAGLE head's (it sits on the target's input GPU), else where the
+        # model's final states come out (a split target's last GPU)
+        device=model.device if drafts else model.output_device,
     )
     dtype = next(eagle.module.parameters()).dtype if drafts else model.model.dtype
     return LoadedHead(loaded.module.to(dtype), loaded.metadata)

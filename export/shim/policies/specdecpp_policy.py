@@ -164,7 +164,7 @@ class SpecDecPP(_Gated):
             return True
         s = rnd.state
         if n > self.lag:  # own: the state returned with y_n belongs to y_{n-1}; the head has the draft's dtype
-            state = rnd.draft_hidden[n - 1]
+            state = rnd.draft_hidden[n - 1].to(next(self.head.parameters()).device)  # a split target's GPU
             if self.stateless:
                 state = state[..., :0]
             if self.with_confidence:

@@ -117,6 +117,7 @@ class Sprinter(Policy):
             if self.embedding is not None:
                 x = torch.cat([x, self.embedding(rnd.tokens[j].view(1))[0].to(x.dtype)])
         self.verifier_calls += 1
+        x = x.to(next(self.head.parameters()).device)  # the head's device: a split target's states may be elsewhere
         return float(torch.sigmoid(self.head(x).float()).reshape(()))
 
     def stop_drafting(self, rnd: Round) -> bool:
