@@ -1,0 +1,116 @@
+"""Device checks on the CPU: every path of a target split over two virtual GPUs (specheads.runtime.virtual_devices,
+tests/device_paths.py) with the number of operations checked, each device fix reverted and caught, the
+multi-process runs where bench/device_check_multiprocess.py is present, and whether bench/gpu_smoke.sh ran on a GPU.
+
+    python bench/device_check.py            # table; writes bench/results/device_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "bench")]
+
+
+def _unmoved_commit(self, seq, new, kept):
+    """Item 1 reverted: the drafter keeps the target's states on the GPU they came out on."""
+    v = self.verifier
+    if v.forwards == self.passes or v.aux_states is None:
+        return
+    self.passes = v.forwards
+    usable = len(seq) - 1 - v.aux_start
+    if usable > 0:
+        self.pending.append((v.aux_start, v.aux_states[:usable]))
+
+
+def reverts():
+    """fix -> (what puts the bug back, the path that must then fail)."""
+    from specheads.export import policy_factory
+    from specheads.export.shim.loop.eagle_drafter import EagleDrafter
+    from specheads.export.shim.runners.models import LoadedModel
+
+    real = policy_factory.load_head
+
+    def on_last_gpu(path, pair=None, **kw):  # item 2 reverted: the stop head on the output GPU
+        kw["device"] = LoadedModel.output_device.fget(pair.target)
+        return real(path, pair=pair, **kw)
+
+    return {
+        "1_eagle_states_to_head_gpu": (mock.patch.object(EagleDrafter, "commit", _unmoved_commit), "decode_eagle_sd"),
+        "2_stop_head_on_eagle_gpu": (
+            mock.patch.object(policy_factory, "load_head", on_last_gpu),
+            "decode_eagle_stop_head",
+        ),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "bench/results/device_check.json"))
+    args = ap.parse_args(argv)
+    import device_paths
+
+    from specheads.runtime.virtual_devices import DeviceMismatch
+
+    work = Path(tempfile.mkdtemp(prefix="device-check-"))
+    s = device_paths.build(work / "setup")
+    paths = {}
+    for name in sorted(device_paths.PATHS):
+        t = time.perf_counter()
+        try:
+            n, ok, err = device_paths.run_path(name, s, work / name), True, None
+        except Exception as e:  # a failing path is a result to record
+            n, ok, err = 0, False, f"{type(e).__name__}: {str(e)[:200]}"
+        paths[name] = {"ops_checked": n, "pass": ok, "seconds": round(time.perf_counter() - t, 1), "error": err}
+        print(f"{'PASS' if ok else 'FAIL'}  {name:28s} {n:7d} ops  {paths[name]['seconds']:5.1f} s  {err or ''}")
+    caught = {}
+    for fix, (patch, name) in reverts().items():
+        with patch:
+            try:
+                device_paths.run_path(name, s, work / f"revert-{fix}")
+                caught[fix] = {"caught": False, "path": name}
+            except DeviceMismatch as e:
+                caught[fix] = {"caught": True, "path": name, "error": str(e)}
+        print(f"revert {fix:30s} caught={caught[fix]['caught']}  {caught[fix].get('error', '')}")
+    multi = None
+    if (ROOT / "bench/device_check_multiprocess.py").exists():
+        import device_check_multiprocess
+
+        multi = device_check_multiprocess.run(work / "multiprocess")
+    smoke = ROOT / "bench/results/gpu_smoke.md"
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    result = {
+        "commit": commit,
+        "cpu": _cpu_model(),
+        "sanitizer_paths": paths,
+        "reverted_fixes_caught": caught,
+        "multiprocess": multi,
+        "gpu_smoke": {
+            "ran_in_this_change": False,
+            "why": "no GPU machine was lent to this session (device status: not drawn)",
+            "last_record": smoke.read_text().splitlines()[0] if smoke.exists() else None,
+        },
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{sum(p['pass'] for p in paths.values())}/{len(paths)} paths pass -> {args.out}")
+    return 0 if all(p["pass"] for p in paths.values()) and all(c["caught"] for c in caught.values()) else 1
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
