@@ -110,6 +110,8 @@ class SpecDecPP(_Gated):
         super().__init__(s.k_max)
         self.gate = DraftGate(costs) if s.gate else None
         self.head, self.threshold, self.k_min = head, s.h, s.k_min
+        # the head's device: a split target's states may come out on another GPU
+        self._device = next(head.parameters()).device if isinstance(head, torch.nn.Module) else None
         self.with_confidence = bool(getattr(head, "confidence", False))  # the head also reads log q(y)
         self.signals = tuple(getattr(head, "signals", ()))  # and these of the distribution y was drawn from
         self.stateless = getattr(head, "hidden_size", None) == 0  # a calibration of q(y): no state read
@@ -164,7 +166,7 @@ class SpecDecPP(_Gated):
             return True
         s = rnd.state
         if n > self.lag:  # own: the state returned with y_n belongs to y_{n-1}; the head has the draft's dtype
-            state = rnd.draft_hidden[n - 1].to(next(self.head.parameters()).device)  # a split target's GPU
+            state = rnd.draft_hidden[n - 1].to(self._device)
             if self.stateless:
                 state = state[..., :0]
             if self.with_confidence:

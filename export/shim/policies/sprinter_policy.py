@@ -80,6 +80,8 @@ class Sprinter(Policy):
         max_run = s.max_run
         super().__init__(1 << 30 if max_run is None else max_run + 1 + (feature == "current"))
         self.head, self.eta, self.max_run, self.feature, self.embedding = head, s.eta, max_run, feature, embedding
+        # the head's device: a split target's states may come out on another GPU
+        self._device = next(head.parameters()).device if isinstance(head, torch.nn.Module) else None
         self.lag = 1 if feature == "current" else 0
         self.verifier_calls = 0  # this prompt's
         self.decisions: list[tuple[int, int, bool]] = []  # this prompt's (position, token, approved)
@@ -117,7 +119,7 @@ class Sprinter(Policy):
             if self.embedding is not None:
                 x = torch.cat([x, self.embedding(rnd.tokens[j].view(1))[0].to(x.dtype)])
         self.verifier_calls += 1
-        x = x.to(next(self.head.parameters()).device)  # the head's device: a split target's states may be elsewhere
+        x = x.to(self._device)
         return float(torch.sigmoid(self.head(x).float()).reshape(()))
 
     def stop_drafting(self, rnd: Round) -> bool:
