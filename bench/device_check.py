@@ -15,42 +15,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "bench")]
-
-
-def _unmoved_commit(self, seq, new, kept):
-    """Item 1 reverted: the drafter keeps the target's states on the GPU they came out on."""
-    v = self.verifier
-    if v.forwards == self.passes or v.aux_states is None:
-        return
-    self.passes = v.forwards
-    usable = len(seq) - 1 - v.aux_start
-    if usable > 0:
-        self.pending.append((v.aux_start, v.aux_states[:usable]))
-
-
-def reverts():
-    """fix -> (what puts the bug back, the path that must then fail)."""
-    from specheads.export import policy_factory
-    from specheads.export.shim.loop.eagle_drafter import EagleDrafter
-    from specheads.export.shim.runners.models import LoadedModel
-
-    real = policy_factory.load_head
-
-    def on_last_gpu(path, pair=None, **kw):  # item 2 reverted: the stop head on the output GPU
-        kw["device"] = LoadedModel.output_device.fget(pair.target)
-        return real(path, pair=pair, **kw)
-
-    return {
-        "1_eagle_states_to_head_gpu": (mock.patch.object(EagleDrafter, "commit", _unmoved_commit), "decode_eagle_sd"),
-        "2_stop_head_on_eagle_gpu": (
-            mock.patch.object(policy_factory, "load_head", on_last_gpu),
-            "decode_eagle_stop_head",
-        ),
-    }
 
 
 def main(argv=None) -> int:
@@ -73,7 +40,7 @@ def main(argv=None) -> int:
         paths[name] = {"ops_checked": n, "pass": ok, "seconds": round(time.perf_counter() - t, 1), "error": err}
         print(f"{'PASS' if ok else 'FAIL'}  {name:28s} {n:7d} ops  {paths[name]['seconds']:5.1f} s  {err or ''}")
     caught = {}
-    for fix, (patch, name) in reverts().items():
+    for fix, (patch, name, _) in device_paths.reverts().items():
         with patch:
             try:
                 device_paths.run_path(name, s, work / f"revert-{fix}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -190,6 +191,44 @@ PATHS: dict[str, Callable[[dict, Path], None]] = {
         s, o, "labels=eagle_rounds", f"eagle_rounds.head={s['eagle']}", "eagle_rounds.k=3", draft=False
     ),
 }
+
+
+def _unmoved_commit(self, seq, new, kept):
+    """Item 1 reverted: the drafter keeps the target's states on the GPU they came out on."""
+    v = self.verifier
+    if v.forwards == self.passes or v.aux_states is None:
+        return
+    self.passes = v.forwards
+    usable = len(seq) - 1 - v.aux_start
+    if usable > 0:
+        self.pending.append((v.aux_start, v.aux_states[:usable]))
+
+
+def reverts():
+    """Each device fix reverted: fix -> (a patch that puts the bug back, the path that must then fail, the
+    sanitizer's message it fails with, a regex)."""
+    from specheads.export import policy_factory
+    from specheads.export.shim.loop.eagle_drafter import EagleDrafter
+    from specheads.export.shim.runners.models import LoadedModel
+
+    real = policy_factory.load_head
+
+    def on_last_gpu(path, pair=None, **kw):  # item 2 reverted: the stop head on the output GPU
+        kw["device"] = LoadedModel.output_device.fget(pair.target)
+        return real(path, pair=pair, **kw)
+
+    return {
+        "1_eagle_states_to_head_gpu": (
+            mock.patch.object(EagleDrafter, "commit", _unmoved_commit),
+            "decode_eagle_sd",
+            r"linear mixes devices cuda:1 .*, cuda:0",
+        ),
+        "2_stop_head_on_eagle_gpu": (
+            mock.patch.object(policy_factory, "load_head", on_last_gpu),
+            "decode_eagle_stop_head",
+            r"mixes devices cuda:1 .*, cuda:0",
+        ),
+    }
 
 
 def run_path(name: str, s: dict, out: Path, gpus: int = 2) -> int:

@@ -70,22 +70,19 @@ def test_every_path_of_a_split_target_keeps_its_devices(name, built, tmp_path):
     assert device_paths.run_path(name, built, tmp_path / name) > 1000
 
 
-@pytest.mark.slow
-def test_a_reverted_device_fix_is_caught(built, tmp_path, monkeypatch):
-    """Item 1 reverted (the drafter keeps the target's states where they came out): the sanitizer names the op."""
+def _reverts():
     import device_paths
 
-    from specheads.export.shim.loop.eagle_drafter import EagleDrafter
+    return sorted(device_paths.reverts())
 
-    def unmoved(self, seq, new, kept):
-        v = self.verifier
-        if v.forwards == self.passes or v.aux_states is None:
-            return
-        self.passes = v.forwards
-        usable = len(seq) - 1 - v.aux_start
-        if usable > 0:
-            self.pending.append((v.aux_start, v.aux_states[:usable]))
 
-    monkeypatch.setattr(EagleDrafter, "commit", unmoved)
-    with pytest.raises(DeviceMismatch, match="linear mixes devices cuda:1 .*, cuda:0"):
-        device_paths.run_path("decode_eagle_sd", built, tmp_path / "x")
+@pytest.mark.slow
+@pytest.mark.parametrize("fix", _reverts())
+def test_a_reverted_device_fix_is_caught(fix, built, tmp_path):
+    """Each device fix reverted (item 1: the drafter keeps the target's states where they came out; item 2: the
+    stop head sits on the last GPU): the sanitizer names the op and both devices."""
+    import device_paths
+
+    patch, path, message = device_paths.reverts()[fix]
+    with patch, pytest.raises(DeviceMismatch, match=message):
+        device_paths.run_path(path, built, tmp_path / "x")
