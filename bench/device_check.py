@@ -58,9 +58,13 @@ def main(argv=None) -> int:
     result = {
         "commit": commit,
         "cpu": _cpu_model(),
+        "paths_passing": sum(p["pass"] for p in paths.values()),
+        "paths": len(paths),
+        "reverted_fixes_all_caught": all(c["caught"] for c in caught.values()),
         "sanitizer_paths": paths,
         "reverted_fixes_caught": caught,
         "multiprocess": multi,
+        "table": [{"path": k, **{f: v[f] for f in ("ops_checked", "pass", "seconds")}} for k, v in paths.items()],
         "gpu_smoke": {
             "ran_in_this_change": False,
             "why": "no GPU machine was lent to this session (device status: not drawn)",
