@@ -162,3 +162,19 @@ def test_propose_reads_vllms_rows(dirs):
     out = proposer.propose([[26]], np.array([11]), ids[:1])
     assert len(out[0]) == 0  # 11 tokens of 12: no room for a candidate and the target's own token
     assert proposer.stats["calls"] == 2 and proposer.stats["rows"] == 2
+
+
+def test_the_profiler_reads_its_clock_after_the_gpus_queued_work(monkeypatch):
+    """On CUDA a forward returns before its kernels finish: every clock the vLLM cost profiler reads (a draft
+    forward's start and end, a step's) comes after a synchronize of the draft's device."""
+    from specheads.vllm import profile
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(("sync", str(device))))
+    monkeypatch.setattr(profile.time, "perf_counter", lambda: events.append(("clock", None)) or float(len(events)))
+    p = profile.Profiler.__new__(profile.Profiler)
+    p.core = SimpleNamespace(runner=SimpleNamespace(device=torch.device("cuda", 1)))
+    p._clock()
+    p.core.runner.device = torch.device("cpu")  # a CPU runs eagerly: nothing to wait for
+    p._clock()
+    assert events == [("sync", "cuda:1"), ("clock", None), ("clock", None)]

@@ -30,7 +30,7 @@ from specheads.export.shim.core.sampling import (
     usable_logits,
 )
 from specheads.export.shim.core.stats import COUNTS, GenerationStats
-from specheads.export.shim.costs.cost_profile import batch_sizes
+from specheads.export.shim.costs.cost_profile import batch_sizes, sync_device
 from specheads.export.shim.costs.cost_rules import predict_ms_per_token
 from specheads.export.shim.costs.cost_table import PROFILES, CostTable, cost_table, load_table
 from specheads.export.shim.loop.engine import Engine
@@ -171,6 +171,7 @@ __all__ = [
     "cost_table",
     "load_table",
     "batch_sizes",
+    "sync_device",
     "predict_ms_per_token",
     # batching
     "BatchEngine",

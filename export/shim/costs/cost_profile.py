@@ -21,8 +21,9 @@ REPS = 15
 WARMUP = 2
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
+def sync_device(device: torch.device) -> None:
+    """Waits for ``device``'s queued work (a CUDA device; a CPU runs eagerly): read a clock only after it."""
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 
@@ -61,10 +62,10 @@ def measure(
 
     def once(runner, k: int) -> float:
         ids = tokens[:, :k].to(runner.device)
-        _sync(runner.device)
+        sync_device(runner.device)
         start = time.perf_counter()
         logits, _ = runner.forward(ids, n_logits=k)
-        _sync(logits.device)  # the last shard's device, for a model split over several
+        sync_device(logits.device)  # the last shard's device, for a model split over several
         elapsed = time.perf_counter() - start
         runner.trim(prefix_tokens)
         return 1000 * elapsed
@@ -129,10 +130,10 @@ def measure_batches(
     tokens = torch.randint(3, max(vocab, 4), (top, max_pass), generator=gen).tolist()
 
     def once(runner, b: int, k: int) -> float:
-        _sync(runner.device)
+        sync_device(runner.device)
         start = time.perf_counter()
         out = runner.forward({r: tokens[r][:k] for r in range(b)}, {r: k for r in range(b)})
-        _sync(out[0][0].device)
+        sync_device(out[0][0].device)
         elapsed = time.perf_counter() - start
         for r in range(b):
             runner.trim(r, prefix_tokens)
