@@ -111,7 +111,7 @@ class SpecDecPP(_Gated):
         self.gate = DraftGate(costs) if s.gate else None
         self.head, self.threshold, self.k_min = head, s.h, s.k_min
         # the head's device: a split target's states may come out on another GPU
-        self._device = next(head.parameters()).device if isinstance(head, torch.nn.Module) else None
+        self._device = next((p.device for p in head.parameters()), None) if isinstance(head, torch.nn.Module) else None
         self.with_confidence = bool(getattr(head, "confidence", False))  # the head also reads log q(y)
         self.signals = tuple(getattr(head, "signals", ()))  # and these of the distribution y was drawn from
         self.stateless = getattr(head, "hidden_size", None) == 0  # a calibration of q(y): no state read

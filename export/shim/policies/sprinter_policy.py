@@ -81,7 +81,7 @@ class Sprinter(Policy):
         super().__init__(1 << 30 if max_run is None else max_run + 1 + (feature == "current"))
         self.head, self.eta, self.max_run, self.feature, self.embedding = head, s.eta, max_run, feature, embedding
         # the head's device: a split target's states may come out on another GPU
-        self._device = next(head.parameters()).device if isinstance(head, torch.nn.Module) else None
+        self._device = next((p.device for p in head.parameters()), None) if isinstance(head, torch.nn.Module) else None
         self.lag = 1 if feature == "current" else 0
         self.verifier_calls = 0  # this prompt's
         self.decisions: list[tuple[int, int, bool]] = []  # this prompt's (position, token, approved)
