@@ -188,6 +188,58 @@ def test_gguf_target_tensors_are_transformers_dequantised_ones():
     assert checkpoint.bytes_read / checkpoint.bytes_total < 0.5
 
 
+def test_a_hub_target_fetches_only_the_shards_holding_its_tensors(tokenizer, tmp_path, monkeypatch):
+    """A Hub id (offline, its config in a Hub cache of the test's own; huggingface_hub.hf_hub_download a stand-in
+    serving a local sharded checkpoint into that cache): only the index and the shards that hold the embeddings,
+    final norm, output layer and last layer are fetched, from the cache alone, at the revision asked for; the
+    tensors are the model's and no model is built."""
+    import shutil
+
+    import huggingface_hub
+    import transformers
+
+    from specheads.runtime import checkpoint_tensors
+
+    model = tiny_llama(len(tokenizer), seed=5, layers=4)
+    src = tmp_path / "src"
+    model.save_pretrained(src, max_shard_size="20KB")
+    where = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    repo, commit = "acme/tiny-target", "a" * 40
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--acme--tiny-target" / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (cache / "models--acme--tiny-target" / "refs").mkdir()
+    (cache / "models--acme--tiny-target" / "refs" / "v1").write_text(commit)
+    shutil.copy(src / "config.json", snapshot)
+    fetched = []
+
+    def download(repo_id, filename, revision=None, local_files_only=False, **kwargs):
+        assert (repo_id, revision, local_files_only) == (repo, "v1", True)
+        fetched.append(filename)
+        shutil.copy(src / filename, snapshot / filename)
+        return str(snapshot / filename)
+
+    def refuse(*a, **k):
+        raise AssertionError("the whole target was built")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(checkpoint_tensors, "load_model", refuse)
+    checkpoint = TargetCheckpoint(ModelSpec(path=repo, revision="v1", device="cpu", dtype="float32"))
+    assert checkpoint.fingerprint.startswith(f"hub:{repo}@")
+    ids = [7, 0, 3, 4, 5, 30, 12]
+    got, want = checkpoint.tensors(ids), from_model(model, ids)
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+    last = f"model.layers.{model.config.num_hidden_layers - 1}."
+    needed = {f for name, f in where.items() if name.startswith(last) or not name.startswith("model.layers.")}
+    assert fetched[0] == "model.safetensors.index.json" and sorted(fetched[1:]) == sorted(needed)
+    assert len(needed) < len(set(where.values()))  # some shards are never fetched
+
+
 def eagle_args(pair_dirs, data, out, *extra):
     return [
         f"data_dir={data}",
@@ -245,6 +297,32 @@ def draft_args(pair_dirs, data, out, *extra):
         "patience=2",
         *extra,
     ]
+
+
+def test_draft_truncation_reads_only_the_tensors_it_copies(drafter_dir, tiny_pair_dirs, tmp_path, monkeypatch):
+    """head=draft draft_init=truncate:1 never loads the whole target (a shell without weights gives its config,
+    tokenizer and fingerprint): the draft's embeddings, first layer, final norm and output layer are the
+    target's tensors, read alone from its checkpoint."""
+    import transformers
+
+    from specheads.runtime.target_shell import load_shell
+    from specheads.train.distill_model import truncated
+
+    target = load_model(ModelSpec(path=str(tiny_pair_dirs[0]), device="cpu", dtype="float32"), "target").model
+    want = {k: v for k, v in target.state_dict().items() if ".layers." not in k or ".layers.0." in k}
+
+    def refuse(*a, **k):
+        raise AssertionError("head=draft loaded the whole target")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    out = tmp_path / "draft"
+    assert train_main(draft_args(tiny_pair_dirs, drafter_dir, out, "epochs=1")) == 0
+    assert json.loads((out / "draft" / "config.json").read_text())["num_hidden_layers"] == 1
+    draft = truncated(load_shell(ModelSpec(path=str(tiny_pair_dirs[0]), device="cpu")), 1)
+    got = draft.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
 
 
 def _same_drafts(a, b, atol):

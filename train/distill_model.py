@@ -2,7 +2,8 @@
 
 The draft is a plain Hugging Face causal LM of the target's architecture and vocabulary. It starts
 from ``draft_init``: ``truncate:N`` (the target's embeddings, first ``N`` decoder layers, final norm and
-output layer, nothing trained: the usual way to start a draft from its target) or a model directory
+output layer, nothing trained: the usual way to start a draft from its target; only those tensors are read
+from the target's checkpoint, never the whole model) or a model directory
 (e.g. an earlier draft) to continue from. :class:`DraftLM` wraps it for the training loop: one forward
 over prompt + response, the output layer only at the scored positions (all of it, or a pruned subset).
 The best epoch is written by :func:`save_draft` as a standard model directory (``config.json``,
@@ -13,6 +14,8 @@ generation and vLLM's ``draft_model`` load as they are, with ``specheads.json`` 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -22,6 +25,9 @@ import torch
 from specheads.errors import UserError
 from specheads.export.shim import ModelSpec, check_same_vocab, load_model, unroute
 from specheads.outputs import atomic_write_json
+from specheads.runtime.checkpoint_tensors import TargetCheckpoint
+
+log = logging.getLogger(__name__)
 
 META = "specheads.json"
 VOCAB = "vocab.json"  # a pruned draft's subset (heads-vocab format)
@@ -66,15 +72,17 @@ def parse_init(value: str | None) -> tuple[str, int | str | None]:
     return "path", value
 
 
-def truncated(target: torch.nn.Module, n: int) -> torch.nn.Module:
-    """A fresh model of ``target``'s architecture with its first ``n`` decoder layers and everything outside
-    the decoder stack (embeddings, final norm, output layer) copied; fp32, on the CPU."""
-    have = target.config.num_hidden_layers
+def truncated(target, n: int) -> torch.nn.Module:
+    """A fresh model of the target's architecture with its first ``n`` decoder layers and everything outside
+    the decoder stack (embeddings, final norm, output layer) copied; fp32, on the CPU. ``target``: a
+    ``LoadedModel``, e.g. without its weights (``specheads.runtime.target_shell``): only the tensors copied
+    are read from its checkpoint, by name (:class:`~specheads.runtime.checkpoint_tensors.TargetCheckpoint`)."""
+    have = target.model.config.num_hidden_layers
     if n > have:
         raise UserError(f"draft_init=truncate:{n} but the target has {have} decoder layers; choose N <= {have}")
     from transformers import AutoModelForCausalLM
 
-    cfg = copy.deepcopy(target.config)
+    cfg = copy.deepcopy(target.model.config)
     cfg.num_hidden_layers = n
     if isinstance(getattr(cfg, "layer_types", None), list):
         cfg.layer_types = cfg.layer_types[:n]
@@ -82,32 +90,27 @@ def truncated(target: torch.nn.Module, n: int) -> torch.nn.Module:
     if hasattr(cfg, "quantization_config"):  # a GGUF target's: the copied weights are plain fp32
         del cfg.quantization_config
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    keep = {}
-    for k, v in target.state_dict().items():
-        parts = k.split(".")
-        if "layers" in parts:
-            i = parts.index("layers")
-            if i + 1 < len(parts) and parts[i + 1].isdigit() and int(parts[i + 1]) >= n:
-                continue
-        keep[k] = v.detach().float().cpu().clone()
-    missing, unexpected = model.load_state_dict(keep, strict=False)
     tied = {"lm_head.weight"} if getattr(cfg, "tie_word_embeddings", False) else set()
+    checkpoint = TargetCheckpoint(dataclasses.replace(target.spec, dtype="auto"), "target")
+    keep = checkpoint.named([k for k in model.state_dict() if k not in tied])
+    log.info("truncate:%d: %.1f MB of the target's checkpoint read", n, checkpoint.bytes_read / 1e6)
+    missing, unexpected = model.load_state_dict(keep, strict=False)  # cast to the draft's fp32
     if set(missing) - tied or unexpected:
         raise UserError(
-            f"cannot truncate {type(target).__name__}: weights missing {sorted(missing)[:3]}, "
+            f"cannot truncate {type(model).__name__}: weights missing {sorted(set(missing) - tied)[:3]}, "
             f"unexpected {sorted(unexpected)[:3]}; start from a model directory (draft_init=<dir>)"
         )
     model.tie_weights()
-    model.generation_config = copy.deepcopy(target.generation_config)
+    model.generation_config = copy.deepcopy(target.model.generation_config)
     return model
 
 
 def initial_draft(cfg, target) -> tuple[torch.nn.Module, object, dict]:
     """The draft ``cfg.draft_init`` names (fp32, trainable), the tokenizer its directory will hold and a
-    record of where it came from. ``target`` is the loaded target (a ``LoadedModel``)."""
+    record of where it came from. ``target``: a ``LoadedModel``, its weights not needed (see :func:`truncated`)."""
     kind, arg = parse_init(cfg.draft_init)
     if kind == "truncate":
-        model = truncated(target.model, arg)
+        model = truncated(target, arg)
         tok, source = (
             target.tokenizer,
             {"draft_init": f"truncate:{arg}", "from": target.name, "from_fingerprint": target.fingerprint},

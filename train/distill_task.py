@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim import eos_ids, load_model, subset_hash
+from specheads.export.shim import eos_ids, subset_hash
 from specheads.outputs import atomic_write_json
+from specheads.runtime.target_shell import load_shell
 from specheads.train import distill as D
 from specheads.train import distill_model as M
 from specheads.train import eagle_data as E
@@ -86,9 +87,9 @@ class DraftTask:
         dirs = manifest.get("data_dirs") or [cfg.data_dir]
         data = DrafterData(dirs, states=False)
         spec = copy.deepcopy(cfg.target)
-        spec.device = "cpu"  # read once, for its weights (truncate:N), tokenizer and fingerprint
+        spec.device = "cpu"  # no weights: its config, tokenizer and fingerprint (truncate:N reads its layers alone)
         with zero.unpartitioned(acc):  # whole models: ZeRO-3 partitions the draft when prepared
-            target = load_model(spec, "target")
+            target = load_shell(spec)
         if target.fingerprint != manifest["target"]["fingerprint"]:
             raise UserError(
                 f"target {target.name!r} (fingerprint {target.fingerprint}) is not the target the data was "
