@@ -351,6 +351,38 @@ def test_deepspeed_zero3_training_resumes_to_the_same_head(tiny_pair_dirs, label
     _deepspeed_resumes(tiny_pair_dirs, labelled, tmp_path, "deepspeed_zero3")
 
 
+@pytest.mark.parametrize(
+    "processes, device, want",
+    [(8, "cuda:0", "cuda:3"), (8, "cuda", "cuda:3"), (8, "auto", "cuda:3"), (8, "cpu", "cpu"), (1, "cuda:1", "cuda:1")],
+)
+def test_each_process_loads_the_draft_on_its_own_device(processes, device, want, caplog, monkeypatch):
+    """Under accelerate launch (here rank 3 of 8, faked) a recipe's draft.device=cuda:0 would put every rank's
+    draft on GPU 0: the draft goes to the process's own device, with a warning; cpu, and any device named for
+    one process, are kept."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from specheads.train import draft as draft_module
+    from specheads.train.config import TrainConfig
+
+    class Loaded(Exception):
+        pass
+
+    def load_model(spec, role):
+        raise Loaded(spec.device)
+
+    monkeypatch.setattr(draft_module, "load_model", load_model)
+    device_of_rank = torch.device("cuda", 3 if processes > 1 else 0)
+    acc = SimpleNamespace(num_processes=processes, device=device_of_rank, distributed_type=DistributedType.MULTI_GPU)
+    cfg = TrainConfig()
+    cfg.draft.device = device
+    with pytest.raises(Loaded) as loaded:
+        draft_module.load_draft(cfg, acc, {})
+    assert loaded.value.args == (want,)
+    assert ("its own device cuda:3" in caplog.text) == (device.startswith("cuda") and processes > 1)
+
+
 def test_expected_label_features_come_from_the_targets_own_prefix():
     """1 - TV(p_i, q_i) belongs to the state that produced q_i in datagen: the draft on c, x_<i
     (no token mixing, a loss at every position); the soft label's inputs are mixed."""

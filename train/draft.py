@@ -32,9 +32,29 @@ class Draft:
     fingerprint: str
 
 
+def draft_device(requested: str, acc) -> str:
+    """Where this process's draft goes: ``auto`` is the process's own device (accelerate's ``acc.device``). With
+    several processes a GPU the recipe names (``cuda``, ``cuda:0``) is the process's own too, with a warning: one
+    setting is every process's, and every copy of the draft on one GPU is never what a launch means. ``cpu``
+    and, with one process, any device named are kept."""
+    if requested == "auto":
+        return str(acc.device)
+    if acc.num_processes > 1 and requested.startswith("cuda") and requested != str(acc.device):
+        log.warning(
+            "draft.device=%s under %d processes: this process's draft goes to its own device %s "
+            "(draft.device=auto says so without this warning)",
+            requested,
+            acc.num_processes,
+            acc.device,
+        )
+        return str(acc.device)
+    return requested
+
+
 def load_draft(cfg: TrainConfig, acc, manifest: dict) -> Draft:
-    """Loads ``cfg.draft`` (whole, also under ZeRO-3) and checks it is the draft the data was labelled with."""
-    cfg.draft.device = str(acc.device) if cfg.draft.device == "auto" else cfg.draft.device
+    """Loads ``cfg.draft`` (whole, also under ZeRO-3) on this process's device (:func:`draft_device`) and
+    checks it is the draft the data was labelled with."""
+    cfg.draft.device = draft_device(cfg.draft.device, acc)
     with zero.unpartitioned(acc):
         draft = load_model(cfg.draft, "draft")
     if draft.fingerprint != manifest["draft"]["fingerprint"]:
