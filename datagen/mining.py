@@ -41,7 +41,7 @@ from specheads.datagen.mining_search import Budget, Mark, Search, _groups
 from specheads.dataset import JudgeChunkFiles
 from specheads.engines import engine_of
 from specheads.errors import UserError
-from specheads.export.shim import SamplingConfig, batch_generate
+from specheads.export.shim import AuxCapture, SamplingConfig, batch_generate
 from specheads.heads.eagle_head import unrolled_kept, unrolled_step
 from specheads.prompt_spec import budget_problems
 from specheads.runtime.states import logits_at
@@ -91,11 +91,12 @@ def greedy_tokens(target, draft, eos: list[int], pad: int, remote=None, eagle=No
 
 def eagle_predict(target, head, pad: int):
     """``predict(seqs, positions)`` for an EAGLE head: its greedy token at each position ``p`` of ``seq`` given
-    ``seq[:p]``, as its first draft step after a target pass over ``seq[:p]`` proposes it. One target forward per
-    batch gives the states at the head's layers, and one head forward fills its entries as the drafter's cache
-    does (entry ``i``: the target's states at ``i`` and the token at ``i + 1``, causal), so entry ``p - 2``
-    scores position ``p``. A position below 2 has no entry; the target's own token is returned there (never a
-    mismatch). The head's linears run as they are (no kernel timing: this is labelling, not a timed decode)."""
+    ``seq[:p]``, as its first draft step after a target pass over ``seq[:p]`` proposes it. One forward of the
+    target's decoder per batch gives the states at the head's layers (on the head's device), and one head
+    forward fills its entries as the drafter's cache does (entry ``i``: the target's states at ``i`` and the
+    token at ``i + 1``, causal), so entry ``p - 2`` scores position ``p``. A position below 2 has no entry; the
+    target's own token is returned there (never a mismatch). The head's linears run as they are (no kernel
+    timing: this is labelling, not a timed decode)."""
     embed = target.get_input_embeddings()
     device = embed.weight.device
     dtype = next(head.parameters()).dtype
@@ -108,8 +109,15 @@ def eagle_predict(target, head, pad: int):
             return [[seq[p] for p in ps] for seq, ps in zip(seqs, positions)]
         ids = torch.tensor([s + [pad] * (n_max - len(s)) for s in seqs], device=device)
         mask = torch.tensor([[1] * len(s) + [0] * (n_max - len(s)) for s in seqs], device=device)
-        hidden = target(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=True).hidden_states
-        g = head.fuse(torch.cat([hidden[i][:, :-1] for i in head.layer_ids], dim=-1).to(dtype))
+        # the head's layers alone, by hooks on the decoder body (no output layer): every layer's states and
+        # full-vocabulary logits for the batch would be tens of GB at 405B; a split target's layers meet here
+        capture = AuxCapture(target, list(head.layer_ids))
+        try:
+            getattr(target, "base_model", target)(input_ids=ids, attention_mask=mask, use_cache=False)
+            states = capture.states
+        finally:
+            capture.remove()
+        g = head.fuse(states[:, :-1].to(device, dtype))
         cos, sin = head.rope(torch.arange(n_max - 1, device=device))
         # one causal step through every layer; right padding: the real entries never see it
         a = unrolled_step(head, unrolled_kept(head), embed(ids[:, 1:]).to(dtype), g, cos, sin, None)

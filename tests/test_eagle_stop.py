@@ -5,6 +5,7 @@ against the EAGLE head it was trained on)."""
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import pytest
 import torch
@@ -401,6 +402,31 @@ def test_mining_predicts_the_eagle_heads_first_draft_step(greedy_rounds, setup):
     assert [g[0] for g in got] == [tok for _, tok in firsts]
     prefix, tok = firsts[-1]
     assert predict([prefix + [0, 0, 0]], [[len(prefix)]]) == [[tok]]  # what follows p does not count
+
+
+def test_mining_never_computes_the_targets_logits_or_keeps_every_layer(setup):
+    """eagle_predict's target pass runs the decoder body with hooks on the head's layers: no output layer
+    (full-vocabulary logits for the batch) and no ``output_hidden_states`` (every layer), which at 405B are
+    tens of GB a batch (issue 59 item 3)."""
+    from specheads.datagen.mining import eagle_predict
+
+    pair = setup["pair"]
+    model = pair.target.model
+    head = load_eagle(setup["eagle"], pair).module
+    calls = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda *a: calls.append("lm_head"))
+    real = model.model.forward
+
+    def body(*args, **kwargs):
+        calls.append("hidden_states" if kwargs.get("output_hidden_states") else "body")
+        return real(*args, **kwargs)
+
+    try:
+        with mock.patch.object(model.model, "forward", body):
+            eagle_predict(model, head, pad=0)([[1, 2, 3, 4, 5], [6, 7, 8]], [[3, 4], [2]])
+    finally:
+        hook.remove()
+    assert calls == ["body"]
 
 
 def mine_args(s, out, *extra):

@@ -65,7 +65,7 @@ from specheads.export.shim.policies import (
     standard_verify,
 )
 from specheads.export.shim.runners.fused import supports
-from specheads.export.shim.runners.hidden import HiddenCapture, final_norm, output_device
+from specheads.export.shim.runners.hidden import AuxCapture, HiddenCapture, final_norm, output_device
 from specheads.export.shim.runners.kernels import describe as describe_kernels
 from specheads.export.shim.runners.kernels import unroute
 from specheads.export.shim.runners.model_facts import context_length, eos_ids, pad_batch
@@ -147,6 +147,7 @@ __all__ = [
     "load_model",
     "load_pair",
     "make_runner",
+    "AuxCapture",
     "HiddenCapture",
     "output_device",
     "final_norm",
