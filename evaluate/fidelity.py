@@ -21,6 +21,7 @@ import inspect
 import torch
 
 from specheads.evaluate.intervals import mean_interval
+from specheads.export.shim import output_device
 
 BATCH_TOKENS = 4096  # tokens per teacher-forced forward
 
@@ -36,6 +37,7 @@ def mean_logprobs(model, items: list[tuple[list[int], list[int]]], pad: int, bat
     output positions only where the model exposes its decoder body (``model.model``)."""
     out: list[float | None] = [None] * len(items)
     device = next(model.parameters()).device
+    out_device = output_device(model)  # the logits': a split target's output layer sits on its last GPU
     body = getattr(model, "model", None)
     head = model.get_output_embeddings() if body is not None else None
     cache_kw = "cache" if "cache" in inspect.signature((body or model).forward).parameters else "past_key_values"
@@ -72,7 +74,8 @@ def mean_logprobs(model, items: list[tuple[list[int], list[int]]], pad: int, bat
             for row, i in enumerate(part):
                 o = items[i][1]
                 logits = head(states[row, : len(o)]) if head is not None else logits_all[row, : len(o)]
-                lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, torch.tensor(o, device=device)[:, None])
+                index = torch.tensor(o, device=out_device)[:, None]
+                lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, index)
                 out[i] = float(lp.mean())
     return out
 
