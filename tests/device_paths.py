@@ -151,7 +151,14 @@ def _datagen(s, out, *extra, draft: bool = True):
     )
 
 
-E = "eagle={eagle}"
+def first_word(prompt, text: str) -> str:
+    """A prefix-stable checker for mining on the tiny pair: a response's answer is its first word, so a cut
+    response's answer is trustworthy and every mismatch after the first word is tried."""
+    return text.split(" ", 1)[0].strip()
+
+
+first_word.prefix_stable = True  # type: ignore[attr-defined]
+
 # name -> what it runs, given the built setup and an output directory; every one on the split target.
 PATHS: dict[str, Callable[[dict, Path], None]] = {
     "decode_sd": lambda s, o: _decode(s, o, "policy=sd", "sd.k=3"),
@@ -168,7 +175,10 @@ PATHS: dict[str, Callable[[dict, Path], None]] = {
     "decode_eagle_verifier": lambda s, o: _decode(
         s, o, "policy=sprinter", f"sprinter.head={s['verifier']}", f"eagle={s['eagle']}", draft=False
     ),
-    "eval_eagle_fidelity": lambda s, o: _eval(s, o, f"eagle={s['eagle']}", "ks=[2]"),
+    # sampled, so that the rows' outputs differ from the target's and fidelity scores them
+    "eval_eagle_fidelity": lambda s, o: _eval(
+        s, o, f"eagle={s['eagle']}", "ks=[2]", "trees=[]", "sampling.do_sample=true"
+    ),
     "datagen_acceptance": lambda s, o: _datagen(s, o, "labels=acceptance", "sampling.do_sample=true"),
     "datagen_fsd": lambda s, o: _datagen(s, o, "labels=fsd"),
     "datagen_sprinter": lambda s, o: _datagen(s, o, "labels=sprinter", "sampling.do_sample=false", "chunk_size=4"),
@@ -181,7 +191,7 @@ PATHS: dict[str, Callable[[dict, Path], None]] = {
         o,
         "labels=judge",
         "judge.mining=swap",
-        "judge.checker=exact",
+        f"judge.checker={__name__}:first_word",
         "chat_template=false",
         f"judge.mine_eagle={s['eagle']}",
         draft=False,
@@ -207,8 +217,10 @@ def _unmoved_commit(self, seq, new, kept):
 def reverts():
     """Each device fix reverted: fix -> (a patch that puts the bug back, the path that must then fail, the
     sanitizer's message it fails with, a regex)."""
+    from specheads.evaluate import fidelity
     from specheads.export import policy_factory
     from specheads.export.shim.loop.eagle_drafter import EagleDrafter
+    from specheads.export.shim.runners.hidden import AuxCapture
     from specheads.export.shim.runners.models import LoadedModel
 
     real = policy_factory.load_head
@@ -227,6 +239,16 @@ def reverts():
             mock.patch.object(policy_factory, "load_head", on_last_gpu),
             "decode_eagle_stop_head",
             r"mixes devices cuda:1 .*, cuda:0",
+        ),
+        "3_mining_layers_joined_on_one_gpu": (  # the layers' states joined where each came out
+            mock.patch.object(AuxCapture, "states", property(lambda c: torch.cat([c._seen[i] for i in c.layers], -1))),
+            "datagen_judge_mining_eagle",
+            r"torch\.cat mixes devices cuda:0 .*, cuda:1",
+        ),
+        "4_fidelity_index_on_logits_gpu": (  # the index built on the embeddings' GPU
+            mock.patch.object(fidelity, "output_device", lambda model: next(model.parameters()).device),
+            "eval_eagle_fidelity",
+            r"gather mixes devices cuda:1 .*, cuda:0",
         ),
     }
 

@@ -35,7 +35,12 @@ def test_mixing_two_gpus_fails_naming_the_op_and_both_devices():
         g = torch.Generator(device="cuda:1")
         with pytest.raises(DeviceMismatch, match="generator"):
             torch.rand(2, generator=g)  # a CUDA generator cannot draw into a CPU tensor
-        # what PyTorch allows on GPUs: CPU scalars and CPU index tensors, copies across devices
+        with pytest.raises(DeviceMismatch, match="__setitem__"):
+            a[torch.tensor([0])] = torch.ones(1)  # advanced indexing: index_put_ wants the value on a's device
+        # what PyTorch allows on GPUs: CPU scalars and CPU index tensors, copies across devices (also a value
+        # set through basic indexing, a copy_ into a view)
+        a[1:] = torch.ones(2)
+        b[0] = a[1:2]
         assert (a + torch.tensor(2.0)).device == a.device and a[torch.tensor([1])].device == a.device
         assert device_of(b.to(a.device)) == a.device and a.copy_(b).device == a.device
         assert torch.rand(2, generator=g, device=g.device).device == g.device
@@ -64,7 +69,9 @@ def _paths():
 @pytest.mark.parametrize("name", _paths())
 def test_every_path_of_a_split_target_keeps_its_devices(name, built, tmp_path):
     """Each path failed before its fix (decode_eagle_*: the head's states came from the last GPU, issue 59 item 1;
-    decode_eagle_stop_head / _verifier: those heads sat on the last GPU, item 2)."""
+    decode_eagle_stop_head / _verifier: those heads sat on the last GPU, item 2; datagen_judge_mining_eagle:
+    the layers' states were joined across GPUs, item 3; eval_eagle_fidelity: the index was on the first GPU,
+    item 4)."""
     import device_paths
 
     assert device_paths.run_path(name, built, tmp_path / name) > 1000
@@ -79,8 +86,10 @@ def _reverts():
 @pytest.mark.slow
 @pytest.mark.parametrize("fix", _reverts())
 def test_a_reverted_device_fix_is_caught(fix, built, tmp_path):
-    """Each device fix reverted (item 1: the drafter keeps the target's states where they came out; item 2: the
-    stop head sits on the last GPU): the sanitizer names the op and both devices."""
+    """Each device fix reverted (issue 59 item 1: the drafter keeps the target's states where they came out;
+    item 2: the stop head sits on the last GPU; item 3: EAGLE mining joins the layers' states where each came
+    out; item 4: fidelity indexes the last GPU's logits from the first): the sanitizer names the op and both
+    devices."""
     import device_paths
 
     patch, path, message = device_paths.reverts()[fix]

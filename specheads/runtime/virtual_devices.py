@@ -295,7 +295,8 @@ class VirtualGPUs(TorchFunctionMode):
         if name in _INDEXING:  # CPU index tensors are allowed; the indexed tensor (and a value) set the device
             base = args[0]
             index = _tensors(args[1], [])
-            others = [base] + _tensors(args[2:], [])
+            # a value set through basic indexing (ints, slices) is a copy_ into a view: from any device
+            others = [base] + (_tensors(args[2:], []) if index or name != "Tensor.__setitem__" else [])
             tensors = others + [t for t in index if device_of(t).type != "cpu"]
         seen: list[torch.device] = []
         first: list[torch.Tensor] = []
