@@ -23,6 +23,7 @@ count, dtypes, devices, torch version, kernel path; a resume under other setting
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from transformers.utils import logging as hf_logging
@@ -93,11 +94,18 @@ def run(cfg: TrainConfig) -> int:
     cfg.head = canonical(cfg.head)  # an alias is recorded under the task's own name
     hf_logging.disable_progress_bar()
     fresh = overwrites_another_run(cfg)  # train() then removes that run's checkpoints
-    out = prepare_output_dir(cfg.output_dir, to_yaml(cfg), overwrite=cfg.overwrite)
+    # Under ``accelerate launch`` only the main process (global rank 0) writes the run's files; the others
+    # would race it, and the last writer's manifest would lack the main process's report fields.
+    main_process = os.environ.get("RANK", "0") == "0"
+    if main_process:
+        out = prepare_output_dir(cfg.output_dir, to_yaml(cfg), overwrite=cfg.overwrite)
+    else:
+        (out := Path(cfg.output_dir)).mkdir(parents=True, exist_ok=True)
     with use_threads(cfg.threads):  # before any model work: the thread count changes the last bits
         metrics = train(cfg, Path(out), fresh=fresh)
     artifact = getattr(task_type(cfg.head), "artifact", "head.safetensors")  # head=draft: a model directory
-    write_manifest(out, command=PROG, data_dir=cfg.data_dir, head=artifact, **metrics)
+    if main_process:
+        write_manifest(out, command=PROG, data_dir=cfg.data_dir, head=artifact, **metrics)
     log.info("%s -> %s", task_type(cfg.head).summary(cfg, metrics), Path(out) / artifact)
     return 0
 
