@@ -29,6 +29,19 @@ FAMILIES = ("acceptance", "eagle", "eagle_stop", "verifier", "judge", "draft")
 TOLERANCE = dict.fromkeys(FAMILIES, 1e-5)
 DDP = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
 DDP += ["--dynamo_backend", "no"]
+
+
+def zero(stage: int) -> list[str]:
+    """The launcher arguments of the shipped DeepSpeed ZeRO config ``stage`` with two CPU processes."""
+    from importlib.resources import files
+
+    config = files("specheads.recipes") / "accelerate" / f"deepspeed_zero{stage}.yaml"
+    return ["--config_file", str(config), "--num_processes", "2", "--mixed_precision", "no"]
+
+
+LAUNCHERS = {"ddp": lambda: DDP, "zero2": lambda: zero(2), "zero3": lambda: zero(3)}
+# DeepSpeed's optimizer steps on its flat fp32 partitions, in another order than torch's AdamW: a looser bound
+ZERO_TOLERANCE = 1e-4
 WORDS = "the cat dog sat on a mat and ran to big red blue sun moon one two three four five".split()
 PROMPTS = [
     "the cat sat",
@@ -273,35 +286,39 @@ def writers(log: Path, name: str) -> int:
     return len({pid for pid, file in (line.split(" ", 1) for line in lines) if file == name})
 
 
-def check_family(family: str, root: Path, pair_dirs) -> dict:
-    """A family's two-process run against its one-process run with the same global batch, and a two-process
-    run SIGKILLed after its first (mid-epoch) checkpoint and rerun: ``max_abs_diff_ws2_vs_ws1``,
-    ``tolerance``, ``manifests`` (the processes that wrote ``manifest.json``), ``resumed_after_kill_identical``
-    (bit for bit, also ``metrics.jsonl``), and what failed (``errors``), if anything."""
+def check_family(family: str, root: Path, pair_dirs, launcher: str = "ddp") -> dict:
+    """A family's two-process run (``launcher``: ``ddp``, ``zero2`` or ``zero3``) against its one-process run
+    with the same global batch, and a two-process run SIGKILLed after its first (mid-epoch) checkpoint and
+    rerun: ``max_abs_diff_ws2_vs_ws1``, ``tolerance``, ``manifests`` (the processes that wrote
+    ``manifest.json``), ``resumed_after_kill_identical`` (bit for bit, also ``metrics.jsonl``), and what failed
+    (``errors``), if anything."""
     from specheads.train.cli import main
 
-    data, base = build(family, root, pair_dirs), root / family
+    data, base = build(family, root, pair_dirs), root / f"{family}-{launcher}"
     errors = []
     log = base / "writes.log"
     base.mkdir(parents=True, exist_ok=True)
-    full = launch(train_args(family, pair_dirs, data, base / "ws2"), env={"SPECHEADS_TEST_WRITES": str(log)})
+    how = LAUNCHERS[launcher]()
+    env = {"DS_ACCELERATOR": "cpu"} if launcher != "ddp" else {}
+    writes = {**env, "SPECHEADS_TEST_WRITES": str(log)}
+    full = launch(train_args(family, pair_dirs, data, base / "ws2"), how, env=writes)
     if full.returncode:
         return {"errors": [f"2-process run: exit {full.returncode}: {full.stderr[-3000:]}"]}
     if main(train_args(family, pair_dirs, data, base / "ws1", "grad_accum=2")) != 0:
         return {"errors": ["1-process run failed"]}
     cut = base / "cut"
     try:
-        kill_after_first_checkpoint(launch(train_args(family, pair_dirs, data, cut), wait=False), cut)
+        kill_after_first_checkpoint(launch(train_args(family, pair_dirs, data, cut), how, wait=False, env=env), cut)
     except AssertionError as err:
         errors.append(f"kill: {err}")
-    again = launch(train_args(family, pair_dirs, data, cut))
+    again = launch(train_args(family, pair_dirs, data, cut), how, env=env)
     if again.returncode or "resumed from" not in again.stderr:
         errors.append(f"rerun after the kill: exit {again.returncode}, no 'resumed from': {again.stderr[-3000:]}")
     identical = not again.returncode and max_abs_diff(base / "ws2", cut) == 0.0
     identical = identical and (base / "ws2" / "metrics.jsonl").read_bytes() == (cut / "metrics.jsonl").read_bytes()
     return {
         "max_abs_diff_ws2_vs_ws1": max_abs_diff(base / "ws2", base / "ws1"),
-        "tolerance": TOLERANCE[family],
+        "tolerance": TOLERANCE[family] if launcher == "ddp" else ZERO_TOLERANCE,
         "manifests": writers(log, "manifest.json"),
         "resumed_after_kill_identical": identical,
         "errors": errors,

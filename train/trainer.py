@@ -56,12 +56,15 @@ def train(cfg: TrainConfig, out: Path, fresh: bool = False) -> dict:
 
     cuda = torch.cuda.is_available()
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"  # set by accelerate launch
-    # Under DeepSpeed the engine owns accumulation (and scales the loss); elsewhere this loop does.
+    # Under DeepSpeed the engine owns accumulation (and scales the loss); elsewhere this loop does. DeepSpeed
+    # without a GPU: accelerate finds no backend for the CPU (state.py, _prepare_backend) and each process
+    # would take itself for the only one while DeepSpeed's gloo group holds them all; naming gloo fixes that.
+    group = {"backend": "gloo"} if deepspeed and not cuda else {}
     acc = Accelerator(
         cpu=not cuda and not deepspeed,
         gradient_accumulation_steps=cfg.grad_accum if deepspeed else 1,
         mixed_precision="bf16" if cfg.bf16 and cuda and torch.cuda.is_bf16_supported() else "no",
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout_s))],
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout_s), **group)],
     )
     manifest = data_manifest(cfg)
     kind = task_type(cfg.head)
