@@ -27,6 +27,7 @@ from specheads.export.shim import (
     policy_class,
     supports,
     tree_problems,
+    tree_target_problem,
 )
 from specheads.prompt_spec import open_user_turn
 
@@ -130,6 +131,8 @@ class Decoder:
             bridge=bridge,
             eagle=eagle.module if eagle is not None else None,
         )
+        if getattr(type(policy), "tree", False) and (why := tree_target_problem(self.engine)):
+            raise UserError(f"policy=tree runs on the fused forward: {pair.target.name}: {why}")  # before any row
         self.eagle = eagle
         limits = [context_length(m.model) for m in (pair.target, pair.draft) if m is not None]
         self.context = min((x for x in limits if x), default=None)

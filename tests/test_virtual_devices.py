@@ -44,6 +44,7 @@ def test_mixing_two_gpus_fails_naming_the_op_and_both_devices():
         assert (a + torch.tensor(2.0)).device == a.device and a[torch.tensor([1])].device == a.device
         assert device_of(b.to(a.device)) == a.device and a.copy_(b).device == a.device
         assert torch.rand(2, generator=g, device=g.device).device == g.device
+        assert torch.nn.Parameter(b[:2]).device == b.device  # a parameter made from a GPU tensor stays there
 
 
 def test_outside_the_mode_nothing_changes():
@@ -95,3 +96,33 @@ def test_a_reverted_device_fix_is_caught(fix, built, tmp_path):
     patch, path, message = device_paths.reverts()[fix]
     with patch, pytest.raises(DeviceMismatch, match=message):
         device_paths.run_path(path, built, tmp_path / "x")
+
+
+TREE = ["policy=tree", "tree.k=3", "tree.tree_width=2", "tree.tree_nodes=4"]
+
+
+@pytest.mark.slow
+def test_trees_run_on_one_gpu_without_an_opt_in_and_a_split_target_is_refused_before_any_row(built, tmp_path):
+    """policy=tree on a target on one (virtual) GPU decodes the CPU's tokens without SPECHEADS_FUSED_CUDA (the
+    tree's runner takes the fused forward there: issue 59 item 7, which failed mid-sweep before); on a split
+    target the decoder refuses it in one line when it is built, before any prompt decodes."""
+    import json
+
+    from specheads.errors import UserError
+    from specheads.export.decode_cli import main as decode
+
+    def run(out, *where):
+        args = [f"target.path={built['target']}", "target.gguf_file=null", "draft.path=''", *where, *TREE]
+        args += [f"eagle={built['eagle']}", f"prompts={built['prompts']}", "num_prompts=null", f"output_dir={out}"]
+        assert decode([*args, "max_new_tokens=10"]) == 0
+        return [json.loads(line)["tokens"] for line in (out / "outputs.jsonl").read_text().splitlines()]
+
+    cpu = run(tmp_path / "cpu", "target.device=cpu")
+    with VirtualGPUs(1):
+        assert run(tmp_path / "gpu", "target.device=cuda:0") == cpu
+    from specheads.export import Decoder, ModelSpec, load_pair
+
+    with VirtualGPUs(2):
+        pair = load_pair(ModelSpec(path=str(built["target"]), device="auto", device_map="auto"), None)
+        with pytest.raises(UserError, match="policy=tree runs on the fused forward: .*sharded over several devices"):
+            Decoder(pair, policy="tree", eagle=str(built["eagle"]))

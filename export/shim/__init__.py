@@ -35,7 +35,7 @@ from specheads.export.shim.costs.cost_rules import predict_ms_per_token
 from specheads.export.shim.costs.cost_table import PROFILES, CostTable, cost_table, load_table
 from specheads.export.shim.loop.engine import Engine
 from specheads.export.shim.loop.rounds import Result
-from specheads.export.shim.loop.tree_loop import tree_problems
+from specheads.export.shim.loop.tree_loop import tree_problems, tree_target_problem
 from specheads.export.shim.policies import (
     FSD,
     POLICIES,
@@ -112,6 +112,7 @@ __all__ = [
     "DIVERGENCES",
     "divergence",
     "tree_problems",
+    "tree_target_problem",
     # policies
     "Policy",
     "Round",

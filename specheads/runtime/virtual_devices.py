@@ -161,6 +161,15 @@ class VirtualGPUs(TorchFunctionMode):
         }.items():
             s.enter_context(mock.patch.object(cuda, name, value))
         s.enter_context(mock.patch.object(torch, "Generator", _VirtualGenerator))
+        new_parameter = torch.nn.Parameter.__new__
+
+        def parameter(cls, data=None, requires_grad=True):  # Parameter(t) wraps t's storage: t's device
+            p = new_parameter(cls, data, requires_grad)
+            if data is not None:
+                _tag(p, device_of(data))
+            return p
+
+        s.enter_context(mock.patch.object(torch.nn.Parameter, "__new__", parameter))
         s.enter_context(self._placing_from_pretrained())
         super().__enter__()
         return self

@@ -31,6 +31,7 @@ from specheads.export.shim.core.stats import GenerationStats, count_tokens
 from specheads.export.shim.loop.eagle_drafter import EagleDrafter
 from specheads.export.shim.loop.rounds import Result, commit_round, emit
 from specheads.export.shim.policies import Verdict
+from specheads.export.shim.runners.fused import supports
 from specheads.export.shim.runners.model_runner import make_runner
 
 
@@ -163,6 +164,15 @@ def tree_problems(has_eagle: bool, sampling: SamplingConfig, fused: bool = True)
     return out
 
 
+def tree_target_problem(engine) -> str | None:
+    """Why the target cannot verify trees (None: it can): trees run on the fused forward only, which needs a
+    Llama-family target on one device (a GPU too: the tree's runner uses it there without opting in)."""
+    if not engine.fused:
+        return "fused_forward=false"
+    why = supports(engine.target)
+    return None if why is None else f"{why} (trees need a Llama-family target on one device)"
+
+
 def generate_tree(engine, prompt_ids: list[int], policy, max_new_tokens: int, sampling: SamplingConfig, on_tokens=None):
     """:meth:`.engine.Engine.generate` for a tree policy (see the module's docstring)."""
     problems = tree_problems(engine.eagle is not None, sampling, engine.fused)
@@ -171,10 +181,10 @@ def generate_tree(engine, prompt_ids: list[int], policy, max_new_tokens: int, sa
     start = time.perf_counter()
     stats = GenerationStats(prompt_tokens=len(prompt_ids))
     cap = len(prompt_ids) + max_new_tokens + policy.nodes + 2
-    runner = make_runner(engine.target, None, engine.vocab_size, cap, engine.fused, aux=engine.eagle.layer_ids)
+    runner = make_runner(engine.target, None, engine.vocab_size, cap, engine.fused, engine.eagle.layer_ids, tree=True)
     if not hasattr(runner, "forward_tree"):
         runner.close()
-        raise UserError("policy=tree needs the fused forward (a Llama-family target on CPU, fused_forward=true)")
+        raise UserError(f"policy=tree runs on the fused forward (fused_forward=true): {tree_target_problem(engine)}")
     drafter = EagleDrafter(engine.eagle, engine.target, runner, policy, stats, None, cap)
     policy.reset()
     seq, out = list(prompt_ids), []  # type: list[int], list[int]

@@ -14,7 +14,14 @@ import inspect
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim.runners.fused import decoder_layers, fused_weights, output_logits, rms_norm, use_fused
+from specheads.export.shim.runners.fused import (
+    decoder_layers,
+    fused_weights,
+    output_logits,
+    rms_norm,
+    supports,
+    use_fused,
+)
 from specheads.export.shim.runners.hf_cache import new_cache
 from specheads.export.shim.runners.hidden import AuxCapture, HiddenCapture
 from specheads.export.shim.runners.kernels import route
@@ -283,9 +290,12 @@ def make_runner(
     capacity: int = 256,
     fused: bool = True,
     aux: list[int] | None = None,
+    tree: bool = False,
 ):
     """The fastest runner that computes ``model`` exactly: the fused forward where it applies and
-    pays (:func:`specheads.export.shim.runners.fused.use_fused`: CPU), else the model's own forward."""
-    if fused and use_fused(model):
+    pays (:func:`specheads.export.shim.runners.fused.use_fused`: CPU), else the model's own forward.
+    ``tree``: the runner verifies draft trees, which only the fused forward does: it is used wherever it
+    applies, on a GPU too."""
+    if fused and (use_fused(model) or (tree and supports(model) is None)):
         return FusedRunner(model, hidden, vocab_size, capacity, aux)
     return ModelRunner(model, hidden, vocab_size, capacity, aux)
