@@ -90,15 +90,24 @@ def target_header(cfg) -> dict:
 
 
 def child_environment(cfg, python: str, local_rank: int) -> dict:
-    """vLLM's environment: its CPU settings, and this process's GPUs (``tensor x pipeline`` of them) or, on a
-    CPU with several workers, their cores (``VLLM_CPU_OMP_THREADS_BIND``, unless set)."""
+    """vLLM's environment (:func:`~specheads.export.vllm_engine.environment`) with this process's GPUs
+    (``tensor x pipeline`` of them; with ``executor_backend=ray``, which spans nodes, every GPU of this node,
+    for one process) or, on a CPU with several workers, their cores (``VLLM_CPU_OMP_THREADS_BIND``, unless
+    set)."""
     import torch
 
     from specheads.export.vllm_engine import environment
 
-    env = environment(python, cfg.vllm.threads)
+    gpu = torch.cuda.is_available()
+    env = environment(python, cfg.vllm.threads, gpu)
     workers = cfg.vllm.tensor_parallel * cfg.vllm.pipeline_parallel
-    if torch.cuda.is_available():
+    if gpu and cfg.vllm.executor_backend == "ray":  # one vLLM over the Ray cluster: Ray places its workers
+        if local_rank > 0:
+            raise UserError(
+                "engine=vllm with vllm.executor_backend=ray: one vLLM spans the nodes' GPUs; run heads-datagen "
+                "as one process (without accelerate launch)"
+            )
+    elif gpu:
         seen = env.get("CUDA_VISIBLE_DEVICES")
         visible = seen.split(",") if seen else [str(i) for i in range(torch.cuda.device_count())]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(device_slice(local_rank, workers, visible))

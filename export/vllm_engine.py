@@ -97,16 +97,22 @@ def speculative(cfg, settings, costs: str | None = None) -> dict | None:
     }
 
 
-def environment(python: str, threads: int | None) -> dict:
-    """vLLM's CPU settings for the child process."""
+def environment(python: str, threads: int | None, gpu: bool | None = None) -> dict:
+    """The child process's environment: on a CPU, vLLM's CPU settings (threads, KV cache space, tcmalloc and
+    the venv's libiomp5 preloaded); on a GPU (``gpu``; None: whether this process sees one) the caller's
+    environment as it is: every tensor-parallel worker would otherwise start with all the cores' threads and
+    the CPU build's allocator preloads."""
+    import torch
+
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if torch.cuda.is_available() if gpu is None else gpu:
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        return env
     venv = Path(python).absolute().parent.parent  # not resolve(): a venv's python links out of the venv
     preload = [p for p in (TCMALLOC, str(venv / "lib/libiomp5.so")) if Path(p).exists()]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": str(threads or os.cpu_count() or 1),
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
-    }
+    env["OMP_NUM_THREADS"] = str(threads or os.cpu_count() or 1)
+    env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")
     if preload:
         env["LD_PRELOAD"] = ":".join(preload + ([os.environ["LD_PRELOAD"]] if os.environ.get("LD_PRELOAD") else []))
     return env

@@ -21,6 +21,7 @@ from specheads.datagen.cli import main
 from specheads.datagen.judge_labels import JudgeLabeller
 from specheads.datagen.vllm_job import child_environment, cpu_binding
 from specheads.datagen.vllm_logprobs import MISSING, dense
+from specheads.errors import UserError
 from specheads.vllm.jobs import logprob_tensors, logprobs_name, side_name, write_atomic, write_tensors
 from specheads.vllm.options import DatagenVllm
 
@@ -257,6 +258,27 @@ def test_cpu_workers_get_cores_vllm_can_bind(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1|0-1")  # the user's own binding stays
     cfg.vllm.pipeline_parallel = 2
     assert child_environment(cfg, os.sys.executable, 0)["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|0-1"
+
+
+def test_on_gpus_the_child_keeps_the_callers_environment_and_ray_spans_nodes(monkeypatch):
+    """On a GPU node the vLLM child gets neither the CPU build's threads (all cores in every tensor-parallel
+    worker) nor its allocator preloads (issue 59 item 10); with ``executor_backend=ray`` (pipeline stages on
+    other nodes) one process keeps every GPU of its node for Ray instead of being refused for want of
+    tp x pp local GPUs (item 8), and a second local process is a one-line error."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    for name in ("OMP_NUM_THREADS", "LD_PRELOAD", "CUDA_VISIBLE_DEVICES", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = SimpleNamespace(vllm=DatagenVllm(tensor_parallel=8, pipeline_parallel=2, executor_backend="ray"))
+    env = child_environment(cfg, os.sys.executable, 0)
+    assert not {"OMP_NUM_THREADS", "LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE", "CUDA_VISIBLE_DEVICES"} & env.keys()
+    with pytest.raises(UserError, match="executor_backend=ray: one vLLM spans the nodes"):
+        child_environment(cfg, os.sys.executable, 1)
+    cfg.vllm.executor_backend, cfg.vllm.pipeline_parallel, cfg.vllm.tensor_parallel = None, 1, 4
+    assert child_environment(cfg, os.sys.executable, 1)["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = child_environment(cfg, os.sys.executable, 0)
+    assert cpu["OMP_NUM_THREADS"] == str(os.cpu_count()) and "VLLM_CPU_KVCACHE_SPACE" in cpu
 
 
 def vllm_pair(tmp_path):
