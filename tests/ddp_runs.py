@@ -323,3 +323,25 @@ def check_family(family: str, root: Path, pair_dirs, launcher: str = "ddp") -> d
         "resumed_after_kill_identical": identical,
         "errors": errors,
     }
+
+
+def cache_outlasts_the_timeout(root: Path, pair_dirs, seconds: float = 2.0, timeout_s: int = 4) -> dict:
+    """``features=cached`` with two processes whose main process builds its feature files slowly (``seconds``
+    before each batch, past ``dist_timeout_s=timeout_s`` in all): the run ends, with the same head as the
+    same run built at full speed. Returns ``rc``, ``slowed_s`` (how much longer the slowed run took),
+    ``same_head`` and the launch's last error lines (``error``)."""
+    data = build("acceptance", root, pair_dirs)
+    base = root / "cache-timeout"
+    args = ["features=cached", f"dist_timeout_s={timeout_s}"]
+    start = time.time()
+    fast = launch(train_args("acceptance", pair_dirs, data, base / "fast", *args, f"cache_dir={base / 'c1'}"))
+    fast_s = time.time() - start
+    slow_env = {"SPECHEADS_TEST_SLOW_CACHE": f"0:{seconds}"}
+    start = time.time()
+    slow = launch(
+        train_args("acceptance", pair_dirs, data, base / "slow", *args, f"cache_dir={base / 'c2'}"), env=slow_env
+    )
+    got = {"rc": slow.returncode, "slowed_s": round(time.time() - start - fast_s, 1), "error": slow.stderr[-1500:]}
+    if fast.returncode or slow.returncode:
+        return {**got, "same_head": False, "error": (fast.stderr if fast.returncode else slow.stderr)[-1500:]}
+    return {**got, "same_head": max_abs_diff(base / "fast", base / "slow") == 0.0, "error": None}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,16 +82,20 @@ def feature_cache(
     train_examples: list,
     eval_examples: list,
 ) -> FeatureCache:
-    """``features=cached``: the draft's features of the first ``epochs`` epochs and of the held-out set,
-    computed once by the main process (other processes wait for the files). ``label`` and ``mix_ratio``
-    enter the cache key with the draft, seed and split."""
+    """``features=cached``: the draft's features of the first ``epochs`` epochs and of the held-out set, each
+    file computed once, by one process (file ``i`` by process ``i mod world``), the others waiting for it on
+    the file system: a build longer than the process group's timeout (``dist_timeout_s``) would end a
+    collective wait. ``label`` and ``mix_ratio`` enter the cache key with the draft, seed and split."""
     key = cache_key(draft.fingerprint, mix_ratio, cfg.seed, label, cfg.eval_fraction)
     root = Path(cfg.cache_dir or Path(cfg.data_dir) / "features") / key
     cache = FeatureCache(root, compute, cfg.batch_size)
-    if acc.is_main_process:
-        for epoch in range(epochs):
-            cache.build(epoch, train_examples)
-        cache.build(EVAL_EPOCH, eval_examples)
+    files = [(epoch, train_examples) for epoch in range(epochs)] + [(EVAL_EPOCH, eval_examples)]
+    for i, (epoch, examples) in enumerate(files):
+        if i % acc.num_processes == acc.process_index:
+            cache.build(epoch, examples, show=acc.is_main_process)
+    waiting = [cache.path(epoch) for epoch, _ in files]
+    while not all(p.is_file() for p in waiting):  # a peer that fails ends the launch (torchrun stops us all)
+        time.sleep(0.5)
     acc.wait_for_everyone()
     log.info("cached features: %s (%.1f MB)", root, cache.nbytes() / 1e6)
     return cache
