@@ -187,6 +187,7 @@ def _run(cfg: DatagenConfig) -> int:
     # an engine that generates up front fixes a process's chunks then; otherwise they are claimed one by one
     up_front = runtime.engine.own_python
     share = shards.share_chunks(out, total, rank, world, shards.launch_exchange(world), not up_front)
+    patience = shards.Patience(out, rank, world, cfg.dist_timeout_s)  # publishes its progress from now on
     if up_front:  # before the models load: vLLM gets the GPUs first, once for every chunk left
         chunks = ((c, items) for c, items in _chunks_of(family.items(cfg), cfg.chunk_size) if c in share.chunks)
         runtime.generate_up_front(cfg, out, chunks, state.local_process_index)
@@ -232,6 +233,7 @@ def _run(cfg: DatagenConfig) -> int:
             bar.set_postfix(labelled_tok_s=f"{labelled / (time.perf_counter() - started):.1f}")
     if job.states is not None:  # the run's states server
         job.states.close()
+    patience.wait()  # not a barrier: a process with a larger static share may finish long after this one
     state.wait_for_everyone()
     share.close()
     if state.is_local_main_process:

@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -143,6 +144,54 @@ def share_chunks(out: Path, total: int, rank: int, world: int, exchange: Exchang
     group, count = groups.index(sees), len(groups)
     mine = [c for c in range(group, total, count) if not chunk_path(out, c).exists()]
     return ChunkShare(out, mine, claims, leader, f"{attempt} rank {rank} {socket.gethostname()} pid {os.getpid()}\n")
+
+
+class Patience:
+    """The launch's last wait, timed by the run's progress rather than in total: a static share (``engine=vllm``)
+    keeps one process busy long after another finished its own, past the process group's timeout. Each
+    process publishes, every ``every_s`` seconds from a thread, how many chunk and vLLM response files it
+    sees in its output directory, through the launch's store (the nodes need not share a filesystem); the
+    last wait ends when every process reached it, and fails when no count moved for ``timeout_s`` (a hung
+    process still ends the launch, as the timeout did)."""
+
+    def __init__(self, out: Path, rank: int, world: int, timeout_s: float, every_s: float = 5.0):
+        self.out, self.rank, self.world, self.timeout_s, self.every_s = Path(out), rank, world, timeout_s, every_s
+        self.store, self._stop = None, threading.Event()
+        if world > 1:
+            from torch.distributed import distributed_c10d
+
+            self.store = distributed_c10d._get_default_store()
+            self._thread = threading.Thread(target=self._publish, daemon=True)
+            self._thread.start()
+
+    def _seen(self) -> int:
+        side = self.out / "vllm"
+        return len(chunk_files(self.out)) + (sum(1 for _ in side.glob("chunk-*.json")) if side.is_dir() else 0)
+
+    def _publish(self) -> None:
+        while not self._stop.is_set():
+            self.store.set(f"specheads/progress/{self.rank}", str(self._seen()))
+            self._stop.wait(self.every_s)
+
+    def wait(self) -> None:
+        """Every process calls this at the end; raises RuntimeError naming the processes still working when
+        nothing moved for ``timeout_s``."""
+        if self.store is None:
+            return
+        self.store.add("specheads/finished", 1)
+        last, idle = None, time.monotonic()
+        while self.store.add("specheads/finished", 0) < self.world:
+            keys = [f"specheads/progress/{r}" for r in range(self.world)]
+            counts = [self.store.get(k) if self.store.check([k]) else None for k in keys]
+            if counts != last:
+                last, idle = counts, time.monotonic()
+            elif time.monotonic() - idle > self.timeout_s:
+                raise RuntimeError(
+                    f"heads-datagen: no chunk or response landed for {self.timeout_s:.0f} s while waiting for the "
+                    "launch's other processes (dist_timeout_s); one is hung or dead"
+                )
+            time.sleep(min(1.0, self.every_s))
+        self._stop.set()
 
 
 def _read(path: Path) -> str | None:

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -308,3 +309,56 @@ def test_a_stalled_rank_costs_one_chunk_and_the_timeout_ends_the_launch(tiny_pai
     stalled = int((tmp_path / "stalled").read_text())
     done = sorted(int(p.stem.split("-")[1]) for p in dataset.chunk_files(out))
     assert done == [c for c in range(8) if c != stalled], proc.stderr[-2000:]
+
+
+def _patient(rank: int, port: int, out: str, mode: str, queue) -> None:
+    """One of two processes of a gloo group: rank 1 writes a chunk file a second for 6 s (``slow``) or nothing
+    (``hung``) before its own wait; rank 0 waits at once with a 2 s timeout. Puts (rank, what happened)."""
+    import torch.distributed as dist
+
+    from specheads.datagen import shards
+    from specheads.dataset import chunk_path
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    patience = shards.Patience(Path(out), rank, 2, timeout_s=2.0, every_s=0.2)
+    try:
+        if rank == 1:
+            for c in range(6 if mode == "slow" else 0):
+                path = chunk_path(Path(out), c)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(b"")
+                time.sleep(1.0)
+            if mode == "hung":
+                time.sleep(6.0)
+        patience.wait()
+        queue.put((rank, "done"))
+    except RuntimeError as err:
+        queue.put((rank, str(err)))
+
+
+@pytest.mark.slow  # two spawned processes, about 20 s each
+@pytest.mark.parametrize("mode", ["slow", "hung"])
+def test_the_last_wait_outlasts_the_timeout_while_chunks_land_and_ends_when_none_do(mode, tmp_path):
+    """engine=vllm's static shares leave one process working long after another (issue 59 item 12): the last
+    wait is timed by progress, not in total. A peer writing a chunk a second for 6 s outlasts a 2 s timeout;
+    a peer writing nothing ends the wait after it, naming why."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_patient, args=(r, port, str(tmp_path), mode, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=60) for _ in range(1 if mode == "hung" else 2))
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    if mode == "slow":
+        assert got == {0: "done", 1: "done"}
+    else:
+        assert "no chunk or response landed for 2 s" in got[0]
