@@ -114,6 +114,7 @@ def _run(engine, policy, rows, prompts):
     return [out[i] for i in range(len(prompts))]
 
 
+@pytest.mark.slow  # a long run: CI's slow step
 def test_batched_engine_stops_drafting_where_the_batch_makes_it_lose(engine):
     """One table: at batch 1 the cost rule drafts; at batch 4 verification costs more than it yields, so the
     gated rule leaves almost every round to the target alone; greedy output is the target's either way."""

@@ -28,6 +28,8 @@ from specheads.export.shim.policies import (
 from specheads.export.shim.runners.batch_cache import BatchRunner
 from specheads.heads import AcceptanceHead, JudgeHead, VerifierHead
 
+pytestmark = pytest.mark.slow  # trains or decodes for minutes in all: CI's slow step
+
 LENGTHS, NEW = (3, 30, 1, 7, 18, 2, 11), 18
 COSTS = CostTable(t_draft_ms=1.0, t_target_ms=[10.0 + 0.5 * k for k in range(1, 24)])
 GATED = CostTable(t_draft_ms=4.0, t_target_ms=[10.0 + 3.0 * k for k in range(1, 24)])  # drafting barely pays

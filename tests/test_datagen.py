@@ -37,6 +37,7 @@ def test_datagen_resumes_and_is_deterministic(tiny_pair_dirs, prompts_file, tmp_
     assert json.loads((b / "manifest.json").read_text())["prompts"] == len(DATAGEN_PROMPTS)
 
 
+@pytest.mark.slow  # a long run: CI's slow step
 def test_two_processes_write_the_same_examples_as_one(tiny_pair_dirs, prompts_file, tmp_path):
     """Data-parallel under accelerate (torchrun, gloo on CPU): the same files as one process (one thread
     per process in both, set by the config: not by the machine's default or the environment)."""

@@ -68,6 +68,7 @@ def test_chunk_owners_do_not_depend_on_other_processes_files(tmp_path):
         assert sorted(c for s in shares for c in s) == [1, 2, 4, 6, 7]
 
 
+@pytest.mark.slow  # a long run: CI's slow step
 def test_sigkill_loop_then_resume_labels_every_prompt_once(reference, tiny_pair_dirs, tmp_path):
     """SIGKILLed four times, each time at a fixed point of its own work: while a chunk's file is
     written (complete in its temporary file, not yet renamed into place), after 0 to 2 chunks of
@@ -98,6 +99,7 @@ def test_sigkill_loop_then_resume_labels_every_prompt_once(reference, tiny_pair_
     assert sorted(r["chunk"] for r in lines) == list(range(16))  # one line per chunk
 
 
+@pytest.mark.slow  # a long run: CI's slow step
 def test_a_kill_between_a_chunks_rename_and_its_metrics_line_loses_no_line(tiny_pair_dirs, tmp_path):
     """Killed right after chunk 1's file is in place (its metrics line not yet written): the resumed run's
     metrics.jsonl still has one line per chunk, the lost one rebuilt from the chunk file."""
@@ -112,6 +114,7 @@ def test_a_kill_between_a_chunks_rename_and_its_metrics_line_loses_no_line(tiny_
     assert lines[1]["rows"] == dataset.chunk_info(dataset.chunk_path(out, 1))["rows"] > 0
 
 
+@pytest.mark.slow  # a long run: CI's slow step
 def test_a_run_started_by_four_processes_is_finished_by_two(reference, tiny_pair_dirs, tmp_path):
     """Half the chunks were finished before a 4-process run died, with chunk 1 claimed and half-written and
     chunk 7 claimed; two processes (accelerate launch, gloo) claim the rest from one chunk queue: the same

@@ -209,10 +209,12 @@ def sampled_pvalue(n: int = 3000, horizon: int = 4) -> float:
     return chisquare(obs, exp).pvalue
 
 
+@pytest.mark.slow  # a long run: CI's slow step
 def test_sampled_sd_with_the_head_is_distributed_as_the_target():
     assert sampled_pvalue() > 1e-3
 
 
+@pytest.mark.slow  # a long run: CI's slow step
 def test_the_chi_square_catches_a_broken_rule_with_the_head(monkeypatch):
     """The correction drawn from p instead of the residual: the same test must fail."""
     monkeypatch.setattr(sd_rule.base, "residual", lambda p, q: p)

@@ -71,6 +71,7 @@ print(json.dumps({{"exit": code, "api": api, "cli": cli, "loaded": loaded}}))
 """
 
 
+@pytest.mark.slow  # a long run: CI's slow step
 def test_decode_path_runs_without_the_extras(tiny_pair_dirs, tmp_path):
     """On an install without accelerate, datasets, scikit-learn, scipy, matplotlib, rouge-score, pyarrow,
     gguf or deepspeed, ``specheads.export`` imports and decodes with an exported head, and nothing on the

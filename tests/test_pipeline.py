@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
 import yaml
 
 from specheads.pipeline import main
+
+pytestmark = pytest.mark.slow  # trains and sweeps, stage after stage: CI's slow step
 
 
 def _recipe(tmp_path, pair_dirs):

@@ -11,6 +11,8 @@ import yaml
 from specheads.errors import UserError
 from specheads.pipeline import load_configs, main
 
+pytestmark = pytest.mark.slow  # trains and sweeps, stage after stage: CI's slow step
+
 WORDS = ["the cat sat", "a dog ran up", "one two three", "why is the sun red", "big moon", "yes no up down"]
 
 

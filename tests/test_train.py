@@ -255,6 +255,7 @@ DDP = [
 ]
 
 
+@pytest.mark.slow  # a long run: CI's slow step
 def test_two_process_ddp_training(tiny_pair_dirs, labelled, tmp_path, capsys):
     """``accelerate launch`` with 2 processes (DDP over gloo on CPU) trains the head one process
     trains with the same global batch (2 x batch_size x grad_accum): the two runs differ only in

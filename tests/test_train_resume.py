@@ -50,6 +50,7 @@ def test_mid_epoch_checkpoints(reference):
     assert not list(reference.glob(".checkpoint-*"))
 
 
+@pytest.mark.slow  # a long run: CI's slow step
 def test_sigkilled_cli_resumes_mid_epoch_to_the_same_head(tiny_pair_dirs, labelled, reference, tmp_path):
     """A real ``python -m specheads.train.cli`` process, SIGKILLed right after its third (mid-epoch)
     checkpoint, then again while its third checkpoint since the resume is written (complete in its
