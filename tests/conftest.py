@@ -26,6 +26,19 @@ from specheads.export.shim.runners.fused import unfuse
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
+# the prompts of the acceptance labels heads-train's tests fit on (``labelled``; tests/ddp_runs.py too)
+LABEL_PROMPTS = [
+    "the cat sat",
+    "a dog ran up",
+    "one two three",
+    "why is the sun red",
+    "big moon",
+    "yes no up down",
+    "left right",
+    "the red sun",
+    "two three four",
+    "who was it",
+]
 # The tests call the CLIs without recipe= on tiny models and read their other settings from the default
 # recipe: pin the draft-based SpecDec++ one (the old quickstart), not the main job's recipe=quickstart
 # (an EAGLE head on the real target), here and in every child process the tests start.
@@ -307,23 +320,7 @@ def labelled(tmp_path_factory, tiny_pair_dirs):
 
     root = tmp_path_factory.mktemp("labelled")
     prompts = root / "p.jsonl"
-    prompts.write_text(
-        "".join(
-            json.dumps({"prompt": w}) + "\n"
-            for w in [
-                "the cat sat",
-                "a dog ran up",
-                "one two three",
-                "why is the sun red",
-                "big moon",
-                "yes no up down",
-                "left right",
-                "the red sun",
-                "two three four",
-                "who was it",
-            ]
-        )
-    )
+    prompts.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in LABEL_PROMPTS))
     out = root / "dg"
     assert datagen_main(datagen_args(tiny_pair_dirs, prompts, out, "max_new_tokens=10")) == 0
     return out

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from conftest import LABEL_PROMPTS
 
 FAMILIES = ("acceptance", "eagle", "eagle_stop", "verifier", "judge", "draft")
 # The largest |2-process head - 1-process head| each family may show (tests/test_train_ddp.py measures it):
@@ -43,18 +44,6 @@ LAUNCHERS = {"ddp": lambda: DDP, "zero2": lambda: zero(2), "zero3": lambda: zero
 # DeepSpeed's optimizer steps on its flat fp32 partitions, in another order than torch's AdamW: a looser bound
 ZERO_TOLERANCE = 1e-4
 WORDS = "the cat dog sat on a mat and ran to big red blue sun moon one two three four five".split()
-PROMPTS = [
-    "the cat sat",
-    "a dog ran up",
-    "one two three",
-    "why is the sun red",
-    "big moon",
-    "yes no up down",
-    "left right",
-    "the red sun",
-    "two three four",
-    "who was it",
-]
 
 # sitecustomize for the launched processes (PYTHONPATH): with SPECHEADS_TEST_WRITES=<file> every rename
 # (the project writes each finished file by one) is logged as "<pid> <file name>"; with
@@ -127,8 +116,9 @@ def _datagen(pair_dirs, out: Path, prompts: list[str] | None, *extra: str) -> Pa
     return out
 
 
-def _eagle_head(target_dir: Path, path: Path) -> Path:
-    """An EAGLE head for the tiny target (layer 1 of 2), started from the target (tests/test_eagle_stop.py)."""
+def tiny_eagle_head(target_dir: Path, path: Path, layers: tuple[int, ...] = (1,)) -> Path:
+    """An EAGLE head for the tiny target reading ``layers``, started from the target (tests/test_eagle_stop.py),
+    written to ``path``."""
     from specheads.export import ModelSpec, load_pair, save_head
     from specheads.heads import EagleHead
     from specheads.train.eagle_data import init_from_target
@@ -137,7 +127,7 @@ def _eagle_head(target_dir: Path, path: Path) -> Path:
     vocab = target.model.config.vocab_size
     head = EagleHead(
         hidden_size=32,
-        layers=[1],
+        layers=list(layers),
         draft_vocab_size=vocab,
         vocab_size=vocab,
         num_heads=4,
@@ -148,7 +138,7 @@ def _eagle_head(target_dir: Path, path: Path) -> Path:
         rope_theta=10000.0,
     )
     init_from_target(head, target.model, list(range(vocab)), 0)
-    feature = {"model": "target", "state": "aux", "layers": [1]}
+    feature = {"model": "target", "state": "aux", "layers": list(layers)}
     meta = {"head_config": head.config(), "hidden_size": 32, "feature": feature}
     meta["target"] = {"name": target.name, "fingerprint": target.fingerprint}
     save_head(path, head, "eagle", meta)
@@ -163,13 +153,15 @@ def build(family: str, root: Path, pair_dirs) -> Path:
     target = [f"target.path={pair_dirs[0]}", "target.gguf_file=null", "target.device=cpu"]
     drafter = ["labels=drafter", "sampling.do_sample=false", "max_new_tokens=8", "drafter.top_k=5"]
     if family == "acceptance":
-        return _datagen(pair_dirs, out, PROMPTS, "max_new_tokens=10")
+        return _datagen(pair_dirs, out, LABEL_PROMPTS, "max_new_tokens=10")
     if family in ("eagle", "draft"):
-        return _datagen(pair_dirs, out, PROMPTS, *drafter)
+        return _datagen(pair_dirs, out, LABEL_PROMPTS, *drafter)
     if family == "eagle_stop":
-        head = _eagle_head(pair_dirs[0], root / "eagle.safetensors")
+        head = tiny_eagle_head(pair_dirs[0], root / "eagle.safetensors")
         rounds = ["draft.path=''", "labels=eagle_rounds", f"eagle_rounds.head={head}", "eagle_rounds.k=4"]
-        return _datagen(pair_dirs, out, PROMPTS, *target, *rounds, "max_new_tokens=14", "sampling.do_sample=false")
+        return _datagen(
+            pair_dirs, out, LABEL_PROMPTS, *target, *rounds, "max_new_tokens=14", "sampling.do_sample=false"
+        )
     if family == "verifier":
         from conftest import SPRINTER_PROMPTS
 

@@ -24,12 +24,10 @@ SPLIT = ["target.device=auto", "target.device_map=auto", "draft.device=auto"]
 def build(root: Path) -> dict:
     """The pair, heads and data the paths read (on the CPU, no sanitizer)."""
     from conftest import make_tokenizer, perturbed_copy, tiny_llama
+    from ddp_runs import tiny_eagle_head
 
     from specheads.datagen.cli import main as datagen
-    from specheads.export import ModelSpec, load_pair, save_head
-    from specheads.heads import EagleHead
     from specheads.train.cli import main as train
-    from specheads.train.eagle_data import init_from_target
 
     root.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer()
@@ -39,29 +37,7 @@ def build(root: Path) -> dict:
         model.save_pretrained(s[name])
         tok.save_pretrained(s[name])
     s["prompts"].write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    pair = load_pair(ModelSpec(path=str(s["target"]), device="cpu"), None)
-    vocab = pair.target.model.config.vocab_size
-    head = EagleHead(
-        hidden_size=32,
-        layers=[1, 3],
-        draft_vocab_size=vocab,
-        vocab_size=vocab,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        intermediate_size=64,
-        rms_norm_eps=pair.target.model.config.rms_norm_eps,
-        rope_theta=10000.0,
-    )
-    init_from_target(head, pair.target.model, list(range(vocab)), 0)
-    s["eagle"] = root / "eagle.safetensors"
-    meta = {
-        "head_config": head.config(),
-        "hidden_size": 32,
-        "target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
-        "feature": {"model": "target", "state": "aux", "layers": [1, 3]},
-    }
-    save_head(s["eagle"], head, "eagle", meta)
+    s["eagle"] = tiny_eagle_head(s["target"], root / "eagle.safetensors", layers=(1, 3))
     common = [*target_args(s, split=False), f"prompts={s['prompts']}", "num_prompts=null", "threads=1"]
     common += ["max_new_tokens=10", "chunk_size=3"]
     rounds = [*common, "draft.path=''", "labels=eagle_rounds", f"eagle_rounds.head={s['eagle']}", "eagle_rounds.k=3"]

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from conftest import same_heads, train_args
+from ddp_runs import DDP, kill_after_first_checkpoint
 
 from specheads.export import load_head, read_metadata
 from specheads.train.acceptance_data import Example, mix
@@ -199,62 +200,6 @@ def _launch(tiny_pair_dirs, labelled, out, launcher: list[str], *extra, wait=Tru
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
 
 
-def _kill_tree(pid: int) -> list[int]:
-    """SIGKILLs ``pid`` and every process below it. The launcher's workers run in sessions of their own
-    (torch elastic starts them with ``start_new_session``), so killing the launcher's process group
-    alone would leave them training."""
-    import os
-    import signal
-
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(todo.pop())
-        todo += children.get(tree[-1], [])
-    for p in tree:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return tree
-
-
-def _kill_after_first_checkpoint(proc, out) -> None:
-    """Waits for ``out/latest`` (the first checkpoint), then SIGKILLs the whole run; the run must not
-    have finished by then."""
-    import time
-
-    deadline = time.time() + 300
-    while not (out / "latest").exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.005)
-    alive = proc.poll() is None
-    _kill_tree(proc.pid)
-    proc.wait()
-    assert alive, "the run ended before its first checkpoint"
-    latest = out / (out / "latest").read_text().strip() / "state.json"
-    assert json.loads(latest.read_text())["progress"]["done"] is False  # killed mid-run
-
-
-DDP = [
-    "--multi_gpu",
-    "--num_processes",
-    "2",
-    "--num_machines",
-    "1",
-    "--mixed_precision",
-    "no",
-    "--dynamo_backend",
-    "no",
-]
-
-
 @pytest.mark.slow  # a long run: CI's slow step
 def test_two_process_ddp_training(tiny_pair_dirs, labelled, tmp_path, capsys):
     """``accelerate launch`` with 2 processes (DDP over gloo on CPU) trains the head one process
@@ -288,7 +233,7 @@ def test_two_process_ddp_training_killed_mid_epoch_resumes_to_the_same_head(tiny
     extra = ("epochs=2", "grad_accum=1", "checkpoint_every=1")
     full = _launch(tiny_pair_dirs, labelled, tmp_path / "full", DDP, *extra)
     assert full.returncode == 0, full.stderr[-2000:]
-    _kill_after_first_checkpoint(
+    kill_after_first_checkpoint(
         _launch(tiny_pair_dirs, labelled, tmp_path / "cut", DDP, *extra, wait=False), tmp_path / "cut"
     )
     again = _launch(tiny_pair_dirs, labelled, tmp_path / "cut", DDP, *extra)
@@ -328,7 +273,7 @@ def _deepspeed_resumes(tiny_pair_dirs, labelled, tmp_path, name: str) -> None:
     assert main(train_args(tiny_pair_dirs, labelled, tmp_path / "plain", *extra)) == 0
     same_heads(tmp_path / "full", tmp_path / "plain", atol=1e-3)  # same math, other summation order
     assert main(train_args(tiny_pair_dirs, labelled, tmp_path / "full", *extra)) == 2  # resumed without DeepSpeed
-    _kill_after_first_checkpoint(
+    kill_after_first_checkpoint(
         _launch(tiny_pair_dirs, labelled, tmp_path / "cut", launcher, *extra, wait=False, env=env), tmp_path / "cut"
     )
     again = _launch(tiny_pair_dirs, labelled, tmp_path / "cut", launcher, *extra, env=env)
