@@ -134,9 +134,9 @@ def shared_pair(shared: Path, vocab: str, draft_top_n: int):
     """The shared pair on CPU (SmolLM2-135M-Instruct GGUF target, the 4-layer draft), the draft's output
     layer pruned to the ``draft_top_n`` most frequent tokens of the ``heads-vocab`` ranking ``vocab``
     (written by ``heads-vocab recipe=specdecpp_draft_quickstart`` when absent; 0: not pruned)."""
-    from specheads.export import load_pair
-    from specheads.export.shim.runners.models import ModelSpec
-    from specheads.export.shim.runners.vocab_pruning import prune, read_ranking, subset_from_ranking
+    from specheads.shim import load_pair
+    from specheads.shim.runners.models import ModelSpec
+    from specheads.shim.runners.vocab_pruning import prune, read_ranking, subset_from_ranking
 
     pair = load_pair(
         ModelSpec(

@@ -26,10 +26,10 @@ from pathlib import Path
 
 from _common import run_info, shared_pair
 
-from specheads.export.api import Decoder
-from specheads.export.shim.policies import StandardSD, TargetOnly
-from specheads.export.shim.runners import kernels
+from specheads.decode.api import Decoder
 from specheads.prompts import load_prompts
+from specheads.shim.policies import StandardSD, TargetOnly
+from specheads.shim.runners import kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))

@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 from _common import interleave, run_info, shared_pair
 
+from specheads.decode.api import format_prompt, load_eagle, pair_costs
+from specheads.decode.policy_factory import make_policy
 from specheads.evaluate.oracle import (
     draft_agreement,
     eagle_oracle,
@@ -45,15 +47,13 @@ from specheads.evaluate.oracle import (
     predicted_ms_per_token,
 )
 from specheads.evaluate.rows import parse_tree
-from specheads.export import load_pair
-from specheads.export.api import format_prompt, load_eagle, pair_costs
-from specheads.export.policy_factory import make_policy
-from specheads.export.shim.core.stats import GenerationStats
-from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.policies import ConfidenceStop, EagleTree, StandardSD
-from specheads.export.shim.runners import kernels
-from specheads.export.shim.runners.models import ModelSpec
 from specheads.prompts import load_prompts
+from specheads.shim import load_pair
+from specheads.shim.core.stats import GenerationStats
+from specheads.shim.loop.engine import Engine
+from specheads.shim.policies import ConfidenceStop, EagleTree, StandardSD
+from specheads.shim.runners import kernels
+from specheads.shim.runners.models import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))

@@ -37,9 +37,9 @@ import torch
 from _common import run_info, shared_pair
 
 from specheads.datagen.mining import eagle_predict
-from specheads.export.api import format_prompt, load_eagle
-from specheads.export.shim.loop.engine import Engine
+from specheads.decode.api import format_prompt, load_eagle
 from specheads.prompts import load_prompts
+from specheads.shim.loop.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", str(ROOT.parent / "shared")))

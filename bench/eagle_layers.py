@@ -4,7 +4,7 @@
 
 One run, side by side: the shared target's forward over ``n`` tokens and one draft step of a head of each depth
 (``decoder_layers``; the shared target's shape, its layers 2, 15 and 27, an 8,192-row output layer), timed by the
-decoding runners' cost profile (``specheads.export.shim.costs.cost_profile.measure``: medians, every size
+decoding runners' cost profile (``specheads.shim.costs.cost_profile.measure``: medians, every size
 interleaved), in rounds that rotate the depths so that drifts hit each alike. The cost does not depend on the
 weights, so the heads are untrained.
 
@@ -27,9 +27,9 @@ import torch
 from _common import run_info, shared_pair, write_result
 from eagle_need import best_fixed_k, lift_for
 
-from specheads.export.shim.costs.cost_profile import measure
-from specheads.export.shim.runners import kernels
 from specheads.heads import EagleConfig, EagleHead
+from specheads.shim.costs.cost_profile import measure
+from specheads.shim.runners import kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", str(ROOT.parent / "shared")))

@@ -27,15 +27,15 @@ from pathlib import Path
 import torch
 from _common import interleave, run_info
 
+from specheads.decode.api import format_prompt, pair_costs
 from specheads.evaluate.oracle import draft_agreement, oracle_schedule, predicted_ms_per_token
-from specheads.export import load_pair
-from specheads.export.api import format_prompt, pair_costs
-from specheads.export.shim.loop.engine import Engine, GenerationStats
-from specheads.export.shim.policies import ConfidenceStop, StandardSD
-from specheads.export.shim.runners import kernels
-from specheads.export.shim.runners.models import ModelSpec
-from specheads.export.shim.runners.vocab_pruning import prune, read_ranking, subset_from_ranking
 from specheads.prompts import load_prompts
+from specheads.shim import load_pair
+from specheads.shim.loop.engine import Engine, GenerationStats
+from specheads.shim.policies import ConfidenceStop, StandardSD
+from specheads.shim.runners import kernels
+from specheads.shim.runners.models import ModelSpec
+from specheads.shim.runners.vocab_pruning import prune, read_ranking, subset_from_ranking
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))

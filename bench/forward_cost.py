@@ -5,9 +5,9 @@ few tokens should cost about what one token costs. This measures it on the share
 100-token prefix (KV cache), fp32, with the project's runners:
 
 * ``fused``: the fused forward with the linear kernels measured fastest on this machine (the
-  default decoding path on CPU; :mod:`specheads.export.shim.runners.kernels`);
+  default decoding path on CPU; :mod:`specheads.shim.runners.kernels`);
 * ``fused_library``: the same forward with the kernels measured fastest among the libraries' only (the
-  picker without the ``smallm`` kernel built here: :mod:`specheads.export.shim.runners.smallm`);
+  picker without the ``smallm`` kernel built here: :mod:`specheads.shim.runners.smallm`);
 * ``fused_torch``: the same forward with ``F.linear`` on the stored weights (the fused path
   before kernel selection);
 * ``model``: the model's own (Hugging Face) forward with its linears routed through the kernels;
@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 from _common import run_info
 
-from specheads.export.shim.runners import kernels, smallm
-from specheads.export.shim.runners.model_runner import FusedRunner, ModelRunner
-from specheads.export.shim.runners.models import ModelSpec, load_model
-from specheads.export.shim.runners.vocab_pruning import prune, read_ranking, subset_from_ranking
+from specheads.shim.runners import kernels, smallm
+from specheads.shim.runners.model_runner import FusedRunner, ModelRunner
+from specheads.shim.runners.models import ModelSpec, load_model
+from specheads.shim.runners.vocab_pruning import prune, read_ranking, subset_from_ranking
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
@@ -101,7 +101,7 @@ def gemm_stack(model, reps: int, sizes=range(1, 9)) -> list[dict]:
     """ms for every decoder layer's four projections (the fused target's own weights, in decoding order, so
     each weight comes from memory) through each linear-kernel candidate, at 1-8 rows, interleaved: where a
     library kernel's cost jumps with the row count, and whether ``smallm`` stays flat."""
-    from specheads.export.shim.runners.fused import fused_weights
+    from specheads.shim.runners.fused import fused_weights
 
     weights = [w for layer in fused_weights(model).layers for w in (layer[1], layer[3], layer[6], layer[7])]
     cands = kernels._candidates(torch.float32, 1)

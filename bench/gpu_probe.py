@@ -88,7 +88,7 @@ def fused_vs_hf() -> str:
 
 
 def _fused_vs_hf(layers: int, hidden: int, heads: int, kv: int, inter: int, vocab: int) -> str:
-    from specheads.export.shim.runners.model_runner import FusedRunner, ModelRunner
+    from specheads.shim.runners.model_runner import FusedRunner, ModelRunner
 
     mid = llama(layers, hidden, heads, kv, inter, vocab, device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(3, vocab, (1, 100), device="cuda")
@@ -114,7 +114,7 @@ def _fused_vs_hf(layers: int, hidden: int, heads: int, kv: int, inter: int, voca
 
 
 def row_proposer() -> str:
-    from specheads.export.shim import RowProposer, StandardSD
+    from specheads.shim import RowProposer, StandardSD
 
     out = {}
     for b in (16, 64, 128):

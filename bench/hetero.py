@@ -45,11 +45,11 @@ from pathlib import Path
 import torch
 from _common import interleave, run_info
 
-from specheads.export.shim.loop.engine import GenerationStats
-from specheads.export.shim.runners.models import ModelSpec, eos_ids, load_model
-from specheads.export.shim.vocab.hetero_loop import HeteroEngine, VocabMap
-from specheads.export.shim.vocab.slrs_draft import bridge_process
 from specheads.prompts import load_prompts
+from specheads.shim.loop.engine import GenerationStats
+from specheads.shim.runners.models import ModelSpec, eos_ids, load_model
+from specheads.shim.vocab.hetero_loop import HeteroEngine, VocabMap
+from specheads.shim.vocab.slrs_draft import bridge_process
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
@@ -123,7 +123,7 @@ def _print(title: str, table: list[dict]) -> None:
 
 def _sampled(engine, texts: list[str], methods: dict, mx: int, top_k: int, seed: int = 0) -> dict:
     """SLEM and SLRS sampled on the same prompts with the same seed per prompt, interleaved."""
-    from specheads.export.shim.core.sampling import SamplingConfig
+    from specheads.shim.core.sampling import SamplingConfig
 
     sampling = SamplingConfig(do_sample=True, temperature=1.0, top_k=top_k)
 
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--ks={args.ks!r}: expected comma-separated integers such as 2,4")
     if not ks or min(ks) < 1 or min(args.gsm8k, args.mt_bench) < 0 or args.gsm8k + args.mt_bench < 1:
         ap.error("need --ks values >= 1 and at least one prompt (--gsm8k / --mt-bench)")
-    from specheads.export.shim.policies import SLEM, SLRS
+    from specheads.shim.policies import SLEM, SLRS
 
     torch.manual_seed(0)
     t0 = time.perf_counter()
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
 def _char_pair(args, texts: list[str]) -> dict:
     """The short-token pair: the shared SmolLM2-135M target and the byte-level draft built here (plain-text
     prompts, as the draft was trained on plain text)."""
-    from specheads.export.shim.policies import SLEM, SLRS
+    from specheads.shim.policies import SLEM, SLRS
 
     model, tok, cached = _char_draft(args.char_steps)
     target = load_model(

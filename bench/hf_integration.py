@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 from _common import run_info, shared_pair
 
+from specheads.decode.api import Decoder, format_prompt
+from specheads.decode.policy_factory import make_policy
 from specheads.export import load_head
-from specheads.export.api import Decoder, format_prompt
-from specheads.export.policy_factory import make_policy
 from specheads.hf import Assistant
 from specheads.prompts import load_prompts
 

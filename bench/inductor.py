@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from _common import run_info, write_result
 
-from specheads.export.shim.runners import kernels
-from specheads.export.shim.runners.fused import decoder_layers
-from specheads.export.shim.runners.model_runner import FusedRunner
-from specheads.export.shim.runners.models import ModelSpec, load_model
+from specheads.shim.runners import kernels
+from specheads.shim.runners.fused import decoder_layers
+from specheads.shim.runners.model_runner import FusedRunner
+from specheads.shim.runners.models import ModelSpec, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))

@@ -24,17 +24,17 @@ from pathlib import Path
 import torch
 from _common import run_info, write_result
 
-from specheads.export import load_pair
-from specheads.export.api import load_eagle
-from specheads.export.policy_factory import pair_costs
-from specheads.export.shim.costs.cost_rules import predict_ms_per_token
-from specheads.export.shim.loop import eagle_drafter
-from specheads.export.shim.loop import engine as engine_mod
-from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.policies import StandardSD, TargetOnly
-from specheads.export.shim.runners import model_runner
-from specheads.export.shim.runners.models import ModelSpec
+from specheads.decode.api import load_eagle
+from specheads.decode.policy_factory import pair_costs
 from specheads.prompts import load_prompts
+from specheads.shim import load_pair
+from specheads.shim.costs.cost_rules import predict_ms_per_token
+from specheads.shim.loop import eagle_drafter
+from specheads.shim.loop import engine as engine_mod
+from specheads.shim.loop.engine import Engine
+from specheads.shim.policies import StandardSD, TargetOnly
+from specheads.shim.runners import model_runner
+from specheads.shim.runners.models import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))

@@ -34,14 +34,14 @@ from pathlib import Path
 
 from _common import run_info, write_result
 
-from specheads.export import load_pair
-from specheads.export.api import Decoder, load_eagle
-from specheads.export.policy_factory import make_policy, pair_costs
-from specheads.export.shim.policies import StandardSD, TargetOnly
-from specheads.export.shim.runners import kernels
-from specheads.export.shim.runners.models import ModelSpec
+from specheads.decode.api import Decoder, load_eagle
+from specheads.decode.policy_factory import make_policy, pair_costs
 from specheads.machine import cpu_model
 from specheads.prompts import load_prompts
+from specheads.shim import load_pair
+from specheads.shim.policies import StandardSD, TargetOnly
+from specheads.shim.runners import kernels
+from specheads.shim.runners.models import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))

@@ -24,10 +24,10 @@ import torch
 from _common import shared_pair
 from sklearn.metrics import roc_auc_score
 
+from specheads.decode.api import format_prompt
 from specheads.evaluate.oracle import draft_agreement
-from specheads.export.api import format_prompt
-from specheads.export.shim.loop.engine import Engine
 from specheads.prompts import load_prompts
+from specheads.shim.loop.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specheads.export.shim.batching.row_proposer import RowProposer, common_prefix
-from specheads.export.shim.policies import StandardSD
+from specheads.shim.batching.row_proposer import RowProposer, common_prefix
+from specheads.shim.policies import StandardSD
 
 
 def state(rows: int, length: int, seed: int = 0):

@@ -120,7 +120,7 @@ def write_synthetic(out: Path, tokens: int, seed: int, target: dict) -> dict:
 
 def _generate(root: Path, tokens: int, parts: int) -> dict:
     """Child: the shared target's fingerprint and shape (loaded as datagen loads it), then ``parts`` data sets."""
-    from specheads.export.shim import ModelSpec, load_model
+    from specheads.shim import ModelSpec, load_model
 
     loaded = load_model(ModelSpec(path=str(TARGET), gguf_file=GGUF, device="cpu", dtype="float32"), "target")
     c = loaded.model.config

@@ -60,7 +60,7 @@ def label_gap(cfg, out: Path) -> float:
     from transformers import AutoModelForCausalLM
 
     from specheads.datagen.acceptance_labels import response_logits
-    from specheads.export.shim.core.sampling import probs_from_logits
+    from specheads.shim.core.sampling import probs_from_logits
 
     def load(spec):
         kw = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}

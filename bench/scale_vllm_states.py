@@ -89,7 +89,7 @@ def states_max_rel(server, model, seqs: list[list[int]], layers: list[int]) -> f
     """The largest per-position relative difference of vLLM's states from the Transformers target's (fp32)."""
     import torch
 
-    from specheads.export.shim import HiddenCapture
+    from specheads.shim import HiddenCapture
 
     n, worst = model.config.num_hidden_layers, 0.0
     for seq, (st, _) in zip(seqs, server.states(seqs, layers)):

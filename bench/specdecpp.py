@@ -34,14 +34,13 @@ from specheads.config import load_config
 from specheads.datagen.acceptance_labels import teacher_forced_logits
 from specheads.datagen.cli import run as datagen_run
 from specheads.datagen.config import DatagenConfig
-from specheads.export import load_pair
-from specheads.export.api import fit_context, format_prompt
-from specheads.export.shim import context_length
-from specheads.export.shim.batching.batch_generate import hf_generate
-from specheads.export.shim.core.sampling import probs_from_logits, sample
+from specheads.decode.api import fit_context, format_prompt
 from specheads.pipeline import load_configs
 from specheads.pipeline import main as pipeline_main
 from specheads.prompts import load_prompt_files
+from specheads.shim import context_length, load_pair
+from specheads.shim.batching.batch_generate import hf_generate
+from specheads.shim.core.sampling import probs_from_logits, sample
 
 ROOT = Path(__file__).resolve().parents[1]
 

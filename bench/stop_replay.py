@@ -9,7 +9,7 @@ label ``min(1, p/q)`` (greedy: 1/0 agreement), the chance that it is accepted gi
 drafts ``n`` candidates in a round yields ``1 + sum_{i<=n} prod_{j<=i} label_j`` tokens in expectation and costs
 ``n t_d + t_t(n + 1)`` (the cost table); a rule's figure is the expected ms per token over every round. Rules:
 ``k1..k<k>``; the confidence threshold on ``q(y)`` (``c<tau>``); the cost rule of the engine
-(:func:`~specheads.export.shim.costs.cost_rules.draft_more`, the same code) on ``q(y)`` (``c-cost``), on AdaEDL's
+(:func:`~specheads.shim.costs.cost_rules.draft_more`, the same code) on ``q(y)`` (``c-cost``), on AdaEDL's
 entropy bound (``c-entropy-cost``) and on each learned head given (``h-cost``; ``hs-cost`` for a head trained
 with ``stop_skip=true``; ``cq-cost`` for q calibrated on [log q, step]: each at its own lag, as the engine runs
 it); the perfect estimates (the labels themselves read at lag 0 and lag 1: what no head can beat) and the per-round
@@ -38,10 +38,10 @@ from _common import run_info, write_result
 
 from specheads.datagen.cli import main as datagen_main
 from specheads.export import load_head
-from specheads.export.shim.costs.cost_rules import draft_more
-from specheads.export.shim.costs.cost_table import CostTable
-from specheads.export.shim.policies import SpecDecPP
-from specheads.export.shim.policies.estimates import entropy_bound
+from specheads.shim.costs.cost_rules import draft_more
+from specheads.shim.costs.cost_table import CostTable
+from specheads.shim.policies import SpecDecPP
+from specheads.shim.policies.estimates import entropy_bound
 from specheads.train.eagle_stop_task import StopStore
 
 ROOT = Path(__file__).resolve().parents[1]

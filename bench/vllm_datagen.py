@@ -46,7 +46,7 @@ def transformers_stage(job, ids: list[list[int]], args) -> dict:
     import torch
 
     from specheads.datagen.acceptance_labels import generate_responses
-    from specheads.export.shim.core.sampling import SamplingConfig
+    from specheads.shim.core.sampling import SamplingConfig
 
     model = job.pair.target.model
     generate_responses(model, ids[:2], 8, SamplingConfig(), 0, job.pad, job.eos)  # warm-up (kernels, allocator)
@@ -68,7 +68,7 @@ def transformers_stage(job, ids: list[list[int]], args) -> dict:
 
 def vllm_stage(cfg, job, ids: list[list[int]], args, batch: int) -> dict:
     from specheads.datagen.vllm_responses import Request, run_vllm
-    from specheads.export.shim.core.sampling import SamplingConfig
+    from specheads.shim.core.sampling import SamplingConfig
 
     reqs = [Request(str(i), x, SamplingConfig().to_dict(), 0, args.max_new).__dict__ for i, x in enumerate(ids)]
     header = {"batch_size": batch, "tensor_parallel": 1, "eos": job.eos, "seed": 0}
@@ -122,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     from specheads.datagen.config import DatagenConfig
     from specheads.datagen.engines import runtime_of
     from specheads.datagen.registry import labeller
-    from specheads.export.shim.runners.models import ModelSpec
-    from specheads.vllm.options import DatagenVllm
+    from specheads.shim.runners.models import ModelSpec
+    from specheads.vllm_config import DatagenVllm
 
     torch.set_num_threads(args.threads)
     cfg = DatagenConfig(

@@ -172,7 +172,7 @@ def check_drafts(
 
 
 def run_vllm(args, mode: str, work: Path, hd: Path) -> dict:
-    from specheads.export.vllm_engine import environment
+    from specheads.decode.vllm_engine import environment
 
     env = environment(args.vllm_python, args.threads)
     if args.ld_preload:

@@ -21,7 +21,7 @@ own
 counters and its share of the wall time, and ``greedy_identical`` against the target alone at that batch size.
 With ``--cost`` (default) the proposer also runs its cost-aware rule (``confidence_stop`` and, with ``--head``,
 SpecDec++; the draft gate on) on a cost table of vLLM's own steps at batch 1 and powers of two up to the largest
-batch size (``specheads.export.vllm_costs``: measured once in vLLM, cached). ``--ours-batch B`` (default 8) also
+batch size (``specheads.decode.vllm_costs``: measured once in vLLM, cached). ``--ours-batch B`` (default 8) also
 decodes the same prompts in our own batched engine (target alone, SD, the batch-priced cost rule, and on the
 ``--eagle`` head), and ``--datagen`` copies ``bench/vllm_datagen.py``'s generation ratio into the ratios.
 
@@ -107,9 +107,9 @@ def ours(args) -> dict:
 
     from _common import shared_pair
 
-    from specheads.export.api import Decoder, load_eagle, pair_costs
-    from specheads.export.shim.policies import ConfidenceStop, StandardSD, TargetOnly
+    from specheads.decode.api import Decoder, load_eagle, pair_costs
     from specheads.prompts import load_prompts
+    from specheads.shim.policies import ConfidenceStop, StandardSD, TargetOnly
 
     pair = shared_pair(SHARED, args.vocab_file, args.vocab_top_n or 0)
     prompts = load_prompts(str(SHARED / "data/gsm8k/test.jsonl"), limit=args.gsm8k, offset=args.offset) + load_prompts(
@@ -162,10 +162,10 @@ def ours(args) -> dict:
 
 def vllm_costs(args, work: Path) -> str:
     """The cost table of vLLM's steps for the proposer's draft, vocabulary and k_max, at batch 1 and the powers of
-    two up to the largest batch size (measured once, cached: ``specheads.export.vllm_costs``)."""
-    from specheads.export.shim.costs.cost_profile import batch_sizes
-    from specheads.export.vllm_costs import vllm_cost_table
-    from specheads.export.vllm_engine import environment
+    two up to the largest batch size (measured once, cached: ``specheads.decode.vllm_costs``)."""
+    from specheads.decode.vllm_costs import vllm_cost_table
+    from specheads.decode.vllm_engine import environment
+    from specheads.shim.costs.cost_profile import batch_sizes
 
     settings = {
         "draft": args.draft,
@@ -185,7 +185,7 @@ def vllm_costs(args, work: Path) -> str:
 
 
 def run_one(args, work: Path, name: str, spec: dict, batch: int, block: int) -> dict:
-    from specheads.export.vllm_engine import environment
+    from specheads.decode.vllm_engine import environment
 
     env = environment(args.vllm_python, args.threads)
     out = work / f"out-{name}-b{batch}-{block}.json"
@@ -211,7 +211,7 @@ def run_one(args, work: Path, name: str, spec: dict, batch: int, block: int) -> 
 
 
 def summarise(name: str, parts: list[dict], base: list[dict] | None, n_prompts: int) -> dict:
-    from specheads.export.vllm_engine import speed
+    from specheads.decode.vllm_engine import speed
 
     tokens = sum(p["tokens"] for p in parts)
     seconds = sum(p["seconds"] for p in parts)

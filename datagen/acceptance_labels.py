@@ -16,7 +16,7 @@ import torch
 from specheads.datagen import shards, vllm_logprobs
 from specheads.datagen.labelling import Job, Labelled, Labeller, skip_record
 from specheads.dataset import ACCEPTANCE_COLUMNS, chunk_files
-from specheads.export.shim import (
+from specheads.shim import (
     SamplingConfig,
     batch_generate,
     pad_batch,
@@ -96,7 +96,7 @@ def generate_responses(
 ) -> tuple[list[list[int]], list[torch.Tensor] | None]:
     """The target's responses to a batch of prompts, generated as one batch.
 
-    Llama-family targets run on the batched fused forward (:mod:`specheads.export.shim.batching.batch_generate`),
+    Llama-family targets run on the batched fused forward (:mod:`specheads.shim.batching.batch_generate`),
     which also hands back the logits each response token was chosen from: the target's
     teacher-forced distributions along its own response, so labelling needs no second target
     pass. Other models use their own ``generate`` (logits: None). Sampling uses the deployment
@@ -190,7 +190,7 @@ def label_batch(
 
 def finite_rows(p_all: torch.Tensor, q_all: torch.Tensor, rows: list[int]) -> list[bool]:
     """Per response, whether every target logit at its positions is finite and the draft's are usable
-    (:func:`~specheads.export.shim.core.sampling.usable_logits`); target token ids ``[N]``: the draft's only."""
+    (:func:`~specheads.shim.core.sampling.usable_logits`); target token ids ``[N]``: the draft's only."""
     target_ok = torch.isfinite(p_all).all(-1) if p_all.dim() > 1 else torch.ones_like(p_all, dtype=torch.bool)
     finite = (target_ok & usable_logits(q_all)).cpu()  # a pruned draft's -inf is fine
     return [bool(f.all()) for f in finite.split(rows)]

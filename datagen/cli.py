@@ -62,12 +62,11 @@ from specheads.datagen.registry import LABELLERS, labeller
 from specheads.datagen.verify import merge, verify_main
 from specheads.dataset import RUN_DIRS, chunk_files, chunk_info
 from specheads.errors import UserError
-from specheads.export import load_pair
-from specheads.export.shim import context_length
 from specheads.outputs import MetricsWriter, holds_other_run, prepare_output_dir
 from specheads.plan import run_plan
 from specheads.runtime.numerics import check_resume, numerics_settings, use_threads, without
 from specheads.runtime.target_shell import load_target
+from specheads.shim import context_length, load_pair
 
 log = logging.getLogger(__name__)
 

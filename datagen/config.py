@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specheads.export.shim import ModelSpec, SamplingConfig
 from specheads.plan.inputs import PLAN_HELP
-from specheads.vllm.options import DatagenVllm
+from specheads.shim import ModelSpec, SamplingConfig
+from specheads.vllm_config import DatagenVllm
 
 PROG = "heads-datagen"
 

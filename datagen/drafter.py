@@ -24,7 +24,7 @@ from specheads.datagen.labelling import Job, Labelled, Labeller, skip_record
 from specheads.datagen.vllm_states import drafter_states
 from specheads.dataset import DRAFTER_COLUMNS, DrafterChunkFiles, chunk_files
 from specheads.errors import UserError
-from specheads.export.shim import make_runner
+from specheads.shim import make_runner
 
 
 def default_layers(num_layers: int) -> list[int]:

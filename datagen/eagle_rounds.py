@@ -1,7 +1,7 @@
 """``labels=eagle_rounds``: SpecDec++ acceptance labels for an EAGLE drafter, on-policy from decoding.
 
 Per prompt, the target decodes with the EAGLE head ``eagle_rounds.head=`` (an exported ``head_type=eagle`` file,
-:class:`specheads.export.shim.loop.eagle_drafter.EagleDrafter`) under standard SD with a fixed ``eagle_rounds.k``
+:class:`specheads.shim.loop.eagle_drafter.EagleDrafter`) under standard SD with a fixed ``eagle_rounds.k``
 candidates per round and the run's sampling settings (docs/algorithms/specdecpp.md and eagle.md). The policy
 that verifies each round (:class:`RecordingSD`) keeps, before the standard rule decides, the
 candidates, the distributions they were drawn from, the head's post-norm states and the target logits
@@ -39,8 +39,8 @@ import torch
 from specheads.datagen.drafter import StatesLabeller
 from specheads.datagen.labelling import Job, Labelled, skip_record
 from specheads.dataset import EAGLE_ROUNDS_COLUMNS, EAGLE_ROUNDS_SIGNALS, DrafterChunkFiles, chunk_files
-from specheads.export.shim import Engine, Policy, Round, Verdict, probs_from_logits, standard_verify
 from specheads.heads.acceptance_head import distribution_signals
+from specheads.shim import Engine, Policy, Round, Verdict, probs_from_logits, standard_verify
 
 PER_CANDIDATE = ("round_start", "step", "draft_token", "q_token", "p_token", "label", "outcome", *EAGLE_ROUNDS_SIGNALS)
 POSITIONS = ("own", "previous")

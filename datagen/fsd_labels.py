@@ -10,7 +10,7 @@ token ``y_i`` drawn greedily or per ``sampling`` from the same generator, so the
 the same ``draft_token`` and SD ``label`` as ``labels=acceptance``) and adds per token:
 
 * ``div_<name>``: ``Div(p_i, q_i)`` for each divergence of ``fsd.divergences`` (fp32, natural
-  log, :func:`specheads.export.shim.core.divergence.divergence`, with ``fsd.top_k``);
+  log, :func:`specheads.shim.core.divergence.divergence`, with ``fsd.top_k``);
 * ``fsd_<name>@<T>``: the FSD decision ``Div(p_i, q_i) < T`` (bool) for each threshold of
   ``fsd.thresholds``. The stored fp32 divergence is compared with ``T`` in fp64, so reading the
   Parquet value back and comparing it with the threshold gives exactly the stored label.
@@ -40,7 +40,7 @@ import torch
 from specheads.datagen import acceptance_labels as acceptance
 from specheads.datagen.labelling import Job, Labelled, Labeller
 from specheads.dataset import chunk_files
-from specheads.export.shim import DIVERGENCES, SamplingConfig, divergence, probs_from_logits
+from specheads.shim import DIVERGENCES, SamplingConfig, divergence, probs_from_logits
 
 DISTS = ("raw", "warped")
 ROWS_PER_STEP = 256  # rows of [N, V] probabilities processed at once (bounds the temporaries)

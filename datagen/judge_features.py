@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from specheads.datagen.tuples import IGNORE
-from specheads.export.shim import output_device
 from specheads.heads.judge_head import JUDGE_SIGNALS, judge_signal_values
+from specheads.shim import output_device
 
 Features = tuple[torch.Tensor, torch.Tensor, list[int], list[int], torch.Tensor]
 

@@ -28,9 +28,9 @@ from specheads.datagen.labelling import Job, Labelled, Labeller
 from specheads.datagen.tuples import load_tuples
 from specheads.datagen.vllm_states import judge_features
 from specheads.dataset import JUDGE_COLUMNS, JudgeChunkFiles
-from specheads.export.api import format_prompt
-from specheads.export.shim import HiddenCapture, pad_batch
+from specheads.decode.api import format_prompt
 from specheads.heads.judge_head import JUDGE_SIGNALS
+from specheads.shim import HiddenCapture, pad_batch
 
 log = logging.getLogger(__name__)
 

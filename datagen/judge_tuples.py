@@ -12,8 +12,8 @@ from specheads.datagen import arith, mining, shards
 from specheads.datagen.labelling import Job
 from specheads.datagen.tuples import JudgeTuple, token_labels
 from specheads.dataset import JudgeChunkFiles, chunk_files
-from specheads.export.shim import SamplingConfig
 from specheads.grading import grade
+from specheads.shim import SamplingConfig
 
 COUNTS = ("items", "answers", "correct", "wrong", "ungraded", "localised", "review", "tuples", "too_long")
 
@@ -115,7 +115,7 @@ def answer_settings(cfg) -> list[tuple[int, str, SamplingConfig]]:
 
 def _answers(cfg, pair, batch, ids, seed: int, pad: int, eos: list[int], given=None) -> list[list[Answer]]:
     """Each model's greedy and ``answer_samples`` sampled answers per prompt (``given``: the target's, vLLM's)."""
-    from specheads.export.shim import batch_generate
+    from specheads.shim import batch_generate
 
     out = [[] for _ in batch]
     for mi, name in enumerate(cfg.judge.answer_models):

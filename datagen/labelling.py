@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specheads.datagen.config import DatagenConfig
-from specheads.export.api import fit_context, format_prompt, load_eagle
-from specheads.export.shim import Pair
+from specheads.decode.api import fit_context, format_prompt, load_eagle
 from specheads.prompts import iter_prompt_files
+from specheads.shim import Pair
 
 log = logging.getLogger(__name__)
 

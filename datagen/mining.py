@@ -41,10 +41,10 @@ from specheads.datagen.mining_search import Budget, Mark, Search, _groups
 from specheads.dataset import JudgeChunkFiles
 from specheads.engines import engine_of
 from specheads.errors import UserError
-from specheads.export.shim import AuxCapture, SamplingConfig, batch_generate
 from specheads.heads.eagle_head import unrolled_kept, unrolled_step
 from specheads.prompt_spec import budget_problems
 from specheads.runtime.states import logits_at
+from specheads.shim import AuxCapture, SamplingConfig, batch_generate
 
 log = logging.getLogger(__name__)
 COUNTS = (

@@ -27,16 +27,9 @@ from specheads.datagen import shards
 from specheads.datagen.labelling import Job, Labelled, Labeller, skip_record
 from specheads.datagen.vllm_states import target_logits as vllm_target_logits
 from specheads.dataset import SPRINTER_COLUMNS, chunk_files
-from specheads.export.shim import (
-    SamplingConfig,
-    batch_generate,
-    probs_from_logits,
-    sample_finite,
-    uniform,
-    usable_logits,
-)
 from specheads.runtime.ratio import label_distributions
 from specheads.runtime.states import logits_at
+from specheads.shim import SamplingConfig, batch_generate, probs_from_logits, sample_finite, uniform, usable_logits
 
 CATEGORIES = ("prompt", "draft", "target", "mixed")
 

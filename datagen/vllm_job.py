@@ -15,7 +15,7 @@ def light_job(cfg) -> Job:
     model directories' tokenizer and config files (no weights: vLLM gets the GPUs first)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from specheads.export.shim import context_length, eos_ids
+    from specheads.shim import context_length, eos_ids
 
     def files(spec):
         path, gguf = os.path.expanduser(spec.path), spec.gguf_file
@@ -81,8 +81,8 @@ def cpu_binding(workers: int, cores: int) -> str:
 def target_header(cfg) -> dict:
     """The target as vLLM reads it (``target``: a GGUF file converted once into a Hugging Face directory) and
     its ``dtype`` (``target.dtype``; ``auto``: bf16 on a GPU that has it, fp32 on a CPU)."""
-    from specheads.export.shim import resolve_device, resolve_dtype
-    from specheads.export.vllm_engine import target_dir
+    from specheads.decode.vllm_engine import target_dir
+    from specheads.shim import resolve_device, resolve_dtype
 
     target = target_dir(cfg.target) if cfg.target.gguf_file or os.path.exists(cfg.target.path) else cfg.target.path
     dtype = str(resolve_dtype(cfg.target.dtype, resolve_device(cfg.target.device))).split(".")[-1]
@@ -90,13 +90,13 @@ def target_header(cfg) -> dict:
 
 
 def child_environment(cfg, python: str, local_rank: int) -> dict:
-    """vLLM's environment (:func:`~specheads.export.vllm_engine.environment`) with this process's GPUs
+    """vLLM's environment (:func:`~specheads.decode.vllm_engine.environment`) with this process's GPUs
     (``tensor x pipeline`` of them; with ``executor_backend=ray``, which spans nodes, every GPU of this node,
     for one process) or, on a CPU with several workers, their cores (``VLLM_CPU_OMP_THREADS_BIND``, unless
     set)."""
     import torch
 
-    from specheads.export.vllm_engine import environment
+    from specheads.decode.vllm_engine import environment
 
     gpu = torch.cuda.is_available()
     env = environment(python, cfg.vllm.threads, gpu)

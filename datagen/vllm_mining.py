@@ -97,7 +97,7 @@ def start(cfg, out: Path, eos: list[int], prompts: list[list[int]], local_rank: 
     prompts, which bound the context length), replacing one a failed run left."""
     from specheads.datagen.vllm_job import child_environment, parallel_header, target_header
     from specheads.datagen.vllm_logprobs import max_logprobs
-    from specheads.export.vllm_engine import vllm_python
+    from specheads.decode.vllm_engine import vllm_python
 
     stop(out)
     python = vllm_python(cfg.vllm.python)

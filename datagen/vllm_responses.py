@@ -172,7 +172,7 @@ def read_side(out: Path, chunk: int, want: str) -> dict | None:
 
 def run_vllm(cfg, header: dict, lines: list[dict], work: Path, local_rank: int) -> dict:
     """Generates ``lines`` (one per chunk) in one vLLM child process; returns its ``run.json``."""
-    from specheads.export.vllm_engine import vllm_python
+    from specheads.decode.vllm_engine import vllm_python
 
     python = vllm_python(cfg.vllm.python)
     requests = [r for line in lines for r in line["requests"]]

@@ -92,7 +92,7 @@ class StatesServer:
 
     def _start(self, layers: list[int], top_k: int) -> None:
         from specheads.datagen.vllm_job import child_environment, parallel_header, target_header
-        from specheads.export.vllm_engine import vllm_python
+        from specheads.decode.vllm_engine import vllm_python
 
         cfg = self.cfg
         python = vllm_python(cfg.vllm.python)
@@ -197,7 +197,7 @@ def target_logits(job, seqs: list[list[int]], positions: list[list[int]]) -> lis
     """Per row, the target's logits ``[len(positions[b]), V]`` after each prefix ``seqs[b][:t]`` (as
     :func:`specheads.runtime.states.logits_at`): vLLM's final states through the target's final norm and output
     layer."""
-    from specheads.export.shim import final_norm, output_device
+    from specheads.shim import final_norm, output_device
 
     model = job.pair.target.model
     norm, head, device = final_norm(model), model.get_output_embeddings(), output_device(model)
@@ -214,7 +214,7 @@ def judge_features(job, rows: list[dict]):
     the labelled answer tokens, their labels, tokens per kept row, the rows left out (non-finite states) and the
     target's verdict on each token (signals ``[M, 4]``, through the target's final norm and output layer)."""
     from specheads.datagen.judge_features import gather_features, verdicts_from
-    from specheads.export.shim import final_norm
+    from specheads.shim import final_norm
 
     model = job.pair.target.model
     norm = final_norm(model)

@@ -24,9 +24,9 @@ from tqdm.auto import tqdm
 
 from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError
-from specheads.export.shim import VOCAB_FORMAT as FORMAT
-from specheads.export.shim import ModelSpec
 from specheads.outputs import MetricsWriter, atomic_write_json, atomic_write_text, write_manifest
+from specheads.shim import VOCAB_FORMAT as FORMAT
+from specheads.shim import ModelSpec
 
 log = logging.getLogger(__name__)
 PROG = "heads-vocab"
@@ -113,7 +113,7 @@ def count_tokens(cfg: VocabConfig) -> tuple[collections.Counter, int, str]:
     """Token counts of the responses; returns (counts, vocabulary size, source description)."""
     from transformers import AutoTokenizer
 
-    from specheads.export.shim import resolve_location
+    from specheads.shim import resolve_location
 
     path, gguf, _ = resolve_location(cfg.target, "target")
     kwargs = {"gguf_file": gguf} if gguf and not cfg.target.tokenizer else {}

@@ -11,10 +11,11 @@ from dataclasses import fields
 
 import torch
 
+from specheads.decode.policy_factory import drafter_id, make_policy, pair_costs
 from specheads.errors import UserError
 from specheads.export.package import check_stop_drafter
-from specheads.export.policy_factory import drafter_id, make_policy, pair_costs
-from specheads.export.shim import (
+from specheads.prompt_spec import open_user_turn
+from specheads.shim import (
     BatchEngine,
     BatchJob,
     Bridge,
@@ -29,7 +30,6 @@ from specheads.export.shim import (
     tree_problems,
     tree_target_problem,
 )
-from specheads.prompt_spec import open_user_turn
 
 log = logging.getLogger(__name__)
 __all__ = ["Decoder", "Result", "fit_context", "format_prompt", "generate", "make_policy", "pair_costs"]

@@ -22,13 +22,12 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from specheads.config import cli_main, to_yaml
+from specheads.decode import vllm_engine
+from specheads.decode.api import Decoder, load_eagle, make_policy, pair_costs, policy_problems
+from specheads.decode.decode_config import DecodeConfig, decode_schema, policy_settings
 from specheads.engines import engine_of
 from specheads.errors import UserError
-from specheads.export import vllm_engine
-from specheads.export.api import Decoder, load_eagle, make_policy, pair_costs, policy_problems
-from specheads.export.decode_config import DecodeConfig, decode_schema, policy_settings
 from specheads.export.package import outside_gate, read_metadata
-from specheads.export.shim import COUNTS, POLICIES, PROFILES, GenerationStats, load_pair, predict_ms_per_token
 from specheads.outputs import (
     MetricsWriter,
     atomic_write_json,
@@ -38,6 +37,7 @@ from specheads.outputs import (
     write_manifest,
 )
 from specheads.prompts import load_prompt_files
+from specheads.shim import COUNTS, POLICIES, PROFILES, GenerationStats, load_pair, predict_ms_per_token
 
 log = logging.getLogger(__name__)
 PROG = "heads-decode"

@@ -12,8 +12,8 @@ import functools
 from dataclasses import dataclass, field, fields, make_dataclass
 
 from specheads.errors import UserError
-from specheads.export.shim import POLICIES, ModelSpec, SamplingConfig, Settings, policy_class
-from specheads.vllm.options import ServeVllm
+from specheads.shim import POLICIES, ModelSpec, SamplingConfig, Settings, policy_class
+from specheads.vllm_config import ServeVllm
 
 
 @dataclass

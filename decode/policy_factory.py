@@ -7,16 +7,7 @@ from dataclasses import fields
 
 from specheads.errors import UserError
 from specheads.export.package import LoadedHead, check_stop_drafter, load_head, read_metadata
-from specheads.export.shim import (
-    CostTable,
-    Pair,
-    Policy,
-    SamplingConfig,
-    Settings,
-    batch_sizes,
-    cost_table,
-    policy_class,
-)
+from specheads.shim import CostTable, Pair, Policy, SamplingConfig, Settings, batch_sizes, cost_table, policy_class
 
 
 def _policy_head(

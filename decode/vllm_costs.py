@@ -77,10 +77,10 @@ def vllm_cost_table(
     """The path of the cost table of vLLM's engine for the proposer ``settings`` (``speculative_config``'s
     arguments): a given JSON (``profile`` a path), the cached one (``auto``), or measured now (``refresh``, or
     none cached) in a vLLM child process with ``python`` and ``env``, vLLM serving as ``serving`` says
-    (:func:`specheads.vllm.options.job_args`: dtype, parallelism, eager mode)."""
-    from specheads.export.shim import file_digest
+    (:func:`specheads.vllm_config.job_args`: dtype, parallelism, eager mode)."""
     from specheads.machine import cache_dir, cpu_model, settings_key
     from specheads.outputs import atomic_write_json
+    from specheads.shim import file_digest
 
     if profile not in ("auto", "refresh"):
         if not Path(profile).is_file():

@@ -29,8 +29,8 @@ from pathlib import Path
 
 from specheads.errors import UserError
 from specheads.export.vllm_target import target_dir
-from specheads.vllm.options import job_args
-from specheads.vllm.options import problems as serving_problems
+from specheads.vllm_config import job_args
+from specheads.vllm_config import problems as serving_problems
 
 POLICIES = ("ar", "sd", "specdecpp", "confidence_stop")
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
@@ -122,8 +122,8 @@ def costs_for(cfg, settings, target: Path) -> str | None:
     """``stop=cost``: the cost table of vLLM's steps for this proposer and batch size (:mod:`.vllm_costs`)."""
     if getattr(settings, "stop", None) != "cost":
         return None
-    from specheads.export.shim import batch_sizes
-    from specheads.export.vllm_costs import vllm_cost_table
+    from specheads.decode.vllm_costs import vllm_cost_table
+    from specheads.shim import batch_sizes
 
     python = vllm_python(cfg.vllm.python)
     return vllm_cost_table(
@@ -200,7 +200,7 @@ def run(cfg, settings, prompts, out_dir: Path, prog: str) -> int:
 
     from transformers import AutoTokenizer
 
-    from specheads.export.api import format_prompt
+    from specheads.decode.api import format_prompt
     from specheads.outputs import MetricsWriter, atomic_write_json, write_manifest
 
     bad = problems(cfg, settings) + (

@@ -47,7 +47,7 @@ def output_text(pair, config: str, tokens: list[int]) -> str:
 
 def prompt_ids(cfg, pair, prompts, decoders) -> list[list[int]]:
     """Each prompt's token ids as the sweep decoded it: chat-formatted, cut to the target-alone row's context."""
-    from specheads.export.api import fit_context, format_prompt
+    from specheads.decode.api import fit_context, format_prompt
 
     context = decoders["ar"].context if decoders and "ar" in decoders else None
     return [

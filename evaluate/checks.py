@@ -11,7 +11,8 @@ from specheads.evaluate.config import EvalConfig
 from specheads.evaluate.rows import expand, parse_tree
 from specheads.evaluate.rows import problems as rows_problems
 from specheads.evaluate.select import parse as parse_select
-from specheads.export.shim import (
+from specheads.prompt_spec import budget_problems
+from specheads.shim import (
     FSD,
     POLICIES,
     PROFILES,
@@ -23,7 +24,6 @@ from specheads.export.shim import (
     StandardSD,
     TopKVerify,
 )
-from specheads.prompt_spec import budget_problems
 
 
 def _check(cfg: EvalConfig) -> None:

@@ -11,7 +11,7 @@ prompt. It reports for each configuration tokens/s, tokens and accepted drafts p
 verification rate, discard rate and draft forwards per token; the per-forward times ``t_t``
 and ``t_d`` measured by the two baselines (wall time per forward, loop overhead included); the
 cost model ``T/N`` of docs/algorithms/cost-model.md at the profiled cost table
-(:mod:`specheads.export.shim.costs.cost_table`: ``t_d`` and ``t_t(k)`` per target pass size ``k``, cached per
+(:mod:`specheads.shim.costs.cost_table`: ``t_d`` and ``t_t(k)`` per target pass size ``k``, cached per
 machine; ``profile=``) over the pass sizes each row actually used (``predicted_ms_per_token``),
 beside the measured ms/token (wall time / new tokens, prefill included) and their ratio; with
 ``cost_stop`` the cost-aware stop rules (rows ``h-cost``, ``c-cost``: no threshold, stop where the
@@ -54,6 +54,7 @@ from pathlib import Path
 from transformers.utils import logging as hf_logging
 
 from specheads.config import cli_main, to_yaml
+from specheads.decode.api import fit_context, format_prompt, load_eagle, pair_costs
 from specheads.engines import engine_of
 from specheads.errors import UserError
 from specheads.evaluate import report, report_files
@@ -71,11 +72,10 @@ from specheads.evaluate.printout import print_summary
 from specheads.evaluate.rows import expand
 from specheads.evaluate.select import family as gated_family
 from specheads.evaluate.sweep import build_decoders, decoder, run_sweep, same_vocab_rows
-from specheads.export.api import fit_context, format_prompt, load_eagle, pair_costs
 from specheads.export.package import read_metadata, set_default_threshold
-from specheads.export.shim import ConfidenceStop, GenerationStats, SpecDecPP, load_pair, same_vocabulary
 from specheads.outputs import holds_other_run, pair_record, prepare_output_dir, write_manifest
 from specheads.prompts import load_prompt_files
+from specheads.shim import ConfidenceStop, GenerationStats, SpecDecPP, load_pair, same_vocabulary
 
 log = logging.getLogger(__name__)
 PROG = "heads-eval"

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from specheads.export.shim import DIVERGENCES, ModelSpec, SamplingConfig
-from specheads.vllm.options import ServeVllm
+from specheads.shim import DIVERGENCES, ModelSpec, SamplingConfig
+from specheads.vllm_config import ServeVllm
 
 
 @dataclass

@@ -21,7 +21,7 @@ import inspect
 import torch
 
 from specheads.evaluate.intervals import mean_interval
-from specheads.export.shim import output_device
+from specheads.shim import output_device
 
 BATCH_TOKENS = 4096  # tokens per teacher-forced forward
 

@@ -1,5 +1,5 @@
 """The greedy oracle (SpecDec++ Theorem 4.1) and the cost model of docs/algorithms/cost-model.md (at the
-profiled prices of :mod:`specheads.export.shim.costs.cost_table`).
+profiled prices of :mod:`specheads.shim.costs.cost_table`).
 
 Two ways to the oracle: for a draft model, whose greedy token at a position depends on the prefix alone,
 one teacher-forced pass over the target's output (:func:`draft_agreement`, then :func:`oracle_schedule` and
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from specheads.export.shim import CostTable, GenerationStats, StandardSD, make_runner, predict_ms_per_token
+from specheads.shim import CostTable, GenerationStats, StandardSD, make_runner, predict_ms_per_token
 
 
 def oracle_schedule(agree: list[bool], k_max: int) -> GenerationStats:

@@ -6,8 +6,8 @@ from specheads.evaluate.competence import describe as describe_competence
 from specheads.evaluate.fidelity import describe as describe_fidelity
 from specheads.evaluate.report import COLUMNS
 from specheads.evaluate.select import describe as describe_gated
-from specheads.export.shim import CostTable
 from specheads.gains import ceiling_lines
+from specheads.shim import CostTable
 
 
 def print_summary(summary: dict) -> None:

@@ -22,7 +22,7 @@ from specheads.evaluate.oracle import below_curve, cost_figures, ideal_figures
 from specheads.evaluate.plot import pareto_plot, quality_speed_plot
 from specheads.evaluate.quality_report import add_quality
 from specheads.evaluate.sweep import COST_ROWS, total
-from specheads.export.shim import CostTable, GenerationStats
+from specheads.shim import CostTable, GenerationStats
 
 COLUMNS = (
     "config",

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import re
 
+from specheads.decode.policy_factory import settings_for
 from specheads.errors import UserError
-from specheads.export.policy_factory import settings_for
-from specheads.export.shim import POLICIES
+from specheads.shim import POLICIES
 
 
 def num(x: float) -> str:

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from specheads.decode.api import Decoder, make_policy
 from specheads.errors import UserError
 from specheads.evaluate.rows import expand, shorthand_rows
-from specheads.export.api import Decoder, make_policy
-from specheads.export.shim import COUNTS, GenerationStats
 from specheads.outputs import read_finished_rows
+from specheads.shim import COUNTS, GenerationStats
 
 log = logging.getLogger(__name__)
 # Rows of the cost-aware stop rules (stop="cost"); the prefix keeps each with its family (h: SpecDec++, c: confidence).

@@ -5,8 +5,8 @@ Rows, named as in a ``engine=specheads`` sweep: ``ar`` (vLLM's target alone), ``
 ``k_max``:
 ``h<h>`` for every ``thresholds`` and ``h-cost`` (with ``head=``: SpecDec++), ``c<tau>`` for every ``confidence``
 and ``c-cost`` (``confidence_stop``); the ``-cost`` rows (``cost_stop=true``) price rounds with a cost table of
-vLLM's own steps at batch 1 and the batch sizes up to ``batch_size`` (:mod:`specheads.export.vllm_costs`, measured
-once and cached). Each row is one vLLM process (:func:`specheads.export.vllm_engine.decode`: the GGUF target
+vLLM's own steps at batch 1 and the batch sizes up to ``batch_size`` (:mod:`specheads.decode.vllm_costs`, measured
+once and cached). Each row is one vLLM process (:func:`specheads.decode.vllm_engine.decode`: the GGUF target
 converted once, vLLM's CPU environment set) over every prompt with ``max_num_seqs = batch_size``; rows already in
 ``rows.jsonl`` are kept (a crashed sweep resumes). Per row: tokens/s over ``generate``'s wall time, tokens per
 target call and acceptance from vLLM's spec-decode counters (the proposer's: the rows it was asked for), the
@@ -24,7 +24,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from specheads.errors import UserError
-from specheads.vllm.options import problems as serving_problems
+from specheads.vllm_config import problems as serving_problems
 
 log = logging.getLogger(__name__)
 UNSUPPORTED = {  # what engine=vllm does not sweep, by the name a user writes
@@ -74,8 +74,8 @@ def rows(cfg) -> dict[str, dict]:
 
 
 def row_config(cfg, row: dict, python: str):
-    """The run settings and the policy settings :mod:`specheads.export.vllm_engine` reads, for one row."""
-    from specheads.export.policy_factory import settings_for
+    """The run settings and the policy settings :mod:`specheads.decode.vllm_engine` reads, for one row."""
+    from specheads.decode.policy_factory import settings_for
 
     values = {k: v for k, v in row.items() if k != "policy"}
     run = SimpleNamespace(
@@ -96,8 +96,8 @@ def run(cfg, prompts, out: Path, prog: str) -> int:
     """Decodes every row with vLLM, writes ``rows.jsonl``, ``sweep.json``, ``metrics.jsonl``, the manifest."""
     from transformers import AutoTokenizer
 
-    from specheads.export.api import format_prompt
-    from specheads.export.vllm_engine import costs_for, decode, speed, target_dir, vllm_python
+    from specheads.decode.api import format_prompt
+    from specheads.decode.vllm_engine import costs_for, decode, speed, target_dir, vllm_python
     from specheads.outputs import MetricsWriter, atomic_write_json, write_manifest
 
     bad = problems(cfg)

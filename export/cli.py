@@ -32,8 +32,8 @@ from specheads.errors import UserError
 from specheads.export import hub, speculators
 from specheads.export.export_config import ExportConfig
 from specheads.export.package import load_head, read_metadata, save_head
-from specheads.export.shim import DTYPES
 from specheads.outputs import MetricsWriter, prepare_output_dir, write_manifest
+from specheads.shim import DTYPES
 
 log = logging.getLogger(__name__)
 PROG = "heads-export"

@@ -217,8 +217,8 @@ def check_stop_drafter(feature: dict, eagle: dict | None) -> None:
 def check_draft_vocab(meta: dict, loaded: dict | None) -> None:
     """A head trained on a pruned draft (its labels used that draft's renormalised ``q``) needs the same
     subset: UserError otherwise. Heads whose metadata predates pruning only warn on a pruned draft."""
-    from specheads.export.shim import describe_vocab as describe
-    from specheads.export.shim import same_subset
+    from specheads.shim import describe_vocab as describe
+    from specheads.shim import same_subset
 
     draft = meta.get("draft") or {}
     if "vocab" not in draft:

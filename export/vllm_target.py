@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from specheads.errors import UserError
-from specheads.export.shim import ModelSpec, file_digest
+from specheads.shim import ModelSpec, file_digest
 
 
 def target_dir(spec: ModelSpec) -> Path:

@@ -1,7 +1,7 @@
 """The decoding runtime (the inference shim): model loading, KV caches, policies, the draft/verify loop.
 
 This package's ``__init__`` is its public interface: the rest of specheads (the stages, the root
-modules) imports these names from ``specheads.export.shim`` and never reaches into a subpackage
+modules) imports these names from ``specheads.shim`` and never reaches into a subpackage
 (``tests/test_layout.py`` checks it). Inside, the parts are:
 
 - ``loop``: the one decoding loop (:class:`Engine`), what a round leaves behind, drafting, sampling,
@@ -16,12 +16,12 @@ modules) imports these names from ``specheads.export.shim`` and never reaches in
 - ``vocab``: draft vocabulary pruning and decoding across two vocabularies (TLI, SLEM, SLRS).
 """
 
-from specheads.export.shim.batching.batch_generate import generate as batch_generate
-from specheads.export.shim.batching.batch_generate import use_fused
-from specheads.export.shim.batching.batch_loop import BatchEngine, BatchJob
-from specheads.export.shim.batching.row_proposer import RowProposer
-from specheads.export.shim.core.divergence import DIVERGENCES, divergence
-from specheads.export.shim.core.sampling import (
+from specheads.shim.batching.batch_generate import generate as batch_generate
+from specheads.shim.batching.batch_generate import use_fused
+from specheads.shim.batching.batch_loop import BatchEngine, BatchJob
+from specheads.shim.batching.row_proposer import RowProposer
+from specheads.shim.core.divergence import DIVERGENCES, divergence
+from specheads.shim.core.sampling import (
     SamplingConfig,
     probs_from_logits,
     sample,
@@ -29,14 +29,14 @@ from specheads.export.shim.core.sampling import (
     uniform,
     usable_logits,
 )
-from specheads.export.shim.core.stats import COUNTS, GenerationStats
-from specheads.export.shim.costs.cost_profile import batch_sizes, sync_device
-from specheads.export.shim.costs.cost_rules import predict_ms_per_token
-from specheads.export.shim.costs.cost_table import PROFILES, CostTable, cost_table, load_table
-from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.loop.rounds import Result
-from specheads.export.shim.loop.tree_loop import tree_problems, tree_target_problem
-from specheads.export.shim.policies import (
+from specheads.shim.core.stats import COUNTS, GenerationStats
+from specheads.shim.costs.cost_profile import batch_sizes, sync_device
+from specheads.shim.costs.cost_rules import predict_ms_per_token
+from specheads.shim.costs.cost_table import PROFILES, CostTable, cost_table, load_table
+from specheads.shim.loop.engine import Engine
+from specheads.shim.loop.rounds import Result
+from specheads.shim.loop.tree_loop import tree_problems, tree_target_problem
+from specheads.shim.policies import (
     FSD,
     POLICIES,
     SLEM,
@@ -64,13 +64,13 @@ from specheads.export.shim.policies import (
     settle,
     standard_verify,
 )
-from specheads.export.shim.runners.fused import supports
-from specheads.export.shim.runners.hidden import AuxCapture, HiddenCapture, final_norm, output_device
-from specheads.export.shim.runners.kernels import describe as describe_kernels
-from specheads.export.shim.runners.kernels import unroute
-from specheads.export.shim.runners.model_facts import context_length, eos_ids, pad_batch
-from specheads.export.shim.runners.model_runner import make_runner
-from specheads.export.shim.runners.models import (
+from specheads.shim.runners.fused import supports
+from specheads.shim.runners.hidden import AuxCapture, HiddenCapture, final_norm, output_device
+from specheads.shim.runners.kernels import describe as describe_kernels
+from specheads.shim.runners.kernels import unroute
+from specheads.shim.runners.model_facts import context_length, eos_ids, pad_batch
+from specheads.shim.runners.model_runner import make_runner
+from specheads.shim.runners.models import (
     DTYPES,
     LoadedModel,
     ModelSpec,
@@ -86,16 +86,10 @@ from specheads.export.shim.runners.models import (
     resolve_location,
     same_vocabulary,
 )
-from specheads.export.shim.runners.vocab_pruning import FORMAT as VOCAB_FORMAT
-from specheads.export.shim.runners.vocab_pruning import describe as describe_vocab
-from specheads.export.shim.runners.vocab_pruning import (
-    read_ranking,
-    same_subset,
-    subset_from_ranking,
-    subset_hash,
-    vocab_info,
-)
-from specheads.export.shim.vocab.hetero_loop import Bridge
+from specheads.shim.runners.vocab_pruning import FORMAT as VOCAB_FORMAT
+from specheads.shim.runners.vocab_pruning import describe as describe_vocab
+from specheads.shim.runners.vocab_pruning import read_ranking, same_subset, subset_from_ranking, subset_hash, vocab_info
+from specheads.shim.vocab.hetero_loop import Bridge
 
 __all__ = [
     # the loop

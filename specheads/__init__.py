@@ -19,27 +19,27 @@ The public Python API (docs/python-api.md) is these names, imported on first use
   ``Policy.OPTIONAL_HOOKS``), :class:`Round`, :class:`Verdict`, :class:`Settings`, :func:`register_policy`;
 - Hugging Face ``generate``: :class:`Assistant`.
 
-Everything else is internal: the stages' modules and the runtime under ``specheads.export.shim``.
+Everything else is internal: the stages' modules and the runtime under ``specheads.shim``.
 """
 
 __version__ = "0.2.0"
 
 _API = {
-    "load_pair": "specheads.export.shim:load_pair",
-    "ModelSpec": "specheads.export.shim:ModelSpec",
-    "SamplingConfig": "specheads.export.shim:SamplingConfig",
+    "load_pair": "specheads.shim:load_pair",
+    "ModelSpec": "specheads.shim:ModelSpec",
+    "SamplingConfig": "specheads.shim:SamplingConfig",
     "load_head": "specheads.export.package:load_head",
-    "load_eagle": "specheads.export.api:load_eagle",
-    "generate": "specheads.export.api:generate",
-    "Decoder": "specheads.export.api:Decoder",
-    "Result": "specheads.export.shim:Result",
-    "make_policy": "specheads.export.policy_factory:make_policy",
-    "POLICIES": "specheads.export.shim:POLICIES",
-    "Policy": "specheads.export.shim:Policy",
-    "Round": "specheads.export.shim:Round",
-    "Verdict": "specheads.export.shim:Verdict",
-    "Settings": "specheads.export.shim:Settings",
-    "register_policy": "specheads.export.shim:register_policy",
+    "load_eagle": "specheads.decode.api:load_eagle",
+    "generate": "specheads.decode.api:generate",
+    "Decoder": "specheads.decode.api:Decoder",
+    "Result": "specheads.shim:Result",
+    "make_policy": "specheads.decode.policy_factory:make_policy",
+    "POLICIES": "specheads.shim:POLICIES",
+    "Policy": "specheads.shim:Policy",
+    "Round": "specheads.shim:Round",
+    "Verdict": "specheads.shim:Verdict",
+    "Settings": "specheads.shim:Settings",
+    "register_policy": "specheads.shim:register_policy",
     "Assistant": "specheads.hf:Assistant",
 }
 __all__ = sorted(_API)

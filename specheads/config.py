@@ -42,7 +42,7 @@ T = TypeVar("T")
 
 #: Section name -> "module:ClassName" of the schema of the CLI that reads it.
 SECTIONS: dict[str, str] = {
-    "decode": "specheads.export.decode_config:DecodeConfig",
+    "decode": "specheads.decode.decode_config:DecodeConfig",
     "datagen": "specheads.datagen.config:DatagenConfig",
     "train": "specheads.train.config:TrainConfig",
     "export": "specheads.export.export_config:ExportConfig",

@@ -1,7 +1,7 @@
 """What this machine is, and where per-machine measurements are cached.
 
-Kernel choices (:mod:`specheads.export.shim.runners.kernels`) and step-cost tables
-(:mod:`specheads.export.shim.costs.cost_table`) are measured once per machine and settings and reused.
+Kernel choices (:mod:`specheads.shim.runners.kernels`) and step-cost tables
+(:mod:`specheads.shim.costs.cost_table`) are measured once per machine and settings and reused.
 They live under ``$SPECHEADS_CACHE`` (default ``~/.cache/specheads``) as small JSON files,
 written atomically and under a file lock so that several processes starting together measure
 once and then agree.

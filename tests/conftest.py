@@ -20,9 +20,9 @@ from scipy.stats import chisquare
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-from specheads.export import Engine, StandardSD
-from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits
-from specheads.export.shim.runners.fused import unfuse
+from specheads.shim import Engine, StandardSD
+from specheads.shim.core.sampling import SamplingConfig, probs_from_logits
+from specheads.shim.runners.fused import unfuse
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
@@ -45,7 +45,7 @@ LABEL_PROMPTS = [
 os.environ["SPECHEADS_RECIPE"] = "specdecpp_draft_quickstart"
 
 # The folders installed under the import root (pyproject's package-dir: specheads.<folder>).
-PACKAGE_FOLDERS = ("specheads", "heads", "export", "datagen", "train", "evaluate", "recipes")
+PACKAGE_FOLDERS = ("specheads", "heads", "shim", "export", "decode", "datagen", "train", "evaluate", "recipes")
 WORDS = (
     "the cat dog sat on a mat and ran to big red blue sun moon one two three four five six seven eight "
     "nine ten is was why how what when who yes no up down left right"
@@ -277,7 +277,7 @@ class HFStates:
 
     @torch.inference_mode()
     def states(self, seqs, layers, top_k=0):
-        from specheads.export.shim import HiddenCapture
+        from specheads.shim import HiddenCapture
 
         out = []
         for seq in seqs:

@@ -119,8 +119,9 @@ def _datagen(pair_dirs, out: Path, prompts: list[str] | None, *extra: str) -> Pa
 def tiny_eagle_head(target_dir: Path, path: Path, layers: tuple[int, ...] = (1,)) -> Path:
     """An EAGLE head for the tiny target reading ``layers``, started from the target (tests/test_eagle_stop.py),
     written to ``path``."""
-    from specheads.export import ModelSpec, load_pair, save_head
+    from specheads.export import save_head
     from specheads.heads import EagleHead
+    from specheads.shim import ModelSpec, load_pair
     from specheads.train.eagle_data import init_from_target
 
     target = load_pair(ModelSpec(path=str(target_dir), device="cpu"), None).target

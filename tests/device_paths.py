@@ -82,7 +82,7 @@ def _run(main: Callable[[list[str]], int], args: list[str]) -> None:
 
 
 def _decode(s, out, *extra, draft: bool = True):
-    from specheads.export.decode_cli import main
+    from specheads.decode.decode_cli import main
 
     drafts = [f"draft.path={s['draft']}", "draft.gguf_file=null"] if draft else ["draft.path=''"]
     _run(
@@ -193,11 +193,11 @@ def _unmoved_commit(self, seq, new, kept):
 def reverts():
     """Each device fix reverted: fix -> (a patch that puts the bug back, the path that must then fail, the
     sanitizer's message it fails with, a regex)."""
+    from specheads.decode import policy_factory
     from specheads.evaluate import fidelity
-    from specheads.export import policy_factory
-    from specheads.export.shim.loop.eagle_drafter import EagleDrafter
-    from specheads.export.shim.runners.hidden import AuxCapture
-    from specheads.export.shim.runners.models import LoadedModel
+    from specheads.shim.loop.eagle_drafter import EagleDrafter
+    from specheads.shim.runners.hidden import AuxCapture
+    from specheads.shim.runners.models import LoadedModel
 
     real = policy_factory.load_head
 

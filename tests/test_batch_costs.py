@@ -12,14 +12,14 @@ import torch
 from conftest import perturbed_copy, tiny_llama
 
 from specheads.errors import UserError
-from specheads.export.shim.batching.batch_loop import BatchEngine, BatchJob
-from specheads.export.shim.batching.row_proposer import RowProposer
-from specheads.export.shim.core.sampling import SamplingConfig
-from specheads.export.shim.costs.cost_profile import batch_sizes, measure_batches
-from specheads.export.shim.costs.cost_rules import DraftGate, draft_more
-from specheads.export.shim.costs.cost_table import CostTable, load_table
-from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.policies import ConfidenceStop, TargetOnly
+from specheads.shim.batching.batch_loop import BatchEngine, BatchJob
+from specheads.shim.batching.row_proposer import RowProposer
+from specheads.shim.core.sampling import SamplingConfig
+from specheads.shim.costs.cost_profile import batch_sizes, measure_batches
+from specheads.shim.costs.cost_rules import DraftGate, draft_more
+from specheads.shim.costs.cost_table import CostTable, load_table
+from specheads.shim.loop.engine import Engine
+from specheads.shim.policies import ConfidenceStop, TargetOnly
 
 VOCAB = 60
 

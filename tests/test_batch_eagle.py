@@ -11,22 +11,13 @@ import torch
 from test_batch_engine import _counts, _same_scores
 from test_eagle import eagle_head, target_model
 
-from specheads.export.shim.batching.batch_loop import BatchEngine, BatchJob
-from specheads.export.shim.core.sampling import SamplingConfig
-from specheads.export.shim.costs.cost_table import CostTable
-from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.policies import (
-    FSD,
-    ConfidenceStop,
-    EagleTree,
-    Judge,
-    SpecDecPP,
-    Sprinter,
-    StandardSD,
-    TopKVerify,
-)
-from specheads.export.shim.runners.batch_cache import BatchRunner
 from specheads.heads import AcceptanceHead, JudgeHead, VerifierHead
+from specheads.shim.batching.batch_loop import BatchEngine, BatchJob
+from specheads.shim.core.sampling import SamplingConfig
+from specheads.shim.costs.cost_table import CostTable
+from specheads.shim.loop.engine import Engine
+from specheads.shim.policies import FSD, ConfidenceStop, EagleTree, Judge, SpecDecPP, Sprinter, StandardSD, TopKVerify
+from specheads.shim.runners.batch_cache import BatchRunner
 
 pytestmark = pytest.mark.slow  # trains or decodes for minutes in all: CI's slow step
 

@@ -15,12 +15,13 @@ import torch
 from conftest import BigramLM, bigram, perturbed_copy, tiny_llama
 from scipy.stats import chisquare
 
-from specheads.export.shim.batching.batch_loop import BatchEngine, BatchJob
-from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits
-from specheads.export.shim.costs.cost_table import CostTable
-from specheads.export.shim.loop import drafting as engine_mod  # where every drafter draws its candidates
-from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.policies import (
+from specheads.heads import AcceptanceHead, JudgeHead, VerifierHead
+from specheads.shim.batching.batch_loop import BatchEngine, BatchJob
+from specheads.shim.core.sampling import SamplingConfig, probs_from_logits
+from specheads.shim.costs.cost_table import CostTable
+from specheads.shim.loop import drafting as engine_mod  # where every drafter draws its candidates
+from specheads.shim.loop.engine import Engine
+from specheads.shim.policies import (
     FSD,
     SLEM,
     ConfidenceStop,
@@ -32,8 +33,7 @@ from specheads.export.shim.policies import (
     TargetOnly,
     TopKVerify,
 )
-from specheads.export.shim.runners.batch_cache import BatchRunner
-from specheads.heads import AcceptanceHead, JudgeHead, VerifierHead
+from specheads.shim.runners.batch_cache import BatchRunner
 
 VOCAB, LENGTHS, NEW = 60, (3, 41, 7, 1, 25, 12, 60, 2), 20
 COSTS = CostTable(t_draft_ms=1.0, t_target_ms=[10.0 + 0.5 * k for k in range(1, 24)])

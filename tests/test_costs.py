@@ -12,12 +12,12 @@ from conftest import bigram
 
 from specheads.errors import UserError
 from specheads.evaluate.oracle import oracle_schedule, perfect_head_schedule
-from specheads.export.shim.costs import cost_table as costs_mod
-from specheads.export.shim.costs.cost_rules import DraftGate, draft_more, predict_ms_per_token
-from specheads.export.shim.costs.cost_table import CostTable, cost_table, load_table
-from specheads.export.shim.loop.engine import Engine, GenerationStats
-from specheads.export.shim.policies import ConfidenceStop, SpecDecPP, StandardSD
 from specheads.heads import AcceptanceHead
+from specheads.shim.costs import cost_table as costs_mod
+from specheads.shim.costs.cost_rules import DraftGate, draft_more, predict_ms_per_token
+from specheads.shim.costs.cost_table import CostTable, cost_table, load_table
+from specheads.shim.loop.engine import Engine, GenerationStats
+from specheads.shim.policies import ConfidenceStop, SpecDecPP, StandardSD
 
 PROMPTS = [[5], [7, 9, 11, 4, 6], [3, 8, 12, 15, 20, 4, 9, 10, 11, 13, 5, 6, 7, 8, 22, 30, 31]]
 
@@ -388,7 +388,7 @@ def test_gate_needs_the_cost_rule():
 
 
 def test_heads_decode_stop_cost(tiny_pair_dirs, tmp_path, capsys, caplog):
-    from specheads.export.decode_cli import main
+    from specheads.decode.decode_cli import main
 
     t, d = tiny_pair_dirs
     prompts = tmp_path / "p.jsonl"

@@ -14,7 +14,9 @@ from conftest import make_tokenizer, tiny_llama
 
 from specheads.datagen.acceptance_labels import response_logits
 from specheads.datagen.drafter import sequence_states
-from specheads.export.shim import (
+from specheads.runtime.numerics import numerics_settings
+from specheads.runtime.states import logits_at, states_after_tokens
+from specheads.shim import (
     HiddenCapture,
     ModelSpec,
     SamplingConfig,
@@ -24,10 +26,8 @@ from specheads.export.shim import (
     sample_finite,
     uniform,
 )
-from specheads.export.shim.runners.hidden import AuxCapture
-from specheads.export.shim.runners.models import resolve_dtype
-from specheads.runtime.numerics import numerics_settings
-from specheads.runtime.states import logits_at, states_after_tokens
+from specheads.shim.runners.hidden import AuxCapture
+from specheads.shim.runners.models import resolve_dtype
 
 pytestmark = [
     pytest.mark.cuda,
@@ -130,7 +130,7 @@ def test_numerics_fingerprint_names_no_device_index():
 
 
 def test_draft_beside_a_split_target_goes_to_the_freest_gpu():
-    from specheads.export.shim.runners.model_facts import freest_gpu
+    from specheads.shim.runners.model_facts import freest_gpu
 
     dev = freest_gpu()
     i = int(dev.split(":")[1])

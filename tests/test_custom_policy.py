@@ -13,7 +13,7 @@ from conftest import decode_args
 
 import specheads
 from specheads.errors import UserError
-from specheads.export.shim import POLICIES, UNSET, Check, Policy, Round, Settings, register_policy, settle
+from specheads.shim import POLICIES, UNSET, Check, Policy, Round, Settings, register_policy, settle
 
 DEFAULT_MARGIN = 0.2
 
@@ -83,7 +83,7 @@ def _tokens(out):
 
 
 def test_a_registered_policy_runs_from_heads_decode(registered, tiny_pair_dirs, tmp_path, capsys):
-    from specheads.export.decode_cli import main
+    from specheads.decode.decode_cli import main
 
     prompts = _prompts(tmp_path)
     assert main(_common(tiny_pair_dirs, prompts, tmp_path / "ar") + ["policy=ar"]) == 0

@@ -193,7 +193,7 @@ def test_nonfinite_logits_skip_the_sample_and_count_it(tiny_pair_dirs, tmp_path,
 
 
 def test_sample_survives_a_nonfinite_row():
-    from specheads.export.shim.core.sampling import sample_finite
+    from specheads.shim.core.sampling import sample_finite
 
     probs = torch.tensor([[0.0, 1.0, 0.0], [float("nan"), 0.5, 0.5], [0.0, 0.0, 0.0]])
     tok = sample_finite(probs, torch.Generator().manual_seed(0))

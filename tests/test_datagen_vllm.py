@@ -32,8 +32,8 @@ def fake_vllm(calls: list, fail_after: int | None = None):
     sampling setting (the labellers' batches at batch_size = chunk_size), side files in the child's format."""
     from transformers import AutoModelForCausalLM
 
-    from specheads.export.shim.batching import batch_generate as batched
-    from specheads.export.shim.core.sampling import SamplingConfig
+    from specheads.shim.batching import batch_generate as batched
+    from specheads.shim.core.sampling import SamplingConfig
 
     def generate(cfg, header, lines, work, local_rank):
         calls.append([line["chunk"] for line in lines])
@@ -147,7 +147,7 @@ def test_sampled_acceptance_labels_vllms_responses_with_a_target_pass(
     from transformers import AutoModelForCausalLM
 
     from specheads.datagen.acceptance_labels import response_logits
-    from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits
+    from specheads.shim.core.sampling import SamplingConfig, probs_from_logits
 
     calls: list = []
     monkeypatch.setattr(vllm_responses, "run_vllm", fake_vllm(calls))

@@ -23,7 +23,7 @@ from specheads.datagen.vllm_job import child_environment, cpu_binding
 from specheads.datagen.vllm_logprobs import MISSING, dense
 from specheads.errors import UserError
 from specheads.vllm.jobs import logprob_tensors, logprobs_name, side_name, write_atomic, write_tensors
-from specheads.vllm.options import DatagenVllm
+from specheads.vllm_config import DatagenVllm
 
 VLLM_PYTHON = os.environ.get("SPECHEADS_VLLM_PYTHON")
 HERE = ["engine=vllm", f"vllm.python={os.sys.executable}"]
@@ -37,8 +37,8 @@ def fake_child(headers: list, fail_after: int | None = None):
     from transformers import AutoModelForCausalLM
 
     from specheads.errors import UserError
-    from specheads.export.shim.batching import batch_generate as batched
-    from specheads.export.shim.core.sampling import SamplingConfig
+    from specheads.shim.batching import batch_generate as batched
+    from specheads.shim.core.sampling import SamplingConfig
 
     def generate(cfg, header, lines, work, local_rank):
         headers.append((header, [line["chunk"] for line in lines]))
@@ -95,7 +95,7 @@ def reference_gap(rows, pair_dirs, sampling) -> float:
     teacher-forced pass over the same responses, at the same draft tokens."""
     from transformers import AutoModelForCausalLM
 
-    from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits
+    from specheads.shim.core.sampling import SamplingConfig, probs_from_logits
 
     s = SamplingConfig(**sampling)
     target, draft = (AutoModelForCausalLM.from_pretrained(d).eval() for d in pair_dirs)
@@ -181,8 +181,8 @@ class FakeServer:
         FakeServer.made.append(self)
 
     def generate(self, contexts, max_new, vocab=None):
-        from specheads.export.shim.batching import batch_generate as batched
-        from specheads.export.shim.core.sampling import SamplingConfig
+        from specheads.shim.batching import batch_generate as batched
+        from specheads.shim.core.sampling import SamplingConfig
 
         eos = self.header["eos"]
         self.stats["calls"] += 1

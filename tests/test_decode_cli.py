@@ -9,8 +9,9 @@ import pytest
 import yaml
 from conftest import WORDS, decode_args, make_tokenizer, tiny_llama
 
-from specheads.export import ModelSpec, generate, load_pair
-from specheads.export.decode_cli import main
+from specheads.decode import generate
+from specheads.decode.decode_cli import main
+from specheads.shim import ModelSpec, load_pair
 
 
 @pytest.fixture()
@@ -206,8 +207,9 @@ def test_output_dir_with_another_run_is_refused(tiny_pair_dirs, prompts_file, tm
 def test_specdecpp_policy_with_exported_head(tiny_pair_dirs, prompts_file, tmp_path, capsys):
     import torch
 
-    from specheads.export import SamplingConfig, save_head
+    from specheads.export import save_head
     from specheads.heads import AcceptanceHead
+    from specheads.shim import SamplingConfig
 
     t, d = tiny_pair_dirs
     pair = load_pair(ModelSpec(path=str(t), device="cpu"), ModelSpec(path=str(d), device="cpu"))
@@ -294,8 +296,8 @@ def test_help_lists_each_policys_settings(capsys):
 
 def test_one_rule_per_setting_for_both_command_lines():
     """A setting's rule is written once, in its policy: heads-decode reports one value, heads-eval a swept list."""
-    from specheads.export.api import make_policy
-    from specheads.export.shim.policies import POLICIES, Judge, Policy
+    from specheads.decode.api import make_policy
+    from specheads.shim.policies import POLICIES, Judge, Policy
 
     assert Judge.Settings(delta=1.5).problems() == ["delta=1.5 must be in [0, 1]"]
     assert Judge.Settings.sweep("delta", "deltas", [0.5, 1.5]) == ["deltas=[0.5, 1.5]: every delta must be in [0, 1]"]

@@ -12,7 +12,7 @@ import pytest
 import tomllib
 import yaml
 
-from specheads.export.shim.policies import POLICIES
+from specheads.shim.policies import POLICIES
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

@@ -15,7 +15,7 @@ from conftest import WORDS, make_tokenizer
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from specheads.export import Engine, ModelSpec, SamplingConfig, StandardSD, load_pair
+from specheads.shim import Engine, ModelSpec, SamplingConfig, StandardSD, load_pair
 from specheads.train import distill as D
 from specheads.train.cli import main
 

@@ -11,14 +11,14 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from specheads.errors import UserError
-from specheads.export.shim import policies as sd_rule
-from specheads.export.shim.core.sampling import SamplingConfig
-from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.policies import ConfidenceStop, StandardSD, TopKVerify
-from specheads.export.shim.runners.eagle_cache import EagleCache
-from specheads.export.shim.runners.model_runner import FusedRunner, ModelRunner
 from specheads.heads import EagleHead
 from specheads.heads.eagle_head import unrolled_forward
+from specheads.shim import policies as sd_rule
+from specheads.shim.core.sampling import SamplingConfig
+from specheads.shim.loop.engine import Engine
+from specheads.shim.policies import ConfidenceStop, StandardSD, TopKVerify
+from specheads.shim.runners.eagle_cache import EagleCache
+from specheads.shim.runners.model_runner import FusedRunner, ModelRunner
 
 LAYERS = [1, 2, 3]
 

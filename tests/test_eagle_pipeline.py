@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from specheads.datagen.cli import main as datagen_main
-from specheads.export.decode_cli import main as decode_main
-from specheads.export.shim.costs.cost_table import CostTable
+from specheads.decode.decode_cli import main as decode_main
+from specheads.shim.costs.cost_table import CostTable
 from specheads.train.cli import main as train_main
 
 PROMPTS = [

@@ -13,15 +13,17 @@ from conftest import chunk_rows
 from safetensors.torch import load_file
 
 from specheads.datagen.cli import main as datagen_main
+from specheads.decode import Decoder
+from specheads.decode.api import format_prompt, load_eagle, make_policy
+from specheads.decode.decode_cli import main as decode_main
 from specheads.errors import UserError
 from specheads.evaluate.cli import main as eval_main
-from specheads.export import Decoder, ModelSpec, load_pair, read_metadata, save_head
-from specheads.export.api import format_prompt, load_eagle, make_policy
-from specheads.export.decode_cli import main as decode_main
-from specheads.export.shim.costs.cost_table import CostTable
-from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.policies import SpecDecPP
+from specheads.export import read_metadata, save_head
 from specheads.heads import AcceptanceHead, EagleHead
+from specheads.shim import ModelSpec, load_pair
+from specheads.shim.costs.cost_table import CostTable
+from specheads.shim.loop.engine import Engine
+from specheads.shim.policies import SpecDecPP
 from specheads.train.cli import main as train_main
 from specheads.train.eagle_data import init_from_target
 

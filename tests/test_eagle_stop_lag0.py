@@ -21,13 +21,13 @@ from test_eagle_stop import (  # noqa: F401  (PROMPTS: the setup's)
 )
 
 from specheads.datagen.cli import main as datagen_main
+from specheads.decode.api import load_eagle
+from specheads.decode.decode_cli import main as decode_main
 from specheads.export import read_metadata
-from specheads.export.api import load_eagle
-from specheads.export.decode_cli import main as decode_main
-from specheads.export.shim.core.sampling import SamplingConfig
-from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.policies import SpecDecPP
 from specheads.heads.acceptance_head import AcceptanceHead, signal_values
+from specheads.shim.core.sampling import SamplingConfig
+from specheads.shim.loop.engine import Engine
+from specheads.shim.policies import SpecDecPP
 from specheads.train.cli import main as train_main
 
 SIGNALS = ("entropy", "margin", "step")
@@ -177,7 +177,7 @@ def test_q_calibrated_on_log_q_and_step_is_a_stateless_linear_head(lag0_rounds, 
 
 def _decodes_as_the_target_alone(head, setup) -> None:  # noqa: F811
     """SD on the EAGLE head, stopped by ``head`` at lag 0, gives the target alone's tokens and drafts."""
-    from specheads.export.shim.policies import TargetOnly
+    from specheads.shim.policies import TargetOnly
 
     pair = setup["pair"]
     eagle = load_eagle(str(setup["eagle"]), pair)

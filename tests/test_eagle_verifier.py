@@ -13,9 +13,9 @@ from conftest import chunk_rows
 from test_eagle_stop import decode_args, eval_args, outputs, rounds_args, stop_args
 
 from specheads.datagen.cli import main as datagen_main
+from specheads.decode.decode_cli import main as decode_main
 from specheads.evaluate.cli import main as eval_main
 from specheads.export import read_metadata
-from specheads.export.decode_cli import main as decode_main
 from specheads.train.cli import main as train_main
 from specheads.train.eagle_stop_task import StopStore
 

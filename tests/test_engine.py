@@ -9,11 +9,11 @@ import torch
 from conftest import SAMPLINGS, bigram, sd_pvalue, tiny_llama
 from torch.testing import assert_close
 
-from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits
-from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.policies import DraftOnly, StandardSD, TargetOnly, residual
-from specheads.export.shim.policies import base as sd_rule
-from specheads.export.shim.runners.model_runner import ModelRunner
+from specheads.shim.core.sampling import SamplingConfig, probs_from_logits
+from specheads.shim.loop.engine import Engine
+from specheads.shim.policies import DraftOnly, StandardSD, TargetOnly, residual
+from specheads.shim.policies import base as sd_rule
+from specheads.shim.runners.model_runner import ModelRunner
 
 PROMPTS = [[5], [7, 9, 11, 4, 6], [3, 8, 12, 15, 20, 4, 9, 10, 11, 13, 5, 6, 7, 8, 22, 30, 31]]
 
@@ -285,7 +285,7 @@ def test_specdecpp_stops_where_the_product_crosses_h(h, expected_n):
     tokens 1..7, so 1 - prod = 0.1, 0.28, 0.496, 0.698, 0.849, 0.924, 0.962 after drafting
     y_2..y_8: the round stops after the first y_n where 1 - prod > h.
     """
-    from specheads.export.shim.policies import SpecDecPP
+    from specheads.shim.policies import SpecDecPP
 
     v = 12
     betas = [0.5, 0.9, 0.8, 0.7, 0.6, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]
@@ -311,7 +311,7 @@ def test_specdecpp_stops_where_the_product_crosses_h(h, expected_n):
 
 
 def test_specdecpp_bounds():
-    from specheads.export.shim.policies import SpecDecPP
+    from specheads.shim.policies import SpecDecPP
 
     v = 8
     draft, target = bigram(_cycle(v)), bigram(_cycle(v))
@@ -329,7 +329,7 @@ def test_specdecpp_bounds():
 def test_specdecpp_previous_position_scores_every_candidate(h):
     """An expected-label head reads the state that produced q_n (returned with y_n): here the
     one-hot of the consumed token, so y_n gets betas[y_{n-1}] with y_0 = the prompt token 0."""
-    from specheads.export.shim.policies import SpecDecPP
+    from specheads.shim.policies import SpecDecPP
 
     v = 12
     betas = [0.5, 0.9, 0.8, 0.7, 0.6, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from specheads.datagen.cli import main as datagen_main
+from specheads.decode.decode_cli import main as decode_main
 from specheads.engines import ENGINES, engine_of
 from specheads.evaluate.cli import main as eval_main
-from specheads.export.decode_cli import main as decode_main
 
 
 def test_each_engine_says_what_it_does():

@@ -1,4 +1,4 @@
-"""The training-free acceptance estimates of the confidence stop (export/shim/policies/estimates.py): their
+"""The training-free acceptance estimates of the confidence stop (shim/policies/estimates.py): their
 values, the online model's learning, and that every rule reading them stays lossless."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import torch
 from conftest import perturbed_copy, tiny_llama
 
 from specheads.errors import UserError
-from specheads.export.shim.core.sampling import SamplingConfig
-from specheads.export.shim.costs.cost_table import CostTable
-from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.policies import ConfidenceStop, TargetOnly
-from specheads.export.shim.policies.estimates import OnlineLogistic, entropy_bound, features
+from specheads.shim.core.sampling import SamplingConfig
+from specheads.shim.costs.cost_table import CostTable
+from specheads.shim.loop.engine import Engine
+from specheads.shim.policies import ConfidenceStop, TargetOnly
+from specheads.shim.policies.estimates import OnlineLogistic, entropy_bound, features
 
 COSTS = CostTable(t_draft_ms=1.0, t_target_ms=[10.0 + 0.5 * k for k in range(1, 24)])
 

@@ -24,9 +24,10 @@ from specheads.evaluate.oracle import (
 from specheads.evaluate.report import summarize
 from specheads.evaluate.rows import expand, num
 from specheads.evaluate.select import family
-from specheads.export import Engine, GenerationStats, ModelSpec, SamplingConfig, load_pair, save_head
-from specheads.export.shim.costs.cost_table import CostTable
+from specheads.export import save_head
 from specheads.heads import AcceptanceHead
+from specheads.shim import Engine, GenerationStats, ModelSpec, SamplingConfig, load_pair
+from specheads.shim.costs.cost_table import CostTable
 
 
 @pytest.mark.parametrize(
@@ -280,7 +281,7 @@ def test_eval_sweep_end_to_end(tiny_pair_dirs, head_file, prompts_file, table_fi
 
 
 def test_eval_resumes_after_a_kill(tiny_pair_dirs, prompts_file, tmp_path, monkeypatch):
-    from specheads.export.api import Decoder
+    from specheads.decode.api import Decoder
 
     out = tmp_path / "ev"
     args = _args(tiny_pair_dirs, prompts_file, out, "ks=[2]", "head=null")

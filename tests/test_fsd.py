@@ -11,10 +11,10 @@ import torch
 from conftest import bigram, decode_args
 
 from specheads.errors import UserError
-from specheads.export.shim.core.divergence import divergence
-from specheads.export.shim.core.sampling import SamplingConfig
-from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.policies import FSD, ConfidenceStop, Round, StandardSD
+from specheads.shim.core.divergence import divergence
+from specheads.shim.core.sampling import SamplingConfig
+from specheads.shim.loop.engine import Engine
+from specheads.shim.policies import FSD, ConfidenceStop, Round, StandardSD
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 10], [1, 20, 21, 22, 23, 24]]
 LN = math.log
@@ -285,7 +285,7 @@ def prompts_file(tmp_path):
 
 
 def test_heads_decode_fsd_and_confidence(tiny_pair_dirs, prompts_file, tmp_path, capsys):
-    from specheads.export.decode_cli import main
+    from specheads.decode.decode_cli import main
 
     runs = {
         "ar": ["policy=ar"],
@@ -326,7 +326,7 @@ def test_heads_decode_fsd_and_confidence(tiny_pair_dirs, prompts_file, tmp_path,
 
 
 def test_heads_decode_help_lists_fsd_settings(capsys):
-    from specheads.export.decode_cli import main
+    from specheads.decode.decode_cli import main
 
     assert main(["--help"]) == 0
     out = capsys.readouterr().out

@@ -208,8 +208,8 @@ def test_bad_train_settings_are_one_line_errors(tiny_pair_dirs, prompts, greedy_
 
 
 def test_fsd_head_end_to_end_drives_specdecpp_losslessly(tiny_pair_dirs, greedy_data, prompts, tmp_path):
+    from specheads.decode.decode_cli import main as decode
     from specheads.export.cli import main as export
-    from specheads.export.decode_cli import main as decode
 
     shutil.rmtree(greedy_data / "features", ignore_errors=True)
     assert train(_targs(tiny_pair_dirs, greedy_data, tmp_path / "tr", "fsd_label=js@0.2", "features=cached")) == 0

@@ -8,12 +8,12 @@ from conftest import BigramLM, tiny_llama
 from torch.testing import assert_close
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from specheads.export.shim.batching import batch_generate as batched
-from specheads.export.shim.core.sampling import SamplingConfig
-from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.policies import StandardSD
-from specheads.export.shim.runners.fused import _row_major_ok, fused_weights, supports, unfuse
-from specheads.export.shim.runners.model_runner import FusedRunner, ModelRunner, make_runner
+from specheads.shim.batching import batch_generate as batched
+from specheads.shim.core.sampling import SamplingConfig
+from specheads.shim.loop.engine import Engine
+from specheads.shim.policies import StandardSD
+from specheads.shim.runners.fused import _row_major_ok, fused_weights, supports, unfuse
+from specheads.shim.runners.model_runner import FusedRunner, ModelRunner, make_runner
 
 COMMON = dict(
     vocab_size=50,
@@ -114,7 +114,7 @@ def test_fusing_shares_storage_and_keeps_the_model_working():
 @pytest.mark.parametrize("layout", ["auto", "col"])
 def test_fused_layout_follows_smallm_and_the_setting(monkeypatch, layout):
     """Row-major where smallm runs row-major weights at 1-8 rows; column-major without it, or when asked."""
-    from specheads.export.shim.runners import smallm
+    from specheads.shim.runners import smallm
 
     monkeypatch.setenv("SPECHEADS_FUSED_LAYOUT", layout)
     model = tiny_llama(40, seed=3)

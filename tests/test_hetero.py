@@ -16,11 +16,11 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 from transformers import PreTrainedTokenizerFast
 
 from specheads.errors import UserError
-from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits
-from specheads.export.shim.policies import base as sd_rule
-from specheads.export.shim.vocab import hetero_loop as hetero
-from specheads.export.shim.vocab.hetero_loop import HeteroEngine
-from specheads.export.shim.vocab.token_text import Side, VocabMap, token_bytes
+from specheads.shim.core.sampling import SamplingConfig, probs_from_logits
+from specheads.shim.policies import base as sd_rule
+from specheads.shim.vocab import hetero_loop as hetero
+from specheads.shim.vocab.hetero_loop import HeteroEngine
+from specheads.shim.vocab.token_text import Side, VocabMap, token_bytes
 
 CORPUS = [
     "the cat sat on the mat and the dog sat on the log",
@@ -300,7 +300,7 @@ def test_slrs_sampling_is_lossless_with_and_without_the_budget_fallback(toks, bu
     """SLRS with a budget of one draft forward per step (every tree that goes past its root falls back to the
     target's own token) and with room for the trees: both follow the target; the fallbacks are counted. The
     draft also proposes ``Ġc``, whose string the target's ``▁cat`` extends: its trees go past the root."""
-    from specheads.export.shim.policies import SLRS
+    from specheads.shim.policies import SLRS
 
     assert any(t.startswith("▁c") and len(t) > 2 for t in toks["sp"].get_vocab()) and "Ġc" in toks["bl"].get_vocab()
     seen = []
@@ -416,7 +416,7 @@ def test_non_injective_greedy_equals_target_greedy(toks, trained, method, target
 def test_heads_decode_runs_tli_and_slem_and_refuses_same_vocab_policies(toks, trained, tmp_path, capsys):
     """``heads-decode policy=tli|slem`` on saved models with different tokenizers: the target's greedy
     output; a same-vocabulary policy on that pair is a one-line error naming TLI and SLEM."""
-    from specheads.export.decode_cli import main as decode
+    from specheads.decode.decode_cli import main as decode
 
     dirs = {}
     for name in ("sp", "bl"):

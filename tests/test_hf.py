@@ -70,7 +70,7 @@ def test_the_head_decides_where_drafting_stops(models, head):
 def test_generate_drafts_the_rounds_the_shim_drafts(models, head, policy):
     """The head (or the confidence rule) sees inside Transformers what it sees in the decoding shim: the same
     rounds, candidates drafted and accepted, prompt by prompt, as specheads' own engine with the same policy."""
-    from specheads.export import Engine
+    from specheads.shim import Engine
 
     target, draft = models
     kw = dict(h=0.6, k_min=1) if policy == "specdecpp" else dict(policy="confidence_stop", tau=0.3)
@@ -217,9 +217,10 @@ def test_sampled_generate_follows_the_target_and_a_planted_bug_fails(monkeypatch
 def test_sampled_generate_with_a_specdecpp_head_follows_the_target(tmp_path):
     """The head's stop decisions (which depend on the draft's sampled path) leave sampled output exact: the
     joint histogram of the first two tokens over a 6-token vocabulary matches the target's distribution."""
-    from specheads.export import SamplingConfig, save_head
+    from specheads.export import save_head
     from specheads.heads import AcceptanceHead
     from specheads.hf import _loaded
+    from specheads.shim import SamplingConfig
 
     vocab, prompt = 6, [1, 3]
     target, draft = tiny_llama(vocab, seed=3, init=0.6), tiny_llama(vocab, seed=4, layers=1, init=0.6)
@@ -320,8 +321,8 @@ def test_a_pruned_draft_must_match_the_head(models, head, tiny_pair_dirs, tmp_pa
     and greedy output with the pruned draft is still the target's."""
     import json
 
-    from specheads.export.shim.runners.vocab_pruning import FORMAT
     from specheads.hf import prune_draft
+    from specheads.shim.runners.vocab_pruning import FORMAT
 
     target, _ = models
     draft = AutoModelForCausalLM.from_pretrained(tiny_pair_dirs[1], dtype=torch.float32).eval()

@@ -22,7 +22,9 @@ EXTRA_ONLY = sorted({m for mods in extras.EXTRAS.values() for m in mods} | {"ggu
 # Each stage's folder and the import names its code (with every project module it imports) may use.
 STAGES = {
     "heads": BASE,
+    "shim": BASE,
     "export": BASE,
+    "decode": BASE,
     # gguf: a GGUF target's tensors read by name (specheads/runtime/checkpoint_tensors.py: the EAGLE head's, and the
     # output layer of engine=vllm's target without weights), which says in one line to install the [gguf] extra when it
     # is missing, as loading a GGUF model anywhere does
@@ -44,8 +46,10 @@ for name in {blocked!r}:
 import torch
 
 import specheads.export
-from specheads.export import ModelSpec, SamplingConfig, generate, load_head, load_pair, save_head
-from specheads.export.decode_cli import main
+from specheads.export import load_head, save_head
+from specheads.shim import ModelSpec, SamplingConfig, load_pair
+from specheads.decode import generate
+from specheads.decode.decode_cli import main
 from specheads.heads import AcceptanceHead
 
 target, draft, out = sys.argv[1:]
@@ -110,7 +114,7 @@ def _closure(modules: dict[str, Path]) -> dict[str, set[str]]:
 
 
 def test_each_stage_imports_only_its_extra():
-    """heads/ and export/ (the decode path) need the base install only; datagen/ and train/ the [train]
+    """heads/, shim/, export/ and decode/ (the decode path) need the base install only; datagen/ and train/ the [train]
     extra (train/ also [deepspeed]); evaluate/ the [eval] extra: counting every import in every function
     of each module and of each project module it imports."""
     modules = package_modules()
@@ -168,7 +172,7 @@ def test_an_installed_extra_runs_the_cli(capsys):
 
 def test_a_gguf_model_without_the_gguf_extra_is_one_line(monkeypatch, tmp_path):
     from specheads.errors import UserError
-    from specheads.export import ModelSpec, load_model
+    from specheads.shim import ModelSpec, load_model
 
     (tmp_path / "m.gguf").write_bytes(b"")
     monkeypatch.setitem(sys.modules, "accelerate", None)  # transformers reads GGUF files with gguf and accelerate

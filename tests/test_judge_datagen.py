@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from specheads.datagen import cli, judge_tuples
 from specheads.datagen.tuples import IGNORE, span_labels
-from specheads.export.shim.runners.hidden import HiddenCapture
+from specheads.shim.runners.hidden import HiddenCapture
 
 TUPLES = [
     {"question": "what is one two", "correct": "three four", "wrong": "two three five six", "error": [4, 9]},
@@ -254,7 +254,7 @@ def test_judge_head_trains_on_the_target_states(judge_trained):
 
 
 def test_exported_judge_head_decodes(judge_head, tiny_pair_dirs, tmp_path):
-    from specheads.export.decode_cli import main as decode_main
+    from specheads.decode.decode_cli import main as decode_main
 
     t, d = tiny_pair_dirs
     dec = tmp_path / "dec"
@@ -283,7 +283,7 @@ def test_exported_judge_head_decodes(judge_head, tiny_pair_dirs, tmp_path):
 def test_heads_decode_warns_when_a_gated_judge_decodes_outside_its_gate(judge_head, tiny_pair_dirs, tmp_path, caplog):
     import logging
 
-    from specheads.export.decode_cli import main as decode_main
+    from specheads.decode.decode_cli import main as decode_main
     from specheads.export.package import set_default_threshold
 
     head = tmp_path / "gated.safetensors"
@@ -300,9 +300,9 @@ def test_heads_decode_warns_when_a_gated_judge_decodes_outside_its_gate(judge_he
 def test_a_judge_on_the_targets_verdict_trains_exports_and_decodes(judge_data, tiny_pair_dirs, tmp_path):
     """judge_signals: the head reads the target's state and its verdict on the token (stored by datagen);
     exported, it rebuilds itself from its header and decodes, with the margin floor too."""
+    from specheads.decode.decode_cli import main as decode_main
     from specheads.export import read_metadata
     from specheads.export.cli import main as export_main
-    from specheads.export.decode_cli import main as decode_main
     from specheads.train.cli import main as train_main
 
     tr, exp = tmp_path / "tr", tmp_path / "exp"

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim.core.sampling import SamplingConfig
-from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.policies import Judge, StandardSD
+from specheads.shim.core.sampling import SamplingConfig
+from specheads.shim.loop.engine import Engine
+from specheads.shim.policies import Judge, StandardSD
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 10], [1, 20, 21, 22, 23, 24]]
 
@@ -74,7 +74,7 @@ def test_judge_reads_the_candidates_own_states(tiny_pair):
     cand = seen[0].shape[0]
     assert cand >= 1
     # the first round's candidates, teacher-forced through the target: pre-norm states at their positions
-    from specheads.export.shim.runners.hidden import HiddenCapture
+    from specheads.shim.runners.hidden import HiddenCapture
 
     with HiddenCapture(target) as cap, torch.no_grad():
         drafted = []
@@ -94,7 +94,7 @@ def test_bad_delta():
 
 
 def test_topk_verify_with_top1_is_greedy_sd_and_larger_k_accepts_more(tiny_pair):
-    from specheads.export.shim.policies import TopKVerify
+    from specheads.shim.policies import TopKVerify
 
     target, draft = tiny_pair
     engine = Engine(target, draft, [2])
@@ -109,7 +109,7 @@ def test_topk_verify_with_top1_is_greedy_sd_and_larger_k_accepts_more(tiny_pair)
 
 def test_relaxed_acceptance_between_greedy_sd_and_top_k(tiny_pair):
     """verify_delta=0 accepts only the target's own choice (greedy SD); a huge delta is top-K alone."""
-    from specheads.export.shim.policies import TopKVerify
+    from specheads.shim.policies import TopKVerify
 
     target, draft = tiny_pair
     engine = Engine(target, draft, [2])

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_llama
 
-from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.runners import kernels, smallm
-from specheads.export.shim.runners.fused import unfuse
+from specheads.shim.loop.engine import Engine
+from specheads.shim.runners import kernels, smallm
+from specheads.shim.runners.fused import unfuse
 
 
 @pytest.fixture(autouse=True)
@@ -123,7 +123,7 @@ def test_greedy_outputs_unchanged_under_every_policy(policy, fused):
     kernels.route(target)
     kernels.route(draft)
     engine = Engine(target, draft, eos_token_ids=[], fused=fused)
-    from specheads.export.shim.policies import StandardSD
+    from specheads.shim.policies import StandardSD
 
     assert engine.generate_ar([1, 7, 9, 11], 16).tokens == want
     assert engine.generate([1, 7, 9, 11], StandardSD(3), 16).tokens == want
@@ -134,7 +134,7 @@ def test_greedy_outputs_unchanged_under_every_policy(policy, fused):
 
 def test_fused_forward_is_the_default_on_cpu_only(monkeypatch):
     """On CUDA the model's own forward is the default (the fused one measured slower on an H100)."""
-    from specheads.export.shim.runners.fused import use_fused
+    from specheads.shim.runners.fused import use_fused
 
     model = tiny_llama(40, layers=1)
     assert use_fused(model)

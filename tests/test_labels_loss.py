@@ -8,7 +8,7 @@ import torch
 from torch.testing import assert_close
 
 from specheads.datagen.acceptance_labels import acceptance_labels
-from specheads.export.shim.core.sampling import SamplingConfig
+from specheads.shim.core.sampling import SamplingConfig
 from specheads.train.loss import binary_kl, weighted_soft_bce
 
 

@@ -11,9 +11,10 @@ from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
 from specheads.errors import UserError
-from specheads.export import ModelSpec, SamplingConfig, load_head, load_pair, read_metadata, save_head
+from specheads.export import load_head, read_metadata, save_head
 from specheads.export.package import set_default_threshold
 from specheads.heads import HEADS, AcceptanceHead
+from specheads.shim import ModelSpec, SamplingConfig, load_pair
 
 
 @pytest.fixture()

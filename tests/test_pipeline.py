@@ -180,8 +180,9 @@ def test_the_quickstart_runs_on_the_committed_eagle_head():
 
 def _eagle_head(target_dir, path):
     """An EAGLE head for the tiny target (layer 1 of 2), started from the target as heads-train does."""
-    from specheads.export import ModelSpec, load_pair, save_head
+    from specheads.export import save_head
     from specheads.heads import EagleHead
+    from specheads.shim import ModelSpec, load_pair
     from specheads.train.eagle_data import init_from_target
 
     pair = load_pair(ModelSpec(path=str(target_dir), device="cpu"), None)
@@ -216,7 +217,7 @@ def _eagle_head(target_dir, path):
 
 def _eagle_recipe(tiny_pair_dirs, tmp_path):
     """The quickstart's shape on tiny models, priced by a synthetic cost table (no timing decides a test)."""
-    from specheads.export.shim.costs.cost_table import CostTable
+    from specheads.shim.costs.cost_table import CostTable
 
     path, runs = _recipe(tmp_path, tiny_pair_dirs)
     recipe = yaml.safe_load(path.read_text())

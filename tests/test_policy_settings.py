@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim import POLICIES
-from specheads.export.shim.policies.baselines import ConfidenceStop, StandardSD, TargetOnly
-from specheads.export.shim.policies.settings import UNSET
-from specheads.export.shim.policies.sprinter_policy import Sprinter, SprinterSettings
-from specheads.export.shim.policies.topk_policy import TopKSettings, TopKVerify
+from specheads.shim import POLICIES
+from specheads.shim.policies.baselines import ConfidenceStop, StandardSD, TargetOnly
+from specheads.shim.policies.settings import UNSET
+from specheads.shim.policies.sprinter_policy import Sprinter, SprinterSettings
+from specheads.shim.policies.topk_policy import TopKSettings, TopKVerify
 
 RUNTIME = {"self", "head", "costs", "stopper", "embedding", "feature", "position", "settings"}  # objects, not settings
 

@@ -1,4 +1,4 @@
-"""The proposer a serving engine calls with token ids only (``export/shim/batching/row_proposer.py``; vLLM's
+"""The proposer a serving engine calls with token ids only (``shim/batching/row_proposer.py``; vLLM's
 custom_class).
 
 A simulated engine drives it as vLLM does: every step each running request's whole sequence under a
@@ -17,9 +17,9 @@ import pytest
 import torch
 from conftest import perturbed_copy, tiny_llama
 
-from specheads.export.shim.batching.row_proposer import RowProposer, common_prefix
-from specheads.export.shim.policies import ConfidenceStop, SpecDecPP, StandardSD
 from specheads.heads import AcceptanceHead
+from specheads.shim.batching.row_proposer import RowProposer, common_prefix
+from specheads.shim.policies import ConfidenceStop, SpecDecPP, StandardSD
 
 VOCAB, EOS = 48, 2
 

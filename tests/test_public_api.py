@@ -33,14 +33,15 @@ PUBLIC = {
 
 def test_the_public_names_are_the_documented_ones_and_resolve():
     assert set(specheads.__all__) == PUBLIC
-    from specheads.export import api, shim
+    from specheads import shim
+    from specheads.decode import api
     from specheads.hf import Assistant
 
     assert specheads.Decoder is api.Decoder and specheads.Result is shim.Result and specheads.Assistant is Assistant
     assert specheads.make_policy("sd", k=3).k == 3
     with pytest.raises(AttributeError):
         specheads.Engine  # noqa: B018 - internal: not part of the API
-    page = api.__file__.rsplit("/export/", 1)[0] + "/docs/python-api.md"
+    page = api.__file__.rsplit("/decode/", 1)[0] + "/docs/python-api.md"
     text = open(page, encoding="utf-8").read()
     assert [n for n in sorted(PUBLIC) if f"`{n}" not in text] == []
 
@@ -54,7 +55,7 @@ def test_import_specheads_stays_light():
 def test_no_name_is_kept_for_a_release_that_never_happened():
     """0.2 is the first release: the spellings of its development (Generation, build_policy, top_k=, a policy's
     verifier attribute) are gone, not aliased."""
-    import specheads.export as export
+    import specheads.decode as export
 
     for name in ("Generation", "build_policy", "fit_context", "format_prompt"):
         assert not hasattr(export, name), name

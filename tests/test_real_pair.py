@@ -8,9 +8,10 @@ import pytest
 import torch
 from conftest import SHARED
 
-from specheads.export import ModelSpec, generate, load_pair
-from specheads.export.decode_cli import main
+from specheads.decode import generate
+from specheads.decode.decode_cli import main
 from specheads.prompts import load_prompts
+from specheads.shim import ModelSpec, load_pair
 
 pytestmark = [
     pytest.mark.slow,
@@ -57,9 +58,10 @@ def test_sprinter_without_run_cap_decodes(real_pair, tmp_path, monkeypatch):
     tokens, not from the uncapped max_candidates() (2**30 positions: hundreds of GB)."""
     import torch
 
-    from specheads.export import SamplingConfig, save_head
-    from specheads.export.shim.loop import engine as engine_module
+    from specheads.export import save_head
     from specheads.heads import VerifierHead
+    from specheads.shim import SamplingConfig
+    from specheads.shim.loop import engine as engine_module
 
     d = real_pair.draft.hidden_size
     head = VerifierHead(d, depth=0)
@@ -113,7 +115,7 @@ def test_real_pair_pruned_draft_greedy_sd_equals_target(real_pair, tmp_path):
     """The draft's output layer pruned to 2,048 corpus-frequent tokens: greedy SD is still the target's
     greedy output (tokens outside the subset come from the target's correction)."""
     from specheads.datagen.vocab_ranking import main as vocab_main
-    from specheads.export.shim.runners.vocab_pruning import prune, read_ranking, subset_from_ranking, unprune
+    from specheads.shim.runners.vocab_pruning import prune, read_ranking, subset_from_ranking, unprune
 
     out = tmp_path / "vocab.json"
     assert (
@@ -145,10 +147,11 @@ def test_real_pair_hf_generate_with_a_head_equals_target(real_pair, tmp_path):
     random weights: exactness does not depend on its quality) gives the target's own greedy output."""
     import torch
 
-    from specheads.export import SamplingConfig, save_head
-    from specheads.export.api import format_prompt
+    from specheads.decode.api import format_prompt
+    from specheads.export import save_head
     from specheads.heads import AcceptanceHead
     from specheads.hf import Assistant
+    from specheads.shim import SamplingConfig
 
     d = real_pair.draft
     torch.manual_seed(0)
@@ -194,8 +197,8 @@ def test_the_shared_target_is_competent_on_the_fact_task(real_pair):
 def test_the_real_targets_shell_matches_it(real_pair):
     """engine=vllm's target without weights (specheads/runtime/target_shell.py), from the GGUF file: the loaded target's
     fingerprint and EOS ids, and its output layer (dequantised from the file alone) gives its logits."""
-    from specheads.export.shim import eos_ids, final_norm
     from specheads.runtime.target_shell import load_shell
+    from specheads.shim import eos_ids, final_norm
 
     whole = real_pair.target
     shell = load_shell(whole.spec, output_layer=True)

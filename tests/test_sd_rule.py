@@ -18,7 +18,7 @@ import pytest
 import torch
 from scipy.stats import chi2, chisquare
 
-from specheads.export.shim.policies.base import greedy_accept, speculative_accept
+from specheads.shim.policies.base import greedy_accept, speculative_accept
 
 ALPHA = 1e-6  # a correct rule fails one seed in a million; the seeds below are fixed, so it never flakes
 

@@ -14,8 +14,8 @@ from specheads.datagen import shards
 from specheads.datagen.cli import main
 from specheads.datagen.config import SelfPromptOptions
 from specheads.datagen.self_prompts import COLUMNS, KINDS, kinds, verdict, write_prompts
+from specheads.decode.api import format_prompt
 from specheads.errors import UserError
-from specheads.export.api import format_prompt
 from specheads.prompt_spec import open_user_turn
 from specheads.prompts import load_prompt_files
 

@@ -1,4 +1,4 @@
-"""SLRS (export/shim/vocab/slrs.py): psi against a brute-force enumeration of the drafting process on hand-built
+"""SLRS (shim/vocab/slrs.py): psi against a brute-force enumeration of the drafting process on hand-built
 vocabularies (the paper's hello_/world/wo/rld example and a target with longer tokens than the draft), n_max,
 the sampler against psi, and the lossless rule (chi-square; a planted q(d_1)-for-psi(t_1) bug fails it)."""
 
@@ -11,8 +11,8 @@ import torch
 from scipy.stats import chisquare
 
 from specheads.errors import UserError
-from specheads.export.shim.policies.base import speculative_accept
-from specheads.export.shim.vocab.slrs import Process, TargetStrings, n_max
+from specheads.shim.policies.base import speculative_accept
+from specheads.shim.vocab.slrs import Process, TargetStrings, n_max
 
 HELLO_D = [b"hello_", b"world", b"wo", b"rld"]
 HELLO_T = HELLO_D + [b"hello_world"]
@@ -202,10 +202,10 @@ def test_each_tree_level_is_one_forward_with_the_distributions_of_a_forward_per_
 
     from conftest import tiny_llama
 
-    from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits
-    from specheads.export.shim.core.stats import GenerationStats
-    from specheads.export.shim.runners.model_runner import FusedRunner
-    from specheads.export.shim.vocab.slrs_draft import _Tree
+    from specheads.shim.core.sampling import SamplingConfig, probs_from_logits
+    from specheads.shim.core.stats import GenerationStats
+    from specheads.shim.runners.model_runner import FusedRunner
+    from specheads.shim.vocab.slrs_draft import _Tree
 
     model, vocab = tiny_llama(40, seed=5, init=0.6), 40
     base = [1, 5, 7, 9, 11]

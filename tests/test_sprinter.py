@@ -7,9 +7,9 @@ import torch
 from conftest import P_ROWS, Q_ROWS, bigram, sd_pvalue
 
 from specheads.errors import UserError
-from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits
-from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.policies import Sprinter
+from specheads.shim.core.sampling import SamplingConfig, probs_from_logits
+from specheads.shim.loop.engine import Engine
+from specheads.shim.policies import Sprinter
 
 V = 4
 
@@ -99,8 +99,8 @@ def test_run_cap_forces_target_calls(feature):
 def test_uncapped_run_sizes_caches_from_the_round(tiny_pair, monkeypatch, logit, fused):
     """max_run=None makes max_candidates() 2**30: the caches are sized from what a round can use
     (prompt + new tokens + a round bounded by them), not from it, and decoding is unchanged."""
-    from specheads.export.shim.loop import engine as engine_module
-    from specheads.export.shim.runners.model_runner import FusedRunner
+    from specheads.shim.loop import engine as engine_module
+    from specheads.shim.runners.model_runner import FusedRunner
 
     made = []
     make_runner = engine_module.make_runner
@@ -151,7 +151,7 @@ def test_bad_settings_are_refused():
 
 
 def test_decode_by_name_explains_what_sprinter_needs():
-    from specheads.export.api import make_policy
+    from specheads.decode.api import make_policy
 
     with pytest.raises(UserError, match="verifier"):
         make_policy("sprinter", pair=None)

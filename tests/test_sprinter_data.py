@@ -10,8 +10,8 @@ from conftest import SPRINTER_PROMPTS, chunk_rows, sprinter_args
 
 from specheads.datagen import sprinter_labels as sprinter
 from specheads.datagen.cli import main
-from specheads.export.shim.core.sampling import SamplingConfig
 from specheads.runtime.ratio import label_distributions, ratio_label
+from specheads.shim.core.sampling import SamplingConfig
 
 
 def test_ratio_labels_match_hand_computation():

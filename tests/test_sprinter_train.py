@@ -9,9 +9,9 @@ import torch
 from conftest import SPRINTER_PROMPTS, datagen_args, sprinter_args
 
 from specheads.datagen.cli import main as datagen_main
+from specheads.decode.decode_cli import main as decode_main
 from specheads.export import load_head, read_metadata
 from specheads.export.cli import main as export_main
-from specheads.export.decode_cli import main as decode_main
 from specheads.train import verifier_data as V
 from specheads.train.cli import main as train_main
 
@@ -158,7 +158,7 @@ def test_flops_by_hand(tiny_pair):
 
 def test_verifier_errors_by_hand(tiny_pair):
     from specheads.evaluate.quality import verifier_errors
-    from specheads.export.shim.core.sampling import SamplingConfig
+    from specheads.shim.core.sampling import SamplingConfig
 
     target, draft = tiny_pair
     prompt, output = [1, 5, 6], [7, 8, 9, 10]

@@ -12,9 +12,9 @@ from specheads.datagen.cli import _load
 from specheads.datagen.config import DatagenConfig
 from specheads.datagen.engines import runtime_of
 from specheads.datagen.registry import labeller
-from specheads.export.shim import ModelSpec, context_length, eos_ids, final_norm, load_model
 from specheads.plan import memory as plan_memory
 from specheads.runtime.target_shell import load_shell, load_target
+from specheads.shim import ModelSpec, context_length, eos_ids, final_norm, load_model
 
 
 def _real(model) -> dict[str, int]:

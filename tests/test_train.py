@@ -156,8 +156,8 @@ def test_cached_features_match_online_and_are_reused(tiny_pair_dirs, labelled, t
     assert t["features"].dtype == torch.float16 and t["features"].shape[1] == 32
     assert t["offsets"][-1] == t["features"].shape[0] == t["labels"].shape[0]
     # the cached rows are the online features of the same mixing draw, rounded to fp16
-    from specheads.export.shim.runners.hidden import HiddenCapture
-    from specheads.export.shim.runners.models import ModelSpec, load_model
+    from specheads.shim.runners.hidden import HiddenCapture
+    from specheads.shim.runners.models import ModelSpec, load_model
     from specheads.train.acceptance_data import draft_features, mix, mix_seed
 
     draft = load_model(ModelSpec(path=str(tiny_pair_dirs[1]), device="cpu"), "draft").model

@@ -14,9 +14,9 @@ from conftest import SHARED, datagen_args, same_heads, tiny_llama
 from safetensors import safe_open
 
 from specheads.datagen.cli import main as datagen_main
-from specheads.export.shim import ModelSpec, load_model
 from specheads.heads.eagle_head import EagleHead, unrolled_attention
 from specheads.runtime.checkpoint_tensors import TargetCheckpoint, from_model
+from specheads.shim import ModelSpec, load_model
 from specheads.train.cli import main as train_main
 from specheads.train.drafter_data import DrafterData
 

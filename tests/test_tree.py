@@ -8,17 +8,17 @@ import torch
 from test_eagle import LAYERS, eagle_head, target_model
 
 from specheads.errors import UserError
-from specheads.export.shim.core.sampling import SamplingConfig
-from specheads.export.shim.core.stats import GenerationStats
-from specheads.export.shim.costs.cost_table import CostTable
-from specheads.export.shim.loop import tree_loop as tree_module
-from specheads.export.shim.loop.eagle_drafter import EagleDrafter
-from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.loop.tree_loop import DraftTree, grow_tree
-from specheads.export.shim.policies import EagleTree, StandardSD
-from specheads.export.shim.runners import model_runner as kv
-from specheads.export.shim.runners.eagle_cache import EagleCache
-from specheads.export.shim.runners.model_runner import FusedRunner
+from specheads.shim.core.sampling import SamplingConfig
+from specheads.shim.core.stats import GenerationStats
+from specheads.shim.costs.cost_table import CostTable
+from specheads.shim.loop import tree_loop as tree_module
+from specheads.shim.loop.eagle_drafter import EagleDrafter
+from specheads.shim.loop.engine import Engine
+from specheads.shim.loop.tree_loop import DraftTree, grow_tree
+from specheads.shim.policies import EagleTree, StandardSD
+from specheads.shim.runners import model_runner as kv
+from specheads.shim.runners.eagle_cache import EagleCache
+from specheads.shim.runners.model_runner import FusedRunner
 
 PREFIX = [1, 7, 3, 12, 5, 9]
 # S[-1] = 9; nodes: 0:(4) 1:(8) 2:(4->6) 3:(4->11) 4:(8->6) 5:(4->11->2)

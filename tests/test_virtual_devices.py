@@ -108,8 +108,8 @@ def test_trees_run_on_one_gpu_without_an_opt_in_and_a_split_target_is_refused_be
     target the decoder refuses it in one line when it is built, before any prompt decodes."""
     import json
 
+    from specheads.decode.decode_cli import main as decode
     from specheads.errors import UserError
-    from specheads.export.decode_cli import main as decode
 
     def run(out, *where):
         args = [f"target.path={built['target']}", "target.gguf_file=null", "draft.path=''", *where, *TREE]
@@ -120,7 +120,8 @@ def test_trees_run_on_one_gpu_without_an_opt_in_and_a_split_target_is_refused_be
     cpu = run(tmp_path / "cpu", "target.device=cpu")
     with VirtualGPUs(1):
         assert run(tmp_path / "gpu", "target.device=cuda:0") == cpu
-    from specheads.export import Decoder, ModelSpec, load_pair
+    from specheads.decode import Decoder
+    from specheads.shim import ModelSpec, load_pair
 
     with VirtualGPUs(2):
         pair = load_pair(ModelSpec(path=str(built["target"]), device="auto", device_map="auto"), None)

@@ -13,7 +13,7 @@ import pytest
 from conftest import SHARED
 from in_vllm.pair import save_pair
 
-from specheads.export.decode_cli import main as decode_main
+from specheads.decode.decode_cli import main as decode_main
 
 VLLM_PYTHON = os.environ.get("SPECHEADS_VLLM_PYTHON")
 needs_vllm = pytest.mark.skipif(not VLLM_PYTHON, reason="SPECHEADS_VLLM_PYTHON (vLLM's python) is not set")
@@ -158,9 +158,9 @@ def test_the_gguf_target_is_converted_once(tmp_path, monkeypatch):
 
 
 def test_vllm_cost_table_from_the_profilers_samples():
+    from specheads.decode.vllm_costs import table_from_samples
     from specheads.errors import UserError
-    from specheads.export.shim.costs.cost_table import CostTable
-    from specheads.export.vllm_costs import table_from_samples
+    from specheads.shim.costs.cost_table import CostTable
 
     samples = {
         "t_t 1 1": [30.0, 31.0, 29.0],

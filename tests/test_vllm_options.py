@@ -1,4 +1,4 @@
-"""How vLLM serves for ``engine=vllm`` (``specheads/vllm/options.py``): the ``vllm_*`` settings checked, written into
+"""How vLLM serves for ``engine=vllm`` (``specheads/vllm_config.py``, ``specheads/vllm/options.py``): the ``vllm_*`` settings checked, written into
 the child's job as JSON and turned into ``LLM(...)``'s arguments there (dtype ``auto`` resolved on the device)."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import torch
 
-from specheads.vllm.options import ServeVllm, job_args, llm_args, problems
+from specheads.vllm.options import llm_args
+from specheads.vllm_config import ServeVllm, job_args, problems
 
 
 def cfg(target=None, **vllm):

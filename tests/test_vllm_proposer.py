@@ -14,9 +14,9 @@ from conftest import make_tokenizer, perturbed_copy, tiny_llama
 
 from specheads.errors import UserError
 from specheads.export import save_head
-from specheads.export.shim.core.sampling import SamplingConfig
-from specheads.export.shim.runners.models import ModelSpec, load_model
 from specheads.heads import AcceptanceHead
+from specheads.shim.core.sampling import SamplingConfig
+from specheads.shim.runners.models import ModelSpec, load_model
 from specheads.vllm import proposer as sv
 
 VOCAB = len(make_tokenizer())

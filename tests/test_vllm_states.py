@@ -49,7 +49,7 @@ def test_vllms_states_top_k_and_judge_features_are_the_transformers_targets(vllm
     from transformers import AutoModelForCausalLM
 
     from specheads.datagen.judge_labels import target_features
-    from specheads.export.shim import HiddenCapture
+    from specheads.shim import HiddenCapture
 
     target = vllm_pair[0]
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()

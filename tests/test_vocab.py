@@ -13,14 +13,14 @@ from specheads.datagen import vocab_ranking as vocab_cli
 from specheads.datagen.cli import main as datagen_main
 from specheads.errors import UserError
 from specheads.export.package import check_draft_vocab, check_head_against_pair
-from specheads.export.shim.core.sampling import SamplingConfig, usable_logits
-from specheads.export.shim.loop import drafting as engine_mod  # where every drafter draws its candidates
-from specheads.export.shim.loop.engine import Engine
-from specheads.export.shim.policies import StandardSD
-from specheads.export.shim.runners.fused import unfuse
-from specheads.export.shim.runners.model_runner import make_runner
-from specheads.export.shim.runners.models import ModelSpec, load_model
-from specheads.export.shim.runners.vocab_pruning import PrunedHead, prune, subset_from_ranking, unprune, vocab_info
+from specheads.shim.core.sampling import SamplingConfig, usable_logits
+from specheads.shim.loop import drafting as engine_mod  # where every drafter draws its candidates
+from specheads.shim.loop.engine import Engine
+from specheads.shim.policies import StandardSD
+from specheads.shim.runners.fused import unfuse
+from specheads.shim.runners.model_runner import make_runner
+from specheads.shim.runners.models import ModelSpec, load_model
+from specheads.shim.runners.vocab_pruning import PrunedHead, prune, subset_from_ranking, unprune, vocab_info
 
 
 def _ranking_file(tmp_path, ranking, vocab_size):

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim import pad_batch
+from specheads.shim import pad_batch
 
 COLUMNS = ("prompt_index", "input_ids", "response_start", "draft_token", "label")
 

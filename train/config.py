@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specheads.export.shim import ModelSpec
 from specheads.plan.inputs import PLAN_HELP
+from specheads.shim import ModelSpec
 
 
 @dataclass

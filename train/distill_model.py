@@ -7,7 +7,7 @@ from the target's checkpoint, never the whole model) or a model directory
 (e.g. an earlier draft) to continue from. :class:`DraftLM` wraps it for the training loop: one forward
 over prompt + response, the output layer only at the scored positions (all of it, or a pruned subset).
 The best epoch is written by :func:`save_draft` as a standard model directory (``config.json``,
-``model.safetensors``, tokenizer files) that ``specheads.export.load_pair``, Transformers' assisted
+``model.safetensors``, tokenizer files) that ``specheads.load_pair``, Transformers' assisted
 generation and vLLM's ``draft_model`` load as they are, with ``specheads.json`` beside it.
 """
 
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim import ModelSpec, check_same_vocab, load_model, unroute
 from specheads.outputs import atomic_write_json
 from specheads.runtime.checkpoint_tensors import TargetCheckpoint
+from specheads.shim import ModelSpec, check_same_vocab, load_model, unroute
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim import eos_ids, subset_hash
 from specheads.outputs import atomic_write_json
 from specheads.runtime.target_shell import load_shell
+from specheads.shim import eos_ids, subset_hash
 from specheads.train import distill as D
 from specheads.train import distill_model as M
 from specheads.train import eagle_data as E

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim import HiddenCapture, load_model
+from specheads.shim import HiddenCapture, load_model
 from specheads.train import zero
 from specheads.train.config import TrainConfig
 from specheads.train.features import FeatureCache, cache_key

@@ -14,9 +14,9 @@ from collections.abc import Mapping
 
 import torch
 
-from specheads.export.shim import read_ranking, subset_from_ranking
 from specheads.heads.eagle_head import EagleHead
 from specheads.runtime.checkpoint_tensors import from_model
+from specheads.shim import read_ranking, subset_from_ranking
 from specheads.train.drafter_data import DrafterData, Sequence
 
 

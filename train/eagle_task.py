@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim import subset_hash
 from specheads.heads import EagleConfig, EagleHead
 from specheads.outputs import atomic_write_json
 from specheads.runtime.checkpoint_tensors import TargetCheckpoint
+from specheads.shim import subset_hash
 from specheads.train import eagle_data as E
 from specheads.train.config import TrainConfig
 from specheads.train.drafter_data import DrafterData

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from specheads.errors import UserError
-from specheads.export.shim import DIVERGENCES
+from specheads.shim import DIVERGENCES
 
 
 def parse_label(text: str) -> tuple[str, float]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim import pad_batch
+from specheads.shim import pad_batch
 
 COLUMNS = ("prompt_index", "category", "input_ids", "positions", "draft_token", "q_token", "p_token")
 FEATURES = ("previous", "current", "previous+embedding")

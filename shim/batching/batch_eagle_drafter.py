@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from specheads.export.shim.core.stats import count_tokens
-from specheads.export.shim.loop.drafting import take_candidate
-from specheads.export.shim.runners.eagle_cache import full_scores
-from specheads.export.shim.runners.kernels import route
+from specheads.shim.core.stats import count_tokens
+from specheads.shim.loop.drafting import take_candidate
+from specheads.shim.runners.eagle_cache import full_scores
+from specheads.shim.runners.kernels import route
 
 
 class BatchEagleCache:

@@ -7,7 +7,7 @@ prompt as one block and then one token per row per step; rows that finished (EOS
 budget) are dropped from the batch as they accumulate, so a long response does not keep the
 short ones' rows busy.
 
-Models the fused forward does not cover (:func:`~specheads.export.shim.runners.fused.supports`) use the
+Models the fused forward does not cover (:func:`~specheads.shim.runners.fused.supports`) use the
 model's own batched ``generate``.
 """
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits, sample_finite
-from specheads.export.shim.runners.fused import FusedShape, decoder_layers, output_logits, rms_norm, use_fused
-from specheads.export.shim.runners.model_facts import pad_batch
+from specheads.shim.core.sampling import SamplingConfig, probs_from_logits, sample_finite
+from specheads.shim.runners.fused import FusedShape, decoder_layers, output_logits, rms_norm, use_fused
+from specheads.shim.runners.model_facts import pad_batch
 
 
 @torch.inference_mode()

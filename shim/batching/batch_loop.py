@@ -30,12 +30,12 @@ from typing import cast
 
 import torch
 
-from specheads.export.shim.batching.batch_eagle_drafter import BatchEagleDrafter
-from specheads.export.shim.core.sampling import SamplingConfig
-from specheads.export.shim.core.stats import GenerationStats, count_tokens
-from specheads.export.shim.loop.engine import Engine, Result, commit_round, take_candidate
-from specheads.export.shim.policies import Policy, Round, Verdict
-from specheads.export.shim.runners.batch_cache import BatchRunner
+from specheads.shim.batching.batch_eagle_drafter import BatchEagleDrafter
+from specheads.shim.core.sampling import SamplingConfig
+from specheads.shim.core.stats import GenerationStats, count_tokens
+from specheads.shim.loop.engine import Engine, Result, commit_round, take_candidate
+from specheads.shim.policies import Policy, Round, Verdict
+from specheads.shim.runners.batch_cache import BatchRunner
 
 
 @dataclass

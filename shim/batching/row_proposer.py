@@ -44,11 +44,11 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from specheads.export.shim.batching.row_matching import PrefixHash, common_prefix, continuations, shared_prompts
-from specheads.export.shim.core.sampling import SamplingConfig
-from specheads.export.shim.loop.drafting import take_candidate
-from specheads.export.shim.policies import Policy, Round
-from specheads.export.shim.runners.batch_cache import BatchRunner
+from specheads.shim.batching.row_matching import PrefixHash, common_prefix, continuations, shared_prompts
+from specheads.shim.core.sampling import SamplingConfig
+from specheads.shim.loop.drafting import take_candidate
+from specheads.shim.policies import Policy, Round
+from specheads.shim.runners.batch_cache import BatchRunner
 
 CATCH_UP = 16  # a cache more tokens behind than this is refilled by a prefill of its row alone
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim.runners.model_runner import make_runner
+from specheads.shim.runners.model_runner import make_runner
 
 PREFIX_TOKENS = 100
 REPS = 15
@@ -52,7 +52,7 @@ def measure(
         runners = [make_runner(m, None, vocab_size, cap, fused) for m in (target, draft)]
         vocab = min(m.get_input_embeddings().weight.shape[0] for m in (target, draft))
     else:  # an EAGLE head: one draft step (its own cache, the target's embeddings)
-        from specheads.export.shim.runners.eagle_cache import EagleStepRunner
+        from specheads.shim.runners.eagle_cache import EagleStepRunner
 
         runners = [make_runner(target, None, vocab_size, cap, fused), EagleStepRunner(draft, target, cap)]
         vocab = target.get_input_embeddings().weight.shape[0]
@@ -116,7 +116,7 @@ def measure_batches(
     """``([t_d(B) for B], [[t_t(B, 1..max_pass)] for B])`` in ms: one forward of ``B`` rows, each ``1`` (``k``)
     new tokens after its own prefix. An EAGLE head as ``draft`` keeps its batch-1 step (``t_d(B) = t_d(1)``:
     the head is one layer, its step far below the target's)."""
-    from specheads.export.shim.runners.batch_cache import BatchRunner
+    from specheads.shim.runners.batch_cache import BatchRunner
 
     if not batches or min(batches) < 2 or max_pass < 1:
         raise UserError(f"batch sizes must be >= 2 and max_pass >= 1, got {batches}, {max_pass}")

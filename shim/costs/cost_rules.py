@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from specheads.errors import UserError
-from specheads.export.shim.costs.cost_table import CostTable
+from specheads.shim.costs.cost_table import CostTable
 
 
 def pass_counts(rounds_by_size: Mapping[int, int] | Iterable[int]) -> dict[int, int]:

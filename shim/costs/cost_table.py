@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim.costs.cost_profile import PREFIX_TOKENS, REPS, measure, measure_batches
 from specheads.machine import cache_dir, cpu_model, locked, read_json, settings_key
 from specheads.outputs import atomic_write_json
+from specheads.shim.costs.cost_profile import PREFIX_TOKENS, REPS, measure, measure_batches
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ def load_table(path: str | Path) -> CostTable:
 
 def _kernel_policy() -> str | None:
     try:
-        from specheads.export.shim.runners import kernels
+        from specheads.shim.runners import kernels
     except ImportError:
         return None
     policy = getattr(kernels, "signature", None) or getattr(kernels, "policy", None)
@@ -194,12 +194,12 @@ def _settings(
     reps: int,
 ) -> CostTable:
     """An empty table holding this machine's settings for the pair."""
-    from specheads.export.shim.runners.fused import use_fused
+    from specheads.shim.runners.fused import use_fused
 
     eagle = not hasattr(draft, "get_input_embeddings")  # an EAGLE head drafts on the target's embeddings
     if draft_vocab_hash is None and not eagle:  # a draft whose output layer was pruned to a vocabulary subset
         try:
-            from specheads.export.shim.runners.vocab_pruning import vocab_info
+            from specheads.shim.runners.vocab_pruning import vocab_info
         except ImportError:
             vocab_info = None
         info = vocab_info(draft) if vocab_info is not None else None

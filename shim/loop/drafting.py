@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits, sample
-from specheads.export.shim.policies import Policy, Round
+from specheads.shim.core.sampling import SamplingConfig, probs_from_logits, sample
+from specheads.shim.policies import Policy, Round
 
 
 def pick_token(logits: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[torch.Tensor, torch.Tensor | None]:

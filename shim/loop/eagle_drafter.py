@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim.core.stats import GenerationStats, count_tokens
-from specheads.export.shim.loop.drafting import take_candidate
-from specheads.export.shim.runners.eagle_cache import EagleCache, full_scores
+from specheads.shim.core.stats import GenerationStats, count_tokens
+from specheads.shim.loop.drafting import take_candidate
+from specheads.shim.runners.eagle_cache import EagleCache, full_scores
 
 
 def check_head(head, target) -> None:

@@ -23,14 +23,14 @@ import time
 
 import torch
 
-from specheads.export.shim.core.sampling import SamplingConfig
-from specheads.export.shim.core.stats import GenerationStats, count_tokens
-from specheads.export.shim.loop.drafting import take_candidate
-from specheads.export.shim.loop.eagle_drafter import EagleDrafter, check_head
-from specheads.export.shim.loop.rounds import Result, commit_round, emit
-from specheads.export.shim.loop.tree_loop import generate_tree
-from specheads.export.shim.policies import DraftOnly, Policy, Round, TargetOnly, Verdict
-from specheads.export.shim.runners.model_runner import make_runner
+from specheads.shim.core.sampling import SamplingConfig
+from specheads.shim.core.stats import GenerationStats, count_tokens
+from specheads.shim.loop.drafting import take_candidate
+from specheads.shim.loop.eagle_drafter import EagleDrafter, check_head
+from specheads.shim.loop.rounds import Result, commit_round, emit
+from specheads.shim.loop.tree_loop import generate_tree
+from specheads.shim.policies import DraftOnly, Policy, Round, TargetOnly, Verdict
+from specheads.shim.runners.model_runner import make_runner
 
 
 class _SameVocabulary:
@@ -68,7 +68,7 @@ class Engine:
         target, draft: Hugging Face causal LMs in eval mode (no draft: the target alone only).
         eos_token_ids: generation stops after any of these.
         vocab_size: common vocabulary size when one model pads its logits.
-        fused: run Llama-family models on the fused forward (:mod:`specheads.export.shim.runners.fused`);
+        fused: run Llama-family models on the fused forward (:mod:`specheads.shim.runners.fused`);
             False uses each model's own forward. Outputs are the same either way.
         bridge: a :class:`~.hetero_loop.Bridge` between the two vocabularies, for the policies that draft
             across them (TLI, SLEM).
@@ -217,7 +217,7 @@ class Engine:
         if self.bridge is None:
             raise ValueError(
                 f"policy {policy.name} drafts in another vocabulary: give the engine a bridge "
-                "(specheads.export.shim.vocab.hetero_loop.Bridge)"
+                "(specheads.shim.vocab.hetero_loop.Bridge)"
             )
         return self.bridge.drafter(policy, prompt_ids, draft_prompt_ids, cap, stats, generator, self.fused)
 

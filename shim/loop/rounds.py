@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specheads.export.shim.core.stats import GenerationStats
-from specheads.export.shim.policies import Verdict
+from specheads.shim.core.stats import GenerationStats
+from specheads.shim.policies import Verdict
 
 
 @dataclass
 class Result:
     """One prompt's completion: the new token ids, their stats, the policy's trace (:meth:`Policy.trace`: its
-    record of its decisions) and, filled in by :class:`~specheads.export.api.Decoder`, the text and how many
+    record of its decisions) and, filled in by :class:`~specheads.decode.api.Decoder`, the text and how many
     prompt tokens were cut to fit the context. The one result type of every decoding loop and of the API."""
 
     tokens: list[int]

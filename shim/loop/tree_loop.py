@@ -26,13 +26,13 @@ from dataclasses import dataclass
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim.core.sampling import SamplingConfig
-from specheads.export.shim.core.stats import GenerationStats, count_tokens
-from specheads.export.shim.loop.eagle_drafter import EagleDrafter
-from specheads.export.shim.loop.rounds import Result, commit_round, emit
-from specheads.export.shim.policies import Verdict
-from specheads.export.shim.runners.fused import supports
-from specheads.export.shim.runners.model_runner import make_runner
+from specheads.shim.core.sampling import SamplingConfig
+from specheads.shim.core.stats import GenerationStats, count_tokens
+from specheads.shim.loop.eagle_drafter import EagleDrafter
+from specheads.shim.loop.rounds import Result, commit_round, emit
+from specheads.shim.policies import Verdict
+from specheads.shim.runners.fused import supports
+from specheads.shim.runners.model_runner import make_runner
 
 
 @dataclass

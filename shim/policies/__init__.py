@@ -10,7 +10,7 @@ each; ``hetero`` TLI, SLEM and SLRS; ``tree`` tree drafting with an EAGLE head. 
 """
 
 from specheads.errors import UserError
-from specheads.export.shim.policies.base import (
+from specheads.shim.policies.base import (
     Policy,
     Round,
     Verdict,
@@ -20,15 +20,15 @@ from specheads.export.shim.policies.base import (
     speculative_accept,
     standard_verify,
 )
-from specheads.export.shim.policies.baselines import STOPS, ConfidenceStop, DraftOnly, StandardSD, TargetOnly
-from specheads.export.shim.policies.fsd_policy import FSD
-from specheads.export.shim.policies.hetero_policies import SLEM, SLRS, TLI
-from specheads.export.shim.policies.judge_policy import Judge
-from specheads.export.shim.policies.settings import UNSET, Check, HeadSpec, Settings, settle
-from specheads.export.shim.policies.specdecpp_policy import SpecDecPP
-from specheads.export.shim.policies.sprinter_policy import Sprinter
-from specheads.export.shim.policies.topk_policy import TopKVerify
-from specheads.export.shim.policies.tree_policy import EagleTree
+from specheads.shim.policies.baselines import STOPS, ConfidenceStop, DraftOnly, StandardSD, TargetOnly
+from specheads.shim.policies.fsd_policy import FSD
+from specheads.shim.policies.hetero_policies import SLEM, SLRS, TLI
+from specheads.shim.policies.judge_policy import Judge
+from specheads.shim.policies.settings import UNSET, Check, HeadSpec, Settings, settle
+from specheads.shim.policies.specdecpp_policy import SpecDecPP
+from specheads.shim.policies.sprinter_policy import Sprinter
+from specheads.shim.policies.topk_policy import TopKVerify
+from specheads.shim.policies.tree_policy import EagleTree
 
 POLICIES: dict[str, type[Policy]] = {
     p.name: p

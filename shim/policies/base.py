@@ -34,10 +34,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits, sample, uniform
-from specheads.export.shim.costs.cost_table import CostTable
-from specheads.export.shim.policies.settings import HeadSpec, Settings
-from specheads.export.shim.policies.settings import Settings as AnySettings
+from specheads.shim.core.sampling import SamplingConfig, probs_from_logits, sample, uniform
+from specheads.shim.costs.cost_table import CostTable
+from specheads.shim.policies.settings import HeadSpec, Settings
+from specheads.shim.policies.settings import Settings as AnySettings
 
 
 @dataclass

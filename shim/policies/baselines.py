@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from specheads.export.shim.costs.cost_rules import DraftGate, draft_more
-from specheads.export.shim.costs.cost_table import CostTable
-from specheads.export.shim.policies.base import Policy, Round
-from specheads.export.shim.policies.estimates import ESTIMATES, OnlineLogistic, entropy_bound, features
-from specheads.export.shim.policies.settings import UNSET, Check, K, Settings, bounds, settle
+from specheads.shim.costs.cost_rules import DraftGate, draft_more
+from specheads.shim.costs.cost_table import CostTable
+from specheads.shim.policies.base import Policy, Round
+from specheads.shim.policies.estimates import ESTIMATES, OnlineLogistic, entropy_bound, features
+from specheads.shim.policies.settings import UNSET, Check, K, Settings, bounds, settle
 
 STOPS = ("threshold", "cost")  # how SpecDecPP and ConfidenceStop decide to stop drafting
 STOP = Check(lambda s: s in STOPS, "{key}={value!r}: expected threshold or cost")
@@ -19,7 +19,7 @@ STOP = Check(lambda s: s in STOPS, "{key}={value!r}: expected threshold or cost"
 def cost_problems(stop: str, costs: CostTable | None) -> list[str]:
     """The rule between ``stop`` and the cost table handed to a cost-aware policy."""
     if stop == "cost" and costs is None:
-        return ["stop=cost needs a cost table (costs=...; see specheads.export.shim.costs.cost_table.cost_table)"]
+        return ["stop=cost needs a cost table (costs=...; see specheads.shim.costs.cost_table.cost_table)"]
     return []
 
 

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from specheads.export.shim.core.divergence import DIVERGENCES, divergence
-from specheads.export.shim.core.sampling import probs_from_logits, sample
-from specheads.export.shim.policies.base import Policy, Round, Verdict, sd_accepts, sd_token, standard_verify
-from specheads.export.shim.policies.settings import UNSET, Check, HeadSpec, K, Settings, bounds, settle
-from specheads.export.shim.policies.specdecpp_policy import SpecDecPP
+from specheads.shim.core.divergence import DIVERGENCES, divergence
+from specheads.shim.core.sampling import probs_from_logits, sample
+from specheads.shim.policies.base import Policy, Round, Verdict, sd_accepts, sd_token, standard_verify
+from specheads.shim.policies.settings import UNSET, Check, HeadSpec, K, Settings, bounds, settle
+from specheads.shim.policies.specdecpp_policy import SpecDecPP
 
 log = logging.getLogger(__name__)
 FSD_RULES = ("paper", "or")

@@ -1,7 +1,7 @@
 """TLI and SLEM (docs/algorithms/hetero.md): speculative decoding with a draft in another vocabulary.
 
 Both are lossless and emit the target's token ids. What crosses the vocabularies (the draft's tokens
-mapped by string, or its text re-tokenised) is the drafting side, :mod:`specheads.export.shim.vocab.hetero_loop`;
+mapped by string, or its text re-tokenised) is the drafting side, :mod:`specheads.shim.vocab.hetero_loop`;
 here is what each method verifies with. Both draft ``k`` draft tokens per round.
 """
 
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specheads.export.shim.core.sampling import probs_from_logits, sample
-from specheads.export.shim.policies.base import Policy, Round, Verdict, standard_verify
-from specheads.export.shim.policies.settings import UNSET, Check, Settings, settle
+from specheads.shim.core.sampling import probs_from_logits, sample
+from specheads.shim.policies.base import Policy, Round, Verdict, standard_verify
+from specheads.shim.policies.settings import UNSET, Check, Settings, settle
 
 
 @dataclass
@@ -83,7 +83,7 @@ class SLRSSettings(HeteroSettings):
 
 
 class SLRS(TLI):
-    """String-level rejection sampling (:mod:`specheads.export.shim.vocab.slrs`): each step drafts draft tokens until
+    """String-level rejection sampling (:mod:`specheads.shim.vocab.slrs`): each step drafts draft tokens until
     the first target token of their string is determined, proposes it, and the target accepts it with
     ``min(1, p/psi)`` where ``psi`` is the exact probability that the drafting proposes it (else samples
     ``norm(max(0, p - psi))``). Steps chain within a round while a step's string is exactly its target token.

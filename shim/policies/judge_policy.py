@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from specheads.export.shim.core.sampling import probs_from_logits
-from specheads.export.shim.policies.base import Policy, Round, Verdict, sd_accepts, sd_token, standard_verify
-from specheads.export.shim.policies.settings import UNSET, Check, HeadSpec, K, Settings, settle
 from specheads.heads.judge_head import judge_signal_values
+from specheads.shim.core.sampling import probs_from_logits
+from specheads.shim.policies.base import Policy, Round, Verdict, sd_accepts, sd_token, standard_verify
+from specheads.shim.policies.settings import UNSET, Check, HeadSpec, K, Settings, settle
 
 
 @dataclass

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specheads.export.shim.costs.cost_rules import DraftGate, draft_more
-from specheads.export.shim.costs.cost_table import CostTable
-from specheads.export.shim.policies.base import Policy, Round
-from specheads.export.shim.policies.baselines import STOP, _Gated, cost_problems, gate_problems
-from specheads.export.shim.policies.settings import UNSET, Check, HeadSpec, Settings, bounds, settle
 from specheads.heads.acceptance_head import distribution_signals, signal_values
+from specheads.shim.costs.cost_rules import DraftGate, draft_more
+from specheads.shim.costs.cost_table import CostTable
+from specheads.shim.policies.base import Policy, Round
+from specheads.shim.policies.baselines import STOP, _Gated, cost_problems, gate_problems
+from specheads.shim.policies.settings import UNSET, Check, HeadSpec, Settings, bounds, settle
 
 POSITIONS = ("own", "previous")  # which draft state the head was trained to read (see SpecDecPP)
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specheads.export.shim.policies.base import Policy, Round, Verdict, standard_verify
-from specheads.export.shim.policies.settings import UNSET, Check, HeadSpec, Settings, settle
+from specheads.shim.policies.base import Policy, Round, Verdict, standard_verify
+from specheads.shim.policies.settings import UNSET, Check, HeadSpec, Settings, settle
 
 FEATURES = ("previous", "previous+embedding", "current")
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specheads.export.shim.core.sampling import probs_from_logits, sample
-from specheads.export.shim.policies.base import Policy, Round, Verdict
-from specheads.export.shim.policies.settings import UNSET, Check, K, Settings, settle
+from specheads.shim.core.sampling import probs_from_logits, sample
+from specheads.shim.policies.base import Policy, Round, Verdict
+from specheads.shim.policies.settings import UNSET, Check, K, Settings, settle
 
 
 @dataclass

@@ -6,17 +6,17 @@ the head's probabilities along the path) and their top ``width`` children each. 
 drafted tokens (an ancestor always scores at least as high as its descendants, so they form a tree) go to the
 target in one pass under a tree attention mask; the longest path whose every token is the target's argmax
 after its parent is kept, then the target's token after it. Greedy only: the output is the target's own.
-The loop that runs it is :mod:`specheads.export.shim.loop.tree_loop`.
+The loop that runs it is :mod:`specheads.shim.loop.tree_loop`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specheads.export.shim.costs.cost_table import CostTable
-from specheads.export.shim.policies.base import Policy
-from specheads.export.shim.policies.baselines import STOP, cost_problems
-from specheads.export.shim.policies.settings import UNSET, Check, K, Settings, settle
+from specheads.shim.costs.cost_table import CostTable
+from specheads.shim.policies.base import Policy
+from specheads.shim.policies.baselines import STOP, cost_problems
+from specheads.shim.policies.settings import UNSET, Check, K, Settings, settle
 
 
 @dataclass

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from specheads.export.shim.runners.fused import FusedShape, decoder_layers, output_logits, rms_norm, supports
+from specheads.shim.runners.fused import FusedShape, decoder_layers, output_logits, rms_norm, supports
 
 
 class CacheFull(RuntimeError):

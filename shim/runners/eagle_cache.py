@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specheads.export.shim.runners.kernels import route
+from specheads.shim.runners.kernels import route
 
 
 class EagleCache:

@@ -2,7 +2,7 @@
 
 At batch 1 a decoding step is a chain of small matrix-vector products, and a Hugging Face
 forward spends a good part of its time around them (module calls, mask and cache bookkeeping).
-The fused forward (run by :class:`~specheads.export.shim.runners.model_runner.FusedRunner`) computes the same
+The fused forward (run by :class:`~specheads.shim.runners.model_runner.FusedRunner`) computes the same
 function with
 
 * one ``[q; k; v]`` projection and one ``[gate; up]`` projection per layer (4 GEMVs instead of 7),
@@ -16,7 +16,7 @@ rebound to a view of the fused buffer and the model still works (and trains, sav
 :func:`unfuse`, loads) as before. On CPU every weight is stored column-major (see
 :func:`_column_major`), with row-major copies made only for 2-3 row products
 (:meth:`_Fused.layers_for`). ``supports`` says which models qualify; everything else runs on
-the model's own forward (:class:`~specheads.export.shim.runners.model_runner.ModelRunner`).
+the model's own forward (:class:`~specheads.shim.runners.model_runner.ModelRunner`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from specheads.export.shim.runners.kernels import linear
-from specheads.export.shim.runners.vocab_pruning import PrunedHead
+from specheads.shim.runners.kernels import linear
+from specheads.shim.runners.vocab_pruning import PrunedHead
 
 # Architectures whose decoder layer is exactly: RMSNorm -> attention(q,k,v[,bias],rope,o) -> residual
 # -> RMSNorm -> SiLU-gated MLP -> residual, with full attention in every layer.
@@ -152,7 +152,7 @@ def _row_major_ok(dtype: torch.dtype = torch.float32) -> bool:
     1-8 rows (:mod:`.smallm`), the reason for :func:`_column_major` is gone, and one layout per weight keeps
     a decoding step from streaming two copies of it (``SPECHEADS_FUSED_LAYOUT=col`` keeps column-major); float32
     only, as smallm is."""
-    from specheads.export.shim.runners import kernels, smallm
+    from specheads.shim.runners import kernels, smallm
 
     col = os.environ.get("SPECHEADS_FUSED_LAYOUT", "auto") == "col"
     return not col and dtype == torch.float32 and kernels.policy() == "auto" and smallm.available()
@@ -293,7 +293,7 @@ def _unpack(x: torch.Tensor, pack: torch.Tensor, b: int, s: int) -> torch.Tensor
 
 def output_logits(weights: _Fused, x: torch.Tensor) -> torch.Tensor:
     """The output layer on final-norm states ``x`` ``[M, d]`` (kernel chosen for ``M`` rows); a
-    pruned draft's :class:`~specheads.export.shim.runners.vocab_pruning.PrunedHead` scores its subset only."""
+    pruned draft's :class:`~specheads.shim.runners.vocab_pruning.PrunedHead` scores its subset only."""
     head = weights.model().get_output_embeddings()
     if isinstance(head, PrunedHead):
         return head(x)

@@ -43,9 +43,9 @@ import torch
 import torch.nn.functional as F
 
 from specheads.errors import UserError
-from specheads.export.shim.runners import smallm
 from specheads.machine import cache_dir, locked, machine_info, read_json, settings_key
 from specheads.outputs import atomic_write_json
+from specheads.shim.runners import smallm
 
 log = logging.getLogger(__name__)
 

@@ -14,17 +14,10 @@ import inspect
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim.runners.fused import (
-    decoder_layers,
-    fused_weights,
-    output_logits,
-    rms_norm,
-    supports,
-    use_fused,
-)
-from specheads.export.shim.runners.hf_cache import new_cache
-from specheads.export.shim.runners.hidden import AuxCapture, HiddenCapture
-from specheads.export.shim.runners.kernels import route
+from specheads.shim.runners.fused import decoder_layers, fused_weights, output_logits, rms_norm, supports, use_fused
+from specheads.shim.runners.hf_cache import new_cache
+from specheads.shim.runners.hidden import AuxCapture, HiddenCapture
+from specheads.shim.runners.kernels import route
 
 
 class ModelRunner:
@@ -109,7 +102,7 @@ class ModelRunner:
 
 
 class FusedRunner:
-    """Same interface as :class:`~specheads.export.shim.runners.model_runner.ModelRunner`, on the fused forward.
+    """Same interface as :class:`~specheads.shim.runners.model_runner.ModelRunner`, on the fused forward.
 
     Args:
         model: a model for which :func:`supports` returns None (eval mode).
@@ -293,7 +286,7 @@ def make_runner(
     tree: bool = False,
 ):
     """The fastest runner that computes ``model`` exactly: the fused forward where it applies and
-    pays (:func:`specheads.export.shim.runners.fused.use_fused`: CPU), else the model's own forward.
+    pays (:func:`specheads.shim.runners.fused.use_fused`: CPU), else the model's own forward.
     ``tree``: the runner verifies draft trees, which only the fused forward does: it is used wherever it
     applies, on a GPU too."""
     if fused and (use_fused(model) or (tree and supports(model) is None)):

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim.runners.hidden import output_device
-from specheads.export.shim.runners.kernels import route
-from specheads.export.shim.runners.model_facts import eos_ids, freest_gpu
-from specheads.export.shim.runners.vocab_pruning import prune, read_ranking, subset_from_ranking, vocab_info
+from specheads.shim.runners.hidden import output_device
+from specheads.shim.runners.kernels import route
+from specheads.shim.runners.model_facts import eos_ids, freest_gpu
+from specheads.shim.runners.vocab_pruning import prune, read_ranking, subset_from_ranking, vocab_info
 
 log = logging.getLogger(__name__)
 

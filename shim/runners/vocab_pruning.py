@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim.runners.kernels import linear
+from specheads.shim.runners.kernels import linear
 
 FORMAT = "specheads-vocab"
 

@@ -53,14 +53,14 @@ from __future__ import annotations
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim.core.sampling import SamplingConfig, probs_from_logits, sample
-from specheads.export.shim.core.stats import GenerationStats, count_tokens
-from specheads.export.shim.loop.engine import Engine, Result
-from specheads.export.shim.policies import POLICIES, Policy, Round
-from specheads.export.shim.policies.hetero_policies import HeteroSettings
-from specheads.export.shim.runners.model_runner import make_runner
-from specheads.export.shim.vocab.slrs_draft import slrs_round
-from specheads.export.shim.vocab.token_text import Side, VocabMap, common_prefix, spell
+from specheads.shim.core.sampling import SamplingConfig, probs_from_logits, sample
+from specheads.shim.core.stats import GenerationStats, count_tokens
+from specheads.shim.loop.engine import Engine, Result
+from specheads.shim.policies import POLICIES, Policy, Round
+from specheads.shim.policies.hetero_policies import HeteroSettings
+from specheads.shim.runners.model_runner import make_runner
+from specheads.shim.vocab.slrs_draft import slrs_round
+from specheads.shim.vocab.token_text import Side, VocabMap, common_prefix, spell
 
 METHODS = tuple(name for name, policy in POLICIES.items() if policy.bridge)  # tli, slem, slrs
 

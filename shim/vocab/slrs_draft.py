@@ -10,10 +10,10 @@ import time
 
 import torch
 
-from specheads.export.shim.core.sampling import probs_from_logits
-from specheads.export.shim.core.stats import count_tokens
-from specheads.export.shim.vocab.slrs import Process, TargetStrings, n_max
-from specheads.export.shim.vocab.token_text import common_prefix
+from specheads.shim.core.sampling import probs_from_logits
+from specheads.shim.core.stats import count_tokens
+from specheads.shim.vocab.slrs import Process, TargetStrings, n_max
+from specheads.shim.vocab.token_text import common_prefix
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,8 @@ def cached_n_max(draft_text: list[bytes | None], strings: TargetStrings, cache_d
 def bridge_process(bridge, n: int) -> Process:
     """The SLRS process of a :class:`~.hetero_loop.Bridge`'s pair with lookahead ``n`` (0: the pair's ``n_max``,
     computed from the two vocabularies once and cached on disk under ``$SPECHEADS_CACHE/slrs``)."""
-    from specheads.export.shim.vocab.token_text import _canonical, _token_entries
     from specheads.machine import cache_dir
+    from specheads.shim.vocab.token_text import _canonical, _token_entries
 
     if bridge.n_max is None:
         canon = _canonical(_token_entries(bridge.target_tokenizer))

@@ -151,14 +151,14 @@ class Assistant:
 
     # -- the policy ---------------------------------------------------------------------------------------
     def _pair(self):
-        from specheads.export.shim import Pair
+        from specheads.shim import Pair
 
         target = self.target if self.target is not None else self.draft  # only the draft's states are read
         return Pair(_loaded(target, self.target_gguf), _loaded(self.draft, self.draft_gguf))
 
     def _build(self, sampling) -> None:
-        from specheads.export.policy_factory import make_policy, pair_costs
-        from specheads.export.shim import ConfidenceStop
+        from specheads.decode.policy_factory import make_policy, pair_costs
+        from specheads.shim import ConfidenceStop
 
         if self.policy is not None and sampling == self._sampling:
             return
@@ -192,7 +192,7 @@ class Assistant:
 
     # -- rounds (called by the candidate generator) ----------------------------------------------------------
     def start_round(self, position: int, room: int) -> None:
-        from specheads.export.shim import Round
+        from specheads.shim import Round
 
         self.round = Round(self._sampling, None, limit=min(self.policy.max_candidates(), room), position=position)
         self.policy.start_round(self.round)
@@ -228,7 +228,7 @@ class Assistant:
     ):
         from transformers.generation.utils import GenerationMixin
 
-        from specheads.export.shim import HiddenCapture, SamplingConfig
+        from specheads.shim import HiddenCapture, SamplingConfig
 
         if input_ids.shape[0] != 1:
             raise UserError(

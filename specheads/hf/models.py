@@ -16,7 +16,7 @@ def prune_draft(draft, vocab_file: str, top_n: int | None, tokenizer=None) -> di
 
     ``tokenizer`` (the draft's) keeps its special tokens (end of sequence, padding) in the subset whatever their
     rank, as the pipeline does; without it only the ranking decides, and a warning says so."""
-    from specheads.export.shim import ModelSpec, prune_to_vocab_file, vocab_info
+    from specheads.shim import ModelSpec, prune_to_vocab_file, vocab_info
 
     if tokenizer is None:
         log.warning(
@@ -33,7 +33,7 @@ def prune_draft(draft, vocab_file: str, top_n: int | None, tokenizer=None) -> di
 def _loaded(model, gguf_file: str | None):
     """A shim ``LoadedModel`` view of a Transformers model (for the head checks): its fingerprint as the shim
     computes it when the model came from a local directory (or GGUF file), ``hub:<id>@<commit>`` otherwise."""
-    from specheads.export.shim import LoadedModel, ModelSpec, fingerprint
+    from specheads.shim import LoadedModel, ModelSpec, fingerprint
 
     path = str(getattr(model.config, "_name_or_path", "") or "")
     if gguf_file and path.endswith(".gguf"):

@@ -4,7 +4,7 @@ by name from the checkpoint files.
 The head needs of the target only its token embeddings (every step's input), and to start from: its final
 norm, the output layer's rows of the kept vocabulary and its last decoder layer. A 405B target is about
 800 GB; these are well under 1% of it. :class:`TargetCheckpoint` reads the target's config, computes its
-fingerprint as :func:`specheads.export.shim.load_model` does, and reads the named tensors alone: from
+fingerprint as :func:`specheads.shim.load_model` does, and reads the named tensors alone: from
 safetensors files with ``safe_open`` (through ``model.safetensors.index.json`` when there is one; the
 output rows as slices of the rows kept), from a GGUF file with the ``gguf`` package's memory-mapped reader
 (dequantising only those tensors, only those rows; the query and key rows put back in Hugging Face's order).
@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim import DTYPES, ModelSpec, fingerprint, load_model, resolve_location
+from specheads.shim import DTYPES, ModelSpec, fingerprint, load_model, resolve_location
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 try:  # the decoding shim's linear-kernel choice, where the shim has a kernels module
-    from specheads.export.shim import describe_kernels as kernel_path
+    from specheads.shim import describe_kernels as kernel_path
 except ImportError:
     kernel_path = None
 

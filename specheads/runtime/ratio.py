@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from specheads.export.shim import SamplingConfig, probs_from_logits, sample
+from specheads.shim import SamplingConfig, probs_from_logits, sample
 
 
 def ratio_label(q_token: torch.Tensor, p_token: torch.Tensor, lam: float) -> torch.Tensor:

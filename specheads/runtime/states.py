@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from specheads.export.shim import pad_batch
+from specheads.shim import pad_batch
 
 # Attention implementations that honour an arbitrary additive 4D mask (others, e.g. flash
 # attention, ignore or reject it, so those models take the per-position fallback).

@@ -5,7 +5,7 @@ target: acceptance labels take p from vLLM's tokens or log-probabilities, the dr
 the target's states from vLLM. Loading the whole target beside vLLM anyway would cost its full size a
 second time (about 800 GB at 405B). :func:`load_shell` builds the target from its config on PyTorch's
 ``meta`` device instead: the config, vocabulary, EOS ids, context length and fingerprint are the loaded
-model's (the fingerprint is computed as :func:`~specheads.export.shim.load_model` computes it), and no
+model's (the fingerprint is computed as :func:`~specheads.shim.load_model` computes it), and no
 weight is read. With ``output_layer`` it reads the final norm and the output layer alone (SPRINTER's
 labels put vLLM's last-layer states through them), on the spec's device.
 
@@ -21,8 +21,8 @@ import logging
 import torch
 
 from specheads.errors import UserError
-from specheads.export.shim import LoadedModel, ModelSpec, final_norm, load_model, resolve_device, resolve_dtype
 from specheads.runtime.checkpoint_tensors import TargetCheckpoint
+from specheads.shim import LoadedModel, ModelSpec, final_norm, load_model, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def load_target(spec: ModelSpec, use: str) -> LoadedModel:
 def _refuse(module, args, kwargs):
     raise RuntimeError(
         "this target was loaded without its weights (engine=vllm needs no Transformers pass of it for this "
-        "family); a pass through it is a bug: load it whole with specheads.export.shim.load_model"
+        "family); a pass through it is a bug: load it whole with specheads.shim.load_model"
     )
 
 

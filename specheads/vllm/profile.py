@@ -1,4 +1,4 @@
-"""The child side of :mod:`specheads.export.vllm_costs` (run in vLLM's Python): :class:`Profiler`, a ``custom_class``
+"""The child side of :mod:`specheads.decode.vllm_costs` (run in vLLM's Python): :class:`Profiler`, a ``custom_class``
 proposer that prices vLLM's own steps, and the job that drives it (``python -m specheads.vllm.profile JOB``).
 
 The profiler drafts with the real draft but offers every row the same number of candidates ``n``, cycling
@@ -43,7 +43,7 @@ class Profiler(_proposer_base()):
 
     def _clock(self) -> float:
         """The time once the device's queued kernels are done (CUDA runs them after the call returns)."""
-        from specheads.export.shim import sync_device
+        from specheads.shim import sync_device
 
         sync_device(self.core.runner.device)
         return time.perf_counter()

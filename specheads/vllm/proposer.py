@@ -14,7 +14,7 @@ the target alone's, sampled output follows it). The proposer drafts with the dra
 request's drafting by its policy: ``specdecpp`` (an exported SpecDec++ acceptance head on the draft's
 states; ``stop="threshold"`` at ``threshold``, or ``stop="cost"`` with a cost table), ``confidence_stop``
 (training-free: the draft's probability of its own candidate below ``threshold``, or the cost rule) or
-``sd`` (always ``k_max``). The work is :class:`~specheads.export.shim.batching.row_proposer.RowProposer`: one batched
+``sd`` (always ``k_max``). The work is :class:`~specheads.shim.batching.row_proposer.RowProposer`: one batched
 draft forward per step over the rows still drafting, and draft KV caches kept by content, since vLLM
 gives the proposer neither request ids nor notice of joins, finishes or preemption.
 
@@ -45,7 +45,8 @@ import os
 from dataclasses import asdict, dataclass, fields
 
 from specheads.errors import UserError
-from specheads.vllm.options import DTYPES, cache_tokens
+from specheads.vllm.options import cache_tokens
+from specheads.vllm_config import DTYPES
 
 POLICIES = ("specdecpp", "confidence_stop", "sd")
 CLASS_PATH = "specheads.vllm.proposer.Proposer"
@@ -127,11 +128,11 @@ def speculative_config(
         threshold: SpecDec++'s ``h`` (default: the head's own) or ``confidence_stop``'s ``tau``.
         stop: ``threshold`` or ``cost`` (the cost-aware rule; needs ``costs``).
         costs: a cost-table JSON (``CostTable.to_dict``: the draft step and the target pass by size and batch),
-            measured in vLLM: :func:`specheads.export.vllm_costs.vllm_cost_table` (``heads-decode engine=vllm
+            measured in vLLM: :func:`specheads.decode.vllm_costs.vllm_cost_table` (``heads-decode engine=vllm
             stop=cost`` makes and caches it).
         vocab_file, vocab_top_n: prune the draft's output layer to a ``heads-vocab`` ranking.
         gate: with ``stop="cost"`` (its default there), a round may draft nothing: the draft gate
-            (:class:`~specheads.export.shim.costs.cost_rules.DraftGate`) prices the request's recent rounds at the
+            (:class:`~specheads.shim.costs.cost_rules.DraftGate`) prices the request's recent rounds at the
             batch about to run, so drafting stops where verification no longer pays (a large batch).
         dtype: the draft's dtype: ``auto`` (the one vLLM runs the target in), ``float32``, ``bfloat16`` or ``float16``.
         cache_mb: the draft's KV cache, MiB per vLLM worker (default: room for every row at ``max_model_len``).
@@ -188,8 +189,8 @@ class Proposer:
     """vLLM's ``custom_class`` proposer (built by vLLM: ``Proposer(vllm_config)``)."""
 
     def __init__(self, vllm_config):
-        from specheads.export.policy_factory import make_policy
-        from specheads.export.shim import ModelSpec, Pair, RowProposer, eos_ids, load_model, load_table
+        from specheads.decode.policy_factory import make_policy
+        from specheads.shim import ModelSpec, Pair, RowProposer, eos_ids, load_model, load_table
 
         settings = read_settings(vllm_config.speculative_config)
         k = int(vllm_config.speculative_config.num_speculative_tokens)

@@ -1,4 +1,4 @@
-"""The child process of ``heads-decode engine=vllm`` and ``heads-eval engine=vllm`` (:mod:`specheads.export.vllm_engine`
+"""The child process of ``heads-decode engine=vllm`` and ``heads-eval engine=vllm`` (:mod:`specheads.decode.vllm_engine`
 writes the job and starts it in vLLM's Python): ``python -m specheads.vllm.run JOB``.
 
 The job file holds the target's Hugging Face directory, the prompts as token ids, the batch size (vLLM's
