@@ -106,10 +106,10 @@ DECISIONS = ("target_calls", "drafted", "accepted", "rounds", "verifier_calls")
 
 def run(heads: dict[str, str], max_new: int) -> tuple[dict, dict]:
     """Each configuration's tokens and decisions per completion."""
-    try:
-        from specheads.decode.decode_cli import main
-    except ImportError:  # a checkout before 0.3 (the decode front under export/)
+    try:  # a checkout before 0.3 (the decode front under export/); an editable install would also find the new one
         from specheads.export.decode_cli import main
+    except ImportError:
+        from specheads.decode.decode_cli import main
 
     vocab = ROOT / "runs/specdecpp_draft_quickstart-vocab/vocab.json"
     if not vocab.is_file():
