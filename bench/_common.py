@@ -17,8 +17,11 @@ def run_info(script: str, argv: list[str] | None, setting: str) -> dict:
     from specheads.machine import cpu_model
 
     args = argv if argv is not None else sys.argv[1:]
+    here = Path(script).resolve()
+    root = Path(__file__).resolve().parents[1]
+    name = here.relative_to(root).as_posix() if here.is_relative_to(root) else f"bench/{here.name}"
     return {
-        "command": f"python bench/{Path(script).name} " + " ".join(args),
+        "command": f"python {name} " + " ".join(args),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, {setting}",
         "cpu": cpu_model(),

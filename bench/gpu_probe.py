@@ -8,6 +8,7 @@ training-time-test peak memory at Llama-3.1-8B head shape by sequence length."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -158,12 +159,16 @@ def eagle_ttt_memory() -> str:
     return f"peak GiB at batch 1 by sequence length {res} (Llama-3.1-8B head shape, 3 TTT steps)"
 
 
-def main() -> int:
-    work = Path(sys.argv[1])
+def main(argv: list[str] | None = None) -> int:
+    probes = {"fused_vs_hf_cuda": fused_vs_hf, "row_proposer_cuda": row_proposer, "eagle_ttt_memory": eagle_ttt_memory}
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("workdir", help="where the tiny pair and its prompt files are written")
+    ap.add_argument("probes", nargs="?", default="all", help=f"all, none, or some of {','.join(probes)}")
+    args = ap.parse_args(argv)
+    work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     write_pair(work)
-    probes = {"fused_vs_hf_cuda": fused_vs_hf, "row_proposer_cuda": row_proposer, "eagle_ttt_memory": eagle_ttt_memory}
-    wanted = sys.argv[2].split(",") if len(sys.argv) > 2 and sys.argv[2] != "all" else list(probes)
+    wanted = args.probes.split(",") if args.probes != "all" else list(probes)
     if not torch.cuda.is_available() or wanted == ["none"]:
         print("SKIP   probes: " + ("none asked for" if torch.cuda.is_available() else "no CUDA device"))
         return 0

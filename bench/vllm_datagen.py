@@ -6,12 +6,13 @@
 Run with the project's Python. The same prompts (the target's chat template, cut as ``heads-datagen`` cuts
 them: ``Job.prompt_ids``) go through
 
-* the Transformers engine: ``datagen.acceptance.generate_responses`` batch by batch (``--batch`` prompts at once,
-  the fused batched forward on a Llama-family target, recording the logits as datagen does), in this process
+* the Transformers engine: ``datagen.acceptance_labels.generate_responses`` batch by batch (``--batch`` prompts at
+  once, the fused batched forward on a Llama-family target, recording the logits as datagen does), in this process
   with ``--threads`` torch threads;
-* vLLM: ``datagen.vllm_responses.run_vllm``, the child process ``heads-datagen engine=vllm`` starts (vLLM's own
-  virtualenv, ``--vllm-python``; ``max_num_seqs`` = ``--batch``, ``OMP_NUM_THREADS`` = ``--threads``), all
-  prompts in one ``generate`` call.
+* vLLM: ``datagen.vllm_responses.generate_up_front``, the step of ``heads-datagen engine=vllm`` that writes a run's
+  responses before any Transformers model loads (its requests, the vLLM child process ``specheads.vllm.jobs`` in
+  vLLM's own virtualenv: ``--vllm-python``, default ``$SPECHEADS_VLLM_PYTHON`` or this Python when it imports
+  vLLM; ``vllm.max_num_seqs`` = ``--vllm-batch``, ``vllm.threads`` = ``--threads``), all prompts as one chunk.
 
 tokens/s is generated tokens over the generation's wall time; vLLM's start-up (``LLM()``: loading, KV-cache
 allocation) is reported apart and not counted. Greedy outputs are compared prompt by prompt. Writes ``--out``
@@ -66,18 +67,19 @@ def transformers_stage(job, ids: list[list[int]], args) -> dict:
     }
 
 
-def vllm_stage(cfg, job, ids: list[list[int]], args, batch: int) -> dict:
-    from specheads.datagen.vllm_responses import Request, run_vllm
-    from specheads.shim.core.sampling import SamplingConfig
+def vllm_stage(cfg, items: list, batch: int) -> dict:
+    """``items`` through ``heads-datagen engine=vllm``'s generation step, as one chunk, with ``max_num_seqs=batch``."""
+    from specheads.datagen.vllm_responses import generate_up_front, side_path
 
-    reqs = [Request(str(i), x, SamplingConfig().to_dict(), 0, args.max_new).__dict__ for i, x in enumerate(ids)]
-    header = {"batch_size": batch, "tensor_parallel": 1, "eos": job.eos, "seed": 0}
     with tempfile.TemporaryDirectory() as work:
+        run_cfg = dataclasses.replace(
+            cfg, output_dir=work, vllm=dataclasses.replace(cfg.vllm, max_num_seqs=batch), chunk_size=len(items)
+        )
         t = time.perf_counter()
-        run = run_vllm(cfg, header, [{"chunk": 0, "digest": "bench", "requests": reqs}], Path(work), 0)
+        run = generate_up_front(run_cfg, Path(work), [(0, items)])
         wall = time.perf_counter() - t
-        side = json.loads((Path(work) / "chunk-000000.json").read_text())
-    outputs = [side["responses"][str(i)] for i in range(len(ids))]
+        side = json.loads(side_path(Path(work), 0).read_text())
+    outputs = [side["responses"][str(cfg.offset + i)] for i in range(len(items))]  # keyed by run-wide index
     return {
         "tokens": run["tokens"],
         "seconds": round(run["seconds"], 3),
@@ -112,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         "--hf-prompts", type=int, default=0, help="time the Transformers engine on the first N prompts only (0: all)"
     )
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
+    ap.add_argument(
+        "--vllm-python",
+        default=os.environ.get("SPECHEADS_VLLM_PYTHON"),
+        help="vLLM's python (default: $SPECHEADS_VLLM_PYTHON, else this one when it imports vLLM)",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench/results/vllm_datagen.json"))
     args = ap.parse_args(argv)
 
@@ -137,19 +143,20 @@ def main(argv: list[str] | None = None) -> int:
     # the Transformers engine's stage needs the whole target: load it as engine=specheads would
     hf_cfg = dataclasses.replace(cfg, engine="specheads")
     job = _load(hf_cfg, labeller(hf_cfg.labels), runtime_of(hf_cfg))
-    ids = job.prompt_ids(prompts(args))
+    items = prompts(args)
+    ids = job.prompt_ids(items)
     n_hf = args.hf_prompts or len(ids)
     hf = transformers_stage(job, ids[:n_hf], args)
-    vl = vllm_stage(cfg, job, ids, args, args.vllm_batch)
+    vl = vllm_stage(cfg, items, args.vllm_batch)
     base = vl.pop("outputs")
     same = sum(a == b for a, b in zip(hf.pop("outputs"), base))
     by_batch = {str(args.vllm_batch): {k: vl[k] for k in ("tokens_per_s", "seconds", "startup_s")}}
     for b in [int(x) for x in filter(None, args.vllm_batches.split(","))]:
-        got = vllm_stage(cfg, job, ids, args, b)
+        got = vllm_stage(cfg, items, b)
         row = {k: got[k] for k in ("tokens_per_s", "seconds", "startup_s")}
         by_batch[str(b)] = {**row, "greedy_identical_to_first": sum(a == c for a, c in zip(base, got["outputs"]))}
     sys.path.insert(0, str(ROOT / "bench"))
-    from _common import run_info
+    from _common import run_info, write_result
 
     ratio = round(vl["tokens_per_s"] / hf["tokens_per_s"], 3)
     result = {
@@ -168,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         best = max(by_batch, key=lambda b: by_batch[b]["tokens_per_s"])
         result["vllm_best_batch"] = int(best)
         result["vllm_best_batch_vs_hf_tokens_per_s"] = round(by_batch[best]["tokens_per_s"] / hf["tokens_per_s"], 3)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print("engine | tokens | seconds | tokens/s | start-up s")
     print(f"transformers (datagen's generate_responses) | {hf['tokens']} | {hf['seconds']} | {hf['tokens_per_s']} | -")
     print(

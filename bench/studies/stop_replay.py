@@ -15,13 +15,14 @@ with ``stop_skip=true``; ``cq-cost`` for q calibrated on [log q, step]: each at 
 it); the perfect estimates (the labels themselves read at lag 0 and lag 1: what no head can beat) and the per-round
 oracle. vLLM's online estimate needs ``max q``, which the datagen run does not store: it is not replayed.
 
-    python bench/stop_replay.py --heads \
+    python bench/studies/stop_replay.py --heads \
         greedy=runs/quickstart-export/head.safetensors,t1=runs/quickstart-export-t1/head.safetensors
-    python bench/stop_replay.py --regimes t1 --n 4 --heads t1=... --out /tmp/r.json   # a quick look
+    python bench/studies/stop_replay.py --regimes t1 --n 4 --heads t1=... --out /tmp/r.json   # a quick look
 
-Writes ``bench/results/stop_replay.json``: per regime and set the table (expected ms/token, tokens per round, and
-each rule over the best fixed K) and ``head_vs_best_training_free`` / ``head_vs_best_fixed_k`` (expected tokens
-per ms), the perfect estimates' and the oracle's; the head's AUROC and ``q(y)``'s on the decided candidates.
+Writes ``bench/studies/results/stop_replay.json``: per regime and set the table (expected ms/token, tokens per
+round, and each rule over the best fixed K) and ``head_vs_best_training_free`` / ``head_vs_best_fixed_k``
+(expected tokens per ms), the perfect estimates' and the oracle's; the head's AUROC and ``q(y)``'s on the decided
+candidates.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import sys
 from pathlib import Path
 
 import torch
-from _common import run_info, write_result
 
 from specheads.datagen.cli import main as datagen_main
 from specheads.export import load_head
@@ -44,7 +44,10 @@ from specheads.shim.policies import SpecDecPP
 from specheads.shim.policies.estimates import entropy_bound
 from specheads.train.eagle_stop_task import StopStore
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))  # _common, beside the benchmarks
+from _common import run_info, write_result  # noqa: E402
+
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
 SETS = {  # past heads_pay.py's prompts, which are past every training run's
     "gsm8k": ("data/gsm8k/test.jsonl", 300),
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=6, help="candidates per recorded round (the rules' k_max)")
     ap.add_argument("--costs", default=str(ROOT / "runs/quickstart-eval/sweep.json"), help="a sweep.json or cost table")
     ap.add_argument("--work", default="runs/stop_replay")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/stop_replay.json"))
+    ap.add_argument("--out", default=str(ROOT / "bench/studies/results/stop_replay.json"))
     args = ap.parse_args(argv)
     pairs = {
         flag: dict(x.split("=", 1) for x in getattr(args, flag).split(",") if x)

@@ -7,9 +7,9 @@ whether the draft agreed at ``i``; and, for comparison, the target's top probabi
 itself (not known in advance). An AUC near 0.5 means a rule deciding whether to draft at all can
 only go by the prompt's recent rounds (``DraftGate``). Greedy, fp32, the draft pruned as our rows.
 
-    python bench/predraft_signal.py          # MT-Bench 40-55, Alpaca 4500-4515, GSM8K-test 600-615
+    python bench/studies/predraft_signal.py          # MT-Bench 40-55, Alpaca 4500-4515, GSM8K-test 600-615
 
-Writes ``bench/results/predraft_signal.json``.
+Writes ``bench/studies/results/predraft_signal.json``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 
 import torch
-from _common import shared_pair
 from sklearn.metrics import roc_auc_score
 
 from specheads.decode.api import format_prompt
@@ -29,7 +28,10 @@ from specheads.evaluate.oracle import draft_agreement
 from specheads.prompts import load_prompts
 from specheads.shim.loop.engine import Engine
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))  # _common, beside the benchmarks
+from _common import run_info, shared_pair  # noqa: E402
+
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
 SETS = {
     "mt_bench": ("data/mt_bench/question.jsonl", 40),
@@ -44,7 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--vocab", default=str(ROOT / "runs/specdecpp_draft_quickstart-vocab/vocab.json"))
     ap.add_argument("--draft-top-n", type=int, default=8192)
-    ap.add_argument("--out", default=str(ROOT / "bench/results/predraft_signal.json"))
+    ap.add_argument("--out", default=str(ROOT / "bench/studies/results/predraft_signal.json"))
     args = ap.parse_args(argv)
     pair = shared_pair(SHARED, args.vocab, args.draft_top_n)
     engine = Engine(pair.target.model, pair.draft.model, pair.eos_token_ids)
@@ -81,7 +83,7 @@ def main(argv=None) -> int:
     Path(args.out).write_text(
         json.dumps(
             {
-                "command": "python bench/predraft_signal.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                **run_info(__file__, argv, "fp32, greedy, batch 1"),
                 "max_new_tokens": args.max_new_tokens,
                 "draft_top_n": args.draft_top_n,
                 "sets": rows,

@@ -1,6 +1,6 @@
 """What a deeper EAGLE head costs on this machine, and how much more it must agree with the target to pay for it.
 
-    python bench/eagle_layers.py          # heads of 1, 2 and 3 decoder layers: bench/results/eagle_layers.json
+    python bench/studies/eagle_layers.py   # heads of 1, 2 and 3 decoder layers: bench/studies/results/eagle_layers.json
 
 One run, side by side: the shared target's forward over ``n`` tokens and one draft step of a head of each depth
 (``decoder_layers``; the shared target's shape, its layers 2, 15 and 27, an 8,192-row output layer), timed by the
@@ -9,7 +9,7 @@ interleaved), in rounds that rotate the depths so that drifts hit each alike. Th
 weights, so the heads are untrained.
 
 Then, per prompt set of a ``bench/draft_head.py`` result (``--result``): with the set's measured per-step acceptance
-(one-layer head), the chain model of ``bench/eagle_need.py`` predicts the best fixed-K speed against the target
+(one-layer head), the chain model of ``bench/studies/eagle_need.py`` predicts the best fixed-K speed against the target
 alone with each depth's draft step (``predicted_vs_target``) and the uniform lift in per-step acceptance a deeper
 head needs to match the one-layer head's predicted speed (``break_even_lift``). A deeper head pays only where it
 agrees more than that.
@@ -21,17 +21,20 @@ import argparse
 import json
 import os
 import statistics
+import sys
 from pathlib import Path
 
 import torch
-from _common import run_info, shared_pair, write_result
 from eagle_need import best_fixed_k, lift_for
 
 from specheads.heads import EagleConfig, EagleHead
 from specheads.shim.costs.cost_profile import measure
 from specheads.shim.runners import kernels
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))  # _common, beside the benchmarks
+from _common import run_info, shared_pair, write_result  # noqa: E402
+
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", str(ROOT.parent / "shared")))
 
 
@@ -41,7 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds over the depths (each a full cost profile)")
     ap.add_argument("--max-pass", type=int, default=8, help="target passes timed: 1 .. this many tokens")
     ap.add_argument("--result", default=str(ROOT / "bench/results/draft_head.json"), help="a draft_head.py result")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/eagle_layers.json"))
+    ap.add_argument("--out", default=str(ROOT / "bench/studies/results/eagle_layers.json"))
     args = ap.parse_args(argv)
     depths = [int(x) for x in args.layers.split(",") if x.strip()]
     if not depths or min(depths) < 1 or 1 not in depths:

@@ -9,7 +9,7 @@ against the same stack eager (``F.linear``) and eager on the picker's kernels (t
 tokens. Exactness: the largest absolute difference of the compiled stack's output from the eager one, in units
 of the output's scale.
 
-    python bench/inductor.py          # -> bench/results/inductor.json
+    python bench/studies/inductor.py          # -> bench/studies/results/inductor.json
 """
 
 from __future__ import annotations
@@ -18,18 +18,21 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
-from _common import run_info, write_result
 
 from specheads.shim.runners import kernels
 from specheads.shim.runners.fused import decoder_layers
 from specheads.shim.runners.model_runner import FusedRunner
 from specheads.shim.runners.models import ModelSpec, load_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))  # _common, beside the benchmarks
+from _common import run_info, write_result  # noqa: E402
+
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
 PREFIX = 100
 
@@ -38,7 +41,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--modes", default="default,max-autotune-no-cudagraphs")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/inductor.json"))
+    ap.add_argument("--out", default=str(ROOT / "bench/studies/results/inductor.json"))
     args = ap.parse_args(argv)
     spec = ModelSpec(
         path=str(SHARED / "models/smollm2-135m-instruct"),

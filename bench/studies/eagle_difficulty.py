@@ -1,7 +1,7 @@
 """Why an EAGLE head accepts less on one prompt set than another: its first draft step against the target's
 greedy token, binned by the target's own confidence.
 
-    python bench/eagle_difficulty.py --eagle recipes/heads/eagle_smollm2.safetensors --mtbench-n 80
+    python bench/studies/eagle_difficulty.py --eagle recipes/heads/eagle_smollm2.safetensors --mtbench-n 80
 
 For each set (GSM8K-test, MT-Bench first turns, held-out Alpaca rows) the target writes its greedy response
 (128 new tokens, batch 1, the chat template; the shim's target-alone decoding, as ``draft_head.py``'s ``ar``
@@ -22,7 +22,7 @@ output layer (no draft step can propose them), and ``agreement_in_vocab``. ``--r
 outputs) counts the target's response tokens there and adds the share outside the top N of that count for a few N:
 what a larger output layer would reach.
 
-No timing: the figures do not depend on the CPU. Writes ``bench/results/eagle_difficulty.json``.
+No timing: the figures do not depend on the CPU. Writes ``bench/studies/results/eagle_difficulty.json``.
 """
 
 from __future__ import annotations
@@ -34,14 +34,16 @@ import sys
 from pathlib import Path
 
 import torch
-from _common import run_info, shared_pair
 
 from specheads.datagen.mining import eagle_predict
 from specheads.decode.api import format_prompt, load_eagle
 from specheads.prompts import load_prompts
 from specheads.shim.loop.engine import Engine
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))  # _common, beside the benchmarks
+from _common import run_info, shared_pair  # noqa: E402
+
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", str(ROOT.parent / "shared")))
 
 
@@ -137,7 +139,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--bins", default="0,0.3,0.5,0.7,0.9,1", help="p_top1 bin edges, from 0 to 1")
     ap.add_argument("--ranking", default="", help="labels=drafter output dirs, comma-separated: coverage at top N")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/eagle_difficulty.json"))
+    ap.add_argument("--out", default=str(ROOT / "bench/studies/results/eagle_difficulty.json"))
     args = ap.parse_args(argv)
     edges = [float(x) for x in args.bins.split(",")]
     if edges[0] != 0 or edges[-1] != 1 or edges != sorted(edges) or len(set(edges)) != len(edges):

@@ -1,6 +1,6 @@
 """How far a judge's discrimination has to go before it can pass the quality gate, measured on held-out mismatches.
 
-    python bench/judge_ceiling.py       # recipe judge_margin's runs: bench/results/judge_ceiling.json
+    python bench/studies/judge_ceiling.py       # recipe judge_margin's runs: bench/studies/results/judge_ceiling.json
 
 Reads a finished ``bench/judge.py --recipe judge_margin`` run (no model is run; a few seconds):
 
@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
-from _common import run_info, write_result
 from omegaconf import OmegaConf
 
 from specheads.export.package import load_head
@@ -36,7 +36,10 @@ from specheads.train.config import TrainConfig
 from specheads.train.judge_data import JudgeStore
 from specheads.train.task import split
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))  # _common, beside the benchmarks
+from _common import run_info, write_result  # noqa: E402
+
 FLOORS = (None, 2.0, 1.0, 0.5, 0.25, 0.1)
 DELTAS = (0.0, 0.5, 0.7, 0.9, 0.97, 0.99, 0.999)
 GATE_CHANGED = 0.02
@@ -164,7 +167,7 @@ def main(argv=None) -> int:
         help="NAME=heads-eval dir, comma-separated: the drafters' sweeps",
     )
     ap.add_argument("--k", type=int, default=4, help="SD's and the judge rows' draft length in the sweeps")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/judge_ceiling.json"))
+    ap.add_argument("--out", default=str(ROOT / "bench/studies/results/judge_ceiling.json"))
     args = ap.parse_args(argv)
     for path in (Path(args.train) / "config.yaml", Path(args.head), Path(args.datagen) / "manifest.json"):
         if not path.is_file():

@@ -9,9 +9,9 @@ evaluates: ``acc_by_step``, the greedy agreement with the target's top-1 at each
 matching steps: the tokens a greedy round at K = ``--steps`` keeps beside the target's own.
 Every head reads the same rows (the old head trained on Alpaca rows 0-3839: its Alpaca row is not held out).
 
-    python bench/eagle_parts.py --heads new=runs/eagle-smollm2-export/head.safetensors,old=OLD.safetensors
+    python bench/studies/eagle_parts.py --heads new=runs/eagle-smollm2-export/head.safetensors,old=OLD.safetensors
 
-Prints a table and writes ``bench/results/eagle_parts.json``.
+Prints a table and writes ``bench/studies/results/eagle_parts.json``.
 """
 
 from __future__ import annotations
@@ -25,14 +25,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from _common import run_info
 
 from specheads.config import load_config
 from specheads.train.config import TrainConfig
 from specheads.train.eagle_task import EagleTask
 from specheads.train.run_data import data_manifest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))  # _common, beside the benchmarks
+from _common import run_info  # noqa: E402
+
 PARTS = "self=runs/eagle-smollm2-data-selfanswers,alpaca=runs/eagle-smollm2-data-alpaca,gsm8k=runs/eagle-smollm2-data-gsm8k,gsm8k2=runs/eagle-smollm2-data-gsm8k2,arc=runs/eagle-smollm2-data-arc"  # noqa: E501
 
 
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the training run's seed")
     ap.add_argument("--max-rows", type=int, default=400, help="held-out sequences per part at most")
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--out", default=str(ROOT / "bench/results/eagle_parts.json"))
+    ap.add_argument("--out", default=str(ROOT / "bench/studies/results/eagle_parts.json"))
     args = ap.parse_args(argv)
     heads, parts = pairs(args.heads), pairs(args.parts)
     for path in [*heads.values(), *parts.values()]:

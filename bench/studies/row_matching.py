@@ -5,8 +5,8 @@ accepted candidates and one token. Times :meth:`RowProposer._assign` (prefix has
 check per row) and, for scale, the pairwise comparisons the matching before it made (a common prefix for every row
 with every slot, twice), and counts the row-slot comparisons each makes.
 
-    python bench/row_matching.py                  # B = 256, L = 2000 (the issue's figure), 5 repeats
-    python bench/row_matching.py --rows 64 --length 500
+    python bench/studies/row_matching.py                  # B = 256, L = 2000 (the issue's figure), 5 repeats
+    python bench/studies/row_matching.py --rows 64 --length 500
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ runners (the first target pass, the prompt's prefill, apart) and reports per row
 target's and the drafter's forward ms, and the rest (the loop: policy hooks, verification, bookkeeping) per
 target call; and the cost table's prediction over the measured ms/token with and without the prefill.
 
-    python bench/loop_overhead.py                 # 6 prompts x 64 tokens -> bench/results/loop_overhead.json
+    python bench/studies/loop_overhead.py    # 6 prompts x 64 tokens -> bench/studies/results/loop_overhead.json
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-from _common import run_info, write_result
 
 from specheads.decode.api import load_eagle
 from specheads.decode.policy_factory import pair_costs
@@ -36,7 +35,10 @@ from specheads.shim.policies import StandardSD, TargetOnly
 from specheads.shim.runners import model_runner
 from specheads.shim.runners.models import ModelSpec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))  # _common, beside the benchmarks
+from _common import run_info, write_result  # noqa: E402
+
 SHARED = Path(os.environ.get("SPECHEADS_SHARED", ROOT.parent / "shared"))
 HEAD = ROOT / "recipes/heads/eagle_smollm2.safetensors"
 
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=6)
     ap.add_argument("--offset", type=int, default=960, help="first GSM8K-test row")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--out", default=str(ROOT / "bench/results/loop_overhead.json"))
+    ap.add_argument("--out", default=str(ROOT / "bench/studies/results/loop_overhead.json"))
     args = ap.parse_args(argv)
     pair = load_pair(
         ModelSpec(

@@ -1,6 +1,6 @@
 """How much more the EAGLE head must agree with the target before lossless decoding reaches a speed bar, per set.
 
-    python bench/eagle_need.py            # from bench/results/draft_head.json: bench/results/eagle_need.json
+    python bench/studies/eagle_need.py    # from bench/results/draft_head.json: bench/studies/results/eagle_need.json
 
 No model runs (a second). It reads a ``bench/draft_head.py`` result: per prompt set, the head's acceptance at each
 draft step (the share of rounds reaching step ``j`` whose step-``j`` token the target accepts), the measured cost
@@ -24,11 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
-from _common import run_info, write_result
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))  # _common, beside the benchmarks
+from _common import run_info, write_result  # noqa: E402
 
 
 def tokens_per_call(acc: list[float], k: int) -> float:
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bar", type=float, default=1.5, help="lossless speed to reach, x the target alone")
     ap.add_argument("--old-tokens", type=float, default=0, help="training tokens of the result's eagle_old head")
     ap.add_argument("--new-tokens", type=float, default=0, help="training tokens of the result's eagle head")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/eagle_need.json"))
+    ap.add_argument("--out", default=str(ROOT / "bench/studies/results/eagle_need.json"))
     args = ap.parse_args(argv)
     if not Path(args.result).is_file():
         ap.error(f"--result {args.result}: no such file (run bench/draft_head.py first)")
