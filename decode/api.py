@@ -103,10 +103,8 @@ class Decoder:
         packed: bool = True,
     ):
         self.packed = packed
-        if max_new_tokens < 1:
-            raise UserError(f"max_new_tokens={max_new_tokens} must be >= 1")
         self.sampling = sampling or SamplingConfig()
-        bad = self.sampling.problems()
+        bad = run_problems(max_new_tokens) + self.sampling.problems()
         if bad:
             raise UserError("; ".join(bad))
         eagle = load_eagle(eagle, pair) if eagle is not None else None
@@ -240,7 +238,12 @@ class Decoder:
             yield items[j][0], g
 
     def batch_problem(self) -> str | None:
-        """Why this decoder cannot decode in batches (None: it can)."""
+        """Why this decoder cannot decode in batches (None: it can); asked once, then remembered."""
+        if not hasattr(self, "_batch_problem"):
+            self._batch_problem = self._find_batch_problem()
+        return self._batch_problem
+
+    def _find_batch_problem(self) -> str | None:
         static = batch_rule(type(self.policy))
         if static:
             return static
@@ -255,6 +258,12 @@ class Decoder:
                     f"{m.name}: {why or 'fused_forward=false'}"
                 )
         return None
+
+
+def run_problems(max_new_tokens: int, batch_size: int = 1) -> list[str]:
+    """The rules of a decode's budget and batch, whatever its policy (the one place they are written)."""
+    out = [] if max_new_tokens >= 1 else [f"max_new_tokens={max_new_tokens} must be >= 1"]
+    return out + ([] if batch_size >= 1 else [f"batch_size={batch_size} must be >= 1"])
 
 
 def batch_rule(cls: type[Policy]) -> str | None:
@@ -330,8 +339,8 @@ def generate(
     See ``Decoder`` for the arguments (``eagle``: an EAGLE head drafts instead of the draft model);
     ``batch_size`` as in :meth:`Decoder.decode_many`. Returns one ``Result`` per prompt, in order.
     """
-    if batch_size < 1:
-        raise UserError(f"batch_size={batch_size} must be >= 1")
+    if bad := run_problems(max_new_tokens, batch_size):
+        raise UserError("; ".join(bad))
     single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict))
     items = [prompts] if single else list(prompts)
     decoder = Decoder(pair, policy, max_new_tokens, k, sampling, seed, chat_template, eagle=eagle)

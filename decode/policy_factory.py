@@ -5,16 +5,23 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from specheads.errors import UserError
-from specheads.export.package import LoadedHead, check_stop_drafter, load_head, read_metadata
+from specheads.errors import UserError, article
+from specheads.export.package import LoadedHead, check_head_against_pair, check_sampling, check_stop_drafter, load_head
 from specheads.shim import CostTable, Pair, Policy, SamplingConfig, Settings, batch_sizes, cost_table, policy_class
 
 
 def _policy_head(
-    cls: type[Policy], path: str | None, pair: Pair, sampling, strict: bool, eagle: LoadedHead | None = None
+    cls: type[Policy],
+    path: str | None,
+    pair: Pair,
+    sampling,
+    strict: bool,
+    eagle: LoadedHead | None = None,
+    loaded: dict | None = None,
 ) -> LoadedHead | None:
     """Loads and checks the exported head ``cls.HEAD`` names (its module in the dtype of the states it reads),
-    or None. With ``eagle`` (the EAGLE head decoding drafts with), a head on drafting states must read that head's."""
+    or None. With ``eagle`` (the EAGLE head decoding drafts with), a head on drafting states must read that head's.
+    ``loaded``: heads read before, by path and device (a sweep's rows of one head read its file once)."""
     spec = cls.HEAD
     if spec is None or (not path and not spec.required):
         return None
@@ -23,31 +30,30 @@ def _policy_head(
             f"policy={cls.name} needs its head: {cls.name}.head=<exported {spec.type} head .safetensors> "
             f"(heads-train head={spec.type}, then heads-export)"
         )
-    meta = read_metadata(path)
-    reads = meta.get("feature", {}).get("model", "draft")
-    fits = reads in ("draft", "eagle") if spec.model == "draft" else reads == spec.model  # drafting states
-    if meta.get("head_type") != spec.type or not fits:
-        raise UserError(
-            f"{path!r} is a {meta.get('head_type')} head on the {reads}'s states; policy={cls.name} "
-            f"needs a {spec.type} head on the {spec.model}'s states"
-        )
-    if spec.model == "draft":  # a head on the draft model's states, or on the EAGLE head's: its drafter
-        check_stop_drafter(meta.get("feature", {}), eagle.metadata if eagle is not None else None)
     drafts = spec.model == "draft" and eagle is not None  # the EAGLE head stands in for the draft model
     model = pair.target if drafts else pair.draft if spec.model == "draft" else pair.target
     if model is None:
         raise UserError(f"policy={cls.name} needs a {spec.model} model; set {spec.model}.path")
-    loaded = load_head(
-        path,
-        pair=pair,
-        sampling=sampling or SamplingConfig(),
-        strict=strict,
-        # where the states it reads are: the EAGLE head's (it sits on the target's input GPU), else where the
-        # model's final states come out (a split target's last GPU)
-        device=model.device if drafts else model.output_device,
-    )
+    # read once, where the states it reads are: the EAGLE head's (it sits on the target's input GPU), else where
+    # the model's final states come out (a split target's last GPU); then checked
+    device = model.device if drafts else model.output_device
+    cache = {} if loaded is None else loaded
+    head = cache.get((str(path), str(device))) or load_head(path, device=device)
+    cache[(str(path), str(device))] = head
+    meta = head.metadata
+    reads = meta.get("feature", {}).get("model", "draft")
+    fits = reads in ("draft", "eagle") if spec.model == "draft" else reads == spec.model  # drafting states
+    if meta.get("head_type") != spec.type or not fits:
+        raise UserError(
+            f"{path!r} is {article(meta.get('head_type'))} head on the {reads}'s states; policy={cls.name} "
+            f"needs {article(spec.type)} head on the {spec.model}'s states"
+        )
+    if spec.model == "draft":  # a head on the draft model's states, or on the EAGLE head's: its drafter
+        check_stop_drafter(meta.get("feature", {}), eagle.metadata if eagle is not None else None)
+    check_head_against_pair(meta, pair)
+    check_sampling(meta, (sampling or SamplingConfig()).to_dict(), strict)
     dtype = next(eagle.module.parameters()).dtype if drafts else model.model.dtype
-    return LoadedHead(loaded.module.to(dtype), loaded.metadata)
+    return LoadedHead(head.module.to(dtype), head.metadata)
 
 
 def pair_costs(
@@ -121,6 +127,7 @@ def make_policy(
     costs: CostTable | None = None,
     eagle: LoadedHead | None = None,
     threshold: float | None = None,
+    heads: dict | None = None,
     **values,
 ) -> Policy:
     """The one way to build a policy: by its registered name, with its settings, its head loaded and checked.
@@ -137,6 +144,7 @@ def make_policy(
         costs: the pair's cost table (:func:`pair_costs`) for ``stop="cost"``.
         eagle: the EAGLE head decoding drafts with (``load_eagle``): a stop head must have been trained on
             that head's states (``heads-train head=eagle_stop``).
+        heads: heads read by earlier calls (filled in): the same file is read once.
     """
     cls = policy_class(name)
     if settings is None:
@@ -145,9 +153,10 @@ def make_policy(
         raise UserError("make_policy: give settings= or the settings' values, not both")
     else:
         settings.check()
-    head = _policy_head(cls, getattr(settings, "head", None), pair, sampling, strict, eagle)
+    head = _policy_head(cls, getattr(settings, "head", None), pair, sampling, strict, eagle, heads)
     policy = cls.from_settings(settings, pair=pair, head=head, costs=costs)
     if head is not None:  # whose states the head reads, and the drafter it was checked against (the one site)
+        policy.head_metadata = head.metadata
         policy.head_feature = {"model": "draft", **head.metadata.get("feature", {})}
         policy.head_drafter = drafter_id(eagle.metadata if eagle is not None else None)
     return policy

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from specheads.decode.api import run_problems
 from specheads.errors import UserError
 from specheads.evaluate.config import EvalConfig
 from specheads.evaluate.rows import expand, parse_tree
@@ -90,8 +91,7 @@ def _check(cfg: EvalConfig) -> None:
         problems.append("head is set but thresholds is empty (and cost_stop=false)")
     if cfg.profile not in PROFILES and not Path(cfg.profile).is_file():
         problems.append(f"profile={cfg.profile!r} is not auto, refresh or an existing cost-table JSON file")
-    if cfg.max_new_tokens < 1:
-        problems.append(f"max_new_tokens={cfg.max_new_tokens} must be >= 1")
+    problems += run_problems(cfg.max_new_tokens, cfg.batch_size)
     try:
         parse_select(cfg.select)
     except UserError as exc:
@@ -119,9 +119,7 @@ def _check(cfg: EvalConfig) -> None:
                 f"eagle= drafts with an EAGLE head, but {', '.join(drafting)} read the draft model "
                 "(its states or vocabulary): sweep them in a run without eagle="
             )
-    if cfg.batch_size < 1:
-        problems.append(f"batch_size={cfg.batch_size} must be >= 1")
-    elif cfg.batch_size > 1 and not cfg.fused_forward:
+    if cfg.batch_size > 1 and not cfg.fused_forward:
         problems.append(f"batch_size={cfg.batch_size} runs on the fused forward: set fused_forward=true")
     if problems:
         raise UserError("; ".join(problems))

@@ -54,7 +54,8 @@ from pathlib import Path
 from transformers.utils import logging as hf_logging
 
 from specheads.config import cli_main, to_yaml
-from specheads.decode.api import fit_context, format_prompt, load_eagle, pair_costs
+from specheads.decode import assemble
+from specheads.decode.api import fit_context, format_prompt
 from specheads.engines import engine_of
 from specheads.errors import UserError
 from specheads.evaluate import report, report_files
@@ -75,7 +76,7 @@ from specheads.evaluate.sweep import build_decoders, decoder, run_sweep, same_vo
 from specheads.export.package import read_metadata, set_default_threshold
 from specheads.outputs import holds_other_run, pair_record, prepare_output_dir, write_manifest
 from specheads.prompts import load_prompt_files
-from specheads.shim import ConfidenceStop, GenerationStats, SpecDecPP, load_pair, same_vocabulary
+from specheads.shim import ConfidenceStop, GenerationStats, SpecDecPP, same_vocabulary
 
 log = logging.getLogger(__name__)
 PROG = "heads-eval"
@@ -86,7 +87,7 @@ def _rounds_oracle(cfg: EvalConfig, pair, eagle, prompts, ar_rows: list[dict], l
     SD at ``k_max`` (:class:`~.oracle.RoundRecorder`; on the EAGLE head, else the draft), its rounds turned into
     the oracle's and the perfect heads'. Sampled, a round's outcome is its draws': a rule that stops right after
     the first rejected candidate keeps the same tokens under the same draws, so the ceilings are those draws'."""
-    dec = decoder(cfg, pair, RoundRecorder(cfg.k_max), eagle)
+    dec = decoder(cfg, assemble.Models(pair, eagle), RoundRecorder(cfg.k_max))
     oracle = GenerationStats(prompts=0)
     perfect = {lag: GenerationStats(prompts=0) for lag in lags}
     differ = 0
@@ -130,17 +131,24 @@ def run(cfg: EvalConfig) -> int:
         (out / "rows.jsonl").unlink(missing_ok=True)
     started = time.time()
     # With an EAGLE head the draft model only drafts the draft row (none without draft.path).
-    pair = load_pair(cfg.target, cfg.draft, same_vocab=not cfg.hetero.methods)
-    eagle = load_eagle(cfg.eagle, pair) if cfg.eagle else None
+    models = assemble.load(
+        cfg.target,
+        cfg.draft,
+        eagle=cfg.eagle,
+        same_vocab=not cfg.hetero.methods,
+        cost_pass=_max_pass(cfg),
+        profile=cfg.profile,
+        fused_forward=cfg.fused_forward,
+        batch_size=cfg.batch_size,
+    )
+    pair, eagle, costs = models.pair, models.eagle, models.costs
     shared = eagle is not None or same_vocabulary(pair.target.tokenizer, pair.draft.tokenizer)
     if not shared and same_vocab_rows(cfg):
         raise UserError(
             f"the draft's tokenizer differs from the target's: {', '.join(same_vocab_rows(cfg))} need "
             "one vocabulary; on this pair sweep only hetero.methods=[tli,slem,slrs] (and pass ks=[])"
         )
-    costs = pair_costs(pair, _max_pass(cfg), cfg.profile, cfg.fused_forward, eagle=eagle, batch_size=cfg.batch_size)
-    log.info("%s", costs.describe())
-    decoders = build_decoders(cfg, pair, costs, eagle)
+    decoders = build_decoders(cfg, models)
     grouped = run_sweep(decoders, prompts, out / "rows.jsonl", batch_size=cfg.batch_size)
     oracle, perfects = None, {}
     lag = next((d.policy.lag for d in decoders.values() if isinstance(d.policy, SpecDecPP)), None)

@@ -190,6 +190,6 @@ def problems(rows: list[dict]) -> list[str]:
         try:
             for _, policy, settings in expand(row):
                 settings_for(policy, **settings)
-        except UserError as exc:
-            out.append(f"rows: {exc}")
+        except UserError as exc:  # expand's own errors already say rows:
+            out.append(str(exc) if str(exc).startswith("rows:") else f"rows: {exc}")
     return out

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specheads.decode.api import Decoder, make_policy
+from specheads.decode import assemble
+from specheads.decode.api import Decoder
 from specheads.errors import UserError
 from specheads.evaluate.rows import expand, shorthand_rows
 from specheads.outputs import read_finished_rows
@@ -55,40 +56,37 @@ class _Rows(dict):
         super().__setitem__(name, decoder)
 
 
-def decoder(cfg, pair, policy, eagle=None) -> Decoder:
-    """A decoder of the sweep: ``policy`` on the loaded pair with the sweep's budget, seed and sampling settings
-    (drafting with the EAGLE head ``eagle`` when given)."""
-    d = Decoder(
-        pair,
+def decoder(cfg, models: assemble.Models, policy) -> Decoder:
+    """A decoder of the sweep (:func:`~specheads.decode.assemble.decoder`): ``policy`` on the loaded models with
+    the sweep's budget, seed and sampling settings (drafting with their EAGLE head when they hold one)."""
+    return assemble.decoder(
+        models,
         policy,
-        cfg.max_new_tokens,
-        1,
-        cfg.sampling,
-        cfg.seed,
-        cfg.chat_template,
-        cfg.fused_forward,
-        eagle=eagle,
+        max_new_tokens=cfg.max_new_tokens,
+        sampling=cfg.sampling,
+        seed=cfg.seed,
+        chat_template=cfg.chat_template,
+        fused_forward=cfg.fused_forward,
         packed=getattr(cfg, "packed", True),
+        budgets=getattr(cfg, "max_new_tokens_by_source", None),
     )
-    d.budgets = dict(getattr(cfg, "max_new_tokens_by_source", {}) or {})
-    return d
 
 
-def build_decoders(cfg, pair, costs=None, eagle=None) -> dict[str, Decoder]:
+def build_decoders(cfg, models: assemble.Models) -> dict[str, Decoder]:
     """A decoder per configuration of the sweep's rows (:mod:`.rows`: the per-policy fields' rows, then
-    ``cfg.rows``), all on the one loaded pair, seed and sampling settings, every policy built by
-    ``make_policy``; the cost-aware rows (``h-cost``, ``c-cost``) only with a cost table (``costs``).
+    ``cfg.rows``), all on the one set of loaded models (:func:`~specheads.decode.assemble.load`), seed and sampling
+    settings, every policy built by :func:`~specheads.decode.assemble.policy`; the cost-aware rows (``h-cost``,
+    ``c-cost``) only with a cost table (``models.costs``).
 
-    ``eagle`` (a loaded EAGLE head, ``load_eagle``): the same-vocabulary rows draft with it (the cost table is
-    then the head's, ``pair_costs(..., eagle=)``, and ``cfg.head`` a stop head on its states); ``ar`` is the
-    target alone, and the ``draft`` row runs only when the pair has a draft model."""
-    out = _Rows(ar=decoder(cfg, pair, "ar"))
-    if pair.draft is not None:
-        out["draft"] = decoder(cfg, pair, "draft")
-    for row in [*shorthand_rows(cfg, costs is not None), *getattr(cfg, "rows", [])]:
+    With an EAGLE head (``models.eagle``) the same-vocabulary rows draft with it (the cost table is then the
+    head's, and ``cfg.head`` a stop head on its states); ``ar`` is the target alone, and the ``draft`` row runs
+    only when the pair has a draft model."""
+    out = _Rows(ar=decoder(cfg, models, "ar"))
+    if models.pair.draft is not None:
+        out["draft"] = decoder(cfg, models, "draft")
+    for row in [*shorthand_rows(cfg, models.costs is not None), *getattr(cfg, "rows", [])]:
         for name, policy, settings in expand(row):
-            built = make_policy(policy, pair, sampling=cfg.sampling, costs=costs, eagle=eagle, **settings)
-            out[name] = decoder(cfg, pair, built, eagle)
+            out[name] = decoder(cfg, models, assemble.policy(policy, models, sampling=cfg.sampling, **settings))
     return out
 
 

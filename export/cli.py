@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from specheads.config import cli_main, to_yaml
-from specheads.errors import UserError
+from specheads.errors import UserError, article
 from specheads.export import hub, speculators
 from specheads.export.export_config import ExportConfig
 from specheads.export.package import load_head, read_metadata, save_head
@@ -135,9 +135,8 @@ def export_head(cfg: ExportConfig, out: Path) -> dict:
         try:
             head.load_state_dict(state)
         except RuntimeError as err:
-            raise UserError(
-                f"{ckpt} does not hold a {loaded.metadata['head_type']} head of this config: {str(err).splitlines()[0]}"
-            ) from err
+            kind = article(loaded.metadata["head_type"])
+            raise UserError(f"{ckpt} does not hold {kind} head of this config: {str(err).splitlines()[0]}") from err
         meta.setdefault("extra", {})["checkpoint"] = ckpt.name
     if cfg.threshold is not None:
         meta["default_threshold"] = cfg.threshold

@@ -6,3 +6,8 @@ class UserError(Exception):
 
     CLIs print it as ``prog: error: <message>`` and exit with code 2, without a traceback.
     """
+
+
+def article(word) -> str:
+    """``word`` with its indefinite article, for messages (``an eagle``, ``a judge``)."""
+    return f"{'an' if str(word)[:1].lower() in 'aeiou' else 'a'} {word}"

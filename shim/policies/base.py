@@ -99,9 +99,10 @@ class Policy:
             reports, ``select=`` and the sweep's rows read it instead of a row's name.
         bridge: None (candidates in the target's vocabulary) or how they cross vocabularies.
         head_file: the exported head a policy built by ``from_settings`` reads (for the log).
-        head_feature: that head's ``feature`` metadata (whose states it reads: the draft model's, an EAGLE
-            head's), set by ``make_policy``, which checks it against the drafter (``head_drafter``: that EAGLE
-            head's ``tensors_sha256``, None for the draft model); a decoder with another drafter checks again.
+        head_metadata: that head's exported metadata; head_feature: its ``feature`` (whose states it reads: the
+            draft model's, an EAGLE head's); both set by ``make_policy``, which checks it against the drafter
+            (``head_drafter``: that EAGLE head's ``tensors_sha256``, None for the draft model); a decoder with
+            another drafter checks again.
         batch: the rows the engine runs in the round about to start (1 at batch 1; set by the batched
             engine and the vLLM proposer before ``start_round``): the cost-aware rules price at it.
     """
@@ -118,6 +119,7 @@ class Policy:
     lossless: ClassVar[bool] = True
     bridge: str | None = None
     head_file: str | None = None
+    head_metadata: dict | None = None
     head_feature: dict | None = None
     head_drafter: str | None = None
     #: The policy's settings as its constructor resolved them (:func:`~.settings.settle`: the Settings' own

@@ -250,9 +250,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return out
 
 
-def prepare(model: torch.nn.Module, rows=range(1, 9)) -> None:
-    """Measures (or reads) the choice for every linear shape of ``model`` at these row counts now,
-    so that no timing happens inside a decode that is being measured."""
+def prepare(model: torch.nn.Module, rows=BUCKETS) -> None:
+    """Measures (or reads) the choice for every linear shape of ``model`` at these row counts (default: every
+    bucket, so every pass size, prefill and batch) now, so that no timing happens inside a decode being measured."""
     if _policy not in ("auto", "library"):
         return
     with torch.inference_mode():

@@ -93,11 +93,10 @@ class Assistant:
         head: the exported SpecDec++ acceptance head (``policy="specdecpp"``): a ``.safetensors`` file, a
             ``heads-export format=hf`` directory or a Hub repo id.
         policy: ``specdecpp`` or ``confidence_stop`` (training-free; no head).
-        h: SpecDec++'s stop threshold (default: the head's ``default_threshold``).
-        tau: ``confidence_stop``'s threshold (default 0.4, the default of Transformers' dynamic schedule).
-        k_min, k_max: fewest and most candidates per round (``k_min`` default: 2 for ``specdecpp``, 1 for
-            ``confidence_stop``).
-        stop: ``threshold`` or ``cost`` (the cost-aware rule on the pair's profiled cost table).
+        settings: the policy's own settings under their own names, defaults and rules (``SpecDecPPSettings``,
+            ``ConfidenceSettings``): ``h`` (SpecDec++'s stop threshold, default the head's ``default_threshold``),
+            ``tau`` (``confidence_stop``'s, default 0.4), ``k_min``, ``k_max``, ``stop`` (``threshold`` or ``cost``:
+            the cost-aware rule on the pair's profiled cost table), ``gate``, ...
         target: the target model; needed for ``stop="cost"`` (the cost table measures both).
         profile: the cost table: ``auto`` (cached per machine and settings, measured when absent),
             ``refresh`` or a cost-table JSON path.
@@ -114,18 +113,16 @@ class Assistant:
         head=None,
         *,
         policy: str = "specdecpp",
-        h: float | None = None,
-        tau: float | None = None,
-        k_min: int | None = None,
-        k_max: int = 20,
-        stop: str = "threshold",
         target=None,
         profile: str = "auto",
         strict: bool = False,
         draft_gguf: str | None = None,
         target_gguf: str | None = None,
         streamer=None,
+        **settings,
     ):
+        from specheads.decode.policy_factory import settings_for
+
         check_transformers()
         if policy not in POLICIES:
             raise UserError(f"policy={policy!r}; choose one of {list(POLICIES)}")
@@ -136,10 +133,11 @@ class Assistant:
             )
         if policy == "confidence_stop" and head is not None:
             raise UserError("policy=confidence_stop is training-free; drop head= or use policy='specdecpp'")
-        if stop == "cost" and target is None:
+        own = settings_for(policy, **settings, **({"head": str(head)} if head is not None else {}))
+        if own.stop == "cost" and target is None:
             raise UserError("stop='cost' needs target=<the target model> (the cost table times both models)")
         self.draft, self.target, self.head, self.name = draft, target, head, policy
-        self.settings = dict(h=h, tau=tau, k_min=k_min, k_max=k_max, stop=stop, profile=profile, strict=strict)
+        self.own, self.profile, self.strict = own, profile, strict
         self.draft_gguf, self.target_gguf, self.streamer = draft_gguf, target_gguf, streamer
         self.policy = None
         self.stats = Stats()
@@ -157,37 +155,16 @@ class Assistant:
         return Pair(_loaded(target, self.target_gguf), _loaded(self.draft, self.draft_gguf))
 
     def _build(self, sampling) -> None:
-        from specheads.decode.policy_factory import make_policy, pair_costs
-        from specheads.shim import ConfidenceStop
+        from specheads.decode import assemble
+        from specheads.decode.policy_factory import pair_costs
 
         if self.policy is not None and sampling == self._sampling:
             return
-        s = self.settings
         pair = self._pair()
-        costs = None
-        if s["stop"] == "cost":
-            if self._costs is None:
-                self._costs = pair_costs(pair, s["k_max"] + 1, s["profile"], fused=False)
-            costs = self._costs
-        own = {"h": s["h"]} if self.name == "specdecpp" else {"tau": s["tau"]}
-        kmin = {} if s["k_min"] is None else {"k_min": s["k_min"]}
-        if self.name == "specdecpp":
-            self.policy = make_policy(
-                "specdecpp",
-                pair,
-                head=self.head,
-                k_max=s["k_max"],
-                sampling=sampling,
-                strict=s["strict"],
-                stop=s["stop"],
-                costs=costs,
-                **kmin,
-                **own,
-            )
-        else:  # built directly: the factory has no k_min for it
-            self.policy = ConfidenceStop(
-                **{k: v for k, v in own.items() if v is not None}, k_max=s["k_max"], stop=s["stop"], costs=costs, **kmin
-            )
+        if self.own.stop == "cost" and self._costs is None:
+            self._costs = pair_costs(pair, self.own.k_max + 1, self.profile, fused=False)
+        models = assemble.Models(pair, costs=self._costs if self.own.stop == "cost" else None)
+        self.policy = assemble.policy(self.name, models, self.own, sampling=sampling, strict=self.strict)
         self._sampling = sampling
 
     # -- rounds (called by the candidate generator) ----------------------------------------------------------

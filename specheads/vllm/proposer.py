@@ -60,8 +60,8 @@ class ProposerSettings:
     draft: str
     policy: str = "confidence_stop"
     head: str | None = None
-    k_max: int = 6
-    k_min: int = 1
+    k_max: int | None = None  # None: the policy's own default (sd: its k)
+    k_min: int | None = None
     threshold: float | None = None
     stop: str = "threshold"
     costs: str | None = None
@@ -70,6 +70,18 @@ class ProposerSettings:
     gate: bool | None = None
     dtype: str = "auto"
     cache_mb: float | None = None
+
+    def policy_settings(self):
+        """The policy's own settings (its names, defaults and rules) from these: ``threshold`` is its threshold
+        (SpecDec++'s ``h``, ``confidence_stop``'s ``tau``), ``k_max`` SD's ``k``; the gate is on with ``stop=cost``
+        unless told otherwise."""
+        from specheads.decode.policy_factory import settings_for
+
+        if self.policy == "sd":
+            return settings_for("sd", k=self.k_max)
+        gate = self.stop == "cost" if self.gate is None else self.gate
+        own = dict(k_min=self.k_min, k_max=self.k_max, stop=self.stop, gate=gate)
+        return settings_for(self.policy, self.threshold, head=self.head, **own)
 
     def problems(self) -> list[str]:
         out = []
@@ -87,18 +99,15 @@ class ProposerSettings:
             out.append(f"head={self.head!r} does not exist")
         if self.head and self.policy != "specdecpp":
             out.append(f"policy={self.policy} takes no head; drop head= or use policy='specdecpp'")
-        if self.k_max < 1 or not 1 <= self.k_min <= self.k_max:
-            out.append(f"k_min={self.k_min}, k_max={self.k_max}: need 1 <= k_min <= k_max")
-        if self.stop not in ("threshold", "cost"):
-            out.append(f"stop={self.stop!r}; choose threshold or cost")
         if self.stop == "cost" and not self.costs:
             out.append("stop='cost' needs costs=<a cost-table JSON> (the engine's pass times by size)")
         if self.stop == "cost" and self.policy == "sd":
             out.append("policy=sd drafts k_max every round; stop='cost' is for specdecpp and confidence_stop")
-        if self.gate and self.stop != "cost":
-            out.append("gate=True skips drafting by the cost table: it needs stop='cost'")
-        if self.threshold is not None and not 0 <= self.threshold <= 1:
-            out.append(f"threshold={self.threshold} must be in [0, 1]")
+        if self.policy in POLICIES and not (self.stop == "cost" and self.policy == "sd"):
+            try:  # the policy's own rules (k_min <= k_max, the threshold's range, stop, gate)
+                self.policy_settings()
+            except UserError as err:
+                out.append(str(err))
         return out
 
 
@@ -106,8 +115,8 @@ def speculative_config(
     draft: str,
     policy: str = "confidence_stop",
     head: str | None = None,
-    k_max: int = 6,
-    k_min: int = 1,
+    k_max: int | None = None,
+    k_min: int | None = None,
     threshold: float | None = None,
     stop: str = "threshold",
     costs: str | None = None,
@@ -124,7 +133,8 @@ def speculative_config(
         draft: the draft model's local Hugging Face directory (same tokenizer as the target).
         policy: ``specdecpp``, ``confidence_stop`` or ``sd``.
         head: the exported SpecDec++ acceptance head (``specdecpp``), trained on this draft.
-        k_max, k_min: most and fewest candidates per round (``k_max`` is vLLM's ``num_speculative_tokens``).
+        k_max, k_min: most and fewest candidates per round (``k_max`` is vLLM's ``num_speculative_tokens``; SD's
+            ``k``); None: the policy's own defaults (``SpecDecPPSettings``, ``ConfidenceSettings``, ``SDSettings``).
         threshold: SpecDec++'s ``h`` (default: the head's own) or ``confidence_stop``'s ``tau``.
         stop: ``threshold`` or ``cost`` (the cost-aware rule; needs ``costs``).
         costs: a cost-table JSON (``CostTable.to_dict``: the draft step and the target pass by size and batch),
@@ -141,8 +151,8 @@ def speculative_config(
         os.path.abspath(draft) if draft else "",
         policy,
         head,
-        int(k_max),
-        int(k_min),
+        None if k_max is None else int(k_max),
+        None if k_min is None else int(k_min),
         threshold,
         stop,
         costs,
@@ -155,6 +165,9 @@ def speculative_config(
     bad = settings.problems()
     if bad:
         raise UserError("; ".join(bad))
+    own = settings.policy_settings()  # the policy's defaults, written into the settings vLLM's workers read
+    settings.k_max = own.k if settings.policy == "sd" else own.k_max
+    settings.k_min = getattr(own, "k_min", None)
     return {
         "method": "custom_class",
         "model": CLASS_PATH,
@@ -189,7 +202,7 @@ class Proposer:
     """vLLM's ``custom_class`` proposer (built by vLLM: ``Proposer(vllm_config)``)."""
 
     def __init__(self, vllm_config):
-        from specheads.decode.policy_factory import make_policy
+        from specheads.decode import assemble
         from specheads.shim import ModelSpec, Pair, RowProposer, eos_ids, load_model, load_table
 
         settings = read_settings(vllm_config.speculative_config)
@@ -222,19 +235,8 @@ class Proposer:
             )
         pair = Pair(target=draft, draft=draft)  # the head reads the draft's states: checked against the draft
         costs = load_table(settings.costs) if settings.stop == "cost" else None
-        if settings.policy == "sd":
-            own = {"k": k}
-        else:
-            own = {
-                "k_min": settings.k_min,
-                "k_max": k,
-                "stop": settings.stop,
-                "threshold": settings.threshold,
-                "gate": settings.stop == "cost" if settings.gate is None else settings.gate,
-            }
-            if settings.policy == "specdecpp":
-                own["head"] = settings.head
-        policy = make_policy(settings.policy, pair, costs=costs, **own)
+        models = assemble.Models(pair, costs=costs)
+        policy = assemble.policy(settings.policy, models, settings.policy_settings())
         self.settings, self.max_len = settings, int(vllm_config.model_config.max_model_len)
         slots = int(vllm_config.scheduler_config.max_num_seqs)
         tokens = cache_tokens(settings.cache_mb, RowProposer.bytes_per_token(draft.model), slots, self.max_len, device)
