@@ -1,5 +1,6 @@
 """How vLLM serves for ``engine=vllm`` (``specheads/vllm_config.py``, ``specheads/vllm/options.py``): the ``vllm_*``
-settings checked, written into the child's job as JSON and turned into ``LLM(...)``'s arguments there (dtype ``auto`` resolved on the device)."""
+settings checked, written into the child's job as JSON and turned into ``LLM(...)``'s arguments there (dtype
+``auto`` resolved on the device)."""
 
 from __future__ import annotations
 
