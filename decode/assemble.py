@@ -166,7 +166,7 @@ def decoder(
     if warm:
         for m in (models.pair.target, models.pair.draft):
             if m is not None:
-                prepare_kernels(m.model)
+                prepare_kernels(m.model, fused=d.engine.fused)
         if models.eagle is not None:
-            prepare_kernels(models.eagle.module)
+            prepare_kernels(models.eagle.module, fused=False)
     return d

@@ -64,10 +64,9 @@ from specheads.shim.policies import (
     settle,
     standard_verify,
 )
-from specheads.shim.runners.fused import supports
+from specheads.shim.runners.fused import prepare_kernels, supports
 from specheads.shim.runners.hidden import AuxCapture, HiddenCapture, final_norm, output_device
 from specheads.shim.runners.kernels import describe as describe_kernels
-from specheads.shim.runners.kernels import prepare as prepare_kernels
 from specheads.shim.runners.kernels import unroute
 from specheads.shim.runners.model_facts import context_length, eos_ids, pad_batch
 from specheads.shim.runners.model_runner import make_runner

@@ -27,6 +27,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from specheads.shim.runners import kernels
 from specheads.shim.runners.kernels import linear
 from specheads.shim.runners.vocab_pruning import PrunedHead
 
@@ -168,6 +169,18 @@ def _column_major(module) -> None:
     0.73 ms -> 0.09 ms). Values, shapes and autograd are unchanged."""
     w = module.weight
     module.weight = torch.nn.Parameter(w.detach().t().contiguous().t(), requires_grad=w.requires_grad)
+
+
+def prepare_kernels(model, fused: bool = True) -> None:
+    """Takes the kernel choice of every linear product ``model``'s forward runs, at every row-count bucket, now
+    (:func:`~.kernels.prepare`): its linear layers, and with ``fused`` (a model the fused forward runs) the fused
+    projections, so that no candidate is timed inside a decode being measured."""
+    kernels.prepare(model)
+    if fused and supports(model) is None and model.get_input_embeddings().weight.device.type == "cpu":
+        f = fused_weights(model)
+        pairs = [(w, b) for layer in f.layers for w, b in ((layer[1], layer[2]), (layer[3], layer[4]))]
+        pairs += [(w, None) for layer in f.layers for w in (layer[6], layer[7])] + [(f.lm_weight, f.lm_bias)]
+        kernels.prepare_weights(pairs)
 
 
 def fused_weights(model) -> _Fused:

@@ -253,24 +253,23 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 def prepare(model: torch.nn.Module, rows=BUCKETS) -> None:
     """Measures (or reads) the choice for every linear shape of ``model`` at these row counts (default: every
     bucket, so every pass size, prefill and batch) now, so that no timing happens inside a decode being measured."""
+    prepare_weights([(m.weight, m.bias) for m in model.modules() if isinstance(m, torch.nn.Linear)], rows)
+
+
+def prepare_weights(weights, rows=BUCKETS) -> None:
+    """:func:`prepare` for ``(weight, bias)`` pairs (a fused forward's concatenated projections)."""
     if _policy not in ("auto", "library"):
         return
     with torch.inference_mode():
         seen = set()
-        for mod in model.modules():
-            if isinstance(mod, torch.nn.Linear) and mod.weight.device.type == "cpu":
-                w = mod.weight
-                for r in rows:
-                    key = (
-                        tuple(w.shape),
-                        w.dtype,
-                        mod.bias is not None,
-                        _BUCKET_OF[min(r, BUCKETS[-1])],
-                        _layout_of(w),
-                    )
-                    if key not in seen:
-                        seen.add(key)
-                        linear(torch.zeros(r, w.shape[1], dtype=w.dtype), w, mod.bias)
+        for w, bias in weights:
+            if w.device.type != "cpu":
+                continue
+            for r in rows:
+                key = (tuple(w.shape), w.dtype, bias is not None, _BUCKET_OF[min(r, BUCKETS[-1])], _layout_of(w))
+                if key not in seen:
+                    seen.add(key)
+                    linear(torch.zeros(r, w.shape[1], dtype=w.dtype), w, bias)
 
 
 def _linear_forward(self, x):
