@@ -182,3 +182,28 @@ def test_the_shims_interface_exports_what_it_imports():
 
     assert sorted(shim.__all__) == sorted(set(shim.__all__))
     assert all(hasattr(shim, name) for name in shim.__all__)
+
+
+def test_decoders_and_policies_are_built_by_the_assembler():
+    """Outside the decode front's builders (``decode/assemble.py``, and ``decode/api.py``/``policy_factory.py``
+    that it builds on) no module of the package builds a ``Decoder`` or calls ``make_policy``: heads-decode,
+    heads-eval, the ``generate`` integration and the vLLM proposer all go through ``specheads.decode.assemble``."""
+    import re
+
+    builds = re.compile(r"\b(Decoder|make_policy)\(")
+    own = {"specheads.decode.assemble", "specheads.decode.api", "specheads.decode.policy_factory", "specheads"}
+    where = sorted(
+        f"{n}:{i}"
+        for n, p in package_modules().items()
+        if n not in own
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1)
+        if builds.search(line.split("#")[0]) and not line.lstrip().startswith(("def ", "class "))
+    )
+    assert where == []
+    users = {n for n, deps in _graph().items() if "specheads.decode.assemble" in deps}
+    assert {
+        "specheads.decode.decode_cli",
+        "specheads.evaluate.sweep",
+        "specheads.hf",
+        "specheads.vllm.proposer",
+    } <= users
