@@ -322,27 +322,17 @@ def load_eagle(head, pair: Pair):
     return loaded
 
 
-def generate(
-    pair: Pair,
-    prompts,
-    policy: str | Policy = "sd",
-    max_new_tokens: int = 128,
-    k: int = 4,
-    sampling: SamplingConfig | None = None,
-    seed: int = 0,
-    chat_template: bool = True,
-    batch_size: int = 1,
-    eagle=None,
-) -> list[Result]:
+def generate(pair: Pair, prompts, policy: str | Policy = "sd", *, batch_size: int = 1, **decoding) -> list[Result]:
     """Completions for a prompt or a list of prompts (strings, message lists or ``Prompt`` objects).
 
-    See ``Decoder`` for the arguments (``eagle``: an EAGLE head drafts instead of the draft model);
-    ``batch_size`` as in :meth:`Decoder.decode_many`. Returns one ``Result`` per prompt, in order.
+    ``decoding``: the :class:`Decoder`'s arguments by name (``max_new_tokens``, ``k``, ``sampling``, ``seed``,
+    ``chat_template``, ``eagle``: an EAGLE head drafts instead of the draft model ...); ``batch_size`` as in
+    :meth:`Decoder.decode_many`. Returns one ``Result`` per prompt, in order.
     """
-    if bad := run_problems(max_new_tokens, batch_size):
+    if bad := run_problems(decoding.get("max_new_tokens", 128), batch_size):
         raise UserError("; ".join(bad))
     single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict))
     items = [prompts] if single else list(prompts)
-    decoder = Decoder(pair, policy, max_new_tokens, k, sampling, seed, chat_template, eagle=eagle)
+    decoder = Decoder(pair, policy, **decoding)
     done = dict(decoder.decode_many(enumerate(items), batch_size))
     return [done[i] for i in range(len(items))]
