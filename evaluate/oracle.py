@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from specheads.shim import CostTable, GenerationStats, StandardSD, make_runner, predict_ms_per_token
+from specheads.shim import CostTable, GenerationStats, SpecDecPP, StandardSD, make_runner, predict_ms_per_token
 
 
 def oracle_schedule(agree: list[bool], k_max: int) -> GenerationStats:
@@ -44,8 +44,9 @@ def perfect_head_schedule(agree: list[bool], k_min: int, k_max: int, lag: int) -
     head reads a draft state, so a round always drafts at least ``k_min`` candidates and a
     disagreement is only seen once drawn (``lag = 0``, the ``previous``-position head) or one
     forward later (``lag = 1``, the reference order). The head scores agreements 1 and the first
-    disagreement 0, so the round stops as soon as the disagreement is scored. The cost of this
-    schedule bounds what any SpecDec++ head can reach with these models on these prompts.
+    disagreement 0, and the policy's own rule (``SpecDecPP.threshold_stop``) decides, so the round stops as
+    soon as the disagreement is scored. The cost of this schedule bounds what any SpecDec++ head can reach
+    with these models on these prompts.
 
     ``draft_forwards`` counts candidates drafted; discards are ``draft_forwards - accepted``; each
     round's target pass covers its candidates + 1 (``target_pass_sizes``).
@@ -58,7 +59,7 @@ def perfect_head_schedule(agree: list[bool], k_min: int, k_max: int, lag: int) -
         run = 0
         while run < room and agree[pos + run]:
             run += 1
-        drawn = min(room, max(k_min, run + 1 + lag)) if run < room else room
+        drawn = perfect_head_drawn(run, room, k_min, k_max, lag)
         calls += 1
         drafts += drawn
         sizes[drawn + 1] = sizes.get(drawn + 1, 0) + 1
@@ -67,6 +68,19 @@ def perfect_head_schedule(agree: list[bool], k_min: int, k_max: int, lag: int) -
     return GenerationStats(
         new_tokens=n, target_calls=calls, draft_forwards=drafts, discarded=drafts - accepted, target_pass_sizes=sizes
     )
+
+
+def perfect_head_drawn(agreed: int, room: int, k_min: int, k_max: int, lag: int) -> int:
+    """Candidates a perfect SpecDec++ head drafts in a round whose first ``agreed`` candidates the target keeps, with
+    room for ``room`` (``k_max``, or less at the end of the budget): after ``n`` drafts it has scored the first
+    ``n - lag`` (``lag`` 1: the reference order, 0: the ``previous``-position head), each kept one 1 and the first
+    rejected one 0, and SpecDec++'s own rule (``SpecDecPP.threshold_stop``, at any threshold in (0, 1)) decides.
+    With ``agreed < room`` that is ``min(room, max(k_min, agreed + 1 + lag))``; with ``agreed == room``, ``room``."""
+    for n in range(1, room + 1):
+        keep = 0.0 if n - lag > agreed else 1.0  # the product of the scores: 0 once the rejected one is scored
+        if SpecDecPP.threshold_stop(n, keep, 0.5, k_min, k_max):
+            return n
+    return room
 
 
 class RoundRecorder(StandardSD):
@@ -99,12 +113,10 @@ def rounds_perfect_head(rounds: list[tuple[int, int]], new_tokens: int, k_min: i
     after drawing it and never before ``k_min``; a round whose candidates were all accepted runs to its end
     (``k_max``, or the engine's room at the end of the budget), as SD's did. Greedy, the rounds keep SD's
     boundaries (each still emits its accepted candidates + the target's token), so the perfect head's round
-    drafts ``min(drafted, max(k_min, accepted + 1 + lag))`` candidates, the first ``accepted`` kept."""
-
-    def drawn(drafted: int, accepted: int) -> int:
-        return min(drafted, max(k_min, accepted + 1 + lag)) if accepted < drafted else drafted
-
-    return _round_stats(rounds, new_tokens, drawn)
+    drafts :func:`perfect_head_drawn` of its ``accepted`` with room for ``drafted`` (``min(drafted, max(k_min,
+    accepted + 1 + lag))`` when one was rejected), the first ``accepted`` kept."""
+    # SD's round ended at k_max or at the budget's room: either way its drafted is where the rule must stop
+    return _round_stats(rounds, new_tokens, lambda d, accepted: perfect_head_drawn(accepted, d, k_min, d, lag))
 
 
 def _round_stats(rounds: list[tuple[int, int]], new_tokens: int, drawn) -> GenerationStats:

@@ -96,9 +96,10 @@ ALGORITHMS: tuple[Algorithm, ...] = (
             "head": "`acceptance_head.py`",
             "training": "`acceptance_data.py` (data, features), `acceptance_task.py`, `eagle_stop_task.py` (on the "
                         "EAGLE drafter: stored states, no model)",
-            "policy": "`policies/specdecpp_policy.py` (threshold `h` or `stop=cost`; with `eagle=` drafting through "
-                      "`loop/eagle_drafter.py`, the head checked against its EAGLE head: `export/package.py`)",
-            "evaluation": "`oracle.py` (greedy oracle, perfect head; `rounds_perfect_head` on "
+            "policy": "`policies/specdecpp_policy.py` (threshold `h` or `stop=cost`; its rule "
+                      "`SpecDecPP.threshold_stop`; with `eagle=` drafting through `loop/eagle_drafter.py`, the head "
+                      "checked against its EAGLE head: `export/package.py`)",
+            "evaluation": "`oracle.py` (greedy oracle, perfect head by the policy's rule; `rounds_perfect_head` on "
                           "the EAGLE drafter), `report.py`, `sweep.py` (`h` rows, with `eagle=` on the EAGLE drafter)",
             "recipes": "`specdecpp_draft_quickstart`: the draft-based quickstart; `quickstart`: on the committed "
                        "`recipes/heads/eagle_smollm2.safetensors`",

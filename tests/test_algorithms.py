@@ -4,6 +4,7 @@ and ARCHITECTURE.md's algorithm table generated from the cards."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import subprocess
 import sys
@@ -151,3 +152,21 @@ def test_a_stale_table_is_rewritten():
     stale = algorithms.with_table(text, "| old |\n")
     assert table_in(stale) != render_table()
     assert algorithms.with_table(stale, render_table()) == text
+
+
+def test_the_perfect_head_bound_is_the_policys_rule(monkeypatch):
+    """The oracle's perfect head drafts what SpecDec++'s own stop rule says (its closed form over a grid), and a
+    change to the rule moves the bound with it: the rule is written once."""
+    from specheads.evaluate import oracle
+    from specheads.shim import SpecDecPP
+
+    for agreed, room, k_min, lag in itertools.product(range(6), range(6), range(1, 4), (0, 1)):
+        if agreed <= room:
+            closed = min(room, max(k_min, agreed + 1 + lag)) if agreed < room else room
+            assert oracle.perfect_head_drawn(agreed, room, k_min, 5, lag) == closed
+    agree = [True, False, True, True, False]
+    before = oracle.perfect_head_schedule(agree, 1, 20, 1)
+    monkeypatch.setattr(SpecDecPP, "threshold_stop", staticmethod(lambda n, keep, h, k_min, k_max: n >= k_max))
+    after = oracle.perfect_head_schedule(agree, 1, 20, 1)
+    # never stopping early, the first round drafts all of its room (4 candidates, not 3), the second its 2
+    assert (before.draft_forwards, after.draft_forwards) == (5, 6)

@@ -162,7 +162,7 @@ class SpecDecPP(_Gated):
 
     def stop_drafting(self, rnd: Round) -> bool:
         n = rnd.n
-        if n >= self.k:  # k_max: stop without scoring
+        if n >= self.k:  # k_max: threshold_stop stops whatever the scores, so none is computed
             return True
         s = rnd.state
         if n > self.lag:  # own: the state returned with y_n belongs to y_{n-1}; the head has the draft's dtype
@@ -183,13 +183,21 @@ class SpecDecPP(_Gated):
                 s.total += math.exp(s.log_keep)
                 self._prompt_betas[0] += s.beta
                 self._prompt_betas[1] += 1
-        if n < self.k_min:
-            return False
         if self.stop == "cost":
+            if n < self.k_min:
+                return False
             total, count = self._prompt_betas
             beta = s.beta if s.beta is not None else (total / count if count else 1.0)
             return not draft_more(self.costs, n, n - self.lag, math.exp(s.log_keep), s.total, beta, self.batch)
-        return 1.0 - math.exp(s.log_keep) > self.threshold
+        return self.threshold_stop(n, math.exp(s.log_keep), self.threshold, self.k_min, self.k)
+
+    @staticmethod
+    def threshold_stop(n: int, keep: float, threshold: float, k_min: int, k_max: int) -> bool:
+        """SpecDec++'s stop rule (``stop="threshold"``), once ``n`` candidates are drafted: stop at ``k_max``, never
+        before ``k_min``, else when ``P(a rejection among the scored candidates) = 1 - keep`` exceeds ``threshold``,
+        ``keep = prod_j beta_hat_j`` over the candidates scored so far. The policy decides by it, and so does the
+        oracle's perfect-head bound (``specheads.evaluate.oracle``), so the bound follows the rule."""
+        return n >= k_max or (n >= k_min and 1.0 - keep > threshold)
 
 
 def _signals(rnd: Round, j: int, names: tuple[str, ...]) -> torch.Tensor:
