@@ -36,16 +36,19 @@ from specheads.runtime.numerics import use_threads
 from specheads.train.config import TrainConfig
 from specheads.train.fsd_data import parse_label
 from specheads.train.registry import canonical, task_type
+from specheads.train.task import Task
 from specheads.train.trainer import overwrites_another_run, train
 
 log = logging.getLogger(__name__)
 PROG = "heads-train"
 
 
-def _check(cfg: TrainConfig) -> None:
-    problems = []
+def _check(cfg: TrainConfig) -> type[Task]:
+    """Every problem of the settings, raised at once; the task ``head=`` names."""
+    problems, kind = [], None
     try:
-        problems += task_type(cfg.head).check(cfg)
+        kind = task_type(cfg.head)
+        problems += kind.check(cfg)
     except UserError as err:
         problems.append(str(err))
     if not cfg.data_dir:
@@ -84,13 +87,14 @@ def _check(cfg: TrainConfig) -> None:
         problems.append(f"threshold={cfg.threshold} must be in (0, 1)")
     if problems:
         raise UserError("; ".join(problems))
+    return kind
 
 
 def run(cfg: TrainConfig) -> int:
     """Validates, prepares the output directory (resuming the same run), trains."""
     if cfg.plan:  # before any check against files or any model: the plan reads shapes only
         return run_plan("train", cfg)
-    _check(cfg)
+    kind = _check(cfg)
     cfg.head = canonical(cfg.head)  # an alias is recorded under the task's own name
     hf_logging.disable_progress_bar()
     fresh = overwrites_another_run(cfg)  # train() then removes that run's checkpoints
@@ -102,11 +106,11 @@ def run(cfg: TrainConfig) -> int:
     else:
         (out := Path(cfg.output_dir)).mkdir(parents=True, exist_ok=True)
     with use_threads(cfg.threads):  # before any model work: the thread count changes the last bits
-        metrics = train(cfg, Path(out), fresh=fresh)
-    artifact = getattr(task_type(cfg.head), "artifact", "head.safetensors")  # head=draft: a model directory
+        metrics = train(cfg, kind, Path(out), fresh=fresh)
+    artifact = getattr(kind, "artifact", "head.safetensors")  # head=draft: a model directory
     if main_process:
         write_manifest(out, command=PROG, data_dir=cfg.data_dir, head=artifact, **metrics)
-    log.info("%s -> %s", task_type(cfg.head).summary(cfg, metrics), Path(out) / artifact)
+    log.info("%s -> %s", kind.summary(cfg, metrics), Path(out) / artifact)
     return 0
 
 

@@ -26,8 +26,10 @@ import logging
 import math
 import os
 import shutil
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -40,17 +42,16 @@ from specheads.runtime.numerics import check_resume, numerics_settings
 from specheads.train import checkpoint, checkpoint_save, zero
 from specheads.train.config import TrainConfig
 from specheads.train.loss import weighted_soft_bce
-from specheads.train.registry import task_type
 from specheads.train.run_data import _epoch_batches, data_manifest, overwrites_another_run
 from specheads.train.task import Task, param_dtype
 
 log = logging.getLogger(__name__)
 
 
-def train(cfg: TrainConfig, out: Path, fresh: bool = False) -> dict:
-    """Runs the whole training; returns the final metrics and the run's ``numerics``. Resumes from the
-    newest checkpoint in ``out``, if any, unless ``fresh`` (``out`` held another run, overwritten: its
-    state is removed)."""
+def train(cfg: TrainConfig, kind: type[Task], out: Path, fresh: bool = False) -> dict:
+    """Runs the whole training of the task ``kind`` (the one ``cfg.head`` names); returns the final metrics
+    and the run's ``numerics``. Resumes from the newest checkpoint in ``out``, if any, unless ``fresh``
+    (``out`` held another run, overwritten: its state is removed)."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
@@ -67,7 +68,6 @@ def train(cfg: TrainConfig, out: Path, fresh: bool = False) -> dict:
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout_s), **group)],
     )
     manifest = data_manifest(cfg)
-    kind = task_type(cfg.head)
     held = manifest.get("labels", "acceptance")
     if held not in kind.labels:
         raise UserError(
@@ -87,7 +87,7 @@ def train(cfg: TrainConfig, out: Path, fresh: bool = False) -> dict:
             prepare_output_dir(sub.output_dir, to_yaml(sub), overwrite=sub.overwrite)
         acc.wait_for_everyone()
         log.info("%s in %s", note, sub.output_dir)
-        train(sub, Path(sub.output_dir), fresh=fresh)
+        train(sub, kind, Path(sub.output_dir), fresh=fresh)
     best.update(task.report(out, acc, best))
     if acc.is_main_process and best.get("eval_calibration"):
         from specheads.runtime.calibration import reliability_png
@@ -104,24 +104,66 @@ def train(cfg: TrainConfig, out: Path, fresh: bool = False) -> dict:
     return best
 
 
+@dataclass
+class _Run:
+    """What the steps of a run share: the settings, the prepared head and optimizer, the progress."""
+
+    cfg: TrainConfig
+    out: Path
+    acc: Any
+    task: Task
+    head: torch.nn.Module  # as prepared (a DDP or DeepSpeed wrapper)
+    raw: torch.nn.Module  # the head itself
+    dtype: torch.dtype  # its weights' (bf16 inside a DeepSpeed bf16 engine)
+    opt: Any
+    sched: Any
+    total: int  # optimizer steps of the whole run
+    ds: bool  # DeepSpeed
+    zero3: bool
+    # position: the next micro-batch of this process's share of the epoch (at an optimizer step)
+    progress: dict = field(default_factory=dict)
+
+    @property
+    def world(self) -> int:
+        return self.acc.num_processes
+
+
 def _fit(cfg: TrainConfig, out: Path, acc, task: Task) -> tuple[dict, dict]:
     """Epochs, evaluation, early stopping, checkpoints and the best head's export; returns the best
     epoch's metrics and the run's numerics."""
+    run = _prepare(cfg, out, acc, task)
+    final = {}
+    with (
+        MetricsWriter(out) if acc.is_main_process else _Null() as metrics,
+        tqdm(
+            total=run.total,
+            initial=run.progress["step"],
+            unit="step",
+            desc="heads-train",
+            disable=not acc.is_main_process,
+        ) as bar,
+    ):
+        while not run.progress["done"] and run.progress["epoch"] < cfg.epochs:
+            _train_epoch(run, metrics, bar)
+            final = _end_epoch(run, metrics)
+    best = json.loads((out / "best_metrics.json").read_text()) if (out / "best_metrics.json").exists() else final
+    return best, run.progress["numerics"]
+
+
+def _prepare(cfg: TrainConfig, out: Path, acc, task: Task) -> _Run:
+    """A fresh head, its optimizer and schedule, resumed from the newest checkpoint in ``out`` if any,
+    prepared by accelerate; the run's numerics in ``progress``."""
     from transformers import get_cosine_schedule_with_warmup
 
     head = task.build_head()
-    own_loss = hasattr(task, "loss")
-    train_ex = task.train_examples
-    w_pos, w_neg = task.weights
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     world = acc.num_processes
-    micro = len(_epoch_batches(len(train_ex), cfg.batch_size, world, cfg.seed, 0)) // world
+    micro = len(_epoch_batches(len(task.train_examples), cfg.batch_size, world, cfg.seed, 0)) // world
     steps_per_epoch = math.ceil(micro / cfg.grad_accum)
     total = min(steps_per_epoch * cfg.epochs, cfg.max_steps or 1 << 62)
     sched = get_cosine_schedule_with_warmup(opt, math.ceil(cfg.warmup_ratio * total), total)
     ds = zero.enabled(acc)
     zero3 = ds and zero.configure(acc, cfg.batch_size, cfg.grad_accum, task.hidden)
-    # position: the next micro-batch of this process's share of the epoch (at an optimizer step)
     progress = {"epoch": 0, "step": 0, "position": 0, "best": None, "bad_epochs": 0, "done": False, "world": world}
     ckpt = checkpoint.find(out, world, acc.process_index, zero=ds, any_rank=lambda bad: _any_rank(acc, bad))
     if ckpt is not None:  # under DeepSpeed the optimizer state is per-rank partitions, loaded after prepare
@@ -137,103 +179,120 @@ def _fit(cfg: TrainConfig, out: Path, acc, task: Task) -> tuple[dict, dict]:
             _cut_metrics(out, progress.get("metrics_bytes"))
     head, opt = acc.prepare(head, opt)
     raw = acc.unwrap_model(head)
-    dtype = param_dtype(raw)
     if ds and ckpt is not None:
         zero.load_partition(ckpt, opt, acc.process_index, world)
-    dtypes, devices = {"head": dtype, "autocast": acc.mixed_precision}, {"head": acc.device}
-    for role, (model_dtype, device) in task.models().items():  # the frozen models the task runs
-        dtypes[role], devices[role] = model_dtype, device
-    numerics = numerics_settings(world, dtypes, devices)
+    dtype = param_dtype(raw)
+    progress["numerics"] = _numerics(acc, task, dtype)  # what the next checkpoints record
     if ckpt is not None and acc.is_main_process:
-        check_resume(ckpt.progress.get("numerics"), numerics, str(ckpt.path))
-    progress["numerics"] = numerics  # what the next checkpoints record
-    ckpt = None
-    final = {}
-    with (
-        MetricsWriter(out) if acc.is_main_process else _Null() as metrics,
-        tqdm(
-            total=total, initial=progress["step"], unit="step", desc="heads-train", disable=not acc.is_main_process
-        ) as bar,
-    ):
+        check_resume(ckpt.progress.get("numerics"), progress["numerics"], str(ckpt.path))
+    return _Run(cfg, out, acc, task, head, raw, dtype, opt, sched, total, ds, zero3, progress)
 
-        def save_checkpoint():
-            parts = []
-            if ds:  # every rank writes its optimizer partition; the main process files them in
-                zero.save_partition(out, progress["step"], opt, acc.process_index, world)
-                parts = [checkpoint.zero_partition_path(out, progress["step"], r) for r in range(world)]
-                acc.wait_for_everyone()
-            with zero.full_weights(raw, zero3):
-                if acc.is_main_process:
-                    progress["metrics_bytes"] = metrics.path.stat().st_size  # what a resumed run keeps
-                    checkpoint_save.save(
-                        out, progress["step"], raw, None if ds else opt, sched, dict(progress), extra_files=parts
-                    )
-            acc.wait_for_everyone()
 
-        while not progress["done"] and progress["epoch"] < cfg.epochs:
-            epoch = progress["epoch"]
-            batches = _epoch_batches(len(train_ex), cfg.batch_size, world, cfg.seed, epoch)[acc.process_index :: world]
-            head.train()
-            for i in range(progress["position"], len(batches)):
-                x, y = task.batch([train_ex[j] for j in batches[i]], epoch)
-                with acc.autocast():  # a DeepSpeed bf16 engine holds bf16 weights: feed it its dtype
-                    if own_loss:  # a draft head's loss is its own (against the target's distributions)
-                        loss = task.loss(head, x, y)
-                    else:
-                        loss = weighted_soft_bce(head(x.to(dtype)).float(), y, w_pos, w_neg)
-                if not ds:  # DeepSpeed divides by its gradient_accumulation_steps itself
-                    loss = loss / cfg.grad_accum
-                last = (i + 1) % cfg.grad_accum == 0 or i + 1 == len(batches)
-                if ds:  # where DeepSpeed's accumulation boundary is
-                    acc.gradient_state._set_sync_gradients(last)
-                if last:
-                    acc.backward(loss)
-                    opt.step()
-                    sched.step()
-                    opt.zero_grad()
-                    progress["step"] += 1
-                    progress["position"] = i + 1
-                    bar.update()
-                    metrics.write(
-                        step=progress["step"],
-                        epoch=epoch,
-                        loss=float(loss.detach()) * (1 if ds else cfg.grad_accum),
-                        lr=sched.get_last_lr()[0],
-                    )
-                    if progress["step"] >= total:
-                        break
-                    if cfg.checkpoint_every and progress["step"] % cfg.checkpoint_every == 0 and i + 1 < len(batches):
-                        save_checkpoint()  # mid-epoch (the epoch's last step is checkpointed after its eval)
-                else:
-                    with acc.no_sync(head):
-                        acc.backward(loss)
-            head.eval()
-            final = {"epoch": epoch, "step": progress["step"], **task.evaluate(raw, task.eval_examples)}
-            metrics.write(final)
-            score = task.score(final)
-            improved = progress["best"] is None or score < progress["best"]
-            if improved:
-                progress["best"], progress["bad_epochs"] = score, 0
-            else:
-                progress["bad_epochs"] += 1
-            with zero.full_weights(raw, zero3):
-                if improved and acc.is_main_process:
-                    if hasattr(task, "save"):  # a task that writes something else (head=draft: a model directory)
-                        task.save(out, raw, final)
-                    else:
-                        save_head(
-                            out / "head.safetensors",
-                            raw,
-                            task.head_type,
-                            {"head_config": raw.config(), **task.metadata(final)},
-                        )
-                    atomic_write_json(out / "best_metrics.json", final)
-            progress["epoch"] += 1
-            progress["position"] = 0
-            progress["done"] = progress["bad_epochs"] >= cfg.patience or progress["step"] >= total
-            save_checkpoint()
-    best = json.loads((out / "best_metrics.json").read_text()) if (out / "best_metrics.json").exists() else final
-    return best, numerics
+def _numerics(acc, task: Task, dtype: torch.dtype) -> dict:
+    """The run's numerics settings: the head's dtype and device and those of the frozen models the task runs."""
+    dtypes, devices = {"head": dtype, "autocast": acc.mixed_precision}, {"head": acc.device}
+    for role, (model_dtype, device) in task.models().items():
+        dtypes[role], devices[role] = model_dtype, device
+    return numerics_settings(acc.num_processes, dtypes, devices)
+
+
+def _train_epoch(run: _Run, metrics, bar) -> None:
+    """This process's share of the epoch's micro-batches from the saved position, an optimizer step every
+    ``grad_accum`` of them (and at the epoch's end); stops at the run's last step."""
+    cfg, acc, task, progress = run.cfg, run.acc, run.task, run.progress
+    epoch, train_ex = progress["epoch"], task.train_examples
+    batches = _epoch_batches(len(train_ex), cfg.batch_size, run.world, cfg.seed, epoch)[acc.process_index :: run.world]
+    run.head.train()
+    for i in range(progress["position"], len(batches)):
+        x, y = task.batch([train_ex[j] for j in batches[i]], epoch)
+        loss = _loss(run, x, y)
+        last = (i + 1) % cfg.grad_accum == 0 or i + 1 == len(batches)
+        if run.ds:  # where DeepSpeed's accumulation boundary is
+            acc.gradient_state._set_sync_gradients(last)
+        if not last:
+            with acc.no_sync(run.head):
+                acc.backward(loss)
+            continue
+        acc.backward(loss)
+        run.opt.step()
+        run.sched.step()
+        run.opt.zero_grad()
+        progress["step"] += 1
+        progress["position"] = i + 1
+        bar.update()
+        metrics.write(
+            step=progress["step"],
+            epoch=epoch,
+            loss=float(loss.detach()) * (1 if run.ds else cfg.grad_accum),
+            lr=run.sched.get_last_lr()[0],
+        )
+        if progress["step"] >= run.total:
+            break
+        if cfg.checkpoint_every and progress["step"] % cfg.checkpoint_every == 0 and i + 1 < len(batches):
+            _save_checkpoint(run, metrics)  # mid-epoch (the epoch's last step is checkpointed after its eval)
+
+
+def _loss(run: _Run, x, y) -> torch.Tensor:
+    """A micro-batch's loss, scaled for the accumulation this loop does: the task's own, or the weighted BCE
+    with its class weights."""
+    with run.acc.autocast():  # a DeepSpeed bf16 engine holds bf16 weights: feed it its dtype
+        if hasattr(run.task, "loss"):  # a draft head's loss is its own (against the target's distributions)
+            loss = run.task.loss(run.head, x, y)
+        else:
+            loss = weighted_soft_bce(run.head(x.to(run.dtype)).float(), y, *run.task.weights)
+    return loss if run.ds else loss / run.cfg.grad_accum  # DeepSpeed divides by its accumulation steps itself
+
+
+def _end_epoch(run: _Run, metrics) -> dict:
+    """The epoch's held-out metrics, the best head's export when they improve, early stopping and the
+    epoch-end checkpoint; returns the metrics."""
+    cfg, progress = run.cfg, run.progress
+    run.head.eval()
+    final = {"epoch": progress["epoch"], "step": progress["step"], **run.task.evaluate(run.raw, run.task.eval_examples)}
+    metrics.write(final)
+    score = run.task.score(final)
+    improved = progress["best"] is None or score < progress["best"]
+    if improved:
+        progress["best"], progress["bad_epochs"] = score, 0
+    else:
+        progress["bad_epochs"] += 1
+    with zero.full_weights(run.raw, run.zero3):
+        if improved and run.acc.is_main_process:
+            _export(run, final)
+    progress["epoch"] += 1
+    progress["position"] = 0
+    progress["done"] = progress["bad_epochs"] >= cfg.patience or progress["step"] >= run.total
+    _save_checkpoint(run, metrics)
+    return final
+
+
+def _export(run: _Run, final: dict) -> None:
+    """The best epoch's head (``head.safetensors``, or what the task's own ``save`` writes) and its metrics."""
+    task, raw = run.task, run.raw
+    if hasattr(task, "save"):  # a task that writes something else (head=draft: a model directory)
+        task.save(run.out, raw, final)
+    else:
+        meta = {"head_config": raw.config(), **task.metadata(final)}
+        save_head(run.out / "head.safetensors", raw, task.head_type, meta)
+    atomic_write_json(run.out / "best_metrics.json", final)
+
+
+def _save_checkpoint(run: _Run, metrics) -> None:
+    """A checkpoint at the current step (collective: under DeepSpeed every rank writes its optimizer partition,
+    which the main process files in)."""
+    acc, progress, step = run.acc, run.progress, run.progress["step"]
+    parts = []
+    if run.ds:
+        zero.save_partition(run.out, step, run.opt, acc.process_index, run.world)
+        parts = [checkpoint.zero_partition_path(run.out, step, r) for r in range(run.world)]
+        acc.wait_for_everyone()
+    with zero.full_weights(run.raw, run.zero3):
+        if acc.is_main_process:
+            progress["metrics_bytes"] = metrics.path.stat().st_size  # what a resumed run keeps
+            checkpoint_save.save(
+                run.out, step, run.raw, None if run.ds else run.opt, run.sched, dict(progress), extra_files=parts
+            )
+    acc.wait_for_everyone()
 
 
 def _any_rank(acc, bad: bool) -> bool:
