@@ -85,7 +85,7 @@ _NO_TRAINING = {"labels": "training-free", "heads": "training-free", "tasks": "t
 ALGORITHMS: tuple[Algorithm, ...] = (
     Algorithm(
         name="specdecpp", title="SpecDec++ stop head (the acceptance head; on a draft model or the EAGLE drafter)",
-        paper="Huang et al. 2024, SpecDec++: Boosting Speculative Decoding via Adaptive Candidate Lengths",
+        paper="2024, SpecDec++: Boosting Speculative Decoding via Adaptive Candidate Lengths",
         labels=("acceptance", "eagle_rounds"), heads=("acceptance",), tasks=("acceptance", "eagle_stop"),
         policies=("specdecpp",), rows=("h",), docs=("docs/algorithms/specdecpp.md",), uses=("eagle",),
         recipes=("specdecpp_draft_quickstart", "specdecpp_llama2_7b_70b", "specdecpp_llama31_8b_70b",
@@ -107,7 +107,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
     ),
     Algorithm(
         name="eagle", title="EAGLE-3-style draft head",
-        paper="Li et al. 2024-2025, EAGLE, EAGLE-2 and EAGLE-3 (training-time test)",
+        paper="2024-2025, EAGLE, EAGLE-2 and EAGLE-3 (training-time test)",
         labels=("drafter", "prompts", "passages"), heads=("eagle",), tasks=("eagle",), policies=(), rows=(),
         recipes=("eagle_smollm2",), docs=("docs/algorithms/eagle.md",),
         why_none={
@@ -130,7 +130,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
     ),
     Algorithm(
         name="trees", title="Draft trees on the EAGLE head (EAGLE-2)",
-        paper="Li et al. 2024, EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees",
+        paper="2024, EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees",
         labels=(), heads=(), tasks=(), policies=("tree",), rows=("tree",), recipes=(),
         docs=("docs/algorithms/trees.md",), uses=("eagle",),
         why_none={
@@ -149,7 +149,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
     ),
     Algorithm(
         name="sprinter", title="SPRINTER verifier",
-        paper="Zhong et al. 2025, Speeding up Speculative Decoding via Approximate Verification",
+        paper="2025, Speeding up Speculative Decoding via Approximate Verification",
         labels=("sprinter",), heads=("verifier",), tasks=("verifier", "eagle_verifier"), policies=("sprinter",),
         rows=("s",), docs=("docs/algorithms/sprinter.md",), uses=("specdecpp", "eagle"),
         recipes=("sprinter_eagle", "sprinter_gpt2_small_xl", "sprinter_gptneo_125m_1_3b", "sprinter_quickstart"),
@@ -164,7 +164,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
     ),
     Algorithm(
         name="judge", title="Judge head",
-        paper="Bachmann et al. 2025, Judge Decoding: Faster Speculative Sampling Requires Going Beyond Model Alignment",
+        paper="2025, Judge Decoding: Faster Speculative Sampling Requires Going Beyond Model Alignment",
         labels=("judge",), heads=("judge",), tasks=("judge",), policies=("judge",), rows=("j",),
         recipes=("judge_405b", "judge_70b", "judge_margin", "judge_mined_quickstart", "judge_quickstart"),
         docs=("docs/algorithms/judge.md",),
@@ -205,7 +205,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
     ),
     Algorithm(
         name="confidence", title="Draft-confidence stop",
-        paper="none: Hugging Face's assistant_confidence_threshold; AdaEDL's entropy bound (Agrawal et al. 2024)",
+        paper="none: Hugging Face's assistant_confidence_threshold; AdaEDL's entropy bound (2024)",
         labels=(), heads=(), tasks=(), policies=("confidence_stop",), rows=("c",), recipes=(),
         docs=("docs/algorithms/confidence.md",),
         why_none={**_NO_TRAINING, "recipes": "none of its own: fsd_quickstart and quickstart sweep it"},
@@ -250,7 +250,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
     ),
     Algorithm(
         name="vocab_pruning", title="Draft vocabulary pruning (FR-Spec)",
-        paper="Zhao et al. 2025, FR-Spec: Frequency-Ranked Speculative Sampling",
+        paper="2025, FR-Spec: Frequency-Ranked Speculative Sampling",
         labels=(), heads=(), tasks=(), policies=(), rows=(), recipes=(), docs=(),
         why_none={
             **_NO_TRAINING,
@@ -268,7 +268,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
     ),
     Algorithm(
         name="distill", title="Standalone draft distillation (DistillSpec)",
-        paper="Zhou et al. 2024, DistillSpec: Improving Speculative Decoding via Knowledge Distillation",
+        paper="2024, DistillSpec: Improving Speculative Decoding via Knowledge Distillation",
         labels=(), heads=(), tasks=("draft",), policies=(), rows=(), recipes=("draft_smollm2",), docs=(),
         uses=("eagle",),
         why_none={
