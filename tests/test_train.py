@@ -59,6 +59,23 @@ def test_head_aliases_name_the_same_tasks_and_record_their_names(tiny_pair_dirs,
     assert read_metadata(out / "head.safetensors")["head_type"] == "acceptance"
 
 
+def test_every_task_declares_the_interface_and_the_task_module_names_it():
+    """Each registered task subclasses Task, so its optional hooks (loss, save, artifact) are declared, with
+    defaults, and never looked up by name; train/task.py's docstring names every task and its module."""
+    from specheads.train import task as task_module
+    from specheads.train.registry import TASKS
+    from specheads.train.task import Task
+
+    doc = " ".join(task_module.__doc__.split())
+    for name, cls in TASKS.items():
+        assert Task in cls.__mro__, name  # declared: its hooks are the interface's unless it replaces them
+        assert callable(cls.loss) and callable(cls.save) and cls.artifact, name
+        assert f"``{name}``" in doc and f"``{cls.__module__.rsplit('.', 1)[1]}.py``" in doc, name
+    assert {n for n, c in TASKS.items() if c.artifact != "head.safetensors"} == {"draft"}
+    assert {n for n, c in TASKS.items() if c.loss is not Task.loss} == {"eagle", "draft"}
+    assert {n for n, c in TASKS.items() if c.save is not Task.save} == {"draft"}
+
+
 def test_resumed_training_gives_the_same_head(tiny_pair_dirs, labelled, tmp_path, monkeypatch):
     from specheads.train import checkpoint_save as checkpoint  # where the trainer's save lives
 

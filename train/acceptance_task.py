@@ -19,10 +19,10 @@ from specheads.train.acceptance_data import draft_features, load_examples, mix, 
 from specheads.train.config import TrainConfig
 from specheads.train.draft import Draft, feature_cache, load_draft
 from specheads.train.loss import binary_kl, weighted_soft_bce
-from specheads.train.task import EVAL_EPOCH, calibration_metrics, describe, predict, split
+from specheads.train.task import EVAL_EPOCH, Task, calibration_metrics, describe, predict, split
 
 
-class AcceptanceTask:
+class AcceptanceTask(Task):
     """The acceptance head on the draft's states, from ``labels=acceptance`` (or ``labels=fsd``) data."""
 
     labels = ("acceptance", "fsd")  # fsd data holds the acceptance columns too

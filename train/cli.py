@@ -107,7 +107,7 @@ def run(cfg: TrainConfig) -> int:
         (out := Path(cfg.output_dir)).mkdir(parents=True, exist_ok=True)
     with use_threads(cfg.threads):  # before any model work: the thread count changes the last bits
         metrics = train(cfg, kind, Path(out), fresh=fresh)
-    artifact = getattr(kind, "artifact", "head.safetensors")  # head=draft: a model directory
+    artifact = kind.artifact  # head=draft: a model directory
     if main_process:
         write_manifest(out, command=PROG, data_dir=cfg.data_dir, head=artifact, **metrics)
     log.info("%s -> %s", kind.summary(cfg, metrics), Path(out) / artifact)

@@ -30,12 +30,12 @@ from specheads.train import eagle_data as E
 from specheads.train import zero
 from specheads.train.config import TrainConfig
 from specheads.train.drafter_data import DrafterData
-from specheads.train.task import split
+from specheads.train.task import Task, split
 
 log = logging.getLogger(__name__)
 
 
-class DraftTask:
+class DraftTask(Task):
     """A standalone draft model distilled on the target's distributions along its own responses."""
 
     labels = ("drafter",)

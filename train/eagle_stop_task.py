@@ -33,7 +33,7 @@ from specheads.heads.acceptance_head import SIGNALS, signal_values
 from specheads.train.config import TrainConfig
 from specheads.train.loss import binary_kl, weighted_soft_bce
 from specheads.train.side_rows import SideRows, read_small
-from specheads.train.task import calibration_metrics, describe, predict, split
+from specheads.train.task import Task, calibration_metrics, describe, predict, split
 
 
 @dataclass
@@ -125,7 +125,7 @@ def _auroc(hard, scores) -> float | None:
     return float(roc_auc_score(hard, scores)) if 0 < hard.sum() < len(hard) else None
 
 
-class EagleStopTask:
+class EagleStopTask(Task):
     """The SpecDec++ acceptance head on an EAGLE head's stored states, from ``labels=eagle_rounds`` data."""
 
     labels = ("eagle_rounds",)

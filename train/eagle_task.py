@@ -23,10 +23,10 @@ from specheads.shim import subset_hash
 from specheads.train import eagle_data as E
 from specheads.train.config import TrainConfig
 from specheads.train.drafter_data import DrafterData
-from specheads.train.task import describe, split
+from specheads.train.task import Task, describe, split
 
 
-class EagleTask:
+class EagleTask(Task):
     """The EAGLE draft head on the target's stored states."""
 
     labels = ("drafter",)

@@ -23,14 +23,14 @@ from specheads.train import verifier_data as V
 from specheads.train.config import TrainConfig
 from specheads.train.eagle_stop_task import StopStore
 from specheads.train.loss import weighted_soft_bce
-from specheads.train.task import auroc_score, calibration_metrics, describe, predict, split
+from specheads.train.task import Task, auroc_score, calibration_metrics, describe, predict, split
 from specheads.train.verifier_task import VerifierTask
 
 #: SPRINTER's feature name for each ``eagle_rounds.position`` (the state that drew the candidate, or the one after it)
 FEATURE_OF_POSITION = {"previous": "previous", "own": "current"}
 
 
-class EagleVerifierTask:
+class EagleVerifierTask(Task):
     """The SPRINTER verifier on an EAGLE head's stored states, from ``labels=eagle_rounds`` data."""
 
     labels = ("eagle_rounds",)

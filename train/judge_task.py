@@ -18,10 +18,10 @@ from specheads.outputs import atomic_write_json
 from specheads.train import judge_data as J
 from specheads.train.config import TrainConfig
 from specheads.train.loss import weighted_soft_bce
-from specheads.train.task import EVAL_EPOCH, auroc_score, calibration_metrics, describe, predict, split
+from specheads.train.task import EVAL_EPOCH, Task, auroc_score, calibration_metrics, describe, predict, split
 
 
-class JudgeTask:
+class JudgeTask(Task):
     """The judge head on the target's stored states, from ``labels=judge`` data."""
 
     labels = ("judge",)

@@ -1,10 +1,16 @@
 """What a head family brings to a training run, and the pieces the families share.
 
-The loop (``recipe.py``) is the same for every head; a :class:`Task` is the rest: which examples it
+The loop (``trainer.py``) is the same for every head; a :class:`Task` is the rest: which examples it
 reads, the features and labels of a batch, a fresh head, the held-out metrics, the score that
 selects the best epoch, the metadata the exported head carries, and the reports written after the
-last epoch. ``registry.py`` names the tasks: ``acceptance`` (``acceptance_task.py``), ``verifier``
-(``verifier_task.py``), ``judge`` (``judge_task.py``).
+last epoch. Three hooks have defaults a family may replace: ``loss`` (the weighted BCE with the task's
+class weights), ``save`` (the best epoch's ``head.safetensors``) and ``artifact`` (the name of what
+``save`` writes). ``registry.py`` names the tasks by ``head=``: ``acceptance`` (SpecDec++'s stop head,
+``acceptance_task.py``), ``verifier`` (SPRINTER's, ``verifier_task.py``), ``judge`` (``judge_task.py``),
+``eagle`` (the EAGLE-3-style draft head, its own loss: ``eagle_task.py``), ``draft`` (a distilled
+standalone draft model, its own loss and ``save``: a model directory, ``distill_task.py``), ``eagle_stop``
+(the stop head on an EAGLE head's states, ``eagle_stop_task.py``) and ``eagle_verifier`` (the verifier on
+them, ``eagle_verifier_task.py``).
 """
 
 from __future__ import annotations
@@ -17,16 +23,22 @@ from typing import ClassVar, Protocol
 import torch
 
 from specheads.errors import UserError
+from specheads.export import save_head
 from specheads.train.config import TrainConfig
+from specheads.train.loss import weighted_soft_bce
 
 EVAL_EPOCH = 0xFFF  # the held-out set's "epoch": its fixed mixing draw, its file in the feature cache
 
 
 class Task(Protocol):
-    """One head family's side of a training run, built by :meth:`setup` before the first epoch."""
+    """One head family's side of a training run, built by :meth:`setup` before the first epoch.
+
+    A family subclasses it and implements every method without a body here; ``loss``, ``save`` and
+    ``artifact`` it keeps or replaces."""
 
     labels: ClassVar[tuple[str, ...]]  # the heads-datagen labels= it trains on; errors name the first
     head_type: ClassVar[str]  # its key in specheads.heads.HEADS, written into the exported file
+    artifact: ClassVar[str] = "head.safetensors"  # what save writes in the output directory
     train_examples: list
     eval_examples: list
     weights: tuple[float, float]  # (w_pos, w_neg) of the weighted BCE
@@ -50,6 +62,11 @@ class Task(Protocol):
     def batch(self, examples: list, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Features ``[M, d]`` and labels ``[M]`` of a batch of examples."""
 
+    def loss(self, head: torch.nn.Module, x, y) -> torch.Tensor:
+        """A batch's training loss: the weighted soft BCE of the head's logits with :attr:`weights` (a draft
+        head brings its own, against the target's distributions)."""
+        return weighted_soft_bce(head(x.to(param_dtype(head))).float(), y, *self.weights)
+
     def evaluate(self, head: torch.nn.Module, examples: list) -> dict:
         """Held-out metrics (``eval_*``)."""
 
@@ -58,6 +75,11 @@ class Task(Protocol):
 
     def metadata(self, metrics: dict) -> dict:
         """What the exported head records besides ``head_config`` (see :mod:`specheads.export.package`)."""
+
+    def save(self, out: Path, head: torch.nn.Module, metrics: dict) -> None:
+        """Writes the best epoch's head as ``out /`` :attr:`artifact`: ``head.safetensors`` with its
+        ``head_config`` and :meth:`metadata` (main process, full weights)."""
+        save_head(out / self.artifact, head, self.head_type, {"head_config": head.config(), **self.metadata(metrics)})
 
     def models(self) -> dict[str, tuple]:
         """The frozen models it runs, ``role -> (dtype, device)`` (the run's numerics)."""

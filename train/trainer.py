@@ -1,12 +1,11 @@
 """The head training run: setup, epochs, evaluation, early stopping, checkpoints, export.
 
-One loop serves every head; the run's task (``task.py``, chosen by ``head=`` in ``registry.py``)
+One loop serves every head; the run's task (``task.py``, the one ``head=`` names in ``registry.py``)
 says which examples, which features and labels, how to build, evaluate, select and describe the
-head, and what to report after training: the SpecDec++ acceptance head (``acceptance_task.py``),
-the SPRINTER verifier (``verifier_task.py``), the Judge head (``judge_task.py``). The loss is the
-weighted BCE with the task's class weights (a task with its own ``loss``, the EAGLE draft head
-(``eagle_task.py``), brings that instead); the best epoch's head is ``head.safetensors``, or what the
-task's own ``save`` writes (the standalone draft, ``distill_task.py``: a model directory ``draft/``).
+head, and what to report after training. Its ``loss`` is the weighted BCE with the task's class
+weights unless the task brings its own (the EAGLE draft head, ``eagle_task.py``, and the distilled
+draft, ``distill_task.py``: against the target's distributions); the best epoch's head is what the
+task's ``save`` writes: ``head.safetensors``, or for the standalone draft a model directory ``draft/``.
 
 Data parallel under ``accelerate launch`` (DDP, DeepSpeed ZeRO 1-3, ``zero.py``): every process
 draws the same seeded epoch permutation and takes every ``world``-th micro-batch of it, so the
@@ -36,12 +35,10 @@ from tqdm import tqdm
 
 from specheads.config import to_yaml
 from specheads.errors import UserError
-from specheads.export import save_head
 from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir
 from specheads.runtime.numerics import check_resume, numerics_settings
 from specheads.train import checkpoint, checkpoint_save, zero
 from specheads.train.config import TrainConfig
-from specheads.train.loss import weighted_soft_bce
 from specheads.train.run_data import _epoch_batches, data_manifest, overwrites_another_run
 from specheads.train.task import Task, param_dtype
 
@@ -76,7 +73,7 @@ def train(cfg: TrainConfig, kind: type[Task], out: Path, fresh: bool = False) ->
     if _any_rank(acc, fresh):
         if acc.is_main_process:
             checkpoint_save.clear(out)
-            for name in (getattr(kind, "artifact", "head.safetensors"), "head.safetensors", "best_metrics.json"):
+            for name in (kind.artifact, "head.safetensors", "best_metrics.json"):
                 shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink(missing_ok=True)
         acc.wait_for_everyone()
     task = kind.setup(cfg, manifest, acc)
@@ -114,7 +111,6 @@ class _Run:
     task: Task
     head: torch.nn.Module  # as prepared (a DDP or DeepSpeed wrapper)
     raw: torch.nn.Module  # the head itself
-    dtype: torch.dtype  # its weights' (bf16 inside a DeepSpeed bf16 engine)
     opt: Any
     sched: Any
     total: int  # optimizer steps of the whole run
@@ -181,11 +177,10 @@ def _prepare(cfg: TrainConfig, out: Path, acc, task: Task) -> _Run:
     raw = acc.unwrap_model(head)
     if ds and ckpt is not None:
         zero.load_partition(ckpt, opt, acc.process_index, world)
-    dtype = param_dtype(raw)
-    progress["numerics"] = _numerics(acc, task, dtype)  # what the next checkpoints record
+    progress["numerics"] = _numerics(acc, task, param_dtype(raw))  # what the next checkpoints record
     if ckpt is not None and acc.is_main_process:
         check_resume(ckpt.progress.get("numerics"), progress["numerics"], str(ckpt.path))
-    return _Run(cfg, out, acc, task, head, raw, dtype, opt, sched, total, ds, zero3, progress)
+    return _Run(cfg, out, acc, task, head, raw, opt, sched, total, ds, zero3, progress)
 
 
 def _numerics(acc, task: Task, dtype: torch.dtype) -> dict:
@@ -233,13 +228,10 @@ def _train_epoch(run: _Run, metrics, bar) -> None:
 
 
 def _loss(run: _Run, x, y) -> torch.Tensor:
-    """A micro-batch's loss, scaled for the accumulation this loop does: the task's own, or the weighted BCE
-    with its class weights."""
-    with run.acc.autocast():  # a DeepSpeed bf16 engine holds bf16 weights: feed it its dtype
-        if hasattr(run.task, "loss"):  # a draft head's loss is its own (against the target's distributions)
-            loss = run.task.loss(run.head, x, y)
-        else:
-            loss = weighted_soft_bce(run.head(x.to(run.dtype)).float(), y, *run.task.weights)
+    """A micro-batch's loss (the task's: by default the weighted BCE with its class weights), scaled for the
+    accumulation this loop does."""
+    with run.acc.autocast():  # a DeepSpeed bf16 engine holds bf16 weights: the task feeds it its dtype
+        loss = run.task.loss(run.head, x, y)
     return loss if run.ds else loss / run.cfg.grad_accum  # DeepSpeed divides by its accumulation steps itself
 
 
@@ -267,13 +259,9 @@ def _end_epoch(run: _Run, metrics) -> dict:
 
 
 def _export(run: _Run, final: dict) -> None:
-    """The best epoch's head (``head.safetensors``, or what the task's own ``save`` writes) and its metrics."""
-    task, raw = run.task, run.raw
-    if hasattr(task, "save"):  # a task that writes something else (head=draft: a model directory)
-        task.save(run.out, raw, final)
-    else:
-        meta = {"head_config": raw.config(), **task.metadata(final)}
-        save_head(run.out / "head.safetensors", raw, task.head_type, meta)
+    """The best epoch's head (what the task's ``save`` writes, ``head.safetensors`` unless it says otherwise)
+    and its metrics."""
+    run.task.save(run.out, run.raw, final)
     atomic_write_json(run.out / "best_metrics.json", final)
 
 

@@ -19,10 +19,10 @@ from specheads.train import verifier_data as V
 from specheads.train.config import TrainConfig
 from specheads.train.draft import Draft, feature_cache, load_draft
 from specheads.train.loss import weighted_soft_bce
-from specheads.train.task import EVAL_EPOCH, auroc_score, calibration_metrics, describe, predict, split
+from specheads.train.task import EVAL_EPOCH, Task, auroc_score, calibration_metrics, describe, predict, split
 
 
-class VerifierTask:
+class VerifierTask(Task):
     """The verifier on a draft feature (``feature=previous|current|previous+embedding``), ``labels=sprinter`` data."""
 
     labels = ("sprinter",)

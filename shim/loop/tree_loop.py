@@ -1,4 +1,4 @@
-"""The decoding loop of tree drafting (:class:`~.policies.tree.EagleTree`): an EAGLE head grows a draft tree,
+"""The decoding loop of tree drafting (:class:`~.policies.tree_policy.EagleTree`): an EAGLE head grows a draft tree,
 the target verifies it in one pass under a tree attention mask, the longest path it agrees with is kept.
 
 Cache invariant as in :mod:`.engine`: between rounds the target holds ``S[:-1]`` and the head the entries its
