@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import json
 import pathlib
 import re
 import types
@@ -172,6 +173,10 @@ def describe(exc: Exception, schema: type, prog: str, key: str, raw: Any = NOTHI
     full_key = getattr(exc, "full_key", None) or key
     names = [f.name for f in flat_fields(schema)]
     if isinstance(exc, ConfigKeyError):
+        moved = getattr(schema, "MOVED", {}).get(full_key)  # a schema's renamed keys: old spelling -> new
+        if moved:
+            value = "..." if raw is NOTHING else raw if isinstance(raw, str) else json.dumps(raw, default=str)
+            return f"{full_key} is now {moved}; write {moved}={value}"
         return f"unknown key {full_key!r} for {prog}{suggest(full_key, names)}"
     if isinstance(exc, MissingMandatoryValue):
         return missing_message(schema, full_key)

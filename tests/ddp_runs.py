@@ -191,11 +191,11 @@ def train_args(family: str, pair_dirs, data: Path, out: Path, *extra: str) -> li
     target = [f"target.path={pair_dirs[0]}", "target.gguf_file=null", "target.device=cpu"]
     own = {
         "acceptance": [*draft, "depth=1"],
-        "eagle": [*target, "lr=3e-3", "ttt_steps=2", "vocab_top_n=20"],
+        "eagle": [*target, "lr=3e-3", "eagle.ttt_steps=2", "vocab_top_n=20"],
         "eagle_stop": ["draft.path=''", "depth=1"],
         "verifier": [*draft, "depth=0", "eval_fraction=0.25", "threshold=0.5"],
         "judge": ["draft.path=unused", "depth=0", "eval_fraction=0.25", "threshold=0.5"],
-        "draft": [*target, "draft_init=truncate:1", "lr=3e-3"],
+        "draft": [*target, "distill.init=truncate:1", "lr=3e-3"],
     }[family]
     return [*common, *own, *extra]
 

@@ -46,7 +46,7 @@ def build(root: Path) -> dict:
     fit = ["batch_size=2", "grad_accum=1", "epochs=2", "lr=1e-2", "eval_fraction=0.25", "patience=3", "threads=1"]
     for name, data, extra in (
         ("stop", "rounds", ["head=eagle_stop", "depth=1"]),
-        ("verifier", "rounds0", ["head=eagle_verifier", "class_weights=balanced", "roc_lambdas=[1.0]"]),
+        ("verifier", "rounds0", ["head=eagle_verifier", "class_weights=balanced", "verifier.roc_lambdas=[1.0]"]),
     ):
         assert train([f"data_dir={root / data}", "draft.path=''", f"output_dir={root / name}", *fit, *extra]) == 0
         s[name] = root / name / "head.safetensors"

@@ -152,5 +152,5 @@ def test_eagle_head_trains_and_evaluates_on_cuda(tiny_pair_dirs, prompts_file, t
     assert datagen_main([*datagen_args(tiny_pair_dirs, prompts_file, data, *drafter), *cuda]) == 0
     train = [f"data_dir={data}", "head=eagle", f"target.path={tiny_pair_dirs[0]}", "target.gguf_file=null"]
     train += ["target.device=cuda", f"output_dir={out}", "batch_size=2", "epochs=1", "eval_fraction=0.3"]
-    assert train_main([*train, "ttt_steps=2", "vocab_top_n=20"]) == 0
+    assert train_main([*train, "eagle.ttt_steps=2", "vocab_top_n=20"]) == 0
     assert (out / "head.safetensors").is_file()

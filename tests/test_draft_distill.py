@@ -82,7 +82,7 @@ def args(root, out, *extra):
     return [
         f"data_dir={root / 'dg'}",
         "head=draft",
-        "draft_init=truncate:2",
+        "distill.init=truncate:2",
         f"target.path={root / 'target'}",
         "target.gguf_file=null",
         "draft.gguf_file=null",
@@ -199,11 +199,11 @@ def test_continue_from_a_directory_frozen_embeddings_pruned_vocab_two_data_sets(
                 setting,
                 out,
                 f"data_dir={setting / 'dg'},{setting / 'dg2'}",
-                f"draft_init={trained / 'draft'}",
-                "freeze_embeddings=true",
+                f"distill.init={trained / 'draft'}",
+                "distill.freeze_embeddings=true",
                 f"vocab_file={ranking}",
                 "vocab_top_n=20",
-                "divergence=js",
+                "distill.divergence=js",
                 "epochs=1",
             )
         )
@@ -225,7 +225,7 @@ def test_continue_from_a_directory_frozen_embeddings_pruned_vocab_two_data_sets(
     assert torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
     assert not torch.equal(before["model.layers.0.mlp.up_proj.weight"], after["model.layers.0.mlp.up_proj.weight"])
     for kind in ("rkl", "tvd"):
-        assert main(args(setting, setting / kind, f"divergence={kind}", "max_steps=3", "epochs=1")) == 0
+        assert main(args(setting, setting / kind, f"distill.divergence={kind}", "max_steps=3", "epochs=1")) == 0
         rows = [json.loads(x) for x in (setting / kind / "metrics.jsonl").read_text().splitlines()]
         assert all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
 
@@ -233,12 +233,12 @@ def test_continue_from_a_directory_frozen_embeddings_pruned_vocab_two_data_sets(
 @pytest.mark.parametrize(
     "bad, message",
     [
-        ("draft_init=truncate:0", "truncate:N with N >= 1"),
-        ("draft_init=truncate:x", "truncate:N with N >= 1"),
-        ("draft_init=truncate:9", "the target has 4 decoder layers"),
-        ("divergence=kl", "divergence='kl': choose one of fkl, rkl, js, tvd"),
+        ("distill.init=truncate:0", "truncate:N with N >= 1"),
+        ("distill.init=truncate:x", "truncate:N with N >= 1"),
+        ("distill.init=truncate:9", "the target has 4 decoder layers"),
+        ("distill.divergence=kl", "distill.divergence='kl': choose one of fkl, rkl, js, tvd"),
         ("eval_fraction=0", "set eval_fraction > 0"),
-        ("draft_init=/nonexistent/draft", "does not exist"),
+        ("distill.init=/nonexistent/draft", "does not exist"),
     ],
 )
 def test_bad_settings_are_one_line_errors(setting, tmp_path, capsys, bad, message):

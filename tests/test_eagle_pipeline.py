@@ -95,7 +95,7 @@ def eagle_args(pair_dirs, data, out, *extra):
         "lr=3e-3",
         "eval_fraction=0.3",
         "patience=2",
-        "ttt_steps=2",
+        "eagle.ttt_steps=2",
         "vocab_top_n=20",
         *extra,
     ]
@@ -128,11 +128,11 @@ def test_same_seed_same_head(trained, drafter_data, tiny_pair_dirs, tmp_path):
 @pytest.mark.parametrize(
     "bad, message",
     [
-        ("ttt_steps=0", "ttt_steps"),
+        ("eagle.ttt_steps=0", "ttt_steps"),
         ("vocab_top_n=0", "vocab_top_n"),
         ("target.path=", "target.path"),
-        ("init_head=/no/such/head.safetensors", "init_head"),
-        ("decoder_layers=0", "decoder_layers"),
+        ("eagle.init_head=/no/such/head.safetensors", "init_head"),
+        ("eagle.decoder_layers=0", "decoder_layers"),
     ],
 )
 def test_bad_settings_are_one_line_errors(bad, message, drafter_data, tiny_pair_dirs, tmp_path, capsys):
@@ -147,7 +147,8 @@ def test_init_head_continues_from_a_trained_head(trained, drafter_data, tiny_pai
     start = trained / "head.safetensors"
     out = tmp_path / "more"
     assert (
-        train_main(eagle_args(tiny_pair_dirs, drafter_data[1], out, f"init_head={start}", "lr=1e-12", "epochs=1")) == 0
+        train_main(eagle_args(tiny_pair_dirs, drafter_data[1], out, f"eagle.init_head={start}", "lr=1e-12", "epochs=1"))
+        == 0
     )
     a, b = load_file(str(start)), load_file(str(out / "head.safetensors"))
     assert a.keys() == b.keys() and all(torch.allclose(a[k].float(), b[k].float(), atol=1e-6) for k in a)
@@ -156,14 +157,14 @@ def test_init_head_continues_from_a_trained_head(trained, drafter_data, tiny_pai
 
 
 def test_a_grown_head_drafts_as_the_head_it_grew_from(trained, drafter_data, tiny_pair_dirs, tmp_path):
-    """decoder_layers=2 on a one-layer init_head keeps its layer and adds one whose output projections start at
+    """eagle.decoder_layers=2 on a one-layer init_head keeps its layer and adds one whose output projections start at
     zero: with a vanishing learning rate its scores are the one-layer head's. Back to one layer is refused."""
     from specheads.export.package import load_head
     from specheads.heads.eagle_head import unrolled_forward
 
     start, out = trained / "head.safetensors", tmp_path / "grown"
-    args = eagle_args(tiny_pair_dirs, drafter_data[1], out, f"init_head={start}", "lr=1e-12", "epochs=1")
-    assert train_main([*args, "decoder_layers=2"]) == 0
+    args = eagle_args(tiny_pair_dirs, drafter_data[1], out, f"eagle.init_head={start}", "lr=1e-12", "epochs=1")
+    assert train_main([*args, "eagle.decoder_layers=2"]) == 0
     one, two = load_head(str(start)).module, load_head(str(out / "head.safetensors")).module
     assert one.num_layers == 1 and two.num_layers == 2 and two.config()["num_layers"] == 2
     assert float(two.layers[1].self_attn.q_proj.weight.abs().sum()) > 0  # the target's last layer, not zeros
@@ -176,7 +177,10 @@ def test_a_grown_head_drafts_as_the_head_it_grew_from(trained, drafter_data, tin
     ):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     back = tmp_path / "back"
-    assert train_main(eagle_args(tiny_pair_dirs, drafter_data[1], back, f"init_head={out / 'head.safetensors'}")) == 2
+    assert (
+        train_main(eagle_args(tiny_pair_dirs, drafter_data[1], back, f"eagle.init_head={out / 'head.safetensors'}"))
+        == 2
+    )
 
 
 def _fresh_head(tiny_pair_dirs, drafter_data, tmp_path):

@@ -253,7 +253,9 @@ def test_the_stop_head_trains_and_exports_for_its_eagle_head(stop_head, setup):
 
 def test_a_linear_stop_head_is_depth_0(greedy_rounds, tmp_path):
     """DSpark's comparison: linear, on the state alone, plain BCE."""
-    assert train_main(stop_args(greedy_rounds, tmp_path / "lin", "depth=0", "w_rej=1", "stop_confidence=false")) == 0
+    assert (
+        train_main(stop_args(greedy_rounds, tmp_path / "lin", "depth=0", "w_rej=1", "eagle_stop.confidence=false")) == 0
+    )
     assert read_metadata(tmp_path / "lin" / "head.safetensors")["head_config"] == {"hidden_size": 32, "depth": 0}
 
 

@@ -1,6 +1,6 @@
 """The lag-0 stop head on the EAGLE drafter: labels=eagle_rounds eagle_rounds.position=previous stores every
 candidate with the state that drew it and the signals of its distribution; heads-train head=eagle_stop
-stop_signals=[...] fits a head on them; policy=specdecpp scores each candidate as it is drawn, from exactly the
+eagle_stop.signals=[...] fits a head on them; policy=specdecpp scores each candidate as it is drawn, from exactly the
 stored features."""
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def test_a_lag0_head_with_signals_trains_exports_and_decodes_losslessly(lag0_rou
     if not greedy:
         pytest.skip("one training run suffices")
     trained = tmp_path / "stop"
-    assert train_main(stop_args(out, trained, "depth=1", "stop_signals=[step,entropy,margin]")) == 0
+    assert train_main(stop_args(out, trained, "depth=1", "eagle_stop.signals=[step,entropy,margin]")) == 0
     meta = read_metadata(trained / "head.safetensors")
     assert meta["head_config"] == {"hidden_size": 32, "depth": 1, "confidence": True, "signals": list(SIGNALS)}
     assert meta["feature"]["position"] == "previous"
@@ -142,8 +142,11 @@ def test_a_lag0_head_with_signals_trains_exports_and_decodes_losslessly(lag0_rou
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["stop_signals=[vibes]"], "stop_signals=['vibes']"),
-        (["stop_signals=[step]", "stop_confidence=false"], "stop_signals needs stop_confidence=true"),
+        (["eagle_stop.signals=[vibes]"], "eagle_stop.signals=['vibes']"),
+        (
+            ["eagle_stop.signals=[step]", "eagle_stop.confidence=false"],
+            "eagle_stop.signals needs eagle_stop.confidence=true",
+        ),
     ],
 )
 def test_bad_signals_are_one_line_errors(lag0_rounds, tmp_path, capsys, extra, message):
@@ -158,13 +161,13 @@ def test_the_head_refuses_signals_without_confidence():
 
 
 def test_q_calibrated_on_log_q_and_step_is_a_stateless_linear_head(lag0_rounds, setup, tmp_path):  # noqa: F811
-    """depth=0 stop_state=false stop_signals=[step]: Platt scaling of q(y) on [log q, step], fitted on the same data;
-    it decodes losslessly and reads no state."""
+    """depth=0 eagle_stop.state=false eagle_stop.signals=[step]: Platt scaling of q(y) on [log q, step], fitted on
+    the same data; it decodes losslessly and reads no state."""
     out, greedy = lag0_rounds
     if not greedy:
         pytest.skip("one training run suffices")
     trained = tmp_path / "platt"
-    args = stop_args(out, trained, "depth=0", "stop_state=false", "stop_signals=[step]", "w_rej=1")
+    args = stop_args(out, trained, "depth=0", "eagle_stop.state=false", "eagle_stop.signals=[step]", "w_rej=1")
     assert train_main(args) == 0
     meta = read_metadata(trained / "head.safetensors")
     assert meta["head_config"] == {"hidden_size": 0, "depth": 0, "confidence": True, "signals": ["step"]}
@@ -190,8 +193,8 @@ def _decodes_as_the_target_alone(head, setup) -> None:  # noqa: F811
 
 def test_stop_state_false_needs_the_confidence_feature(lag0_rounds, tmp_path, capsys):
     out, _ = lag0_rounds
-    assert train_main(stop_args(out, tmp_path / "x", "stop_state=false", "stop_confidence=false")) == 2
-    assert "stop_state=false needs stop_confidence=true" in capsys.readouterr().err
+    assert train_main(stop_args(out, tmp_path / "x", "eagle_stop.state=false", "eagle_stop.confidence=false")) == 2
+    assert "eagle_stop.state=false needs eagle_stop.confidence=true" in capsys.readouterr().err
 
 
 def test_the_signals_of_a_warped_distribution_with_zeros_are_finite_and_exact():
@@ -230,10 +233,13 @@ def test_a_skip_head_trains_exports_and_decodes_losslessly(lag0_rounds, setup, t
     out, greedy = lag0_rounds
     if not greedy:
         pytest.skip("one training run suffices")
-    assert train_main(stop_args(out, tmp_path / "x", "stop_skip=true", "stop_confidence=false")) == 2
-    assert "stop_skip=true starts the head at log q(y): it needs stop_confidence=true" in capsys.readouterr().err
+    assert train_main(stop_args(out, tmp_path / "x", "eagle_stop.skip=true", "eagle_stop.confidence=false")) == 2
+    assert (
+        "eagle_stop.skip=true starts the head at log q(y): it needs eagle_stop.confidence=true"
+        in capsys.readouterr().err
+    )
     trained = tmp_path / "skip"
-    assert train_main(stop_args(out, trained, "depth=1", "stop_skip=true", "stop_signals=[step]")) == 0
+    assert train_main(stop_args(out, trained, "depth=1", "eagle_stop.skip=true", "eagle_stop.signals=[step]")) == 0
     meta = read_metadata(trained / "head.safetensors")
     assert meta["head_config"] == {"hidden_size": 32, "depth": 1, "confidence": True, "signals": ["step"], "skip": True}
     from specheads.export import load_head

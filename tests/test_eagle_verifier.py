@@ -37,7 +37,7 @@ def lag0_rounds(setup):
 @pytest.fixture(scope="module")
 def verifier(lag0_rounds, setup):
     out = setup["root"] / "verifier"
-    assert train_main(verifier_args(lag0_rounds, out, "roc_lambdas=[1.0,2.0]")) == 0
+    assert train_main(verifier_args(lag0_rounds, out, "verifier.roc_lambdas=[1.0,2.0]")) == 0
     return out / "head.safetensors"
 
 
@@ -79,14 +79,18 @@ def test_a_lag1_verifier_reads_the_state_after_the_candidate(greedy_rounds, setu
     """eagle_rounds.position=own data is SPRINTER's feature=current; training it as previous is a one-line error."""
     assert train_main(verifier_args(greedy_rounds, tmp_path / "x")) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "feature=current" in err
-    assert train_main(verifier_args(greedy_rounds, tmp_path / "cur", "feature=current")) == 0
+    assert len(err.splitlines()) == 1 and "verifier.feature=current" in err
+    assert train_main(verifier_args(greedy_rounds, tmp_path / "cur", "verifier.feature=current")) == 0
     assert read_metadata(tmp_path / "cur" / "head.safetensors")["feature"]["position"] == "current"
 
 
 @pytest.mark.parametrize(
     "extra, message",
-    [(["feature=previous+embedding"], "no draft embedding"), (["lam=0"], "lam"), (["class_weights=x"], "balanced")],
+    [
+        (["verifier.feature=previous+embedding"], "no draft embedding"),
+        (["verifier.lam=0"], "lam"),
+        (["class_weights=x"], "balanced"),
+    ],
 )
 def test_bad_settings_are_one_line_errors(extra, message, lag0_rounds, tmp_path, capsys):
     assert train_main(verifier_args(lag0_rounds, tmp_path / "x", *extra)) == 2

@@ -179,19 +179,19 @@ def _targs(tiny_pair_dirs, data, out, *extra):
         "eval_fraction=0.25",
         "depth=1",
         "w_rej=1.0",
-        "label=fsd",
+        "acceptance.label=fsd",
         *extra,
     ]
 
 
 def test_bad_train_settings_are_one_line_errors(tiny_pair_dirs, prompts, greedy_data, tmp_path, capsys):
     cases = [
-        ("fsd_label=js@0.25", "is not in"),
-        ("fsd_label=hellinger@0.3", "unknown divergence"),
-        ("fsd_label=js@-1", ">= 0"),
-        ("fsd_label=js", "<divergence>@<threshold>"),
-        ("label=fsd", "fsd_label=''"),
-    ]  # label=fsd without fsd_label
+        ("acceptance.fsd_label=js@0.25", "is not in"),
+        ("acceptance.fsd_label=hellinger@0.3", "unknown divergence"),
+        ("acceptance.fsd_label=js@-1", ">= 0"),
+        ("acceptance.fsd_label=js", "<divergence>@<threshold>"),
+        ("acceptance.label=fsd", "acceptance.fsd_label=''"),
+    ]  # acceptance.label=fsd without acceptance.fsd_label
     for setting, message in cases:
         assert train(_targs(tiny_pair_dirs, greedy_data, tmp_path / "t", setting, "overwrite=true")) == 2
         assert message in _error(capsys, "heads-train")
@@ -203,7 +203,7 @@ def test_bad_train_settings_are_one_line_errors(tiny_pair_dirs, prompts, greedy_
         {k: r[k] for k in keep} for r in chunk_rows(greedy_data)
     ]
     capsys.readouterr()
-    assert train(_targs(tiny_pair_dirs, acc, tmp_path / "t2", "fsd_label=js@0.2")) == 2
+    assert train(_targs(tiny_pair_dirs, acc, tmp_path / "t2", "acceptance.fsd_label=js@0.2")) == 2
     assert "needs labels=fsd data" in _error(capsys, "heads-train")
 
 
@@ -212,7 +212,10 @@ def test_fsd_head_end_to_end_drives_specdecpp_losslessly(tiny_pair_dirs, greedy_
     from specheads.export.cli import main as export
 
     shutil.rmtree(greedy_data / "features", ignore_errors=True)
-    assert train(_targs(tiny_pair_dirs, greedy_data, tmp_path / "tr", "fsd_label=js@0.2", "features=cached")) == 0
+    assert (
+        train(_targs(tiny_pair_dirs, greedy_data, tmp_path / "tr", "acceptance.fsd_label=js@0.2", "features=cached"))
+        == 0
+    )
     assert export([f"train_dir={tmp_path / 'tr'}", f"output_dir={tmp_path / 'ex'}", "threshold=0.5"]) == 0
     head = tmp_path / "ex" / "head.safetensors"
     meta = read_metadata(head)

@@ -298,7 +298,7 @@ def test_heads_decode_warns_when_a_gated_judge_decodes_outside_its_gate(judge_he
 
 
 def test_a_judge_on_the_targets_verdict_trains_exports_and_decodes(judge_data, tiny_pair_dirs, tmp_path):
-    """judge_signals: the head reads the target's state and its verdict on the token (stored by datagen);
+    """judge.signals: the head reads the target's state and its verdict on the token (stored by datagen);
     exported, it rebuilds itself from its header and decodes, with the margin floor too."""
     from specheads.decode.decode_cli import main as decode_main
     from specheads.export import read_metadata
@@ -308,8 +308,8 @@ def test_a_judge_on_the_targets_verdict_trains_exports_and_decodes(judge_data, t
     tr, exp = tmp_path / "tr", tmp_path / "exp"
     args = [f"data_dir={judge_data}", f"output_dir={tr}", "head=judge", "depth=1", "epochs=2", "lr=1e-2"]
     args += ["batch_size=2", "grad_accum=1", "eval_fraction=0.25", "draft.path=unused"]
-    assert train_main(args + ["judge_signals=[logp,gap,entropy,rank,logp]"]) == 2  # each signal at most once
-    assert train_main(args + ["judge_signals=[gap,rank]"]) == 0
+    assert train_main(args + ["judge.signals=[logp,gap,entropy,rank,logp]"]) == 2  # each signal at most once
+    assert train_main(args + ["judge.signals=[gap,rank]"]) == 0
     assert export_main([f"train_dir={tr}", f"output_dir={exp}"]) == 0
     meta = read_metadata(exp / "head.safetensors")
     assert meta["head_config"] == {"in_features": 32, "depth": 1, "signals": ["gap", "rank"]}
@@ -334,7 +334,7 @@ def test_a_judge_asking_for_signals_the_data_lacks_is_told_to_regenerate(judge_d
     shutil.copytree(judge_data, old)
     for path in (old / "features").glob("chunk-*.safetensors"):  # data written before the signals existed
         save_file({k: v for k, v in load_file(str(path)).items() if k != "signals"}, str(path))
-    args = [f"data_dir={old}", f"output_dir={tmp_path / 'tr'}", "head=judge", "judge_signals=[gap]"]
+    args = [f"data_dir={old}", f"output_dir={tmp_path / 'tr'}", "head=judge", "judge.signals=[gap]"]
     assert train_main(args + ["draft.path=unused", "eval_fraction=0.25"]) == 2
     assert "holds no signals" in capsys.readouterr().err
 

@@ -1,5 +1,6 @@
 """``heads-pipeline`` with ``pipeline.datagen_parts`` and ``pipeline.train_stages``: a drafter rebuilt by one
-command on the tiny pair (two data parts, two training stages chained by ``init_head``), resumable, with its cost."""
+command on the tiny pair (two data parts, two training stages chained by ``eagle.init_head``), resumable, with its
+cost."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def _recipe(tmp_path, pair_dirs, **pipeline):
             "output_dir": str(runs / "pipe"),
             "stages": ["datagen", "train", "export"],
             "datagen_parts": [{"num_prompts": 3, "output_dir": str(runs / "first")}, {"offset": 3, "num_prompts": 3}],
-            "train_stages": [{"ttt_steps": 1}, {"ttt_steps": 2, "lr": 1e-3}],
+            "train_stages": [{"eagle": {"ttt_steps": 1}}, {"eagle.ttt_steps": 2, "lr": 1e-3}],
             **pipeline,
         },
     }
@@ -69,8 +70,8 @@ def test_parts_and_stages_chain_into_one_training_set_and_one_head(tiny_pair_dir
     one, two = cfgs["train_stages"]
     assert one.data_dir == two.data_dir == f"{first.output_dir},{second.output_dir}"
     assert (one.output_dir, two.output_dir) == (str(runs / "x-stage1"), str(runs / "x"))
-    assert two.init_head == str(runs / "x-stage1" / "head.safetensors") and not one.init_head
-    assert (one.ttt_steps, two.ttt_steps, two.lr) == (1, 2, 1e-3)
+    assert two.eagle.init_head == str(runs / "x-stage1" / "head.safetensors") and not one.eagle.init_head
+    assert (one.eagle.ttt_steps, two.eagle.ttt_steps, two.lr) == (1, 2, 1e-3)
     assert cfgs["train"] is two and cfgs["export"].train_dir == str(runs / "x")
 
 
@@ -81,7 +82,8 @@ def test_the_pipeline_runs_every_part_and_stage_then_resumes_as_a_no_op(tiny_pai
     for part in ("first", "dg-part2"):
         assert json.loads((runs / part / "manifest.json").read_text())["prompts"] == 3
     stage2 = yaml.safe_load((runs / "tr" / "config.yaml").read_text())
-    assert stage2["init_head"] == str(runs / "tr-stage1" / "head.safetensors") and stage2["ttt_steps"] == 2
+    assert stage2["eagle"]["init_head"] == str(runs / "tr-stage1" / "head.safetensors")
+    assert stage2["eagle"]["ttt_steps"] == 2
     assert (runs / "ex" / "head.safetensors").is_file()
     summary = json.loads((runs / "pipe" / "summary.json").read_text())
     assert [r["run"] for r in summary["cost"]] == ["datagen part 1", "datagen part 2", "train stage 1", "train stage 2"]

@@ -63,8 +63,8 @@ def test_roc_metrics_by_hand():
 def test_verifier_trains_exports_and_decodes(tiny_pair_dirs, labelled, tmp_path, feature):
     data, prompts = labelled
     out = tmp_path / "tr"
-    extra = ["roc_lambdas=[1.0,1.5]", "features=cached"] if feature == "previous" else ["features=online"]
-    assert train_main(_targs(tiny_pair_dirs, data, out, f"feature={feature}", *extra)) == 0
+    extra = ["verifier.roc_lambdas=[1.0,1.5]", "features=cached"] if feature == "previous" else ["features=online"]
+    assert train_main(_targs(tiny_pair_dirs, data, out, f"verifier.feature={feature}", *extra)) == 0
     meta = read_metadata(out / "head.safetensors")
     width = 64 if feature == "previous+embedding" else 32
     assert meta["head_type"] == "verifier" and meta["head_config"] == {"in_features": width, "depth": 0}
@@ -78,7 +78,7 @@ def test_verifier_trains_exports_and_decodes(tiny_pair_dirs, labelled, tmp_path,
         assert read_metadata(out / "lambda-1.5" / "head.safetensors")["lam"] == 1.5
         # Same seed, same head.
         again = tmp_path / "again"
-        assert train_main(_targs(tiny_pair_dirs, data, again, f"feature={feature}", *extra)) == 0
+        assert train_main(_targs(tiny_pair_dirs, data, again, f"verifier.feature={feature}", *extra)) == 0
         a, b = load_head(out / "head.safetensors").module, load_head(again / "head.safetensors").module
         assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     exp = tmp_path / "exp"

@@ -76,6 +76,29 @@ def test_every_task_declares_the_interface_and_the_task_module_names_it():
     assert {n for n, c in TASKS.items() if c.save is not Task.save} == {"draft"}
 
 
+def test_family_settings_sit_in_their_sections_and_a_flat_key_names_its_new_spelling(tmp_path, capsys):
+    """Each head family's settings are a section of heads-train's schema, listed by --help; a flat key of before
+    (stop_confidence=false), on the command line or in a recipe, is a one-line error naming the new spelling."""
+    from specheads.train.config import MOVED
+
+    assert main(["--help"]) == 0
+    shown = capsys.readouterr().out
+    assert all(f"\n  {new}: " in shown for new in MOVED.values())
+    for old, new in MOVED.items():
+        assert main([f"{old}=1"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{old} is now {new}; write {new}=1" in err, err
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("train:\n  head: eagle_stop\n  stop_confidence: false\n  ttt_steps: 2\n")
+    assert main([f"recipe={recipe}"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.count("\n") == 1
+        and "stop_confidence is now eagle_stop.confidence; write eagle_stop.confidence=false" in err
+    )
+    assert "ttt_steps is now eagle.ttt_steps; write eagle.ttt_steps=2" in err
+
+
 def test_resumed_training_gives_the_same_head(tiny_pair_dirs, labelled, tmp_path, monkeypatch):
     from specheads.train import checkpoint_save as checkpoint  # where the trainer's save lives
 
@@ -135,7 +158,7 @@ def test_expected_label_head_reads_the_previous_state(tiny_pair_dirs, labelled, 
     from specheads.train.acceptance_data import draft_features, load_examples
 
     out = tmp_path / "exp"
-    assert main(train_args(tiny_pair_dirs, labelled, out, "label=expected", "epochs=1")) == 0
+    assert main(train_args(tiny_pair_dirs, labelled, out, "acceptance.label=expected", "epochs=1")) == 0
     meta = read_metadata(out / "head.safetensors")
     assert meta["feature"]["position"] == "previous" and meta["label"] == "expected"
     soft, exp = load_examples(labelled), load_examples(labelled, "expected_label")
@@ -154,8 +177,8 @@ def test_expected_label_head_reads_the_previous_state(tiny_pair_dirs, labelled, 
     x0, _ = draft_features(draft, Capture, [ex.input_ids], [ex.start], [mask], [ex.label], 0, "cpu")
     x1, _ = draft_features(draft, Capture, [ex.input_ids], [ex.start], [mask], [ex.label], 0, "cpu", shift=1)
     assert x0[0, 0] == ex.start and x1[0, 0] == ex.start - 1
-    assert main(train_args(tiny_pair_dirs, labelled, tmp_path / "bad", "label=tv")) == 2
-    assert "label='tv'" in capsys.readouterr().err
+    assert main(train_args(tiny_pair_dirs, labelled, tmp_path / "bad", "acceptance.label=tv")) == 2
+    assert "acceptance.label='tv'" in capsys.readouterr().err
 
 
 def test_cached_features_match_online_and_are_reused(tiny_pair_dirs, labelled, tmp_path):
@@ -352,6 +375,7 @@ def test_expected_label_features_come_from_the_targets_own_prefix():
     from types import SimpleNamespace
 
     from specheads.train.acceptance_task import AcceptanceTask
+    from specheads.train.config import AcceptanceSettings
     from specheads.train.draft import Draft
 
     class Capture:
@@ -363,11 +387,15 @@ def test_expected_label_features_come_from_the_targets_own_prefix():
     ex = Example(0, [1, 2, 10, 11, 12, 13], 2, [20, 21, 22, 23], [0.0, 1.0, 0.0, 1.0])
     stub = Draft(draft, Capture, pad=0, device="cpu", hidden=1, name="stub", fingerprint="")
     task = AcceptanceTask(
-        SimpleNamespace(label="expected", mix_ratio=0.15, seed=0, w_acc=1.0, w_rej=6.0), {}, stub, [ex], []
+        SimpleNamespace(acceptance=AcceptanceSettings("expected", mix_ratio=0.15), seed=0, w_acc=1.0, w_rej=6.0),
+        {},
+        stub,
+        [ex],
+        [],
     )
     x, y, rows = task.features([ex], epoch=0)
     assert x[:, 0].tolist() == [2, 10, 11, 12] and y.tolist() == ex.label and rows == [4]
-    task.cfg = SimpleNamespace(label="soft", mix_ratio=0.0, seed=0)
+    task.cfg = SimpleNamespace(acceptance=AcceptanceSettings("soft", mix_ratio=0.0), seed=0)
     x, y, rows = task.features([ex], epoch=0)
     assert x[:, 0].tolist() == [20, 21, 22, 23]  # r = 0: every position holds the draft's token
 

@@ -254,7 +254,7 @@ def eagle_args(pair_dirs, data, out, *extra):
         "lr=3e-3",
         "eval_fraction=0.3",
         "patience=2",
-        "ttt_steps=2",
+        "eagle.ttt_steps=2",
         "vocab_top_n=20",
         *extra,
     ]
@@ -284,7 +284,7 @@ def draft_args(pair_dirs, data, out, *extra):
     return [
         f"data_dir={data}",
         "head=draft",
-        "draft_init=truncate:1",
+        "distill.init=truncate:1",
         f"target.path={pair_dirs[0]}",
         "target.gguf_file=null",
         "draft.gguf_file=null",
@@ -300,7 +300,7 @@ def draft_args(pair_dirs, data, out, *extra):
 
 
 def test_draft_truncation_reads_only_the_tensors_it_copies(drafter_dir, tiny_pair_dirs, tmp_path, monkeypatch):
-    """head=draft draft_init=truncate:1 never loads the whole target (a shell without weights gives its config,
+    """head=draft distill.init=truncate:1 never loads the whole target (a shell without weights gives its config,
     tokenizer and fingerprint): the draft's embeddings, first layer, final norm and output layer are the
     target's tensors, read alone from its checkpoint."""
     import transformers

@@ -1,6 +1,6 @@
 """Training the SpecDec++ acceptance head (``head=acceptance``, alias ``specdecpp``).
 
-Three labels (``label=``): ``soft``, ``min(1, p/q)`` of the drawn token, on the draft's state at
+Three labels (``acceptance.label=``): ``soft``, ``min(1, p/q)`` of the drawn token, on the draft's state at
 that token with token mixing (weighted soft BCE; docs/algorithms/specdecpp.md); ``expected``,
 ``1 - TV(p, q)``, and ``fsd``, the stored FSD decision ``Div(p, q) < T`` of ``labels=fsd`` data
 (``fsd.py``), both functions of ``(p_i, q_i)`` alone and so on the state that produced ``q_i``,
@@ -36,22 +36,24 @@ class AcceptanceTask(Task):
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> list[str]:
-        return []  # label and fsd_label are checked with the common settings (cli.py)
+        return []  # acceptance.label and fsd_label are checked with the common settings (cli.py)
 
     @classmethod
     def setup(cls, cfg: TrainConfig, manifest: dict, acc) -> AcceptanceTask:
-        if cfg.label == "fsd":
-            column = F.label_column(cfg.fsd_label, manifest, cfg.data_dir)
+        if cfg.acceptance.label == "fsd":
+            column = F.label_column(cfg.acceptance.fsd_label, manifest, cfg.data_dir)
         else:
-            column = "expected_label" if cfg.label == "expected" else "label"
+            column = "expected_label" if cfg.acceptance.label == "expected" else "label"
         train_examples, eval_examples = split(load_examples(cfg.data_dir, column), cfg.eval_fraction, cfg.seed)
         task = cls(cfg, manifest, load_draft(cfg, acc, manifest), train_examples, eval_examples)
         if cfg.features == "cached":
-            if cfg.label == "fsd":  # no mixing: one epoch's file; the labels differ per divergence and threshold
-                name, threshold = F.parse_label(cfg.fsd_label)
+            if (
+                cfg.acceptance.label == "fsd"
+            ):  # no mixing: one epoch's file; the labels differ per divergence and threshold
+                name, threshold = F.parse_label(cfg.acceptance.fsd_label)
                 label, ratio, epochs = f"fsd:{name}@{threshold!r}", 0.0, 1
             else:
-                label, ratio, epochs = cfg.label, cfg.mix_ratio, cfg.epochs
+                label, ratio, epochs = cfg.acceptance.label, cfg.acceptance.mix_ratio, cfg.epochs
             task.cache = feature_cache(
                 cfg, acc, task.draft, label, ratio, task.features, epochs, train_examples, eval_examples
             )
@@ -74,12 +76,12 @@ class AcceptanceTask(Task):
         """
         cfg = self.cfg
         seqs, starts, masks, labels = [], [], [], []
-        expected = cfg.label in ("expected", "fsd")  # labels that are functions of (p_i, q_i) alone
+        expected = cfg.acceptance.label in ("expected", "fsd")  # labels that are functions of (p_i, q_i) alone
         for ex in examples:
             if expected:
                 z, m = ex.input_ids, [True] * len(ex.label)
             else:
-                z, m = mix(ex, cfg.mix_ratio, mix_seed(cfg.seed, epoch, ex.index))
+                z, m = mix(ex, cfg.acceptance.mix_ratio, mix_seed(cfg.seed, epoch, ex.index))
             seqs.append(z)
             starts.append(ex.start)
             masks.append(m)
@@ -91,7 +93,7 @@ class AcceptanceTask(Task):
         return x, y, [sum(m) for m in masks]
 
     def batch(self, examples: list, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cfg.label == "fsd" and epoch != EVAL_EPOCH:
+        if self.cfg.acceptance.label == "fsd" and epoch != EVAL_EPOCH:
             epoch = 0  # FSD features do not change between epochs (no mixing)
         if self.cache is not None:
             return self.cache.batch(epoch, examples, self.draft.device)
@@ -120,18 +122,18 @@ class AcceptanceTask(Task):
 
     def metadata(self, metrics: dict) -> dict:
         cfg = self.cfg
-        position = "previous" if cfg.label in ("expected", "fsd") else "own"
+        position = "previous" if cfg.acceptance.label in ("expected", "fsd") else "own"
         meta = describe(
             cfg,
             self.manifest,
             self.hidden,
             metrics,
-            label=cfg.label,
+            label=cfg.acceptance.label,
             draft=self.manifest["draft"],
             feature={"model": "draft", "state": "post", "layer": -1, "position": position},
         )
-        if cfg.label == "fsd":
-            meta["fsd"] = F.head_metadata(cfg.fsd_label, self.manifest)
+        if cfg.acceptance.label == "fsd":
+            meta["fsd"] = F.head_metadata(cfg.acceptance.fsd_label, self.manifest)
         return meta
 
     def models(self) -> dict[str, tuple]:

@@ -1,9 +1,9 @@
 """``heads-train``: fit a head on ``heads-datagen`` output.
 
     heads-train recipe=quickstart
-    heads-train recipe=fsd_head_quickstart fsd_label=js@0.4     # an FSD acceptance head (label=fsd)
+    heads-train recipe=fsd_head_quickstart acceptance.fsd_label=js@0.4   # an FSD acceptance head (label=fsd)
     heads-train recipe=sprinter_quickstart                      # head=verifier (alias sprinter)
-    heads-train head=draft data_dir=runs/drafter draft_init=truncate:4 lr=1e-3   # a distilled draft model
+    heads-train head=draft data_dir=runs/drafter distill.init=truncate:4 lr=1e-3   # a distilled draft model
     accelerate launch --multi_gpu --num_processes 2 -m specheads.train.cli recipe=quickstart
 
 Writes ``head.safetensors`` (the best epoch's head with its metadata, ready for
@@ -11,7 +11,7 @@ Writes ``head.safetensors`` (the best epoch's head with its metadata, ready for
 ``metrics.jsonl`` (each epoch's held-out figures, calibration included: ``eval_ece``, ``eval_brier``,
 the reliability bins), ``reliability.png`` (the best epoch's reliability diagram), for the verifier also
 ``metrics.json`` (ROC, AUROC, TPR/FPR at eta, alpha) and
-``roc.png`` (one curve per ``roc_lambdas`` value, each from its own head in ``lambda-<x>/``); head=draft
+``roc.png`` (one curve per ``verifier.roc_lambdas`` value, each from its own head in ``lambda-<x>/``); head=draft
 writes ``draft/`` instead of the head file (a Hugging Face model directory with ``specheads.json``) and
 ``metrics.json`` (held-out agreement and expected acceptance before and after training),
 ``checkpoint-<step>/`` + ``latest`` (at epoch ends and, with ``checkpoint_every=N``, every N
@@ -53,21 +53,21 @@ def _check(cfg: TrainConfig) -> type[Task]:
         problems.append(str(err))
     if not cfg.data_dir:
         problems.append("data_dir is not set; pass data_dir=<heads-datagen output_dir>")
-    if cfg.label not in ("soft", "expected", "fsd"):
-        problems.append(f"label={cfg.label!r}: choose soft, expected or fsd")
-    if cfg.label == "fsd":
+    if cfg.acceptance.label not in ("soft", "expected", "fsd"):
+        problems.append(f"acceptance.label={cfg.acceptance.label!r}: choose soft, expected or fsd")
+    if cfg.acceptance.label == "fsd":
         if canonical(cfg.head) != "acceptance":
-            problems.append(f"label=fsd trains head=acceptance, not head={cfg.head}")
+            problems.append(f"acceptance.label=fsd trains head=acceptance, not head={cfg.head}")
         try:
-            parse_label(cfg.fsd_label)
+            parse_label(cfg.acceptance.fsd_label)
         except UserError as err:
             problems.append(str(err))
     if cfg.features not in ("online", "cached"):
         problems.append(f"features={cfg.features!r}: choose online or cached")
     if cfg.depth < 0:
         problems.append(f"depth={cfg.depth} must be >= 0")
-    if not 0 <= cfg.mix_ratio < 1:
-        problems.append(f"mix_ratio={cfg.mix_ratio} must be in [0, 1)")
+    if not 0 <= cfg.acceptance.mix_ratio < 1:
+        problems.append(f"acceptance.mix_ratio={cfg.acceptance.mix_ratio} must be in [0, 1)")
     if not 0 <= cfg.eval_fraction < 1:
         problems.append(f"eval_fraction={cfg.eval_fraction} must be in [0, 1)")
     for key in ("epochs", "batch_size", "grad_accum", "patience"):

@@ -3,9 +3,198 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from specheads.plan.inputs import PLAN_HELP
 from specheads.shim import ModelSpec
+
+
+@dataclass
+class AcceptanceSettings:
+    """head=acceptance (SpecDec++'s stop head): which label it fits."""
+
+    label: str = field(
+        default="soft",
+        metadata={
+            "help": (
+                "soft: min(1, p/q) on the state at y_i, token mixing (SpecDec++); expected: 1 - TV(p, q) "
+                "on the state that produced q_i (the target's own prefix, no mixing); fsd: the FSD "
+                "decision Div(p, q) < T of labels=fsd data (acceptance.fsd_label), on the same state as expected"
+            )
+        },
+    )
+    fsd_label: str = field(
+        default="",
+        metadata={
+            "help": (
+                "label=fsd: <divergence>@<threshold>, one the datagen run stored (its manifest's "
+                "fsd.label_columns), e.g. js@0.3"
+            )
+        },
+    )
+    mix_ratio: float = field(default=0.15, metadata={"help": "label=soft: token mixing ratio r"})
+
+
+@dataclass
+class VerifierSettings:
+    """head=verifier and head=eagle_verifier (SPRINTER's verifier): its label and its feature."""
+
+    lam: float = field(default=1.0, metadata={"help": "label 1 when q(x) <= lam * p(x)"})
+    feature: str = field(
+        default="previous",
+        metadata={
+            "help": (
+                "previous | current | previous+embedding (draft state before x, after x, or before x + x's "
+                "input embedding; eagle_verifier: previous or current, as its data stored them)"
+            )
+        },
+    )
+    roc_lambdas: list[float] = field(
+        default_factory=list,
+        metadata={"help": "also train one head per lambda on the same data for the ROC plot (roc.png)"},
+    )
+
+
+@dataclass
+class JudgeSettings:
+    """head=judge: what the head reads besides the target's state."""
+
+    signals: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": (
+                "the target's verdict on the token beside its state, of logp (log p(y)), gap (log p(y) "
+                "minus the largest log p), entropy (of p) and rank (of y under p); needs data with signals"
+            )
+        },
+    )
+
+
+@dataclass
+class EagleSettings:
+    """head=eagle (the EAGLE-3-style draft head): its layers, its start, the training-time test."""
+
+    ttt_steps: int = field(
+        default=3,
+        metadata={"help": "training-time test, draft steps unrolled on the head's own states (1: step 1 only)"},
+    )
+    ttt_decay: float = field(default=0.8, metadata={"help": "step j's loss weight is ttt_decay ** (j - 1)"})
+    decoder_layers: int = field(
+        default=1,
+        metadata={
+            "help": (
+                "the head's decoder layers (the first reads the token and the state, each later one is a "
+                "plain layer over the one before); an init_head with fewer is grown: its own layers kept, each "
+                "new one the target's last layer with its output projections zeroed, so it drafts as before"
+            )
+        },
+    )
+    init_head: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "start from this EAGLE head (a heads-train or heads-export head.safetensors of "
+                "the same target and layers; its vocabulary subset is kept) instead of the target's last "
+                "layer: continue training on more data"
+            )
+        },
+    )
+
+
+@dataclass
+class DistillSettings:
+    """head=draft (a standalone draft model distilled on the target's distributions, DistillSpec): its start and
+    its divergence. The section is ``distill``: ``draft`` names the draft model (``draft.path``)."""
+
+    init: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "where the draft starts: truncate:N (the target's embeddings, first N decoder "
+                "layers, final norm and output layer) | a Hugging Face model directory to continue from "
+                "| null: draft.path"
+            )
+        },
+    )
+    divergence: str = field(
+        default="fkl",
+        metadata={
+            "help": (
+                "fkl (KL(p||q)) | rkl (KL(q||p)) | js (Jensen-Shannon) | tvd (total variation), "
+                "between target p and draft q over the target's top-k tokens plus one bucket for every "
+                "other token"
+            )
+        },
+    )
+    freeze_embeddings: bool = field(
+        default=False,
+        metadata={"help": "keep the input embeddings and the output layer (one matrix when tied) as initialised"},
+    )
+
+
+@dataclass
+class EagleStopSettings:
+    """head=eagle_stop (a SpecDec++ stop head on an EAGLE head's stored states): what it reads."""
+
+    confidence: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "the head reads the drafter's log-probability of the candidate, log q(y), "
+                "beside its state (SpecDec++'s features); false: the state alone"
+            )
+        },
+    )
+    state: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "the head reads the drafter's state; false (with confidence): log q(y) and signals alone, e.g. "
+                "depth=0 eagle_stop.signals=[step] w_rej=1: q calibrated on [log q, step] (Platt)"
+            )
+        },
+    )
+    skip: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "(with confidence) the logit is linear in log q(y) and the signals plus the residual "
+                "body's correction, which starts at zero: the head starts as q(y)'s ranking and the state corrects it"
+            )
+        },
+    )
+    signals: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": (
+                "(with confidence) more features of the distribution the candidate was drawn "
+                "from, of entropy (H(q)), margin (top-1 minus top-2 log q) and step (its index in the round)"
+            )
+        },
+    )
+
+
+#: The flat keys of before the family sections, and their spelling now (a flat key is an error naming it).
+MOVED = {
+    "label": "acceptance.label",
+    "fsd_label": "acceptance.fsd_label",
+    "mix_ratio": "acceptance.mix_ratio",
+    "lam": "verifier.lam",
+    "feature": "verifier.feature",
+    "roc_lambdas": "verifier.roc_lambdas",
+    "judge_signals": "judge.signals",
+    "ttt_steps": "eagle.ttt_steps",
+    "ttt_decay": "eagle.ttt_decay",
+    "decoder_layers": "eagle.decoder_layers",
+    "init_head": "eagle.init_head",
+    "draft_init": "distill.init",
+    "divergence": "distill.divergence",
+    "freeze_embeddings": "distill.freeze_embeddings",
+    "stop_confidence": "eagle_stop.confidence",
+    "stop_state": "eagle_stop.state",
+    "stop_skip": "eagle_stop.skip",
+    "stop_signals": "eagle_stop.signals",
+}
 
 
 @dataclass
@@ -13,7 +202,12 @@ class TrainConfig:
     """Fit a head on ``heads-datagen`` output: the SpecDec++ acceptance head (weighted soft BCE on
     ``labels=acceptance`` data, or on the FSD decisions of ``labels=fsd`` data), the SPRINTER
     verifier (class-weighted BCE on ``labels=sprinter`` data), the Judge head, an EAGLE-3-style draft
-    head or a standalone draft model distilled on the target's own responses (``labels=drafter``)."""
+    head or a standalone draft model distilled on the target's own responses (``labels=drafter``).
+
+    The settings of one head family sit in its own section (``acceptance.label=fsd``, ``eagle.ttt_steps=2``,
+    ``distill.divergence=js``); the rest hold for every head."""
+
+    MOVED: ClassVar[dict[str, str]] = MOVED  # the error for a flat key of before names its section
 
     data_dir: str = field(
         default="",
@@ -31,7 +225,7 @@ class TrainConfig:
             "help": (
                 "head=eagle: the target whose states the head reads (its embeddings, final norm and "
                 "output layer initialise the head); head=draft: the target the data was written with "
-                "(draft_init=truncate:N copies its layers)"
+                "(distill.init=truncate:N copies its layers)"
             )
         },
     )
@@ -45,26 +239,22 @@ class TrainConfig:
                 "distilled on the target's top-k distributions along its own responses, DistillSpec; on "
                 "labels=drafter data; writes a Hugging Face model directory draft/) | eagle_stop (a "
                 "SpecDec++ stop head on an EAGLE head's stored states, on labels=eagle_rounds data; "
-                "needs no model; exports head_type=acceptance for policy=specdecpp eagle=...)"
+                "needs no model; exports head_type=acceptance for policy=specdecpp eagle=...) | eagle_verifier "
+                "(SPRINTER's verifier on an EAGLE head's stored states, on labels=eagle_rounds data; needs no model)"
             )
         },
     )
-    ttt_steps: int = field(
-        default=3,
-        metadata={
-            "help": ("eagle: training-time test, draft steps unrolled on the head's own states (1: step 1 only)")
-        },
+    acceptance: AcceptanceSettings = field(
+        default_factory=AcceptanceSettings, metadata={"help": "head=acceptance's settings"}
     )
-    ttt_decay: float = field(default=0.8, metadata={"help": "eagle: step j's loss weight is ttt_decay ** (j - 1)"})
-    decoder_layers: int = field(
-        default=1,
-        metadata={
-            "help": (
-                "eagle: the head's decoder layers (the first reads the token and the state, each later one is a "
-                "plain layer over the one before); an init_head with fewer is grown: its own layers kept, each "
-                "new one the target's last layer with its output projections zeroed, so it drafts as before"
-            )
-        },
+    verifier: VerifierSettings = field(
+        default_factory=VerifierSettings, metadata={"help": "head=verifier's and head=eagle_verifier's settings"}
+    )
+    judge: JudgeSettings = field(default_factory=JudgeSettings, metadata={"help": "head=judge's settings"})
+    eagle: EagleSettings = field(default_factory=EagleSettings, metadata={"help": "head=eagle's settings"})
+    distill: DistillSettings = field(default_factory=DistillSettings, metadata={"help": "head=draft's settings"})
+    eagle_stop: EagleStopSettings = field(
+        default_factory=EagleStopSettings, metadata={"help": "head=eagle_stop's settings"}
     )
     vocab_file: str | None = field(
         default=None,
@@ -80,103 +270,12 @@ class TrainConfig:
         default=8192,
         metadata={"help": "eagle, draft (with vocab_file): rows of the pruned output layer (EOS always kept)"},
     )
-    init_head: str | None = field(
-        default=None,
-        metadata={
-            "help": (
-                "eagle: start from this EAGLE head (a heads-train or heads-export head.safetensors of "
-                "the same target and layers; its vocabulary subset is kept) instead of the target's last "
-                "layer: continue training on more data"
-            )
-        },
-    )
-    stop_confidence: bool = field(
-        default=True,
-        metadata={
-            "help": (
-                "eagle_stop: the head reads the drafter's log-probability of the candidate, log q(y), "
-                "beside its state (SpecDec++'s features); false: the state alone"
-            )
-        },
-    )
-    stop_state: bool = field(
-        default=True,
-        metadata={
-            "help": (
-                "eagle_stop: the head reads the drafter's state; false (with stop_confidence): log q(y) and "
-                "stop_signals alone, e.g. depth=0 stop_signals=[step] w_rej=1: q calibrated on [log q, step] (Platt)"
-            )
-        },
-    )
-    stop_skip: bool = field(
-        default=False,
-        metadata={
-            "help": (
-                "eagle_stop (with stop_confidence): the logit is linear in log q(y) and the signals plus the residual "
-                "body's correction, which starts at zero: the head starts as q(y)'s ranking and the state corrects it"
-            )
-        },
-    )
-    stop_signals: list[str] = field(
-        default_factory=list,
-        metadata={
-            "help": (
-                "eagle_stop (with stop_confidence): more features of the distribution the candidate was drawn "
-                "from, of entropy (H(q)), margin (top-1 minus top-2 log q) and step (its index in the round)"
-            )
-        },
-    )
-    judge_signals: list[str] = field(
-        default_factory=list,
-        metadata={
-            "help": (
-                "judge: the target's verdict on the token beside its state, of logp (log p(y)), gap (log p(y) "
-                "minus the largest log p), entropy (of p) and rank (of y under p); needs data with signals"
-            )
-        },
-    )
-    draft_init: str | None = field(
-        default=None,
-        metadata={
-            "help": (
-                "draft: where the draft starts: truncate:N (the target's embeddings, first N decoder "
-                "layers, final norm and output layer) | a Hugging Face model directory to continue from "
-                "| null: draft.path"
-            )
-        },
-    )
-    divergence: str = field(
-        default="fkl",
-        metadata={
-            "help": (
-                "draft: fkl (KL(p||q)) | rkl (KL(q||p)) | js (Jensen-Shannon) | tvd (total variation), "
-                "between target p and draft q over the target's top-k tokens plus one bucket for every "
-                "other token"
-            )
-        },
-    )
-    freeze_embeddings: bool = field(
-        default=False,
-        metadata={
-            "help": ("draft: keep the input embeddings and the output layer (one matrix when tied) as initialised")
-        },
-    )
     depth: int = field(
         default=3,
         metadata={
             "help": (
                 "residual blocks D (0 = linear; the SPRINTER verifier is linear; eagle_stop with 0: "
                 "DSpark's linear confidence head)"
-            )
-        },
-    )
-    lam: float = field(default=1.0, metadata={"help": "verifier: label 1 when q(x) <= lam * p(x)"})
-    feature: str = field(
-        default="previous",
-        metadata={
-            "help": (
-                "verifier: previous | current | previous+embedding (draft state before x, after x, or "
-                "before x + x's input embedding)"
             )
         },
     )
@@ -189,29 +288,6 @@ class TrainConfig:
             )
         },
     )
-    roc_lambdas: list[float] = field(
-        default_factory=list,
-        metadata={"help": "verifier: also train one head per lambda on the same data for the ROC plot (roc.png)"},
-    )
-    label: str = field(
-        default="soft",
-        metadata={
-            "help": (
-                "soft: min(1, p/q) on the state at y_i, token mixing (SpecDec++); expected: 1 - TV(p, q) "
-                "on the state that produced q_i (the target's own prefix, no mixing); fsd: the FSD "
-                "decision Div(p, q) < T of labels=fsd data (fsd_label), on the same state as expected"
-            )
-        },
-    )
-    fsd_label: str = field(
-        default="",
-        metadata={
-            "help": (
-                "label=fsd: <divergence>@<threshold>, one the datagen run stored (its manifest's "
-                "fsd.label_columns), e.g. js@0.3"
-            )
-        },
-    )
     features: str = field(
         default="online",
         metadata={
@@ -221,7 +297,6 @@ class TrainConfig:
     cache_dir: str | None = field(
         default=None, metadata={"help": "features=cached: where the files go; default <data_dir>/features"}
     )
-    mix_ratio: float = field(default=0.15, metadata={"help": "token mixing ratio r"})
     w_acc: float = 1.0
     w_rej: float = 6.0
     lr: float = 5e-5

@@ -1,7 +1,7 @@
 """The standalone draft being distilled (``head=draft``): where it starts, its training forward, its export.
 
 The draft is a plain Hugging Face causal LM of the target's architecture and vocabulary. It starts
-from ``draft_init``: ``truncate:N`` (the target's embeddings, first ``N`` decoder layers, final norm and
+from ``distill.init``: ``truncate:N`` (the target's embeddings, first ``N`` decoder layers, final norm and
 output layer, nothing trained: the usual way to start a draft from its target; only those tensors are read
 from the target's checkpoint, never the whole model) or a model directory
 (e.g. an earlier draft) to continue from. :class:`DraftLM` wraps it for the training loop: one forward
@@ -67,7 +67,7 @@ def parse_init(value: str | None) -> tuple[str, int | str | None]:
     if value.startswith("truncate:"):
         n = value.split(":", 1)[1]
         if not n.strip().isdigit() or int(n) < 1:
-            raise UserError(f"draft_init={value!r}: write truncate:N with N >= 1 decoder layers of the target")
+            raise UserError(f"distill.init={value!r}: write truncate:N with N >= 1 decoder layers of the target")
         return "truncate", int(n)
     return "path", value
 
@@ -79,7 +79,7 @@ def truncated(target, n: int) -> torch.nn.Module:
     are read from its checkpoint, by name (:class:`~specheads.runtime.checkpoint_tensors.TargetCheckpoint`)."""
     have = target.model.config.num_hidden_layers
     if n > have:
-        raise UserError(f"draft_init=truncate:{n} but the target has {have} decoder layers; choose N <= {have}")
+        raise UserError(f"distill.init=truncate:{n} but the target has {have} decoder layers; choose N <= {have}")
     from transformers import AutoModelForCausalLM
 
     cfg = copy.deepcopy(target.model.config)
@@ -98,7 +98,7 @@ def truncated(target, n: int) -> torch.nn.Module:
     if set(missing) - tied or unexpected:
         raise UserError(
             f"cannot truncate {type(model).__name__}: weights missing {sorted(set(missing) - tied)[:3]}, "
-            f"unexpected {sorted(unexpected)[:3]}; start from a model directory (draft_init=<dir>)"
+            f"unexpected {sorted(unexpected)[:3]}; start from a model directory (distill.init=<dir>)"
         )
     model.tie_weights()
     model.generation_config = copy.deepcopy(target.model.generation_config)
@@ -106,9 +106,9 @@ def truncated(target, n: int) -> torch.nn.Module:
 
 
 def initial_draft(cfg, target) -> tuple[torch.nn.Module, object, dict]:
-    """The draft ``cfg.draft_init`` names (fp32, trainable), the tokenizer its directory will hold and a
+    """The draft ``cfg.distill.init`` names (fp32, trainable), the tokenizer its directory will hold and a
     record of where it came from. ``target``: a ``LoadedModel``, its weights not needed (see :func:`truncated`)."""
-    kind, arg = parse_init(cfg.draft_init)
+    kind, arg = parse_init(cfg.distill.init)
     if kind == "truncate":
         model = truncated(target, arg)
         tok, source = (
@@ -119,7 +119,7 @@ def initial_draft(cfg, target) -> tuple[torch.nn.Module, object, dict]:
         spec = copy.deepcopy(cfg.draft) if kind == "draft" else ModelSpec(path=arg)
         spec.device, spec.dtype, spec.vocab_file, spec.vocab_top_n = "cpu", "float32", None, None
         if not spec.path:
-            raise UserError("head=draft needs draft_init=truncate:N or a model directory (or draft.path)")
+            raise UserError("head=draft needs distill.init=truncate:N or a model directory (or draft.path)")
         loaded = load_model(spec, "draft")
         check_same_vocab(target, loaded)
         model = loaded.model
@@ -130,11 +130,11 @@ def initial_draft(cfg, target) -> tuple[torch.nn.Module, object, dict]:
         )
     if model.get_input_embeddings().weight.shape[0] != target.model.get_input_embeddings().weight.shape[0]:
         raise UserError(
-            f"draft_init={cfg.draft_init!r}: its vocabulary size differs from the target's; "
+            f"distill.init={cfg.distill.init!r}: its vocabulary size differs from the target's; "
             "a draft must score the target's tokens"
         )
     model.requires_grad_(True)
-    if cfg.freeze_embeddings:
+    if cfg.distill.freeze_embeddings:
         model.get_input_embeddings().weight.requires_grad_(False)
         if model.get_output_embeddings() is not None:
             model.get_output_embeddings().weight.requires_grad_(False)

@@ -2,10 +2,10 @@
 
 DistillSpec (Zhou et al. 2023) trains the draft to match the target's token distribution on
 sequences the models themselves wrote (rather than on a fixed corpus), with a divergence chosen
-for the task and decoding (``divergence``: forward KL by default; reverse KL, Jensen-Shannon and
+for the task and decoding (``distill.divergence``: forward KL by default; reverse KL, Jensen-Shannon and
 total variation are offered). Here the sequences are the target's own responses and the target's
 distribution is its stored top-``K`` (``distill.py`` says how the rest of its mass counts). The draft
-(``distill_model.py``) starts from ``draft_init`` and is trained whole (``freeze_embeddings`` keeps the
+(``distill_model.py``) starts from ``distill.init`` and is trained whole (``distill.freeze_embeddings`` keeps the
 embeddings and output layer); the best epoch, by held-out greedy agreement (the draft's argmax is the
 target's top-1: what greedy speculative decoding accepts), is written as a Hugging Face model
 directory ``draft/`` with ``draft/specheads.json``; ``metrics.json`` holds the held-out figures of the
@@ -68,10 +68,10 @@ class DraftTask(Task):
     @classmethod
     def check(cls, cfg: TrainConfig) -> list[str]:
         out = []
-        if cfg.divergence not in D.DIVERGENCES:
-            out.append(f"divergence={cfg.divergence!r}: choose one of {', '.join(D.DIVERGENCES)}")
+        if cfg.distill.divergence not in D.DIVERGENCES:
+            out.append(f"distill.divergence={cfg.distill.divergence!r}: choose one of {', '.join(D.DIVERGENCES)}")
         try:
-            M.parse_init(cfg.draft_init)
+            M.parse_init(cfg.distill.init)
         except UserError as err:
             out.append(str(err))
         if not cfg.target.path:
@@ -124,7 +124,7 @@ class DraftTask(Task):
     def summary(cfg: TrainConfig, metrics: dict) -> str:
         before, nan = metrics.get("eval_before") or {}, float("nan")
         return (
-            f"draft ({cfg.divergence}): held-out greedy agreement {before.get('eval_agreement', nan):.3f}"
+            f"draft ({cfg.distill.divergence}): held-out greedy agreement {before.get('eval_agreement', nan):.3f}"
             f" -> {metrics.get('eval_agreement', nan):.3f}, expected acceptance >= "
             f"{before.get('eval_accept_lb', nan):.3f} -> {metrics.get('eval_accept_lb', nan):.3f}"
         )
@@ -150,7 +150,7 @@ class DraftTask(Task):
         return D.collate(self.data.rows(examples), self.index, self.pad, self.device)
 
     def loss(self, head, x: dict, y: dict) -> torch.Tensor:
-        return D.loss_and_stats(head(x["ids"], x["mask"], x["sel"]), y, self.cfg.divergence)
+        return D.loss_and_stats(head(x["ids"], x["mask"], x["sel"]), y, self.cfg.distill.divergence)
 
     @torch.no_grad()
     def evaluate(self, head: torch.nn.Module, examples: list) -> dict:
@@ -158,7 +158,7 @@ class DraftTask(Task):
         stats: dict = {}
         for i in range(0, len(examples), self.cfg.batch_size):
             x, y = self.batch(examples[i : i + self.cfg.batch_size], 0)
-            D.loss_and_stats(head(x["ids"], x["mask"], x["sel"]), y, self.cfg.divergence, stats)
+            D.loss_and_stats(head(x["ids"], x["mask"], x["sel"]), y, self.cfg.distill.divergence, stats)
         return D.summarise(stats)
 
     def score(self, metrics: dict) -> float:
@@ -187,10 +187,10 @@ class DraftTask(Task):
                 "datagen_seed": self.manifest.get("seed"),
                 "top_k": self.data.top_k,
             },
-            "divergence": c.divergence,
+            "divergence": c.distill.divergence,
             "draft_init": self.source["draft_init"],
             "init": self.source,
-            "freeze_embeddings": c.freeze_embeddings,
+            "freeze_embeddings": c.distill.freeze_embeddings,
             "draft_vocab": vocab,
             "train": {
                 "lr": c.lr,

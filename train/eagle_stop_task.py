@@ -1,16 +1,16 @@
 """Training a SpecDec++ stop head for an EAGLE drafter (``head=eagle_stop``) on ``labels=eagle_rounds`` data.
 
-No model is loaded: the datagen run decoded with the EAGLE head and stored its post-norm state at every
-labelled candidate (fp16), with the soft label ``min(1, p/q)`` (greedy: 1/0 agreement). The head is an
+No model is loaded: the datagen run decoded with the EAGLE head and stored its post-norm state at every labelled
+candidate (fp16), with the soft label ``min(1, p/q)`` (greedy: 1/0 agreement). The head is an
 :class:`~specheads.heads.AcceptanceHead` (``depth`` residual blocks) on the state and, with
-``stop_confidence`` (the default), the drafter's ``log q(y)`` of the candidate: SpecDec++'s features.
-``depth=0 stop_confidence=false w_rej=1`` is DSpark's linear confidence head on the state, the comparison fitted with
-the weighted soft BCE (``w_acc``, ``w_rej``; ``w_rej=1``:
-plain BCE). The best epoch has the lowest held-out binary KL; the held-out metrics add AUROC against the
-binarised label, ECE and Brier, and ``eval_auroc_confidence``, the AUROC of the drafter's own
-confidence ``q(y)`` (what ``policy=confidence_stop`` reads). It exports as ``head_type=acceptance``, so
-``heads-decode policy=specdecpp specdecpp.head=... eagle=...`` reads it; its ``feature`` names the EAGLE head it
-reads (``model: eagle`` and that head's ``tensors_sha256``), and decoding with another is an error.
+``eagle_stop.confidence`` (the default), the drafter's ``log q(y)`` of the candidate: SpecDec++'s features.
+``depth=0 eagle_stop.confidence=false w_rej=1`` is DSpark's linear confidence head on the state, the comparison
+fitted with the weighted soft BCE (``w_acc``, ``w_rej``; ``w_rej=1``: plain BCE). The best epoch has the lowest
+held-out binary KL; the held-out metrics add AUROC against the binarised label, ECE and Brier, and
+``eval_auroc_confidence``, the AUROC of the drafter's own confidence ``q(y)`` (what ``policy=confidence_stop``
+reads). It exports as ``head_type=acceptance``, so ``heads-decode policy=specdecpp specdecpp.head=... eagle=...``
+reads it; its ``feature`` names the EAGLE head it reads (``model: eagle`` and that head's ``tensors_sha256``), and
+decoding with another is an error.
 """
 
 from __future__ import annotations
@@ -139,20 +139,26 @@ class EagleStopTask(Task):
     @classmethod
     def check(cls, cfg: TrainConfig) -> list[str]:
         out = []
-        if cfg.label != "soft":
+        if cfg.acceptance.label != "soft":
             out.append(
-                f"label={cfg.label}: head=eagle_stop trains on the stored soft labels (label=soft); expected "
+                f"acceptance.label={cfg.acceptance.label}: head=eagle_stop trains on the stored soft labels; expected "
                 "and fsd labels are head=acceptance's"
             )
-        bad = [s for s in cfg.stop_signals if s not in SIGNALS]
-        if bad or len(set(cfg.stop_signals)) != len(cfg.stop_signals):
-            out.append(f"stop_signals={list(cfg.stop_signals)}: choose each at most once from {', '.join(SIGNALS)}")
-        elif cfg.stop_signals and not cfg.stop_confidence:
-            out.append("stop_signals needs stop_confidence=true (the signals follow log q(y) in the features)")
-        if not cfg.stop_state and not cfg.stop_confidence:
-            out.append("stop_state=false needs stop_confidence=true (a head that reads nothing cannot learn)")
-        if cfg.stop_skip and not cfg.stop_confidence:
-            out.append("stop_skip=true starts the head at log q(y): it needs stop_confidence=true")
+        bad = [s for s in cfg.eagle_stop.signals if s not in SIGNALS]
+        if bad or len(set(cfg.eagle_stop.signals)) != len(cfg.eagle_stop.signals):
+            out.append(
+                f"eagle_stop.signals={list(cfg.eagle_stop.signals)}: choose each at most once from {', '.join(SIGNALS)}"
+            )
+        elif cfg.eagle_stop.signals and not cfg.eagle_stop.confidence:
+            out.append(
+                "eagle_stop.signals needs eagle_stop.confidence=true (the signals follow log q(y) in the features)"
+            )
+        if not cfg.eagle_stop.state and not cfg.eagle_stop.confidence:
+            out.append(
+                "eagle_stop.state=false needs eagle_stop.confidence=true (a head that reads nothing cannot learn)"
+            )
+        if cfg.eagle_stop.skip and not cfg.eagle_stop.confidence:
+            out.append("eagle_stop.skip=true starts the head at log q(y): it needs eagle_stop.confidence=true")
         return out
 
     @classmethod
@@ -162,7 +168,7 @@ class EagleStopTask(Task):
                 f"{cfg.data_dir}/manifest.json has no eagle_rounds section; relabel with heads-datagen "
                 "labels=eagle_rounds"
             )
-        return cls(cfg, manifest, StopStore(cfg.data_dir, bool(cfg.stop_signals)), acc.device)
+        return cls(cfg, manifest, StopStore(cfg.data_dir, bool(cfg.eagle_stop.signals)), acc.device)
 
     @staticmethod
     def summary(cfg: TrainConfig, metrics: dict) -> str:
@@ -174,14 +180,18 @@ class EagleStopTask(Task):
 
     def build_head(self) -> AcceptanceHead:
         torch.manual_seed(self.cfg.seed)
-        width = self.hidden if self.cfg.stop_state else 0
-        return AcceptanceHead(width, self.cfg.depth, self.cfg.stop_confidence, self._signals(), self.cfg.stop_skip)
+        width = self.hidden if self.cfg.eagle_stop.state else 0
+        return AcceptanceHead(
+            width, self.cfg.depth, self.cfg.eagle_stop.confidence, self._signals(), self.cfg.eagle_stop.skip
+        )
 
     def _signals(self) -> tuple[str, ...]:
-        return tuple(s for s in SIGNALS if s in self.cfg.stop_signals)  # the head's order
+        return tuple(s for s in SIGNALS if s in self.cfg.eagle_stop.signals)  # the head's order
 
     def batch(self, examples: list, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.store.batch(examples, self.device, self.cfg.stop_confidence, self._signals(), self.cfg.stop_state)
+        return self.store.batch(
+            examples, self.device, self.cfg.eagle_stop.confidence, self._signals(), self.cfg.eagle_stop.state
+        )
 
     @torch.no_grad()
     def evaluate(self, head: torch.nn.Module, examples: list) -> dict:

@@ -4,9 +4,9 @@ The head (:class:`specheads.heads.EagleHead`) reads the target's states the data
 at a time (``drafter_data.py``); of the target it reads from the checkpoint files only its token
 embeddings (frozen, never part of the head) and what initialises the head: its last layer, final norm
 and the kept output-layer rows (``specheads/runtime/checkpoint_tensors.py``; the whole target is never loaded).
-The loss is the soft cross-entropy against the target's distribution, unrolled ``ttt_steps`` steps on the
+The loss is the soft cross-entropy against the target's distribution, unrolled ``eagle.ttt_steps`` steps on the
 head's own states (training-time test, ``eagle.py``). The best epoch has the longest mean greedy run of
-matching steps (``eval_accept_length``: tokens a round at ``k = ttt_steps`` would keep).
+matching steps (``eval_accept_length``: tokens a round at ``k = eagle.ttt_steps`` would keep).
 """
 
 from __future__ import annotations
@@ -60,20 +60,20 @@ class EagleTask(Task):
     @classmethod
     def check(cls, cfg: TrainConfig) -> list[str]:
         out = []
-        if cfg.ttt_steps < 1:
-            out.append(f"ttt_steps={cfg.ttt_steps} must be >= 1")
-        if not 0 < cfg.ttt_decay <= 1:
-            out.append(f"ttt_decay={cfg.ttt_decay} must be in (0, 1]")
+        if cfg.eagle.ttt_steps < 1:
+            out.append(f"eagle.ttt_steps={cfg.eagle.ttt_steps} must be >= 1")
+        if not 0 < cfg.eagle.ttt_decay <= 1:
+            out.append(f"eagle.ttt_decay={cfg.eagle.ttt_decay} must be in (0, 1]")
         if cfg.vocab_top_n < 1:
             out.append(f"vocab_top_n={cfg.vocab_top_n} must be >= 1")
         if not cfg.target.path:
             out.append("head=eagle needs the target (target.path): its embeddings and layers start the head")
-        if cfg.init_head and cfg.vocab_file:
-            out.append("init_head keeps the vocabulary subset of the head it starts from; drop vocab_file")
-        if cfg.decoder_layers < 1:
-            out.append(f"decoder_layers={cfg.decoder_layers} must be >= 1")
-        if cfg.init_head and not Path(cfg.init_head).is_file():
-            out.append(f"init_head={cfg.init_head!r} is not a file (an EAGLE head.safetensors)")
+        if cfg.eagle.init_head and cfg.vocab_file:
+            out.append("eagle.init_head keeps the vocabulary subset of the head it starts from; drop vocab_file")
+        if cfg.eagle.decoder_layers < 1:
+            out.append(f"eagle.decoder_layers={cfg.eagle.decoder_layers} must be >= 1")
+        if cfg.eagle.init_head and not Path(cfg.eagle.init_head).is_file():
+            out.append(f"eagle.init_head={cfg.eagle.init_head!r} is not a file (an EAGLE head.safetensors)")
         return out
 
     @classmethod
@@ -94,20 +94,20 @@ class EagleTask(Task):
         eos = target.config.eos_token_id
         eos = [int(i) for i in ([eos] if isinstance(eos, int) else eos or [])]
         init = None
-        if cfg.init_head:
-            init, vocab = start_from(cfg.init_head, manifest, data.layers)
+        if cfg.eagle.init_head:
+            init, vocab = start_from(cfg.eagle.init_head, manifest, data.layers)
         else:
             vocab = E.vocabulary(cfg, data, eos, target.config.vocab_size)
         # the target's last layer starts the head, or the layers grown onto init_head
-        starts = init is None or E.decoder_layers(init) < cfg.decoder_layers
+        starts = init is None or E.decoder_layers(init) < cfg.eagle.decoder_layers
         tensors = target.tensors(vocab if starts else None)
         return cls(cfg, manifest, data, vocab, target, tensors, acc.device, init)
 
     @staticmethod
     def summary(cfg: TrainConfig, metrics: dict) -> str:
-        steps = ", ".join(f"{metrics.get(f'eval_acc_step{j}', 0):.3f}" for j in range(1, cfg.ttt_steps + 1))
+        steps = ", ".join(f"{metrics.get(f'eval_acc_step{j}', 0):.3f}" for j in range(1, cfg.eagle.ttt_steps + 1))
         return (
-            f"eagle head: greedy agreement per step {steps}; accepted per round at k={cfg.ttt_steps}: "
+            f"eagle head: greedy agreement per step {steps}; accepted per round at k={cfg.eagle.ttt_steps}: "
             f"{metrics.get('eval_accept_length', 0):.3f}"
         )
 
@@ -118,15 +118,15 @@ class EagleTask(Task):
             self.layers,
             len(self.vocab_ids),
             vocab_size=self.vocab_size,
-            num_layers=self.cfg.decoder_layers,
+            num_layers=self.cfg.eagle.decoder_layers,
         )
         head = EagleHead(config)
         if self.init is not None:
             have = E.decoder_layers(self.init)
             if have > config.num_layers:
                 raise UserError(
-                    f"init_head={self.cfg.init_head!r} has {have} decoder layers; decoder_layers="
-                    f"{config.num_layers} would drop some: set decoder_layers={have} or more"
+                    f"eagle.init_head={self.cfg.eagle.init_head!r} has {have} decoder layers; eagle.decoder_layers="
+                    f"{config.num_layers} would drop some: set eagle.decoder_layers={have} or more"
                 )
             head.load_state_dict(self.init, strict=have == config.num_layers)
             E.grow_from_target(head, self.start, have)
@@ -139,7 +139,7 @@ class EagleTask(Task):
         return E.collate(self.data.rows(examples), self.index, self.device)
 
     def loss(self, head, x: dict, y: dict) -> torch.Tensor:
-        return E.unrolled_loss(head, self.embed, x, y, self.cfg.ttt_steps, self.cfg.ttt_decay)
+        return E.unrolled_loss(head, self.embed, x, y, self.cfg.eagle.ttt_steps, self.cfg.eagle.ttt_decay)
 
     @torch.no_grad()
     def evaluate(self, head: torch.nn.Module, examples: list) -> dict:
@@ -147,7 +147,7 @@ class EagleTask(Task):
         stats: dict = {}
         for i in range(0, len(examples), self.cfg.batch_size):
             x, y = self.batch(examples[i : i + self.cfg.batch_size], 0)
-            E.unrolled_loss(head, self.embed, x, y, self.cfg.ttt_steps, self.cfg.ttt_decay, stats)
+            E.unrolled_loss(head, self.embed, x, y, self.cfg.eagle.ttt_steps, self.cfg.eagle.ttt_decay, stats)
         total, rows = stats.pop("runs")
         runs = total / rows if rows else 0.0
         out = {"eval_accept_length": runs, "eval_rows": rows}
@@ -170,7 +170,7 @@ class EagleTask(Task):
             label="drafter",
             feature={"model": "target", "state": "aux", "layers": self.layers},
             draft_vocab={"size": len(self.vocab_ids), "hash": subset_hash(ids)},
-            ttt_steps=self.cfg.ttt_steps,
+            ttt_steps=self.cfg.eagle.ttt_steps,
         )
 
     def models(self) -> dict[str, tuple]:
@@ -202,16 +202,16 @@ def start_from(path: str, manifest: dict, layers: list[int]) -> tuple[dict[str, 
     loaded = load_head(path)
     meta = loaded.metadata
     if meta.get("head_type") != "eagle":
-        raise UserError(f"init_head={path!r} is head_type={meta.get('head_type')!r}; it must be an EAGLE head")
+        raise UserError(f"eagle.init_head={path!r} is head_type={meta.get('head_type')!r}; it must be an EAGLE head")
     want = manifest["target"]["fingerprint"]
     if meta.get("target", {}).get("fingerprint") != want:
         raise UserError(
-            f"init_head={path!r} was trained on target {meta.get('target', {}).get('name')!r}, not the "
+            f"eagle.init_head={path!r} was trained on target {meta.get('target', {}).get('name')!r}, not the "
             f"target the data was written with ({manifest['target']['name']!r})"
         )
     if list(meta.get("feature", {}).get("layers", [])) != list(layers):
         raise UserError(
-            f"init_head={path!r} reads target layers {meta.get('feature', {}).get('layers')} but the "
+            f"eagle.init_head={path!r} reads target layers {meta.get('feature', {}).get('layers')} but the "
             f"data holds layers {layers}"
         )
     state = {k: v.float() if v.is_floating_point() else v for k, v in loaded.module.state_dict().items()}

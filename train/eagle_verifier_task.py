@@ -1,14 +1,15 @@
 """The SPRINTER verifier for an EAGLE drafter (``head=eagle_verifier``) on ``labels=eagle_rounds`` data.
 
-No model is loaded: the datagen run decoded with the EAGLE head and stored, per candidate ``y``, the head's post-norm
-state (``eagle_rounds.position=previous``: the state that drew ``y``, SPRINTER's ``feature=previous``; ``own``: the
-state after consuming ``y``, ``feature=current``), the drafter's ``q(y)`` and the target's ``p(y)`` (both from the
-temperature-1 softmax under greedy decoding, as ``labels=sprinter`` compares them). The label is SPRINTER's ratio
-threshold, ``q(y) <= lam * p(y)``, taken from those two columns at batch time (so ``roc_lambdas`` heads share the
-data). The head is a :class:`~specheads.heads.VerifierHead` on the state, class-weighted BCE, the best epoch by
-held-out AUROC. It exports as ``head_type=verifier`` with ``feature.model: eagle`` and that EAGLE head's
-``tensors_sha256``, so ``heads-decode policy=sprinter sprinter.head=... eagle=...`` reads it and decoding with
-another EAGLE head (or the draft model) is an error.
+No model is loaded: the datagen run decoded with the EAGLE head and stored, per candidate ``y``, the head's
+post-norm state (``eagle_rounds.position=previous``: the state that drew ``y``, SPRINTER's
+``verifier.feature=previous``; ``own``: the state after consuming ``y``, ``verifier.feature=current``), the
+drafter's ``q(y)`` and the target's ``p(y)`` (both from the temperature-1 softmax under greedy decoding, as
+``labels=sprinter`` compares them). The label is SPRINTER's ratio threshold, ``q(y) <= lam * p(y)``, taken from
+those two columns at batch time (so ``verifier.roc_lambdas`` heads share the data). The head is a
+:class:`~specheads.heads.VerifierHead` on the state, class-weighted BCE, the best epoch by held-out AUROC. It
+exports as ``head_type=verifier`` with ``feature.model: eagle`` and that EAGLE head's ``tensors_sha256``, so
+``heads-decode policy=sprinter sprinter.head=... eagle=...`` reads it and decoding with another EAGLE head (or the
+draft model) is an error.
 """
 
 from __future__ import annotations
@@ -41,17 +42,18 @@ class EagleVerifierTask(Task):
         self.train_examples, self.eval_examples = split(store.examples, cfg.eval_fraction, cfg.seed)
         self.hidden = int(manifest["hidden_size"])
         ratio = store.ratio[store.rows(self.train_examples)]
-        share = float((ratio <= cfg.lam).float().mean())
+        share = float((ratio <= cfg.verifier.lam).float().mean())
         fixed = cfg.class_weights == "fixed"
-        self.weights = (cfg.w_acc, cfg.w_rej) if fixed else V.balanced_weights(share, cfg.lam)
+        self.weights = (cfg.w_acc, cfg.w_rej) if fixed else V.balanced_weights(share, cfg.verifier.lam)
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> list[str]:
         out = []
-        if cfg.feature not in FEATURE_OF_POSITION.values():
+        if cfg.verifier.feature not in FEATURE_OF_POSITION.values():
             out.append(
-                f"feature={cfg.feature!r}: head=eagle_verifier reads the EAGLE head's state, previous (the state "
-                "that drew the candidate) or current (the state after it); the EAGLE head has no draft embedding"
+                f"verifier.feature={cfg.verifier.feature!r}: head=eagle_verifier reads the EAGLE head's state, "
+                "previous (the state that drew the candidate) or current (the state after it); the EAGLE head has no "
+                "draft embedding"
             )
         return out + V.label_problems(cfg)
 
@@ -64,12 +66,12 @@ class EagleVerifierTask(Task):
                 "labels=eagle_rounds eagle_rounds.position=previous"
             )
         position = rounds["feature"]["position"]
-        if FEATURE_OF_POSITION[position] != cfg.feature:
-            want = next(p for p, f in FEATURE_OF_POSITION.items() if f == cfg.feature)
+        if FEATURE_OF_POSITION[position] != cfg.verifier.feature:
+            want = next(p for p, f in FEATURE_OF_POSITION.items() if f == cfg.verifier.feature)
             raise UserError(
                 f"{cfg.data_dir} stores eagle_rounds.position={position} states (SPRINTER's feature="
-                f"{FEATURE_OF_POSITION[position]}); train with feature={FEATURE_OF_POSITION[position]} or relabel "
-                f"with eagle_rounds.position={want}"
+                f"{FEATURE_OF_POSITION[position]}); train with verifier.feature={FEATURE_OF_POSITION[position]} or "
+                f"relabel with eagle_rounds.position={want}"
             )
         return cls(cfg, manifest, StopStore(cfg.data_dir), acc.device)
 
@@ -92,7 +94,7 @@ class EagleVerifierTask(Task):
 
     def batch(self, examples: list, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, ratio = self.ratios(examples)
-        return x, (ratio <= self.cfg.lam).float()
+        return x, (ratio <= self.cfg.verifier.lam).float()
 
     def _predict(self, head: torch.nn.Module, examples: list) -> tuple[torch.Tensor, torch.Tensor]:
         return predict(head, examples, self.cfg.batch_size, self.ratios)
@@ -102,9 +104,9 @@ class EagleVerifierTask(Task):
         """AUROC (the head's and the drafter's confidence's), weighted loss, TPR/FPR/accuracy at eta, alpha."""
         cfg = self.cfg
         logits, ratio = self._predict(head, examples)
-        roc = V.roc_metrics(torch.sigmoid(logits), ratio, cfg.lam, cfg.threshold)
-        conf = V.roc_metrics(self.store.confidence[self.store.rows(examples)], ratio, cfg.lam, cfg.threshold)
-        y = (ratio <= cfg.lam).float()
+        roc = V.roc_metrics(torch.sigmoid(logits), ratio, cfg.verifier.lam, cfg.threshold)
+        conf = V.roc_metrics(self.store.confidence[self.store.rows(examples)], ratio, cfg.verifier.lam, cfg.threshold)
+        y = (ratio <= cfg.verifier.lam).float()
         return {
             "eval_auroc": roc["auroc"],
             "eval_auroc_confidence": conf["auroc"],
@@ -126,10 +128,12 @@ class EagleVerifierTask(Task):
         eagle = rounds["eagle"]
         feature = {
             **rounds["feature"],
-            "position": self.cfg.feature,
+            "position": self.cfg.verifier.feature,
             "eagle": {"file": eagle.get("file"), "tensors_sha256": eagle["tensors_sha256"]},
         }
-        return describe(self.cfg, self.manifest, self.hidden, metrics, label="ratio", lam=self.cfg.lam, feature=feature)
+        return describe(
+            self.cfg, self.manifest, self.hidden, metrics, label="ratio", lam=self.cfg.verifier.lam, feature=feature
+        )
 
     def models(self) -> dict[str, tuple]:
         return {}  # the states were stored by the datagen run
@@ -140,7 +144,7 @@ class EagleVerifierTask(Task):
     def drafter_name(self) -> str:
         return Path(str(self.manifest["eagle_rounds"]["eagle"].get("file") or "the EAGLE head")).name
 
-    # the roc_lambdas companions and the report are the draft-model verifier's
+    # the verifier.roc_lambdas companions and the report are the draft-model verifier's
     _lambdas = VerifierTask._lambdas
     companions = VerifierTask.companions
     report = VerifierTask.report

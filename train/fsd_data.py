@@ -1,11 +1,11 @@
 """The FSD acceptance head's label: one stored ``Div < T`` decision of a ``labels=fsd`` run.
 
-``heads-train label=fsd fsd_label=js@0.3`` trains the SpecDec++ acceptance head (same module,
+``heads-train acceptance.label=fsd acceptance.fsd_label=js@0.3`` trains the SpecDec++ acceptance head (same module,
 same loss, same loop) to predict whether fuzzy speculative decoding with that divergence and
 threshold accepts the drafted token (FSD paper, section 7.1). The decision is a function of
 ``p_i`` and ``q_i`` alone, so the head reads the state that produced ``q_i``: the draft's state at
 position ``i-1`` of the target's own sequence ``c, x`` (no token mixing, every position carries a
-loss), as for ``label=expected``. The label is hard (0/1): the weighted soft BCE is then the
+loss), as for ``acceptance.label=expected``. The label is hard (0/1): the weighted soft BCE is then the
 weighted BCE (``w_acc = w_rej`` gives the plain BCE).
 
 The divergence and threshold must be among those the datagen run stored (its manifest's
@@ -29,15 +29,19 @@ def parse_label(text: str) -> tuple[str, float]:
     """
     name, sep, value = text.partition("@")
     if not text or not sep:
-        raise UserError(f"fsd_label={text!r}: write <divergence>@<threshold>, e.g. fsd_label=js@0.3")
+        raise UserError(
+            f"acceptance.fsd_label={text!r}: write <divergence>@<threshold>, e.g. acceptance.fsd_label=js@0.3"
+        )
     if name not in DIVERGENCES:
-        raise UserError(f"fsd_label={text!r}: unknown divergence {name!r}; choose one of {list(DIVERGENCES)}")
+        raise UserError(
+            f"acceptance.fsd_label={text!r}: unknown divergence {name!r}; choose one of {list(DIVERGENCES)}"
+        )
     try:
         threshold = float(value)
     except ValueError:
-        raise UserError(f"fsd_label={text!r}: threshold {value!r} is not a number") from None
+        raise UserError(f"acceptance.fsd_label={text!r}: threshold {value!r} is not a number") from None
     if not math.isfinite(threshold) or threshold < 0:
-        raise UserError(f"fsd_label={text!r}: the threshold must be finite and >= 0")
+        raise UserError(f"acceptance.fsd_label={text!r}: the threshold must be finite and >= 0")
     return name, threshold
 
 
@@ -45,7 +49,7 @@ def label_column(text: str, manifest: dict, data_dir: str) -> str:
     """The Parquet column holding the decisions ``text`` selects in a ``labels=fsd`` run.
 
     Args:
-        text: ``fsd_label``.
+        text: ``acceptance.fsd_label``.
         manifest: the datagen run's manifest.
         data_dir: its directory (for the messages).
 
@@ -55,7 +59,7 @@ def label_column(text: str, manifest: dict, data_dir: str) -> str:
     info = manifest.get("fsd")
     if manifest.get("labels") != "fsd" or not info:
         raise UserError(
-            f"label=fsd needs labels=fsd data but {data_dir} holds labels={manifest.get('labels')!r}; "
+            f"acceptance.label=fsd needs labels=fsd data but {data_dir} holds labels={manifest.get('labels')!r}; "
             "run heads-datagen labels=fsd"
         )
     name, threshold = parse_label(text)
@@ -65,7 +69,7 @@ def label_column(text: str, manifest: dict, data_dir: str) -> str:
                 return info["label_columns"][f"{d}@{t:g}"]
     stored = [f"{d}@{t:g}" for d in info["divergences"] for t in info["thresholds"]]
     raise UserError(
-        f"fsd_label={text!r} is not in {data_dir}: it stores {stored}; pick one of those or rerun "
+        f"acceptance.fsd_label={text!r} is not in {data_dir}: it stores {stored}; pick one of those or rerun "
         "heads-datagen with that divergence and threshold in fsd.divergences / fsd.thresholds"
     )
 

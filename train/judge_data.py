@@ -63,7 +63,7 @@ class JudgeStore:
                 if "signals" not in shapes:
                     raise UserError(
                         f"{side.features_path} holds no signals (written before the judge read the target's "
-                        "verdict); re-run heads-datagen labels=judge into a new output_dir, or drop judge_signals"
+                        "verdict); re-run heads-datagen labels=judge into a new output_dir, or drop judge.signals"
                     )
                 verdicts.append(read_small(side.features_path, ("signals",))[0]["signals"][:, pick])
             ids = [prefix + t for t in pq.read_table(path, columns=["tuple_id"]).column("tuple_id").to_pylist()]

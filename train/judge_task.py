@@ -43,14 +43,14 @@ class JudgeTask(Task):
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> list[str]:
-        bad = [s for s in cfg.judge_signals if s not in JUDGE_SIGNALS]
-        if bad or len(set(cfg.judge_signals)) < len(cfg.judge_signals):
-            return [f"judge_signals={list(cfg.judge_signals)}: choose each at most once from {list(JUDGE_SIGNALS)}"]
+        bad = [s for s in cfg.judge.signals if s not in JUDGE_SIGNALS]
+        if bad or len(set(cfg.judge.signals)) < len(cfg.judge.signals):
+            return [f"judge.signals={list(cfg.judge.signals)}: choose each at most once from {list(JUDGE_SIGNALS)}"]
         return []
 
     @classmethod
     def setup(cls, cfg: TrainConfig, manifest: dict, acc) -> JudgeTask:
-        store = J.JudgeStore(cfg.data_dir, tuple(cfg.judge_signals))
+        store = J.JudgeStore(cfg.data_dir, tuple(cfg.judge.signals))
         train_examples, eval_examples = split(store.examples, cfg.eval_fraction, cfg.seed)
         weights = (cfg.w_acc, cfg.w_rej)
         if cfg.class_weights == "balanced":
@@ -73,7 +73,7 @@ class JudgeTask(Task):
 
     def build_head(self) -> JudgeHead:
         torch.manual_seed(self.cfg.seed)
-        return JudgeHead(self.hidden, self.cfg.depth, tuple(self.cfg.judge_signals))
+        return JudgeHead(self.hidden, self.cfg.depth, tuple(self.cfg.judge.signals))
 
     def batch(self, examples: list, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.store.batch(epoch, examples, self.device)
@@ -107,7 +107,7 @@ class JudgeTask(Task):
             label="judge",
             draft=self.manifest.get("draft"),
             feature={"model": "target", "state": "pre", "layer": -1, "position": "own"}
-            | ({"signals": list(self.cfg.judge_signals)} if self.cfg.judge_signals else {}),
+            | ({"signals": list(self.cfg.judge.signals)} if self.cfg.judge.signals else {}),
         )
 
     def models(self) -> dict[str, tuple]:

@@ -103,7 +103,8 @@ def balanced_weights(s: float, lam: float) -> tuple[float, float]:
     """``(w_pos, w_neg)`` for a share ``s`` of label 1 at ``lam``; UserError when one class is missing."""
     if s in (0.0, 1.0):
         raise UserError(
-            f"every training label at lam={lam} is {int(s)}: nothing to learn; label more prompts or pick another lam"
+            f"every training label at lam={lam} is {int(s)}: nothing to learn; label more prompts or pick another "
+            "verifier.lam"
         )
     return 0.5 / s, 0.5 / (1 - s)
 
@@ -113,8 +114,8 @@ def label_problems(cfg) -> list[str]:
     out = []
     if cfg.class_weights not in ("balanced", "fixed"):
         out.append(f"class_weights={cfg.class_weights!r}: choose balanced or fixed")
-    if cfg.lam <= 0 or any(lam <= 0 for lam in cfg.roc_lambdas):
-        out.append("lam and every roc_lambdas value must be > 0")
+    if cfg.verifier.lam <= 0 or any(lam <= 0 for lam in cfg.verifier.roc_lambdas):
+        out.append("verifier.lam and every verifier.roc_lambdas value must be > 0")
     return out
 
 

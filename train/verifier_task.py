@@ -3,7 +3,7 @@
 Hard labels ``q(x) <= lambda * p(x)`` taken at batch time from the stored ratios (so heads for
 several ``lambda`` share one feature cache), class-weighted BCE, the best epoch by held-out AUROC.
 After training: ``metrics.json`` (ROC, AUROC, TPR/FPR/accuracy at eta, alpha) and ``roc.png``, one
-curve per ``roc_lambdas`` value, each from its own head trained in ``lambda-<x>/``.
+curve per ``verifier.roc_lambdas`` value, each from its own head trained in ``lambda-<x>/``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from specheads.train.task import EVAL_EPOCH, Task, auroc_score, calibration_metr
 
 
 class VerifierTask(Task):
-    """The verifier on a draft feature (``feature=previous|current|previous+embedding``), ``labels=sprinter`` data."""
+    """The verifier on a draft feature (``verifier.feature=previous|current|previous+embedding``), on
+    ``labels=sprinter`` data."""
 
     labels = ("sprinter",)
     head_type = "verifier"
@@ -45,8 +46,10 @@ class VerifierTask(Task):
     @classmethod
     def check(cls, cfg: TrainConfig) -> list[str]:
         problems = []
-        if cfg.feature not in V.FEATURES:
-            problems.append(f"feature={cfg.feature!r}: choose previous, current or previous+embedding")
+        if cfg.verifier.feature not in V.FEATURES:
+            problems.append(
+                f"verifier.feature={cfg.verifier.feature!r}: choose previous, current or previous+embedding"
+            )
         return problems + V.label_problems(cfg)
 
     @classmethod
@@ -54,12 +57,22 @@ class VerifierTask(Task):
         train_examples, eval_examples = split(V.load_examples(cfg.data_dir), cfg.eval_fraction, cfg.seed)
         draft = load_draft(cfg, acc, manifest)
         weights = (
-            V.class_weights(train_examples, cfg.lam) if cfg.class_weights == "balanced" else (cfg.w_acc, cfg.w_rej)
+            V.class_weights(train_examples, cfg.verifier.lam)
+            if cfg.class_weights == "balanced"
+            else (cfg.w_acc, cfg.w_rej)
         )
         task = cls(cfg, manifest, draft, train_examples, eval_examples, weights)
         if cfg.features == "cached":  # one file for every epoch (no mixing) and every lambda
             task.cache = feature_cache(
-                cfg, acc, draft, f"verifier:{cfg.feature}", 0.0, task.features, 1, train_examples, eval_examples
+                cfg,
+                acc,
+                draft,
+                f"verifier:{cfg.verifier.feature}",
+                0.0,
+                task.features,
+                1,
+                train_examples,
+                eval_examples,
             )
         return task
 
@@ -72,12 +85,12 @@ class VerifierTask(Task):
 
     def build_head(self) -> VerifierHead:
         torch.manual_seed(self.cfg.seed)
-        return VerifierHead(V.feature_width(self.cfg.feature, self.hidden), self.cfg.depth)
+        return VerifierHead(V.feature_width(self.cfg.verifier.feature, self.hidden), self.cfg.depth)
 
     def features(self, examples: list, epoch: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """The verifier's input at every labelled prefix of a batch, the ratios ``q(x)/p(x)``, rows per example."""
         d = self.draft
-        return V.draft_features(d.model, d.capture, examples, self.cfg.feature, d.pad, d.device)
+        return V.draft_features(d.model, d.capture, examples, self.cfg.verifier.feature, d.pad, d.device)
 
     def ratios(self, examples: list, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Features and raw ratios of a batch (from the cache when there is one)."""
@@ -87,14 +100,14 @@ class VerifierTask(Task):
 
     def batch(self, examples: list, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, ratio = self.ratios(examples, epoch if epoch == EVAL_EPOCH else 0)  # the same every epoch
-        return x, (ratio <= self.cfg.lam).float()
+        return x, (ratio <= self.cfg.verifier.lam).float()
 
     def evaluate(self, head: torch.nn.Module, examples: list) -> dict:
         """AUROC, weighted loss, TPR/FPR/accuracy at eta, alpha."""
         cfg = self.cfg
         logits, ratio = self._predict(head, examples)
-        roc = V.roc_metrics(torch.sigmoid(logits), ratio, cfg.lam, cfg.threshold)
-        y = (ratio <= cfg.lam).float()
+        roc = V.roc_metrics(torch.sigmoid(logits), ratio, cfg.verifier.lam, cfg.threshold)
+        y = (ratio <= cfg.verifier.lam).float()
         w_pos, w_neg = self.weights
         return {
             "eval_auroc": roc["auroc"],
@@ -123,9 +136,9 @@ class VerifierTask(Task):
             self.hidden,
             metrics,
             label="ratio",
-            lam=cfg.lam,
+            lam=cfg.verifier.lam,
             draft=self.manifest["draft"],
-            feature={"model": "draft", "state": "post", "layer": -1, "position": cfg.feature},
+            feature={"model": "draft", "state": "post", "layer": -1, "position": cfg.verifier.feature},
         )
 
     def models(self) -> dict[str, tuple]:
@@ -138,14 +151,18 @@ class VerifierTask(Task):
         return Path(self.draft.name).name
 
     def _lambdas(self) -> list[float]:
-        return [lam for lam in self.cfg.roc_lambdas if lam != self.cfg.lam]
+        return [lam for lam in self.cfg.verifier.roc_lambdas if lam != self.cfg.verifier.lam]
 
     def companions(self, out: Path) -> list[tuple[str, TrainConfig]]:
-        """One more verifier per ``roc_lambdas`` value, on the same data, in ``lambda-<x>/``."""
+        """One more verifier per ``verifier.roc_lambdas`` value, on the same data, in ``lambda-<x>/``."""
         return [
             (
-                f"roc_lambdas: training the lambda={lam:g} verifier",
-                replace(self.cfg, lam=lam, roc_lambdas=[], output_dir=str(out / f"lambda-{lam:g}")),
+                f"verifier.roc_lambdas: training the lambda={lam:g} verifier",
+                replace(
+                    self.cfg,
+                    verifier=replace(self.cfg.verifier, lam=lam, roc_lambdas=[]),
+                    output_dir=str(out / f"lambda-{lam:g}"),
+                ),
             )
             for lam in self._lambdas()
         ]
@@ -157,7 +174,7 @@ class VerifierTask(Task):
         if not acc.is_main_process:
             return {}
         cfg, curves = self.cfg, []
-        for lam, folder in [(cfg.lam, out)] + [(lam, out / f"lambda-{lam:g}") for lam in self._lambdas()]:
+        for lam, folder in [(cfg.verifier.lam, out)] + [(lam, out / f"lambda-{lam:g}") for lam in self._lambdas()]:
             head = load_head(folder / "head.safetensors").module.to(self.head_device()).float()
             logits, ratio = self._predict(head, self.eval_examples)
             curves.append(V.roc_metrics(torch.sigmoid(logits), ratio, lam, cfg.threshold))
@@ -165,15 +182,15 @@ class VerifierTask(Task):
         png = V.roc_plot(
             out / "roc.png",
             curves,
-            f"SPRINTER verifier ({cfg.feature}) on {self.drafter_name()}\n"
+            f"SPRINTER verifier ({cfg.verifier.feature}) on {self.drafter_name()}\n"
             f"{curves[0]['tokens']} held-out tokens, eta={cfg.threshold:g}",
         )
-        main = next(c for c in curves if c["lam"] == cfg.lam)
+        main = next(c for c in curves if c["lam"] == cfg.verifier.lam)
         report = {
             "auroc": main["auroc"],
-            "lam": cfg.lam,
+            "lam": cfg.verifier.lam,
             "eta": cfg.threshold,
-            "feature": cfg.feature,
+            "feature": cfg.verifier.feature,
             "tpr_at_eta": main["tpr_at_eta"],
             "fpr_at_eta": main["fpr_at_eta"],
             "accuracy_at_eta": main["accuracy_at_eta"],

@@ -82,7 +82,7 @@ class PipelineConfig:
         default_factory=list,
         metadata={
             "help": "training runs in order, each the recipe's train section with these keys changed, each starting "
-            "from the one before's head (init_head); export reads the last"
+            "from the one before's head (eagle.init_head); export reads the last"
         },
     )
 

@@ -4,11 +4,11 @@
 A part is the recipe's ``datagen`` section with the part's keys changed, a training stage the recipe's ``train``
 section with the stage's (both after what the pipeline chains: the pruned draft, the data). Command-line overrides
 (``datagen.num_prompts=8``) apply to every part or stage after its own keys, but for the keys that name a run
-(``output_dir``; a stage's ``init_head``): there the part's or stage's own value stays. A part without
+(``output_dir``; a stage's ``eagle.init_head``): there the part's or stage's own value stays. A part without
 ``output_dir`` writes ``<datagen.output_dir>-part<i>``. Training reads every part's ``output_dir`` but those of
 ``labels=prompts`` parts, which write a prompt file a later part reads (``prompts: <its output_dir>/prompts.jsonl``).
 Stage ``i`` writes ``<train.output_dir>-stage<i>`` (the last: ``train.output_dir``) unless it names its own, and
-starts from the stage before's head unless it sets ``init_head``.
+starts from the stage before's head unless it sets ``eagle.init_head``.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ def overrides(keys: dict[str, Any]) -> list[str]:
     return [f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in _schema.flatten(dict(keys))]
 
 
-IDENTITY = {"datagen": ("output_dir",), "train": ("output_dir", "init_head")}
+IDENTITY = {"datagen": ("output_dir",), "train": ("output_dir", "eagle.init_head")}
 
 
 def _split(stage: str, keys: dict[str, Any]) -> tuple[list[str], list[str]]:
     """A run's overrides: ``(own keys, the keys naming the run)``: those go before the command line, these after."""
+    keys = dict(_schema.flatten(dict(keys)))  # a section's keys dotted: eagle.init_head
     own = {k: v for k, v in keys.items() if k not in IDENTITY[stage]}
     return overrides(own), overrides({k: v for k, v in keys.items() if k in IDENTITY[stage]})
 
@@ -77,11 +78,11 @@ def expand(
     train_chain += [f"data_dir={','.join(data)}"] if data else []
     stages = []
     for i, keys in enumerate(pipe.train_stages):
-        mine = dict(keys)
+        mine = dict(_schema.flatten(dict(keys)))
         if "output_dir" not in mine and i < len(pipe.train_stages) - 1:
             mine["output_dir"] = f"{cfgs['train'].output_dir}-stage{i + 1}"
-        if stages and "init_head" not in mine:
-            mine["init_head"] = str(Path(stages[-1].output_dir) / "head.safetensors")
+        if stages and "eagle.init_head" not in mine:
+            mine["eagle.init_head"] = str(Path(stages[-1].output_dir) / "head.safetensors")
         try:
             own, names = _split("train", mine)
             stages.append(load("train", stage_args("train", train_chain + own, names)))

@@ -198,12 +198,14 @@ def head_params(cfg, target: Shape | None, draft: Shape | None, data) -> int:
     if head == "eagle":
         return eagle_head_params(target, min(cfg.vocab_top_n, target.vocab), len(data.get("layers") or [0] * 3))
     if head == "draft":
-        return draft.params() - (draft.vocab * draft.hidden * (1 if draft.tied else 2) if cfg.freeze_embeddings else 0)
+        return draft.params() - (
+            draft.vocab * draft.hidden * (1 if draft.tied else 2) if cfg.distill.freeze_embeddings else 0
+        )
     width = {
         "acceptance": draft.hidden if draft else 0,
-        "verifier": (2 if cfg.feature == "previous+embedding" else 1) * (draft.hidden if draft else 0),
+        "verifier": (2 if cfg.verifier.feature == "previous+embedding" else 1) * (draft.hidden if draft else 0),
         "judge": target.hidden if target else 0,
-        "eagle_stop": (target.hidden if target else 0) + int(cfg.stop_confidence),
+        "eagle_stop": (target.hidden if target else 0) + int(cfg.eagle_stop.confidence),
     }[head]
     return cfg.depth * (width * width + width) + width + 1
 
@@ -232,7 +234,7 @@ def train_memory(cfg, data: dict, world: int, zero: int = 0, batch: int | None =
     if zero >= 3:
         weights["head"] /= world
     if head == "eagle":
-        steps = cfg.ttt_steps
+        steps = cfg.eagle.ttt_steps
         vocab = min(cfg.vocab_top_n, target.vocab)
         activations = steps * rows * (layer_values(target) * act_b + 2 * vocab * 4)
     elif head == "draft":
