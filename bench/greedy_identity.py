@@ -90,7 +90,7 @@ def configs(heads: dict[str, str]) -> dict[str, list[str]]:
         "fsd_kl_or": ["policy=fsd", "fsd.k=3", "fsd.T=0.5", "fsd.divergence=kl", "fsd.fsd_rule=or"],
         "specdecpp": ["policy=specdecpp", f"specdecpp.head={heads['specdecpp']}", *own],
         "specdecpp_cost": ["policy=specdecpp", f"specdecpp.head={heads['specdecpp']}", "specdecpp.stop=cost", *own],
-        "sprinter": ["policy=sprinter", f"sprinter.head={heads['sprinter']}", "sprinter.k=4"],
+        "sprinter": ["policy=sprinter", f"sprinter.head={heads['sprinter']}", "sprinter.max_run=8"],
         "judge": ["policy=judge", f"judge.head={heads['judge']}", "judge.k=3"],
         "eagle_sd": ["policy=sd", "sd.k=4", eagle],
         "eagle_stop": ["policy=specdecpp", on_eagle, *own, eagle],
@@ -104,8 +104,9 @@ def configs(heads: dict[str, str]) -> dict[str, list[str]]:
 DECISIONS = ("target_calls", "drafted", "accepted", "rounds", "verifier_calls")
 
 
-def run(heads: dict[str, str], max_new: int) -> tuple[dict, dict]:
-    """Each configuration's tokens and decisions per completion."""
+def run(heads: dict[str, str], max_new: int, partial: Path) -> tuple[dict, dict]:
+    """Each configuration's tokens and decisions per completion; each finished configuration is kept in ``partial``
+    at once, and a rerun after a failure starts from the configurations it does not hold."""
     try:  # a checkout before 0.3 (the decode front under export/); an editable install would also find the new one
         from specheads.export.decode_cli import main
     except ImportError:
@@ -116,9 +117,12 @@ def run(heads: dict[str, str], max_new: int) -> tuple[dict, dict]:
         from specheads.datagen.vocab_ranking import main as vocab_main
 
         vocab_main(["recipe=specdecpp_draft_quickstart", f"output={vocab}"])
-    results, decisions = {}, {}
+    kept = json.loads(partial.read_text()) if partial.is_file() else {"outputs": {}, "decisions": {}}
+    results, decisions = kept["outputs"], kept["decisions"]
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in configs(heads).items():
+            if name in results:
+                continue
             tokens, made = [], []
             for i, (path, offset, n) in enumerate(PROMPTS):
                 out = Path(tmp) / f"{name}-{i}"
@@ -143,6 +147,8 @@ def run(heads: dict[str, str], max_new: int) -> tuple[dict, dict]:
                 made += [[r["stats"].get(k, 0) for k in DECISIONS] for r in rows]
                 print(f"{name} set {i}: {len(rows)} prompts, {time.perf_counter() - start:.1f} s", flush=True)
             results[name], decisions[name] = tokens, made
+            partial.write_text(json.dumps({"outputs": results, "decisions": decisions}))
+    partial.unlink()
     return results, decisions
 
 
@@ -164,7 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench/results/greedy_identity.json"))
     args = ap.parse_args(argv)
     heads = make_heads(Path(args.heads))
-    outputs, decisions = run(heads, args.max_new_tokens)
+    outputs, decisions = run(heads, args.max_new_tokens, Path(args.out + ".partial"))
     report = {
         **run_info(__file__, argv, "fp32, greedy, batch 1"),
         "commit": commit(),
