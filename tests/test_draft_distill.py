@@ -166,7 +166,7 @@ def test_distillation_raises_agreement_and_writes_a_draft_every_loader_reads(set
 
 
 def test_same_seed_same_weights_and_a_resumed_run_ends_the_same(setting, trained, monkeypatch):
-    from specheads.train import checkpoint_save as checkpoint  # where the trainer's save lives
+    from specheads.train import checkpoint
 
     again, cut = setting / "again", setting / "cut"
     assert main(args(setting, again)) == 0

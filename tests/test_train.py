@@ -100,7 +100,7 @@ def test_family_settings_sit_in_their_sections_and_a_flat_key_names_its_new_spel
 
 
 def test_resumed_training_gives_the_same_head(tiny_pair_dirs, labelled, tmp_path, monkeypatch):
-    from specheads.train import checkpoint_save as checkpoint  # where the trainer's save lives
+    from specheads.train import checkpoint
 
     full, cut = tmp_path / "full", tmp_path / "cut"
     assert main(train_args(tiny_pair_dirs, labelled, full)) == 0

@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import run_killed, same_heads, train_args
 
-from specheads.train import checkpoint, checkpoint_save
+from specheads.train import checkpoint
 from specheads.train.cli import main
 
 # 8 training examples, batch 2, no accumulation: 4 steps an epoch, 12 in all, a checkpoint after each
@@ -79,7 +79,7 @@ def _crash_on_save(monkeypatch, n: int, after_write: bool):
     """The ``n``-th checkpoint save raises: after writing its state.safetensors into the temporary
     folder (``after_write=False``: before the folder is renamed), or right after the save."""
     calls = {"n": 0}
-    real_save, real_file = checkpoint_save.save, checkpoint_save.save_file
+    real_save, real_file = checkpoint.save, checkpoint.save_file
 
     def save(*args, **kwargs):
         calls["n"] += 1
@@ -93,8 +93,8 @@ def _crash_on_save(monkeypatch, n: int, after_write: bool):
         if not after_write and calls["n"] == n and path.endswith("state.safetensors"):
             raise KeyboardInterrupt  # the process dies in the middle of the save
 
-    monkeypatch.setattr(checkpoint_save, "save", save)
-    monkeypatch.setattr(checkpoint_save, "save_file", save_file)  # where save writes its files
+    monkeypatch.setattr(checkpoint, "save", save)
+    monkeypatch.setattr(checkpoint, "save_file", save_file)  # where save writes its files
 
 
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(

@@ -1,4 +1,5 @@
-"""The head training run: setup, epochs, evaluation, early stopping, checkpoints, export.
+"""The head training run: setup, epochs, evaluation, early stopping, checkpoints, export; the data's manifest,
+the epoch's batches and whether an output directory holds another run.
 
 One loop serves every head; the run's task (``task.py``, the one ``head=`` names in ``registry.py``)
 says which examples, which features and labels, how to build, evaluate, select and describe the
@@ -24,6 +25,7 @@ import json
 import logging
 import math
 import os
+import random
 import shutil
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -34,12 +36,12 @@ import torch
 from tqdm import tqdm
 
 from specheads.config import to_yaml
+from specheads.dataset import MIXED_DATA_LABELS
 from specheads.errors import UserError
-from specheads.outputs import MetricsWriter, atomic_write_json, prepare_output_dir
+from specheads.outputs import MetricsWriter, atomic_write_json, holds_other_run, prepare_output_dir
 from specheads.runtime.numerics import check_resume, numerics_settings
-from specheads.train import checkpoint, checkpoint_save, zero
+from specheads.train import checkpoint, zero
 from specheads.train.config import TrainConfig
-from specheads.train.run_data import _epoch_batches, data_manifest, overwrites_another_run
 from specheads.train.task import Task, param_dtype
 
 log = logging.getLogger(__name__)
@@ -72,7 +74,7 @@ def train(cfg: TrainConfig, kind: type[Task], out: Path, fresh: bool = False) ->
         )
     if _any_rank(acc, fresh):
         if acc.is_main_process:
-            checkpoint_save.clear(out)
+            checkpoint.clear(out)
             for name in (kind.artifact, "head.safetensors", "best_metrics.json"):
                 shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink(missing_ok=True)
         acc.wait_for_everyone()
@@ -277,10 +279,59 @@ def _save_checkpoint(run: _Run, metrics) -> None:
     with zero.full_weights(run.raw, run.zero3):
         if acc.is_main_process:
             progress["metrics_bytes"] = metrics.path.stat().st_size  # what a resumed run keeps
-            checkpoint_save.save(
+            checkpoint.save(
                 run.out, step, run.raw, None if run.ds else run.opt, run.sched, dict(progress), extra_files=parts
             )
     acc.wait_for_everyone()
+
+
+def _epoch_batches(n: int, batch: int, world: int, seed: int, epoch: int) -> list[list[int]]:
+    """The epoch's micro-batches of example indices, padded so every process gets as many."""
+    order = list(range(n))
+    random.Random(seed * 1000 + epoch).shuffle(order)
+    per_round = batch * world
+    if len(order) % per_round:
+        order += order[: per_round - len(order) % per_round]
+    return [order[i : i + batch] for i in range(0, len(order), batch)]
+
+
+def overwrites_another_run(cfg: TrainConfig) -> bool:
+    """``overwrite=true`` into an output_dir that holds a run with another config (call it before
+    ``prepare_output_dir`` rewrites config.yaml): that run's checkpoints must not be resumed."""
+    return cfg.overwrite and holds_other_run(cfg.output_dir, to_yaml(cfg))
+
+
+def data_manifest(cfg: TrainConfig) -> dict:
+    """The manifest of ``data_dir``; for several comma-separated judge data sets (tuples mixed from several
+    sources: arithmetic-localised, swap-mined, imported), the first one's, after checking that every one is
+    judge data of the same target (fingerprint and hidden size)."""
+    dirs = [d.strip() for d in cfg.data_dir.split(",") if d.strip()]
+    if not dirs:
+        raise UserError(f"data_dir={cfg.data_dir!r} names no directory; pass data_dir=<heads-datagen output_dir>")
+    manifests = []
+    for d in dirs:
+        path = Path(d) / "manifest.json"
+        if not path.is_file():
+            raise UserError(f"{path} not found; data_dir must be a finished heads-datagen output_dir")
+        manifests.append(json.loads(path.read_text()))
+    if len(dirs) > 1:
+        want = MIXED_DATA_LABELS.get(cfg.head)
+        if want is None or any(m.get("labels") != want for m in manifests):
+            raise UserError(
+                f"data_dir={cfg.data_dir}: several data sets are mixed only for head=judge (labels=judge) "
+                "and head=eagle or draft (labels=drafter)"
+            )
+        first = manifests[0]
+        for d, m in zip(dirs[1:], manifests[1:]):
+            if (m.get("target") or {}).get("fingerprint") != (first.get("target") or {}).get("fingerprint") or m.get(
+                "hidden_size"
+            ) != first.get("hidden_size"):
+                raise UserError(
+                    f"{d} was labelled on another target than {dirs[0]} (fingerprint or hidden size "
+                    "differ); mix only data sets of one target"
+                )
+        return {**first, "data_dirs": dirs}
+    return manifests[0]
 
 
 def _any_rank(acc, bad: bool) -> bool:
