@@ -105,6 +105,24 @@ def _top_level(schema) -> set[str]:
     return {f.name for f in dataclasses.fields(schema)}
 
 
+def _takes(schema, item: str) -> bool:
+    """Whether a stage's schema has the key ``item`` sets (``eagle=X`` a setting, not a section; ``a.b=X`` a field
+    ``b`` in a section ``a``, or a key of a mapping ``a``): a common key goes only to the stages it fits
+    (``eagle=`` is eval's EAGLE head, while train's ``eagle`` is a section of settings)."""
+    *path, last = item.partition("=")[0].split(".")
+    for name in path:
+        f = {f.name: f for f in dataclasses.fields(schema)}.get(name)
+        if f is None:
+            return False
+        sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if not (isinstance(sub, type) and dataclasses.is_dataclass(sub)):
+            return sub is dict or "dict" in str(f.type)  # a mapping takes any key; a plain value none
+        schema = sub
+    f = {f.name: f for f in dataclasses.fields(schema)}.get(last)
+    sub = None if f is None or f.default_factory is dataclasses.MISSING else f.default_factory
+    return f is not None and not (isinstance(sub, type) and dataclasses.is_dataclass(sub))
+
+
 REGIME_STAGES = ("datagen", "train", "export", "eval")
 
 
@@ -144,8 +162,8 @@ def load_configs(argv: list[str]) -> tuple[PipelineConfig, dict]:
     base = [recipe] if recipe else []
     problems = []
     for item in common:
-        key = item.partition("=")[0].partition(".")[0]
-        if not any(key in _top_level(schema_for(s)) for s in STAGES):
+        key = item.partition("=")[0]
+        if not any(_takes(schema_for(s), item) for s in STAGES):
             problems.append(
                 f"{item!r}: no stage has a key {key!r}; write stage.key=value (stages: {', '.join(STAGES)})"
             )
@@ -153,7 +171,7 @@ def load_configs(argv: list[str]) -> tuple[PipelineConfig, dict]:
         raise UserError("; ".join(problems))
 
     def stage_args(stage: str, chained: list[str], last: list[str] | None = None) -> list[str]:
-        mine = [c for c in common if c.partition("=")[0].partition(".")[0] in _top_level(schema_for(stage))]
+        mine = [c for c in common if _takes(schema_for(stage), c)]
         return base + chained + mine + per_stage[stage] + (last or [])
 
     # A common key the pipeline itself has (overwrite) applies to it too.
