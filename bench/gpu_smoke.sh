@@ -286,8 +286,8 @@ step vocab 120 needs=dg_acceptance heads-vocab $TM data_dir=$W/dg_acceptance out
 FIT="batch_size=2 epochs=2 eval_fraction=0.25"
 A="data_dir=$W/dg_acceptance head=acceptance draft.path=$D draft.gguf_file=null draft.device=$DEV draft.dtype=auto"
 A="$A depth=1 $FIT"
-E="data_dir=$W/dg_drafter head=eagle $TM ttt_steps=2 vocab_top_n=32 $FIT"
-DR="data_dir=$W/dg_drafter head=draft draft_init=truncate:2 $TM draft.gguf_file=null draft.device=$DEV $FIT"
+E="data_dir=$W/dg_drafter head=eagle $TM eagle.ttt_steps=2 vocab_top_n=32 $FIT"
+DR="data_dir=$W/dg_drafter head=draft distill.init=truncate:2 $TM draft.gguf_file=null draft.device=$DEV $FIT"
 step tr_acceptance 240 needs=dg_acceptance heads-train $A output_dir=$W/tr_acceptance
 step tr_eagle 240 needs=dg_drafter heads-train $E output_dir=$W/tr_eagle
 step tr_judge 240 needs=dg_judge heads-train data_dir=$W/dg_judge head=judge depth=0 threshold=0.5 draft.path=unused \

@@ -8,8 +8,8 @@ training-free acceptance estimate (``c-cost``: q(y); ``c-online-cost``: vLLM's o
 logit(max q); ``c-entropy-cost``: AdaEDL's entropy bound); with ``--stop-head`` (EAGLE, lag 1) or
 ``--draft-head`` (draft model) the learned SpecDec++ head at its thresholds and ``h-cost``; with ``--lag0-head``
 (EAGLE, ``eagle_position=previous``) the lag-0 head's ``h0-<h>`` and ``h0-cost``; with ``--calibrated-head``
-(``stop_state=false depth=0``: q(y) calibrated on [log q, step], lag 0) its cost rule ``cq-cost``, counted with the
-training-free rules (three numbers fitted on the head's data, no state). Regimes: ``greedy``, ``t1``
+(``eagle_stop.state=false depth=0``: q(y) calibrated on [log q, step], lag 0) its cost rule ``cq-cost``, counted
+with the training-free rules (three numbers fitted on the head's data, no state). Regimes: ``greedy``, ``t1``
 (temperature 1) and ``t0.7`` at batch 1, and ``greedy-b16`` / ``t1-b16``: 16 prompts decoded together, packed
 (each row verifies only its own candidates), every stop rule priced at the batch; ``--n-batch`` prompts of
 ``--max-new-batch`` tokens per set so that the batch stays full. The cost table prices batch-1 rounds, so the
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the learned SpecDec++ head on the EAGLE drafter: a file, or regime=file,... (one per regime)",
     )
     ap.add_argument("--lag0-head", default=None, help="a lag-0 SpecDec++ head on the EAGLE drafter")
-    ap.add_argument("--calibrated-head", default=None, help="q calibrated on [log q, step] (stop_state=false)")
+    ap.add_argument("--calibrated-head", default=None, help="q calibrated on [log q, step] (eagle_stop.state=false)")
     ap.add_argument("--draft-head", default=None, help="the learned SpecDec++ head on the draft model")
     ap.add_argument(
         "--draft-vocab",

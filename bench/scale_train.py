@@ -42,7 +42,7 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LAYERS = [2, 15, 27]  # datagen's default for 30 layers
 TOP_K, CHUNK = 20, 64
 LENGTH = 88  # positions per sequence: the committed head's data average 87 (363k over 4,160 prompts)
-TRAIN = ["ttt_steps=3", "vocab_top_n=8192", "batch_size=8", "grad_accum=1", "lr=1.5e-3", "max_steps=8"]
+TRAIN = ["eagle.ttt_steps=3", "vocab_top_n=8192", "batch_size=8", "grad_accum=1", "lr=1.5e-3", "max_steps=8"]
 TRAIN += ["epochs=1", "eval_fraction=0.01", "checkpoint_every=0", "threads=2", "seed=0"]
 
 

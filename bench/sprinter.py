@@ -9,7 +9,7 @@
         # on the EAGLE head (head=eagle_verifier), gated on the competent fact/extraction kinds, batch 16 and 1
 
 Runs the recipe's pipeline: ``heads-datagen labels=sprinter`` (four equal prefix categories),
-``heads-train head=verifier`` (the verifier at the recipe's lambda, plus one per ``roc_lambdas``
+``heads-train head=verifier`` (the verifier at the recipe's lambda, plus one per ``verifier.roc_lambdas``
 value for the ROC plot), ``heads-export``, and ``heads-eval`` on held-out GSM8K-test and MT-Bench
 prompts, where target-only, draft-only, fixed-K SD (and SpecDec++ with ``--specdecpp-head``) and
 SPRINTER at each ``eta`` decode every prompt, interleaved. Prints a table and writes

@@ -182,7 +182,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
         recipes=("fsd_head_quickstart", "fsd_quickstart"), docs=("docs/algorithms/fsd.md",), uses=("specdecpp",),
         why_none={
             "heads": "its learned head is SpecDec++'s acceptance head (head_type acceptance) trained on labels=fsd",
-            "tasks": "heads-train head=acceptance fsd_label=DIV@T: SpecDec++'s task on FSD's label",
+            "tasks": "heads-train head=acceptance acceptance.fsd_label=DIV@T: SpecDec++'s task on FSD's label",
         },
         modules={
             "labels": "`fsd_labels.py`", "head": "`acceptance_head.py`",
@@ -280,7 +280,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
         },
         modules={
             "labels": "`drafter.py` (`labels=drafter`)", "head": "— (a Hugging Face model directory)",
-            "training": "`distill.py` (batches, divergences), `distill_model.py` (`draft_init`, the training "
+            "training": "`distill.py` (batches, divergences), `distill_model.py` (`distill.init`, the training "
                         "forward, the `draft/` directory), `distill_task.py`",
             "policy": "any same-vocabulary policy with `draft.path=<output_dir>/draft`", "evaluation": "",
         },

@@ -1,6 +1,6 @@
 """Training every head family with two processes (``accelerate launch``, DDP over gloo on the CPU): tiny data
 per family, the launch, a kill after the first checkpoint, the head's tensors and a record of who wrote which
-file. Used by tests/test_train_ddp.py and by bench/device_check_multiprocess.py.
+file. Used by tests/test_train_ddp.py and by bench/device_check.py.
 
 :func:`build` makes a family's data on the plain CPU, with the settings of the family's own tests (the tiny
 pair of ``conftest.py``; drafter data as tests/test_eagle_pipeline.py, eagle_rounds as tests/test_eagle_stop.py,

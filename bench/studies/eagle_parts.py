@@ -29,7 +29,7 @@ import torch
 from specheads.config import load_config
 from specheads.train.config import TrainConfig
 from specheads.train.eagle_task import EagleTask
-from specheads.train.run_data import data_manifest
+from specheads.train.trainer import data_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))  # _common, beside the benchmarks
@@ -52,8 +52,8 @@ def task_for(head: str, parts: dict[str, str], args) -> EagleTask:
     argv = [
         "recipe=eagle_smollm2",
         f"data_dir={','.join(parts.values())}",
-        f"init_head={head}",
-        f"ttt_steps={args.steps}",
+        f"eagle.init_head={head}",
+        f"eagle.ttt_steps={args.steps}",
         f"eval_fraction={args.eval_fraction}",
         f"seed={args.seed}",
         f"batch_size={args.batch_size}",

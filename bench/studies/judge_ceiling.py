@@ -52,15 +52,15 @@ def held_out(train_dir: Path, head_path: Path) -> tuple[torch.Tensor, torch.Tens
     cfg = OmegaConf.to_object(
         OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(train_dir / "config.yaml"))
     )
-    store = JudgeStore(cfg.data_dir, tuple(cfg.judge_signals))
+    store = JudgeStore(cfg.data_dir, tuple(cfg.judge.signals))
     _, held = split(store.examples, cfg.eval_fraction, cfg.seed)
     x, y = store.batch(0, held, "cpu")
     head = load_head(head_path).module
     with torch.no_grad():
         logit = head(x).float().view(-1)  # logits: sigmoid saturates at 1.0 in fp32 where the head is most sure
-    if "gap" not in cfg.judge_signals:
-        raise SystemExit(f"{train_dir}: judge_signals {cfg.judge_signals} hold no gap; the floor needs it")
-    gap = x[:, x.shape[1] - len(cfg.judge_signals) + list(cfg.judge_signals).index("gap")]
+    if "gap" not in cfg.judge.signals:
+        raise SystemExit(f"{train_dir}: judge.signals {cfg.judge.signals} hold no gap; the floor needs it")
+    gap = x[:, x.shape[1] - len(cfg.judge.signals) + list(cfg.judge.signals).index("gap")]
     return logit, gap, y >= 0.5
 
 

@@ -11,7 +11,7 @@ drafts ``n`` candidates in a round yields ``1 + sum_{i<=n} prod_{j<=i} label_j``
 ``k1..k<k>``; the confidence threshold on ``q(y)`` (``c<tau>``); the cost rule of the engine
 (:func:`~specheads.shim.costs.cost_rules.draft_more`, the same code) on ``q(y)`` (``c-cost``), on AdaEDL's
 entropy bound (``c-entropy-cost``) and on each learned head given (``h-cost``; ``hs-cost`` for a head trained
-with ``stop_skip=true``; ``cq-cost`` for q calibrated on [log q, step]: each at its own lag, as the engine runs
+with ``eagle_stop.skip=true``; ``cq-cost`` for q calibrated on [log q, step]: each at its own lag, as the engine runs
 it); the perfect estimates (the labels themselves read at lag 0 and lag 1: what no head can beat) and the per-round
 oracle. vLLM's online estimate needs ``max q``, which the datagen run does not store: it is not replayed.
 
@@ -185,8 +185,12 @@ def summarise(rows: dict[str, dict], heads: dict[str, int]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", default="", help="regime=head.safetensors,... (lag-1 heads on the datagen's states)")
-    ap.add_argument("--calibrated", default="", help="regime=head.safetensors,...: q calibrated (stop_state=false)")
-    ap.add_argument("--skip-heads", default="", help="regime=head.safetensors,...: heads trained with stop_skip=true")
+    ap.add_argument(
+        "--calibrated", default="", help="regime=head.safetensors,...: q calibrated (eagle_stop.state=false)"
+    )
+    ap.add_argument(
+        "--skip-heads", default="", help="regime=head.safetensors,...: heads trained with eagle_stop.skip=true"
+    )
     ap.add_argument("--regimes", default="greedy,t1", help="comma-separated of: " + ", ".join(REGIMES))
     ap.add_argument("--sets", default=",".join(SETS), help="comma-separated of: " + ", ".join(SETS))
     ap.add_argument("--n", type=int, default=16, help="prompts per set")
