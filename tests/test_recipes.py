@@ -123,3 +123,15 @@ def test_multi_node_configs_give_each_node_its_share(name: str) -> None:
         f"{getattr(args, 'master_addr', '')}:{getattr(args, 'master_port', '')}",
     )
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+
+
+def test_a_common_pipeline_key_goes_to_the_stages_that_take_it() -> None:
+    """``heads-pipeline eagle=HEAD`` sets eval's EAGLE head and leaves train's ``eagle`` section alone; a section's
+    setting without a stage prefix reaches the one stage that has it; a key no stage takes is one line."""
+    from specheads.pipeline import load_configs
+
+    _, cfgs = load_configs(["recipe=quickstart", "eagle=recipes/heads/other.safetensors", "eagle.ttt_steps=5"])
+    assert cfgs["eval"].eagle == "recipes/heads/other.safetensors"
+    assert cfgs["train"].eagle.ttt_steps == 5
+    with pytest.raises(UserError, match="no stage has a key 'eagle.colour'"):
+        load_configs(["recipe=quickstart", "eagle.colour=red"])
