@@ -23,9 +23,8 @@ from specheads.heads import VerifierHead
 from specheads.train import verifier_data as V
 from specheads.train.config import TrainConfig
 from specheads.train.eagle_stop_task import StopStore
-from specheads.train.loss import weighted_soft_bce
-from specheads.train.task import Task, auroc_score, calibration_metrics, describe, predict, split
-from specheads.train.verifier_task import VerifierTask
+from specheads.train.task import Task, auroc_score, describe, predict, split
+from specheads.train.verifier_task import VerifierTask, eval_metrics
 
 #: SPRINTER's feature name for each ``eagle_rounds.position`` (the state that drew the candidate, or the one after it)
 FEATURE_OF_POSITION = {"previous": "previous", "own": "current"}
@@ -106,19 +105,8 @@ class EagleVerifierTask(Task):
         logits, ratio = self._predict(head, examples)
         roc = V.roc_metrics(torch.sigmoid(logits), ratio, cfg.verifier.lam, cfg.threshold)
         conf = V.roc_metrics(self.store.confidence[self.store.rows(examples)], ratio, cfg.verifier.lam, cfg.threshold)
-        y = (ratio <= cfg.verifier.lam).float()
-        return {
-            "eval_auroc": roc["auroc"],
-            "eval_auroc_confidence": conf["auroc"],
-            "eval_weighted_loss": float(weighted_soft_bce(logits, y, *self.weights)),
-            "eval_tpr_at_eta": roc["tpr_at_eta"],
-            "eval_fpr_at_eta": roc["fpr_at_eta"],
-            "eval_accuracy_at_eta": roc["accuracy_at_eta"],
-            "eval_alpha": roc["alpha"],
-            "eval_tokens": roc["tokens"],
-            "eval_label_mean": roc["label_mean"],
-            **calibration_metrics(logits, y),
-        }
+        out = eval_metrics(roc, logits, (ratio <= cfg.verifier.lam).float(), self.weights)
+        return {"eval_auroc": out.pop("eval_auroc"), "eval_auroc_confidence": conf["auroc"], **out}
 
     def score(self, metrics: dict) -> float:
         return auroc_score(metrics)

@@ -107,19 +107,7 @@ class VerifierTask(Task):
         cfg = self.cfg
         logits, ratio = self._predict(head, examples)
         roc = V.roc_metrics(torch.sigmoid(logits), ratio, cfg.verifier.lam, cfg.threshold)
-        y = (ratio <= cfg.verifier.lam).float()
-        w_pos, w_neg = self.weights
-        return {
-            "eval_auroc": roc["auroc"],
-            "eval_weighted_loss": float(weighted_soft_bce(logits, y, w_pos, w_neg)),
-            "eval_tpr_at_eta": roc["tpr_at_eta"],
-            "eval_fpr_at_eta": roc["fpr_at_eta"],
-            "eval_accuracy_at_eta": roc["accuracy_at_eta"],
-            "eval_alpha": roc["alpha"],
-            "eval_tokens": roc["tokens"],
-            "eval_label_mean": roc["label_mean"],
-            **calibration_metrics(logits, y),
-        }
+        return eval_metrics(roc, logits, (ratio <= cfg.verifier.lam).float(), self.weights)
 
     def _predict(self, head: torch.nn.Module, examples: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits and raw ratios (for metrics at any lambda) of held-out examples."""
@@ -200,3 +188,18 @@ class VerifierTask(Task):
         }
         atomic_write_json(out / "metrics.json", report)
         return {k: report[k] for k in ("auroc", "tpr_at_eta", "fpr_at_eta", "alpha", "roc_png")}
+
+
+def eval_metrics(roc: dict, logits: torch.Tensor, y: torch.Tensor, weights: tuple[float, float]) -> dict:
+    """A verifier's evaluation (``verifier_data.roc_metrics``'s figures, the weighted loss, the calibration)."""
+    return {
+        "eval_auroc": roc["auroc"],
+        "eval_weighted_loss": float(weighted_soft_bce(logits, y, *weights)),
+        "eval_tpr_at_eta": roc["tpr_at_eta"],
+        "eval_fpr_at_eta": roc["fpr_at_eta"],
+        "eval_accuracy_at_eta": roc["accuracy_at_eta"],
+        "eval_alpha": roc["alpha"],
+        "eval_tokens": roc["tokens"],
+        "eval_label_mean": roc["label_mean"],
+        **calibration_metrics(logits, y),
+    }
