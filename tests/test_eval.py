@@ -484,3 +484,11 @@ def test_sampled_sweeps_get_their_ceilings_from_the_recorded_rounds(tiny_pair_di
     assert s["oracle"]["tokens"] > 0 and s["oracle"]["discard_rate"] == 0.0
     assert s["ceilings"]["lag0"]["vs_best_fixed_k"] >= s["ceilings"]["lag1"]["vs_best_fixed_k"]
     assert by["c-online-cost"]["ceiling_vs_best_fixed_k"] == s["ceilings"]["lag0"]["vs_best_fixed_k"]
+
+
+def test_a_bad_row_is_named_once_in_its_error():
+    """``rows=`` errors say ``rows:`` once, whether the row's shape or a policy's own rule refuses it."""
+    from specheads.evaluate.rows import problems
+
+    got = problems([{"policy": "nope"}, {"policy": "sd", "settings": {"k": 0}}])
+    assert len(got) == 2 and all(p.startswith("rows: ") and "rows: rows:" not in p for p in got)
