@@ -22,7 +22,7 @@ The public Python API (docs/python-api.md) is these names, imported on first use
 Everything else is internal: the stages' modules and the runtime under ``specheads.shim``.
 """
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 _API = {
     "load_pair": "specheads.shim:load_pair",
