@@ -43,6 +43,7 @@ class Models:
     eagle: LoadedHead | None = None
     costs: CostTable | None = None
     heads: dict = field(default_factory=dict)  # the policies' heads read so far: each file is read once
+    warmed: bool = False  # the models' kernel choices taken (:func:`decoder`): once for every decoder on them
 
 
 def problems(
@@ -144,11 +145,10 @@ def decoder(
     packed: bool = True,
     batch_size: int = 1,
     budgets: dict | None = None,
-    warm: bool = True,
 ) -> Decoder:
     """A :class:`~.api.Decoder` of ``built`` on the models, checked for ``batch_size`` (one line when it cannot
-    batch) and, with ``warm``, its kernel choices taken for every pass size it can run, so that no first-use
-    timing falls inside a timed decode."""
+    batch); the first decoder on the models takes their kernel choices for every pass size they can run, so that
+    no first-use timing falls inside a timed decode."""
     d = Decoder(
         models.pair,
         built,
@@ -163,10 +163,11 @@ def decoder(
     if batch_size > 1 and (why := d.batch_problem()):
         raise UserError(f"batch_size={batch_size}: {why}")
     d.budgets = dict(budgets or {})
-    if warm:
+    if not models.warmed:
         for m in (models.pair.target, models.pair.draft):
             if m is not None:
-                prepare_kernels(m.model, fused=d.engine.fused)
+                prepare_kernels(m.model, fused=fused_forward)
         if models.eagle is not None:
             prepare_kernels(models.eagle.module, fused=False)
+        models.warmed = True
     return d

@@ -82,12 +82,12 @@ log = logging.getLogger(__name__)
 PROG = "heads-eval"
 
 
-def _rounds_oracle(cfg: EvalConfig, pair, eagle, prompts, ar_rows: list[dict], lags: list[int]):
+def _rounds_oracle(cfg: EvalConfig, models: assemble.Models, prompts, ar_rows: list[dict], lags: list[int]):
     """The oracle and the perfect heads (one per lag in ``lags``) from recorded rounds: every prompt decoded with
     SD at ``k_max`` (:class:`~.oracle.RoundRecorder`; on the EAGLE head, else the draft), its rounds turned into
     the oracle's and the perfect heads'. Sampled, a round's outcome is its draws': a rule that stops right after
     the first rejected candidate keeps the same tokens under the same draws, so the ceilings are those draws'."""
-    dec = decoder(cfg, assemble.Models(pair, eagle), RoundRecorder(cfg.k_max))
+    dec = decoder(cfg, models, RoundRecorder(cfg.k_max))
     oracle = GenerationStats(prompts=0)
     perfect = {lag: GenerationStats(prompts=0) for lag in lags}
     differ = 0
@@ -157,7 +157,7 @@ def run(cfg: EvalConfig) -> int:
     if cfg.oracle and not shared:
         log.info("the oracle needs one vocabulary; skipped for this heterogeneous pair")
     elif cfg.oracle and (eagle is not None or cfg.sampling.do_sample):
-        oracle, perfects = _rounds_oracle(cfg, pair, eagle, prompts, grouped["ar"], lags)
+        oracle, perfects = _rounds_oracle(cfg, models, prompts, grouped["ar"], lags)
     elif cfg.oracle and not cfg.sampling.do_sample:
         oracle = GenerationStats(prompts=0)
         perfects = {each: GenerationStats(prompts=0) for each in lags}
