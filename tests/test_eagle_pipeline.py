@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import chunk_rows, datagen_args, same_heads
+from conftest import LABEL_PROMPTS, chunk_rows, datagen_args, same_heads
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -15,18 +15,7 @@ from specheads.decode.decode_cli import main as decode_main
 from specheads.shim.costs.cost_table import CostTable
 from specheads.train.cli import main as train_main
 
-PROMPTS = [
-    "the cat sat",
-    "a dog ran up",
-    "one two three",
-    "why is the sun red",
-    "big moon",
-    "yes no up down",
-    "left right",
-    "the red sun",
-    "two three four",
-    "who was it",
-]
+PROMPTS = LABEL_PROMPTS
 
 
 def drafter_args(pair_dirs, prompts, out, *extra):

@@ -9,7 +9,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import chunk_rows
+from conftest import LABEL_PROMPTS, chunk_rows
 from safetensors.torch import load_file
 
 from specheads.datagen.cli import main as datagen_main
@@ -27,16 +27,7 @@ from specheads.shim.policies import SpecDecPP
 from specheads.train.cli import main as train_main
 from specheads.train.eagle_data import init_from_target
 
-PROMPTS = [
-    "the cat sat",
-    "a dog ran up",
-    "one two three",
-    "why is the sun red",
-    "big moon",
-    "yes no up down",
-    "left right",
-    "the red sun",
-]
+PROMPTS = LABEL_PROMPTS[:8]
 K = 4
 
 

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import yaml
+from conftest import LABEL_PROMPTS
 
 from specheads.pipeline import main
 
@@ -16,18 +17,7 @@ pytestmark = pytest.mark.slow  # trains and sweeps, stage after stage: CI's slow
 def _recipe(tmp_path, pair_dirs):
     t, d = pair_dirs
     prompts = tmp_path / "p.jsonl"
-    words = [
-        "the cat sat",
-        "a dog ran up",
-        "one two three",
-        "why is the sun red",
-        "big moon",
-        "yes no up down",
-        "left right",
-        "the red sun",
-        "two three four",
-        "who was it",
-    ]
+    words = LABEL_PROMPTS
     prompts.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in words))
     runs = tmp_path / "runs"
     recipe = {
