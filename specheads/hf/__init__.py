@@ -163,7 +163,7 @@ class Assistant:
         pair = self._pair()
         if self.own.stop == "cost" and self._costs is None:
             self._costs = pair_costs(pair, self.own.k_max + 1, self.profile, fused=False)
-        models = assemble.Models(pair, costs=self._costs if self.own.stop == "cost" else None)
+        models = assemble.Models(pair, costs=self._costs)  # a table only with stop=cost
         self.policy = assemble.policy(self.name, models, self.own, sampling=sampling, strict=self.strict)
         self._sampling = sampling
 
