@@ -197,13 +197,12 @@ def reverts():
     from specheads.evaluate import fidelity
     from specheads.shim.loop.eagle_drafter import EagleDrafter
     from specheads.shim.runners.hidden import AuxCapture
-    from specheads.shim.runners.models import LoadedModel
 
     real = policy_factory.load_head
 
-    def on_last_gpu(path, pair=None, **kw):  # item 2 reverted: the stop head on the output GPU
-        kw["device"] = LoadedModel.output_device.fget(pair.target)
-        return real(path, pair=pair, **kw)
+    def on_last_gpu(path, **kw):  # item 2 reverted: the stop head on the output GPU (the last of the paths' two)
+        kw["device"] = torch.device("cuda:1")
+        return real(path, **kw)
 
     return {
         "1_eagle_states_to_head_gpu": (
