@@ -99,121 +99,44 @@ def child(args, stage: str, job: dict, work: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def reference_rounds(head, target, ids: list[int], k: int):
-    """Per row ``t`` of the sequence ``ids``: the head's ``k`` draft steps from state ``s_t`` and token ``x_{t+1}``
-    (tokens, full-vocabulary logits, post-norm states), as :func:`bench/vllm_eagle3.check_drafts` computes them."""
-    import torch
-
-    from specheads.heads.eagle_head import unrolled_kept, unrolled_step
-    from specheads.shim.runners.eagle_cache import full_scores
-
-    x = torch.tensor(ids)
-    embed = target.get_input_embeddings()
-    width = target.get_output_embeddings().weight.shape[0]
-    with torch.no_grad():
-        hs = target(x[None], output_hidden_states=True).hidden_states
-        h = head.fuse(torch.cat([hs[j] for j in head.layer_ids], -1))[:, :-1]
-        tok, pos, kept = x[None, 1:], torch.arange(len(ids) - 1), unrolled_kept(head)
-        toks, logits, states = [], [], []
-        for j in range(k):
-            cos, sin = head.rope(pos + j)
-            h = unrolled_step(head, kept, embed(tok), h, cos, sin, None)
-            post = head.norm(h)
-            lg = full_scores(head, head.vocab_ids, post, width)
-            tok = lg.argmax(-1)
-            toks.append(tok[0])
-            logits.append(lg[0])
-            states.append(post[0])
-    return torch.stack(toks, 1), torch.stack(logits, 1), torch.stack(states, 1)  # [rows, k], [rows, k, V], [rows, k, d]
-
-
-def toolkit_policy(row: str, k: int, costs: str, head: str | None):
-    """The rule of ``row`` as ``heads-decode`` builds it (the policy factory, from settings), not the plugin."""
-    from specheads.decode.policy_factory import settings_for
-    from specheads.shim.costs.cost_table import load_table
-    from specheads.shim.policies import policy_class
-
-    table = load_table(costs)
-    if row == "h-cost":
-        from specheads.export import load_head
-
-        s = settings_for("specdecpp", head=head, stop="cost", k_min=1, k_max=k, gate=True)
-        loaded = load_head(head)
-        loaded = type(loaded)(loaded.module.float().eval(), loaded.metadata)
-        return policy_class("specdecpp").from_settings(s, head=loaded, costs=table)
-    estimate = "online" if row == "c-online-cost" else "q"
-    s = settings_for("confidence_stop", stop="cost", k_min=1, k_max=k, gate=True, estimate=estimate)
-    return policy_class("confidence_stop").from_settings(s, costs=table)
-
-
 def replay(run: dict, prompts_by_set: dict, hd: Path, target_dir: Path, k: int, costs: str, head: str | None) -> dict:
-    """``drafts_match_shim`` per stop row: each request's rounds through the toolkit's rule on the reference drafts."""
+    """``drafts_match_shim`` per stop row: each request's rounds through the toolkit's rule on the reference drafts
+    (:mod:`specheads.vllm.stop_check`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from specheads.export import speculators
-    from specheads.shim.core.sampling import SamplingConfig
-    from specheads.shim.policies.base import Round
+    from specheads.vllm.stop_check import reference_rounds, replay, toolkit_policy
 
     eagle = speculators.read(hd).module.float().eval()
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     refs: dict = {}
     out: dict = {}
     for row in STOP_ROWS:
-        same = total = rounds = mismatched_rounds = drafts_differ = 0
+        same = total = rounds = other = differ = 0
         first_bad = None
         for cell, recs in run["records"].items():
-            if row not in recs:
-                continue
-            set_name = cell.split("/")[0]
-            for rec in recs[row]:
-                p = prompts_by_set[set_name][rec["prompt"]]
-                key = (set_name, rec["prompt"])
+            for rec in recs.get(row, []):
+                key = (cell.split("/")[0], rec["prompt"])
+                p = prompts_by_set[key[0]][rec["prompt"]]
                 if key not in refs:
                     refs[key] = reference_rounds(eagle, target, p + rec["output"], k)
-                toks, logits, states = refs[key]
-                policy = toolkit_policy(row, k, costs, head)
-                policy.reset()
-                m, ok = len(p), True
-                for r, rnd_rec in enumerate(rec["rounds"]):
-                    t = m - 1
-                    if t >= toks.shape[0]:
-                        break
-                    rnd = Round(sampling=SamplingConfig(), generator=None, limit=k, position=0)
-                    policy.batch = rnd_rec["batch"]
-                    policy.start_round(rnd)
-                    n = 0
-                    if policy.draft_round():
-                        for j in range(k):
-                            rnd.tokens.append(toks[t, j])
-                            rnd.draft_logits.append(logits[t, j])
-                            rnd.draft_hidden.append(states[t, j])
-                            if policy.stop_drafting(rnd) or rnd.n >= k:
-                                break
-                        n = rnd.n
-                    rounds += 1
-                    got = rnd_rec["draft"]
-                    if n != len(got):
-                        ok = False
-                        mismatched_rounds += 1
-                        if first_bad is None:
-                            first_bad = {"row": row, "cell": cell, "prompt": rec["prompt"], "round": r, "vllm": got}
-                            first_bad["toolkit"] = n
-                    if toks[t, : len(got)].tolist() != got:
-                        drafts_differ += 1
-                    verified, accepted = rnd_rec.get("verified", 0), rnd_rec.get("accepted", 0)
-                    policy.end_round(verified, accepted)
-                    m += accepted + 1 if verified else 1
-                same += ok
+                got = replay(toolkit_policy(row, k, costs, head), refs[key], len(p), rec["rounds"], k)
+                same += got["match"]
                 total += 1
+                rounds += len(got["lengths"])
+                other += sum(a != b for a, b in zip(got["lengths"], got["vllm"]))
+                differ += got["drafts_differ"]
+                if not got["match"] and first_bad is None:
+                    first_bad = {"cell": cell, "prompt": rec["prompt"], "toolkit": got["lengths"], "vllm": got["vllm"]}
         if total:
             out[row] = {
                 "requests": total,
                 "requests_matching": same,
                 "share": round(same / total, 4),
                 "rounds": rounds,
-                "rounds_with_other_length": mismatched_rounds,
-                "rounds_whose_drafts_differ": drafts_differ,
+                "rounds_with_other_length": other,
+                "rounds_whose_drafts_differ": differ,
                 "first_mismatch": first_bad,
             }
     return out
@@ -417,6 +340,8 @@ def vllm_stage(stage: str, job: dict) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from specheads.vllm.stop_check import rounds_of
+
     by_set = json.loads((Path(job["work"]) / "prompts.json").read_text())
     k, rows = job["k"], job["rows"]
     spec = None
@@ -478,19 +403,10 @@ def vllm_stage(stage: str, job: dict) -> int:
                     if spec is None:
                         continue
                     trace = next(x for x in llm.collective_rpc(sp.take_trace) if x is not None)["trace"]
-                    by_req: dict = {}
-                    for e in trace:
-                        by_req.setdefault(e["req"], []).append(e)
-                    ids = [o.request_id for o in res]
-                    for i, rid in enumerate(ids):
-                        mine = next((v for key, v in by_req.items() if key == rid or key.startswith(f"{rid}-")), [])
-                        rounds, last = [], None
-                        for e in mine:
-                            if "draft" in e:
-                                last = {"step": e["step"], "batch": e["batch"], "draft": e["draft"]}
-                                rounds.append(last)
-                            elif last is not None:
-                                last["verified"], last["accepted"] = e["verified"], e["accepted"]
+                    by_req = rounds_of(trace)
+                    for i, o in enumerate(res):
+                        rid = o.request_id
+                        rounds = next((v for key, v in by_req.items() if key == rid or key.startswith(f"{rid}-")), [])
                         recs[row].append({"prompt": ci * b + i, "output": outs[i], "rounds": rounds})
             cells[cell] = {}
             for row in rows:

@@ -136,6 +136,7 @@ class _Survival:
 
     keep: float = 1.0
     total: float = 0.0
+    beta: float = 0.0  # the newest candidate's estimate (the next one's, for the vLLM plugin's batch cap)
     zs: list = field(default_factory=list)  # each candidate's logit(max q), for the online estimate
 
 
@@ -246,5 +247,6 @@ class ConfidenceStop(_Gated):
             s = rnd.state
             s.keep *= confidence
             s.total += s.keep
+            s.beta = confidence
             return n >= self.k_min and not draft_more(self.costs, n, n, s.keep, s.total, confidence, self.batch)
         return n >= self.k_min and confidence < self.tau

@@ -24,8 +24,9 @@ How it sits in vLLM (0.32):
   travel in that config (``draft_load_config.model_loader_extra_config["specheads_stop"]``, under this plugin's
   ``load_format="specheads"``, a loader that is vLLM's default one without this key), never in the environment,
   so ``vllm serve --speculative-config '<json>'`` and Ray workers on other nodes get them as ``LLM(...)`` does;
-* the settings are checked when vLLM builds its config, in the process that starts it: a mistake is a one-line
-  error there, before any model loads;
+* the settings are checked when vLLM builds its config from its engine arguments (``EngineArgs.create_engine_config``,
+  in the process that starts the engine, before pydantic's validation would wrap the message): a mistake is a
+  one-line ``ValueError`` there, before any model loads;
 * in each worker it wraps the model runner's ``propose_draft_token_ids`` (``vllm/v1/worker/gpu_model_runner.py``,
   which the CPU runner inherits): per step it hands each request's previous round outcome to its policy (what the
   scheduler verified, ``scheduled_spec_decode_tokens``, and the sampled tokens' count), runs vLLM's own EAGLE
@@ -114,7 +115,7 @@ def speculative_config(eagle: str, k: int, **settings: Any) -> dict:
             setattr(s, key, str(Path(getattr(s, key)).resolve()))
     return {
         "method": "eagle3",
-        "model": str(eagle),
+        "model": str(Path(eagle).resolve()),
         "num_speculative_tokens": int(k),
         "draft_load_config": {
             "load_format": LOAD_FORMAT,
@@ -130,31 +131,42 @@ def settings_of(spec_config) -> StopSettings | None:
     return StopSettings(**raw) if raw is not None else None
 
 
-def config_problems(vllm_config) -> list[str]:
-    """Why vLLM's config cannot run the plugin (an empty list: it can); decides async scheduling."""
-    spec = vllm_config.speculative_config
-    s = settings_of(spec)
-    if s is None:
+def config_problems(engine_args) -> list[str]:
+    """Why vLLM's engine arguments cannot run the plugin (an empty list: it can, or it is not selected); turns async
+    scheduling off when it is left to vLLM's default. Runs where vLLM builds its config from them, in the process
+    that starts the engine, so a mistake is one line there."""
+    spec = engine_args.speculative_config
+    if isinstance(spec, str):
+        spec = json.loads(spec)
+    if not isinstance(spec, dict):
         return []
+    load = spec.get("draft_load_config") or {}
+    extra = (load.get("model_loader_extra_config") if isinstance(load, dict) else None) or {}
+    raw = extra.get(SECTION) if isinstance(extra, dict) else None
+    if raw is None:
+        return []
+    names = {f.name for f in dataclasses.fields(StopSettings)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        return [f"the stop plugin has no setting {', '.join(unknown)}; its settings: {sorted(names)}"]
     out = []
-    if spec.method != "eagle3":
-        out.append(f"the stop plugin runs on method='eagle3' (EAGLE-3 heads); got method={spec.method!r}")
+    if spec.get("method") != "eagle3":
+        out.append(f"the stop plugin runs on method='eagle3' (EAGLE-3 heads); got method={spec.get('method')!r}")
     for flag in ("use_local_argmax_reduction", "use_heterogeneous_vocab", "parallel_drafting"):
-        if getattr(spec, flag, False):
+        if spec.get(flag):
             out.append(f"the stop plugin does not run with {flag}=True (its draft tokens are chosen elsewhere)")
-    if getattr(spec, "draft_sample_method", "greedy") != "greedy":
+    if spec.get("draft_sample_method", "greedy") != "greedy":
         out.append("the stop plugin needs draft_sample_method='greedy' (vLLM's default)")
-    if getattr(spec, "disable_padded_drafter_batch", False):
+    if spec.get("disable_padded_drafter_batch"):
         out.append("the stop plugin needs the padded drafter batch (disable_padded_drafter_batch=False, the default)")
-    sched = vllm_config.scheduler_config
-    if sched.async_scheduling:
+    if engine_args.async_scheduling:
         out.append(
             "the stop plugin needs async scheduling off (--no-async-scheduling / async_scheduling=False): with it "
             "vLLM takes each step's drafts as one [requests, K] tensor (vllm/v1/worker/gpu_model_runner.py:1857)"
         )
-    elif sched.async_scheduling is None:
-        sched.async_scheduling = False
-    return out + s.problems(int(spec.num_speculative_tokens or 0))
+    elif engine_args.async_scheduling is None:
+        engine_args.async_scheduling = False
+    return out + StopSettings(**raw).problems(int(spec.get("num_speculative_tokens") or 0))
 
 
 # ---- the policies --------------------------------------------------------------------------------------------
@@ -192,6 +204,21 @@ def make_policy(s: StopSettings, k: int, eagle_meta: dict | None):
     return policy
 
 
+def _survival(rnd) -> tuple[float, float, float]:
+    """A round's ``S_n`` (all its candidates accepted), ``sum_i S_i`` and the estimate for its next candidate, from
+    the cost rules' round state (:class:`~specheads.shim.policies.ConfidenceStop`'s or
+    :class:`~specheads.shim.policies.SpecDecPP`'s); a round that drafted nothing: ``(1, 0, 0)``."""
+    import math
+
+    s = rnd.state
+    if not rnd.n or s is None:
+        return 1.0, 0.0, 0.0
+    if hasattr(s, "log_keep"):  # SpecDecPP: the newest score is the next candidate's estimate
+        keep = math.exp(s.log_keep)
+        return keep, s.total, 1.0 if s.beta is None else s.beta
+    return s.keep, s.total, s.beta
+
+
 # ---- the controller (one per worker) ------------------------------------------------------------------------
 
 
@@ -202,6 +229,7 @@ class _Step:
     reqs: list[str]
     rounds: list[Any]
     lengths: list[int | None]
+    capped: list[bool] = field(default_factory=list)  # the batch cap ended the row's round
     drawn: int = 0
     started: float = 0.0
     last: float = 0.0
@@ -220,6 +248,7 @@ class Controller:
     trace: list = field(default_factory=list)
     samples: dict = field(default_factory=dict)  # profile: "t_t B k", "t_d B", "t_first B" -> ms
     steps: int = 0
+    costs: Any = None
     step: _Step | None = None
     _last: tuple | None = None  # profile: (end time, request ids, n) of the previous step
 
@@ -232,6 +261,7 @@ class Controller:
         if bad:
             raise ValueError("; ".join(bad))
         self.settings, self.proto = s, make_policy(s, self.k, self.eagle_meta)
+        self.costs = None if s.profile or s.rule == "fixed" else self.proto.costs  # the batch cap's prices
         self.policies, self.pending, self._last = {}, {}, None
 
     def outcomes(self, scheduler_output, req_ids: list[str], sampled) -> None:
@@ -294,12 +324,12 @@ class Controller:
             lengths.append(0 if n == 0 else None)
             if n:
                 rnd.limit = n
-        self.step = _Step(list(req_ids), rounds, lengths, started=now, last=now)
+        self.step = _Step(list(req_ids), rounds, lengths, [False] * len(rounds), started=now, last=now)
 
     def drawn(self, hidden, logits, tokens) -> None:
         """Candidate ``j`` of every row was drawn (``hidden``: the post-norm states that drew them, ``logits``: over
-        the target's vocabulary): each request still drafting asks its policy; all stopped raises
-        :class:`_AllStopped`."""
+        the EAGLE head's vocabulary, ``tokens`` its ids there): each request still drafting asks its policy; all
+        stopped raises :class:`_AllStopped`."""
         st = self.step
         now = time.perf_counter()
         st.drawn += 1
@@ -318,8 +348,31 @@ class Controller:
             policy = self.policies[req]
             if rnd.n >= rnd.limit or policy.stop_drafting(rnd) or rnd.n >= self.k:
                 st.lengths[r] = rnd.n
+        if j < self.k and len(st.reqs) > 1 and self.costs is not None and not self._batch_pays(st, j):
+            for r, n in enumerate(st.lengths):
+                if n is None:
+                    st.lengths[r], st.capped[r] = st.rounds[r].n, True
         if j < self.k and all(n is not None for n in st.lengths):
             raise _AllStopped
+
+    def _batch_pays(self, st: _Step, j: int) -> bool:
+        """Whether one more draft step pays for the batch (the batch cap; ``B > 1``). Each request's rule prices its
+        round as if every request drafted alike, but a step's draft loop runs as long as its longest round: one more
+        step costs the whole batch ``t_d(B)`` plus the verification of the candidates it adds, for the expected
+        tokens of the requests still drafting (each ``S_n * beta``: its survival and its newest estimate). It pays
+        when that gain per ms beats the step's expected tokens per ms so far."""
+        t, b = self.costs, len(st.reqs)
+        tokens, gain, active = 0.0, 0.0, 0
+        for r, rnd in enumerate(st.rounds):
+            keep, total, beta = _survival(rnd)
+            tokens += 1.0 + total
+            if st.lengths[r] is None:
+                gain += keep * beta
+                active += 1
+        mean = sum(rnd.n for rnd in st.rounds) / b
+        cost = j * t.t_draft(b) + t.t_target(mean + 1, b)
+        extra = t.t_draft(b) + t.t_target(mean + 1 + active / b, b) - t.t_target(mean + 1, b)
+        return gain * cost > tokens * extra
 
     def finish(self, drafts: list[list[int]]) -> list[list[int]]:
         """The step's drafts (vLLM's ``[requests, candidates drawn]``) cut to each request's length."""
@@ -330,7 +383,8 @@ class Controller:
             out.append([int(t) for t in drafts[r][:n]])
             self.pending[req] = n
             if self.settings.trace:
-                self.trace.append({"req": req, "step": self.steps, "batch": len(st.reqs), "draft": out[-1]})
+                rec = {"req": req, "step": self.steps, "batch": len(st.reqs), "draft": out[-1]}
+                self.trace.append(rec | ({"capped": True} if st.capped[r] else {}))
         if self.settings.profile:
             self._last = (time.perf_counter(), list(st.reqs), len(out[0]) if out else 0)
         return out
@@ -353,6 +407,20 @@ def _controller(runner) -> Controller | None:
     return ctl
 
 
+def _draw(model, hidden):
+    """vLLM's greedy draft step: the logits over the EAGLE head's own vocabulary, their argmax there, and that
+    token's target id (``compute_logits`` then argmax, as vLLM's ``_greedy_sample``, without the scatter into the
+    target's vocabulary: the scores the rules read are the same, over a sixth of the width on the shared pair)."""
+    d2t = getattr(model, "draft_id_to_target_id", None)
+    if d2t is None or not hasattr(model, "logits_processor"):
+        logits = model.compute_logits(hidden)
+        ids = logits.argmax(dim=-1)
+        return logits, ids, ids
+    logits = model.logits_processor(model.lm_head, hidden)
+    ids = logits.argmax(dim=-1)
+    return logits, ids, ids + d2t[ids]
+
+
 def _propose(original):
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         ctl = _controller(self)
@@ -366,10 +434,9 @@ def _propose(original):
         drawn: list = []
 
         def sample(hidden, sampling_metadata):
-            logits = model.compute_logits(hidden)
-            tokens = logits.argmax(dim=-1)
+            logits, ids, tokens = _draw(model, hidden)
             drawn.append(tokens)
-            ctl.drawn(hidden, logits, tokens)
+            ctl.drawn(hidden, logits, ids)
             return tokens, None
 
         drafter._sample_draft_tokens = sample
@@ -390,28 +457,28 @@ def _propose(original):
 
 
 def _config_check(original):
-    def __post_init__(self, *args, **kwargs):
+    def create_engine_config(self, *args, **kwargs):
         bad = config_problems(self)
         if bad:
             raise ValueError("; ".join(bad))
         return original(self, *args, **kwargs)
 
-    __post_init__._specheads = True
-    return __post_init__
+    create_engine_config._specheads = True
+    return create_engine_config
 
 
 def register() -> None:
     """vLLM's ``vllm.general_plugins`` entry point (every vLLM process): the ``specheads`` load format and the two
     wrappers. Idempotent; inert until a ``speculative_config`` carries the plugin's settings."""
-    from vllm.config import VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import register_model_loader
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if not getattr(GPUModelRunner.propose_draft_token_ids, "_specheads", False):
         GPUModelRunner.propose_draft_token_ids = _propose(GPUModelRunner.propose_draft_token_ids)
-    if not getattr(VllmConfig.__post_init__, "_specheads", False):
-        VllmConfig.__post_init__ = _config_check(VllmConfig.__post_init__)
+    if not getattr(EngineArgs.create_engine_config, "_specheads", False):
+        EngineArgs.create_engine_config = _config_check(EngineArgs.create_engine_config)
 
     global _REGISTERED
     if _REGISTERED:
@@ -556,23 +623,57 @@ def profile(
     return table
 
 
+def _value(v: str):
+    low = v.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("null", "none"):
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        return v
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m specheads.vllm.stop_plugin profile target=DIR eagle=DIR k=K batches=2,4,8,16 out=FILE`` (vLLM's
-    Python): the cost table the stop rules read."""
+    """The stop plugin's two commands (``key=value`` arguments):
+
+    python -m specheads.vllm.stop_plugin config eagle=DIR k=6 rule=c-cost costs=FILE [head=FILE gate=true k_min=1]
+        prints the ``speculative_config`` JSON for ``LLM(...)`` or ``vllm serve --speculative-config``;
+    python -m specheads.vllm.stop_plugin profile target=DIR eagle=DIR k=6 batches=2,4,8,16 out=FILE
+        [steps=160 dtype=auto enforce_eager=true] (in vLLM's Python) measures the cost table the rules read.
+    """
     import sys
 
+    from specheads.errors import UserError
+
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help") or args[0] != "profile":
+    if not args or args[0] in ("-h", "--help"):
         print(main.__doc__)
-        return 0 if args and args[0] in ("-h", "--help") else 2
-    kv = dict(a.split("=", 1) for a in args[1:] if "=" in a)
-    missing = [k for k in ("target", "eagle", "k", "out") if k not in kv]
-    if missing:
-        print(f"stop_plugin profile: missing {', '.join(missing)}", file=sys.stderr)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    bad = [a for a in rest if "=" not in a]
+    if command not in ("config", "profile") or bad:
+        print(f"stop_plugin: expected config|profile and key=value arguments; got {' '.join(bad) or command}",
+              file=sys.stderr)  # fmt: skip
         return 2
-    batches = [int(b) for b in kv.get("batches", "").split(",") if b]
-    extra = {"dtype": kv.get("dtype", "auto"), "enforce_eager": kv.get("enforce_eager", "true") == "true"}
-    t = profile(kv["target"], kv["eagle"], int(kv["k"]), batches, kv["out"], int(kv.get("steps", 160)), **extra)
+    kv = {k: v for k, v in (a.split("=", 1) for a in rest)}
+    need = ("eagle", "k") if command == "config" else ("target", "eagle", "k", "out")
+    missing = [k for k in need if k not in kv]
+    if missing:
+        print(f"stop_plugin {command}: missing {', '.join(missing)}", file=sys.stderr)
+        return 2
+    try:
+        if command == "config":
+            eagle, k = kv.pop("eagle"), int(kv.pop("k"))
+            print(json.dumps(speculative_config(eagle, k, **{key: _value(v) for key, v in kv.items()})))
+            return 0
+        batches = [int(b) for b in kv.get("batches", "").split(",") if b]
+        extra = {"dtype": kv.get("dtype", "auto"), "enforce_eager": kv.get("enforce_eager", "true") == "true"}
+        t = profile(kv["target"], kv["eagle"], int(kv["k"]), batches, kv["out"], int(kv.get("steps", 160)), **extra)
+    except (UserError, ValueError) as e:
+        print(f"stop_plugin {command}: {e}", file=sys.stderr)
+        return 2
     print(f"cost table -> {kv['out']}: t_d {t['t_draft_ms']:.3g} ms, t_t(k) {[round(x, 3) for x in t['t_target_ms']]}")
     return 0
 

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 WORDS = "the cat dog sat on a mat and ran to big red blue sun moon one two three four five six why is".split()
 
 
-def save_pair(root: Path, noise: float = 0.15) -> tuple[Path, Path]:
-    """Writes ``root/target`` and ``root/draft`` (model + tokenizer); returns their paths."""
+def save_pair(root: Path, noise: float = 0.15, layers: int = 2) -> tuple[Path, Path]:
+    """Writes ``root/target`` and ``root/draft`` (model + tokenizer, ``layers`` decoder layers); returns their paths."""
     vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *WORDS])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -22,7 +22,7 @@ def save_pair(root: Path, noise: float = 0.15) -> tuple[Path, Path]:
         vocab_size=len(vocab),
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=2,
         max_position_embeddings=512,
