@@ -241,9 +241,35 @@ def test_a_skip_head_trains_exports_and_decodes_losslessly(lag0_rounds, setup, t
     trained = tmp_path / "skip"
     assert train_main(stop_args(out, trained, "depth=1", "eagle_stop.skip=true", "eagle_stop.signals=[step]")) == 0
     meta = read_metadata(trained / "head.safetensors")
-    assert meta["head_config"] == {"hidden_size": 32, "depth": 1, "confidence": True, "signals": ["step"], "skip": True}
+    # the learned head, or (chosen on the held-out rounds) the calibrated q alone: no state, no body
+    width, depth = (32, 1) if meta["extra"]["train"]["chosen"] == "learned" else (0, 0)
+    want = {"hidden_size": width, "depth": depth, "confidence": True, "signals": ["step"], "skip": True}
+    assert meta["head_config"] == want
     from specheads.export import load_head
 
     head = load_head(trained / "head.safetensors").module
     assert head.skip is not None and head.skip.weight.shape == (1, 2)
     _decodes_as_the_target_alone(head, setup)
+
+
+def test_a_skip_head_is_at_worst_the_calibrated_q_on_held_out_rounds(lag0_rounds, tmp_path):
+    """skip=True fits the linear part alone first (q calibrated on [log q, signals]); after training, the calibrated q
+    is set against the best epoch on the held-out rounds and the better one is the run's head."""
+    out, greedy = lag0_rounds
+    if not greedy:
+        pytest.skip("one training run suffices")
+    trained = tmp_path / "floor"
+    assert train_main(stop_args(out, trained, "depth=1", "eagle_stop.skip=true", "eagle_stop.signals=[step]")) == 0
+    best = json.loads((trained / "best_metrics.json").read_text())
+    assert best["chosen"] in ("learned", "calibrated_q")
+    assert best["eval_binary_kl"] <= best["calibrated_q_eval_binary_kl"] + 1e-9  # never worse than the floor
+    meta = read_metadata(trained / "head.safetensors")
+    assert meta["extra"]["train"]["chosen"] == best["chosen"]
+    from specheads.export import load_head
+
+    head = load_head(trained / "head.safetensors").module
+    if best["chosen"] == "calibrated_q":  # the fitted line alone: no state read, no body
+        assert meta["head_config"]["hidden_size"] == 0 and meta["head_config"]["depth"] == 0
+        assert not head.out.weight.any() and not head.out.bias.any()
+    # the linear part was fitted: not the identity on log q it starts from
+    assert not torch.equal(head.skip.weight, torch.tensor([[1.0, 0.0]])) or head.skip.bias.item() != 0.0

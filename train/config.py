@@ -159,7 +159,9 @@ class EagleStopSettings:
         metadata={
             "help": (
                 "(with confidence) the logit is linear in log q(y) and the signals plus the residual "
-                "body's correction, which starts at zero: the head starts as q(y)'s ranking and the state corrects it"
+                "body's correction, which starts at zero: the linear part is first fitted alone (q calibrated on "
+                "[log q, signals]), the state corrects it, and the calibrated q is kept instead when it does "
+                "better on the held-out rounds: the head is at worst the calibrated q"
             )
         },
     )

@@ -30,6 +30,7 @@ from specheads.dataset import (
 from specheads.errors import UserError
 from specheads.heads import AcceptanceHead
 from specheads.heads.acceptance_head import SIGNALS, signal_values
+from specheads.outputs import atomic_write_json
 from specheads.train.config import TrainConfig
 from specheads.train.loss import binary_kl, weighted_soft_bce
 from specheads.train.side_rows import SideRows, read_small
@@ -181,9 +182,28 @@ class EagleStopTask(Task):
     def build_head(self) -> AcceptanceHead:
         torch.manual_seed(self.cfg.seed)
         width = self.hidden if self.cfg.eagle_stop.state else 0
-        return AcceptanceHead(
+        head = AcceptanceHead(
             width, self.cfg.depth, self.cfg.eagle_stop.confidence, self._signals(), self.cfg.eagle_stop.skip
         )
+        if head.skip is not None:
+            self.calibrate(head)
+        return head
+
+    def calibrate(self, head: AcceptanceHead) -> None:
+        """Fits the head's linear part alone on the training rounds (plain BCE on ``[log q(y), signals]``, no state):
+        with the body's output at zero the head is then the calibrated q. Deterministic (full batch, L-BFGS)."""
+        x, y = self.store.batch(self.train_examples, "cpu", True, self._signals(), state=False)
+        lin = head.skip
+        opt = torch.optim.LBFGS(lin.parameters(), lr=1.0, max_iter=200, line_search_fn="strong_wolfe")
+
+        def closure():
+            opt.zero_grad()
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(lin(x).squeeze(-1), y)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        lin.requires_grad_(True)
 
     def _signals(self) -> tuple[str, ...]:
         return tuple(s for s in SIGNALS if s in self.cfg.eagle_stop.signals)  # the head's order
@@ -238,4 +258,36 @@ class EagleStopTask(Task):
         return []
 
     def report(self, out: Path, acc, best: dict) -> dict:
-        return {}
+        """With ``eagle_stop.skip``: the calibrated q against the best epoch on the held-out rounds (binary KL); the
+        better is the run's head (``chosen``: ``learned`` or ``calibrated_q``, both figures in ``best_metrics.json``
+        and the head's metadata). The calibrated q is saved as a head that reads no state (``hidden_size=0``,
+        ``depth=0``): the training-free rule's signal with its fitted constants, as cheap to run as q itself."""
+        if not self.cfg.eagle_stop.skip:
+            return {}
+        floor = self.build_head().eval()
+        with torch.no_grad():
+            for p in (floor.out.weight, floor.out.bias):
+                p.zero_()
+        got = self.evaluate(floor, self.eval_examples)
+        chosen = "calibrated_q" if got["eval_binary_kl"] <= best["eval_binary_kl"] else "learned"
+        choice = {
+            "chosen": chosen,
+            "learned_eval_binary_kl": best["eval_binary_kl"],
+            "calibrated_q_eval_binary_kl": got["eval_binary_kl"],
+            "calibrated_q_eval_auroc": got["eval_auroc"],
+        }
+        if chosen == "calibrated_q":
+            best.update({k: v for k, v in got.items()}, epoch=None)
+        best.update(choice)
+        if acc.is_main_process:
+            if chosen == "calibrated_q":  # saved as what it is: the fitted line on [log q, signals], no state read
+                line = AcceptanceHead(0, 0, True, floor.signals, True)
+                line.skip.load_state_dict(floor.skip.state_dict())
+                self.save(out, line, best)
+            else:  # the learned head as saved, its metadata told of the comparison
+                from specheads.export import load_head
+
+                self.save(out, load_head(out / self.artifact).module, best)
+            atomic_write_json(out / "best_metrics.json", best)
+        acc.wait_for_everyone()
+        return choice
