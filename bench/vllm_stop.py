@@ -106,9 +106,11 @@ def replay(run: dict, prompts_by_set: dict, hd: Path, target_dir: Path, k: int, 
     from transformers import AutoModelForCausalLM
 
     from specheads.export import speculators
-    from specheads.vllm.stop_check import reference_rounds, replay, toolkit_policy
+    from specheads.vllm.stop_check import reference_rounds, replay
+    from specheads.vllm.stop_config import StopSettings, rule_policy
 
     eagle = speculators.read(hd).module.float().eval()
+    meta = json.loads((hd / "config.json").read_text()).get("specheads")
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     refs: dict = {}
     out: dict = {}
@@ -121,7 +123,8 @@ def replay(run: dict, prompts_by_set: dict, hd: Path, target_dir: Path, k: int, 
                 p = prompts_by_set[key[0]][rec["prompt"]]
                 if key not in refs:
                     refs[key] = reference_rounds(eagle, target, p + rec["output"], k)
-                got = replay(toolkit_policy(row, k, costs, head), refs[key], len(p), rec["rounds"], k)
+                policy = rule_policy(StopSettings(rule=row, head=head, costs=costs), k, meta)
+                got = replay(policy, refs[key], len(p), rec["rounds"], k)
                 same += got["match"]
                 total += 1
                 rounds += len(got["lengths"])
@@ -324,9 +327,11 @@ def _counters(llm) -> dict:
 def vllm_stage(stage: str, job: dict) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from specheads.vllm import stop_plugin as sp
+    from specheads.vllm import stop_tools
+    from specheads.vllm.stop_config import speculative_config
 
     if stage == "profile":
-        sp.profile(
+        stop_tools.profile(
             job["target"],
             job["eagle"],
             job["k"],
@@ -346,7 +351,7 @@ def vllm_stage(stage: str, job: dict) -> int:
     k, rows = job["k"], job["rows"]
     spec = None
     if rows != ["target"]:
-        spec = sp.speculative_config(job["eagle"], k, rule="fixed", fixed_k=k, trace=True)
+        spec = speculative_config(job["eagle"], k, rule="fixed", fixed_k=k, trace=True)
     t = time.perf_counter()
     llm = LLM(
         model=job["target"],

@@ -3,10 +3,10 @@
 vLLM's plugin decides each request's draft length on vLLM's own EAGLE-3 forward. This module recomputes the same
 rounds without vLLM: the EAGLE head's drafts from every position of the finished sequence
 (:class:`specheads.heads.EagleHead` on the Transformers target's states: tokens, logits over the target's vocabulary,
-post-norm states), then the policy ``heads-decode`` builds from the same settings (the policy factory, not the
-plugin's construction) decides each round in order, fed the batch size vLLM ran it at and vLLM's verdict (the
-candidates verified and accepted). A request matches when every round has the length the plugin chose: the plugin
-read the right states, the right logits, the right step and batch, and gave the rule the right outcomes. Used by
+post-norm states); then the policy of the same settings (:func:`~specheads.vllm.stop_config.rule_policy`, fresh per
+request) decides each round in order, fed the batch size vLLM ran it at and vLLM's verdict (the candidates verified
+and accepted). A request matches when every round has the length the plugin chose: the plugin read the right
+states, the right logits, the right step and batch, and gave the rule the right outcomes. Used by
 ``bench/vllm_stop.py`` (``drafts_match_shim``) and ``tests/in_vllm``.
 """
 
@@ -22,7 +22,6 @@ def reference_rounds(head, target, ids: list[int], k: int) -> tuple[torch.Tensor
     ``[rows, k]``, logits over the target's vocabulary ``[rows, k, V]`` (``-inf`` outside the head's) and the
     post-norm states that drew them ``[rows, k, d]``."""
     from specheads.heads.eagle_head import unrolled_kept, unrolled_step
-    from specheads.shim.runners.eagle_cache import full_scores
 
     x = torch.tensor(ids)
     embed = target.get_input_embeddings()
@@ -36,32 +35,13 @@ def reference_rounds(head, target, ids: list[int], k: int) -> tuple[torch.Tensor
             cos, sin = head.rope(pos + j)
             h = unrolled_step(head, kept, embed(tok), h, cos, sin, None)
             post = head.norm(h)
-            scores = full_scores(head, head.vocab_ids, post, width)
+            small = head.lm_head(post).float()  # the head's rows, scattered into the target's vocabulary
+            scores = small.new_full((*small.shape[:-1], width), float("-inf")).index_copy_(-1, head.vocab_ids, small)
             tok = scores.argmax(-1)
             toks.append(tok[0])
             logits.append(scores[0])
             states.append(post[0])
     return torch.stack(toks, 1), torch.stack(logits, 1), torch.stack(states, 1)
-
-
-def toolkit_policy(rule: str, k: int, costs: str, head: str | None = None, k_min: int = 1, gate: bool = True):
-    """The toolkit's policy for plugin rule ``rule`` (``c-cost``, ``c-online-cost``, ``h-cost``), built as
-    ``heads-decode`` builds it from settings."""
-    from specheads.decode.policy_factory import settings_for
-    from specheads.shim.costs.cost_table import load_table
-    from specheads.shim.policies import policy_class
-
-    table = load_table(costs)
-    if rule == "h-cost":
-        from specheads.export import load_head
-
-        s = settings_for("specdecpp", head=head, stop="cost", k_min=k_min, k_max=k, gate=gate)
-        loaded = load_head(head)
-        loaded = type(loaded)(loaded.module.float().eval(), loaded.metadata)
-        return policy_class("specdecpp").from_settings(s, head=loaded, costs=table)
-    estimate = "online" if rule == "c-online-cost" else "q"
-    s = settings_for("confidence_stop", stop="cost", k_min=k_min, k_max=k, gate=gate, estimate=estimate)
-    return policy_class("confidence_stop").from_settings(s, costs=table)
 
 
 def rounds_of(trace: list[dict]) -> dict[str, list[dict]]:
@@ -82,8 +62,7 @@ def replay(policy, reference, prompt_len: int, rounds: list[dict], k: int) -> di
     """One request's ``rounds`` (:func:`rounds_of`) through ``policy`` (fresh) on ``reference`` (the
     :func:`reference_rounds` of its prompt and output): ``lengths`` the toolkit's, ``vllm`` the plugin's, and
     ``drafts_differ`` the rounds whose candidates are not the reference's."""
-    from specheads.shim.core.sampling import SamplingConfig
-    from specheads.shim.policies.base import Round
+    from specheads.shim import Round, SamplingConfig
 
     toks, logits, states = reference
     policy.reset()

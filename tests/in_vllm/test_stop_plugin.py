@@ -22,6 +22,8 @@ import torch  # noqa: E402
 from pair import save_pair  # noqa: E402
 
 from specheads.vllm import stop_plugin as sp  # noqa: E402
+from specheads.vllm import stop_tools  # noqa: E402
+from specheads.vllm.stop_config import SECTION, speculative_config  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 13], [1, 7], [1, 20, 21, 22, 3, 4, 5, 6, 7, 8], [1, 5, 9, 13, 4], [1], [1, 14, 3]]
 MAX_NEW = [24, 9, 30, 17, 12, 20]
@@ -128,7 +130,7 @@ RULES = {
 def runs(setup):
     """Every rule in one vLLM engine (settings changed between runs over collective_rpc), with its trace."""
     base = {"costs": str(setup["costs"]), "trace": True}
-    spec = sp.speculative_config(str(setup["eagle"]), K, **RULES["c-cost"], **base)
+    spec = speculative_config(str(setup["eagle"]), K, **RULES["c-cost"], **base)
     llm = _llm(setup["target"], spec)
     out = {}
     for name, rule in RULES.items():
@@ -156,9 +158,11 @@ def test_every_draft_length_is_the_toolkit_rules_on_the_same_states(setup, runs,
     from transformers import AutoModelForCausalLM
 
     from specheads.export import speculators
-    from specheads.vllm.stop_check import reference_rounds, replay, rounds_of, toolkit_policy
+    from specheads.vllm.stop_check import reference_rounds, replay, rounds_of
+    from specheads.vllm.stop_config import StopSettings, rule_policy
 
     eagle = speculators.read(setup["eagle"]).module.float().eval()
+    meta = json.loads((setup["eagle"] / "config.json").read_text())["specheads"]
     target = AutoModelForCausalLM.from_pretrained(setup["target"], dtype=torch.float32).eval()
     run = runs[rule]
     by_req = rounds_of(run["trace"])
@@ -169,7 +173,8 @@ def test_every_draft_length_is_the_toolkit_rules_on_the_same_states(setup, runs,
         rounds = next(v for key, v in by_req.items() if key == rid or key.startswith(f"{rid}-"))
         verdicts += sum(r.get("verified", 0) > 0 for r in rounds)
         ref = reference_rounds(eagle, target, prompt + out, K)
-        got = replay(toolkit_policy(rule, K, str(setup["costs"]), head, gate=gate), ref, len(prompt), rounds, K)
+        policy = rule_policy(StopSettings(rule=rule, head=head, costs=str(setup["costs"]), gate=gate), K, meta)
+        got = replay(policy, ref, len(prompt), rounds, K)
         assert got["match"], (rid, got)
         assert got["drafts_differ"] == 0  # and vLLM drew the reference's candidates
         checked += len(got["lengths"])
@@ -180,15 +185,15 @@ def test_bad_settings_stop_the_engine_at_start_with_one_line(setup):
     from specheads.errors import UserError
 
     with pytest.raises(UserError, match="rule=h-cost needs head="):
-        sp.speculative_config(str(setup["eagle"]), K, rule="h-cost", costs=str(setup["costs"]))
+        speculative_config(str(setup["eagle"]), K, rule="h-cost", costs=str(setup["costs"]))
     with pytest.raises(UserError, match="no setting treshold"):
-        sp.speculative_config(str(setup["eagle"]), K, treshold=0.5)
-    spec = sp.speculative_config(str(setup["eagle"]), K, costs=str(setup["costs"]))
-    spec["draft_load_config"]["model_loader_extra_config"][sp.SECTION]["costs"] = str(setup["costs"]) + ".gone"
+        speculative_config(str(setup["eagle"]), K, treshold=0.5)
+    spec = speculative_config(str(setup["eagle"]), K, costs=str(setup["costs"]))
+    spec["draft_load_config"]["model_loader_extra_config"][SECTION]["costs"] = str(setup["costs"]) + ".gone"
     with pytest.raises(ValueError) as err:  # vLLM's config is built, before any model loads
         _llm(setup["target"], spec)
     assert "is not a file" in str(err.value) and "\n" not in str(err.value)
-    spec = sp.speculative_config(str(setup["eagle"]), K, costs=str(setup["costs"]))
+    spec = speculative_config(str(setup["eagle"]), K, costs=str(setup["costs"]))
     with pytest.raises(ValueError, match="async scheduling off.*gpu_model_runner.py:1857") as err:
         _llm(setup["target"], spec, async_scheduling=True)
     assert "\n" not in str(err.value)
@@ -209,7 +214,7 @@ def test_without_its_settings_vllms_eagle3_is_unchanged(setup):
 
 
 def test_the_profile_prices_vllms_steps(setup, tmp_path):
-    table = sp.profile(
+    table = stop_tools.profile(
         str(setup["target"]), str(setup["eagle"]), 2, [2], str(tmp_path / "t.json"), steps=24, prefix=8,
         dtype="float32", enforce_eager=True,
     )  # fmt: skip
