@@ -44,6 +44,31 @@ def reference_rounds(head, target, ids: list[int], k: int) -> tuple[torch.Tensor
     return torch.stack(toks, 1), torch.stack(logits, 1), torch.stack(states, 1)
 
 
+def draft_reference(draft, ids: list[int], k: int):
+    """The same as :func:`reference_rounds` for a draft model (``method="draft_model"``), row by row on demand: a
+    callable ``t -> (tokens [k], logits [k, V], post-norm states [k, d])``, the draft's ``k`` greedy steps after
+    ``ids[: t + 2]``."""
+
+    def at(t: int):
+        x = torch.tensor([ids[: t + 2]])
+        toks, logits, states = [], [], []
+        with torch.no_grad():
+            out = draft(x, use_cache=True, output_hidden_states=True)
+            for _ in range(k):
+                lg, st = out.logits[0, -1].float(), out.hidden_states[-1][0, -1]  # Llama's last state is post-norm
+                tok = lg.argmax(-1)
+                toks.append(tok)
+                logits.append(lg)
+                states.append(st)
+                out = draft(
+                    tok.view(1, 1), past_key_values=out.past_key_values, use_cache=True, output_hidden_states=True
+                )
+        return torch.stack(toks), torch.stack(logits), torch.stack(states)
+
+    at.rows = len(ids) - 1
+    return at
+
+
 def rounds_of(trace: list[dict]) -> dict[str, list[dict]]:
     """The plugin's trace per request: its rounds in order, each ``{step, batch, draft, verified, accepted}``
     (``verified``/``accepted`` absent for a round vLLM never verified; ``capped`` where the batch cap ended it)."""
@@ -60,17 +85,26 @@ def rounds_of(trace: list[dict]) -> dict[str, list[dict]]:
 
 def replay(policy, reference, prompt_len: int, rounds: list[dict], k: int) -> dict:
     """One request's ``rounds`` (:func:`rounds_of`) through ``policy`` (fresh) on ``reference`` (the
-    :func:`reference_rounds` of its prompt and output): ``lengths`` the toolkit's, ``vllm`` the plugin's, and
-    ``drafts_differ`` the rounds whose candidates are not the reference's."""
+    :func:`reference_rounds` of its prompt and output, or :func:`draft_reference`'s callable): ``lengths`` the
+    toolkit's, ``vllm`` the plugin's, and ``drafts_differ`` the rounds whose candidates are not the reference's."""
     from specheads.shim import Round, SamplingConfig
 
-    toks, logits, states = reference
+    if isinstance(reference, tuple):  # reference_rounds' tensors
+        toks_all, logits_all, states_all = reference
+
+        def at(t):
+            return toks_all[t], logits_all[t], states_all[t]
+
+        rows = toks_all.shape[0]
+    else:  # draft_reference's callable
+        at, rows = reference, reference.rows
     policy.reset()
     m, lengths, got, differ = prompt_len, [], [], 0
     for rec in rounds:
         t = m - 1  # the round knows x_0..x_m and drafts from state s_{m-1}, token x_m
-        if t >= toks.shape[0]:
+        if t >= rows:
             break
+        toks, logits, states = at(t)
         # a round the plugin's batch cap ended (B > 1) stops there, unless the rule stops it first
         rnd = Round(sampling=SamplingConfig(), generator=None, limit=k, position=0)
         cap = len(rec["draft"]) if rec.get("capped") else k
@@ -78,14 +112,14 @@ def replay(policy, reference, prompt_len: int, rounds: list[dict], k: int) -> di
         policy.start_round(rnd)
         if policy.draft_round():
             for j in range(k):
-                rnd.tokens.append(toks[t, j])
-                rnd.draft_logits.append(logits[t, j])
-                rnd.draft_hidden.append(states[t, j])
+                rnd.tokens.append(toks[j])
+                rnd.draft_logits.append(logits[j])
+                rnd.draft_hidden.append(states[j])
                 if rnd.n >= k or policy.stop_drafting(rnd) or rnd.n >= cap:  # the engine's order (drafting.py)
                     break
         lengths.append(rnd.n)
         got.append(len(rec["draft"]))
-        differ += toks[t, : len(rec["draft"])].tolist() != rec["draft"]
+        differ += toks[: len(rec["draft"])].tolist() != rec["draft"]
         verified, accepted = rec.get("verified", 0), rec.get("accepted", 0)
         policy.end_round(verified, accepted)
         m += accepted + 1 if verified else 1

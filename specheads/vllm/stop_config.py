@@ -53,10 +53,16 @@ class StopSettings:
         return out
 
 
-def speculative_config(eagle: str, k: int, **settings: Any) -> dict:
+METHODS = ("eagle3", "draft_model")
+
+
+def speculative_config(eagle: str, k: int, method: str = "eagle3", **settings: Any) -> dict:
     """vLLM's ``speculative_config`` for EAGLE-3 head directory ``eagle`` (``heads-export format=speculators``, or
     one speculators or SpecForge wrote) at most ``k`` candidates a round, stopped by this plugin (``settings``:
-    :class:`StopSettings`' fields). Checked here: a mistake is a one-line :class:`~specheads.errors.UserError`."""
+    :class:`StopSettings`' fields). ``method="draft_model"``: ``eagle`` is a draft model's directory instead, run by
+    vLLM's own ``draft_model`` proposer (sharded as vLLM shards it), its rounds stopped the same way (``h-cost``: a
+    SpecDec++ head trained on that draft's states). Checked here: a mistake is a one-line
+    :class:`~specheads.errors.UserError`."""
     from specheads.errors import UserError
 
     names = {f.name for f in dataclasses.fields(StopSettings)}
@@ -65,13 +71,15 @@ def speculative_config(eagle: str, k: int, **settings: Any) -> dict:
         raise UserError(f"the stop plugin has no setting {', '.join(unknown)}; its settings: {sorted(names)}")
     s = StopSettings(**settings)
     bad = s.problems(int(k)) + ([] if Path(eagle, "config.json").is_file() else [f"{eagle!r} has no config.json"])
+    if method not in METHODS:
+        bad.append(f"method={method!r}: the stop plugin runs on {' or '.join(METHODS)}")
     if bad:
         raise UserError("; ".join(bad))
     for key in ("head", "costs"):  # vLLM's workers may start elsewhere: absolute paths
         if getattr(s, key):
             setattr(s, key, str(Path(getattr(s, key)).resolve()))
     return {
-        "method": "eagle3",
+        "method": method,
         "model": str(Path(eagle).resolve()),
         "num_speculative_tokens": int(k),
         "draft_load_config": {
@@ -107,8 +115,8 @@ def config_problems(engine_args) -> list[str]:
     if unknown:
         return [f"the stop plugin has no setting {', '.join(unknown)}; its settings: {sorted(names)}"]
     out = []
-    if spec.get("method") != "eagle3":
-        out.append(f"the stop plugin runs on method='eagle3' (EAGLE-3 heads); got method={spec.get('method')!r}")
+    if spec.get("method") not in METHODS:
+        out.append(f"the stop plugin runs on method {' or '.join(METHODS)}; got method={spec.get('method')!r}")
     for flag in ("use_local_argmax_reduction", "use_heterogeneous_vocab", "parallel_drafting"):
         if spec.get(flag):
             out.append(f"the stop plugin does not run with {flag}=True (its draft tokens are chosen elsewhere)")
@@ -126,11 +134,12 @@ def config_problems(engine_args) -> list[str]:
     return out + StopSettings(**raw).problems(int(spec.get("num_speculative_tokens") or 0))
 
 
-def rule_policy(s: StopSettings, k: int, eagle_meta: dict | None):
+def rule_policy(s: StopSettings, k: int, eagle_meta: dict | None, hidden: int | None = None):
     """The toolkit policy that decides one request's rounds under settings ``s`` at most ``k`` candidates (forked per
     request): the policy's own settings (``settings_for``, the names and rules ``heads-decode`` checks) built by its
-    class from them, its head read and checked against the EAGLE head drafting (``eagle_meta``: that head's
-    specheads metadata). ``fixed`` and ``profile``: standard SD at ``k``, the lengths set per round."""
+    class from them, its head read and checked against the drafter (``eagle_meta``: the EAGLE head's specheads
+    metadata, None for a draft model; ``hidden``: the drafter's state width). ``fixed`` and ``profile``: standard SD
+    at ``k``, the lengths set per round."""
     from specheads.decode.policy_factory import settings_for
     from specheads.shim import load_table, policy_class
 
@@ -150,6 +159,9 @@ def rule_policy(s: StopSettings, k: int, eagle_meta: dict | None):
     if head.metadata.get("head_type") != "acceptance":
         raise ValueError(f"head={s.head!r} is a {head.metadata.get('head_type')} head; rule=h-cost reads a stop head")
     check_stop_drafter(head.metadata.get("feature", {}), eagle_meta)
+    width = head.module.hidden_size
+    if hidden is not None and width not in (0, hidden):
+        raise ValueError(f"head={s.head!r} reads {width}-wide states; the drafter's are {hidden} wide")
     head = type(head)(head.module.float().eval(), head.metadata)
     return policy_class("specdecpp").from_settings(
         settings_for("specdecpp", head=s.head, **common), head=head, costs=costs

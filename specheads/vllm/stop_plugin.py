@@ -81,6 +81,7 @@ class Controller:
     settings: StopSettings
     k: int
     eagle_meta: dict | None
+    hidden: int | None = None
     proto: Any = None
     policies: dict = field(default_factory=dict)  # request id -> its policy
     pending: dict = field(default_factory=dict)  # request id -> candidates it was given last step
@@ -99,7 +100,7 @@ class Controller:
         bad = s.problems(self.k)
         if bad:
             raise ValueError("; ".join(bad))
-        self.settings, self.proto = s, rule_policy(s, self.k, self.eagle_meta)
+        self.settings, self.proto = s, rule_policy(s, self.k, self.eagle_meta, self.hidden)
         self.costs = None if s.profile or s.rule == "fixed" else self.proto.costs  # the batch cap's prices
         self.policies, self.pending, self._last = {}, {}, None
 
@@ -237,11 +238,12 @@ def _controller(runner) -> Controller | None:
         s = settings_of(getattr(runner, "speculative_config", None))
         if s is None:
             return None
-        meta = None
-        cfg = Path(runner.speculative_config.model, "config.json")
-        if cfg.is_file():
-            meta = json.loads(cfg.read_text()).get("specheads")
-        ctl = runner._specheads_stop = Controller(s, int(runner.speculative_config.num_speculative_tokens), meta)
+        spec, meta = runner.speculative_config, None
+        cfg = Path(spec.model, "config.json")
+        if spec.method == "eagle3" and cfg.is_file():  # the EAGLE head's own metadata (a stop head is checked on it)
+            meta = json.loads(cfg.read_text()).get("specheads") or {}
+        hidden = spec.draft_model_config.get_hidden_size()
+        ctl = runner._specheads_stop = Controller(s, int(spec.num_speculative_tokens), meta, hidden)
     return ctl
 
 

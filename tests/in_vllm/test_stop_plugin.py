@@ -197,8 +197,8 @@ def test_bad_settings_stop_the_engine_at_start_with_one_line(setup):
     with pytest.raises(ValueError, match="async scheduling off.*gpu_model_runner.py:1857") as err:
         _llm(setup["target"], spec, async_scheduling=True)
     assert "\n" not in str(err.value)
-    spec["method"] = "draft_model"
-    with pytest.raises(ValueError, match="runs on method='eagle3'"):
+    spec["method"] = "ngram"
+    with pytest.raises(ValueError, match="runs on method eagle3 or draft_model; got method='ngram'"):
         _llm(setup["target"], spec)
 
 
@@ -223,3 +223,62 @@ def test_the_profile_prices_vllms_steps(setup, tmp_path):
     t = load_table(tmp_path / "t.json")
     assert t.max_pass == 3 and t.batches == [2] and t.t_draft_ms > 0 and min(t.t_target_ms) > 0
     assert table["samples"]["t_first 1"] and table["samples"]["t_d 2"]
+
+
+def test_vllms_draft_model_proposer_stops_by_a_specdecpp_head_on_the_draft(tmp_path):
+    """method="draft_model": vLLM's own draft-model proposer (the draft sharded as vLLM shards it) with each
+    request's draft stopped by the cost rule on q(y) and by an untrained SpecDec++ head on the draft's states; greedy
+    output equals the target alone's and every round's length is the toolkit rule's on the Transformers draft."""
+    from transformers import AutoModelForCausalLM
+
+    from specheads.export import save_head
+    from specheads.heads import AcceptanceHead
+    from specheads.vllm.stop_check import draft_reference, replay, rounds_of
+    from specheads.vllm.stop_config import StopSettings, rule_policy
+
+    target, draft = save_pair(tmp_path)
+    torch.manual_seed(1)
+    head = AcceptanceHead(128, depth=1)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3)
+    save_head(
+        tmp_path / "stop.safetensors",
+        head,
+        "acceptance",
+        {
+            "head_config": head.config(),
+            "hidden_size": 128,
+            "feature": {"model": "draft", "state": "post", "layer": -1, "position": "own"},
+            "target": {"name": "tiny", "fingerprint": ""},
+            "sampling": {"do_sample": False},
+            "label": "soft",
+        },
+    )
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"t_draft_ms": 0.5, "t_target_ms": [10.0, 10.2, 10.4, 10.6, 10.8, 11.0]}))
+    llm = _llm(target, None)
+    alone, _ = _generate(llm)
+    _drop(llm)
+    rules = {"c-cost": None, "h-cost": str(tmp_path / "stop.safetensors")}
+    spec = speculative_config(str(draft), K, method="draft_model", costs=str(costs), trace=True)
+    llm = _llm(target, spec)
+    runs = {}
+    for rule, path in rules.items():
+        settings = {"rule": rule, "head": path, "costs": str(costs), "trace": True}
+        llm.collective_rpc(sp.configure, args=(settings,))
+        llm.collective_rpc(sp.take_trace)
+        runs[rule] = (*_generate(llm), llm.collective_rpc(sp.take_trace)[0]["trace"])
+    _drop(llm)
+    model = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+    for rule, (tokens, ids, trace) in runs.items():
+        assert tokens == alone, rule
+        by_req = rounds_of(trace)
+        lengths = set()
+        for prompt, out, rid in zip(PROMPTS, tokens, ids):
+            rounds = next(v for key, v in by_req.items() if key == rid or key.startswith(f"{rid}-"))
+            policy = rule_policy(StopSettings(rule=rule, head=rules[rule], costs=str(costs)), K, None, 128)
+            got = replay(policy, draft_reference(model, prompt + out, K), len(prompt), rounds, K)
+            assert got["match"] and got["drafts_differ"] == 0, (rule, rid, got)
+            lengths |= set(got["lengths"])
+        assert len(lengths) >= 2, (rule, lengths)
