@@ -24,7 +24,8 @@ verdicts and batch sizes; the share of requests whose every round has the length
 the perfect rule on the ``k<K>`` row's recorded drafts (each round keeps exactly its accepted candidates; the same
 tokens, so the same steps), priced by the cost table (a step: ``t_d(B)`` per draft step its longest round needs,
 ``t_t(B, mean kept + 1)``), over the best fixed K priced alike. ``best_stop_vs_best_fixed_k`` and
-``learned_vs_best_training_free`` are measured tokens/s ratios, ``share_of_ceiling`` = (best stop / best fixed K - 1)
+``learned_vs_best_training_free`` are measured tokens/s ratios; ``measured_over_priced`` per row: its measured
+tokens/s over what the cost table prices its recorded steps at (how far the table's prices hold in that cell); ``share_of_ceiling`` = (best stop / best fixed K - 1)
 / (ceiling - 1). Writes ``bench/results/vllm_stop.json``; a crashed run resumes from the configurations kept in
 ``<work>/runs-*.json``.
 """
@@ -165,17 +166,17 @@ def ceiling_for(recs: dict, table, k: int, fixed: dict) -> dict:
         return steps, tokens
 
     priced = {}
-    for name in fixed:
+    for name in recs:  # every row, priced on its own recorded rounds
         steps, tokens = steps_of(recs[name], lambda rnd: len(rnd["draft"]))
         priced[name] = price(steps) / tokens
     steps, tokens = steps_of(recs[f"k{k}"], lambda rnd: rnd.get("accepted", 0) if rnd.get("verified") else 0)
     perfect = price(steps) / tokens
-    best = min(priced, key=priced.get)
+    best = min(fixed, key=priced.get)
     return {
         "perfect_ms_per_token": round(perfect, 3),
         "best_fixed_k": best,
         "best_fixed_k_ms_per_token": round(priced[best], 3),
-        "fixed_k_ms_per_token": {n: round(v, 3) for n, v in priced.items()},
+        "priced_ms_per_token": {n: round(v, 3) for n, v in priced.items()},
         "vs_best_fixed_k": round(priced[best] / perfect, 4),
     }
 
@@ -285,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
             "best_training_free": best_free,
             "learned_vs_best_training_free": round(stops["h-cost"] / free[best_free], 4) if "h-cost" in stops else None,
         }
+        for name, ms in ceil["priced_ms_per_token"].items():  # how well the cost table prices this cell's steps
+            table_rows[name]["measured_over_priced"] = round(table_rows[name]["tokens_per_s"] * ms / 1000, 4)
         result["cells"][cell] = {"rows": table_rows, "ceiling": ceil}
     result["greedy_identical"] = identical
     result["summary"] = summary
