@@ -33,6 +33,14 @@ def print_summary(summary: dict) -> None:
             f"best lossless row {b['config']}: {b['tokens_per_s']} tokens/s measured, "
             f"{b['predicted_tokens_per_s']} predicted"
         )
+    if "deploy" in summary:
+        d = summary["deploy"]
+        vs = d.get("vs_best_fixed_k") or {}
+        print(
+            f"to deploy ({d['kind']}): {d['config']}, {d['tokens_per_s']} tokens/s {d['tokens_per_s_interval']}"
+            + (f"; {vs['value']}x {vs['against']} [{vs['low']}, {vs['high']}]" if vs.get("value") else "")
+            + (" (within noise of the fixed K)" if d["within_noise_of_fixed_k"] else "")
+        )
     if "eagle" in summary:
         print(
             f"drafter: EAGLE head {summary['eagle']['path']} (tensors_sha256 "

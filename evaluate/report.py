@@ -233,6 +233,44 @@ def add_ceilings(
         r["share_of_ceiling"] = round(got / (ceiling - 1), 4) if got is not None and ceiling > 1 else None
 
 
+def deploy(summary: dict, grouped: dict[str, list[dict]]) -> dict | None:
+    """The rule to deploy in this regime: the fastest lossless row that speculates (a fixed K, a training-free stop
+    rule or a learned head), with its tokens/s interval and its paired speed ratio (with interval) against the best
+    fixed K and the best training-free stop row; ``kind`` says which family it is, and ``within_noise_of_fixed_k``
+    whether the interval of its ratio to the best fixed K holds 1 (then the fixed K is as good a choice)."""
+    from specheads.evaluate.intervals import paired_ratio, units
+
+    rows = [r for r in summary["table"] if r["lossless"] and r["config"] not in ("ar", "draft")]
+    if not rows:
+        return None
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+
+    def kind(name: str) -> str:
+        return "learned" if name.startswith("h") else "training_free" if name.startswith("c") else "fixed_k"
+
+    def ratio(a: str, b: str) -> dict:
+        na, da = units(grouped[a], ("new_tokens", "wall_time"))
+        nb, db = units(grouped[b], ("new_tokens", "wall_time"))
+        if len(na) != len(nb):
+            return {"value": None}
+        r = paired_ratio(na, da, nb, db)
+        return {k: (None if r[k] is None else round(r[k], 4)) for k in ("value", "low", "high")} | {"against": b}
+
+    out = {
+        "config": best["config"],
+        "kind": kind(best["config"]),
+        "tokens_per_s": best["tokens_per_s"],
+        "tokens_per_s_interval": best.get("tokens_per_s_interval"),
+    }
+    for family, key in (("fixed_k", "vs_best_fixed_k"), ("training_free", "vs_best_training_free")):
+        others = [r for r in rows if kind(r["config"]) == family]
+        if others and kind(best["config"]) != family:
+            out[key] = ratio(best["config"], max(others, key=lambda r: r["tokens_per_s"])["config"])
+    vs = out.get("vs_best_fixed_k")
+    out["within_noise_of_fixed_k"] = bool(vs and vs["low"] is not None and vs["low"] <= 1.0)
+    return out
+
+
 def build(
     cfg,
     pair,
@@ -255,6 +293,9 @@ def build(
         summary["eagle"] = eagle
     for r in summary["table"]:
         r.update(speed_intervals(grouped[r["config"]]))
+    choice = deploy(summary, grouped)
+    if choice is not None:
+        summary["deploy"] = choice
     if getattr(cfg, "batch_size", 1) > 1:  # the cost table prices batch-1 forwards: no prediction for a batch
         for r in summary["table"]:
             r["predicted_ms_per_token"] = r["predicted_over_measured"] = None

@@ -265,6 +265,18 @@ def test_eval_sweep_end_to_end(tiny_pair_dirs, head_file, prompts_file, table_fi
         by["h-cost"]["tokens_per_s"] / by[s["best_fixed_k"]]["tokens_per_s"], abs=1e-4
     )
     assert s["best_stop_rule"] in ("h0.3", "h0.7", "h-cost") and s["best_lossless"]["config"] in by
+    # the rule to deploy: the fastest speculating lossless row, its interval and its paired ratio to the best fixed K
+    d = s["deploy"]
+    assert d["config"] == max((r for r in s["table"] if r["lossless"] and r["config"] != "ar"),
+                              key=lambda r: r["tokens_per_s"])["config"]  # fmt: skip
+    assert d["kind"] == ("learned" if d["config"].startswith("h") else "fixed_k")
+    lo, hi = d["tokens_per_s_interval"]
+    assert lo <= d["tokens_per_s"] <= hi and f"to deploy ({d['kind']}): {d['config']}" in printed
+    if d["kind"] != "fixed_k":
+        vs = d["vs_best_fixed_k"]
+        assert vs["against"] == s["best_fixed_k"] and vs["low"] <= vs["value"] <= vs["high"]
+        assert vs["value"] == pytest.approx(d["tokens_per_s"] / by[s["best_fixed_k"]]["tokens_per_s"], rel=1e-3)
+        assert d["within_noise_of_fixed_k"] == (vs["low"] <= 1.0)
     assert "cost table t_d 0.5 ms" in printed and "predicted_ms_per_token" in printed
     # the honest ceilings: a perfect rule scoring at lag 0 is at least as fast as one at lag 1; each head row
     # carries its own lag's (the head's lag 1)
