@@ -1,7 +1,13 @@
 """The stop plugin inside vLLM (``specheads.vllm.stop_plugin``): each stop rule against vLLM's EAGLE-3 at every fixed K.
 
-    python bench/vllm_stop.py --head runs/lag0-export/head.safetensors        # c-cost, c-online-cost and h-cost
+    python bench/vllm_stop.py --head runs/lag0-export/head.safetensors --n 8   # c-cost, c-online-cost and h-cost
     python bench/vllm_stop.py --n 2 --max-new 32 --batches 1 --out /tmp/s.json  # a quick look
+
+The ``h-cost`` head (lag 0 on the committed EAGLE head; the committed result's, chosen as the calibrated q):
+``heads-datagen recipe=quickstart eagle_rounds.position=previous num_prompts=96 output_dir=runs/lag0-datagen``, then
+``heads-train recipe=quickstart data_dir=runs/lag0-datagen 'eagle_stop.signals=[entropy,margin,step]'
+eagle_stop.skip=true output_dir=runs/lag0-train`` and ``heads-export recipe=quickstart train_dir=runs/lag0-train
+output_dir=runs/lag0-export`` (about 8 minutes on 2 cores).
 
 Run with the project's Python. Under ``--work`` (default ``runs/vllm_stop``) it writes the shared target as a
 Hugging Face directory (fp32; vLLM cannot read the GGUF), the committed EAGLE head as a ``heads-export
@@ -25,9 +31,9 @@ the perfect rule on the ``k<K>`` row's recorded drafts (each round keeps exactly
 tokens, so the same steps), priced by the cost table (a step: ``t_d(B)`` per draft step its longest round needs,
 ``t_t(B, mean kept + 1)``), over the best fixed K priced alike. ``best_stop_vs_best_fixed_k`` and
 ``learned_vs_best_training_free`` are measured tokens/s ratios; ``measured_over_priced`` per row: its measured
-tokens/s over what the cost table prices its recorded steps at (how far the table's prices hold in that cell); ``share_of_ceiling`` = (best stop / best fixed K - 1)
-/ (ceiling - 1). Writes ``bench/results/vllm_stop.json``; a crashed run resumes from the configurations kept in
-``<work>/runs-*.json``.
+tokens/s over what the cost table prices its recorded steps at (how far the table's prices hold in that cell);
+``share_of_ceiling`` = (best stop / best fixed K - 1) / (ceiling - 1). Writes ``bench/results/vllm_stop.json``; a
+crashed run resumes from the vLLM processes kept in ``<work>/runs-*.json`` and the cells in their ``.partial``.
 """
 
 from __future__ import annotations
