@@ -19,7 +19,7 @@ rows past every training set's (``--offsets``). Then, in vLLM's own virtualenv (
 3. vLLM's ``eagle3`` at ``K = --k-max`` with the plugin, its configurations interleaved prompt by prompt (each chunk
    of prompts runs every configuration, in an order rotated from chunk to chunk): ``k1..k<K>`` (every request's
    draft cut at that K: the same draft forwards and verified tokens as ``eagle3`` at that K), ``c-cost``,
-   ``c-online-cost`` and, with ``--head``, ``h-cost``, each with the draft gate.
+   ``c-online-cost`` and, with ``--head``, ``h-cost`` (with ``--gate``, each with the draft gate).
 
 A cell is a prompt set at a batch: batch 1 decodes one request at a time, batch ``B`` (``max_num_seqs``) submits
 ``B`` prompts at once. Per cell and row: tokens/s (the wall time of ``generate``), vLLM's acceptance, and
@@ -106,7 +106,9 @@ def child(args, stage: str, job: dict, work: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def replay(run: dict, prompts_by_set: dict, hd: Path, target_dir: Path, k: int, costs: str, head: str | None) -> dict:
+def replay(
+    run: dict, prompts_by_set: dict, hd: Path, target_dir: Path, k: int, costs: str, head: str | None, gate: bool
+) -> dict:
     """``drafts_match_shim`` per stop row: each request's rounds through the toolkit's rule on the reference drafts
     (:mod:`specheads.vllm.stop_check`)."""
     import torch
@@ -130,7 +132,7 @@ def replay(run: dict, prompts_by_set: dict, hd: Path, target_dir: Path, k: int, 
                 p = prompts_by_set[key[0]][rec["prompt"]]
                 if key not in refs:
                     refs[key] = reference_rounds(eagle, target, p + rec["output"], k)
-                policy = rule_policy(StopSettings(rule=row, head=head, costs=costs), k, meta)
+                policy = rule_policy(StopSettings(rule=row, head=head, costs=costs, gate=gate), k, meta)
                 got = replay(policy, refs[key], len(p), rec["rounds"], k)
                 same += got["match"]
                 total += 1
@@ -197,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=6, help="prompts per set at batch 1")
     ap.add_argument("--batches", default="1,16", help="cells: batch 1 and max_num_seqs B (B prompts per set)")
     ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--gate", action="store_true", help="the stop rows with the draft gate (the plugin's default: off)")
     ap.add_argument("--costs", default=None, help="a cost table of vLLM's steps (default: measured first)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
@@ -224,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     by_set = prompts(target_dir, sets, offsets, max(args.n, *batches))
     (work / "prompts.json").write_text(json.dumps(by_set))
     common = {"target": str(target_dir), "eagle": str(hd), "k": k, "max_new": args.max_new, "n": args.n}
-    common |= {"batches": batches, "sets": sets, "max_num_seqs": max(batches)}
+    common |= {"batches": batches, "sets": sets, "max_num_seqs": max(batches), "gate": args.gate}
     costs = args.costs
     if costs is None:
         sizes = [b for b in (2, 4, 8, 16, 32) if b < max(batches)] + ([max(batches)] if max(batches) > 1 else [])
@@ -252,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         "eagle": args.eagle,
         "head": args.head,
         "k_max": k,
+        "gate": args.gate,
         "prompts": {"sets": sets, "offsets": offsets, "n_batch1": args.n, "batches": batches},
         "max_new_tokens": args.max_new,
         "costs": costs,
@@ -299,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     result["summary"] = summary
     largest = max(summary, key=lambda c: summary[c]["ceiling"])
     result["largest_ceiling_cell"] = largest
-    result["replay"] = replay(spec, by_set, hd, target_dir, k, costs, args.head and str(Path(args.head).resolve()))
+    head = args.head and str(Path(args.head).resolve())
+    result["replay"] = replay(spec, by_set, hd, target_dir, k, costs, head, args.gate)
     result["drafts_match_shim"] = min((r["share"] for r in result["replay"].values()), default=None)
     learned = [s["learned_vs_best_training_free"] for s in summary.values() if s["learned_vs_best_training_free"]]
     result["bars"] = {
@@ -379,7 +384,7 @@ def vllm_stage(stage: str, job: dict) -> int:
     def settings(row: str) -> dict:
         if row.startswith("k"):
             return {"rule": "fixed", "fixed_k": int(row[1:]), "trace": True}
-        return {"rule": row, "costs": job["costs"], "head": job.get("head"), "gate": True, "trace": True}
+        return {"rule": row, "costs": job["costs"], "head": job.get("head"), "gate": job["gate"], "trace": True}
 
     partial = Path(job["out"] + ".partial")  # the cells finished before a crash
     kept = json.loads(partial.read_text()) if partial.is_file() else {"cells": {}, "records": {}}

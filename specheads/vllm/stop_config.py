@@ -26,7 +26,7 @@ class StopSettings:
     rule: str = "c-cost"
     head: str | None = None  # h-cost: an exported stop head on this EAGLE head's states (heads-train head=eagle_stop)
     costs: str | None = None  # a cost table of vLLM's own steps (stop_tools.profile writes one)
-    gate: bool = True  # the draft gate of the cost rules
+    gate: bool = False  # the draft gate of the cost rules (off: bench/studies/vllm_stop_batch.py)
     k_min: int = 1  # fewest candidates of a drafted round
     fixed_k: int | None = None  # rule=fixed: every request's length
     trace: bool = False  # keep every round (take_trace)

@@ -7,9 +7,9 @@ per request: ``c-cost`` (:class:`~specheads.shim.policies.ConfidenceStop` ``stop
 ``c-online-cost`` (the same on the online logistic estimate) or ``h-cost`` (:class:`~specheads.shim.policies.SpecDecPP`
 ``stop="cost"`` on a learned stop head on this EAGLE head's states, lag 0 when trained with
 ``eagle_rounds.position=previous``); ``fixed`` cuts every request at ``fixed_k``. Each is priced by a cost table of
-vLLM's own steps at the running batch (:mod:`specheads.vllm.stop_tools`), with the draft gate and, at batches of 2 or
-more, the batch cap (:meth:`Controller._batch_pays`). A stopped request's candidates are cut at once; once every
-request of the step has stopped the remaining draft steps are skipped.
+vLLM's own steps at the running batch (:mod:`specheads.vllm.stop_tools`), with the draft gate when asked and, at
+batches of 2 or more, the batch cap (:meth:`Controller._batch_pays`). A stopped request's candidates are cut at
+once; once every request of the step has stopped the remaining draft steps are skipped.
 
 :func:`register` is a ``vllm.general_plugins`` entry point, run in every vLLM process: it registers the
 ``specheads`` load format (vLLM's default loader, for a draft load config that also carries the settings), checks the
