@@ -330,14 +330,6 @@ def main(argv: list[str] | None = None) -> int:
 # ---- vLLM's Python --------------------------------------------------------------------------------------------
 
 
-def _counters(llm) -> dict:
-    out = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:spec_decode"):
-            out[m.name] = list(m.values) if hasattr(m, "values") else m.value
-    return out
-
-
 def vllm_stage(stage: str, job: dict) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from specheads.vllm import stop_plugin as sp
@@ -358,6 +350,7 @@ def vllm_stage(stage: str, job: dict) -> int:
         return 0
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm_eagle3 import _counters  # vLLM's spec-decode counters, read as that benchmark reads them
 
     from specheads.vllm.stop_check import rounds_of
 

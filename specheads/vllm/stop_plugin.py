@@ -70,7 +70,6 @@ class _Step:
     lengths: list[int | None]
     capped: list[bool] = field(default_factory=list)  # the batch cap ended the row's round
     drawn: int = 0
-    started: float = 0.0
     last: float = 0.0
 
 
@@ -163,7 +162,7 @@ class Controller:
             lengths.append(0 if n == 0 else None)
             if n:
                 rnd.limit = n
-        self.step = _Step(list(req_ids), rounds, lengths, [False] * len(rounds), started=now, last=now)
+        self.step = _Step(list(req_ids), rounds, lengths, [False] * len(rounds), last=now)
 
     def drawn(self, hidden, logits, tokens) -> None:
         """Candidate ``j`` of every row was drawn (``hidden``: the post-norm states that drew them, ``logits``: over
