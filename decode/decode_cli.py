@@ -1,6 +1,7 @@
 """``heads-decode``: run a decoding policy over a prompt file.
 
     heads-decode recipe=quickstart sd.k=8 num_prompts=4 output_dir=runs/sd-k8
+    heads-decode recipe=quickstart deploy=runs/export/head.safetensors   # the rule heads-eval chose, packaged
 
 Writes ``outputs.jsonl`` (one completion per prompt, with its stats), ``metrics.jsonl``
 (the same stats, one line per prompt), ``metrics.json`` (aggregate; with ``stop=cost`` also the
@@ -39,6 +40,46 @@ from specheads.shim import COUNTS, POLICIES, GenerationStats, predict_ms_per_tok
 
 log = logging.getLogger(__name__)
 PROG = "heads-decode"
+
+
+def _deployed(cfg: DecodeConfig) -> None:
+    """``deploy=``: the policy and settings the head's packaged choice names (``export/deploy.py``), set on ``cfg``
+    where its policy section holds the default; its EAGLE head where ``eagle`` is unset."""
+    from specheads.export.deploy import decode_choice, of_head
+
+    try:
+        record = of_head(cfg.deploy)
+    except (OSError, UserError, ValueError) as err:
+        raise UserError(f"deploy={cfg.deploy!r}: {str(err).splitlines()[0]}") from err
+    if not record:
+        raise UserError(
+            f"deploy={cfg.deploy!r} carries no rule to deploy (heads-export deploy=<heads-eval output_dir> packs one)"
+        )
+    policy, settings = decode_choice(record, cfg.deploy)
+    if cfg.policy not in ("sd", policy):  # sd: the default
+        raise UserError(f"deploy={cfg.deploy!r} runs policy={policy} ({record['config']}); drop policy={cfg.policy}")
+    cfg.policy = policy
+    section = getattr(cfg, policy, None)
+    if section is not None:
+        defaults = type(section)()
+        for key, value in settings.items():
+            if hasattr(section, key) and getattr(section, key) == getattr(defaults, key):
+                setattr(section, key, tuple(value) if isinstance(getattr(defaults, key), tuple) else value)
+    regime = record.get("regime") or {}
+    if regime.get("eagle") and not cfg.eagle:
+        cfg.eagle = regime["eagle"]
+    if regime.get("batch_size", cfg.batch_size) != cfg.batch_size or (
+        regime.get("sampling", cfg.sampling.to_dict()) != cfg.sampling.to_dict()
+    ):
+        log.warning(
+            "deploy=%s: %s was chosen at batch %s, sampling %s; this run is at batch %s, sampling %s",
+            cfg.deploy,
+            record["config"],
+            regime.get("batch_size"),
+            regime.get("sampling"),
+            cfg.batch_size,
+            cfg.sampling.to_dict(),
+        )
 
 
 def _check(cfg: DecodeConfig):
@@ -189,6 +230,8 @@ def _summary(cfg, decoder, costs, total, counted, truncated, elapsed, all_new: b
 
 def run(cfg: DecodeConfig) -> int:
     """Loads the pair, decodes every prompt, writes outputs and metrics."""
+    if cfg.deploy:
+        _deployed(cfg)
     settings = _check(cfg)
     hf_logging.disable_progress_bar()  # our own bar is the one to watch; errors stay one line
     prompts = load_prompt_files(cfg.prompts, limit=cfg.num_prompts, offset=cfg.offset)

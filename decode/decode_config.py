@@ -45,6 +45,16 @@ class RunConfig:
             )
         },
     )
+    deploy: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "an exported head that carries the rule heads-eval chose (heads-export deploy=): decode with the "
+                "policy and settings it names (this head, when the choice is the learned one; its EAGLE head "
+                "unless eagle= is given); a setting given in that policy's section wins"
+            )
+        },
+    )
     profile: str = field(
         default="auto",
         metadata={

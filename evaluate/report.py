@@ -12,6 +12,7 @@ the plots. :func:`write` writes ``sweep.json``, ``metrics.json`` and ``metrics.j
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from specheads.evaluate import training_free
@@ -233,11 +234,14 @@ def add_ceilings(
         r["share_of_ceiling"] = round(got / (ceiling - 1), 4) if got is not None and ceiling > 1 else None
 
 
-def deploy(summary: dict, grouped: dict[str, list[dict]]) -> dict | None:
+def deploy(summary: dict, grouped: dict[str, list[dict]], specs: dict | None = None, regime: dict | None = None):
     """The rule to deploy in this regime: the fastest lossless row that speculates (a fixed K, a training-free stop
     rule or a learned head), with its tokens/s interval and its paired speed ratio (with interval) against the best
     fixed K and the best training-free stop row; ``kind`` says which family it is, and ``within_noise_of_fixed_k``
-    whether the interval of its ratio to the best fixed K holds 1 (then the fixed K is as good a choice)."""
+    whether the interval of its ratio to the best fixed K holds 1 (then the fixed K is as good a choice). With
+    ``specs`` (each row's ``{policy, settings}``) the choice names its policy and settings, and ``regime`` (the
+    sweep's engine, batch, sampling, budget, EAGLE head) where it was measured: what ``heads-export deploy=``
+    packages. None when no lossless row speculates."""
     from specheads.evaluate.intervals import paired_ratio, units
 
     rows = [r for r in summary["table"] if r["lossless"] and r["config"] not in ("ar", "draft")]
@@ -268,6 +272,10 @@ def deploy(summary: dict, grouped: dict[str, list[dict]]) -> dict | None:
             out[key] = ratio(best["config"], max(others, key=lambda r: r["tokens_per_s"])["config"])
     vs = out.get("vs_best_fixed_k")
     out["within_noise_of_fixed_k"] = bool(vs and vs["low"] is not None and vs["low"] <= 1.0)
+    if specs and best["config"] in specs:
+        out |= json.loads(json.dumps(specs[best["config"]], default=str))  # policy, settings: plain JSON
+    if regime is not None:
+        out["regime"] = regime
     return out
 
 
@@ -293,7 +301,15 @@ def build(
         summary["eagle"] = eagle
     for r in summary["table"]:
         r.update(speed_intervals(grouped[r["config"]]))
-    choice = deploy(summary, grouped)
+    regime = {
+        "engine": getattr(cfg, "engine", "specheads"),
+        "batch_size": getattr(cfg, "batch_size", 1),
+        "sampling": cfg.sampling.to_dict(),
+        "max_new_tokens": cfg.max_new_tokens,
+        "eagle": getattr(cfg, "eagle", None),
+        "prompts": cfg.prompts,
+    }
+    choice = deploy(summary, grouped, getattr(decoders, "specs", None), regime)
     if choice is not None:
         summary["deploy"] = choice
     if getattr(cfg, "batch_size", 1) > 1:  # the cost table prices batch-1 forwards: no prediction for a batch

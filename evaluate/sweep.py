@@ -48,7 +48,12 @@ def same_vocab_rows(cfg) -> list[str]:
 
 class _Rows(dict):
     """The sweep's decoders by row name; a second setting under a name already taken is a user error (a
-    repeated threshold), never a silent overwrite."""
+    repeated threshold), never a silent overwrite. ``specs``: each row's policy and settings as the sweep gave them
+    (what ``heads-export deploy=`` packages)."""
+
+    def __init__(self, **rows):
+        super().__init__(**rows)
+        self.specs: dict[str, dict] = {}
 
     def __setitem__(self, name, decoder):
         if name in self:
@@ -87,6 +92,7 @@ def build_decoders(cfg, models: assemble.Models) -> dict[str, Decoder]:
     for row in [*shorthand_rows(cfg, models.costs is not None), *getattr(cfg, "rows", [])]:
         for name, policy, settings in expand(row):
             out[name] = decoder(cfg, models, assemble.policy(policy, models, sampling=cfg.sampling, **settings))
+            out.specs[name] = {"policy": policy, "settings": settings}
     return out
 
 

@@ -14,7 +14,8 @@ checks that it reproduces the head's outputs bit for bit. ``format=hf`` writes t
 to upload as a Hub model repo; ``load_head`` takes the directory or the repo id. ``format=speculators``
 (EAGLE heads only) writes the directory vLLM loads as an Eagle-3 draft (``config.json`` with
 ``speculators_config``, ``model.safetensors`` with ``d2t``/``t2d``; ``export/speculators.py``), read back with
-``specheads.export.speculators.read``. Also
+``specheads.export.speculators.read``. ``deploy=<heads-eval output_dir>`` packages the rule that sweep names to
+deploy (``export/deploy.py``), which ``heads-decode deploy=`` and the vLLM stop plugin then run by default. Also
 ``config.yaml``, ``manifest.json`` and ``metrics.jsonl``.
 """
 
@@ -29,9 +30,9 @@ from safetensors.torch import load_file
 
 from specheads.config import cli_main, to_yaml
 from specheads.errors import UserError, article
-from specheads.export import hub, speculators
+from specheads.export import deploy, hub, speculators
 from specheads.export.export_config import ExportConfig
-from specheads.export.package import load_head, read_metadata, save_head
+from specheads.export.package import _digest, load_head, read_metadata, save_head
 from specheads.outputs import MetricsWriter, prepare_output_dir, write_manifest
 from specheads.shim import DTYPES
 
@@ -140,6 +141,9 @@ def export_head(cfg: ExportConfig, out: Path) -> dict:
         meta.setdefault("extra", {})["checkpoint"] = ckpt.name
     if cfg.threshold is not None:
         meta["default_threshold"] = cfg.threshold
+    if cfg.deploy:  # checked against the weights exported, before any change of precision
+        digest = _digest({k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()})
+        meta["deploy"] = deploy.from_sweep(cfg.deploy, {"tensors_sha256": digest})
     head = head.to(DTYPES[cfg.dtype])
     meta.setdefault("extra", {})["dtype"] = cfg.dtype
     data = training_data(Path(cfg.train_dir))
@@ -182,6 +186,7 @@ def export_head(cfg: ExportConfig, out: Path) -> dict:
         "dtype": cfg.dtype,
         "round_trip_identical": identical,
         "parameters": sum(p.numel() for p in head.parameters()),
+        "deploy": meta["deploy"]["config"] if "deploy" in meta else None,
     }
 
 

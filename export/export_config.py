@@ -49,6 +49,16 @@ class ExportConfig:
             )
         },
     )
+    deploy: str = field(
+        default="",
+        metadata={
+            "help": (
+                "a heads-eval output_dir: the rule it names to deploy (a fixed K, a training-free rule with its "
+                "constants, or this head) is packaged in the header, and heads-decode deploy= and the vLLM stop "
+                "plugin run it by default"
+            )
+        },
+    )
     output_dir: str = field(
         default="runs/export",
         metadata={

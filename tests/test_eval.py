@@ -270,6 +270,18 @@ def test_eval_sweep_end_to_end(tiny_pair_dirs, head_file, prompts_file, table_fi
     assert d["config"] == max((r for r in s["table"] if r["lossless"] and r["config"] != "ar"),
                               key=lambda r: r["tokens_per_s"])["config"]  # fmt: skip
     assert d["kind"] == ("learned" if d["config"].startswith("h") else "fixed_k")
+    # ... with the policy and settings heads-export deploy= packs, and where it was measured
+    want = {"k1": ("sd", {"k": 1}), "k2": ("sd", {"k": 2}), "k4": ("sd", {"k": 4})}.get(d["config"])
+    if want is None:
+        want = (
+            "specdecpp",
+            {"head": str(head_file), "k_min": 2, "k_max": 20}
+            | ({"stop": "cost"} if d["config"] == "h-cost" else {"h": float(d["config"][1:])}),
+        )
+    assert (d["policy"], d["settings"]) == want
+    assert (
+        d["regime"]["batch_size"] == 1 and d["regime"]["max_new_tokens"] == 16 and d["regime"]["engine"] == "specheads"
+    )
     lo, hi = d["tokens_per_s_interval"]
     assert lo <= d["tokens_per_s"] <= hi and f"to deploy ({d['kind']}): {d['config']}" in printed
     if d["kind"] != "fixed_k":

@@ -23,7 +23,7 @@ RULES = ("c-cost", "c-online-cost", "h-cost", "fixed")
 class StopSettings:
     """The plugin's settings (``speculative_config(...)``'s arguments past the EAGLE head and ``k``)."""
 
-    rule: str = "c-cost"
+    rule: str | None = None  # None: the rule the head was exported with (heads-export deploy=), else h-cost/c-cost
     head: str | None = None  # h-cost: an exported stop head on this EAGLE head's states (heads-train head=eagle_stop)
     costs: str | None = None  # a cost table of vLLM's own steps (stop_tools.profile writes one)
     gate: bool = False  # the draft gate of the cost rules (off: bench/studies/vllm_stop_batch.py)
@@ -32,9 +32,24 @@ class StopSettings:
     trace: bool = False  # keep every round (take_trace)
     profile: bool = False  # price vLLM's steps: every request drafts step % (K + 1) candidates, timed
 
+    def __post_init__(self):
+        self._unrunnable = None  # why the head's packaged rule cannot run here
+        if self.rule is None:
+            self.rule = "h-cost" if self.head else "c-cost"
+            if self.head and Path(self.head).exists():
+                from specheads.export.deploy import of_head, plugin_rule
+
+                record = of_head(self.head)
+                try:
+                    if record:
+                        self.rule, fixed = plugin_rule(record)
+                        self.fixed_k = fixed if self.fixed_k is None else self.fixed_k
+                except ValueError as err:
+                    self._unrunnable = str(err)
+
     def problems(self, k: int) -> list[str]:
         """What is wrong with these settings for ``k`` = vLLM's ``num_speculative_tokens`` (an empty list: none)."""
-        out = []
+        out = [self._unrunnable] if self._unrunnable else []
         if self.rule not in RULES:
             out.append(f"rule={self.rule!r}: expected one of {', '.join(RULES)}")
         if self.rule == "h-cost" and not self.head:
