@@ -234,6 +234,11 @@ def add_ceilings(
         r["share_of_ceiling"] = round(got / (ceiling - 1), 4) if got is not None and ceiling > 1 else None
 
 
+def row_kind(name: str) -> str:
+    """The family of a sweep row by its name: ``learned`` (``h...``), ``training_free`` (``c...``) or ``fixed_k``."""
+    return "learned" if name.startswith("h") else "training_free" if name.startswith("c") else "fixed_k"
+
+
 def deploy(summary: dict, grouped: dict[str, list[dict]], specs: dict | None = None, regime: dict | None = None):
     """The rule to deploy in this regime: the fastest lossless row that speculates (a fixed K, a training-free stop
     rule or a learned head), with its tokens/s interval and its paired speed ratio (with interval) against the best
@@ -249,9 +254,6 @@ def deploy(summary: dict, grouped: dict[str, list[dict]], specs: dict | None = N
         return None
     best = max(rows, key=lambda r: r["tokens_per_s"])
 
-    def kind(name: str) -> str:
-        return "learned" if name.startswith("h") else "training_free" if name.startswith("c") else "fixed_k"
-
     def ratio(a: str, b: str) -> dict:
         na, da = units(grouped[a], ("new_tokens", "wall_time"))
         nb, db = units(grouped[b], ("new_tokens", "wall_time"))
@@ -262,13 +264,13 @@ def deploy(summary: dict, grouped: dict[str, list[dict]], specs: dict | None = N
 
     out = {
         "config": best["config"],
-        "kind": kind(best["config"]),
+        "kind": row_kind(best["config"]),
         "tokens_per_s": best["tokens_per_s"],
         "tokens_per_s_interval": best.get("tokens_per_s_interval"),
     }
     for family, key in (("fixed_k", "vs_best_fixed_k"), ("training_free", "vs_best_training_free")):
-        others = [r for r in rows if kind(r["config"]) == family]
-        if others and kind(best["config"]) != family:
+        others = [r for r in rows if row_kind(r["config"]) == family]
+        if others and row_kind(best["config"]) != family:
             out[key] = ratio(best["config"], max(others, key=lambda r: r["tokens_per_s"])["config"])
     vs = out.get("vs_best_fixed_k")
     out["within_noise_of_fixed_k"] = bool(vs and vs["low"] is not None and vs["low"] <= 1.0)

@@ -73,6 +73,42 @@ def rows(cfg) -> dict[str, dict]:
     return out
 
 
+def deploy(cfg, summary: dict[str, dict]) -> dict | None:
+    """The rule to deploy, as an ``engine=specheads`` sweep names it (:func:`specheads.evaluate.report.deploy`): the
+    fastest row that speculates with the target alone's greedy tokens (any row, sampled), its policy and settings,
+    its ratio to the best fixed K. No intervals: each row is one timed ``generate`` over every prompt."""
+    from specheads.evaluate.report import row_kind
+
+    specs = rows(cfg)
+    ok = {n: r for n, r in summary.items() if n != "ar" and r.get("greedy_identical") is not False}
+    if not ok:
+        return None
+    best = max(ok, key=lambda n: ok[n]["tokens_per_s"])
+    out = {
+        "config": best,
+        "kind": row_kind(best),
+        "tokens_per_s": ok[best]["tokens_per_s"],
+        "tokens_per_s_interval": None,
+        "policy": specs[best]["policy"],
+        "settings": {k: v for k, v in specs[best].items() if k != "policy"},
+        "regime": {
+            "engine": "vllm",
+            "batch_size": cfg.batch_size,
+            "sampling": cfg.sampling.to_dict(),
+            "max_new_tokens": cfg.max_new_tokens,
+            "eagle": None,
+            "prompts": cfg.prompts,
+        },
+    }
+    fixed = [n for n in ok if row_kind(n) == "fixed_k"]
+    if fixed and out["kind"] != "fixed_k":
+        against = max(fixed, key=lambda n: ok[n]["tokens_per_s"])
+        value = ok[best]["tokens_per_s"] / ok[against]["tokens_per_s"] if ok[against]["tokens_per_s"] else None
+        out["vs_best_fixed_k"] = {"value": value and round(value, 4), "low": None, "high": None, "against": against}
+    out["within_noise_of_fixed_k"] = None
+    return out
+
+
 def row_config(cfg, row: dict, python: str):
     """The run settings and the policy settings :mod:`specheads.decode.vllm_engine` reads, for one row."""
     from specheads.decode.policy_factory import settings_for
@@ -142,9 +178,12 @@ def run(cfg, prompts, out: Path, prog: str) -> int:
             )
             summary[name] = keep
             metrics.write(keep)
-    atomic_write_json(
-        out / "sweep.json", {"engine": "vllm", "batch_size": cfg.batch_size, "prompts": len(ids), "rows": summary}
-    )
+    result = {"engine": "vllm", "batch_size": cfg.batch_size, "prompts": len(ids), "rows": summary}
+    choice = deploy(cfg, summary)
+    if choice is not None:
+        result["deploy"] = choice
+        print(f"to deploy ({choice['kind']}): {choice['config']}, {choice['tokens_per_s']} tokens/s")
+    atomic_write_json(out / "sweep.json", result)
     write_manifest(
         out,
         command=prog,

@@ -67,10 +67,16 @@ def save_head(path: str | Path, head: torch.nn.Module, head_type: str, metadata:
 def set_default_threshold(path: str | Path, value: float, chosen_by: dict) -> Path:
     """Rewrites an exported head's ``default_threshold`` (its tensors unchanged), recording how the value
     was chosen (``default_threshold_chosen_by``: e.g. ``heads-eval select=max_drop:0.01`` and its figures)."""
+    return rewrite_metadata(path, default_threshold=float(value), default_threshold_chosen_by=chosen_by)
+
+
+def rewrite_metadata(path: str | Path, **fields) -> Path:
+    """Rewrites fields of an exported head's header metadata (its tensors unchanged; a ``format=hf`` directory's
+    ``config.json`` and model card follow)."""
     given = Path(path)
     if not given.exists():
         raise UserError(
-            f"head {str(path)!r} is not a local file or directory: set_default_threshold rewrites a head "
+            f"head {str(path)!r} is not a local file or directory: only a head you exported is rewritten "
             "you exported (a Hub repo's cached copy is not yours to edit; download it and export anew)"
         )
     # a format=hf directory, named itself or by its model.safetensors: its config.json and card follow
@@ -82,7 +88,7 @@ def set_default_threshold(path: str | Path, value: float, chosen_by: dict) -> Pa
     tensors = load_file(str(path))
     if _digest(tensors) != meta.get("tensors_sha256"):
         raise UserError(f"head file {str(path)!r}: tensors do not match their recorded digest; re-export it")
-    meta.update(default_threshold=float(value), default_threshold_chosen_by=chosen_by)
+    meta.update(fields)
     write_header(path, tensors, meta)
     if directory is not None:  # the Hub-style directory's config.json and model card follow
         write_hub_files(directory, meta)

@@ -170,3 +170,19 @@ def test_plugin_default_rule_without_a_packaged_choice(tiny_pair_dirs, trained, 
     assert _export(trained, sweep, tmp_path / "export") == 0
     s = StopSettings(head=str(tmp_path / "export" / "head.safetensors"))
     assert any("c0.4" in p and "pass rule=" in p for p in s.problems(6))
+
+
+def test_a_vllm_sweep_names_its_fastest_speculating_row():
+    from specheads.evaluate.config import EvalConfig
+    from specheads.evaluate.vllm_sweep import deploy
+
+    cfg = EvalConfig(ks=[2, 4], head=None)
+    cfg.confidence.taus = [0.3]
+    rows = {"ar": 10.0, "k2": 20.0, "k4": 18.0, "c0.3": 22.0, "c-cost": 30.0}
+    summary = {n: {"tokens_per_s": v, "greedy_identical": n != "c-cost"} for n, v in rows.items()}
+    d = deploy(cfg, summary)  # c-cost changed the greedy tokens: never the choice
+    assert (d["config"], d["kind"], d["policy"]) == ("c0.3", "training_free", "confidence_stop")
+    assert d["settings"] == {"tau": 0.3, "k_max": cfg.confidence.k_max} and d["regime"]["engine"] == "vllm"
+    assert d["vs_best_fixed_k"] == {"value": 1.1, "low": None, "high": None, "against": "k2"}
+    with pytest.raises(ValueError, match="c0.3"):  # a threshold rule: the plugin asks for rule=
+        plugin_rule(d)

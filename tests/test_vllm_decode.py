@@ -261,6 +261,9 @@ def test_heads_eval_engine_vllm_rows_side_by_side(pair, tmp_path, monkeypatch, c
     assert sweep["rows"]["k2"]["tokens_per_call"] > 1 and sweep["rows"]["c0.3"]["propose_share_of_wall_time"] > 0
     printed = capsys.readouterr().out
     assert "c-cost" in printed and "tokens/s" in printed
+    d = sweep["deploy"]  # the fastest speculating row, with what heads-export deploy= packs
+    assert d["config"] == max((n for n in sweep["rows"] if n != "ar"), key=lambda n: sweep["rows"][n]["tokens_per_s"])
+    assert (d["policy"], d["regime"]["engine"]) == ({"k2": "sd"}.get(d["config"], "confidence_stop"), "vllm")
     stamp = (tmp_path / "eval" / "rows.jsonl").stat().st_mtime
     assert eval_main(common) == 0  # resumed: every row already there
     assert (tmp_path / "eval" / "rows.jsonl").stat().st_mtime == stamp
