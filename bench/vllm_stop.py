@@ -200,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,16", help="cells: batch 1 and max_num_seqs B (B prompts per set)")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--gate", action="store_true", help="the stop rows with the draft gate (the plugin's default: off)")
+    ap.add_argument(
+        "--rule-max-batch",
+        default="1",
+        help="the plugin's rule_max_batch: above it the table's best K for everyone (none: the rules at every batch)",
+    )
     ap.add_argument("--costs", default=None, help="a cost table of vLLM's steps (default: measured first)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
@@ -227,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     by_set = prompts(target_dir, sets, offsets, max(args.n, *batches))
     (work / "prompts.json").write_text(json.dumps(by_set))
     common = {"target": str(target_dir), "eagle": str(hd), "k": k, "max_new": args.max_new, "n": args.n}
-    common |= {"batches": batches, "sets": sets, "max_num_seqs": max(batches), "gate": args.gate}
+    rmb = None if str(args.rule_max_batch).lower() == "none" else int(args.rule_max_batch)
+    common |= {"batches": batches, "sets": sets, "max_num_seqs": max(batches), "gate": args.gate, "rule_max_batch": rmb}
     costs = args.costs
     if costs is None:
         sizes = [b for b in (2, 4, 8, 16, 32) if b < max(batches)] + ([max(batches)] if max(batches) > 1 else [])
@@ -256,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         "head": args.head,
         "k_max": k,
         "gate": args.gate,
+        "rule_max_batch": rmb,
         "prompts": {"sets": sets, "offsets": offsets, "n_batch1": args.n, "batches": batches},
         "max_new_tokens": args.max_new,
         "costs": costs,
@@ -377,7 +384,14 @@ def vllm_stage(stage: str, job: dict) -> int:
     def settings(row: str) -> dict:
         if row.startswith("k"):
             return {"rule": "fixed", "fixed_k": int(row[1:]), "trace": True}
-        return {"rule": row, "costs": job["costs"], "head": job.get("head"), "gate": job["gate"], "trace": True}
+        return {
+            "rule": row,
+            "costs": job["costs"],
+            "head": job.get("head"),
+            "gate": job["gate"],
+            "rule_max_batch": job.get("rule_max_batch", 1),
+            "trace": True,
+        }
 
     partial = Path(job["out"] + ".partial")  # the cells finished before a crash
     kept = json.loads(partial.read_text()) if partial.is_file() else {"cells": {}, "records": {}}

@@ -71,12 +71,13 @@ def draft_reference(draft, ids: list[int], k: int):
 
 def rounds_of(trace: list[dict]) -> dict[str, list[dict]]:
     """The plugin's trace per request: its rounds in order, each ``{step, batch, draft, verified, accepted}``
-    (``verified``/``accepted`` absent for a round vLLM never verified; ``capped`` where the batch cap ended it)."""
+    (``verified``/``accepted`` absent for a round vLLM never verified; ``capped`` where the batch cap ended it,
+    ``scheduled`` where the batch was above ``rule_max_batch``)."""
     out: dict[str, list[dict]] = {}
     last: dict[str, dict] = {}
     for e in trace:
         if "draft" in e:
-            last[e["req"]] = {k: e[k] for k in ("step", "batch", "draft", "capped") if k in e}
+            last[e["req"]] = {k: e[k] for k in ("step", "batch", "draft", "capped", "scheduled") if k in e}
             out.setdefault(e["req"], []).append(last[e["req"]])
         elif e["req"] in last:
             last[e["req"]]["verified"], last[e["req"]]["accepted"] = e["verified"], e["accepted"]
@@ -110,7 +111,13 @@ def replay(policy, reference, prompt_len: int, rounds: list[dict], k: int) -> di
         cap = len(rec["draft"]) if rec.get("capped") else k
         policy.batch = rec["batch"]
         policy.start_round(rnd)
-        if policy.draft_round():
+        if rec.get("scheduled"):  # a batch above rule_max_batch: the table's K, each candidate still read by the rule
+            for j in range(len(rec["draft"])):
+                rnd.tokens.append(toks[j])
+                rnd.draft_logits.append(logits[j])
+                rnd.draft_hidden.append(states[j])
+                policy.stop_drafting(rnd)
+        elif policy.draft_round():
             for j in range(k):
                 rnd.tokens.append(toks[j])
                 rnd.draft_logits.append(logits[j])

@@ -28,6 +28,9 @@ class StopSettings:
     costs: str | None = None  # a cost table of vLLM's own steps (stop_tools.profile writes one)
     gate: bool = False  # the draft gate of the cost rules (off: bench/studies/vllm_stop_batch.py)
     k_min: int = 1  # fewest candidates of a drafted round
+    # the largest batch whose requests' rules decide their lengths; at larger ones every request drafts the K the
+    # cost table prices best for the acceptance seen so far (None: the rules at every batch; vllm_stop_qceiling.py)
+    rule_max_batch: int | None = 1
     fixed_k: int | None = None  # rule=fixed: every request's length
     trace: bool = False  # keep every round (take_trace)
     profile: bool = False  # price vLLM's steps: every request drafts step % (K + 1) candidates, timed
@@ -63,6 +66,8 @@ class StopSettings:
                 out.append(f"rule={self.rule} needs costs= (a cost table of vLLM's steps: specheads.vllm.stop_plugin)")
             elif not Path(self.costs).is_file():
                 out.append(f"costs={self.costs!r} is not a file")
+        if self.rule_max_batch is not None and self.rule_max_batch < 1:
+            out.append(f"rule_max_batch={self.rule_max_batch} must be >= 1 (or None: the rules at every batch)")
         if not 1 <= self.k_min <= k:
             out.append(f"k_min={self.k_min} must be in [1, num_speculative_tokens={k}]")
         return out

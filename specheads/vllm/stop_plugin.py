@@ -8,7 +8,10 @@ per request: ``c-cost`` (:class:`~specheads.shim.policies.ConfidenceStop` ``stop
 ``stop="cost"`` on a learned stop head on this EAGLE head's states, lag 0 when trained with
 ``eagle_rounds.position=previous``); ``fixed`` cuts every request at ``fixed_k``. Each is priced by a cost table of
 vLLM's own steps at the running batch (:mod:`specheads.vllm.stop_tools`), with the draft gate when asked and, at
-batches of 2 or more, the batch cap (:meth:`Controller._batch_pays`). A stopped request's candidates are cut at
+batches of 2 or more, the batch cap (:meth:`Controller._batch_pays`). Above ``rule_max_batch`` requests (default 1)
+every request drafts the K the table prices best for the acceptance seen so far (:meth:`Controller.best_k`): there no
+rule on ``q`` beats the best fixed K on the shared pair, even chosen in hindsight
+(``bench/studies/results/vllm_stop_qceiling.json``). A stopped request's candidates are cut at
 once; once every request of the step has stopped the remaining draft steps are skipped.
 
 :func:`register` is a ``vllm.general_plugins`` entry point, run in every vLLM process: it registers the
@@ -69,6 +72,7 @@ class _Step:
     rounds: list[Any]
     lengths: list[int | None]
     capped: list[bool] = field(default_factory=list)  # the batch cap ended the row's round
+    scheduled: bool = False  # a batch above rule_max_batch: every row drafts the table's best K
     drawn: int = 0
     last: float = 0.0
 
@@ -88,6 +92,8 @@ class Controller:
     samples: dict = field(default_factory=dict)  # profile: "t_t B k", "t_d B", "t_first B" -> ms
     steps: int = 0
     costs: Any = None
+    reached: list = field(default_factory=list)  # scheduled rounds: per position j, rounds verified that far
+    kept: list = field(default_factory=list)  # ... and of those, the ones whose candidate j the target accepted
     step: _Step | None = None
     _last: tuple | None = None  # profile: (end time, request ids, n) of the previous step
 
@@ -102,6 +108,7 @@ class Controller:
         self.settings, self.proto = s, rule_policy(s, self.k, self.eagle_meta, self.hidden)
         self.costs = None if s.profile or s.rule == "fixed" else self.proto.costs  # the batch cap's prices
         self.policies, self.pending, self._last = {}, {}, None
+        self.reached, self.kept = [0] * (self.k + 1), [0] * (self.k + 1)
 
     def outcomes(self, scheduler_output, req_ids: list[str], sampled) -> None:
         """Hands each request's previous round to its policy: ``drafted`` = the candidates vLLM verified, ``accepted`` =
@@ -118,7 +125,7 @@ class Controller:
         for row, req in enumerate(req_ids):
             if req not in self.pending:
                 continue
-            self.pending.pop(req)
+            _, scheduled = self.pending.pop(req)
             drafted = len(verified.get(req, ()))
             accepted = 0
             if drafted:
@@ -130,6 +137,10 @@ class Controller:
                     )
                 accepted = max(0, min(drafted, counts[row] - 1))
             self.policies[req].end_round(drafted, accepted)
+            if scheduled:
+                for j in range(1, drafted + 1):
+                    self.reached[j] += 1
+                    self.kept[j] += accepted >= j
             if self.settings.trace:
                 self.trace.append({"req": req, "step": self.steps, "verified": drafted, "accepted": accepted})
 
@@ -144,6 +155,10 @@ class Controller:
                 self.samples.setdefault(f"t_t {len(req_ids)} {n + 1}", []).append(1000 * (now - end))
         self.steps += 1
         rounds, lengths = [], []
+        top = self.settings.rule_max_batch
+        scheduled = not self.settings.profile and self.settings.rule != "fixed" and top is not None
+        scheduled = scheduled and len(req_ids) > top
+        k_now = self.best_k(len(req_ids)) if scheduled else None
         for req in req_ids:
             policy = self.policies.get(req)
             if policy is None:
@@ -156,13 +171,15 @@ class Controller:
                 n = (self.steps - 1) % (self.k + 1)
             elif self.settings.rule == "fixed":
                 n = int(self.settings.fixed_k or 0)
+            elif scheduled:
+                n = k_now
             else:
                 n = None if policy.draft_round() else 0
             rounds.append(rnd)
             lengths.append(0 if n == 0 else None)
             if n:
                 rnd.limit = n
-        self.step = _Step(list(req_ids), rounds, lengths, [False] * len(rounds), last=now)
+        self.step = _Step(list(req_ids), rounds, lengths, [False] * len(rounds), scheduled, last=now)
 
     def drawn(self, hidden, logits, tokens) -> None:
         """Candidate ``j`` of every row was drawn (``hidden``: the post-norm states that drew them, ``logits``: over
@@ -184,14 +201,34 @@ class Controller:
             rnd.draft_logits.append(logits[r])
             rnd.draft_hidden.append(hidden[r])
             policy = self.policies[req]
-            if rnd.n >= rnd.limit or policy.stop_drafting(rnd) or rnd.n >= self.k:
+            if st.scheduled:  # the rule still reads each candidate (its online estimate learns), but K decides
+                policy.stop_drafting(rnd)
+                if rnd.n >= rnd.limit:
+                    st.lengths[r] = rnd.n
+            elif rnd.n >= rnd.limit or policy.stop_drafting(rnd) or rnd.n >= self.k:
                 st.lengths[r] = rnd.n
-        if j < self.k and len(st.reqs) > 1 and self.costs is not None and not self._batch_pays(st, j):
+        cap = j < self.k and len(st.reqs) > 1 and self.costs is not None and not st.scheduled
+        if cap and not self._batch_pays(st, j):
             for r, n in enumerate(st.lengths):
                 if n is None:
                     st.lengths[r], st.capped[r] = st.rounds[r].n, True
         if j < self.k and all(n is not None for n in st.lengths):
             raise _AllStopped
+
+    def best_k(self, b: int) -> int:
+        """The K in ``k_min..K`` the cost table prices best at batch ``b`` for the acceptance the scheduled rounds saw:
+        position ``j``'s chance ``(kept + 1) / (reached + 2)`` (a position never verified carries the one before, from
+        1/2), a round of ``n`` yielding ``1 + sum_j S_j`` tokens for ``n t_d(b) + t_t(b, n + 1)``."""
+        t, a, s, e = self.costs, 0.5, 1.0, 1.0
+        best, rate = self.settings.k_min, -1.0
+        for j in range(1, self.k + 1):
+            if self.reached[j]:
+                a = (self.kept[j] + 1) / (self.reached[j] + 2)
+            s *= a
+            e += s
+            if j >= self.settings.k_min and e / t.round_ms(j, b) > rate:
+                best, rate = j, e / t.round_ms(j, b)
+        return best
 
     def _batch_pays(self, st: _Step, j: int) -> bool:
         """Whether one more draft step pays for the batch (the batch cap; ``B > 1``). Each request's rule prices its
@@ -219,10 +256,11 @@ class Controller:
         for r, req in enumerate(st.reqs):
             n = st.lengths[r] if st.lengths[r] is not None else len(drafts[r])
             out.append([int(t) for t in drafts[r][:n]])
-            self.pending[req] = n
+            self.pending[req] = (n, st.scheduled)
             if self.settings.trace:
                 rec = {"req": req, "step": self.steps, "batch": len(st.reqs), "draft": out[-1]}
-                self.trace.append(rec | ({"capped": True} if st.capped[r] else {}))
+                rec |= {"capped": True} if st.capped[r] else {}
+                self.trace.append(rec | ({"scheduled": True} if st.scheduled else {}))
         if self.settings.profile:
             self._last = (time.perf_counter(), list(st.reqs), len(out[0]) if out else 0)
         return out

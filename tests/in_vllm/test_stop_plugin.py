@@ -119,10 +119,11 @@ def alone(setup):
     return got
 
 
-RULES = {
-    "c-cost": {"rule": "c-cost", "gate": True},
-    "c-online-cost": {"rule": "c-online-cost", "gate": False},
-    "h-cost": {"rule": "h-cost", "gate": False},
+RULES = {  # the rules at every batch (rule_max_batch=None); "scheduled": the default, the table's K above batch 1
+    "c-cost": {"rule": "c-cost", "gate": True, "rule_max_batch": None},
+    "c-online-cost": {"rule": "c-online-cost", "gate": False, "rule_max_batch": None},
+    "h-cost": {"rule": "h-cost", "gate": False, "rule_max_batch": None},
+    "scheduled": {"rule": "c-online-cost", "gate": False},
 }
 
 
@@ -149,8 +150,14 @@ def test_greedy_output_equals_the_target_alone_with_every_rule(runs, alone, rule
     assert runs[rule]["tokens"] == alone
     lengths = [len(e["draft"]) for e in runs[rule]["trace"] if "draft" in e]
     assert max(lengths) <= K
-    if rule != "c-online-cost":  # (the online estimate learns that the untrained head is rarely right: 1 each)
+    if RULES[rule]["rule"] != "c-online-cost":  # (the online estimate learns the untrained head is rarely right)
         assert len(set(lengths)) >= 2, sorted(set(lengths))  # the rule cut at several lengths
+    scheduled = [e for e in runs[rule]["trace"] if e.get("scheduled")]
+    assert bool(scheduled) == (rule == "scheduled")  # batches above rule_max_batch draft the table's K
+    if scheduled:  # one length per step, the same for every request of it
+        assert all(
+            len({len(e["draft"]) for e in scheduled if e["step"] == s}) == 1 for s in {e["step"] for e in scheduled}
+        )
 
 
 @pytest.mark.parametrize("rule", list(RULES))
@@ -168,6 +175,7 @@ def test_every_draft_length_is_the_toolkit_rules_on_the_same_states(setup, runs,
     by_req = rounds_of(run["trace"])
     gate = RULES[rule]["gate"]
     head = str(setup["stop"]) if rule == "h-cost" else None
+    rule = RULES[rule]["rule"]
     checked = verdicts = 0
     for prompt, out, rid in zip(PROMPTS, run["tokens"], run["ids"]):
         rounds = next(v for key, v in by_req.items() if key == rid or key.startswith(f"{rid}-"))
