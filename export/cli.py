@@ -151,8 +151,25 @@ def export_head(cfg: ExportConfig, out: Path) -> dict:
         meta["extra"]["training_data"] = data
     hf, spec = cfg.format == "hf", cfg.format == "speculators"
     if spec:
+        embed = None
+        if cfg.embed_tokens:
+            from specheads.export.vllm_target import target_embedding
+
+            embed = target_embedding(meta, cfg.verifier or None)
+            if embed is None:
+                raise UserError(
+                    "format=speculators writes the target's token embedding (speculators' loader fills a missing one "
+                    f"with zeros), and neither verifier={cfg.verifier!r} nor the target recorded at training "
+                    f"({(meta.get('target') or {}).get('name')!r}) is a local model here: pass verifier=<the target's "
+                    "directory or .gguf file>, or embed_tokens=false for vLLM alone"
+                )
         path = speculators.write(
-            out, head, meta, verifier=cfg.verifier or None, max_position_embeddings=cfg.max_position_embeddings
+            out,
+            head,
+            meta,
+            verifier=cfg.verifier or None,
+            max_position_embeddings=cfg.max_position_embeddings,
+            embed=embed,
         )
         back = speculators.read(out).module
     else:

@@ -49,6 +49,16 @@ class ExportConfig:
             )
         },
     )
+    embed_tokens: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "format=speculators: write the target's token embedding (read from verifier=, else the target "
+                "recorded at training, a local directory or .gguf file) as speculators' own loader needs it; false "
+                "leaves it out (vLLM shares the target's, but speculators' loader then holds zeros)"
+            )
+        },
+    )
     deploy: str = field(
         default="",
         metadata={

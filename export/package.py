@@ -128,7 +128,8 @@ def fill(module: torch.nn.Module, tensors: dict[str, torch.Tensor], misfit: str)
     try:
         module.load_state_dict(tensors)
     except RuntimeError as err:
-        raise UserError(f"{misfit}: {str(err).splitlines()[0]}") from err
+        reason = " ".join(line.strip() for line in str(err).splitlines() if line.strip())  # every key, one line
+        raise UserError(f"{misfit}: {reason}") from err
     return module
 
 

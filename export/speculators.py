@@ -45,9 +45,10 @@ What vLLM reads (checked against vLLM 0.32.0's ``transformers_utils/configs/spec
     ``hidden_norm``); ``norm.weight``; ``lm_head.weight`` [draft_vocab, d];
     with a pruned vocabulary also ``d2t`` (int64 [draft_vocab]: target id of row i minus i; vLLM scatters
     row i's logit to ``i + d2t[i]``) and ``t2d`` (bool [vocab]: True at the target ids the head scores;
-    vLLM skips it, the speculators library keeps it). No ``embed_tokens``: vLLM then shares the target's
-    embedding (the head was trained on it); ``lm_head`` present means it is the head's own. The names are
-    the head's ``state_dict`` names (vLLM prefixes ``model.`` to all but ``lm_head``/``d2t``).
+    vLLM skips it, the speculators library keeps it); ``embed_tokens.weight`` [vocab, d], the target's own
+    embedding (the head was trained on it), when ``heads-export`` could read it (speculators' loader leaves a
+    missing one as zeros, and vLLM uses it as the target's); ``lm_head`` present means it is the head's own. The
+    names are the head's ``state_dict`` names (vLLM prefixes ``model.`` to all but ``lm_head``/``d2t``).
 
 The forward vLLM runs matches :class:`specheads.heads.EagleHead`: ``g = fc(states)``; residual ``g``;
 attention over ``cat(input_layernorm(embed(next token)), hidden_norm(g))``; ``post_attention_layernorm``
@@ -67,7 +68,7 @@ from specheads.errors import UserError
 from specheads.export.header import FORMAT_VERSION
 from specheads.export.package import LoadedHead, _digest, fill
 from specheads.export.speculators_card import card
-from specheads.export.vllm_target import target_positions
+from specheads.export.vllm_target import target_architectures, target_positions
 from specheads.heads.eagle_head import EagleHead
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
@@ -166,6 +167,7 @@ def config(
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
+        "dtype": _dtype_name(head),  # transformers 5's name; torch_dtype for older readers
         "torch_dtype": _dtype_name(head),
         "transformer_layer_config": layer,
         "draft_vocab_size": head.draft_vocab_size,
@@ -178,7 +180,7 @@ def config(
             "proposal_methods": [
                 {"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1, "accept_tolerance": 0.0}
             ],
-            "verifier": {"name_or_path": name, "architectures": ["LlamaForCausalLM"]},
+            "verifier": {"name_or_path": name, "architectures": target_architectures(meta, verifier)},
         },
         "specheads": meta,
     }
@@ -191,11 +193,13 @@ def write(
     verifier: str | None = None,
     speculative_tokens: int | None = None,
     max_position_embeddings: int | None = None,
+    embed: torch.Tensor | None = None,
 ) -> Path:
     """Writes ``config.json``, ``model.safetensors`` and ``README.md`` into ``directory``; ``meta``: the head's
     specheads metadata (``head_type``, ``head_config``, ``target``, ...), completed here with
     ``format_version``, ``head_type`` and ``tensors_sha256`` (the digest of the head's own state dict, which
-    :func:`read` checks)."""
+    :func:`read` checks); ``embed``: the target's token embedding, written as ``embed_tokens.weight`` in the
+    head's precision (:func:`specheads.export.vllm_target.target_embedding` reads it)."""
     _check(head)
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
@@ -210,7 +214,14 @@ def write(
     }
     cfg = config(head, meta, verifier, speculative_tokens, max_position_embeddings)
     tmp = d / (WEIGHTS + ".tmp")
-    save_file(tensors(head), str(tmp), metadata={"format": "pt"})
+    weights = tensors(head)
+    if embed is not None:
+        if tuple(embed.shape) != (head.vocab_size, head.hidden_size):
+            raise UserError(
+                f"the target's embedding is {list(embed.shape)}; the head reads [{head.vocab_size}, {head.hidden_size}]"
+            )
+        weights["embed_tokens.weight"] = embed.detach().to(head.fc.weight.dtype).contiguous().cpu()
+    save_file(weights, str(tmp), metadata={"format": "pt"})
     tmp.replace(d / WEIGHTS)
     for name, text in ((CONFIG, json.dumps(cfg, indent=2, sort_keys=True) + "\n"), ("README.md", card(cfg))):
         (d / (name + ".tmp")).write_text(text, encoding="utf-8")
@@ -265,6 +276,9 @@ def read(directory: str | Path, device: torch.device | str = "cpu") -> LoadedHea
     args = head_config(cfg)
     module = EagleHead(**args)
     d2t, t2d = loaded.pop("d2t", None), loaded.pop("t2d", None)
+    embed = loaded.pop("embed_tokens.weight", None)  # the target's (speculators writes it; the head reads the target's)
+    if embed is not None and tuple(embed.shape) != (args["vocab_size"], args["hidden_size"]):
+        raise UserError(f"{d}: embed_tokens.weight is {list(embed.shape)}, not [vocab_size, hidden_size]")
     if d2t is None:
         if args["draft_vocab_size"] != args["vocab_size"]:
             raise UserError(

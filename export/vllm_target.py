@@ -85,3 +85,53 @@ def _config_positions(name: str) -> int | None:
     except (OSError, ValueError, ImportError):
         return None
     return getattr(cfg.get_text_config(), "max_position_embeddings", None)
+
+
+def _local_target(source: str):
+    """A ``ModelSpec`` for ``source`` when it is a local model directory or ``.gguf`` file (None otherwise: a Hub id
+    is never fetched here)."""
+    from specheads.shim import ModelSpec
+
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSpec(path=str(path.parent), gguf_file=path.name, dtype="float32", device="cpu")
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSpec(path=str(path), dtype="float32", device="cpu")
+    return None
+
+
+def target_embedding(meta: dict, verifier: str | None = None):
+    """The target's token embedding ``[V, d]`` (fp32), read alone from its checkpoint: ``verifier`` first, then the
+    target recorded at training, each when it is a local directory or GGUF file; UserError when the one found is not
+    the target the head was trained on (its fingerprint); None when neither is readable here."""
+    from specheads.errors import UserError
+    from specheads.runtime.checkpoint_tensors import TargetCheckpoint
+
+    target = meta.get("target") or {}
+    for source in (verifier, target.get("name")):
+        spec = _local_target(source) if source else None
+        if spec is None:
+            continue
+        ckpt = TargetCheckpoint(spec)
+        want = target.get("fingerprint")
+        if want and ckpt.fingerprint != want:
+            raise UserError(
+                f"{source!r} is not the target this head was trained on (fingerprint {ckpt.fingerprint}, the head's "
+                f"{want}); pass verifier=<that target>"
+            )
+        return ckpt.tensors(None)["embed"].float()
+    return None
+
+
+def target_architectures(meta: dict, verifier: str | None = None) -> list[str]:
+    """The target's ``architectures`` from its config (``verifier``'s, else the recorded target's; never downloads),
+    else ``["LlamaForCausalLM"]`` (the only family the head trains on)."""
+    target = meta.get("target") or {}
+    for source in (verifier, target.get("name")):
+        path = Path(source).expanduser() if source else None
+        cfg = path / "config.json" if path is not None and path.is_dir() else None
+        if cfg is not None and cfg.is_file():
+            names = json.loads(cfg.read_text(encoding="utf-8")).get("architectures")
+            if names:
+                return list(names)
+    return ["LlamaForCausalLM"]

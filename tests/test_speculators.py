@@ -3,6 +3,7 @@ config fields), its bit-identical round trip, and the refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -235,15 +236,12 @@ def test_cli_writes_the_directory_and_refuses_other_heads(tmp_path):
 
     head = _head()
     out = tmp_path / "out"
-    info = export_head(
-        ExportConfig(
-            train_dir=str(_train_dir(tmp_path, head, "eagle")),
-            format="speculators",
-            verifier="org/target",
-            output_dir=str(out),
-        ),
-        out,
-    )
+    train = str(_train_dir(tmp_path, head, "eagle"))
+    with pytest.raises(UserError, match="embed_tokens=false") as err:  # no local target: no embedding to write
+        export_head(ExportConfig(train_dir=train, format="speculators", verifier="org/target"), out)
+    assert "\n" not in str(err.value)
+    cfg = ExportConfig(train_dir=train, format="speculators", verifier="org/target", embed_tokens=False)
+    info = export_head(dataclasses.replace(cfg, output_dir=str(out)), out)
     assert info["round_trip_identical"] and info["format"] == "speculators" and info["head"] == str(out)
     back = speculators.read(out).module
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in head.state_dict().items())
@@ -260,4 +258,54 @@ def test_cli_writes_the_directory_and_refuses_other_heads(tmp_path):
     )
     with pytest.raises(UserError, match="EAGLE heads") as err:
         export_head(cfg, tmp_path / "out2")
+    assert "\n" not in str(err.value)
+
+
+def test_the_targets_embedding_and_architecture_go_with_the_head(tmp_path):
+    """speculators' loader takes ``embed_tokens.weight`` from the directory (a missing one stays zeros): written
+    from the target's own checkpoint, checked by its fingerprint; its ``architectures`` name the verifier."""
+    from conftest import tiny_llama
+
+    from specheads.export.cli import export_head
+    from specheads.runtime.checkpoint_tensors import TargetCheckpoint
+    from specheads.shim import ModelSpec
+
+    model = tiny_llama(VOCAB)
+    target = tmp_path / "target"
+    model.save_pretrained(target)
+    fp = TargetCheckpoint(ModelSpec(path=str(target), dtype="float32", device="cpu")).fingerprint
+    head = _head(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8)
+    meta = {**META, "hidden_size": 32, "target": {"name": str(target), "fingerprint": fp}}
+    train = tmp_path / "train"
+    train.mkdir()
+    save_head(train / "head.safetensors", head, "eagle", {"head_config": head.config(), **meta})
+    out = tmp_path / "out"
+    export_head(ExportConfig(train_dir=str(train), format="speculators", output_dir=str(out)), out)
+    got = _tensors(out)
+    assert torch.equal(got["embed_tokens.weight"], model.get_input_embeddings().weight.detach().float())
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["dtype"] == cfg["torch_dtype"] == "float32"
+    back = speculators.read(out).module  # the embedding is the target's: the head round-trips without it
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in head.state_dict().items())
+    # another target than the one trained on is refused in one line
+    other = tmp_path / "other"
+    tiny_llama(VOCAB, seed=5).save_pretrained(other)
+    cfg = ExportConfig(train_dir=str(train), format="speculators", verifier=str(other), output_dir=str(tmp_path / "o2"))
+    with pytest.raises(UserError, match="not the target this head was trained on") as err:
+        export_head(cfg, tmp_path / "o2")
+    assert "\n" not in str(err.value)
+
+
+def test_a_directory_with_the_embedding_and_a_misfit_say_why_in_one_line(tmp_path):
+    d = speculators.write(tmp_path / "x", _head(), META, embed=torch.randn(VOCAB, H))
+    assert list(_tensors(d)["embed_tokens.weight"].shape) == [VOCAB, H]
+    speculators.read(d)  # a directory speculators wrote carries it: read, not refused
+    from safetensors.torch import save_file
+
+    tensors = _tensors(d)
+    tensors["extra.weight"] = torch.zeros(2)
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UserError, match="extra.weight") as err:
+        speculators.read(d)
     assert "\n" not in str(err.value)
