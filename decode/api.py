@@ -306,11 +306,24 @@ def policy_problems(
 def load_eagle(head, pair: Pair):
     """An EAGLE head (a path or a loaded head), checked against the pair's target, on its device and in its dtype
     (a head exported in bf16 to keep the file small drafts in the target's precision)."""
+    from specheads.export import speculators
     from specheads.export.package import LoadedHead, check_head_against_pair, load_head
 
-    loaded = head if isinstance(head, LoadedHead) else load_head(head, device=pair.target.device)
+    spec_dir = not isinstance(head, LoadedHead) and speculators.is_speculators_dir(head)
+    if isinstance(head, LoadedHead):
+        loaded = head
+    else:  # an exported head, or an Eagle-3 directory (heads-export format=speculators, speculators, SpecForge)
+        loaded = speculators.read(head) if spec_dir else load_head(head, device=pair.target.device)
     if loaded.checked_for is not None and loaded.checked_for == pair.target.fingerprint:
         return loaded  # loaded once for this target (heads-decode, then its Decoder)
+    embed = speculators.embedding(head) if spec_dir else None
+    if embed is not None:  # the head reads the target's embedding: one trained on its own would draft wrong
+        mine = pair.target.model.get_input_embeddings().weight.detach().float().cpu()
+        if embed.shape != mine.shape or not torch.allclose(embed.float(), mine, rtol=1e-2, atol=1e-3):
+            raise UserError(
+                f"{head}: its embed_tokens.weight is not the target's (a head trained with its own embedding); "
+                "this toolkit's EAGLE head reads the target's embedding"
+            )
     if loaded.metadata.get("head_type") != "eagle":
         raise UserError(
             f"eagle= needs an EAGLE head (heads-train head=eagle); this one is "

@@ -59,16 +59,6 @@ def from_sweep(path: str | Path, head_meta: dict) -> dict:
     return {k: choice[k] for k in KEYS if k in choice} | {"settings": settings, "sweep": str(sweep.resolve())}
 
 
-def pack(path: str | Path, sweep: str | Path) -> dict:
-    """Writes the ``deploy`` record of the ``heads-eval`` run ``sweep`` into the exported head at ``path`` (its
-    tensors unchanged): what ``heads-pipeline`` does once its eval stage has swept that head."""
-    from specheads.export.package import read_metadata, rewrite_metadata
-
-    record = from_sweep(sweep, read_metadata(path))
-    rewrite_metadata(path, deploy=record)
-    return record
-
-
 def of_head(path: str | Path) -> dict | None:
     """The ``deploy`` record an exported head carries (None: none was packaged)."""
     from specheads.export.package import read_metadata

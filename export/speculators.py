@@ -236,8 +236,14 @@ def head_config(cfg: dict) -> dict:
     layers = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("specheads") or {}).get("head_config", {}).get(
         "layers"
     )
-    if not layers:
-        raise UserError("config.json has no eagle_aux_hidden_state_layer_ids; the head's target layers are unknown")
+    if not layers:  # speculators' own default: layers 2, n // 2 and n - 3 of the verifier's n
+        n = _verifier_layers(cfg)
+        if n is None:
+            raise UserError(
+                "config.json has no eagle_aux_hidden_state_layer_ids and its verifier's config is not readable "
+                "here: the head's target layers are unknown"
+            )
+        layers = [2, n // 2, n - 3]
     rope = layer.get("rope_theta") or (layer.get("rope_parameters") or {}).get("rope_theta") or 10000.0
     hidden, heads = int(layer["hidden_size"]), int(layer["num_attention_heads"])
     return {
@@ -253,6 +259,22 @@ def head_config(cfg: dict) -> dict:
         "rope_theta": float(rope),
         "num_layers": int(layer.get("num_hidden_layers") or 1),
     }
+
+
+def _verifier_layers(cfg: dict) -> int | None:
+    """The verifier's ``num_hidden_layers`` from its local config (never downloads)."""
+    name = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    path = Path(name).expanduser() / CONFIG if name else None
+    if path is None or not path.is_file():
+        return None
+    conf = json.loads(path.read_text(encoding="utf-8"))
+    return (conf.get("text_config") or conf).get("num_hidden_layers")
+
+
+def embedding(directory: str | Path) -> torch.Tensor | None:
+    """The directory's ``embed_tokens.weight`` (the target's, when this toolkit or speculators wrote it)."""
+    with safe_open(str(Path(directory) / WEIGHTS), framework="pt") as f:
+        return f.get_tensor("embed_tokens.weight") if "embed_tokens.weight" in f.keys() else None
 
 
 def read(directory: str | Path, device: torch.device | str = "cpu") -> LoadedHead:
@@ -292,9 +314,18 @@ def read(directory: str | Path, device: torch.device | str = "cpu") -> LoadedHea
             raise UserError(f"{d}: t2d and d2t name different target tokens; re-export the head")
     loaded["vocab_ids"] = ids
     module = fill(module, loaded, f"{d / WEIGHTS} does not fit an EAGLE head of its config.json")
-    meta = dict(
+    verifier = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    meta = dict(  # a directory speculators (or SpecForge) wrote: a head on its verifier's states, by name only
         cfg.get("specheads")
-        or {"format_version": FORMAT_VERSION, "head_type": "eagle", "hidden_size": args["hidden_size"]}
+        or {
+            "format_version": FORMAT_VERSION,
+            "head_type": "eagle",
+            "hidden_size": args["hidden_size"],
+            "head_config": dict(args),
+            "feature": {"model": "target", "state": "aux", "layers": args["layers"]},
+            "target": {"name": verifier},
+            "written_by": "speculators",
+        }
     )
     want = meta.get("tensors_sha256")
     if want and want != _digest({k: v.contiguous() for k, v in module.state_dict().items()}):

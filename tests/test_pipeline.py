@@ -76,13 +76,14 @@ def test_pipeline_runs_every_stage_chained(tiny_pair_dirs, tmp_path, capsys):
     lines = (runs / "pipe" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["stage"] for x in lines] == ["datagen", "train", "export", "eval"]
     assert main([f"recipe={path}", "train.depth=0", "seed=3"]) == 0  # everything resumes: a no-op rerun
-    # the rule eval names to deploy is packed into the exported head, which heads-decode deploy= runs
+    # the rule eval names to deploy, packed by heads-export into the head eval swept (the same weights)
     from specheads.export import read_metadata
+    from specheads.export.cli import main as export_main
 
+    again = [f"train_dir={runs / 'tr'}", f"deploy={runs / 'ev'}", f"output_dir={runs / 'ex'}", "overwrite=true"]
+    assert export_main(again) == 0
     packed = read_metadata(runs / "ex" / "head.safetensors")["deploy"]
-    assert packed["config"] == json.loads((runs / "ev" / "sweep.json").read_text())["deploy"]["config"] and packed[
-        "sweep"
-    ] == str(runs / "ev" / "sweep.json")
+    assert packed["config"] == json.loads((runs / "ev" / "sweep.json").read_text())["deploy"]["config"]
 
 
 def test_pipeline_checks_every_stage_before_running(tiny_pair_dirs, tmp_path, capsys):

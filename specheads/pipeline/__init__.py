@@ -1,5 +1,4 @@
-"""``heads-pipeline``: the main job end to end: vocab -> datagen -> train -> export -> eval; the rule eval names to
-deploy is then packed into the exported head (``heads-decode deploy=<head>`` runs it).
+"""``heads-pipeline``: the main job end to end: vocab -> datagen -> train -> export -> eval.
 
     heads-pipeline                                  # recipe=quickstart: the shared target and its EAGLE head, CPU
     heads-pipeline recipe=quickstart datagen.num_prompts=128 train.depth=1 seed=1
@@ -245,24 +244,6 @@ def _runner(stage: str):
     return run
 
 
-def _pack_deploy(cfgs: dict, eval_cfg) -> None:
-    """The rule the eval stage names to deploy, packed into the head the export stage wrote (``export/deploy.py``):
-    ``heads-decode deploy=`` and the vLLM stop plugin then run it. A head eval did not sweep, a speculators
-    directory, or a sweep that names no rule: left as exported, with a line in the log."""
-    from specheads.export import deploy
-
-    export = cfgs.get("export")
-    if export is None or export.format == "speculators":
-        return
-    head = Path(export.output_dir) / ("" if export.format == "hf" else "head.safetensors")
-    try:
-        record = deploy.pack(head, eval_cfg.output_dir)
-    except UserError as err:
-        log.info("the exported head carries no rule to deploy: %s", err)
-        return
-    log.info("rule to deploy packed into %s: %s (%s)", head, record["config"], record["kind"])
-
-
 def run(argv: list[str]) -> int:
     from specheads.config import to_yaml
 
@@ -297,8 +278,6 @@ def run(argv: list[str]) -> int:
                     )
                     if code:
                         return code
-                    if stage == "eval":
-                        _pack_deploy(stage_cfgs, cfg)
     mine = times.pop(None)
     summary = summarize(cfgs, mine)
     summary["cost"] = pipeline_parts.cost(cfgs, mine, earlier)  # unrounded: a total adds up to its tries
