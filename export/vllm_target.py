@@ -101,25 +101,42 @@ def _local_target(source: str):
 
 
 def target_embedding(meta: dict, verifier: str | None = None):
-    """The target's token embedding ``[V, d]`` (fp32), read alone from its checkpoint: ``verifier`` first, then the
-    target recorded at training, each when it is a local directory or GGUF file; UserError when the one found is not
-    the target the head was trained on (its fingerprint); None when neither is readable here."""
+    """The target's token embedding ``[V, d]`` (fp32): ``verifier`` first, then the target recorded at training, each
+    when it is a local directory (the one tensor read from its safetensors files) or GGUF file (loaded whole: such
+    targets are small); UserError when the one found is not the target the head was trained on (its fingerprint);
+    None when neither is readable here."""
+    from types import SimpleNamespace
+
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
     from specheads.errors import UserError
-    from specheads.runtime.checkpoint_tensors import TargetCheckpoint
+    from specheads.shim import fingerprint, load_model
 
     target = meta.get("target") or {}
     for source in (verifier, target.get("name")):
         spec = _local_target(source) if source else None
         if spec is None:
             continue
-        ckpt = TargetCheckpoint(spec)
+        root = Path(spec.path)
+        name = "model.embed_tokens.weight"
+        index = root / "model.safetensors.index.json"
+        shard = json.loads(index.read_text())["weight_map"].get(name) if index.is_file() else "model.safetensors"
+        if spec.gguf_file or not shard or not (root / shard).is_file():
+            loaded = load_model(spec, "target")
+            found, embed = loaded.fingerprint, loaded.model.get_input_embeddings().weight.detach()
+        else:
+            config = SimpleNamespace(config=AutoConfig.from_pretrained(str(root)))
+            found = fingerprint(str(root), None, True, config)
+            with safe_open(str(root / shard), framework="pt") as f:
+                embed = f.get_tensor(name)
         want = target.get("fingerprint")
-        if want and ckpt.fingerprint != want:
+        if want and found != want:
             raise UserError(
-                f"{source!r} is not the target this head was trained on (fingerprint {ckpt.fingerprint}, the head's "
-                f"{want}); pass verifier=<that target>"
+                f"{source!r} is not the target this head was trained on (fingerprint {found}, the head's {want}); "
+                "pass verifier=<that target>"
             )
-        return ckpt.tensors(None)["embed"].float()
+        return embed.float()
     return None
 
 
