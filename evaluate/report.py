@@ -257,8 +257,8 @@ def deploy(summary: dict, grouped: dict[str, list[dict]], specs: dict | None = N
     def ratio(a: str, b: str) -> dict:
         na, da = units(grouped[a], ("new_tokens", "wall_time"))
         nb, db = units(grouped[b], ("new_tokens", "wall_time"))
-        if len(na) != len(nb):
-            return {"value": None}
+        if len(na) != len(nb):  # rows not paired prompt by prompt (a batched sweep's blocks): no ratio
+            return {"value": None, "low": None, "high": None, "against": b}
         r = paired_ratio(na, da, nb, db)
         return {k: (None if r[k] is None else round(r[k], 4)) for k in ("value", "low", "high")} | {"against": b}
 
@@ -273,7 +273,7 @@ def deploy(summary: dict, grouped: dict[str, list[dict]], specs: dict | None = N
         if others and row_kind(best["config"]) != family:
             out[key] = ratio(best["config"], max(others, key=lambda r: r["tokens_per_s"])["config"])
     vs = out.get("vs_best_fixed_k")
-    out["within_noise_of_fixed_k"] = bool(vs and vs["low"] is not None and vs["low"] <= 1.0)
+    out["within_noise_of_fixed_k"] = bool(vs and vs.get("low") is not None and vs["low"] <= 1.0)
     if specs and best["config"] in specs:
         out |= json.loads(json.dumps(specs[best["config"]], default=str))  # policy, settings: plain JSON
     if regime is not None:

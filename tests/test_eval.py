@@ -516,3 +516,23 @@ def test_a_bad_row_is_named_once_in_its_error():
 
     got = problems([{"policy": "nope"}, {"policy": "sd", "settings": {"k": 0}}])
     assert len(got) == 2 and all(p.startswith("rows: ") and "rows: rows:" not in p for p in got)
+
+
+def test_the_deploy_choice_without_paired_rows_has_no_ratio_interval():
+    """A batched sweep's rows are not paired prompt by prompt: the choice still names itself, without an interval."""
+    from specheads.evaluate.report import deploy
+
+    table = [
+        {"config": "k2", "lossless": True, "tokens_per_s": 10.0},
+        {"config": "h-cost", "lossless": True, "tokens_per_s": 12.0},
+    ]
+    row = {"new_tokens": 10, "wall_time": 1.0}
+    grouped = {"k2": [dict(row, index=i) for i in range(2)], "h-cost": [dict(row, index=i) for i in range(3)]}
+    d = deploy({"table": table}, grouped)
+    assert d["config"] == "h-cost" and d["vs_best_fixed_k"] == {
+        "value": None,
+        "low": None,
+        "high": None,
+        "against": "k2",
+    }
+    assert d["within_noise_of_fixed_k"] is False
