@@ -310,10 +310,10 @@ def load_eagle(head, pair: Pair):
     from specheads.export.package import LoadedHead, check_head_against_pair, load_head
 
     spec_dir = not isinstance(head, LoadedHead) and speculators.is_speculators_dir(head)
-    if isinstance(head, LoadedHead):
-        loaded = head
-    else:  # an exported head, or an Eagle-3 directory (heads-export format=speculators, speculators, SpecForge)
-        loaded = speculators.read(head) if spec_dir else load_head(head, device=pair.target.device)
+    if spec_dir:  # an Eagle-3 directory (heads-export format=speculators, speculators, SpecForge)
+        loaded = speculators.read(head)
+    else:
+        loaded = head if isinstance(head, LoadedHead) else load_head(head, device=pair.target.device)
     if loaded.checked_for is not None and loaded.checked_for == pair.target.fingerprint:
         return loaded  # loaded once for this target (heads-decode, then its Decoder)
     embed = speculators.embedding(head) if spec_dir else None

@@ -111,12 +111,13 @@ def replay(policy, reference, prompt_len: int, rounds: list[dict], k: int) -> di
         cap = len(rec["draft"]) if rec.get("capped") else k
         policy.batch = rec["batch"]
         policy.start_round(rnd)
-        if rec.get("scheduled"):  # a batch above rule_max_batch: the table's K, each candidate still read by the rule
+        if rec.get("scheduled"):  # a batch above rule_max_batch: the table's K, read by a rule that learns online
             for j in range(len(rec["draft"])):
                 rnd.tokens.append(toks[j])
                 rnd.draft_logits.append(logits[j])
                 rnd.draft_hidden.append(states[j])
-                policy.stop_drafting(rnd)
+                if getattr(policy, "online", None) is not None:
+                    policy.stop_drafting(rnd)
         elif policy.draft_round():
             for j in range(k):
                 rnd.tokens.append(toks[j])

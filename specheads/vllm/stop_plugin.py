@@ -201,8 +201,9 @@ class Controller:
             rnd.draft_logits.append(logits[r])
             rnd.draft_hidden.append(hidden[r])
             policy = self.policies[req]
-            if st.scheduled:  # the rule still reads each candidate (its online estimate learns), but K decides
-                policy.stop_drafting(rnd)
+            if st.scheduled:  # K decides; a rule that learns online still reads each candidate (no other pays a sync)
+                if getattr(policy, "online", None) is not None:
+                    policy.stop_drafting(rnd)
                 if rnd.n >= rnd.limit:
                     st.lengths[r] = rnd.n
             elif rnd.n >= rnd.limit or policy.stop_drafting(rnd) or rnd.n >= self.k:
