@@ -212,6 +212,29 @@ def prompts_file(tmp_path):
     return path
 
 
+def acceptance_head_file(pair_dirs, path, seed: int = 0, extra: dict | None = None):
+    """An untrained acceptance head (32 wide, depth 1, seeded) on the tiny pair's draft states, exported to ``path``
+    with the metadata the shim checks (default threshold 0.6; ``extra``: the header's free-form part)."""
+    from specheads.export import save_head
+    from specheads.heads import AcceptanceHead
+    from specheads.shim import ModelSpec, load_pair
+
+    t, d = pair_dirs
+    pair = load_pair(ModelSpec(path=str(t), device="cpu"), ModelSpec(path=str(d), device="cpu"))
+    torch.manual_seed(seed)
+    head = AcceptanceHead(32, depth=1)
+    meta = {
+        "head_config": head.config(),
+        "hidden_size": 32,
+        "feature": {"model": "draft", "state": "post", "layer": -1},
+        "draft": {"name": pair.draft.name, "fingerprint": pair.draft.fingerprint},
+        "target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
+        "sampling": SamplingConfig().to_dict(),
+        "default_threshold": 0.6,
+    }
+    return save_head(path, head, "acceptance", meta | ({"extra": extra} if extra else {}))
+
+
 def pair_args(pair_dirs) -> list[str]:
     """The tiny pair as any command's arguments: its two directories (no GGUF file), on the CPU."""
     t, d = pair_dirs

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import yaml
-from conftest import WORDS, decode_args, make_tokenizer, tiny_llama
+from conftest import WORDS, acceptance_head_file, decode_args, make_tokenizer, tiny_llama
 
 from specheads.decode import generate
 from specheads.decode.decode_cli import main
@@ -205,30 +205,7 @@ def test_output_dir_with_another_run_is_refused(tiny_pair_dirs, prompts_file, tm
 
 
 def test_specdecpp_policy_with_exported_head(tiny_pair_dirs, prompts_file, tmp_path, capsys):
-    import torch
-
-    from specheads.export import save_head
-    from specheads.heads import AcceptanceHead
-    from specheads.shim import SamplingConfig
-
-    t, d = tiny_pair_dirs
-    pair = load_pair(ModelSpec(path=str(t), device="cpu"), ModelSpec(path=str(d), device="cpu"))
-    torch.manual_seed(0)
-    head = AcceptanceHead(32, depth=1)
-    path = save_head(
-        tmp_path / "h.safetensors",
-        head,
-        "acceptance",
-        {
-            "head_config": head.config(),
-            "hidden_size": 32,
-            "feature": {"model": "draft", "state": "post", "layer": -1},
-            "draft": {"name": pair.draft.name, "fingerprint": pair.draft.fingerprint},
-            "target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
-            "sampling": SamplingConfig().to_dict(),
-            "default_threshold": 0.6,
-        },
-    )
+    path = acceptance_head_file(tiny_pair_dirs, tmp_path / "h.safetensors")
     assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "pp", "policy=specdecpp", f"specdecpp.head={path}")) == 0
     assert main(_args(tiny_pair_dirs, prompts_file, tmp_path / "ar", "policy=ar")) == 0
     rows = [

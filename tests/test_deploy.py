@@ -6,33 +6,18 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from conftest import decode_args
+from conftest import acceptance_head_file, decode_args
 
 from specheads.decode.decode_cli import main as decode_main
-from specheads.export import read_metadata, save_head
+from specheads.export import read_metadata
 from specheads.export.cli import main as export_main
 from specheads.export.deploy import plugin_rule
-from specheads.heads import AcceptanceHead
-from specheads.shim import CostTable, ModelSpec, SamplingConfig, load_pair
+from specheads.shim import CostTable, SamplingConfig
 from specheads.vllm.stop_config import StopSettings
 
 
 def _head(pair_dirs, path, seed=0):
-    t, d = pair_dirs
-    pair = load_pair(ModelSpec(path=str(t), device="cpu"), ModelSpec(path=str(d), device="cpu"))
-    torch.manual_seed(seed)
-    head = AcceptanceHead(32, depth=1)
-    meta = {
-        "head_config": head.config(),
-        "hidden_size": 32,
-        "feature": {"model": "draft", "state": "post", "layer": -1},
-        "draft": {"name": pair.draft.name, "fingerprint": pair.draft.fingerprint},
-        "target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
-        "sampling": SamplingConfig().to_dict(),
-        "default_threshold": 0.6,
-    }
-    return save_head(path, head, "acceptance", meta)
+    return acceptance_head_file(pair_dirs, path, seed)
 
 
 def _sweep(directory, config, kind, policy, settings, batch_size=1):

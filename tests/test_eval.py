@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import perturbed_copy
+from conftest import acceptance_head_file, perturbed_copy
 
 from specheads.errors import UserError
 from specheads.evaluate.cli import main
@@ -24,9 +24,7 @@ from specheads.evaluate.oracle import (
 from specheads.evaluate.report import summarize
 from specheads.evaluate.rows import expand, num
 from specheads.evaluate.select import family
-from specheads.export import save_head
-from specheads.heads import AcceptanceHead
-from specheads.shim import Engine, GenerationStats, ModelSpec, SamplingConfig, load_pair
+from specheads.shim import Engine, GenerationStats
 from specheads.shim.costs.cost_table import CostTable
 
 
@@ -136,25 +134,7 @@ def test_draft_agreement_is_greedy_agreement(tiny_pair):
 
 @pytest.fixture()
 def head_file(tiny_pair_dirs, tmp_path):
-    t, d = tiny_pair_dirs
-    pair = load_pair(ModelSpec(path=str(t), device="cpu"), ModelSpec(path=str(d), device="cpu"))
-    torch.manual_seed(0)
-    head = AcceptanceHead(32, depth=1)
-    return save_head(
-        tmp_path / "h.safetensors",
-        head,
-        "acceptance",
-        {
-            "head_config": head.config(),
-            "hidden_size": 32,
-            "feature": {"model": "draft", "state": "post", "layer": -1},
-            "draft": {"name": pair.draft.name, "fingerprint": pair.draft.fingerprint},
-            "target": {"name": pair.target.name, "fingerprint": pair.target.fingerprint},
-            "sampling": SamplingConfig().to_dict(),
-            "default_threshold": 0.6,
-            "extra": {"train": {"eval_binary_kl": 0.123}},
-        },
-    )
+    return acceptance_head_file(tiny_pair_dirs, tmp_path / "h.safetensors", extra={"train": {"eval_binary_kl": 0.123}})
 
 
 def _args(pair_dirs, prompts, out, *extra):
