@@ -10,9 +10,8 @@ per request: ``c-cost`` (:class:`~specheads.shim.policies.ConfidenceStop` ``stop
 vLLM's own steps at the running batch (:mod:`specheads.vllm.stop_tools`), with the draft gate when asked and, at
 batches of 2 or more, the batch cap (:meth:`Controller._batch_pays`). Above ``rule_max_batch`` requests (default 1)
 every request drafts the K the table prices best for the acceptance seen so far (:meth:`Controller.best_k`): there no
-rule on ``q`` beats the best fixed K on the shared pair, even chosen in hindsight
-(``bench/studies/results/vllm_stop_qceiling.json``). A stopped request's candidates are cut at
-once; once every request of the step has stopped the remaining draft steps are skipped.
+rule on ``q`` beats the best fixed K on the shared pair, even in hindsight (``bench/studies/vllm_stop_qceiling.py``).
+A stopped request's candidates are cut at once; once every request of the step has stopped the rest is skipped.
 
 :func:`register` is a ``vllm.general_plugins`` entry point, run in every vLLM process: it registers the
 ``specheads`` load format (vLLM's default loader, for a draft load config that also carries the settings), checks the
