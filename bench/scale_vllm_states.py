@@ -109,7 +109,7 @@ def measure(prompts: int = 8, threads: int = 2, vllm_python: str = "/work/vllm-v
     from specheads.datagen.cli import _load
     from specheads.datagen.config import DatagenConfig
     from specheads.datagen.drafter import layers_for
-    from specheads.datagen.vllm_states import StatesServer
+    from specheads.vllm.child import StatesServer
 
     torch.set_num_threads(threads)
     common = ["offset=0", f"threads={threads}", f"vllm.threads={threads}"]

@@ -24,7 +24,7 @@ from specheads.datagen.labelling import Job, Labelled, Labeller, skip_record
 from specheads.datagen.vllm_states import drafter_states
 from specheads.dataset import DRAFTER_COLUMNS, DrafterChunkFiles, chunk_files
 from specheads.errors import UserError
-from specheads.shim import make_runner
+from specheads.runtime.states import sequence_states
 
 
 def default_layers(num_layers: int) -> list[int]:
@@ -35,27 +35,6 @@ def default_layers(num_layers: int) -> list[int]:
 def layers_for(cfg, model) -> list[int]:
     """The configured layers, or the default for ``model``'s depth."""
     return list(cfg.drafter.layers) or default_layers(model.config.num_hidden_layers)
-
-
-@torch.inference_mode()
-def sequence_states(model, seqs: list[list[int]], layers: list[int], responses: list[int] | None = None):
-    """Per sequence, the residual stream entering ``layers`` at every position, ``[T, len(layers) * d]`` fp16
-    (one teacher-forced forward each, no output layer). With ``responses`` (each sequence's response length
-    ``n``), also the logits ``[n, V]`` its response tokens were chosen from, from the same forward: returns
-    ``(states, logits)``."""
-    device = model.get_input_embeddings().weight.device
-    runner = make_runner(model, capacity=max(len(s) for s in seqs), aux=layers)
-    out, logits = [], []
-    try:
-        for i, seq in enumerate(seqs):
-            runner.reset()
-            n = responses[i] + 1 if responses else 0  # the last prompt position predicts the first response token
-            got = runner.forward(torch.tensor([seq], device=device), n_logits=n)[0]
-            out.append(runner.aux_states.to(torch.float16).cpu())
-            logits.append(got[:-1] if n else None)
-    finally:
-        runner.close()
-    return (out, logits) if responses else out
 
 
 def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

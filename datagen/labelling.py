@@ -34,7 +34,7 @@ class Job:
         pregenerated: ``engine=vllm``: the chunk's side file (the target's responses vLLM generated, by key:
             ``vllm_responses.requests_for``); None: the labeller generates them.
         states: ``engine=vllm``: the vLLM child that gives the target's hidden states
-            (:class:`specheads.datagen.vllm_states.StatesServer`; drafter, judge, sprinter); None: the labeller
+            (:class:`specheads.vllm.child.StatesServer`; drafter, judge, sprinter); None: the labeller
             runs the Transformers target.
     """
 

@@ -95,9 +95,9 @@ class TargetServer:
 def start(cfg, out: Path, eos: list[int], prompts: list[list[int]], local_rank: int) -> TargetServer:
     """Starts this process's server for the run writing to ``out`` (``prompts``: the token ids of its chunks'
     prompts, which bound the context length), replacing one a failed run left."""
-    from specheads.datagen.vllm_job import child_environment, parallel_header, target_header
     from specheads.datagen.vllm_logprobs import max_logprobs
     from specheads.decode.vllm_engine import vllm_python
+    from specheads.vllm.child import child_environment, parallel_header, target_header
 
     stop(out)
     python = vllm_python(cfg.vllm.python)

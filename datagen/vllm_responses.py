@@ -43,9 +43,10 @@ from pathlib import Path
 from specheads.datagen import vllm_mining
 from specheads.datagen.judge_tuples import answer_settings
 from specheads.datagen.labelling import Job
-from specheads.datagen.vllm_job import child_environment, light_job, parallel_header, target_header
+from specheads.datagen.vllm_job import light_job
 from specheads.datagen.vllm_logprobs import max_logprobs, wanted
 from specheads.errors import UserError
+from specheads.vllm.child import child_environment, parallel_header, target_header
 
 SIDE = "vllm"
 TARGET_PASS = {

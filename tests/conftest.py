@@ -286,7 +286,7 @@ def chunk_rows(out):
 
 
 class HFStates:
-    """A stand-in for ``heads-datagen engine=vllm``'s states child (``datagen/vllm_states.StatesServer``) on the
+    """A stand-in for ``heads-datagen engine=vllm``'s states child (``specheads.vllm.child.StatesServer``) on the
     Transformers target: the same states (``[T, len(layers), d]``, layer ``n`` the output before the final norm)
     and top-k, from one forward per sequence of its own copy of the target. ``calls`` counts the sequences asked,
     ``target_passes`` the forwards of the run's own Transformers target (``watch``)."""

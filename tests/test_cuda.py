@@ -13,9 +13,8 @@ import torch
 from conftest import make_tokenizer, tiny_llama
 
 from specheads.datagen.acceptance_labels import response_logits
-from specheads.datagen.drafter import sequence_states
 from specheads.runtime.numerics import numerics_settings
-from specheads.runtime.states import logits_at, states_after_tokens
+from specheads.runtime.states import logits_at, sequence_states, states_after_tokens
 from specheads.shim import (
     HiddenCapture,
     ModelSpec,

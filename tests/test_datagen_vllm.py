@@ -223,7 +223,7 @@ def test_engine_vllm_without_vllm_is_a_one_line_error(tiny_pair_dirs, prompts_fi
 
 
 def test_each_process_gets_its_own_gpus():
-    from specheads.datagen.vllm_job import device_slice
+    from specheads.vllm.child import device_slice
 
     gpus = [str(i) for i in range(8)]
     assert device_slice(0, 2, gpus) == ["0", "1"]

@@ -19,9 +19,9 @@ from conftest import DATAGEN_PROMPTS, chunk_rows, datagen_args, pair_args
 from specheads.datagen import acceptance_labels, vllm_mining, vllm_responses
 from specheads.datagen.cli import main
 from specheads.datagen.judge_labels import JudgeLabeller
-from specheads.datagen.vllm_job import child_environment, cpu_binding
 from specheads.datagen.vllm_logprobs import MISSING, dense
 from specheads.errors import UserError
+from specheads.vllm.child import child_environment, cpu_binding
 from specheads.vllm.jobs import logprob_tensors, logprobs_name, side_name, write_atomic, write_tensors
 from specheads.vllm_config import DatagenVllm
 

@@ -19,6 +19,7 @@ from specheads.datagen import vllm_states
 from specheads.datagen.cli import main
 from specheads.datagen.config import DatagenConfig
 from specheads.errors import UserError
+from specheads.vllm import child
 
 VLLM_PYTHON = os.environ.get("SPECHEADS_VLLM_PYTHON")
 needs_vllm = pytest.mark.skipif(not VLLM_PYTHON, reason="SPECHEADS_VLLM_PYTHON (vLLM's python) is not set")
@@ -53,7 +54,7 @@ def test_vllms_states_top_k_and_judge_features_are_the_transformers_targets(vllm
 
     target = vllm_pair[0]
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    server = vllm_states.StatesServer(config(target, tmp_path, VLLM_PYTHON), limit=64)
+    server = child.StatesServer(config(target, tmp_path, VLLM_PYTHON), limit=64)
     try:
         got = server.states(SEQS, [2, 1], top_k=3)  # layer 2 of 2: the output before the final norm
         job = SimpleNamespace(states=server, pair=SimpleNamespace(target=SimpleNamespace(model=model, hidden_size=128)))
@@ -148,7 +149,7 @@ def test_judge_features_and_sprinters_logits_from_states_are_the_transformers_ta
 def test_a_states_child_that_dies_is_a_one_line_error(tmp_path):
     import sys
 
-    server = vllm_states.StatesServer(config(tmp_path / "nowhere", tmp_path, sys.executable), limit=64)
+    server = child.StatesServer(config(tmp_path / "nowhere", tmp_path, sys.executable), limit=64)
     server.cfg.vllm.python = sys.executable  # this python: the child fails before vLLM starts
     with pytest.raises(UserError, match="failed with exit code") as err:
         server.states(SEQS, [1])

@@ -1,19 +1,20 @@
 """A model's states and logits at chosen positions of sequences, one forward per batch (shared by the stages).
 
-:func:`logits_at`: the next-token logits after chosen prefixes (SPRINTER labels in datagen, the
-measured ``alpha`` in evaluate). :func:`states_after_tokens`: the final hidden states of tokens
-fed at chosen positions (the SPRINTER verifier's ``current`` feature in train). For each row, the
-sequence and the tokens to probe are concatenated into one input. A custom 4D attention mask lets
-each appended token see only the prefix before its own position (and itself), while the explicit
-``position_ids`` give it that position. The result equals running the model on
-``seq[:p] + [token]`` separately for each probe, at the cost of a single forward.
+:func:`sequence_states`: the residual stream entering chosen layers at every position (the drafter's states, in
+datagen and in an EAGLE head's online training). :func:`logits_at`: the next-token logits after chosen prefixes
+(SPRINTER labels in datagen, the measured ``alpha`` in evaluate). :func:`states_after_tokens`: the final hidden
+states of tokens fed at chosen positions (the SPRINTER verifier's ``current`` feature in train). For each row, the
+sequence and the tokens to probe are concatenated into one input. A custom 4D attention mask lets each appended
+token see only the prefix before its own position (and itself), while the explicit ``position_ids`` give it that
+position. The result equals running the model on ``seq[:p] + [token]`` separately for each probe, at the cost of a
+single forward.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specheads.shim import pad_batch
+from specheads.shim import make_runner, pad_batch
 
 # Attention implementations that honour an arbitrary additive 4D mask (others, e.g. flash
 # attention, ignore or reject it, so those models take the per-position fallback).
@@ -158,3 +159,24 @@ def logits_at(model, seqs: list[list[int]], positions: list[list[int]], pad: int
         full = model(input_ids=ids, attention_mask=mask).logits
         logits = full[rows.to(full.device), cols.to(full.device)]
     return list(logits.split([len(p) for p in positions]))
+
+
+@torch.inference_mode()
+def sequence_states(model, seqs: list[list[int]], layers: list[int], responses: list[int] | None = None):
+    """Per sequence, the residual stream entering ``layers`` at every position, ``[T, len(layers) * d]`` fp16
+    (one teacher-forced forward each, no output layer). With ``responses`` (each sequence's response length
+    ``n``), also the logits ``[n, V]`` its response tokens were chosen from, from the same forward: returns
+    ``(states, logits)``."""
+    device = model.get_input_embeddings().weight.device
+    runner = make_runner(model, capacity=max(len(s) for s in seqs), aux=layers)
+    out, logits = [], []
+    try:
+        for i, seq in enumerate(seqs):
+            runner.reset()
+            n = responses[i] + 1 if responses else 0  # the last prompt position predicts the first response token
+            got = runner.forward(torch.tensor([seq], device=device), n_logits=n)[0]
+            out.append(runner.aux_states.to(torch.float16).cpu())
+            logits.append(got[:-1] if n else None)
+    finally:
+        runner.close()
+    return (out, logits) if responses else out
