@@ -151,6 +151,15 @@ class DrafterOptions:
     top_k: int = field(
         default=20, metadata={"help": "most likely tokens of the target's distribution stored per response token"}
     )
+    store_states: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "false: the states are not stored (ids and top-k only, about 2 x 4 x top_k bytes a response token): "
+                "heads-train head=eagle makes them while it trains (eagle.states=online or hybrid)"
+            )
+        },
+    )
 
 
 @dataclass

@@ -48,6 +48,7 @@ def label_chunk(job: Job, items: list, chunk: int) -> Labelled:
     """The target's responses to one chunk of prompts, their states and distributions (side file)."""
     cfg, model = job.cfg, job.pair.target.model
     layers = layers_for(cfg, model)
+    store = cfg.drafter.store_states
     seed = shards.chunk_seed(cfg.seed, chunk)
     cols: dict[str, list] = {k: [] for k in DRAFTER_COLUMNS}
     states, tops, logps, lengths, rlengths, skipped = [], [], [], [], [], []
@@ -64,7 +65,7 @@ def label_chunk(job: Job, items: list, chunk: int) -> Labelled:
                 logits = response_logits(model, ids, responses, job.pad)
             keep = [i for i, (r, lg) in enumerate(zip(responses, logits)) if r and bool(torch.isfinite(lg).all())]
             seqs = [ids[i] + responses[i] for i in keep]
-            got = sequence_states(model, seqs, layers) if seqs else []
+            got = sequence_states(model, seqs, layers) if seqs and store else [_none(s) for s in seqs]
         else:  # engine=vllm: the responses from vLLM
             responses, ok = map(
                 list, zip(*(job.response(str(job.first_index(chunk) + b + i)) for i in range(len(batch))))
@@ -90,7 +91,7 @@ def label_chunk(job: Job, items: list, chunk: int) -> Labelled:
                 )
         for i, st in zip(keep, got):
             t_ids, t_logp = picked[i] if picked else top_k(logits[i], cfg.drafter.top_k)
-            states.append(st)
+            states.append(st if store else _none(st))
             tops.append(t_ids)
             logps.append(t_logp)
             lengths.append(st.shape[0])
@@ -100,7 +101,7 @@ def label_chunk(job: Job, items: list, chunk: int) -> Labelled:
             cols["input_ids"].append(ids[i] + responses[i])
             cols["response_start"].append(len(ids[i]))
             labelled += len(responses[i])
-    width = len(layers) * job.pair.target.hidden_size
+    width = len(layers) * job.pair.target.hidden_size if store else 0
     k = min(cfg.drafter.top_k, job.pair.target.model.config.vocab_size)
     DrafterChunkFiles(cfg.output_dir, chunk).write(
         {
@@ -113,6 +114,11 @@ def label_chunk(job: Job, items: list, chunk: int) -> Labelled:
         }
     )
     return Labelled(cols, labelled, skipped)
+
+
+def _none(seq) -> torch.Tensor:
+    """A sequence's stored states when ``drafter.store_states=false``: ``[T, 0]`` (the offsets still cut the rows)."""
+    return torch.zeros(len(seq), 0, dtype=torch.float16)
 
 
 def _offsets(lengths: list[int]) -> torch.Tensor:
@@ -201,5 +207,10 @@ class DrafterLabeller(StatesLabeller):
     def summarise(self, cfg, out: Path, models: dict) -> tuple[dict, dict]:
         stats = summarise(out)
         return stats, {
-            "drafter": {"layers": stats.pop("layers"), "top_k": cfg.drafter.top_k, "hidden_size": models["hidden_size"]}
+            "drafter": {
+                "layers": stats.pop("layers"),
+                "top_k": cfg.drafter.top_k,
+                "hidden_size": models["hidden_size"],
+                "store_states": cfg.drafter.store_states,
+            }
         }

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from specheads.plan.inputs import PLAN_HELP
 from specheads.shim import ModelSpec
+from specheads.vllm_config import DatagenVllm
 
 
 @dataclass
@@ -98,6 +99,33 @@ class EagleSettings:
                 "layer: continue training on more data"
             )
         },
+    )
+    states: str = field(
+        default="auto",
+        metadata={
+            "help": (
+                "where the target's states come from: offline (the ones datagen stored) | online (made for each "
+                "batch while the head trains, never stored) | hybrid (made in the first epoch, kept in a bounded "
+                "on-disk cache, read back after) | auto (offline when the data stores them, else online)"
+            )
+        },
+    )
+    source: str = field(
+        default="target",
+        metadata={
+            "help": (
+                "online/hybrid: what makes them: target (the target in this process, each process its share of "
+                "the sequences) | vllm (a vLLM engine running extract_hidden_states, the vllm section's settings: "
+                "for targets that do not fit beside the head)"
+            )
+        },
+    )
+    cache_dir: str | None = field(
+        default=None, metadata={"help": "hybrid: the states cache (default <output_dir>/state-cache); kept for reruns"}
+    )
+    cache_gb: float = field(
+        default=100.0,
+        metadata={"help": "hybrid: the cache's bound in GB over all processes; sequences past it are made each epoch"},
     )
 
 
@@ -257,6 +285,10 @@ class TrainConfig:
     distill: DistillSettings = field(default_factory=DistillSettings, metadata={"help": "head=draft's settings"})
     eagle_stop: EagleStopSettings = field(
         default_factory=EagleStopSettings, metadata={"help": "head=eagle_stop's settings"}
+    )
+    vllm: DatagenVllm = field(
+        default_factory=DatagenVllm,
+        metadata={"help": "head=eagle eagle.source=vllm: how vLLM runs the target (vllm.tensor_parallel=4)"},
     )
     vocab_file: str | None = field(
         default=None,

@@ -90,6 +90,10 @@ class DrafterData:
     def __len__(self) -> int:
         return self.starts[-1]
 
+    def longest(self) -> int:
+        """The longest sequence's positions."""
+        return max((int((c.offsets[1:] - c.offsets[:-1]).max()) for c in self.chunks if len(c.offsets) > 1), default=0)
+
     def tokens(self) -> int:
         """Positions (prompt and response) over every sequence."""
         return sum(int(c.offsets[-1]) for c in self.chunks)

@@ -1,9 +1,11 @@
 """Training the EAGLE-3-style draft head (``head=eagle``) on ``labels=drafter`` data.
 
 The head (:class:`specheads.heads.EagleHead`) reads the target's states the datagen run stored, a batch
-at a time (``drafter_data.py``); of the target it reads from the checkpoint files only its token
+at a time (``drafter_data.py``), or states made while it trains (``eagle.states=online|hybrid``,
+``eagle_states.py``); of the target it reads from the checkpoint files only its token
 embeddings (frozen, never part of the head) and what initialises the head: its last layer, final norm
-and the kept output-layer rows (``specheads/runtime/checkpoint_tensors.py``; the whole target is never loaded).
+and the kept output-layer rows (``specheads/runtime/checkpoint_tensors.py``; the whole target is loaded only to
+make states online with ``eagle.source=target``).
 The loss is the soft cross-entropy against the target's distribution, unrolled ``eagle.ttt_steps`` steps on the
 head's own states (training-time test, ``eagle.py``). The best epoch has the longest mean greedy run of
 matching steps (``eval_accept_length``: tokens a round at ``k = eagle.ttt_steps`` would keep).
@@ -11,6 +13,7 @@ matching steps (``eval_accept_length``: tokens a round at ``k = eagle.ttt_steps`
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -21,6 +24,7 @@ from specheads.outputs import atomic_write_json
 from specheads.runtime.checkpoint_tensors import TargetCheckpoint
 from specheads.shim import subset_hash
 from specheads.train import eagle_data as E
+from specheads.train import eagle_states
 from specheads.train.config import TrainConfig
 from specheads.train.drafter_data import DrafterData
 from specheads.train.task import Task, describe, split
@@ -43,10 +47,11 @@ class EagleTask(Task):
         tensors: dict[str, torch.Tensor],
         device,
         init: dict[str, torch.Tensor] | None = None,
+        states: eagle_states.States | None = None,
     ):
         self.cfg, self.manifest, self.data, self.layers, self.device = cfg, manifest, data, data.layers, device
         self.vocab_ids = vocab_ids
-        self.init = init
+        self.init, self.states, self.mode = init, states, "offline" if states is None else cfg.eagle.states
         self.config, self.target_read = target.config, {"bytes": target.bytes_read, "of": target.bytes_total}
         self.start = {k: v for k, v in tensors.items() if k != "embed"} or None
         # stored dtype (fp32 from GGUF); rows are cast to the head's after the lookup, which is exact
@@ -74,12 +79,19 @@ class EagleTask(Task):
             out.append(f"eagle.decoder_layers={cfg.eagle.decoder_layers} must be >= 1")
         if cfg.eagle.init_head and not Path(cfg.eagle.init_head).is_file():
             out.append(f"eagle.init_head={cfg.eagle.init_head!r} is not a file (an EAGLE head.safetensors)")
-        return out
+        return out + eagle_states.problems(cfg)
 
     @classmethod
     def setup(cls, cfg: TrainConfig, manifest: dict, acc) -> EagleTask:
         dirs = manifest.get("data_dirs") or [cfg.data_dir]
-        data = DrafterData(dirs)
+        manifests = [json.loads((Path(d) / "manifest.json").read_text()) for d in dirs]
+        layers = {json.dumps((m.get("drafter") or {}).get("layers")) for m in manifests}
+        if len(layers) > 1:
+            raise UserError(f"{', '.join(dirs)} hold the target's states at other layers ({', '.join(sorted(layers))})")
+        stored = all((m.get("drafter") or {}).get("store_states", True) for m in manifests)
+        mode = eagle_states.resolve(cfg.eagle.states, stored, dirs)
+        data = DrafterData(dirs, states=mode == "offline")
+        data.layers = json.loads(layers.pop())
         target = TargetCheckpoint(cfg.target, "target")
         if target.fingerprint != manifest["target"]["fingerprint"]:
             raise UserError(
@@ -101,7 +113,17 @@ class EagleTask(Task):
         # the target's last layer starts the head, or the layers grown onto init_head
         starts = init is None or E.decoder_layers(init) < cfg.eagle.decoder_layers
         tensors = target.tensors(vocab if starts else None)
-        return cls(cfg, manifest, data, vocab, target, tensors, acc.device, init)
+        states = None
+        if mode != "offline":
+            cfg.eagle.states = mode
+            maker = eagle_states.Maker(cfg, data.layers, acc.device, data.longest(), acc.local_process_index)
+            cache = None
+            if mode == "hybrid":
+                key = eagle_states.cache_key(manifests, dirs, data.layers, cfg.eagle.source)
+                root = cfg.eagle.cache_dir or str(Path(cfg.output_dir) / "state-cache")
+                cache = eagle_states.Cache(root, key, cfg.eagle.cache_gb * eagle_states.GB / acc.num_processes)
+            states = eagle_states.States(maker, cache)
+        return cls(cfg, manifest, data, vocab, target, tensors, acc.device, init, states)
 
     @staticmethod
     def summary(cfg: TrainConfig, metrics: dict) -> str:
@@ -136,7 +158,10 @@ class EagleTask(Task):
         return head
 
     def batch(self, examples: list, epoch: int) -> tuple[dict, dict]:
-        return E.collate(self.data.rows(examples), self.index, self.device)
+        seqs = self.data.rows(examples)
+        if self.states is not None:
+            self.states.fill(examples, seqs)
+        return E.collate(seqs, self.index, self.device)
 
     def loss(self, head, x: dict, y: dict) -> torch.Tensor:
         return E.unrolled_loss(head, self.embed, x, y, self.cfg.eagle.ttt_steps, self.cfg.eagle.ttt_decay)
@@ -187,11 +212,16 @@ class EagleTask(Task):
                 out / "metrics.json",
                 {k[len("eval_") :]: v for k, v in best.items() if k.startswith("eval_")} | {"epoch": best.get("epoch")},
             )
-        return {
+        out = {
             "target_bytes_read": self.target_read["bytes"],
             "target_bytes_total": self.target_read["of"],
             "train_data": {"sequences": len(self.data), "tokens": self.data.tokens()},
+            "states": {"mode": self.mode, "source": None if self.states is None else self.cfg.eagle.source},
         }
+        if self.states is not None:
+            out["states"] |= self.states.report()
+            self.states.close()
+        return out
 
 
 def start_from(path: str, manifest: dict, layers: list[int]) -> tuple[dict[str, torch.Tensor], list[int]]:
