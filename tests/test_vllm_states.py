@@ -155,3 +155,36 @@ def test_a_states_child_that_dies_is_a_one_line_error(tmp_path):
         server.states(SEQS, [1])
     assert len(str(err.value).splitlines()) == 1
     server.close()
+
+
+@needs_vllm
+def test_an_eagle_head_trains_on_states_streamed_from_vllm(vllm_pair, tmp_path):
+    """heads-train eagle.states=online eagle.source=vllm: the states of vLLM's extract_hidden_states while the head
+    trains give the loss curve of the states vLLM's datagen stored (fp16 rounding apart)."""
+    from specheads.train.cli import main as train_main
+
+    target, draft = vllm_pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"{w} one two"}) + "\n" for w in ("the", "a", "why", "two", "six"))
+    )
+    model = [f"target.path={target}", "target.gguf_file=null", "target.device=cpu", "target.dtype=float32"]
+    data = tmp_path / "data"
+    datagen = [*model, f"draft.path={draft}", "draft.device=cpu", f"prompts={prompts}", "num_prompts=null"]
+    datagen += ["max_new_tokens=10", "batch_size=5", "chunk_size=5", "chat_template=false", "sampling.do_sample=false"]
+    datagen += ["labels=drafter", "drafter.top_k=4", "engine=vllm", f"vllm.python={VLLM_PYTHON}", f"output_dir={data}"]
+    assert main(datagen) == 0
+    common = [*model, f"data_dir={data}", "head=eagle", "batch_size=2", "grad_accum=1", "epochs=2", "lr=3e-3"]
+    common += ["eval_fraction=0.4", "patience=2", "eagle.ttt_steps=2", "vocab_top_n=16", "vllm.threads=2"]
+    curves = {}
+    for mode in ("offline", "online"):
+        out = tmp_path / mode
+        extra = ["eagle.source=vllm", f"vllm.python={VLLM_PYTHON}"] if mode == "online" else []
+        assert train_main([*common, f"output_dir={out}", f"eagle.states={mode}", *extra]) == 0
+        curves[mode] = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["states"]["mode"] == mode
+    assert manifest["states"]["source"] == "vllm" and manifest["states"]["made_tokens"] > 0
+    assert not list((tmp_path / "online").glob(".vllm-states-*"))  # the child and its folder end with the run
+    loss = [(a["loss"], b["loss"]) for a, b in zip(curves["offline"], curves["online"]) if "loss" in a]
+    assert len(loss) >= 2 and all(abs(a - b) <= 1e-3 * abs(a) for a, b in loss), loss
