@@ -151,6 +151,19 @@ class DrafterOptions:
     top_k: int = field(
         default=20, metadata={"help": "most likely tokens of the target's distribution stored per response token"}
     )
+    turn: int = field(
+        default=1,
+        metadata={
+            "help": (
+                "messages rows: the assistant turn this part regenerates (1: each conversation's first user "
+                "message; t: the t-th, after the target's own earlier answers, datagen/turns.py)"
+            )
+        },
+    )
+    history: list[str] = field(
+        default_factory=list,
+        metadata={"help": "drafter.turn=t: the output_dir of the parts of turns 1 .. t-1, in turn order"},
+    )
     store_states: bool = field(
         default=True,
         metadata={

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from specheads.datagen import shards
+from specheads.datagen import shards, turns
 from specheads.datagen.acceptance_labels import generate_responses, response_logits
 from specheads.datagen.labelling import Job, Labelled, Labeller, skip_record
+from specheads.datagen.vllm_job import light_job
 from specheads.datagen.vllm_states import drafter_states
 from specheads.dataset import DRAFTER_COLUMNS, DrafterChunkFiles, chunk_files
 from specheads.errors import UserError
@@ -183,7 +184,11 @@ class DrafterLabeller(StatesLabeller):
             out.append(f"drafter.layers={layers} must be decoder-layer indices >= 1 (the stream entering that layer)")
         if len(set(layers)) != len(layers):
             out.append(f"drafter.layers={layers} repeats a layer")
-        return out
+        return out + turns.problems(cfg)
+
+    def items(self, cfg):
+        """The prompts, ``messages`` rows cut at ``drafter.turn`` (``datagen/turns.py``)."""
+        return turns.turn_items(super().items(cfg), cfg, lambda: light_job(cfg).pair.tokenizer)
 
     def needs_draft(self, cfg) -> bool:
         return False
