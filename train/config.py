@@ -386,6 +386,7 @@ class TrainConfig:
     gpu_bandwidth_gbs: float = field(default=3350.0, metadata={"help": PLAN_HELP["gpu_bandwidth_gbs"]})
     tokens_per_s: float | None = field(default=None, metadata={"help": PLAN_HELP["tokens_per_s"]})
     prompt_tokens: int = field(default=256, metadata={"help": PLAN_HELP["prompt_tokens"]})
+    disk_gb: float | None = field(default=None, metadata={"help": PLAN_HELP["disk_gb"]})
     seed: int = 0
     output_dir: str = "runs/train"
     overwrite: bool = False

@@ -16,7 +16,15 @@ from specheads.engines import engine_of
 from specheads.errors import UserError
 from specheads.model_shapes import shape_of
 from specheads.plan.inputs import count_prompts, recorded_rate, train_data
-from specheads.plan.memory import Memory, datagen_disk, datagen_memory, datagen_rows, dtype_bytes, train_memory
+from specheads.plan.memory import (
+    Memory,
+    datagen_disk,
+    datagen_memory,
+    datagen_rows,
+    dtype_bytes,
+    eagle_mode,
+    train_memory,
+)
 
 GB = 1e9
 #: Share of each GPU's memory a plan counts on: vLLM's default ``gpu_memory_utilization`` (the rest: the
@@ -206,11 +214,38 @@ def _train_alternatives(cfg, data: dict, world: int) -> list[str]:
     return _fitting(tries, b)
 
 
+def _eagle(cfg, data: dict) -> dict:
+    """An EAGLE run's states: the mode, what makes them, and the disk each mode takes for this data."""
+    mode = eagle_mode(cfg, data)
+    target = shape_of(cfg.target, "target")
+    positions = data["prompts"] * data["sequence_tokens"]
+    offline = positions * len(data.get("layers") or [0] * 3) * target.hidden * 2
+    ids = positions * 4 + data["labelled_tokens"] * (data.get("top_k", 0) * 8 + 4)  # ids, top-k ids and log-probs
+    disk = {"offline": offline + ids, "online": ids, "hybrid": min(offline, cfg.eagle.cache_gb * GB) + ids}
+    return {"mode": mode, "source": None if mode == "offline" else cfg.eagle.source, "disk_gb": disk}
+
+
+def _disk_refusal(cfg, out: dict, eagle: dict) -> str | None:
+    """One line when the EAGLE run's disk (``disk_gb``) cannot hold what its mode stores, naming the modes that fit."""
+    need = eagle["disk_gb"][eagle["mode"]]
+    if cfg.disk_gb is None or need <= cfg.disk_gb * GB:
+        return None
+    fit = [f"eagle.states={m} ({_gb(v):.4g} GB)" for m, v in eagle["disk_gb"].items() if v <= cfg.disk_gb * GB]
+    return (
+        f"plan: heads-train {out['what']} eagle.states={eagle['mode']} stores {_gb(need):.4g} GB, more than disk_gb="
+        f"{cfg.disk_gb:g}; " + ("would fit: " + "; ".join(fit) if fit else "no mode fits: give the run more disk")
+    )
+
+
 def train_plan(cfg) -> dict:
-    """The plan of a ``heads-train`` run (its resolved TrainConfig), one process per GPU, as plain data."""
+    """The plan of a ``heads-train`` run (its resolved TrainConfig), one process per GPU (an online EAGLE run on
+    vLLM: one per vLLM engine), as plain data."""
     _problems(cfg)
     data = train_data(cfg)
     world, usable = cfg.nodes * cfg.gpus, _usable(cfg)
+    eagle = _eagle(cfg, data) if cfg.head == "eagle" else None
+    if eagle and eagle["source"] == "vllm":
+        world = max(world // (cfg.vllm.tensor_parallel * cfg.vllm.pipeline_parallel), 1)
     mem = train_memory(cfg, data, world)
     out = {
         "cli": "heads-train",
@@ -224,7 +259,14 @@ def train_plan(cfg) -> dict:
         "assumptions": {"batch_size": cfg.batch_size, "sequence_tokens": data["sequence_tokens"], "epochs": cfg.epochs},
         "fits": mem.fullest_gpu() <= usable,
     }
-    return out | _refusal(out, mem, cfg, [] if out["fits"] else _train_alternatives(cfg, data, world))
+    out = out | _refusal(out, mem, cfg, [] if out["fits"] else _train_alternatives(cfg, data, world))
+    if eagle:
+        out["eagle"] = eagle | {"disk_gb": {k: _gb(v) for k, v in eagle["disk_gb"].items()}}
+        out["disk_gb"]["states"] = _gb(eagle["disk_gb"][eagle["mode"]])
+        disk = _disk_refusal(cfg, out, eagle)
+        if disk:
+            out["fits"], out["refusal"] = False, disk if out["refusal"] is None else f"{out['refusal']}; {disk}"
+    return out
 
 
 def format_plan(plan: dict) -> str:
@@ -248,6 +290,14 @@ def format_plan(plan: dict) -> str:
     if "vllm_weights_per_gpu" in plan:
         lines.append(f"  vLLM           target weights {plan['vllm_weights_per_gpu']:.1f} per GPU")
     lines.append("disk, GB: " + ", ".join(f"{k} {v:.2f}" for k, v in plan["disk_gb"].items()))
+    if "eagle" in plan:
+        e = plan["eagle"]
+        lines.append(
+            f"eagle states: {e['mode']}"
+            + (f" from {e['source']}" if e["source"] else "")
+            + "; disk by mode, GB: "
+            + ", ".join(f"{k} {v:.4g}" for k, v in e["disk_gb"].items())
+        )
     lines.append(f"data: {plan['rows']['prompts']} prompts, at most {plan['rows']['labelled_tokens']} labelled tokens")
     if t["hours"] is None:
         lines.append(f"time: {t['tokens']} tokens; no rate: pass tokens_per_s=N (one process's tokens per second)")

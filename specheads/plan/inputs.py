@@ -31,6 +31,10 @@ PLAN_HELP = {
         "output_dir recorded, else the memory-bandwidth bound; heads-train gives no time without it)"
     ),
     "prompt_tokens": "plan: prompt length in tokens (a forward's rows: batch x (prompt_tokens + max_new_tokens))",
+    "disk_gb": (
+        "plan (heads-train head=eagle): the disk the run's data may take in GB; a mode whose states do not fit "
+        "is refused, naming those that do (null: not checked)"
+    ),
 }
 #: The plan's settings a train plan hands to the datagen config it plans its data with.
 SHARED_FIELDS = ("prompt_tokens", "gpus", "nodes", "gpu_memory_gb")
@@ -135,6 +139,9 @@ def train_data(cfg) -> dict:
         total["sequence_tokens"] = max(total["sequence_tokens"], cfg.prompt_tokens + dcfg.max_new_tokens)
         total["top_k"] = dcfg.drafter.top_k if dcfg.labels == "drafter" else 0
         total["layers"] = list(dcfg.drafter.layers) or None
+        total["stores_states"] = total.get("stores_states", True) and (
+            dcfg.labels != "drafter" or dcfg.drafter.store_states
+        )
         total["target_shape"] = shape_of(dcfg.target, "target")
     if not total["sequence_tokens"]:
         raise UserError("plan: data_dir is not set; pass data_dir=<heads-datagen output_dir>")

@@ -185,7 +185,8 @@ def datagen_disk(cfg, rows: dict) -> dict:
     states = 0.0
     if cfg.labels == "drafter":
         width = (len(cfg.drafter.layers) or 3) * target.hidden
-        states = seq * width * 2 + rows["labelled_tokens"] * cfg.drafter.top_k * 8  # + top-k ids, log-probs
+        states = seq * width * 2 if cfg.drafter.store_states else 0.0
+        states += rows["labelled_tokens"] * cfg.drafter.top_k * 8  # + top-k ids, log-probs
     elif cfg.labels in ("judge", "eagle_rounds"):
         states = rows["labelled_tokens"] * target.hidden * 2
     labels = seq * 4 + rows["labelled_tokens"] * LABEL_COLUMNS.get(cfg.labels, 3) * 4
@@ -245,4 +246,27 @@ def train_memory(cfg, data: dict, world: int, zero: int = 0, batch: int | None =
         if head in ("acceptance", "verifier"):  # the frozen draft's forward (online features)
             activations += rows * layer_values(draft) * act_b
     buffers = rows * (data.get("top_k", 0) * 8 + 8)
-    return Memory(weights, activations, 0.0, buffers, optimizer=optimizer)
+    mem = Memory(weights, activations, 0.0, buffers, optimizer=optimizer)
+    if head == "eagle" and eagle_mode(cfg, data) != "offline":
+        _state_maker(cfg, mem, target, rows, act_b)
+    return mem
+
+
+def eagle_mode(cfg, data: dict) -> str:
+    """The states an EAGLE run takes (``eagle.states``; ``auto``: offline when its data stores them)."""
+    mode = cfg.eagle.states
+    return ("offline" if data.get("stores_states", True) else "online") if mode == "auto" else mode
+
+
+def _state_maker(cfg, mem: Memory, target: Shape, rows: int, act_b: float) -> None:
+    """What makes an online EAGLE run's states, added to one process: the target in it (its weights, one forward's
+    activations and KV cache over a micro-batch), or the vLLM engine beside it (the target's weights and a KV cache
+    for ``rows`` tokens, over its ``vllm.tensor_parallel x pipeline_parallel`` GPUs, which the process shares)."""
+    weights = target.params() * dtype_bytes(cfg.target)
+    kv = rows * target.kv_bytes_per_token(dtype_bytes(cfg.target))
+    if cfg.eagle.source == "vllm":
+        mem.gpus = max(cfg.vllm.tensor_parallel, 1) * max(cfg.vllm.pipeline_parallel, 1)
+        mem.sharded = weights + kv
+    mem.weights["target"] += weights
+    mem.kv_cache += kv
+    mem.activations = max(mem.activations, rows * layer_values(target) * act_b)  # never at the same time
