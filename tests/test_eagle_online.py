@@ -102,7 +102,7 @@ def test_offline_without_stored_states_and_bad_settings_are_one_line_errors(ids_
     for bad, message in [
         ("eagle.states=offline", "stores no states"),
         ("eagle.states=sometimes", "eagle.states"),
-        ("eagle.source=server", "eagle.source"),
+        ("eagle.engine=server", "eagle.engine"),
         ("eagle.cache_gb=-1", "eagle.cache_gb"),
     ]:
         with pytest.raises(AssertionError):

@@ -166,3 +166,40 @@ def test_every_recipes_models_have_a_shape():
                 assert shape_of(spec, role).params() > 0, (name, role)
     assert KNOWN["llama-3.1-405b"].params() == pytest.approx(405.85e9, rel=1e-3)  # the published 405B
     assert KNOWN["llama-3.1-70b"].params() == pytest.approx(70.55e9, rel=1e-3)
+
+
+@pytest.fixture
+def conversations(tmp_path, monkeypatch):
+    path = tmp_path / "conv.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]}) + "\n" for i in range(50)))
+    monkeypatch.setenv("CONVERSATIONS", str(path))
+    return 50
+
+
+def test_eagle_plans_set_offline_states_against_online_and_the_engine_beside_the_head(conversations):
+    p8 = plan_figures("heads-train", "eagle_llama31_8b")
+    e, s8 = p8["eagle"], KNOWN["llama-3.1-8b"]
+    positions = 3 * conversations * (1024 + 1024)  # three turn parts, each prompt + response at most
+    assert e["mode"] == "online" and e["engine"] == "specheads" and p8["fits"] and p8["processes"] == 8
+    assert e["disk_gb"]["offline"] == pytest.approx(positions * 3 * s8.hidden * 2 / GB + e["disk_gb"]["online"], 1e-4)
+    assert e["disk_gb"]["online"] < e["disk_gb"]["offline"] / 100
+    assert p8["per_process_gb"]["weights"]["target"] == pytest.approx(
+        (s8.params() * 2 + s8.vocab * s8.hidden * 4) / GB, 1e-4
+    )  # the bf16 target beside the head, and the head's fp32 copy of its embeddings
+    p70 = plan_figures("heads-train", "eagle_llama31_70b")
+    assert p70["eagle"]["engine"] == "vllm" and p70["processes"] == 2  # one per vLLM engine of 4 GPUs
+    assert p70["per_process_gb"]["gpus_per_process"] == 4 and not p70["fits"]
+    assert "ZeRO-2" in p70["refusal"] and len(p70["refusal"].splitlines()) == 1
+    assert plan_figures("heads-train", "eagle_llama31_70b", ["gpu_memory_gb=141"])["fits"]
+    p405 = plan_figures(
+        "heads-train", "eagle_llama31_70b", ["target.path=meta-llama/Llama-3.1-405B-Instruct", "vllm.tensor_parallel=8"]
+    )
+    assert p405["processes"] == 1 and not p405["fits"]
+
+
+def test_an_eagle_mode_whose_states_exceed_the_disk_is_refused_naming_the_modes_that_fit(conversations, capsys):
+    plan = plan_figures("heads-train", "eagle_llama31_8b", ["eagle.states=offline", "disk_gb=0.5"])
+    assert not plan["fits"] and "eagle.states=online" in plan["refusal"] and "disk_gb=0.5" in plan["refusal"]
+    assert train_main(["recipe=eagle_llama31_8b", "plan=true", "eagle.states=offline", "disk_gb=0.5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "would fit: eagle.states=online" in err and len(err.splitlines()) == 1

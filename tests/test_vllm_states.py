@@ -159,7 +159,7 @@ def test_a_states_child_that_dies_is_a_one_line_error(tmp_path):
 
 @needs_vllm
 def test_an_eagle_head_trains_on_states_streamed_from_vllm(vllm_pair, tmp_path):
-    """heads-train eagle.states=online eagle.source=vllm: the states of vLLM's extract_hidden_states while the head
+    """heads-train eagle.states=online eagle.engine=vllm: the states of vLLM's extract_hidden_states while the head
     trains give the loss curve of the states vLLM's datagen stored (fp16 rounding apart)."""
     from specheads.train.cli import main as train_main
 
@@ -179,12 +179,12 @@ def test_an_eagle_head_trains_on_states_streamed_from_vllm(vllm_pair, tmp_path):
     curves = {}
     for mode in ("offline", "online"):
         out = tmp_path / mode
-        extra = ["eagle.source=vllm", f"vllm.python={VLLM_PYTHON}"] if mode == "online" else []
+        extra = ["eagle.engine=vllm", f"vllm.python={VLLM_PYTHON}"] if mode == "online" else []
         assert train_main([*common, f"output_dir={out}", f"eagle.states={mode}", *extra]) == 0
         curves[mode] = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         manifest = json.loads((out / "manifest.json").read_text())
         assert manifest["states"]["mode"] == mode
-    assert manifest["states"]["source"] == "vllm" and manifest["states"]["made_tokens"] > 0
+    assert manifest["states"]["engine"] == "vllm" and manifest["states"]["made_tokens"] > 0
     assert not list((tmp_path / "online").glob(".vllm-states-*"))  # the child and its folder end with the run
     loss = [(a["loss"], b["loss"]) for a, b in zip(curves["offline"], curves["online"]) if "loss" in a]
     assert len(loss) >= 2 and all(abs(a - b) <= 1e-3 * abs(a) for a, b in loss), loss

@@ -110,12 +110,12 @@ class EagleSettings:
             )
         },
     )
-    source: str = field(
-        default="target",
+    engine: str = field(
+        default="specheads",
         metadata={
             "help": (
-                "online/hybrid: what makes them: target (the target in this process, each process its share of "
-                "the sequences) | vllm (a vLLM engine running extract_hidden_states, the vllm section's settings: "
+                "online/hybrid: what makes them: specheads (the target in this process, each process its share "
+                "of the sequences) | vllm (a vLLM engine running extract_hidden_states, the vllm section's settings: "
                 "for targets that do not fit beside the head)"
             )
         },
@@ -288,7 +288,7 @@ class TrainConfig:
     )
     vllm: DatagenVllm = field(
         default_factory=DatagenVllm,
-        metadata={"help": "head=eagle eagle.source=vllm: how vLLM runs the target (vllm.tensor_parallel=4)"},
+        metadata={"help": "head=eagle eagle.engine=vllm: how vLLM runs the target (vllm.tensor_parallel=4)"},
     )
     vocab_file: str | None = field(
         default=None,

@@ -3,15 +3,15 @@
 * ``offline``: the states ``heads-datagen labels=drafter`` stored (``[T, layers x d]`` fp16 a sequence, read
   lazily by :class:`~specheads.train.drafter_data.DrafterData`): about ``6 d`` bytes a token, 48 KiB at 70B width.
 * ``online``: made for each micro-batch from the sequences' ids and dropped after it (:class:`Maker`): nothing is
-  stored but the ids and the top-k (``heads-datagen drafter.store_states=false``). ``eagle.source=target`` runs the
+  stored but the ids and the top-k (``heads-datagen drafter.store_states=false``). ``eagle.engine=specheads`` runs the
   target in this process (:func:`specheads.runtime.states.sequence_states`, the pass datagen's Transformers engine
   stores, so the states are the stored ones bit for bit); each process of ``accelerate launch`` makes the states of
-  its own micro-batches. ``eagle.source=vllm`` asks a vLLM engine running ``extract_hidden_states`` with the ``vllm``
+  its own micro-batches. ``eagle.engine=vllm`` asks a vLLM engine running ``extract_hidden_states`` with the ``vllm``
   section's parallelism (:class:`specheads.vllm.child.StatesServer`, one per process, the datagen engine's: states
   equal to those ``engine=vllm`` stores), for targets that do not fit beside the head.
 * ``hybrid``: online, and each sequence's states, once made, kept in an on-disk cache (:class:`Cache`) bounded by
   ``eagle.cache_gb``: the first epoch makes them, the later ones read them back; sequences past the bound are made
-  every epoch. The cache is keyed by the data, the layers, the target's fingerprint and the source, so a rerun
+  every epoch. The cache is keyed by the data, the layers, the target's fingerprint and the engine, so a rerun
   (a resumed run included) reads what an earlier one made.
 
 The states a step sees are the same in every mode (the cache holds the fp16 tensors the maker gave), so the loss
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
+from specheads.engines import ENGINES
 from specheads.errors import UserError
 
 MODES = ("auto", "offline", "online", "hybrid")
-SOURCES = ("target", "vllm")
 GB = 1e9
 
 
@@ -41,12 +41,13 @@ def problems(cfg) -> list[str]:
     e, out = cfg.eagle, []
     if e.states not in MODES:
         out.append(f"eagle.states={e.states!r}; choose one of {list(MODES)}")
-    if e.source not in SOURCES:
-        out.append(f"eagle.source={e.source!r}; choose one of {list(SOURCES)}")
+    engine = ENGINES.get(e.engine)
+    if engine is None:
+        out.append(f"eagle.engine={e.engine!r}; choose one of {list(ENGINES)}")
+    elif engine.own_python:
+        out += cfg.vllm.problems()
     if e.cache_gb < 0:
         out.append(f"eagle.cache_gb={e.cache_gb} must be >= 0")
-    if e.source == "vllm":
-        out += cfg.vllm.problems()
     return out
 
 
@@ -66,7 +67,7 @@ class Maker:
     """Makes a batch's states from its sequences' ids: ``make(seqs) -> [T, len(layers) x d]`` fp16 on the CPU each.
 
     Args:
-        cfg: the run's ``TrainConfig`` (``target``, ``eagle.source``, the ``vllm`` section, ``seed``,
+        cfg: the run's ``TrainConfig`` (``target``, ``eagle.engine``, the ``vllm`` section, ``seed``,
             ``output_dir``).
         layers: the target layers the data's states are taken at.
         device: this process's device (the target's, when ``target.device`` is ``auto`` and no ``device_map``).
@@ -75,9 +76,9 @@ class Maker:
     """
 
     def __init__(self, cfg, layers: list[int], device, limit: int, local_rank: int = 0):
-        self.layers, self.source = list(layers), cfg.eagle.source
+        self.layers, self.engine = list(layers), cfg.eagle.engine
         self.tokens, self.seconds = 0, 0.0
-        if self.source == "vllm":
+        if ENGINES[self.engine].own_python:  # vLLM, in its own Python
             from specheads.vllm.child import StatesServer
 
             self.server = StatesServer(cfg, limit, local_rank)
@@ -102,7 +103,7 @@ class Maker:
         for seq, st in zip(seqs, got):
             if not bool(torch.isfinite(st).all()):
                 raise UserError(
-                    f"the target's states of a {len(seq)}-token training sequence are not finite ({self.source}); "
+                    f"engine {self.engine}: the target's states of a {len(seq)}-token sequence are not finite; "
                     "check target.dtype (fp16 overflows on some targets: use bfloat16 or float32)"
                 )
         self.seconds += time.perf_counter() - start
@@ -153,14 +154,14 @@ class Cache:
         self.writes += 1
 
 
-def cache_key(manifests: list[dict], dirs: list[str], layers: list[int], source: str) -> str:
-    """What a cached file is the states of: the data sets (their paths and chunk digests), layers, target, source."""
+def cache_key(manifests: list[dict], dirs: list[str], layers: list[int], engine: str) -> str:
+    """What a cached file is the states of: the data sets (their paths and chunk digests), layers, target, engine."""
     what = {
         "dirs": [str(Path(d).resolve()) for d in dirs],
         "shards": [m.get("shards") for m in manifests],
         "layers": list(layers),
         "target": (manifests[0].get("target") or {}).get("fingerprint"),
-        "source": source,
+        "engine": engine,
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

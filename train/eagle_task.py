@@ -5,7 +5,7 @@ at a time (``drafter_data.py``), or states made while it trains (``eagle.states=
 ``eagle_states.py``); of the target it reads from the checkpoint files only its token
 embeddings (frozen, never part of the head) and what initialises the head: its last layer, final norm
 and the kept output-layer rows (``specheads/runtime/checkpoint_tensors.py``; the whole target is loaded only to
-make states online with ``eagle.source=target``).
+make states online with ``eagle.engine=specheads``).
 The loss is the soft cross-entropy against the target's distribution, unrolled ``eagle.ttt_steps`` steps on the
 head's own states (training-time test, ``eagle.py``). The best epoch has the longest mean greedy run of
 matching steps (``eval_accept_length``: tokens a round at ``k = eagle.ttt_steps`` would keep).
@@ -119,7 +119,7 @@ class EagleTask(Task):
             maker = eagle_states.Maker(cfg, data.layers, acc.device, data.longest(), acc.local_process_index)
             cache = None
             if mode == "hybrid":
-                key = eagle_states.cache_key(manifests, dirs, data.layers, cfg.eagle.source)
+                key = eagle_states.cache_key(manifests, dirs, data.layers, cfg.eagle.engine)
                 root = cfg.eagle.cache_dir or str(Path(cfg.output_dir) / "state-cache")
                 cache = eagle_states.Cache(root, key, cfg.eagle.cache_gb * eagle_states.GB / acc.num_processes)
             states = eagle_states.States(maker, cache)
@@ -216,7 +216,7 @@ class EagleTask(Task):
             "target_bytes_read": self.target_read["bytes"],
             "target_bytes_total": self.target_read["of"],
             "train_data": {"sequences": len(self.data), "tokens": self.data.tokens()},
-            "states": {"mode": self.mode, "source": None if self.states is None else self.cfg.eagle.source},
+            "states": {"mode": self.mode, "engine": None if self.states is None else self.cfg.eagle.engine},
         }
         if self.states is not None:
             out["states"] |= self.states.report()

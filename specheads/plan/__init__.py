@@ -12,7 +12,7 @@ from :mod:`specheads.plan.memory`. GB here is 10^9 bytes.
 
 from __future__ import annotations
 
-from specheads.engines import engine_of
+from specheads.engines import ENGINES, engine_of
 from specheads.errors import UserError
 from specheads.model_shapes import shape_of
 from specheads.plan.inputs import count_prompts, recorded_rate, train_data
@@ -222,7 +222,7 @@ def _eagle(cfg, data: dict) -> dict:
     offline = positions * len(data.get("layers") or [0] * 3) * target.hidden * 2
     ids = positions * 4 + data["labelled_tokens"] * (data.get("top_k", 0) * 8 + 4)  # ids, top-k ids and log-probs
     disk = {"offline": offline + ids, "online": ids, "hybrid": min(offline, cfg.eagle.cache_gb * GB) + ids}
-    return {"mode": mode, "source": None if mode == "offline" else cfg.eagle.source, "disk_gb": disk}
+    return {"mode": mode, "engine": None if mode == "offline" else cfg.eagle.engine, "disk_gb": disk}
 
 
 def _disk_refusal(cfg, out: dict, eagle: dict) -> str | None:
@@ -244,7 +244,7 @@ def train_plan(cfg) -> dict:
     data = train_data(cfg)
     world, usable = cfg.nodes * cfg.gpus, _usable(cfg)
     eagle = _eagle(cfg, data) if cfg.head == "eagle" else None
-    if eagle and eagle["source"] == "vllm":
+    if eagle and eagle["engine"] and ENGINES[eagle["engine"]].holds_target:  # a process per vLLM engine
         world = max(world // (cfg.vllm.tensor_parallel * cfg.vllm.pipeline_parallel), 1)
     mem = train_memory(cfg, data, world)
     out = {
@@ -294,7 +294,7 @@ def format_plan(plan: dict) -> str:
         e = plan["eagle"]
         lines.append(
             f"eagle states: {e['mode']}"
-            + (f" from {e['source']}" if e["source"] else "")
+            + (f" from engine {e['engine']}" if e["engine"] else "")
             + "; disk by mode, GB: "
             + ", ".join(f"{k} {v:.4g}" for k, v in e["disk_gb"].items())
         )

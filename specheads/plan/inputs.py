@@ -95,13 +95,30 @@ def _finished(path: Path, schema):
 
 
 def _writes(recipe: Path, data_dir: str, schema, load_config):
-    """The resolved datagen config of ``recipe`` when its ``datagen.output_dir`` is ``data_dir``, else None
-    (only a recipe that may match is resolved)."""
-    raw = str((yaml.safe_load(recipe.read_text()) or {}).get("datagen", {}).get("output_dir", ""))
-    if "${" not in raw and Path(raw) != Path(data_dir):
-        return None
-    cfg = load_config(schema, "datagen", [f"recipe={recipe}"])
-    return cfg if Path(cfg.output_dir) == Path(data_dir) else None
+    """The resolved datagen config of ``recipe`` when its ``datagen.output_dir``, or one of its
+    ``pipeline.datagen_parts``' (that part's settings over the section's), is ``data_dir``, else None (only a
+    recipe that may match is resolved)."""
+    raw = yaml.safe_load(recipe.read_text()) or {}
+    parts = [{}] + [p for p in (raw.get("pipeline") or {}).get("datagen_parts") or [] if p.get("output_dir")]
+    for part in parts:
+        out = str(part.get("output_dir") or (raw.get("datagen") or {}).get("output_dir", ""))
+        if "${" not in out and Path(out) != Path(data_dir):
+            continue
+        cfg = load_config(schema, "datagen", [f"recipe={recipe}", *_dotted(part)])
+        if Path(cfg.output_dir) == Path(data_dir):
+            return cfg
+    return None
+
+
+def _dotted(part: dict, prefix: str = "") -> list[str]:
+    """A pipeline part's settings as ``key=value`` overrides (nested sections dotted, lists as JSON)."""
+    out = []
+    for k, v in part.items():
+        if isinstance(v, dict):
+            out += _dotted(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}={json.dumps(v) if isinstance(v, list) else ('null' if v is None else v)}")
+    return out
 
 
 def train_data(cfg) -> dict:

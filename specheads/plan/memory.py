@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specheads.engines import engine_of
+from specheads.engines import ENGINES, engine_of
 from specheads.errors import UserError
 from specheads.model_shapes import Shape, safetensors_params, shape_of
 
@@ -264,7 +264,7 @@ def _state_maker(cfg, mem: Memory, target: Shape, rows: int, act_b: float) -> No
     for ``rows`` tokens, over its ``vllm.tensor_parallel x pipeline_parallel`` GPUs, which the process shares)."""
     weights = target.params() * dtype_bytes(cfg.target)
     kv = rows * target.kv_bytes_per_token(dtype_bytes(cfg.target))
-    if cfg.eagle.source == "vllm":
+    if ENGINES[cfg.eagle.engine].holds_target:
         mem.gpus = max(cfg.vllm.tensor_parallel, 1) * max(cfg.vllm.pipeline_parallel, 1)
         mem.sharded = weights + kv
     mem.weights["target"] += weights
