@@ -109,3 +109,18 @@ def test_offline_without_stored_states_and_bad_settings_are_one_line_errors(ids_
             _train(tiny_pair_dirs, ids_only, tmp_path / "x", bad)
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_report_to_tensorboard_logs_every_metrics_row(stored, tiny_pair_dirs, tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps, rows, _ = _train(tiny_pair_dirs, stored, tmp_path / "tb", "report_to=[tensorboard]", "run_name=mine")
+    events = EventAccumulator(str(next((tmp_path / "tb" / "mine").rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    logged = events.Scalars("loss")
+    assert [e.step for e in logged] == [r["step"] for r in steps]
+    assert [e.value for e in logged] == pytest.approx([r["loss"] for r in steps], rel=1e-6)
+    assert "eval_accept_length" in events.Tags()["scalars"]  # the epochs' held-out rows too
+    assert train_main(["head=eagle", f"data_dir={stored}", "report_to=[nosuch]", f"output_dir={tmp_path / 'x'}"]) == 2
+    assert "report_to: 'nosuch'" in capsys.readouterr().err

@@ -33,6 +33,7 @@ from specheads.errors import UserError
 from specheads.outputs import prepare_output_dir, write_manifest
 from specheads.plan import run_plan
 from specheads.runtime.numerics import use_threads
+from specheads.train import tracking
 from specheads.train.config import TrainConfig
 from specheads.train.fsd_data import parse_label
 from specheads.train.registry import canonical, task_type
@@ -85,6 +86,7 @@ def _check(cfg: TrainConfig) -> type[Task]:
         problems.append("lr, w_acc and w_rej must be > 0")
     if not 0 < cfg.threshold < 1:
         problems.append(f"threshold={cfg.threshold} must be in (0, 1)")
+    problems += tracking.problems(cfg)
     if problems:
         raise UserError("; ".join(problems))
     return kind

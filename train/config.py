@@ -103,22 +103,12 @@ class EagleSettings:
     states: str = field(
         default="auto",
         metadata={
-            "help": (
-                "where the target's states come from: offline (the ones datagen stored) | online (made for each "
-                "batch while the head trains, never stored) | hybrid (made in the first epoch, kept in a bounded "
-                "on-disk cache, read back after) | auto (offline when the data stores them, else online)"
-            )
+            "help": "offline (datagen stored them) | online (made each batch) | hybrid (made once, cached) | auto"
         },
     )
     engine: str = field(
         default="specheads",
-        metadata={
-            "help": (
-                "online/hybrid: what makes them: specheads (the target in this process, each process its share "
-                "of the sequences) | vllm (a vLLM engine running extract_hidden_states, the vllm section's settings: "
-                "for targets that do not fit beside the head)"
-            )
-        },
+        metadata={"help": "online/hybrid: specheads (the target in each process) | vllm (streamed, vllm section)"},
     )
     cache_dir: str | None = field(
         default=None, metadata={"help": "hybrid: the states cache (default <output_dir>/state-cache); kept for reruns"}
@@ -369,6 +359,18 @@ class TrainConfig:
                 "bit for bit only between runs with the same count (see the manifest's numerics)"
             )
         },
+    )
+    report_to: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": (
+                "experiment trackers (accelerate's): tensorboard | wandb | mlflow | comet_ml | aim | clearml | "
+                "dvclive | swanlab | trackio; every metrics.jsonl row is logged to each (empty: none)"
+            )
+        },
+    )
+    run_name: str | None = field(
+        default=None, metadata={"help": "report_to: the trackers' project/run name (null: output_dir's name)"}
     )
     dist_timeout_s: int = field(
         default=1800,

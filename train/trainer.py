@@ -40,7 +40,7 @@ from specheads.dataset import MIXED_DATA_LABELS
 from specheads.errors import UserError
 from specheads.outputs import MetricsWriter, atomic_write_json, holds_other_run, prepare_output_dir
 from specheads.runtime.numerics import check_resume, numerics_settings
-from specheads.train import checkpoint, zero
+from specheads.train import checkpoint, tracking, zero
 from specheads.train.config import TrainConfig
 from specheads.train.task import Task, param_dtype
 
@@ -65,6 +65,8 @@ def train(cfg: TrainConfig, kind: type[Task], out: Path, fresh: bool = False) ->
         gradient_accumulation_steps=cfg.grad_accum if deepspeed else 1,
         mixed_precision="bf16" if cfg.bf16 and cuda and torch.cuda.is_bf16_supported() else "no",
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout_s), **group)],
+        log_with=list(cfg.report_to) or None,
+        project_dir=str(out),
     )
     manifest = data_manifest(cfg)
     held = manifest.get("labels", "acceptance")
@@ -132,7 +134,7 @@ def _fit(cfg: TrainConfig, out: Path, acc, task: Task) -> tuple[dict, dict]:
     run = _prepare(cfg, out, acc, task)
     final = {}
     with (
-        MetricsWriter(out) if acc.is_main_process else _Null() as metrics,
+        MetricsWriter(out) if acc.is_main_process else _Null() as rows,
         tqdm(
             total=run.total,
             initial=run.progress["step"],
@@ -141,9 +143,11 @@ def _fit(cfg: TrainConfig, out: Path, acc, task: Task) -> tuple[dict, dict]:
             disable=not acc.is_main_process,
         ) as bar,
     ):
+        metrics = tracking.Tracked(rows, acc, cfg, out)
         while not run.progress["done"] and run.progress["epoch"] < cfg.epochs:
             _train_epoch(run, metrics, bar)
             final = _end_epoch(run, metrics)
+        metrics.close()
     best = json.loads((out / "best_metrics.json").read_text()) if (out / "best_metrics.json").exists() else final
     return best, run.progress["numerics"]
 
