@@ -171,7 +171,7 @@ def test_an_eagle_head_trains_on_states_streamed_from_vllm(vllm_pair, tmp_path):
     model = [f"target.path={target}", "target.gguf_file=null", "target.device=cpu", "target.dtype=float32"]
     data = tmp_path / "data"
     datagen = [*model, f"draft.path={draft}", "draft.device=cpu", f"prompts={prompts}", "num_prompts=null"]
-    datagen += ["max_new_tokens=10", "batch_size=5", "chunk_size=5", "chat_template=false", "sampling.do_sample=false"]
+    datagen += ["max_new_tokens=16", "batch_size=5", "chunk_size=5", "chat_template=false", "sampling.do_sample=false"]
     datagen += ["labels=drafter", "drafter.top_k=4", "engine=vllm", f"vllm.python={VLLM_PYTHON}", f"output_dir={data}"]
     assert main(datagen) == 0
     common = [*model, f"data_dir={data}", "head=eagle", "batch_size=2", "grad_accum=1", "epochs=2", "lr=3e-3"]

@@ -81,7 +81,7 @@ class Maker:
         if ENGINES[self.engine].own_python:  # vLLM, in its own Python
             from specheads.vllm.child import StatesServer
 
-            self.server = StatesServer(cfg, limit, local_rank)
+            self.server = StatesServer(cfg, limit + 1, local_rank)  # a prompt and the one token vLLM asks room for
             self.model = None
         else:
             from specheads.shim import load_model
