@@ -27,7 +27,7 @@ FAMILIES = ("acceptance", "eagle", "eagle_stop", "verifier", "judge", "draft")
 # The largest |2-process head - 1-process head| each family may show (tests/test_train_ddp.py measures it):
 # the two runs differ only in the summation order of the gradient (an all-reduce of two micro-batch means
 # against their sum in one process), a few float32 ulps a step that Adam carries on.
-TOLERANCE = dict.fromkeys(FAMILIES, 1e-5)
+TOLERANCE = dict.fromkeys((*FAMILIES, "eagle_hybrid"), 1e-5)
 DDP = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
 DDP += ["--dynamo_backend", "no"]
 
@@ -157,6 +157,8 @@ def build(family: str, root: Path, pair_dirs) -> Path:
         return _datagen(pair_dirs, out, LABEL_PROMPTS, "max_new_tokens=10")
     if family in ("eagle", "draft"):
         return _datagen(pair_dirs, out, LABEL_PROMPTS, *drafter)
+    if family == "eagle_hybrid":  # ids and top-k only: the states are made while it trains, and cached
+        return _datagen(pair_dirs, out, LABEL_PROMPTS, *drafter, "drafter.store_states=false")
     if family == "eagle_stop":
         head = tiny_eagle_head(pair_dirs[0], root / "eagle.safetensors")
         rounds = ["draft.path=''", "labels=eagle_rounds", f"eagle_rounds.head={head}", "eagle_rounds.k=4"]
@@ -185,13 +187,15 @@ def build(family: str, root: Path, pair_dirs) -> Path:
 def train_args(family: str, pair_dirs, data: Path, out: Path, *extra: str) -> list[str]:
     """``heads-train head=<family>`` on ``build``'s data: 2 epochs of batch 2 at one accumulation step, a
     checkpoint every optimizer step (so the first is mid-epoch), one thread per process."""
-    common = [f"data_dir={data}", f"output_dir={out}", f"head={family}", "batch_size=2", "grad_accum=1"]
+    head = "eagle" if family == "eagle_hybrid" else family
+    common = [f"data_dir={data}", f"output_dir={out}", f"head={head}", "batch_size=2", "grad_accum=1"]
     common += ["epochs=2", "lr=1e-2", "patience=2", "checkpoint_every=1", "threads=1", "eval_fraction=0.2"]
     draft = [f"draft.path={pair_dirs[1]}", "draft.gguf_file=null", "draft.device=cpu"]
     target = [f"target.path={pair_dirs[0]}", "target.gguf_file=null", "target.device=cpu"]
     own = {
         "acceptance": [*draft, "depth=1"],
         "eagle": [*target, "lr=3e-3", "eagle.ttt_steps=2", "vocab_top_n=20"],
+        "eagle_hybrid": [*target, "lr=3e-3", "eagle.ttt_steps=2", "vocab_top_n=20", "eagle.states=hybrid"],
         "eagle_stop": ["draft.path=''", "depth=1"],
         "verifier": [*draft, "depth=0", "eval_fraction=0.25", "threshold=0.5"],
         "judge": ["draft.path=unused", "depth=0", "eval_fraction=0.25", "threshold=0.5"],

@@ -13,7 +13,7 @@ import pytest
 # ZeRO-2 partitions only the optimizer state and gradients, ZeRO-3 also the weights: ZeRO-3 for every family,
 # ZeRO-2 for a small and a large head (the shipped 1-process DeepSpeed tests in test_train.py cover the rest).
 CASES = [(f, "ddp") for f in ddp_runs.FAMILIES] + [(f, "zero3") for f in ddp_runs.FAMILIES]
-CASES += [("acceptance", "zero2"), ("eagle", "zero2")]
+CASES += [("acceptance", "zero2"), ("eagle", "zero2"), ("eagle_hybrid", "ddp")]  # hybrid: states made, cached
 
 
 @pytest.fixture(scope="module")
