@@ -22,6 +22,8 @@ from specheads.datagen import shards, turns
 from specheads.datagen.acceptance_labels import generate_responses, response_logits
 from specheads.datagen.labelling import Job, Labelled, Labeller, skip_record
 from specheads.datagen.vllm_job import light_job
+from specheads.datagen.vllm_logprobs import top_k as vllm_top_k
+from specheads.datagen.vllm_logprobs import top_k_only
 from specheads.datagen.vllm_states import drafter_states
 from specheads.dataset import DRAFTER_COLUMNS, DrafterChunkFiles, chunk_files
 from specheads.errors import UserError
@@ -78,6 +80,11 @@ def label_chunk(job: Job, items: list, chunk: int) -> Labelled:
                 picked = {i: r[1] for i, r in zip(live, res)}
                 keep = [i for i, r in zip(live, res) if r[2]]
                 got = [r[0] for r in res if r[2]]
+            elif top_k_only(cfg):  # no states: the top-k from the pass that generated the responses
+                keys = [str(job.first_index(chunk) + b + i) for i in live]
+                picked = dict(zip(live, vllm_top_k(job, keys, cfg.drafter.top_k) if live else []))
+                keep = [i for i in live if bool(torch.isfinite(picked[i][1][:, 0]).all())]
+                got = [_none(seqs[live.index(i)]) for i in keep]
             else:
                 got, lgs = sequence_states(model, seqs, layers, lens) if live else ([], [])
                 logits = dict(zip(live, lgs))

@@ -37,9 +37,17 @@ from specheads.errors import UserError
 MISSING = -1e30  # a token vLLM gave no log-probability for: zero after warping, finite for the NaN/Inf checks
 
 
+def top_k_only(cfg) -> bool:
+    """``labels=drafter drafter.store_states=false``: the top-k come from the pass that generates the responses
+    (vLLM's raw log-probabilities along each response), and no states child runs."""
+    return cfg.labels == "drafter" and not cfg.drafter.store_states and cfg.vllm.logprobs
+
+
 def wanted(cfg) -> int | None:
     """The log-probabilities each response request asks vLLM for: ``k`` (the top ``k``), ``-1`` (the whole
     vocabulary) or None (the chosen token's only: greedy, other families, ``vllm.logprobs=false``)."""
+    if top_k_only(cfg):
+        return cfg.drafter.top_k
     if cfg.labels != "acceptance" or not cfg.sampling.do_sample or not cfg.vllm.logprobs:
         return None
     return cfg.sampling.top_k if cfg.sampling.top_k > 0 else -1
@@ -59,6 +67,17 @@ def dense(ids: torch.Tensor | None, logp: torch.Tensor, vocab: int) -> torch.Ten
     cols = torch.where(ids >= 0, ids.long(), vocab)  # padding goes to the extra column, then is cut
     out.scatter_(1, cols, torch.where(ids >= 0, logp.float(), MISSING))
     return out[:, :vocab]
+
+
+def top_k(job, keys: list[str], k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per key, the target's ``k`` most likely tokens at every response token, ``(ids [n, k] int32, logp [n, k]
+    fp32)`` in decreasing order, from the chunk's logprobs file (:func:`top_k_only`): vLLM's top ``k`` and the
+    chosen token, deduplicated and sorted."""
+    out = []
+    for key, logp in zip(keys, target_logits(job, keys, "cpu")):
+        vals, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+        out.append((ids.to(torch.int32), vals.float()))
+    return out
 
 
 def target_logits(job, keys: list[str], device) -> list[torch.Tensor] | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from specheads.datagen.vllm_logprobs import top_k_only
 from specheads.vllm.child import StatesServer
 
 FAMILIES = ("drafter", "judge", "sprinter")
@@ -28,7 +29,7 @@ FAMILIES = ("drafter", "judge", "sprinter")
 
 def server(cfg, job, local_rank: int = 0) -> StatesServer | None:
     """The ``engine=vllm`` run's states server when the family needs the target's states, else None."""
-    if cfg.labels not in FAMILIES:
+    if cfg.labels not in FAMILIES or top_k_only(cfg):  # drafter without states: the top-k come with the responses
         return None
     return StatesServer(cfg, job.limit, local_rank)
 

@@ -159,8 +159,9 @@ def test_a_states_child_that_dies_is_a_one_line_error(tmp_path):
 
 @needs_vllm
 def test_an_eagle_head_trains_on_states_streamed_from_vllm(vllm_pair, tmp_path):
-    """heads-train eagle.states=online eagle.engine=vllm: the states of vLLM's extract_hidden_states while the head
-    trains give the loss curve of the states vLLM's datagen stored (fp16 rounding apart)."""
+    """heads-datagen engine=vllm drafter.store_states=false (responses and top-k from one engine), then heads-train
+    eagle.states=online eagle.engine=vllm: the states of vLLM's extract_hidden_states while the head trains give the
+    loss curve of the states and top-k vLLM's datagen stored (fp16 rounding, and the last digits of the top-k)."""
     from specheads.train.cli import main as train_main
 
     target, draft = vllm_pair
@@ -174,12 +175,22 @@ def test_an_eagle_head_trains_on_states_streamed_from_vllm(vllm_pair, tmp_path):
     datagen += ["max_new_tokens=16", "batch_size=5", "chunk_size=5", "chat_template=false", "sampling.do_sample=false"]
     datagen += ["labels=drafter", "drafter.top_k=4", "engine=vllm", f"vllm.python={VLLM_PYTHON}", f"output_dir={data}"]
     assert main(datagen) == 0
-    common = [*model, f"data_dir={data}", "head=eagle", "batch_size=2", "grad_accum=1", "epochs=2", "lr=3e-3"]
+    ids = tmp_path / "ids"  # no states: the top-k from the engine that generates the responses, no states child
+    assert main([*datagen, f"output_dir={ids}", "drafter.store_states=false"]) == 0
+    from specheads.dataset import DrafterChunkFiles
+
+    full, bare = DrafterChunkFiles(data, 0).load(), DrafterChunkFiles(ids, 0).load()
+    assert bare["states"].shape == (full["states"].shape[0], 0) and torch.equal(bare["top_ids"], full["top_ids"])
+    torch.testing.assert_close(bare["top_logp"], full["top_logp"], atol=1e-4, rtol=0)
+    assert [r["input_ids"] for r in chunk_rows(ids)] == [r["input_ids"] for r in chunk_rows(data)]
+    common = [*model, "head=eagle", "batch_size=2", "grad_accum=1", "epochs=2", "lr=3e-3"]
     common += ["eval_fraction=0.4", "patience=2", "eagle.ttt_steps=2", "vocab_top_n=16", "vllm.threads=2"]
     curves = {}
     for mode in ("offline", "online"):
         out = tmp_path / mode
-        extra = ["eagle.engine=vllm", f"vllm.python={VLLM_PYTHON}"] if mode == "online" else []
+        extra = [f"data_dir={data}"]
+        if mode == "online":  # on the data without states: the whole online flow
+            extra = [f"data_dir={ids}", "eagle.engine=vllm", f"vllm.python={VLLM_PYTHON}"]
         assert train_main([*common, f"output_dir={out}", f"eagle.states={mode}", *extra]) == 0
         curves[mode] = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         manifest = json.loads((out / "manifest.json").read_text())
