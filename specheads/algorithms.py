@@ -109,7 +109,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
         name="eagle", title="EAGLE-3-style draft head",
         paper="2024-2025, EAGLE, EAGLE-2 and EAGLE-3 (training-time test)",
         labels=("drafter", "prompts", "passages"), heads=("eagle",), tasks=("eagle",), policies=(), rows=(),
-        recipes=("eagle_smollm2",), docs=("docs/algorithms/eagle.md",),
+        recipes=("eagle_smollm2", "eagle_llama31_8b", "eagle_llama31_70b"), docs=("docs/algorithms/eagle.md",),
         why_none={
             "policies": "a drafter, not a policy: eagle=<head> drafts for the same-vocabulary policies",
             "rows": "no row kind of its own: eagle= runs the k, h, c and tree rows drafting with the head",
@@ -117,9 +117,11 @@ ALGORITHMS: tuple[Algorithm, ...] = (
         modules={
             "labels": "`drafter.py` (`labels=drafter`: the target's responses, its states at chosen layers, its "
                       "top-k distributions), `self_prompts.py` (`labels=prompts`: prompts the target writes), "
-                      "`passages.py` (`labels=passages`: prompts over long passages)",
+                      "`passages.py` (`labels=passages`: prompts over long passages), `turns.py` (conversations "
+                      "regenerated turn by turn)",
             "head": "`eagle_head.py` (the head; `unrolled_attention`/`unrolled_forward`: training-time test)",
-            "training": "`eagle_data.py` (data, vocabulary subset, the unrolled loss), `eagle_task.py`",
+            "training": "`eagle_data.py` (data, vocabulary subset, the unrolled loss), `eagle_task.py`, "
+                        "`eagle_states.py` (states stored, made online, or cached: hybrid)",
             "policy": "`loop/eagle_drafter.py` (`EagleDrafter`: drafting from the verification pass's states), "
                       "`runners/eagle_cache.py` (its cache and draft step), `loop/drafting.py` (a candidate drawn and "
                       "added, shared by every drafter); `export/speculators.py` (`heads-export format=speculators`, "
