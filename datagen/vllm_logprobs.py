@@ -71,12 +71,19 @@ def dense(ids: torch.Tensor | None, logp: torch.Tensor, vocab: int) -> torch.Ten
 
 def top_k(job, keys: list[str], k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per key, the target's ``k`` most likely tokens at every response token, ``(ids [n, k] int32, logp [n, k]
-    fp32)`` in decreasing order, from the chunk's logprobs file (:func:`top_k_only`): vLLM's top ``k`` and the
-    chosen token, deduplicated and sorted."""
+    fp32)`` in decreasing order, from the chunk's logprobs file (:func:`top_k_only`): of vLLM's top ``k`` and the
+    chosen token, a repeated id or padding counted once at most (:data:`MISSING` where fewer than ``k`` remain).
+    Read from the ``k + 1`` stored columns, never spread over the vocabulary."""
     out = []
-    for key, logp in zip(keys, target_logits(job, keys, "cpu")):
-        vals, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
-        out.append((ids.to(torch.int32), vals.float()))
+    for ids, logp in _stored(job, keys)[1]:
+        if ids is None:  # the whole vocabulary was stored
+            vals, top = logp.float().topk(min(k, logp.shape[-1]), dim=-1)
+            out.append((top.to(torch.int32), vals))
+            continue
+        seen = (ids[:, :, None] == ids[:, None, :]).tril(-1).any(-1)  # an id an earlier column holds already
+        lp = torch.where(seen | (ids < 0), MISSING, logp.float())
+        vals, col = lp.topk(min(k, lp.shape[-1]), dim=-1)
+        out.append((ids.gather(1, col).to(torch.int32), vals))
     return out
 
 
@@ -84,25 +91,34 @@ def target_logits(job, keys: list[str], device) -> list[torch.Tensor] | None:
     """Per key, the target's ``[len(response), V]`` log-probabilities from the chunk's logprobs file (logits
     for :func:`~specheads.datagen.acceptance_labels.acceptance_labels`: warping is shift-invariant); None when
     the run asked vLLM for none (the labeller then runs the Transformers target pass)."""
-    name = (job.pregenerated or {}).get("logprobs")
     if wanted(job.cfg) is None:
         return None
+    vocab, rows = _stored(job, keys)
+    return [dense(ids, logp, vocab).to(device) for ids, logp in rows]
+
+
+def _path(job) -> Path:
+    name = (job.pregenerated or {}).get("logprobs")
     if not name:  # the target beside vLLM has no weights for a pass (specheads/runtime/target_shell.py)
         raise UserError(
             f"engine=vllm: a chunk's responses in {Path(job.cfg.output_dir) / 'vllm'} come without the target's "
             "log-probabilities (written with vllm.logprobs=false?); set vllm.logprobs=false, or delete that folder"
         )
+    return Path(job.cfg.output_dir) / "vllm" / name
+
+
+def _stored(job, keys: list[str]) -> tuple[int, list[tuple[torch.Tensor | None, torch.Tensor]]]:
+    """The chunk's logprobs file: its vocabulary size and, per key, ``(ids [n, k + 1] or None for the whole
+    vocabulary, logp)``."""
     from safetensors import safe_open
 
-    path = Path(job.cfg.output_dir) / "vllm" / name
+    path = _path(job)
     try:
         with safe_open(str(path), framework="pt") as fh:
-            vocab = int(fh.metadata()["vocab"])
             have = set(fh.keys())
-            out = []
-            for key in keys:
-                ids = fh.get_tensor(f"{key}.ids") if f"{key}.ids" in have else None
-                out.append(dense(ids, fh.get_tensor(f"{key}.logp"), vocab).to(device))
+            return int(fh.metadata()["vocab"]), [
+                (fh.get_tensor(f"{key}.ids") if f"{key}.ids" in have else None, fh.get_tensor(f"{key}.logp"))
+                for key in keys
+            ]
     except (OSError, KeyError, ValueError) as err:
         raise UserError(f"engine=vllm: {path} is unreadable ({err}); delete it and run the same command again") from err
-    return out
