@@ -169,8 +169,8 @@ def cache_key(manifests: list[dict], dirs: list[str], layers: list[int], engine:
 class States:
     """The run's states for :meth:`fill` (online or hybrid): cached ones read, the rest made and, hybrid, cached."""
 
-    def __init__(self, maker: Maker, cache: Cache | None):
-        self.maker, self.cache = maker, cache
+    def __init__(self, mode: str, maker: Maker, cache: Cache | None):
+        self.mode, self.maker, self.cache = mode, maker, cache
 
     def fill(self, indices: list[int], seqs: list) -> None:
         """Sets ``seqs[j].states`` to the states of sequence ``indices[j]``."""

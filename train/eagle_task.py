@@ -51,7 +51,7 @@ class EagleTask(Task):
     ):
         self.cfg, self.manifest, self.data, self.layers, self.device = cfg, manifest, data, data.layers, device
         self.vocab_ids = vocab_ids
-        self.init, self.states, self.mode = init, states, "offline" if states is None else cfg.eagle.states
+        self.init, self.states, self.mode = init, states, "offline" if states is None else states.mode
         self.config, self.target_read = target.config, {"bytes": target.bytes_read, "of": target.bytes_total}
         self.start = {k: v for k, v in tensors.items() if k != "embed"} or None
         # stored dtype (fp32 from GGUF); rows are cast to the head's after the lookup, which is exact
@@ -115,14 +115,13 @@ class EagleTask(Task):
         tensors = target.tensors(vocab if starts else None)
         states = None
         if mode != "offline":
-            cfg.eagle.states = mode
             maker = eagle_states.Maker(cfg, data.layers, acc.device, data.longest(), acc.local_process_index)
             cache = None
             if mode == "hybrid":
                 key = eagle_states.cache_key(manifests, dirs, data.layers, cfg.eagle.engine)
                 root = cfg.eagle.cache_dir or str(Path(cfg.output_dir) / "state-cache")
                 cache = eagle_states.Cache(root, key, cfg.eagle.cache_gb * eagle_states.GB / acc.num_processes)
-            states = eagle_states.States(maker, cache)
+            states = eagle_states.States(mode, maker, cache)
         return cls(cfg, manifest, data, vocab, target, tensors, acc.device, init, states)
 
     @staticmethod
