@@ -127,6 +127,24 @@ def _datagen(s, out, *extra, draft: bool = True):
     )
 
 
+def _train_eagle_online(s, out):
+    """An EAGLE head trained on states the split target makes while it trains (ids-only data, hybrid cache)."""
+    from specheads.train.cli import main
+
+    data = out / "data"
+    _datagen(s, data, "labels=drafter", "drafter.layers=[1,3]", "drafter.store_states=false", draft=False)
+    fit = ["head=eagle", f"data_dir={data}", f"output_dir={out / 'head'}", "batch_size=2", "grad_accum=1", "epochs=2"]
+    fit += [
+        "eval_fraction=0.25",
+        "patience=3",
+        "threads=1",
+        "eagle.ttt_steps=2",
+        "vocab_top_n=20",
+        "eagle.states=hybrid",
+    ]
+    _run(main, [*target_args(s), *fit])
+
+
 def first_word(prompt, text: str) -> str:
     """A prefix-stable checker for mining on the tiny pair: a response's answer is its first word, so a cut
     response's answer is trustworthy and every mismatch after the first word is tried."""
@@ -173,6 +191,7 @@ PATHS: dict[str, Callable[[dict, Path], None]] = {
         draft=False,
     ),
     "datagen_drafter": lambda s, o: _datagen(s, o, "labels=drafter", "drafter.layers=[1,3]", draft=False),
+    "train_eagle_online": _train_eagle_online,
     "datagen_eagle_rounds": lambda s, o: _datagen(
         s, o, "labels=eagle_rounds", f"eagle_rounds.head={s['eagle']}", "eagle_rounds.k=3", draft=False
     ),
